@@ -1,0 +1,103 @@
+"""The library behind the CLI: open a model once, ask questions about documents.
+
+    from kvcli.api import AskOptions, Session, parse_pipeline, read_document
+    session = Session.open(AskOptions())                  # embedded SmolLM2 by default
+    doc = read_document("book.pdf")
+    result = session.ask(doc, "Who wrote it?", parse_pipeline("gemfilter:k=512"))
+    print(result.answer, result.ttft_s, result.selection.spans(result.prompt, doc))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .documents import Document, load_document
+from .engine import Engine
+from .models import LoadedModel, load_model
+from .pipeline import Pipeline, Result, check_window, run
+from .prompt import build_prompt, load_template, stop_token_ids
+
+
+@dataclass
+class AskOptions:
+    compressor: str = "gemfilter"
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    device: str = "auto"
+    quant: str = "none"
+    attn: str = "sdpa"
+    dtype: str = "auto"
+    max_new_tokens: int = 64
+    template: str = "qa"
+    cache_dir: Path | None = None
+
+
+def parse_pipeline(spec: str) -> Pipeline:
+    return Pipeline.parse(spec)
+
+
+def read_document(path) -> Document:
+    return load_document(path)
+
+
+@dataclass
+class Session:
+    """A loaded model ready to answer; load once, ask many times."""
+
+    lm: LoadedModel
+    engine: Engine
+    options: AskOptions
+    template: str
+
+    @classmethod
+    def open(cls, options: AskOptions) -> "Session":
+        template = load_template(options.template)
+        lm = load_model(
+            options.model,
+            device=options.device,
+            quant=options.quant,
+            attn=options.attn,
+            dtype=options.dtype,
+            cache_dir=options.cache_dir,
+        )
+        return cls(lm=lm, engine=Engine(lm), options=options, template=template)
+
+    def ask(self, document: Document, question: str, pipeline: Pipeline, on_token=None) -> Result:
+        prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
+        check_window(prompt, self.lm, self.options.max_new_tokens)
+        pipeline.configure(self.lm)
+        return run(
+            self.engine,
+            prompt,
+            pipeline,
+            max_new_tokens=self.options.max_new_tokens,
+            stop_ids=stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config),
+            on_token=on_token,
+        )
+
+
+def result_record(result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:
+    """The JSON object of ``kvcli ask --json``."""
+    record = {
+        "answer": result.answer,
+        "compressor": pipeline.spec(),
+        "model": session.lm.name,
+        "document": document.source,
+        "n_pages": document.n_pages,
+        "n_context_tokens": result.prompt.n_tokens,
+        "n_document_tokens": result.prompt.n_document_tokens,
+        "n_kept_tokens": result.n_kept_tokens,
+        "compression_ratio": result.prompt.n_tokens / max(result.n_kept_tokens, 1),
+        "ttft_s": round(result.ttft_s, 4),
+        "total_s": round(result.total_s, 4),
+        "decode_tokens_per_s": None if result.decode_tokens_per_s is None else round(result.decode_tokens_per_s, 2),
+        "peak_mem_mb": round(result.peak_mem_mb, 1),
+        "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
+        "n_answer_tokens": len(result.answer_ids),
+        "device": str(session.engine.device),
+        "attn": session.lm.attn,
+        "quant": session.lm.quant,
+    }
+    if include_spans:
+        record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
+    return record

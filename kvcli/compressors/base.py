@@ -1,0 +1,152 @@
+"""What a compressor is, where it may act, and how users name it.
+
+A compressor is a small ``@dataclass`` whose fields are its knobs (each with a ``help`` in its
+field metadata) and whose class docstring cites its paper. It acts through optional hooks, called
+by :mod:`kvcli.pipeline` in this order:
+
+``select_tokens(engine, prompt_ids) -> kept``
+    Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
+    with fresh, contiguous positions. Several selectors may chain.
+``prefill(engine, ids) -> (cache, first_logits)``
+    Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
+
+A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
+the pipeline can refuse two methods that would both own the prefill loop.
+
+Registration: ``@register`` adds the class to :data:`REGISTRY` under its ``name``; users write
+``name:knob=value,knob=value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import UsageError
+from ..selection import Selection
+
+REGISTRY: dict[str, type["Compressor"]] = {}
+
+# hooks that at most one method of a pipeline may own
+EXCLUSIVE_PHASES = ("prefill",)
+PHASES = ("select_tokens", "prefill")
+
+
+def knob(default, help: str):
+    """A compressor knob: a dataclass field with a default and a one-line help."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Compressor:
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    # knobs the user set explicitly (filled by parse_one); defaults may adapt, explicit values may not
+    explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def configure(self, lm) -> None:
+        """Resolve model-dependent defaults and validate knobs against the model ``lm``.
+
+        Raise :class:`UsageError` for knob values that cannot work with this model.
+        """
+
+    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0) -> "Selection":
+        """Choose prompt tokens to keep: a Selection of sorted indices into ``prompt_ids`` (n,)
+        (and the per-token scores, if any). The last ``protected`` tokens are the question and
+        the generation prompt; the method's own rule decides whether they are forced in."""
+        raise NotImplementedError
+
+    def prefill(self, engine, ids: torch.Tensor):
+        raise NotImplementedError
+
+    # --- introspection --------------------------------------------------------------------------
+    @classmethod
+    def knobs(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    def spec(self) -> str:
+        """The canonical spec string, every knob spelled out: ``gemfilter:k=1024,kernel=5,...``."""
+        parts = [f"{f.name}={_format(getattr(self, f.name))}" for f in self.knobs()]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def knob_values(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in self.knobs()}
+
+
+def owned_phases(cls: type[Compressor]) -> set[str]:
+    return {p for p in PHASES if getattr(cls, p) is not getattr(Compressor, p)}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _format(value) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _parse_value(cls: type[Compressor], field: dataclasses.Field, text: str):
+    hints = typing.get_type_hints(cls)
+    kind = hints[field.name]
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), kind)
+    text = text.strip()
+    if optional and text.lower() in ("auto", "none", ""):
+        return None
+    try:
+        if base is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise UsageError(
+            f"{cls.name}: knob '{field.name}' expects {base.__name__}"
+            f"{' or auto' if optional else ''}, got '{text}'"
+        ) from None
+
+
+def describe_knobs(cls: type[Compressor]) -> str:
+    return ", ".join(f"{f.name} (default {_format(f.default)})" for f in cls.knobs()) or "no knobs"
+
+
+def parse_one(spec: str) -> Compressor:
+    """``'gemfilter:layer=13,k=1024'`` -> ``GemFilter(layer=13, k=1024)``; clear errors otherwise."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in REGISTRY:
+        known = ", ".join(sorted(REGISTRY))
+        raise UsageError(f"unknown compressor '{name}'; available: {known} (see `kvcli compressors`)")
+    cls = REGISTRY[name]
+    fields = {f.name: f for f in cls.knobs()}
+    values = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise UsageError(f"{name}: expected knob=value, got '{item}'")
+        if key not in fields:
+            raise UsageError(f"{name}: unknown knob '{key}'; knobs: {describe_knobs(cls)}")
+        values[key] = _parse_value(cls, fields[key], val)
+    obj = cls(**values)
+    obj.explicit_knobs = frozenset(values)
+    return obj

@@ -1,0 +1,21 @@
+"""Full attention: the baseline every method is measured against.
+
+Every prompt token goes through every layer and stays in the KV cache; nothing is selected or
+evicted. (Vaswani et al., 2017, "Attention Is All You Need".)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import Compressor, register
+
+
+@register
+@dataclass
+class FullAttention(Compressor):
+    """Full attention (no compression): the reference all methods must reproduce when told to keep everything."""
+
+    name: ClassVar[str] = "full"
+    paper: ClassVar[str] = "Vaswani et al. 2017, Attention Is All You Need"

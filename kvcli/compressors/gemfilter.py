@@ -1,0 +1,136 @@
+"""GemFilter: early layers select the input tokens (Shi et al., 2024, arXiv:2409.17422).
+
+"Discovering the Gems in Early Layers: Accelerating Long-Context LLMs with 1000x Input Token
+Reduction", Algorithm 1 and Appendix C.1:
+
+1. run only layers 1..r of the model over the whole prompt (the rest is never computed);
+2. at layer r, after RoPE, score every key by the last query row, summed over heads:
+   ``s = sum_j Q_n^(r,j) K^(r,j)ᵀ`` (GQA: each query head reads its group's KV head);
+3. smooth with an average pool of width ``kernel`` (5 in the paper), take the top-k indices,
+   sort them back into input order;
+4. run the full model on the selected token ids (fresh positions 0..k-1) and generate greedily.
+
+Never materialises an attention matrix: step 2 is one (heads x d) by (d x n) product.
+
+kvcli additions, each a knob: ``keep_question`` forces the question and the chat template's
+closing tokens (the tokens after the document) into the k, so the second pass always ends on the
+generation prompt — the paper leaves this to the scores, which almost always rank them first;
+``span`` > 1 keeps whole windows of that many tokens around each selected token (off by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import last_query_scores
+from ..errors import UsageError
+from ..selection import Selection
+from .base import Compressor, knob, register
+
+# Filter layers measured per model (1-based r). Others use the paper's ratio, 13 of 32 layers.
+MEASURED_FILTER_LAYERS: dict[str, int] = {}
+
+
+def default_filter_layer(n_layers: int, model_name: str = "") -> int:
+    if model_name in MEASURED_FILTER_LAYERS:
+        return MEASURED_FILTER_LAYERS[model_name]
+    return max(1, min(n_layers, round(13 / 32 * n_layers)))
+
+
+def gem_scores(query: torch.Tensor, key: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Paper's ``top_index`` scores: (batch, n_heads, q, d), (batch, n_kv, n, d) -> (n,) float32."""
+    scores = last_query_scores(query, key)[0]  # (n,)
+    if kernel > 1:
+        scores = F.avg_pool1d(scores.view(1, 1, -1), kernel, stride=1, padding=kernel // 2)[0, 0]
+    return scores
+
+
+def top_k_positions(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None, span: int = 1):
+    """Indices of the k best ``scores`` in input order, ``forced`` indices always included.
+
+    With ``span`` > 1 the sequence is cut into windows of ``span`` tokens, each window scored by
+    its best token, and whole windows are kept best-first until k tokens are chosen.
+    """
+    n = scores.numel()
+    keep = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    if forced is not None:
+        keep[forced] = True
+    budget = k - int(keep.sum())
+    if budget > 0:
+        if span > 1:
+            pad = (-n) % span
+            windows = F.pad(scores, (0, pad), value=float("-inf")).view(-1, span).amax(dim=1)
+            for w in torch.argsort(windows, descending=True).tolist():
+                idx = torch.arange(w * span, min(n, (w + 1) * span), device=scores.device)
+                idx = idx[~keep[idx]][:budget]
+                keep[idx] = True
+                budget -= idx.numel()
+                if budget <= 0:
+                    break
+        else:
+            masked = scores.masked_fill(keep, float("-inf"))
+            keep[torch.topk(masked, budget).indices] = True
+    return torch.nonzero(keep).flatten()
+
+
+@register
+@dataclass
+class GemFilter(Compressor):
+    """GemFilter (Shi et al., 2024): layers 1..r of the model choose k input tokens, the full
+    model then reads only those. arXiv:2409.17422."""
+
+    name: ClassVar[str] = "gemfilter"
+    paper: ClassVar[str] = "Shi et al. 2024, Discovering the Gems in Early Layers, arXiv:2409.17422"
+
+    layer: int | None = knob(None, "filter layer r (1-based): layers 1..r run on the whole prompt; auto = ~13/32 of the depth")
+    k: int = knob(1024, "number of prompt tokens kept for the second pass")
+    kernel: int = knob(5, "width of the average pool over the scores (odd; 1 = none)")
+    keep_question: bool = knob(True, "always keep the question and the chat template tokens after the document")
+    span: int = knob(1, "keep whole windows of this many tokens around the best scores (1 = plain top-k)")
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise UsageError(f"gemfilter: k must be at least 1, got {self.k}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise UsageError(f"gemfilter: kernel must be odd and at least 1, got {self.kernel}")
+        if self.span < 1:
+            raise UsageError(f"gemfilter: span must be at least 1, got {self.span}")
+        if self.layer is not None and self.layer < 1:
+            raise UsageError(f"gemfilter: layer must be at least 1, got {self.layer}")
+
+    def configure(self, lm) -> None:
+        if self.layer is None:
+            self.layer = default_filter_layer(lm.n_layers, lm.name)
+        if self.layer > lm.n_layers:
+            raise UsageError(f"gemfilter: layer={self.layer} but the model has {lm.n_layers} layers")
+
+    def filter_scores(self, engine, ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """Run layers 1..r over ``ids`` and return the pooled scores (n,) of every token."""
+        captured: list[torch.Tensor] = []
+        r = self.layer
+
+        def observe(query: torch.Tensor, key: torch.Tensor) -> None:
+            captured.append(gem_scores(query, key, self.kernel))
+
+        positions = torch.arange(ids.numel())
+        if cache is not None and cache.positions is not None:
+            positions = positions + int(cache.positions[-1]) + 1
+        engine.forward(ids, positions, cache, layers=range(r), observers={r - 1: [observe]})
+        return captured[0]
+
+    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0) -> Selection:
+        n = prompt_ids.numel()
+        if self.k > n:
+            if "k" in self.explicit_knobs:
+                raise UsageError(
+                    f"gemfilter: k={self.k} is larger than the prompt ({n} tokens); "
+                    f"use k <= {n}, or -c full to keep everything"
+                )
+            return Selection(torch.arange(n))  # default k and a short document: nothing to filter
+        scores = self.filter_scores(engine, prompt_ids).cpu()
+        forced = torch.arange(n - protected, n) if self.keep_question and protected else None
+        return Selection(top_k_positions(scores, self.k, forced, self.span), scores)

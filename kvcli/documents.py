@@ -1,0 +1,322 @@
+"""Load a document (PDF, plain text, Markdown, HTML) into one string plus a page map.
+
+Every loader returns a :class:`Document`: the whole extracted text as one string, and
+``page_starts``, the character offset in that string where each page begins. Unpaged
+formats (text, Markdown, HTML) are a single page, ``page_starts == (0,)``.
+
+The page map for PDFs
+---------------------
+Each page's text is extracted with pypdf and normalised on its own (line-end spaces
+stripped, runs of 3+ blank lines collapsed to 2, leading/trailing blank lines dropped),
+then the pages are joined with ``PAGE_SEPARATOR`` (``"\\n\\n"``). Offsets are recorded
+after normalisation, so they are exact::
+
+    text        = page1 + "\\n\\n" + page2 + "\\n\\n" + page3
+    page_starts = (0, len(page1) + 2, len(page1) + 2 + len(page2) + 2)
+
+The separator after a page belongs to that page: a character maps to the last page
+whose start is <= its index (``bisect_right``). A page with no text still contributes
+its separator, so every page but the last spans at least two characters and
+``page_starts`` stays strictly increasing. An empty *last* page starts at
+``len(text)``; it owns no characters, which is fine because ``page_of`` clamps.
+Consequence: a run of empty pages shows up in ``text`` as a longer run of blank lines
+(the one place the blank-line collapsing is not applied).
+
+All errors a user can cause are :class:`~kvcli.errors.DocumentError` with a one-line
+message that names the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import hashlib
+import io
+import logging
+import os
+import re
+import stat
+import warnings
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Callable
+
+from kvcli.errors import DocumentError
+
+__all__ = [
+    "PAGE_SEPARATOR",
+    "SUPPORTED_SUFFIXES",
+    "Document",
+    "document_from_text",
+    "load_document",
+]
+
+PAGE_SEPARATOR = "\n\n"
+
+SUPPORTED_SUFFIXES: dict[str, str] = {
+    ".pdf": "pdf",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "markdown",
+    ".markdown": "markdown",
+    ".html": "html",
+    ".htm": "html",
+}
+
+KINDS = ("pdf", "text", "markdown", "html")
+
+
+@dataclass(frozen=True)
+class Document:
+    """A loaded document: its full text and where each page begins in it."""
+
+    source: str  # the path as given by the user, or "-" for stdin
+    text: str  # the full extracted text
+    page_starts: tuple[int, ...]  # offset in `text` where page i+1 begins; (0,) if unpaged
+    kind: str  # "pdf" | "text" | "markdown" | "html"
+    sha256: str  # hex sha256 of `text` encoded as UTF-8
+
+    def __post_init__(self) -> None:
+        starts = self.page_starts
+        if not starts or starts[0] != 0:
+            raise ValueError("page_starts must be non-empty and start at 0")
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError("page_starts must be strictly increasing")
+        if starts[-1] > len(self.text):
+            raise ValueError("page_starts must lie within the text")
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.page_starts)
+
+    def page_of(self, char_index: int) -> int:
+        """The 1-based page holding ``text[char_index]``, clamped to ``1..n_pages``."""
+        return max(1, bisect.bisect_right(self.page_starts, char_index))
+
+    def page_range(self, start: int, end: int) -> tuple[int, int]:
+        """First and last page of the character span ``[start, end)`` (an empty span: its start page)."""
+        first = self.page_of(start)
+        return first, max(first, self.page_of(end - 1))
+
+
+def document_from_text(text: str, source: str = "-", kind: str = "text") -> Document:
+    """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text."""
+    if kind == "html":
+        text = _html_to_text(text)
+    elif kind not in ("text", "markdown"):
+        raise ValueError(f"document_from_text: kind must be text, markdown or html, not {kind!r}")
+    text = _normalise(text)
+    if not text.strip():
+        raise DocumentError(f"{_name(source)} is empty")
+    return _make(source, text, (0,), kind)
+
+
+def load_document(path: str | os.PathLike) -> Document:
+    """Read the file at ``path``; raise DocumentError (one line, naming the file) if it cannot be used."""
+    source = os.fspath(path)
+    p = Path(source)
+    try:
+        is_dir = stat.S_ISDIR(p.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DocumentError(f"{_name(source)} does not exist") from None
+    except OSError as e:
+        raise DocumentError(f"{_name(source)} cannot be read: {e.strerror or e}") from None
+    if is_dir:
+        raise DocumentError(f"{_name(source)} is a directory, not a document")
+    suffix = p.suffix.lower()
+    kind = SUPPORTED_SUFFIXES.get(suffix)
+    if kind is None:
+        found = f"unsupported file type '{suffix}'" if suffix else "no file extension"
+        supported = ", ".join(SUPPORTED_SUFFIXES)
+        raise DocumentError(f"{_name(source)} has {found}; supported: {supported}")
+    try:
+        data = p.read_bytes()
+    except PermissionError:
+        raise DocumentError(f"{_name(source)} cannot be read: permission denied") from None
+    except OSError as e:
+        raise DocumentError(f"{_name(source)} cannot be read: {e.strerror or e}") from None
+    text, page_starts = _LOADERS[kind](data, source)
+    if not text.strip():
+        raise DocumentError(f"{_name(source)} is empty")
+    return _make(source, text, page_starts, kind)
+
+
+# --- loaders: bytes -> (text, page_starts) -----------------------------------------
+
+
+def _load_pdf(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
+    import pypdf
+    from pypdf.errors import DependencyError
+
+    logging.getLogger("pypdf").setLevel(logging.ERROR)
+    name = _name(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            reader = pypdf.PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and reader.decrypt("") == pypdf.PasswordType.NOT_DECRYPTED:
+                raise DocumentError(f"{name} is encrypted; decrypt it first (e.g. qpdf --decrypt)")
+            pages = [page.extract_text() or "" for page in reader.pages]
+        except DocumentError:
+            raise
+        except DependencyError:
+            raise DocumentError(
+                f"{name} uses AES encryption, which needs the 'cryptography' package "
+                "(pip install cryptography)"
+            ) from None
+        except Exception as e:  # pypdf raises many kinds on malformed files
+            raise DocumentError(f"{name} is not a valid PDF: {_short(e)}") from None
+
+    if not pages:
+        raise DocumentError(f"{name} is empty (it has no pages)")
+    pages = [_normalise(t) for t in pages]
+    if not any(t.strip() for t in pages):
+        raise DocumentError(
+            f"{name} has no extractable text; it looks scanned/image-only. "
+            "Run OCR on it first (e.g. ocrmypdf in.pdf out.pdf)"
+        )
+    starts, parts, offset = [], [], 0
+    for i, t in enumerate(pages):
+        starts.append(offset)
+        chunk = t if i == len(pages) - 1 else t + PAGE_SEPARATOR
+        parts.append(chunk)
+        offset += len(chunk)
+    return "".join(parts), tuple(starts)
+
+
+def _load_text(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
+    return _normalise(_decode(data)), (0,)
+
+
+def _load_html(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
+    return _normalise(_html_to_text(_decode(data))), (0,)
+
+
+_LOADERS: dict[str, Callable[[bytes, str], tuple[str, tuple[int, ...]]]] = {
+    "pdf": _load_pdf,
+    "text": _load_text,
+    "markdown": _load_text,  # Markdown is readable as is
+    "html": _load_html,
+}
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _make(source: str, text: str, page_starts: tuple[int, ...], kind: str) -> Document:
+    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return Document(source=source, text=text, page_starts=page_starts, kind=kind, sha256=sha)
+
+
+def _name(source: str) -> str:
+    return "stdin" if source == "-" else f"'{source}'"
+
+
+def _short(e: Exception, limit: int = 120) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def _decode(data: bytes) -> str:
+    """UTF-8 (BOM dropped), UTF-16 if it has a BOM, else cp1252, else latin-1 (never fails)."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return data.decode("utf-16")
+        except UnicodeDecodeError:
+            pass
+    for encoding in ("utf-8-sig", "cp1252"):
+        try:
+            return data.decode(encoding)
+        except UnicodeDecodeError:
+            pass
+    return data.decode("latin-1")
+
+
+_MANY_BLANK_LINES = re.compile(r"\n{4,}")  # 3+ blank lines
+
+
+def _normalise(text: str) -> str:
+    """Unify line ends, strip line-end whitespace, collapse 3+ blank lines to 2, trim blank edges."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    return _MANY_BLANK_LINES.sub("\n\n\n", text).strip("\n")
+
+
+# --- HTML --------------------------------------------------------------------------
+
+_SKIP_TAGS = {"script", "style", "head", "title", "template", "noscript"}
+_PARAGRAPH_TAGS = {
+    "p", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "table",
+    "ul", "ol", "dl", "hr", "figure",
+}  # fmt: skip
+_BLOCK_TAGS = {
+    "address", "article", "aside", "body", "caption", "dd", "details", "dialog", "div",
+    "dt", "fieldset", "figcaption", "footer", "form", "header", "html", "li", "main",
+    "nav", "section", "summary", "tbody", "tfoot", "thead", "tr",
+}  # fmt: skip
+_WHITESPACE = re.compile(r"\s+")
+
+
+class _TextExtractor(HTMLParser):
+    """Visible text of an HTML page: inline whitespace collapsed, blocks on their own lines."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)  # entities decoded in handle_data
+        self.parts: list[str] = []
+        self.skip: list[str] = []  # open tags whose content is not shown
+        self.pre = 0  # depth of <pre>: whitespace kept as is
+        self.pending = 0  # newlines to emit before the next text
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if "head" in self.skip and (tag in _BLOCK_TAGS or tag in _PARAGRAPH_TAGS):
+            self.skip = [t for t in self.skip if t != "head"]  # </head> may be omitted
+        if tag in _SKIP_TAGS:
+            self.skip.append(tag)
+        elif tag == "br":
+            self._break(self.pending + 1)
+        elif tag in ("td", "th"):
+            self._data(" ")
+        self._block(tag, opening=True)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.skip:
+            while self.skip.pop() != tag:
+                pass
+        self._block(tag, opening=False)
+
+    def handle_data(self, data: str) -> None:
+        if not self.skip:
+            self._data(data)
+
+    def _block(self, tag: str, opening: bool) -> None:
+        if tag == "pre":
+            self.pre = self.pre + 1 if opening else max(0, self.pre - 1)
+        if tag in _PARAGRAPH_TAGS:
+            self._break(2)
+        elif tag in _BLOCK_TAGS:
+            self._break(1)
+
+    def _break(self, n: int) -> None:
+        if self.parts and self.parts[-1].endswith(" ") and not self.pre:
+            self.parts[-1] = self.parts[-1].rstrip(" ")
+        self.pending = max(self.pending, n)
+
+    def _data(self, data: str) -> None:
+        if not self.pre:
+            data = _WHITESPACE.sub(" ", data)
+            if self.pending or not self.parts or self.parts[-1].endswith((" ", "\n")):
+                data = data.lstrip(" ")
+        if not data:
+            return
+        if self.pending and self.parts:
+            self.parts.append("\n" * self.pending)
+        self.pending = 0
+        self.parts.append(data)
+
+
+def _html_to_text(html: str) -> str:
+    parser = _TextExtractor()
+    parser.feed(html)
+    parser.close()
+    return "".join(parser.parts)

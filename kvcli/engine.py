@@ -1,0 +1,120 @@
+"""The prefill/decode loop every method runs on.
+
+kvcli drives a transformers ``*ForCausalLM`` layer by layer instead of calling its ``forward``:
+that is what lets GemFilter stop after layer r, lets methods run any sub-sequence at any positions
+on top of any cache, and keeps the logits of the long prompt from being materialised (only the last
+row goes through the LM head). Attention runs through :mod:`kvcli.attention`.
+
+Shapes:
+    ids, positions: (q_len,) int64 — batch size is always 1
+    hidden: (1, q_len, hidden_size)
+    logits: (vocab,) float32 for the last position, or (q_len, vocab) from :meth:`Engine.logits`
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from . import attention
+from .attention import AttentionContext, Observer
+from .cache import KVCache
+
+
+class Engine:
+    def __init__(self, lm) -> None:
+        """``lm``: a :class:`kvcli.models.LoadedModel`."""
+        self.lm = lm
+        model = lm.model
+        attention.install(model)
+        base = model.get_decoder()
+        self.embed_tokens = base.embed_tokens
+        self.layers = base.layers
+        self.norm = base.norm
+        self.rotary_emb = base.rotary_emb
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.kernel = lm.attn
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    # --- building blocks ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        *,
+        layers: Iterable[int] | None = None,
+        observers: dict[int, list[Observer]] | None = None,
+    ) -> torch.Tensor:
+        """Run ``ids`` at ``positions`` through ``layers`` (default: all), appending to ``cache``.
+
+        Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden).
+        """
+        ids = ids.to(self.device).view(1, -1)
+        pos = positions.to(self.device).view(1, -1)
+        hidden = self.embed_tokens(ids)
+        rope = self.rotary_emb(hidden, pos)
+        ctx = AttentionContext(kernel=self.kernel, observers=observers or {})
+        with attention.attention_context(ctx):
+            for i in range(self.n_layers) if layers is None else layers:
+                out = self.layers[i](
+                    hidden,
+                    attention_mask=None,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=cache is not None,
+                    position_embeddings=rope,
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+        if cache is not None and (layers is None or 0 in layers):
+            cache.record_positions(positions)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: (1, q, hidden) -> (q, vocab) float32."""
+        return self.lm_head(self.norm(hidden))[0].float()
+
+    # --- the two phases -------------------------------------------------------------------------
+    def prefill(
+        self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> tuple[KVCache, torch.Tensor]:
+        """Run all layers over ``ids``; returns the cache and the logits of the last position (vocab,)."""
+        cache = KVCache() if cache is None else cache
+        if positions is None:
+            start = 0 if cache.positions is None else int(cache.positions[-1]) + 1
+            positions = torch.arange(start, start + ids.numel())
+        hidden = self.forward(ids, positions, cache)
+        return cache, self.logits(hidden[:, -1:])[-1]
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        first_logits: torch.Tensor,
+        cache: KVCache,
+        next_position: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token)."""
+        out: list[int] = []
+        logits = first_logits
+        for step in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            if token in stop_ids:
+                break
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if step + 1 == max_new_tokens:
+                break
+            hidden = self.forward(torch.tensor([token]), torch.tensor([next_position + step]), cache)
+            logits = self.logits(hidden)[-1]
+        return out

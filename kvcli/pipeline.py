@@ -1,0 +1,132 @@
+"""Pipelines of compressors, and the one function that answers a question with them.
+
+``-c "gemfilter:k=2048+snapkv:budget=512"`` parses into a :class:`Pipeline`: stages run in the order
+of the hooks (every ``select_tokens`` first, in the order written, then the prefill). At most one
+stage may own an exclusive phase (:data:`compressors.base.EXCLUSIVE_PHASES`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .compressors import Compressor, owned_phases, parse_one
+from .errors import DocumentError, UsageError
+from .measure import measure
+from .prompt import Prompt
+from .selection import Selection
+
+SEPARATOR = "+"
+
+
+@dataclass
+class Pipeline:
+    stages: list[Compressor]
+
+    @classmethod
+    def parse(cls, spec: str) -> "Pipeline":
+        parts = [p for p in spec.split(SEPARATOR)]
+        if not spec.strip() or any(not p.strip() for p in parts):
+            raise UsageError(f"empty compressor in pipeline '{spec}'")
+        pipeline = cls([parse_one(p) for p in parts])
+        pipeline.check_collisions()
+        return pipeline
+
+    def check_collisions(self) -> None:
+        from .compressors.base import EXCLUSIVE_PHASES
+
+        for phase in EXCLUSIVE_PHASES:
+            owners = [s.name for s in self.stages if phase in owned_phases(type(s))]
+            if len(owners) > 1:
+                raise UsageError(
+                    f"pipeline: {' and '.join(owners)} both own the {phase} phase; only one method per pipeline may"
+                )
+
+    def spec(self) -> str:
+        return SEPARATOR.join(s.spec() for s in self.stages)
+
+    def configure(self, lm) -> None:
+        for s in self.stages:
+            s.configure(lm)
+
+    def owner(self, phase: str) -> Compressor | None:
+        return next((s for s in self.stages if phase in owned_phases(type(s))), None)
+
+
+@dataclass
+class Result:
+    answer: str
+    answer_ids: list[int]
+    prompt: Prompt
+    selection: Selection  # prompt tokens the second pass read (all of them without a selector)
+    ttft_s: float  # start -> logits of the first answer token (selection + prefill)
+    total_s: float  # start -> last token
+    peak_mem_mb: float
+    decode_tokens_per_s: float | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_kept_tokens(self) -> int:
+        return self.selection.n_kept
+
+
+def check_window(prompt: Prompt, lm, max_new_tokens: int) -> None:
+    limit = lm.max_context
+    if limit and prompt.n_tokens + max_new_tokens > limit:
+        raise DocumentError(
+            f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
+            f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
+            "shorten the document (methods that read longer documents chunk by chunk come later)"
+        )
+
+
+def run(
+    engine,
+    prompt: Prompt,
+    pipeline: Pipeline,
+    *,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    on_token: Callable[[int], None] | None = None,
+) -> Result:
+    """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily."""
+    tokenizer = engine.lm.tokenizer
+    ids = prompt.ids
+    with measure(engine.device) as m:
+        start = time.perf_counter()
+        selection = Selection(torch.arange(prompt.n_tokens))
+        for stage in pipeline.stages:
+            if "select_tokens" not in owned_phases(type(stage)):
+                continue
+            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_suffix)
+            if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
+                scores = torch.full((prompt.n_tokens,), float("nan"))
+                scores[selection.kept] = sub.scores
+                selection = Selection(selection.kept[sub.kept], scores)
+            else:
+                selection = Selection(selection.kept[sub.kept], selection.scores)
+        kept_ids = ids[selection.kept]
+        owner = pipeline.owner("prefill")
+        if owner is not None:
+            cache, logits, next_position = owner.prefill(engine, kept_ids)
+        else:
+            cache, logits = engine.prefill(kept_ids)
+            next_position = kept_ids.numel()
+        ttft = time.perf_counter() - start
+        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token)
+        total = time.perf_counter() - start
+    decode_s = total - ttft
+    return Result(
+        answer=tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
+        answer_ids=answer_ids,
+        prompt=prompt,
+        selection=selection,
+        ttft_s=ttft,
+        total_s=total,
+        peak_mem_mb=m.peak_mem_mb,
+        decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
+        extra={"kv_cache_bytes": cache.nbytes()},
+    )

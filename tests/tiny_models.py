@@ -1,0 +1,129 @@
+"""Tiny random-weight models of each supported family, for fast tests (no download).
+
+``make_tiny_model("qwen3", tmp_path)`` builds a 2-layer model (hidden 64, 4 attention heads,
+2 KV heads -> GQA, head_dim 16, max_position_embeddings 4096) from the family's Config class,
+with the embedded SmolLM2 tokenizer (vocab 49152, ChatML chat template), saves both with
+``save_pretrained`` and returns the folder, which ``kvcli.models.load_model(str(path))`` loads.
+
+The weights depend only on ``family`` and ``seed``. The tokenizer comes from the converted
+embedded model in the kvcli cache (``$KVCLI_CACHE_DIR`` or ``~/.cache/kvcli``): the first test
+session on a machine converts it once (~20 s), later ones reuse it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+VOCAB = 49152  # SmolLM2's tokenizer
+BOS_ID, EOS_ID, PAD_ID = 1, 2, 2  # <|im_start|>, <|im_end|>, <|im_end|>
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    tie_word_embeddings=False,
+    use_cache=True,
+)
+
+# What each family needs on top of _COMMON.
+_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": dict(head_dim=16),
+    "mistral": dict(head_dim=16, sliding_window=None),
+    "qwen2": dict(use_sliding_window=False, sliding_window=None),  # head_dim = 64 / 4
+    "qwen3": dict(head_dim=16, use_sliding_window=False, sliding_window=None),
+    # phi3: head_dim = 64 / 4; defaults pad/eos 32000 (a Phi-3 id): use SmolLM2's.
+    "phi3": dict(original_max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0),
+}
+
+
+def _config_class(family: str):
+    import transformers
+
+    names = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "phi3": "Phi3Config",
+    }
+    if family not in names:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
+    return getattr(transformers, names[family])
+
+
+def tiny_config(family: str, **overrides: Any):
+    """The Config object of a tiny ``family`` model; ``overrides`` replace any field."""
+    cls = _config_class(family)  # raises for an unknown family
+    return cls(**{**_COMMON, **_FAMILY[family], **overrides})
+
+
+_tokenizer_dir: Path | None = None
+
+
+def use_tokenizer_from(folder: Path) -> None:
+    """Take the tokenizer from ``folder`` (a converted embedded model) instead of the default
+    kvcli cache; for tests that convert the embedded model into a temporary cache anyway."""
+    global _tokenizer_dir
+    if _tokenizer_dir != Path(folder):
+        _tokenizer_dir = Path(folder)
+        _tokenizer.cache_clear()
+
+
+def tokenizer_dir() -> Path:
+    """Folder of the embedded model converted by kvcli (its tokenizer is what we reuse)."""
+    global _tokenizer_dir
+    if _tokenizer_dir is None:
+        from kvcli.models import embedded_model_path
+
+        _tokenizer_dir = embedded_model_path()
+    return _tokenizer_dir
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+
+
+def make_tiny_model(family: str, tmp_path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Build, save and return ``tmp_path/tiny-<family>-s<seed>`` (reused if already there).
+
+    ``overrides`` go into the config (e.g. ``num_hidden_layers=4``, ``sliding_window=64``); a
+    folder with overrides gets their values in its name so variants don't collide.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    suffix = "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    folder = Path(tmp_path) / f"tiny-{family}-s{seed}{suffix}"
+    if (folder / "config.json").is_file():
+        return folder
+
+    config = tiny_config(family, **overrides)
+    with torch.random.fork_rng(devices=[]):  # deterministic, and leaves the global RNG alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    tmp = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(str(tmp))
+    _tokenizer().save_pretrained(str(tmp))
+    tmp.rename(folder)
+    return folder
