@@ -48,7 +48,8 @@ class Attn(str, Enum):
 
 
 def _stderr(quiet: bool) -> Console:
-    return Console(stderr=True, quiet=quiet, highlight=False)
+    # soft_wrap: the stats line stays one line when stderr is a pipe or a narrow terminal
+    return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -96,7 +97,10 @@ def ask(
     stdout.out(result.answer)
     if show_selected:
         spans = result.selection.spans(result.prompt, document)
-        render.selected_spans(stdout, spans, document, result.n_kept_tokens, result.prompt.n_tokens)
+        # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
+        # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
+        view = Console(highlight=False)
+        render.selected_spans(view, spans, document, result.n_kept_tokens, result.prompt.n_tokens)
     err.print(
         f"[dim]{pipeline.spec()} · kept {result.n_kept_tokens:,}/{result.prompt.n_tokens:,} tokens · "
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB[/dim]"
@@ -109,10 +113,38 @@ def compressors() -> None:
     render.compressor_table(stdout)
 
 
+def _click_exception_types() -> tuple[type, ...]:
+    """Click's exception base class(es): Typer >= 0.2x vendors click as ``typer._click``, whose
+    exceptions are not ``click.ClickException``; older Typer raises click's own."""
+    import importlib
+
+    types = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            types.append(importlib.import_module(module).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _show_click_error(e) -> None:
+    """A Typer/click usage error as one line on stderr (``kvcli`` alone: its help, as click does)."""
+    message = e.format_message()
+    if type(e).__name__ == "NoArgsIsHelpError":  # the help; rich has already printed it
+        if message.strip():
+            print(message, file=sys.stderr)
+        return
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    print(f"kvcli: error: {' '.join(message.split())}{hint}", file=sys.stderr)
+
+
 def main() -> None:
     """Entry point: run the app, turning user errors into one line on stderr."""
     try:
-        app(standalone_mode=False)
+        # standalone_mode=False: click raises usage errors instead of printing them, and
+        # *returns* the exit code of --help (0) and of Ctrl-C (130) instead of exiting
+        code = app(standalone_mode=False)
     except KvcliError as e:
         print(f"kvcli: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -125,12 +157,14 @@ def main() -> None:
         print("kvcli: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # a bug, not a user error: still one line unless asked for more
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
+        if isinstance(e, _click_exception_types()):
+            _show_click_error(e)
             sys.exit(e.exit_code)
         if os.environ.get("KVCLI_DEBUG"):
             raise
         print(f"kvcli: internal error: {type(e).__name__}: {e} (set KVCLI_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(3)
+    if isinstance(code, int) and not isinstance(code, bool) and code:
+        if code == 130:
+            print("kvcli: interrupted", file=sys.stderr)
+        sys.exit(code)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +30,12 @@ HAS_CUDA = torch.cuda.is_available()
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory):
-    """A fresh kvcli cache with the embedded model converted once (~20 s) for this module."""
+    """A fresh kvcli cache with the embedded model converted once (~20 s).
+
+    Session-scoped: conftest runs slow tests last, which would tear a module-scoped one down
+    and convert again."""
     cache = tmp_path_factory.mktemp("kvcli-cache")
     t0 = time.monotonic()
     folder = embedded_model_path(cache)
@@ -43,9 +44,10 @@ def embedded_cache(tmp_path_factory):
     return cache, folder, seconds
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, embedded_cache):
-    return tmp_path_factory.mktemp("tiny")
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory, embedded_cache):
+    """Folder for this module's tiny models (conftest's ``tiny_root`` is a builder function)."""
+    return tmp_path_factory.mktemp("tiny-models-test-models")
 
 
 def _one_line(e: BaseException) -> str:
@@ -58,8 +60,8 @@ def _one_line(e: BaseException) -> str:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_family_loads(family, tiny_dir):
-    path = make_tiny_model(family, tiny_dir)
+def test_tiny_family_loads(family, tiny_root):
+    path = make_tiny_model(family, tiny_root)
     lm = load_model(str(path))
     assert isinstance(lm, LoadedModel)
     assert lm.family == family
@@ -84,50 +86,50 @@ def test_tiny_family_loads(family, tiny_dir):
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
 
 
-def test_fingerprints_differ_between_families_and_seeds(tiny_dir):
-    prints = {(f, 0): load_model(str(make_tiny_model(f, tiny_dir))).fingerprint for f in FAMILIES}
-    prints[("llama", 1)] = load_model(str(make_tiny_model("llama", tiny_dir, seed=1))).fingerprint
+def test_fingerprints_differ_between_families_and_seeds(tiny_root):
+    prints = {(f, 0): load_model(str(make_tiny_model(f, tiny_root))).fingerprint for f in FAMILIES}
+    prints[("llama", 1)] = load_model(str(make_tiny_model("llama", tiny_root, seed=1))).fingerprint
     assert len(set(prints.values())) == len(prints)
 
 
-def test_fingerprint_depends_on_dtype_not_on_attn(tiny_dir):
-    path = str(make_tiny_model("qwen3", tiny_dir))
+def test_fingerprint_depends_on_dtype_not_on_attn(tiny_root):
+    path = str(make_tiny_model("qwen3", tiny_root))
     base = load_model(path).fingerprint
     assert load_model(path, attn="eager").fingerprint == base
     assert load_model(path, dtype="bfloat16").fingerprint != base
 
 
-def test_tiny_models_are_deterministic(tmp_path, tiny_dir):
-    a = make_tiny_model("phi3", tiny_dir, seed=3)
+def test_tiny_models_are_deterministic(tmp_path, tiny_root):
+    a = make_tiny_model("phi3", tiny_root, seed=3)
     b = make_tiny_model("phi3", tmp_path, seed=3)  # another folder, written later
     la, lb = load_model(str(a)), load_model(str(b))
     for (na, pa), (nb, pb) in zip(la.model.state_dict().items(), lb.model.state_dict().items()):
         assert na == nb and torch.equal(pa, pb)
     # small weight files are fingerprinted by content, not by path or mtime
     assert la.fingerprint == lb.fingerprint
-    assert make_tiny_model("phi3", tiny_dir, seed=3) == a  # reused
+    assert make_tiny_model("phi3", tiny_root, seed=3) == a  # reused
 
 
-def test_eager_attention(tiny_dir):
-    lm = load_model(str(make_tiny_model("mistral", tiny_dir)), attn="eager")
+def test_eager_attention(tiny_root):
+    lm = load_model(str(make_tiny_model("mistral", tiny_root)), attn="eager")
     assert lm.attn == "eager" and lm.model.config._attn_implementation == "eager"
 
 
-def test_load_prints_nothing(tiny_dir, capfd):
-    path = str(make_tiny_model("llama", tiny_dir))
+def test_load_prints_nothing(tiny_root, capfd):
+    path = str(make_tiny_model("llama", tiny_root))
     capfd.readouterr()
     load_model(path)
     out, err = capfd.readouterr()
     assert out == "" and err == ""
 
 
-def test_unsupported_architecture(tiny_dir, tmp_path):
+def test_unsupported_architecture(tiny_root, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=49152, n_positions=64)).save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(make_tiny_model("llama", tiny_dir) / f, folder / f)
+        shutil.copy(make_tiny_model("llama", tiny_root) / f, folder / f)
     with pytest.raises(ModelError) as e:
         load_model(str(folder))
     assert "gpt2" in _one_line(e.value)
@@ -140,8 +142,8 @@ def test_unknown_model_type(tmp_path):
     assert _one_line(e.value).startswith(f"cannot load model '{tmp_path}'")
 
 
-def test_folder_without_weights(tiny_dir, tmp_path):
-    shutil.copy(make_tiny_model("llama", tiny_dir) / "config.json", tmp_path / "config.json")
+def test_folder_without_weights(tiny_root, tmp_path):
+    shutil.copy(make_tiny_model("llama", tiny_root) / "config.json", tmp_path / "config.json")
     with pytest.raises(ModelError) as e:
         load_model(str(tmp_path))
     _one_line(e.value)
@@ -150,7 +152,7 @@ def test_folder_without_weights(tiny_dir, tmp_path):
 # --------------------------------------------------------------------------- hub ids
 
 
-def test_hub_id_from_the_hf_cache(tiny_dir, tmp_path, monkeypatch):
+def test_hub_id_from_the_hf_cache(tiny_root, tmp_path, monkeypatch):
     """A hub id found in the HF cache loads without network; its fingerprint is stable."""
     import huggingface_hub.constants as hc
 
@@ -160,12 +162,12 @@ def test_hub_id_from_the_hf_cache(tiny_dir, tmp_path, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(make_tiny_model("qwen2", tiny_dir), repo / "snapshots" / commit)
+    shutil.copytree(make_tiny_model("qwen2", tiny_root), repo / "snapshots" / commit)
 
     lm = load_model("kvcli-test/tiny-qwen2")
     assert lm.family == "qwen2" and lm.name == "kvcli-test/tiny-qwen2" and lm.source == "kvcli-test/tiny-qwen2"
     assert load_model("kvcli-test/tiny-qwen2").fingerprint == lm.fingerprint
-    assert load_model(str(make_tiny_model("qwen2", tiny_dir))).fingerprint == lm.fingerprint  # same content
+    assert load_model(str(make_tiny_model("qwen2", tiny_root))).fingerprint == lm.fingerprint  # same content
 
 
 def test_hub_id_missing_without_network(monkeypatch, tmp_path):
@@ -263,9 +265,9 @@ def _bnb_or_skip():
 
 
 @pytest.mark.parametrize("quant", ["4bit", "8bit"])
-def test_quant_tiny_llama_on_cpu(quant, tiny_dir):
+def test_quant_tiny_llama_on_cpu(quant, tiny_root):
     _bnb_or_skip()
-    path = str(make_tiny_model("llama", tiny_dir))
+    path = str(make_tiny_model("llama", tiny_root))
     plain = load_model(path)
     try:
         lm = load_model(path, quant=quant)
@@ -355,7 +357,7 @@ def test_embedded_model_4bit(embedded_cache):
     except ModelError as e:  # pragma: no cover - depends on the bitsandbytes build
         pytest.skip(f"bitsandbytes cannot run 4bit here: {e}")
     assert lm.model.get_memory_footprint() < 200 * 2**20  # ~159 MiB vs ~513 MiB in float32
-    assert _answer(lm, "What is the capital of France?").strip()
+    assert _answer(lm, "What is the capital of France?", max_new_tokens=6).strip()
 
 
 def _answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> str:

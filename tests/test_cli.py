@@ -1,0 +1,388 @@
+"""The kvcli command line as a user meets it: exit codes, stdout/stderr, one-line errors.
+
+Every test but one calls ``kvcli.cli:main`` in-process (``run_cli``) with ``sys.argv`` patched;
+``test_real_entry_point_matches_in_process`` runs ``python -m kvcli`` in a subprocess to prove
+the real entry point behaves the same. Models are tiny random ones (``tiny_dir``), so answers
+are gibberish: these tests check structure, not content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcli.cli import main
+from kvcli.documents import load_document
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORDS = "alpha beta gamma delta harbour blue passkey river stone lamp".split()
+
+JSON_KEYS = (
+    "answer",
+    "compressor",
+    "model",
+    "n_context_tokens",
+    "n_kept_tokens",
+    "ttft_s",
+    "total_s",
+    "peak_mem_mb",
+)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """Run ``kvcli *args`` in-process; return (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["kvcli", *map(str, args)])
+    capsys.readouterr()  # drop whatever an earlier step printed
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:  # sys.exit("message"): Python prints it and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``cli(*args) -> (code, stdout, stderr)``."""
+    return lambda *args: run_cli(args, capsys, monkeypatch)
+
+
+def assert_user_error(result, code: int, *needles: str) -> str:
+    """Exit ``code``, nothing on stdout, stderr one line ``kvcli: error: ...`` containing ``needles``."""
+    got, out, err = result
+    assert "Traceback" not in out + err
+    assert got == code, (got, out, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), err
+    assert lines[0].startswith("kvcli: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def words(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+def no_ws(text: str) -> str:
+    return "".join(text.split())
+
+
+# --- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir) -> str:
+    return str(tiny_dir("llama", num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Documents good and bad, built once."""
+    from fpdf import FPDF
+    from pypdf import PdfReader, PdfWriter
+
+    d = tmp_path_factory.mktemp("cli-docs")
+    f: dict[str, Path] = {}
+
+    f["doc"] = d / "doc.txt"
+    f["doc"].write_text(words(150) + "\n", encoding="utf-8")
+    f["long"] = d / "long.txt"
+    f["long"].write_text(words(2000, seed=1) + "\n", encoding="utf-8")
+    f["empty"] = d / "empty.txt"
+    f["empty"].write_text("\n  \n", encoding="utf-8")
+    f["docx"] = d / "report.docx"
+    f["docx"].write_bytes(b"PK\x03\x04 not really a docx")
+    f["dir"] = d / "folder.txt"  # a directory, even with a document-like name
+    f["dir"].mkdir()
+    f["corrupt"] = d / "corrupt.pdf"
+    f["corrupt"].write_bytes(random.Random(0).randbytes(2048))
+
+    pdf = FPDF()
+    pdf.set_font("Helvetica", size=12)
+    for seed in (2, 3):
+        pdf.add_page()
+        pdf.multi_cell(0, 8, words(120, seed=seed))
+    f["pdf"] = d / "two-pages.pdf"
+    pdf.output(str(f["pdf"]))
+
+    image_only = FPDF()
+    image_only.add_page()
+    image_only.rect(20, 20, 60, 30, style="F")
+    f["image_only"] = d / "scan.pdf"
+    image_only.output(str(f["image_only"]))
+
+    writer = PdfWriter(clone_from=PdfReader(f["pdf"]))
+    writer.encrypt("secret")
+    f["encrypted"] = d / "locked.pdf"
+    with open(f["encrypted"], "wb") as fh:
+        writer.write(fh)
+    return f
+
+
+# --- documents that cannot be read: exit 1, one line naming the file -------------------------
+
+
+@pytest.mark.parametrize(
+    "key, needles",
+    [
+        ("missing", ["does not exist"]),
+        ("dir", ["is a directory"]),
+        ("docx", ["unsupported file type '.docx'", ".pdf", ".txt"]),
+        ("empty", ["is empty"]),
+        ("encrypted", ["encrypt"]),
+        ("image_only", ["no extractable text", "OCR"]),
+        ("corrupt", ["not a valid PDF"]),
+    ],
+)
+def test_unreadable_document(cli, files, model, key, needles):
+    path = files["doc"].with_name("nope.txt") if key == "missing" else files[key]
+    line = assert_user_error(cli("ask", path, "What is it?", "-m", model), 1, *needles)
+    assert path.name in line
+
+
+# --- bad compressor specs: exit 2 before anything is loaded ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("nosuch", ["unknown compressor 'nosuch'", "gemfilter", "full"]),
+        ("gemfilter:foo=1", ["unknown knob 'foo'", "layer", "k (", "kernel"]),
+        ("gemfilter:k=abc", ["'k'", "int", "'abc'"]),
+        ("gemfilter:kernel=4", ["kernel", "odd"]),
+        ("gemfilter:k", ["knob=value"]),
+        ("full+", ["empty compressor"]),
+    ],
+)
+def test_bad_compressor_spec(cli, files, spec, needles):
+    # the model does not exist: a spec error must come first, before any loading
+    assert_user_error(cli("ask", files["doc"], "q", "-c", spec, "-m", "/nonexistent/model"), 2, *needles)
+
+
+def test_knob_that_does_not_fit_the_model(cli, files, model):
+    assert_user_error(cli("ask", files["doc"], "q", "-m", model, "-c", "gemfilter:layer=99"), 2, "layer=99", "4 layers")
+
+
+def test_explicit_k_larger_than_prompt(cli, files, model):
+    assert_user_error(
+        cli("ask", files["doc"], "q", "-m", model, "-c", "gemfilter:k=100000", "--max-new-tokens", "4"),
+        2,
+        "k=100000",
+        "larger than the prompt",
+    )
+
+
+# --- model and hardware errors: exit 1 -------------------------------------------------------
+
+
+def test_missing_model(cli, files):
+    assert_user_error(cli("ask", files["doc"], "q", "-m", "/nonexistent/model"), 1, "/nonexistent/model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_gpu(cli, files, model):
+    assert_user_error(cli("ask", files["doc"], "q", "-m", model, "--device", "cuda"), 1, "CUDA")
+
+
+def test_attn_flash(cli, files, model):
+    # on CPU: needs a CUDA GPU; on a GPU machine without flash-attn: needs the package
+    line = assert_user_error(cli("ask", files["doc"], "q", "-m", model, "--attn", "flash"), 1, "--attn flash")
+    assert "CUDA" in line or "flash-attn" in line or "dtype" in line
+
+
+def test_document_longer_than_the_model_window(cli, files, tiny_dir):
+    short = str(tiny_dir("llama", num_hidden_layers=4, max_position_embeddings=256))
+    assert_user_error(cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4"), 1, "256", "window")
+
+
+# --- Typer/click usage errors: exit 2, one short line, no traceback ---------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["ask"], ["path"]),
+        (["ask", "DOC"], ["question"]),
+        (["ask", "DOC", "q", "--device", "foo"], ["--device", "foo"]),
+        (["ask", "DOC", "q", "--quant", "3bit"], ["--quant"]),
+        (["ask", "DOC", "q", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+        (["ask", "DOC", "q", "--bogus"], ["--bogus"]),
+        (["nosuchcommand"], ["nosuchcommand"]),
+    ],
+)
+def test_click_usage_errors(cli, files, args, needles):
+    args = [files["doc"] if a == "DOC" else a for a in args]
+    line = assert_user_error(cli(*args), 2, *needles)
+    assert "--help" in line  # points at the help
+
+
+def test_help(cli):
+    code, out, err = cli("--help")
+    assert code == 0, err
+    assert "ask" in out and "compressors" in out
+    assert "Traceback" not in out + err
+
+    code, out, err = cli("ask", "--help")
+    assert code == 0, err
+    assert "--compressor" in out and "--show-selected" in out
+
+
+def test_no_arguments_shows_help(cli):
+    code, out, err = cli()
+    assert code in (0, 2)  # click >= 8.2 and Typer's standalone mode exit 2 here
+    assert "Usage" in out + err and "ask" in out + err
+    assert "Traceback" not in out + err and "internal error" not in err
+
+
+def test_compressors(cli):
+    code, out, err = cli("compressors")
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    assert "gemfilter" in out and "full" in out
+    for knob in ("layer", "k", "kernel"):
+        assert re.search(rf"^\s*{knob}\s", out, re.M), knob
+
+
+# --- answering -------------------------------------------------------------------------------
+
+
+def ask_json(cli, path, model, *extra):
+    code, out, err = cli("ask", path, "What is it?", "-m", model, "--json", "--max-new-tokens", "4", *extra)
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    assert out.endswith("\n") and out.count("\n") == 1, out  # exactly one JSON object, one line
+    return json.loads(out), err
+
+
+def test_json_full(cli, files, model):
+    record, err = ask_json(cli, files["doc"], model, "-c", "full")
+    assert err == ""
+    for key in JSON_KEYS:
+        assert key in record, key
+    assert isinstance(record["answer"], str)
+    assert record["compressor"] == "full"
+    assert record["model"]
+    for key in ("n_context_tokens", "n_kept_tokens"):
+        assert type(record[key]) is int and record[key] > 0
+    for key in ("ttft_s", "total_s", "peak_mem_mb"):
+        assert isinstance(record[key], (int, float)) and not isinstance(record[key], bool)
+        assert record[key] >= 0
+    assert record["ttft_s"] <= record["total_s"]
+    assert record["n_kept_tokens"] == record["n_context_tokens"]
+    assert "selected_spans" not in record
+
+
+def test_json_gemfilter_selected_spans(cli, files, model):
+    record, _ = ask_json(cli, files["doc"], model, "-c", "gemfilter:k=32,layer=2", "--show-selected")
+    assert record["compressor"].startswith("gemfilter:") and "k=32" in record["compressor"]
+    assert record["n_kept_tokens"] == 32 < record["n_context_tokens"]
+    spans = record["selected_spans"]
+    assert spans
+    text = load_document(files["doc"]).text
+    for span in spans:
+        assert {"start", "end", "page", "text"} <= span.keys()
+        assert 0 <= span["start"] < span["end"] <= len(text)
+        assert text[span["start"] : span["end"]] == span["text"]
+        assert span["page"] == 1
+
+
+def test_plain_text_answer_and_stats(cli, files, model):
+    spec = "gemfilter:k=32,layer=2"  # its canonical spec makes the stats line longer than 80 columns
+    args = ("ask", files["doc"], "What is it?", "-m", model, "-c", spec, "--max-new-tokens", "4")
+    record, _ = ask_json(cli, files["doc"], model, "-c", spec)
+
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert out == record["answer"] + "\n"  # greedy: the same answer as the JSON run
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # the stats line, one line even in a pipe
+    assert lines[0].startswith(record["compressor"])
+    assert f"kept 32/{record['n_context_tokens']}" in lines[0] and "TTFT" in lines[0]
+    assert "Traceback" not in err
+
+    code, out, err = cli(*args, "--quiet")
+    assert code == 0
+    assert out == record["answer"] + "\n"
+    assert err == ""
+
+
+def test_show_selected_text_shows_every_kept_span(cli, files, model):
+    record, _ = ask_json(cli, files["doc"], model, "-c", "gemfilter:k=32,layer=2", "--show-selected")
+    code, out, err = cli(
+        "ask", files["doc"], "What is it?", "-m", model, "-c", "gemfilter:k=32,layer=2", "--show-selected",
+        "--max-new-tokens", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    assert out.startswith(record["answer"] + "\n")
+    assert "kept 32 of" in out and "p.1" in out
+    flat = no_ws(out)  # rows may fold at the console width
+    for span in record["selected_spans"]:
+        assert no_ws(span["text"]) in flat, span
+
+
+def test_pdf_show_selected_page_labels(cli, files, model):
+    code, out, err = cli(
+        "ask", files["pdf"], "What is it?", "-m", model, "-c", "gemfilter:k=32,layer=2", "--show-selected",
+        "--max-new-tokens", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    assert re.search(r"p\.[12]\b", out), out
+
+    record, _ = ask_json(cli, files["pdf"], model, "-c", "gemfilter:k=32,layer=2", "--show-selected")
+    assert record["n_pages"] == 2
+    text = load_document(files["pdf"]).text
+    for span in record["selected_spans"]:
+        assert span["page"] in (1, 2)
+        assert text[span["start"] : span["end"]] == span["text"]
+
+
+def test_ctrl_c_exits_130(cli, files, model, monkeypatch):
+    from kvcli import api
+
+    def interrupted(options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.Session, "open", interrupted)
+    code, out, err = cli("ask", files["doc"], "q", "-m", model)
+    assert code == 130
+    assert out == "" and "Traceback" not in err
+    assert "interrupted" in err
+
+
+# --- the real entry point --------------------------------------------------------------------
+
+
+def test_real_entry_point_matches_in_process(cli, files, model):
+    missing = files["doc"].with_name("missing.txt")
+    args = ["ask", str(missing), "q", "-m", model]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("KVCLI_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    line = assert_user_error((proc.returncode, proc.stdout, proc.stderr), 1, "missing.txt", "does not exist")
+    assert (proc.returncode, proc.stdout, proc.stderr) == cli(*args)
+    assert line == f"kvcli: error: '{missing}' does not exist"
