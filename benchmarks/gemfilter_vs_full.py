@@ -20,7 +20,7 @@ import torch
 from kvcli.api import AskOptions, Session
 from kvcli.bench.runner import markdown_table, run_grid, summary
 
-DEFAULT_SPECS = ["full", "gemfilter", "gemfilter:k=256,span=16"]
+DEFAULT_SPECS = ["full", "gemfilter", "gemfilter:span=16"]
 
 
 def main() -> None:

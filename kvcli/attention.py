@@ -35,6 +35,11 @@ KERNELS = ("sdpa", "eager", "flash")
 Observer = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+class StopForward(Exception):
+    """Raised by an observer that has what it needs: the engine ends the forward pass right there
+    (the layer's KV is already in the cache; its attention output and MLP are never computed)."""
+
+
 @dataclass
 class AttentionContext:
     """What the attention function should do for the forward pass in progress."""

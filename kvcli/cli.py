@@ -57,7 +57,7 @@ def ask(
     path: Path = typer.Argument(..., help="Document: .pdf, .txt, .md or .html", show_default=False),
     question: str = typer.Argument(..., help="The question to answer from the document", show_default=False),
     compressor: str = typer.Option(
-        "gemfilter", "--compressor", "-c", help="Method spec, e.g. full or gemfilter:layer=13,k=1024,kernel=5; chain with +"
+        "gemfilter", "--compressor", "-c", help="Method spec, e.g. full or gemfilter:layer=16,k=256,kernel=5; see `kvcli compressors`"
     ),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF id or local path [default: embedded SmolLM2-135M-Instruct]"),
     device: Device = typer.Option(Device.auto, help="Where to run"),

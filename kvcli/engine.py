@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import attention
-from .attention import AttentionContext, Observer
+from .attention import AttentionContext, Observer, StopForward
 from .cache import KVCache
 
 
@@ -51,10 +51,11 @@ class Engine:
         *,
         layers: Iterable[int] | None = None,
         observers: dict[int, list[Observer]] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run ``ids`` at ``positions`` through ``layers`` (default: all), appending to ``cache``.
 
-        Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden).
+        Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden);
+        None when an observer ended the pass early with :class:`StopForward`.
         """
         ids = ids.to(self.device).view(1, -1)
         pos = positions.to(self.device).view(1, -1)
@@ -62,16 +63,19 @@ class Engine:
         rope = self.rotary_emb(hidden, pos)
         ctx = AttentionContext(kernel=self.kernel, observers=observers or {})
         with attention.attention_context(ctx):
-            for i in range(self.n_layers) if layers is None else layers:
-                out = self.layers[i](
-                    hidden,
-                    attention_mask=None,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=cache is not None,
-                    position_embeddings=rope,
-                )
-                hidden = out[0] if isinstance(out, tuple) else out
+            try:
+                for i in range(self.n_layers) if layers is None else layers:
+                    out = self.layers[i](
+                        hidden,
+                        attention_mask=None,
+                        position_ids=pos,
+                        past_key_values=cache,
+                        use_cache=cache is not None,
+                        position_embeddings=rope,
+                    )
+                    hidden = out[0] if isinstance(out, tuple) else out
+            except StopForward:
+                hidden = None
         if cache is not None and (layers is None or 0 in layers):
             cache.record_positions(positions)
         return hidden

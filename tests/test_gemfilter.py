@@ -87,8 +87,9 @@ def test_filter_pass_stops_at_layer_r(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = prompt_for(lm)
-    calls = []
-    hooks = [l.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, l in enumerate(engine.layers)]
+    entered, mlps = [], []
+    hooks = [l.register_forward_pre_hook(lambda m, a, i=i: entered.append(i)) for i, l in enumerate(engine.layers)]
+    hooks += [l.mlp.register_forward_pre_hook(lambda m, a, i=i: mlps.append(i)) for i, l in enumerate(engine.layers)]
     try:
         gem = parse_one("gemfilter:k=30,layer=2")
         gem.configure(lm)
@@ -96,7 +97,8 @@ def test_filter_pass_stops_at_layer_r(tiny_lm):
     finally:
         for h in hooks:
             h.remove()
-    assert calls == [0, 1]  # layers 3 and 4 never ran on the long prompt
+    assert entered == [0, 1]  # layers 3 and 4 never ran on the long prompt
+    assert mlps == [0]  # layer r stops once its queries and keys are scored
 
 
 def test_second_pass_reads_only_the_kept_tokens_and_keeps_the_question(tiny_lm):
@@ -138,7 +140,7 @@ def test_default_filter_layer_follows_the_paper_ratio(tiny_lm):
     assert default_filter_layer(2) == 1
     gem = parse_one("gemfilter")
     gem.configure(tiny_lm("llama"))
-    assert gem.layer == 2  # round(13/32 * 4)
+    assert gem.layer == 2 and gem.k == 1024  # round(13/32 * 4), the paper's k
     with pytest.raises(UsageError, match="has 4 layers"):
         parse_one("gemfilter:layer=9").configure(tiny_lm("llama"))
 
