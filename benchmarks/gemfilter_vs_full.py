@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "gemfilter_vs_full.json"))
     args = ap.parse_args()
     specs = [s for s in args.methods.split(";") if s.strip()]
-    session = Session.open(AskOptions(max_new_tokens=args.max_new_tokens))
+    # no disk cache: every row is a cold run (see cache_second_question.py for the warm case)
+    session = Session.open(AskOptions(max_new_tokens=args.max_new_tokens, use_cache=False))
 
     def show(row):
         print(

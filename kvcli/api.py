@@ -9,14 +9,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import notices
 from .documents import Document, load_document
 from .engine import Engine
-from .models import LoadedModel, load_model
+from .models import LoadedModel, default_cache_dir, load_model
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .store import KVStore
 
 
 @dataclass
@@ -29,7 +32,8 @@ class AskOptions:
     dtype: str = "auto"
     max_new_tokens: int = 64
     template: str = "qa"
-    cache_dir: Path | None = None
+    cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
+    use_cache: bool = True  # False: never read or write the disk KV store
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -48,6 +52,7 @@ class Session:
     engine: Engine
     options: AskOptions
     template: str
+    store: KVStore | None = None
 
     @classmethod
     def open(cls, options: AskOptions) -> "Session":
@@ -60,7 +65,10 @@ class Session:
             dtype=options.dtype,
             cache_dir=options.cache_dir,
         )
-        return cls(lm=lm, engine=Engine(lm), options=options, template=template)
+        store = None
+        if options.use_cache:
+            store = KVStore.open(options.cache_dir if options.cache_dir is not None else default_cache_dir())
+        return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store)
 
     def ask(self, document: Document, question: str, pipeline: Pipeline, on_token=None) -> Result:
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
@@ -73,6 +81,14 @@ class Session:
             max_new_tokens=self.options.max_new_tokens,
             stop_ids=stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config),
             on_token=on_token,
+            store=self.store,
+            meta={
+                "document": document.source if document.source == "-" else os.path.abspath(document.source),
+                "document_sha256": document.sha256,
+                "model_name": self.lm.name,
+                "method": pipeline.spec(),
+                "template": self.options.template,
+            },
         )
 
 
@@ -97,7 +113,35 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "device": str(session.engine.device),
         "attn": session.lm.attn,
         "quant": session.lm.quant,
+        "cache": result.extra["cache"]["status"],
+        "cache_saved_s": result.extra["cache"]["saved_s"],
+        "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
+        "warnings": notices.collected(),
     }
     if include_spans:
         record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
     return record
+
+
+# --------------------------------------------------------------------------- kvcli cache
+
+
+def open_store(cache_dir: Path | None = None) -> KVStore:
+    return KVStore.open(cache_dir if cache_dir is not None else default_cache_dir())
+
+
+def entries_for_documents(store: KVStore, paths) -> list:
+    """Store entries made from the documents at ``paths``: same absolute path, or same text
+    (sha256 of the extracted text, when the file can still be read — it may have moved)."""
+    wanted_paths, wanted_shas = set(), set()
+    for p in paths:
+        wanted_paths.add(os.path.abspath(p))
+        try:
+            wanted_shas.add(load_document(p).sha256)
+        except Exception:  # gone or unreadable: match by path only
+            pass
+    return [
+        e
+        for e in store.entries()
+        if e.meta and (e.meta.get("document") in wanted_paths or e.meta.get("document_sha256") in wanted_shas)
+    ]

@@ -8,14 +8,31 @@ this class is that contract with nothing hidden: one key and one value tensor pe
 plus the original token position of every cached entry (``positions``, shared by all layers) so
 that methods which drop entries still know where each kept token came from. Layers are appended
 lazily, so a cache may hold only the first ``r`` layers (GemFilter's filter pass).
+
+A cache is also what the disk store (:mod:`kvcli.store`) saves: ``to_tensors()`` gives named
+tensors for a safetensors file plus JSON-able facts, ``from_tensors()`` rebuilds and checks it.
+Other cache classes (compressed layouts) register under their own ``kind`` in :data:`CACHE_TYPES`.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
+CACHE_TYPES: dict[str, type] = {}
 
+
+def cache_type(cls):
+    """Register a cache class under its ``kind`` so the store can load it back."""
+    CACHE_TYPES[cls.kind] = cls
+    return cls
+
+
+@cache_type
 class KVCache:
+    kind: ClassVar[str] = "kv"
+
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -57,6 +74,43 @@ class KVCache:
         """Note the original positions of tokens just appended to every layer."""
         positions = positions.detach().to("cpu", torch.long)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of prompt tokens the cache has seen (its positions)."""
+        return 0 if self.positions is None else self.positions.numel()
+
+    # --- the disk store's contract ---------------------------------------------------------------
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Named contiguous CPU tensors (``k.<layer>``, ``v.<layer>``, ``positions``) and facts."""
+        tensors = {"positions": self.positions.contiguous()}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
+            tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
+        return tensors, {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "KVCache":
+        """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
+        n_layers, n_tokens = int(facts["n_layers"]), int(facts["n_tokens"])
+        expected = {"positions", *(f"{t}.{i}" for i in range(n_layers) for t in "kv")}
+        if set(tensors) != expected:
+            raise ValueError("unexpected tensor names")
+        cache = cls()
+        cache.positions = tensors["positions"].to(torch.long)
+        if cache.positions.shape != (n_tokens,):
+            raise ValueError("positions do not match the token count")
+        shape = None
+        for i in range(n_layers):
+            k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+            if k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != n_tokens or k.shape != v.shape:
+                raise ValueError(f"layer {i} has shape {tuple(k.shape)}")
+            if shape is not None and (k.shape, k.dtype) != shape:
+                raise ValueError(f"layer {i} differs from layer 0")
+            shape = (k.shape, k.dtype)
+            cache.keys.append(k.to(device))
+            cache.values.append(v.to(device))
+        return cache
 
     def copy(self) -> "KVCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""

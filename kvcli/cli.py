@@ -16,8 +16,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from . import api, render
-from .errors import KvcliError
+from . import api, notices, render
+from .errors import KvcliError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -47,6 +47,11 @@ class Attn(str, Enum):
     flash = "flash"
 
 
+def _route_warnings(quiet: bool) -> None:
+    """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, none with --quiet."""
+    notices.set_sink(None if quiet else lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
+
+
 def _stderr(quiet: bool) -> Console:
     # soft_wrap: the stats line stays one line when stderr is a pipe or a narrow terminal
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
@@ -69,10 +74,12 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text"),
     show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models are kept"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept [default: $XDG_CACHE_HOME/kvcli]"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
 ) -> None:
     """Answer QUESTION from the document at PATH."""
     err = _stderr(quiet)
+    _route_warnings(quiet)
     options = api.AskOptions(
         compressor=compressor,
         model=model,
@@ -83,6 +90,7 @@ def ask(
         max_new_tokens=max_new_tokens,
         template=template,
         cache_dir=cache_dir,
+        use_cache=not no_cache,
     )
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = api.read_document(path)
@@ -101,9 +109,12 @@ def ask(
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
         render.selected_spans(view, spans, document, result.n_kept_tokens, result.prompt.n_tokens)
+    cache = result.extra["cache"]
+    saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
     err.print(
         f"[dim]{pipeline.spec()} · kept {result.n_kept_tokens:,}/{result.prompt.n_tokens:,} tokens · "
-        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB[/dim]"
+        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
+        f"cache {cache['status']}{saved}[/dim]"
     )
 
 
@@ -111,6 +122,99 @@ def ask(
 def compressors() -> None:
     """List the compression methods with their knobs and defaults."""
     render.compressor_table(stdout)
+
+
+cache_app = typer.Typer(
+    no_args_is_help=True,
+    help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",
+)
+app.add_typer(cache_app, name="cache")
+
+CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory [default: $XDG_CACHE_HOME/kvcli]")
+
+
+@cache_app.command("path")
+def cache_path(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Print the folder the KV cache entries live in."""
+    stdout.out(str(api.open_store(cache_dir).root))
+
+
+@cache_app.command("ls")
+def cache_ls(
+    cache_dir: Optional[Path] = CacheDir,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per entry (JSON Lines)"),
+) -> None:
+    """List the entries: document, model, method, size, last use (most recent first)."""
+    entries = api.open_store(cache_dir).entries()
+    if as_json:
+        for e in entries:
+            stdout.out(json.dumps(e.to_json(), ensure_ascii=False))
+    else:
+        render.cache_table(stdout, entries)
+
+
+@cache_app.command("info")
+def cache_info(
+    key: Optional[str] = typer.Argument(None, help="An entry's key (or its first characters); none: totals"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Totals of the cache, or everything recorded about one entry, as JSON."""
+    store = api.open_store(cache_dir)
+    entries = store.entries()
+    if key is None:
+        info = {
+            "path": str(store.root),
+            "entries": len(entries),
+            "size_bytes": sum(e.size for e in entries),
+            "damaged": sum(1 for e in entries if e.error),
+        }
+        stdout.out(json.dumps(info, indent=1))
+        return
+    matches = [e for e in entries if e.key.startswith(key.lower())]
+    if len(matches) != 1:
+        raise UsageError(f"{'no' if not matches else len(matches)} cache entries match key '{key}'")
+    stdout.out(json.dumps({**matches[0].to_json(), "metadata": matches[0].meta}, indent=1, ensure_ascii=False))
+
+
+@cache_app.command("rm")
+def cache_rm(
+    documents: Optional[list[Path]] = typer.Argument(None, help="Remove the entries of these documents"),
+    key: Optional[list[str]] = typer.Option(None, "--key", help="Remove the entry with this key (or key prefix); repeatable"),
+    all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Remove entries by document, by key, or all of them."""
+    if not documents and not key and not all_entries:
+        raise UsageError("cache rm: name documents, --key KEY or --all")
+    store = api.open_store(cache_dir)
+    if all_entries:
+        chosen = store.entries()
+    else:
+        chosen = api.entries_for_documents(store, documents or [])
+        entries = store.entries()
+        for k in key or []:
+            chosen += [e for e in entries if e.key.startswith(k.lower()) and e not in chosen]
+    freed = store.remove(chosen)
+    if all_entries:
+        store.clean_temp_files(max_age_s=0)
+    stdout.out(f"removed {len(chosen)} entries, {render.human_bytes(freed)}")
+
+
+@cache_app.command("prune")
+def cache_prune(
+    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, e.g. 500M or 2G; least recently used go first"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Shrink the cache to --max-size by removing the least recently used entries."""
+    from .store import parse_size
+
+    limit = parse_size(max_size)
+    store = api.open_store(cache_dir)
+    removed = store.prune(limit)
+    stdout.out(
+        f"removed {len(removed)} entries, {render.human_bytes(sum(e.size for e in removed))}; "
+        f"{render.human_bytes(store.total_bytes())} left"
+    )
 
 
 def _click_exception_types() -> tuple[type, ...]:

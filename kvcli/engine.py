@@ -80,6 +80,23 @@ class Engine:
             cache.record_positions(positions)
         return hidden
 
+    def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None) -> KVCache:
+        """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
+
+        Only the KV is wanted, so the pass stops inside the last of those layers as soon as its
+        keys and values are cached (its attention output and MLP are never computed).
+        """
+        n_layers = self.n_layers if n_layers is None else n_layers
+        if not 1 <= n_layers <= self.n_layers:
+            raise ValueError(f"n_layers must be in 1..{self.n_layers}, got {n_layers}")
+        cache = KVCache()
+
+        def stop(query: torch.Tensor, key: torch.Tensor) -> None:
+            raise StopForward
+
+        self.forward(ids, torch.arange(ids.numel()), cache, layers=range(n_layers), observers={n_layers - 1: [stop]})
+        return cache
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: (1, q, hidden) -> (q, vocab) float32."""

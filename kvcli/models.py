@@ -28,6 +28,7 @@ since a first download of a large model can take minutes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -48,6 +49,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from kvcli import notices
 from kvcli.errors import ModelError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -326,12 +328,20 @@ def _embedded(cache_dir: Path | None) -> tuple[Path, str]:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         sha = _gguf_sha256(gguf, cache_dir)
+        models_dir = cache_dir / "models"
+        target = models_dir / f"{EMBEDDED_MODEL}-{sha[:12]}"
+        if _is_converted(target):
+            return target, sha
+        models_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
+        probe.close()
     except OSError as e:
-        raise ModelError(f"cannot use the cache directory {cache_dir}: {_one_line(e)}") from e
-    models_dir = cache_dir / "models"
-    target = models_dir / f"{EMBEDDED_MODEL}-{sha[:12]}"
-    if _is_converted(target):
-        return target, sha
+        notices.warn(
+            f"cannot write to the cache directory {cache_dir} ({_one_line(e)}); running without the "
+            "disk cache (the embedded model is converted again, ~20 s, on every run)",
+            key=("cache-dir", str(cache_dir)),
+        )
+        return _convert_to_temp(gguf)
 
     tmp: Path | None = None
     try:
@@ -378,6 +388,19 @@ def _embedded(cache_dir: Path | None) -> tuple[Path, str]:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return target, sha
+
+
+def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
+    """Convert the embedded model into a temporary folder removed when the process exits."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvcli-model-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    try:
+        _convert_gguf(gguf, tmp)
+    except MemoryError as e:
+        raise ModelError("not enough memory to convert the embedded model") from e
+    except Exception as e:
+        raise ModelError(f"cannot convert the embedded model {gguf.name}: {_one_line(e)}") from e
+    return tmp, _file_sha256(gguf)
 
 
 def embedded_model_path(cache_dir: Path | None = None) -> Path:

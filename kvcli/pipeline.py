@@ -3,6 +3,12 @@
 ``-c "gemfilter:k=2048+snapkv:budget=512"`` parses into a :class:`Pipeline`: stages run in the order
 of the hooks (every ``select_tokens`` first, in the order written, then the prefill). At most one
 stage may own an exclusive phase (:data:`compressors.base.EXCLUSIVE_PHASES`).
+
+The prompt is always run in two parts: its question-agnostic prefix (document + template,
+``Prompt.prefix_len`` tokens), whose state the *reader* — the stage that reads the whole prompt
+first — computes with ``build_prefix`` or loads from the disk store (:mod:`kvcli.store`), then
+the question's tokens on top of it. Cold, warm and ``--no-cache`` runs therefore do the same
+arithmetic and give token-identical answers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from .errors import DocumentError, UsageError
 from .measure import measure
 from .prompt import Prompt
 from .selection import Selection
+from .store import Fetched, KVStore, make_key
 
 SEPARATOR = "+"
 
@@ -55,6 +62,60 @@ class Pipeline:
     def owner(self, phase: str) -> Compressor | None:
         return next((s for s in self.stages if phase in owned_phases(type(s))), None)
 
+    def selectors(self) -> list[Compressor]:
+        return [s for s in self.stages if "select_tokens" in owned_phases(type(s))]
+
+    def reader(self) -> Compressor:
+        """The stage that reads the whole prompt first, and so owns the prefix state: the first
+        selector, else the owner of ``build_prefix``, else the prefill owner, else the first stage."""
+        selectors = self.selectors()
+        if selectors:
+            return selectors[0]
+        return self.owner("build_prefix") or self.owner("prefill") or self.stages[0]
+
+
+@dataclass
+class Prefix:
+    """The question-agnostic start of the prompt and the reader's state of it, obtained lazily
+    (from the store, or computed) the first time a stage asks for it."""
+
+    ids: torch.Tensor  # (n,) the prefix tokens
+    build: Callable[[], object]  # () -> state; loads or computes
+    fetched: Fetched | None = None
+    _state: object | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.numel()
+
+    def cache(self):
+        """A fresh copy of the state (appending the question's tokens never touches the stored one)."""
+        if self._state is None:
+            self._state, self.fetched = self.build()
+        return self._state.copy()
+
+
+def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> Prefix | None:
+    """The :class:`Prefix` of ``prompt`` for ``reader``; None when the method keeps no prefix state."""
+    lm = engine.lm
+    state = reader.prefix_state(lm)
+    if state is None or prompt.prefix_len == 0:
+        return None
+    ids = prompt.ids[: prompt.prefix_len]
+
+    def compute():
+        return reader.build_prefix(engine, ids)
+
+    def build():
+        if store is None:
+            t0 = time.perf_counter()
+            cache = compute()
+            return cache, Fetched("off", time.perf_counter() - t0)
+        key = make_key(lm, ids, state)
+        return store.fetch(key, compute, meta, device=engine.device)
+
+    return Prefix(ids, build)
+
 
 @dataclass
 class Result:
@@ -91,17 +152,23 @@ def run(
     max_new_tokens: int,
     stop_ids: set[int],
     on_token: Callable[[int], None] | None = None,
+    store: KVStore | None = None,
+    meta: dict | None = None,
 ) -> Result:
-    """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily."""
+    """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
+
+    ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
+    recorded with a new store entry (document, method).
+    """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
     with measure(engine.device) as m:
         start = time.perf_counter()
+        prefix = make_prefix(engine, prompt, pipeline.reader(), store, meta or {})
         selection = Selection(torch.arange(prompt.n_tokens))
-        for stage in pipeline.stages:
-            if "select_tokens" not in owned_phases(type(stage)):
-                continue
-            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_suffix)
+        for i, stage in enumerate(pipeline.selectors()):
+            # only the first selector sees the prompt itself; later ones see its selection
+            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_suffix, prefix=prefix if i == 0 else None)
             if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
@@ -109,9 +176,14 @@ def run(
             else:
                 selection = Selection(selection.kept[sub.kept], selection.scores)
         kept_ids = ids[selection.kept]
+        # after a selection the kept tokens are re-run from scratch: the prefix state no longer applies
+        second_prefix = None if pipeline.selectors() else prefix
         owner = pipeline.owner("prefill")
         if owner is not None:
-            cache, logits, next_position = owner.prefill(engine, kept_ids)
+            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix)
+        elif second_prefix is not None:
+            cache, logits = engine.prefill(kept_ids[second_prefix.n_tokens :], cache=second_prefix.cache())
+            next_position = kept_ids.numel()
         else:
             cache, logits = engine.prefill(kept_ids)
             next_position = kept_ids.numel()
@@ -128,5 +200,8 @@ def run(
         total_s=total,
         peak_mem_mb=m.peak_mem_mb,
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
-        extra={"kv_cache_bytes": cache.nbytes()},
+        extra={
+            "kv_cache_bytes": cache.nbytes(),
+            "cache": (prefix.fetched if prefix is not None and prefix.fetched is not None else Fetched("off", 0.0)).to_json(),
+        },
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -32,6 +34,40 @@ def selected_spans(console: Console, spans, document, n_kept: int, n_total: int,
         console.print(line, overflow="fold")
     if len(shown) < len(spans):
         console.print(f"… {len(spans) - len(shown)} more spans (use --json for all)", style="dim")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cache_table(console: Console, entries) -> None:
+    """``kvcli cache ls``: one row per store entry, most recently used first (``--json``: all fields)."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+    for col in ("key", "document", "model", "method", "state", "tokens", "size", "last use"):
+        right = col in ("tokens", "size")
+        table.add_column(col, justify="right" if right else "left", overflow="fold", no_wrap=col in ("key", "size"))
+    for e in entries:
+        j = e.to_json()
+        state = j["state"] if isinstance(j["state"], dict) else {}
+        what = " ".join(f"{k}={v}" for k, v in state.items() if k != "kind")
+        table.add_row(
+            j["key"][:12],
+            Path(j["document"]).name if j["document"] else f"[red]damaged: {e.error}[/red]",
+            Path(j["model"]).name if j["model"] else "-",
+            (j["method"] or "-").split(":")[0],
+            f"{state.get('kind', '-')} {what}".strip(),
+            f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-",
+            human_bytes(j["size_bytes"]),
+            j["last_use"][:16].replace("T", " "),
+        )
+    console.print(table)
+    console.print(f"[dim]{len(entries)} entries, {human_bytes(sum(e.size for e in entries))}[/dim]")
 
 
 def compressor_table(console: Console) -> None:

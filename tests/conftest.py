@@ -13,6 +13,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache_dir(tmp_path_factory):
+    """Point KVCLI_CACHE_DIR at a fresh folder for the whole run, so tests never read or fill the
+    user's disk KV cache; its ``models/`` links to the user's, so the embedded model is converted
+    at most once per machine, not once per test run."""
+    from kvcli.models import default_cache_dir
+
+    real_models = default_cache_dir() / "models"
+    real_models.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("kvcli-cache")
+    (root / "models").symlink_to(real_models, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCLI_CACHE_DIR", str(root))
+        yield root
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """``tiny_dir(family, **overrides)`` -> folder of a tiny random model (built once per session)."""

@@ -37,3 +37,24 @@ def test_demo_question_on_the_example_pdf(embedded_session):
     doc = read_document(EXAMPLES / "lighthouse.pdf")
     result = embedded_session.ask(doc, "What is the combination for the oil store padlock?", parse_pipeline("full"))
     assert "4-7-1-9" in result.answer
+
+
+@pytest.mark.parametrize("spec", ["full", "gemfilter"])
+def test_disk_cache_warm_equals_cold_on_the_real_model(embedded_session, passkey_case, tmp_path, spec):
+    import dataclasses
+
+    from kvcli.store import KVStore
+
+    doc = document_from_text(passkey_case.text)
+    cached = dataclasses.replace(embedded_session, store=KVStore.open(tmp_path))
+    uncached = dataclasses.replace(embedded_session, store=None)
+    cold = cached.ask(doc, passkey_case.question, parse_pipeline(spec))
+    warm = cached.ask(doc, passkey_case.question, parse_pipeline(spec))
+    off = uncached.ask(doc, passkey_case.question, parse_pipeline(spec))
+    assert [r.extra["cache"]["status"] for r in (cold, warm, off)] == ["miss", "hit", "off"]
+    assert cold.answer_ids == warm.answer_ids == off.answer_ids
+    assert passkey_case.is_correct(warm.answer)
+    # a different question on the same document reuses the entry
+    other = cached.ask(doc, "What is the text about?", parse_pipeline(spec))
+    assert other.extra["cache"]["status"] == "hit"
+    assert other.answer_ids == uncached.ask(doc, "What is the text about?", parse_pipeline(spec)).answer_ids

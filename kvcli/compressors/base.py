@@ -7,8 +7,27 @@ by :mod:`kvcli.pipeline` in this order:
 ``select_tokens(engine, prompt_ids) -> kept``
     Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
     with fresh, contiguous positions. Several selectors may chain.
-``prefill(engine, ids) -> (cache, first_logits)``
+``prefill(engine, ids, prefix) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
+
+What a method computes from the question-agnostic prompt prefix (the document and the template
+around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
+keeps it so a second question starts from it:
+
+``prefix_state(lm) -> dict | None``
+    The parameters that state depends on (hashed into the store key), or None when the method has
+    no reusable state (it needs the question to read the document, e.g. Finch). Default: the KV of
+    every layer — full attention's, and that of methods which compress after seeing the question.
+``build_prefix(engine, prefix_ids) -> cache``
+    Compute the state for ``prefix_ids`` (n,) at positions 0..n-1. Default: the KV of the first
+    ``prefix_state(lm)["layers"]`` layers (:meth:`kvcli.engine.Engine.prefix_kv`). A method whose
+    state is a compressed cache (question-agnostic, e.g. RazorAttention) overrides it and returns
+    any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.cache`).
+    At most one method per pipeline may override it.
+
+The pipeline hands the state to the stage that reads the whole prompt first (the first selector,
+else the prefill owner, else the first stage) as a :class:`kvcli.pipeline.Prefix`: ``prefix.cache()``
+returns a fresh copy of it (loaded from the store, or computed) and ``prefix.ids`` the tokens.
 
 A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
 the pipeline can refuse two methods that would both own the prefill loop.
@@ -32,8 +51,8 @@ from ..selection import Selection
 REGISTRY: dict[str, type["Compressor"]] = {}
 
 # hooks that at most one method of a pipeline may own
-EXCLUSIVE_PHASES = ("prefill",)
-PHASES = ("select_tokens", "prefill")
+EXCLUSIVE_PHASES = ("build_prefix", "prefill")
+PHASES = ("select_tokens", "build_prefix", "prefill")
 
 
 def knob(default, help: str):
@@ -54,14 +73,26 @@ class Compressor:
         Raise :class:`UsageError` for knob values that cannot work with this model.
         """
 
-    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0) -> "Selection":
+    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> "Selection":
         """Choose prompt tokens to keep: a Selection of sorted indices into ``prompt_ids`` (n,)
         (and the per-token scores, if any). The last ``protected`` tokens are the question and
-        the generation prompt; the method's own rule decides whether they are forced in."""
+        the generation prompt; the method's own rule decides whether they are forced in.
+        ``prefix``: the state of ``prompt_ids[:prefix.n_tokens]`` (see the module docstring), or None."""
         raise NotImplementedError
 
-    def prefill(self, engine, ids: torch.Tensor):
+    def prefill(self, engine, ids: torch.Tensor, prefix=None):
+        """Run the prompt ``ids`` (n,) and return ``(cache, first_logits (vocab,), next_position)``;
+        ``prefix`` as for :meth:`select_tokens`."""
         raise NotImplementedError
+
+    # --- the reusable state of the question-agnostic prefix (kvcli.store) ----------------------
+    def prefix_state(self, lm) -> dict | None:
+        """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on."""
+        return {"kind": "kv", "layers": lm.n_layers}
+
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache)."""
+        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"])
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod

@@ -135,7 +135,14 @@ class GemFilter(Compressor):
         engine.forward(ids, positions, cache, layers=range(r), observers={r - 1: [observe]})
         return captured[0]
 
-    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0) -> Selection:
+    def prefix_state(self, lm) -> dict:
+        """What the disk store keeps: the prefix KV of layers 1..r (k, kernel, span act after it)."""
+        return {"kind": "kv", "layers": self.layer}
+
+    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> Selection:
+        """With a ``prefix`` (the KV of layers 1..r of the first prefix.n_tokens tokens, from the
+        store or just computed), only the remaining tokens run through layers 1..r; the scores are
+        the same as one pass over the whole prompt."""
         n = prompt_ids.numel()
         if self.k > n:
             if "k" in self.explicit_knobs:
@@ -144,6 +151,9 @@ class GemFilter(Compressor):
                     f"use k <= {n}, or -c full to keep everything"
                 )
             return Selection(torch.arange(n))  # automatic k and a short document: nothing to filter
-        scores = self.filter_scores(engine, prompt_ids).cpu()
+        if prefix is not None:
+            scores = self.filter_scores(engine, prompt_ids[prefix.n_tokens :], cache=prefix.cache()).cpu()
+        else:
+            scores = self.filter_scores(engine, prompt_ids).cpu()
         forced = torch.arange(n - protected, n) if self.keep_question and protected else None
         return Selection(top_k_positions(scores, self.k, forced, self.span), scores)

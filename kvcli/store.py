@@ -1,0 +1,434 @@
+"""The disk store: prefix states kept between runs, so a second question costs a fraction of the first.
+
+What is stored is a method's *prefix state* (:meth:`kvcli.compressors.base.Compressor.prefix_state`):
+the KV of the question-agnostic start of the prompt (all layers for full attention, layers 1..r for
+GemFilter, a compressed cache for question-agnostic methods). A new question runs only its own
+tokens on top of it.
+
+One entry is one file, ``<cache_dir>/kv/<key>.safetensors``: the tensors of the cache plus, in the
+safetensors header, a JSON document (``metadata["kvcli"]``) with what the key hashes, the shapes,
+a CRC-32 of the tensor bytes and facts for ``kvcli cache ls``. Data, never code: no pickle.
+
+Keys (:func:`make_key`) hash everything that changes the state: the store format version, the
+model fingerprint (weights, config, tokenizer and chat template, dtype, quantisation), the device
+type and attention kernel, the prefix token ids (the document and the prompt template around it),
+the method's state parameters (e.g. ``{"kind": "kv", "layers": 16}``: GemFilter's k does not
+change what is stored, so ``gemfilter:k=256`` and ``gemfilter:k=512`` share an entry), and the
+question's tokens only for states that depend on it.
+
+Safety:
+
+* writes go to a temporary file in the same folder, then ``os.replace`` — readers see the old
+  entry or the new one, never half a file;
+* an exclusive ``flock`` per key makes concurrent kvcli processes wait for the one computing an
+  entry and then load it, instead of all computing it;
+* every load checks the JSON, the format version, the key, the tensor names, shapes, dtypes and
+  CRC-32 and the cache's own consistency; anything wrong is a warning, the entry is dropped and the
+  state recomputed — never a crash or a wrong answer;
+* a cache directory that cannot be created or written (read-only, full disk) turns the store off
+  for the rest of the run, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from . import notices
+from .cache import CACHE_TYPES
+
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+_META_KEY = "kvcli"
+_STALE_TEMP_S = 3600.0
+
+try:  # POSIX advisory locks; elsewhere concurrent runs may compute an entry twice (still safe)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    digest: str  # sha256 hex of the canonical JSON of ``fields``
+    fields: dict  # everything the entry depends on
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tensor | None = None) -> StoreKey:
+    """The key of the prefix state ``state`` of ``prefix_ids`` (n,) for the model ``lm``."""
+    fields = {
+        "format": FORMAT_VERSION,
+        "model": lm.fingerprint,
+        "device": lm.device.type,
+        "attn": lm.attn,
+        "tokens": _ids_digest(prefix_ids),
+        "n_tokens": int(prefix_ids.numel()),
+        "state": state,
+        "question": None if question_ids is None else _ids_digest(question_ids),
+    }
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return StoreKey(hashlib.sha256(canonical.encode()).hexdigest(), fields)
+
+
+# --------------------------------------------------------------------------- entries
+
+
+@dataclass
+class Entry:
+    """One file of the store, as ``kvcli cache ls`` shows it."""
+
+    path: Path
+    size: int
+    last_use: float  # mtime: set when written and on every hit
+    meta: dict | None  # None: the header could not be read
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.path.name[: -len(SUFFIX)]
+
+    def to_json(self) -> dict:
+        meta = self.meta or {}
+        return {
+            "key": self.key,
+            "path": str(self.path),
+            "size_bytes": self.size,
+            "last_use": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.last_use)),
+            "document": meta.get("document"),
+            "document_sha256": meta.get("document_sha256"),
+            "model": meta.get("model_name"),
+            "method": meta.get("method"),
+            "state": (meta.get("fields") or {}).get("state"),
+            "n_tokens": (meta.get("fields") or {}).get("n_tokens"),
+            "compute_s": meta.get("compute_s"),
+            "created": meta.get("created"),
+            "error": self.error,
+        }
+
+
+@dataclass
+class Fetched:
+    """What :meth:`KVStore.fetch` did: ``status`` is hit, miss or off."""
+
+    status: str
+    seconds: float  # time to load (hit) or compute (miss, off)
+    saved_s: float | None = None  # hit: the entry's compute time minus the load time
+    entry_bytes: int | None = None
+    key: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "status": self.status,
+            "seconds": round(self.seconds, 4),
+            "saved_s": None if self.saved_s is None else round(self.saved_s, 4),
+            "entry_bytes": self.entry_bytes,
+            "key": self.key,
+        }
+
+
+class DamagedEntry(Exception):
+    """A store file that cannot be trusted (torn, corrupted, foreign, old format)."""
+
+
+def _crc32(tensors: dict[str, torch.Tensor]) -> int:
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"", crc)
+    return crc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@dataclass
+class KVStore:
+    root: Path  # <cache_dir>/kv
+    enabled: bool = True
+    _memo: tuple[str, object] | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, cache_dir: Path) -> "KVStore":
+        return cls(Path(cache_dir).expanduser() / "kv")
+
+    # --- the one call the pipeline makes ------------------------------------------------------
+    def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu") -> tuple[object, Fetched]:
+        """The state under ``key``: loaded when a valid entry exists, else ``compute()`` d and saved.
+
+        ``meta``: facts about the entry for ``cache ls`` (document, method, ...). Never raises
+        because of the store itself: a broken or unwritable store only costs the recomputation.
+        """
+        if not self.enabled:
+            return self._compute(compute, "off")
+        t0 = time.perf_counter()
+        hit = self._try_load(key, device)
+        if hit is not None:
+            return hit[0], self._hit(hit, t0)
+        with self._lock(key.digest):
+            hit = self._try_load(key, device)  # another process may have written it meanwhile
+            if hit is not None:
+                return hit[0], self._hit(hit, t0)
+            cache, fetched = self._compute(compute, "miss")
+            if self.enabled:
+                fetched.entry_bytes = self._save(key, cache, meta, fetched.seconds)
+                fetched.key = key.digest
+            if not self.enabled:  # the lock or the write failed: the store is off from now on
+                fetched.status, fetched.entry_bytes, fetched.key = "off", None, None
+        return cache, fetched
+
+    def _compute(self, compute, status: str) -> tuple[object, Fetched]:
+        t0 = time.perf_counter()
+        cache = compute()
+        return cache, Fetched(status, time.perf_counter() - t0)
+
+    def _hit(self, hit, t0: float) -> Fetched:
+        cache, meta, size, path = hit
+        seconds = time.perf_counter() - t0
+        with contextlib.suppress(OSError):
+            os.utime(path)  # last use, for prune
+        compute_s = meta.get("compute_s")
+        saved = max(0.0, float(compute_s) - seconds) if isinstance(compute_s, (int, float)) else None
+        return Fetched("hit", seconds, saved, size, meta.get("key"))
+
+    # --- paths and failure handling -------------------------------------------------------------
+    def path_of(self, digest: str) -> Path:
+        return self.root / f"{digest}{SUFFIX}"
+
+    def _disable(self, exc: BaseException) -> None:
+        self.enabled = False
+        notices.warn(
+            f"cannot write to the cache directory {self.root} ({_one_line(exc)}); running without the disk cache",
+            key=("cache-dir", str(self.root.parent)),
+        )
+
+    @contextlib.contextmanager
+    def _lock(self, digest: str) -> Iterator[None]:
+        """Exclusive per-key lock across processes (a no-op when it cannot be taken)."""
+        handle = None
+        try:
+            locks = self.root / "locks"
+            locks.mkdir(parents=True, exist_ok=True)
+            handle = open(locks / f"{digest}.lock", "a+b")
+            if fcntl is not None:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        except OSError as e:
+            if handle is not None:
+                handle.close()
+                handle = None
+            self._disable(e)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.close()  # releases the flock
+
+    # --- load -----------------------------------------------------------------------------------
+    def _try_load(self, key: StoreKey, device):
+        """(cache, meta, size, path) of a valid entry; None when absent or damaged (then removed)."""
+        if self._memo is not None and self._memo[0] == key.digest:
+            path = self.path_of(key.digest)
+            with contextlib.suppress(OSError):
+                cache, meta, size = self._memo[1]
+                if path.stat().st_size == size:  # still there: the memo is that file
+                    return cache, meta, size, path
+            self._memo = None
+        path = self.path_of(key.digest)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return None
+        try:
+            cache, meta = self._read(path, key, device)
+        except DamagedEntry as e:
+            notices.warn(f"cache entry {path.name} is damaged ({e}); recomputing it")
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        except OSError:
+            return None  # vanished (pruned by another process) or unreadable: recompute
+        self._memo = (key.digest, (cache, meta, size))
+        return cache, meta, size, path
+
+    def _read(self, path: Path, key: StoreKey, device):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                meta = json.loads(header.get(_META_KEY, "null"))
+                if not isinstance(meta, dict):
+                    raise DamagedEntry("no kvcli metadata")
+                if meta.get("format") != FORMAT_VERSION:
+                    raise DamagedEntry(f"store format {meta.get('format')}, expected {FORMAT_VERSION}")
+                if meta.get("key") != key.digest or meta.get("fields") != key.fields:
+                    raise DamagedEntry("it belongs to another key (model, document or method)")
+                expected = meta.get("tensors")
+                if not isinstance(expected, dict) or set(expected) != set(f.keys()):
+                    raise DamagedEntry("tensor names differ from its metadata")
+                tensors = {}
+                for name, (dtype, shape) in expected.items():
+                    t = f.get_tensor(name)
+                    if str(t.dtype) != dtype or list(t.shape) != shape:
+                        raise DamagedEntry(f"tensor {name} is {t.dtype} {list(t.shape)}, metadata says {dtype} {shape}")
+                    tensors[name] = t
+        except DamagedEntry:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # safetensors' own errors (torn header, truncated data), bad JSON
+            raise DamagedEntry(_one_line(e)) from e
+        if _crc32(tensors) != meta.get("crc32"):
+            raise DamagedEntry("checksum mismatch")
+        cls = CACHE_TYPES.get(meta.get("cache_kind"))
+        if cls is None:
+            raise DamagedEntry(f"unknown cache kind {meta.get('cache_kind')!r}")
+        try:
+            cache = cls.from_tensors(tensors, meta.get("facts") or {}, device=device)
+        except (ValueError, KeyError, TypeError) as e:
+            raise DamagedEntry(_one_line(e)) from e
+        if cache.n_tokens != key.fields["n_tokens"]:
+            raise DamagedEntry(f"{cache.n_tokens} tokens, expected {key.fields['n_tokens']}")
+        return cache, meta
+
+    # --- save -----------------------------------------------------------------------------------
+    def _save(self, key: StoreKey, cache, meta: dict, compute_s: float) -> int | None:
+        """Write the entry atomically; returns its size, or None when the store had to turn off."""
+        from safetensors.torch import save_file
+
+        tensors, facts = cache.to_tensors()
+        full_meta = {
+            **meta,
+            "format": FORMAT_VERSION,
+            "key": key.digest,
+            "fields": key.fields,
+            "cache_kind": cache.kind,
+            "facts": facts,
+            "tensors": {name: [str(t.dtype), list(t.shape)] for name, t in tensors.items()},
+            "crc32": _crc32(tensors),
+            "compute_s": round(compute_s, 4),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        path = self.path_of(key.digest)
+        tmp = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{key.digest[:16]}.", suffix=".tmp", dir=self.root)
+            os.close(fd)
+            save_file(tensors, tmp, metadata={_META_KEY: json.dumps(full_meta, sort_keys=True)})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+            tmp = None
+            size = path.stat().st_size
+        except OSError as e:  # read-only, full disk, quota...
+            self._disable(e)
+            return None
+        except Exception as e:  # safetensors wraps I/O errors in its own exception type
+            self._disable(e)
+            return None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self._memo = (key.digest, (cache, full_meta, size))
+        return size
+
+    # --- kvcli cache ls / rm / prune -----------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Every entry, most recently used first."""
+        from safetensors import safe_open
+
+        out = []
+        if not self.root.is_dir():
+            return out
+        for path in self.root.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            meta, error = None, None
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = json.loads((f.metadata() or {}).get(_META_KEY, "null"))
+                if not isinstance(meta, dict):
+                    meta, error = None, "no kvcli metadata"
+            except Exception as e:
+                error = _one_line(e)
+            out.append(Entry(path, st.st_size, st.st_mtime, meta, error))
+        out.sort(key=lambda e: e.last_use, reverse=True)
+        return out
+
+    def remove(self, entries: list[Entry]) -> int:
+        """Delete ``entries``; returns the bytes freed."""
+        freed = 0
+        for e in entries:
+            with contextlib.suppress(FileNotFoundError):
+                e.path.unlink()
+                freed += e.size
+        if self._memo is not None and not self.path_of(self._memo[0]).exists():
+            self._memo = None
+        return freed
+
+    def prune(self, max_bytes: int) -> list[Entry]:
+        """Remove least recently used entries (and damaged ones) until the store fits in ``max_bytes``."""
+        entries = self.entries()
+        removed = [e for e in entries if e.error]
+        kept = [e for e in entries if not e.error]
+        total = sum(e.size for e in kept)
+        for e in reversed(kept):  # oldest last use first
+            if total <= max_bytes:
+                break
+            removed.append(e)
+            total -= e.size
+        self.remove(removed)
+        self.clean_temp_files()
+        return removed
+
+    def clean_temp_files(self, max_age_s: float = _STALE_TEMP_S) -> None:
+        """Remove temporary files of writes killed half-way."""
+        now = time.time()
+        for p in self.root.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+
+def parse_size(text: str) -> int:
+    """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
+    from .errors import UsageError
+
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(s[-1:], 1)
+    number = s[:-1] if s[-1:] in units else s
+    try:
+        value = float(number)
+    except ValueError:
+        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'") from None
+    if value < 0:
+        raise UsageError(f"size must not be negative, got '{text}'")
+    return int(value * scale)
