@@ -116,7 +116,7 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "cache": result.extra["cache"]["status"],
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
-        "warnings": notices.collected(),
+        "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     if include_spans:
         record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from . import api, notices, render
+from . import api, batch, notices, render
 from .errors import KvcliError, UsageError
 
 app = typer.Typer(
@@ -57,27 +57,42 @@ def _stderr(quiet: bool) -> Console:
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
-@app.command()
+ASK_HELP = """Answer a question from documents.
+
+    kvcli ask book.pdf "Who is the narrator?"            one document: the answer as text (or --json)
+    kvcli ask contracts/ "Who are the parties?"          a folder (recursive), globs, several paths
+    kvcli ask a.pdf b.md --questions questions.txt       every question of the file, for each document
+    cat notes.txt | kvcli ask - "What changed?"          - : the document text from stdin
+
+With more than one document or question the output is JSON Lines: one object per (document,
+question), in input order; a document that fails gives an error record and the batch goes on.
+Exit code: 0 all answered, 1 some failed, 2 usage error.
+"""
+
+
+@app.command(help=ASK_HELP)
 def ask(
-    path: Path = typer.Argument(..., help="Document: .pdf, .txt, .md or .html", show_default=False),
-    question: str = typer.Argument(..., help="The question to answer from the document", show_default=False),
-    compressor: str = typer.Option(
-        "gemfilter", "--compressor", "-c", help="Method spec, e.g. full or gemfilter:layer=16,k=256,kernel=5; see `kvcli compressors`"
+    inputs: list[str] = typer.Argument(
+        ..., metavar="DOCUMENT... QUESTION", help="Documents (.pdf .txt .md .html), folders, globs or - (stdin), then the question (omit it with --questions)", show_default=False
     ),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="HF id or local path [default: embedded SmolLM2-135M-Instruct]"),
+    questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
+    compressor: str = typer.Option(
+        "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or gemfilter:layer=16,k=256,kernel=5; see `kvcli compressors`"
+    ),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path [default: embedded SmolLM2-135M-Instruct]"),
     device: Device = typer.Option(Device.auto, help="Where to run"),
     quant: Quant = typer.Option(Quant.none, help="Weight quantisation with bitsandbytes"),
     attn: Attn = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)"),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Longest answer, in tokens"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, envvar="KVCLI_MAX_NEW_TOKENS", help="Longest answer, in tokens"),
     template: str = typer.Option("qa", help="Prompt template name in prompts/ or a path"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text"),
-    show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text (always, for batches: JSON Lines)"),
+    show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers (in JSON: selected_spans)"),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="In a batch, stop at the first failure"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept [default: $XDG_CACHE_HOME/kvcli]"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
 ) -> None:
-    """Answer QUESTION from the document at PATH."""
     err = _stderr(quiet)
     _route_warnings(quiet)
     options = api.AskOptions(
@@ -92,8 +107,30 @@ def ask(
         cache_dir=cache_dir,
         use_cache=not no_cache,
     )
+    # --- what to ask of what: every usage error before the model loads
+    if questions_file is not None:
+        paths, questions = inputs, batch.read_questions(questions_file)
+    elif len(inputs) < 2:
+        raise UsageError(
+            "give a document and a question, e.g. kvcli ask book.pdf \"Who wrote it?\", or --questions FILE "
+            "(see 'kvcli ask --help')"
+        )
+    else:
+        paths, questions = inputs[:-1], [inputs[-1]]
+    if paths.count(batch.STDIN) > 1 or (batch.STDIN in paths and questions_file == batch.STDIN):
+        raise UsageError("stdin (-) can be read only once: as one document, or as the questions file")
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
-    document = api.read_document(path)
+    items = batch.expand_inputs(paths)
+    single = len(paths) == 1 and len(items) == 1 and items[0].source == paths[0] and len(questions) == 1
+    if single:
+        _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
+    else:
+        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast)
+
+
+def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
+    """One document, one question: the answer as text (or one JSON object); errors end the run."""
+    document = batch.read_input(item, sys.stdin.read)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     with err.status(f"answering with {pipeline.spec()}…", spinner="dots"):
@@ -116,6 +153,44 @@ def ask(
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
         f"cache {cache['status']}{saved}[/dim]"
     )
+
+
+def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast) -> None:
+    """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    total = len(items) * len(questions)
+    failed = done = 0
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=err.quiet,
+    )
+    with progress:
+        task = progress.add_task("answering", total=total)
+
+        def on_start(source: str, question: str) -> None:
+            progress.update(task, description=f"{Path(source).name}: {question[:40]}")
+
+        for record in batch.run_batch(
+            session, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
+        ):
+            stdout.out(json.dumps(record, ensure_ascii=False))
+            sys.stdout.flush()
+            done += 1
+            if "error" in record:
+                failed += 1
+                progress.console.print(f"[red]kvcli: {record['document']}: {record['error']}[/red]")
+            progress.advance(task)
+    err.print(f"[dim]{done - failed} answered, {failed} failed ({total} asked) · {pipeline.spec()}[/dim]")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

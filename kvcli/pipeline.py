@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .compressors import Compressor, owned_phases, parse_one
+from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .errors import DocumentError, UsageError
 from .measure import measure
 from .prompt import Prompt
@@ -134,6 +134,12 @@ class Result:
         return self.selection.n_kept
 
 
+def _cache_report(*prefixes: Prefix | None) -> dict:
+    """How the prefix state(s) of a run were obtained: the last one used, else off."""
+    used = [p.fetched for p in prefixes if p is not None and p.fetched is not None]
+    return (used[-1] if used else Fetched("off", 0.0)).to_json()
+
+
 def check_window(prompt: Prompt, lm, max_new_tokens: int) -> None:
     limit = lm.max_context
     if limit and prompt.n_tokens + max_new_tokens > limit:
@@ -176,8 +182,14 @@ def run(
             else:
                 selection = Selection(selection.kept[sub.kept], selection.scores)
         kept_ids = ids[selection.kept]
-        # after a selection the kept tokens are re-run from scratch: the prefix state no longer applies
-        second_prefix = None if pipeline.selectors() else prefix
+        # after a selection the kept tokens are re-run from scratch: the prefix state no longer
+        # applies — unless the selectors kept everything (a short document), then the second pass
+        # is full attention and reuses full attention's prefix state
+        second_prefix = prefix
+        if pipeline.selectors():
+            second_prefix = None
+            if selection.n_kept == prompt.n_tokens and pipeline.owner("prefill") is None:
+                second_prefix = make_prefix(engine, prompt, FullAttention(), store, meta or {})
         owner = pipeline.owner("prefill")
         if owner is not None:
             cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix)
@@ -202,6 +214,6 @@ def run(
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
         extra={
             "kv_cache_bytes": cache.nbytes(),
-            "cache": (prefix.fetched if prefix is not None and prefix.fetched is not None else Fetched("off", 0.0)).to_json(),
+            "cache": _cache_report(prefix, second_prefix),
         },
     )

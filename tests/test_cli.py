@@ -114,7 +114,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     f["empty"].write_text("\n  \n", encoding="utf-8")
     f["docx"] = d / "report.docx"
     f["docx"].write_bytes(b"PK\x03\x04 not really a docx")
-    f["dir"] = d / "folder.txt"  # a directory, even with a document-like name
+    f["dir"] = d / "folder.txt"  # a directory (read as a folder of documents), with no documents in it
     f["dir"].mkdir()
     f["corrupt"] = d / "corrupt.pdf"
     f["corrupt"].write_bytes(random.Random(0).randbytes(2048))
@@ -148,7 +148,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     "key, needles",
     [
         ("missing", ["does not exist"]),
-        ("dir", ["is a directory"]),
+        ("dir", ["no .pdf", "files in this folder"]),  # a folder is read recursively; this one is empty
         ("docx", ["unsupported file type '.docx'", ".pdf", ".txt"]),
         ("empty", ["is empty"]),
         ("encrypted", ["encrypt"]),
@@ -223,8 +223,8 @@ def test_document_longer_than_the_model_window(cli, files, tiny_dir):
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["ask"], ["path"]),
-        (["ask", "DOC"], ["question"]),
+        (["ask"], ["DOCUMENT... QUESTION"]),
+        (["ask", "DOC"], ["a document and a question"]),
         (["ask", "DOC", "q", "--device", "foo"], ["--device", "foo"]),
         (["ask", "DOC", "q", "--quant", "3bit"], ["--quant"]),
         (["ask", "DOC", "q", "--max-new-tokens", "0"], ["--max-new-tokens"]),

@@ -1,0 +1,155 @@
+"""Many documents, many questions, one model: what ``kvcli ask`` does with folders and ``--questions``.
+
+    from kvcli.batch import expand_inputs, read_questions, run_batch
+    for record in run_batch(session, expand_inputs(["contracts/"]), ["Who are the parties?"], pipeline):
+        print(record)          # one dict per (document, question) pair, in a stable order
+
+Inputs are files, folders (searched recursively for supported extensions, sorted), glob patterns
+(for when the shell did not expand them) and ``-`` (the document text on stdin). A document that
+cannot be read, or a question that fails, yields an *error record* — ``{"document", "question",
+"error", "error_type"}`` — and the batch goes on (unless ``fail_fast``). The model is loaded once
+(the caller's :class:`~kvcli.api.Session`) and the disk KV store is shared by every question, so
+the questions about one document reuse its prefix state.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .documents import SUPPORTED_SUFFIXES, Document, document_from_text, load_document
+from .errors import DocumentError, KvcliError, UsageError
+
+STDIN = "-"
+
+
+@dataclass(frozen=True)
+class Input:
+    """One document to read: a path, ``-`` for stdin, or a pattern/folder that matched nothing."""
+
+    source: str
+    problem: str | None = None  # set when the input named no document (reported as an error record)
+
+
+def expand_inputs(inputs: list[str]) -> list[Input]:
+    """Files as given, folders recursively (supported extensions, sorted), globs expanded (sorted).
+
+    Nothing is read here; a missing file stays in the list and fails when it is read.
+    """
+    out: list[Input] = []
+    for raw in inputs:
+        if raw == STDIN:
+            out.append(Input(STDIN))
+            continue
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = sorted(
+                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not _hidden(p, path)
+            )
+            if not found:
+                out.append(Input(raw, f"{raw}: no {', '.join(SUPPORTED_SUFFIXES)} files in this folder"))
+            out.extend(Input(str(p)) for p in found)
+        elif not path.exists() and glob.has_magic(raw):
+            found = sorted(p for p in glob.glob(os.path.expanduser(raw), recursive=True) if Path(p).is_file())
+            if not found:
+                out.append(Input(raw, f"{raw}: no files match this pattern"))
+            out.extend(Input(p) for p in found)
+        else:
+            out.append(Input(raw))
+    return out
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def read_questions(path: str) -> list[str]:
+    """Questions from a file (``-``: stdin): one per line, or JSON Lines with a "question" field
+    (or a JSON string per line). Blank lines and lines starting with ``#`` are skipped."""
+    try:
+        text = sys.stdin.read() if path == STDIN else Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"--questions: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--questions: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    questions = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line[0] in "{\"":
+            try:
+                value = json.loads(line)
+            except ValueError:
+                raise UsageError(f"--questions: line {n} of {path} is not valid JSON") from None
+            if isinstance(value, dict):
+                value = value.get("question")
+            if not isinstance(value, str) or not value.strip():
+                raise UsageError(f"--questions: line {n} of {path} has no \"question\" string")
+            line = value.strip()
+        questions.append(line)
+    if not questions:
+        raise UsageError(f"--questions: {path} has no questions")
+    return questions
+
+
+def read_input(item: Input, stdin_text: Callable[[], str]) -> Document:
+    if item.problem is not None:
+        raise DocumentError(item.problem)
+    if item.source == STDIN:
+        return document_from_text(stdin_text(), source=STDIN)
+    return load_document(item.source)
+
+
+def error_record(source: str, question: str, exc: BaseException) -> dict:
+    if isinstance(exc, KvcliError):
+        message, kind = str(exc), type(exc).__name__
+    else:  # a bug: still one record, and the batch goes on
+        message, kind = f"internal error: {type(exc).__name__}: {exc}", "InternalError"
+    return {"document": source, "question": question, "error": message, "error_type": kind}
+
+
+def run_batch(
+    session,
+    inputs: list[Input],
+    questions: list[str],
+    pipeline,
+    *,
+    include_spans: bool = False,
+    fail_fast: bool = False,
+    on_start: Callable[[str, str], None] | None = None,
+    stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+) -> Iterator[dict]:
+    """Yield one record per (document, question): the result fields of ``ask --json`` with the
+    document and the question first, or an error record. Documents in input order, questions in
+    file order. With ``fail_fast`` the first error record is the last record."""
+    from .api import result_record
+
+    for item in inputs:
+        try:
+            document = read_input(item, stdin_text)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+            for question in questions:
+                yield error_record(item.source, question, exc)
+                if fail_fast:
+                    return
+            continue
+        for question in questions:
+            if on_start is not None:
+                on_start(item.source, question)
+            try:
+                result = session.ask(document, question, pipeline)
+            except Exception as exc:  # noqa: BLE001
+                yield error_record(item.source, question, exc)
+                if fail_fast:
+                    return
+                continue
+            record = {"document": item.source, "question": question}
+            record.update(result_record(result, session, pipeline, document, include_spans=include_spans))
+            record["document"] = item.source
+            yield record
