@@ -112,6 +112,13 @@ class KVCache:
             cache.values.append(v.to(device))
         return cache
 
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` entries of every layer (and their positions)."""
+        self.keys = [k[:, :, :n_tokens] for k in self.keys]
+        self.values = [v[:, :, :n_tokens] for v in self.values]
+        if self.positions is not None:
+            self.positions = self.positions[:n_tokens]
+
     def copy(self) -> "KVCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
         other = KVCache()

@@ -104,14 +104,18 @@ class Engine:
 
     # --- the two phases -------------------------------------------------------------------------
     def prefill(
-        self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        observers: dict[int, list[Observer]] | None = None,
     ) -> tuple[KVCache, torch.Tensor]:
         """Run all layers over ``ids``; returns the cache and the logits of the last position (vocab,)."""
         cache = KVCache() if cache is None else cache
         if positions is None:
             start = 0 if cache.positions is None else int(cache.positions[-1]) + 1
             positions = torch.arange(start, start + ids.numel())
-        hidden = self.forward(ids, positions, cache)
+        hidden = self.forward(ids, positions, cache, observers=observers)
         return cache, self.logits(hidden[:, -1:])[-1]
 
     @torch.inference_mode()

@@ -65,6 +65,9 @@ class Pipeline:
     def selectors(self) -> list[Compressor]:
         return [s for s in self.stages if "select_tokens" in owned_phases(type(s))]
 
+    def compressors(self) -> list[Compressor]:
+        return [s for s in self.stages if "compress" in owned_phases(type(s))]
+
     def reader(self) -> Compressor:
         """The stage that reads the whole prompt first, and so owns the prefix state: the first
         selector, else the owner of ``build_prefix``, else the prefill owner, else the first stage."""
@@ -80,6 +83,7 @@ class Prefix:
     (from the store, or computed) the first time a stage asks for it."""
 
     ids: torch.Tensor  # (n,) the prefix tokens
+    state: dict  # the reader's prefix_state: what the state depends on
     build: Callable[[], object]  # () -> state; loads or computes
     fetched: Fetched | None = None
     _state: object | None = None
@@ -114,7 +118,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
         key = make_key(lm, ids, state)
         return store.fetch(key, compute, meta, device=engine.device)
 
-    return Prefix(ids, build)
+    return Prefix(ids, state, build)
 
 
 @dataclass
@@ -132,6 +136,31 @@ class Result:
     @property
     def n_kept_tokens(self) -> int:
         return self.selection.n_kept
+
+
+def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):
+    """Prefill ``ids`` (n,) on top of the prefix state (if any) with the compressors' observers.
+
+    Returns (cache, first_logits). The tokens after the prefix always run; when a compressor needs
+    the queries of more of the last tokens (``query_window``) than that, the prefix state is cut
+    back and those tokens run again (same KV, so the answer does not change).
+    """
+    lm = engine.lm
+    n = ids.numel()
+    observers: dict[int, list] = {}
+    for stage in compressors:
+        for layer, fns in stage.prefill_observers(lm, n).items():
+            observers.setdefault(layer, []).extend(fns)
+    if prefix is None:
+        return engine.prefill(ids, observers=observers)
+    cache = prefix.cache()
+    window = max((stage.query_window(lm) for stage in compressors), default=0)
+    start = max(0, min(prefix.n_tokens, n - window))
+    if start < prefix.n_tokens:
+        if not hasattr(cache, "truncate"):
+            raise UsageError(f"the prefix state {prefix.state} cannot be cut back for a {window}-token query window")
+        cache.truncate(start)
+    return engine.prefill(ids[start:], cache=cache, observers=observers)
 
 
 def _cache_report(*prefixes: Prefix | None) -> dict:
@@ -191,14 +220,14 @@ def run(
             if selection.n_kept == prompt.n_tokens and pipeline.owner("prefill") is None:
                 second_prefix = make_prefix(engine, prompt, FullAttention(), store, meta or {})
         owner = pipeline.owner("prefill")
+        compressors = pipeline.compressors()
         if owner is not None:
             cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix)
-        elif second_prefix is not None:
-            cache, logits = engine.prefill(kept_ids[second_prefix.n_tokens :], cache=second_prefix.cache())
-            next_position = kept_ids.numel()
         else:
-            cache, logits = engine.prefill(kept_ids)
+            cache, logits = default_prefill(engine, kept_ids, second_prefix, compressors)
             next_position = kept_ids.numel()
+        for stage in compressors:
+            cache = stage.compress(engine, cache)
         ttft = time.perf_counter() - start
         answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token)
         total = time.perf_counter() - start

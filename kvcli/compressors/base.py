@@ -9,6 +9,11 @@ by :mod:`kvcli.pipeline` in this order:
     with fresh, contiguous positions. Several selectors may chain.
 ``prefill(engine, ids, prefix) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
+``compress(engine, cache) -> cache``
+    After the prefill, shrink the KV cache (SnapKV, H2O, StreamingLLM, PyramidKV). Scores come from
+    observers the method attaches to the final prefill pass (``prefill_observers``: per layer,
+    ``fn(query, key)`` with the queries of the tokens run in that pass — at least the last
+    ``query_window(lm)`` prompt tokens — and every key). Several may chain, in the order written.
 
 What a method computes from the question-agnostic prompt prefix (the document and the template
 around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
@@ -52,7 +57,7 @@ REGISTRY: dict[str, type["Compressor"]] = {}
 
 # hooks that at most one method of a pipeline may own
 EXCLUSIVE_PHASES = ("build_prefix", "prefill")
-PHASES = ("select_tokens", "build_prefix", "prefill")
+PHASES = ("select_tokens", "build_prefix", "prefill", "compress")
 
 
 def knob(default, help: str):
@@ -84,6 +89,20 @@ class Compressor:
         """Run the prompt ``ids`` (n,) and return ``(cache, first_logits (vocab,), next_position)``;
         ``prefix`` as for :meth:`select_tokens`."""
         raise NotImplementedError
+
+    def compress(self, engine, cache):
+        """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""
+        raise NotImplementedError
+
+    def prefill_observers(self, lm, n_tokens: int) -> dict:
+        """Observers ``{layer: [fn(query, key)]}`` for the final prefill pass of ``n_tokens`` prompt
+        tokens (used by :meth:`compress`); query: (1, n_heads, q_len, d), key: (1, n_kv, kv_len, d)."""
+        return {}
+
+    def query_window(self, lm) -> int:
+        """How many of the last prompt tokens the final prefill pass must run (so that observers see
+        their queries) even when an earlier prefix state exists; 0: none needed."""
+        return 0
 
     # --- the reusable state of the question-agnostic prefix (kvcli.store) ----------------------
     def prefix_state(self, lm) -> dict | None:
