@@ -272,6 +272,7 @@ def cache_rm(
     freed = store.remove(chosen)
     if all_entries:
         store.clean_temp_files(max_age_s=0)
+        store.clean_locks()
     stdout.out(f"removed {len(chosen)} entries, {render.human_bytes(freed)}")
 
 

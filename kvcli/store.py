@@ -403,6 +403,7 @@ class KVStore:
             total -= e.size
         self.remove(removed)
         self.clean_temp_files()
+        self.clean_locks()
         return removed
 
     def clean_temp_files(self, max_age_s: float = _STALE_TEMP_S) -> None:
@@ -411,6 +412,15 @@ class KVStore:
         for p in self.root.glob(".*.tmp"):
             with contextlib.suppress(OSError):
                 if now - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+
+    def clean_locks(self) -> None:
+        """Remove lock files nobody holds (a lock file is created per key and left behind)."""
+        for p in (self.root / "locks").glob("*.lock"):
+            with contextlib.suppress(OSError):
+                with open(p, "a+b") as handle:
+                    if fcntl is not None:
+                        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     p.unlink()
 
     def total_bytes(self) -> int:

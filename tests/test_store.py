@@ -284,6 +284,8 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     code, out, _ = _cli(["cache", "rm", moved, "--cache-dir", cache], capsys, monkeypatch)
     assert code == 0 and out.startswith("removed 1 entries")
     assert KVStore.open(cache).entries() == []
+    code, out, _ = _cli(["cache", "rm", "--all", "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and list((cache / "kv" / "locks").glob("*.lock")) == []  # unheld locks cleaned
     code, _, err = _cli(["cache", "rm", "--cache-dir", cache], capsys, monkeypatch)
     assert code == 2 and err.startswith("kvcli: error:") and len(err.strip().splitlines()) == 1
 
