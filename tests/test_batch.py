@@ -170,26 +170,32 @@ def test_example_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(REPO / "examples" / script)], check=True)
 
 
-def test_example_folder_script_runs(model, folder, tmp_path):
-    (folder / "broken.pdf").unlink()
-    env = _script_env(model, tmp_path)
+def run_example(script: str, model: str, tmp_path: Path, *args) -> str:
+    """Run examples/<script> with kvcli on PATH (tiny model, private cache); its stdout."""
     out = subprocess.run(
-        ["bash", str(REPO / "examples" / "ask_folder.sh"), str(folder), "Who was the keeper?"],
-        capture_output=True, text=True, env=env, timeout=300,
+        ["bash", str(REPO / "examples" / script), *map(str, args)],
+        capture_output=True, text=True, env=_script_env(model, tmp_path), timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
+    return out.stdout
+
+
+def test_example_folder_script_runs(model, folder, tmp_path):
+    (folder / "broken.pdf").unlink()
+    lines = run_example("ask_folder.sh", model, tmp_path, folder, "Who was the keeper?").strip().splitlines()
     assert len(lines) == 3 and all("\t" in line for line in lines)
+
+
+def test_example_questions_script_runs(model, folder, tmp_path):
+    questions = tmp_path / "q.txt"
+    questions.write_text("# two questions\nWho was the keeper?\nHow many ships?\n")
+    rows = [line.split("\t") for line in run_example("ask_questions.sh", model, tmp_path, folder / "a.txt", questions).splitlines()]
+    assert [(r[0], r[2]) for r in rows] == [("Who was the keeper?", "miss"), ("How many ships?", "hit")]
 
 
 def test_example_parallel_script_shares_one_cache(model, folder, tmp_path):
     (folder / "broken.pdf").unlink()
-    env = _script_env(model, tmp_path)
-    out = subprocess.run(
-        ["bash", str(REPO / "examples" / "ask_parallel.sh"), str(folder), "Who was the keeper?"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    records = [json.loads(line) for line in out.stdout.splitlines()]
+    out = run_example("ask_parallel.sh", model, tmp_path, folder, "Who was the keeper?")
+    records = [json.loads(line) for line in out.splitlines()]
     assert len(records) == 3 and all("answer" in r for r in records)
     assert len(list((tmp_path / "cache" / "kv").glob("*.safetensors"))) == 3
