@@ -72,8 +72,11 @@ class Session:
 
     def ask(self, document: Document, question: str, pipeline: Pipeline, on_token=None) -> Result:
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
-        check_window(prompt, self.lm, self.options.max_new_tokens)
+        for stage in pipeline.stages:  # methods that keep per-model data (RazorAttention's head profile)
+            if hasattr(stage, "cache_dir"):
+                stage.cache_dir = self.options.cache_dir
         pipeline.configure(self.lm)
+        check_window(prompt, self.lm, self.options.max_new_tokens, pipeline)
         return run(
             self.engine,
             prompt,

@@ -154,6 +154,13 @@ def kvcli_attention(
         fn(query, key)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
+    # --- grouped caches (RazorAttention, kvcli.cache.RazorCache) --------------------------------
+    # The cache's update returned a per-layer view whose KV heads live in separate groups; it
+    # attends per group and returns the head outputs in head order. (Observers above receive that
+    # view as ``key``: there is no single (n_kv, kv_len) key tensor.)
+    if getattr(key, "kvcli_grouped", False):
+        return key.attend(module, query, scaling, sliding_window, ctx.kernel), None
+    # ---------------------------------------------------------------------------------------------
     if ctx.kernel == "flash":
         return _flash(module, query, key, value, scaling, sliding_window), None
     mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)

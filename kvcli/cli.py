@@ -199,6 +199,41 @@ def compressors() -> None:
     render.compressor_table(stdout)
 
 
+@app.command()
+def heads(
+    model: Optional[str] = typer.Argument(None, help="HF id or local path [default: embedded SmolLM2-135M-Instruct]", show_default=False),
+    tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) [default: 512 under 1B parameters, 1024 under 4B, else 2500]"),
+    seed: int = typer.Option(0, help="Seed of the random probe tokens"),
+    induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
+    echo: float = typer.Option(0.01, min=0.0, max=1.0, help="Fraction of query heads protected by echo score"),
+    score: str = typer.Option("induction", help="Score shown in the table: induction or echo"),
+    recompute: bool = typer.Option(False, "--recompute", help="Compute the profile again even if it is stored"),
+    device: Device = typer.Option(Device.auto, help="Where to run"),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and head profiles are kept [default: $XDG_CACHE_HOME/kvcli]"),
+) -> None:
+    """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
+    from . import heads as head_profiles
+    from .engine import Engine
+    from .errors import UsageError
+    from .models import load_model
+
+    if score not in ("induction", "echo"):
+        raise UsageError(f"--score must be induction or echo, not '{score}'")
+    err = _stderr(quiet)
+    _route_warnings(quiet)
+    with err.status("loading model…", spinner="dots"):
+        lm = load_model(model, device=device.value, dtype=dtype, cache_dir=cache_dir)
+    with err.status("profiling attention heads (once per model)…", spinner="dots"):
+        profile = head_profiles.load_or_compute(Engine(lm), tokens, seed, cache_dir, recompute=recompute)
+    if as_json:
+        stdout.out(json.dumps(head_profiles.to_json(profile, induction, echo)))
+        return
+    head_profiles.render_table(Console(highlight=False), profile, induction, echo, score)
+
+
 cache_app = typer.Typer(
     no_args_is_help=True,
     help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",

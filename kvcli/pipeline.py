@@ -51,6 +51,14 @@ class Pipeline:
                 raise UsageError(
                     f"pipeline: {' and '.join(owners)} both own the {phase} phase; only one method per pipeline may"
                 )
+        selectors = self.selectors()
+        prefix_owner = self.owner("build_prefix")
+        if selectors and prefix_owner is not None:
+            # the selector reads the prompt first: the other method's prefix state would never be built
+            raise UsageError(
+                f"pipeline: {selectors[0].name} selects tokens before {prefix_owner.name} could compress the "
+                f"prompt's KV; use {prefix_owner.name} alone"
+            )
 
     def spec(self) -> str:
         return SEPARATOR.join(s.spec() for s in self.stages)
@@ -169,8 +177,23 @@ def _cache_report(*prefixes: Prefix | None) -> dict:
     return (used[-1] if used else Fetched("off", 0.0)).to_json()
 
 
-def check_window(prompt: Prompt, lm, max_new_tokens: int) -> None:
+def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None) -> None:
+    """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
+    says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents."""
     limit = lm.max_context
+    # --- Finch: the reader may read documents longer than the window chunk by chunk ---
+    if limit and pipeline is not None:
+        reader = pipeline.reader()
+        needed = reader.window_needed(lm, prompt.n_tokens, prompt.n_suffix, max_new_tokens)
+        if needed != prompt.n_tokens + max_new_tokens:
+            if needed > limit:
+                raise DocumentError(
+                    f"{reader.name} needs {needed:,} positions at once for this {prompt.n_tokens:,}-token prompt plus "
+                    f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
+                    "lower its target/chunk, --max-new-tokens, or the question's length"
+                )
+            return
+    # ---
     if limit and prompt.n_tokens + max_new_tokens > limit:
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
@@ -222,7 +245,7 @@ def run(
         owner = pipeline.owner("prefill")
         compressors = pipeline.compressors()
         if owner is not None:
-            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix)
+            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix, protected=prompt.n_suffix)
         else:
             cache, logits = default_prefill(engine, kept_ids, second_prefix, compressors)
             next_position = kept_ids.numel()

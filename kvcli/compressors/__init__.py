@@ -3,12 +3,20 @@
 from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one, register
 from .full import FullAttention
 from .gemfilter import GemFilter
+from .razor import Razor
+# --- KV eviction (kvcli.compressors.scoring) ---
+from .snapkv import SnapKV
+from .pyramidkv import PyramidKV
+from .h2o import H2O
+from .streamingllm import StreamingLLM
+# ---
 
 __all__ = [
     "REGISTRY",
     "Compressor",
     "FullAttention",
     "GemFilter",
+    "Razor",
     "describe_knobs",
     "owned_phases",
     "parse_one",

@@ -7,8 +7,10 @@ by :mod:`kvcli.pipeline` in this order:
 ``select_tokens(engine, prompt_ids) -> kept``
     Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
     with fresh, contiguous positions. Several selectors may chain.
-``prefill(engine, ids, prefix) -> (cache, first_logits, next_position)``
+``prefill(engine, ids, prefix, protected) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
+    ``protected``: the question's length, as for ``select_tokens``. A prefill owner that reads the
+    prompt first may read documents longer than the window (``window_needed``, Finch).
 ``compress(engine, cache) -> cache``
     After the prefill, shrink the KV cache (SnapKV, H2O, StreamingLLM, PyramidKV). Scores come from
     observers the method attaches to the final prefill pass (``prefill_observers``: per layer,
@@ -85,10 +87,19 @@ class Compressor:
         ``prefix``: the state of ``prompt_ids[:prefix.n_tokens]`` (see the module docstring), or None."""
         raise NotImplementedError
 
-    def prefill(self, engine, ids: torch.Tensor, prefix=None):
+    def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
         """Run the prompt ``ids`` (n,) and return ``(cache, first_logits (vocab,), next_position)``;
-        ``prefix`` as for :meth:`select_tokens`."""
+        ``prefix`` as for :meth:`select_tokens`; the last ``protected`` tokens of ``ids`` are the
+        question and the generation prompt (``Prompt.n_suffix``), as for :meth:`select_tokens`."""
         raise NotImplementedError
+
+    def window_needed(self, lm, n_prompt: int, n_suffix: int, max_new_tokens: int) -> int:
+        """The most positions the model must hold at once for a prompt of ``n_prompt`` tokens (the
+        last ``n_suffix`` of them the question) and ``max_new_tokens`` to generate, when this method
+        reads the prompt first (:meth:`kvcli.pipeline.Pipeline.reader`); checked against the model's
+        window. Default: everything. Methods that read documents longer than the window chunk by
+        chunk (Finch) return less."""
+        return n_prompt + max_new_tokens
 
     def compress(self, engine, cache):
         """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""

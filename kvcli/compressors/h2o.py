@@ -1,0 +1,72 @@
+"""H2O: heavy hitters plus recent tokens (Zhang et al., 2023, arXiv:2306.14048).
+
+"H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models": a few
+tokens receive most of the attention; the cache keeps those *heavy hitters* — ranked by the
+attention they have accumulated, the column sums of the attention matrix — and the most recent
+tokens, half of the budget each in the paper's experiments (``recent`` knob).
+
+kvcli applies it once, after the prefill (the setting NVIDIA kvpress evaluates): the accumulated
+score of each key is the sum of its attention weights over *every* prompt query, per query head,
+averaged over the GQA group of its KV head; each KV head keeps its own heavy hitters. The decoded
+tokens are then appended without further eviction (the paper's step-by-step greedy eviction
+during generation matters for long outputs, not for short answers).
+
+Kernel: no eager attention needed. The column sums are computed by the layer's observer from q
+and K in blocks of 256 query rows (causal softmax of each block, summed) — the full attention
+matrix is never materialised and the model itself runs on SDPA (or eager, or flash). The cost is
+a second attention computation per layer during the prefill.
+
+Positions: kept tokens keep their original positions; decoding continues at the prompt length.
+
+Disk store: none. The scores need the queries of every prompt token, so there is no state to
+reuse: ``prefix_state`` is None and every run prefills the whole prompt (``query_window`` is the
+whole prompt too, in case another stage hands it full attention's prefix). A reusable state is
+possible — the column sums of the document's own queries are question-agnostic and could be
+stored next to its KV — but is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import UsageError
+from .base import knob, register
+from .scoring import Eviction, column_sums, group_mean
+
+WHOLE_PROMPT = 2**62  # query_window: every token
+
+
+@register
+@dataclass
+class H2O(Eviction):
+    """H2O (Zhang et al., 2023): keep the heavy hitters (most accumulated attention) and the
+    most recent tokens. arXiv:2306.14048."""
+
+    name: ClassVar[str] = "h2o"
+    paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, arXiv:2306.14048"
+
+    recent: float = knob(0.5, "fraction of the budget given to the most recent tokens (the rest: heavy hitters)")
+
+    def check_knobs(self) -> None:
+        if not 0 <= self.recent <= 1:
+            raise UsageError(f"{self.name}: recent must be between 0 and 1, got {self.recent}")
+
+    def prefix_state(self, lm) -> None:
+        return None  # needs every query of the prompt: nothing reusable (see the module docstring)
+
+    def query_window(self, lm) -> int:
+        return WHOLE_PROMPT
+
+    def layer_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return group_mean(column_sums(query, key))
+
+    def compress(self, engine, cache):
+        n = cache.n_tokens
+        n_recent = min(n, round(self.resolve(n) * self.recent)) if n else 0
+        if n_recent:
+            recent = torch.arange(n) >= n - n_recent  # always kept
+            self._scores = {l: s.masked_fill(recent.to(s.device), float("inf")) for l, s in self._scores.items()}
+        return super().compress(engine, cache)

@@ -1,0 +1,276 @@
+"""Shared machinery of the KV eviction methods (SnapKV, PyramidKV, H2O, StreamingLLM).
+
+* **budgets**: a knob ``budget`` is a token count (an integer >= 1) or a ratio of the prompt
+  (0 < x < 1); :func:`parse_budget` checks it once, :func:`resolve_budget` turns it into a count
+  for a prompt of ``n`` tokens;
+* **scores** from the observers of the final prefill pass (``fn(query, key)``, see
+  :mod:`kvcli.attention`): attention probabilities are computed from q and K directly — per query
+  head, each reading the KV head of its GQA group (the cache is never expanded) — then reduced to
+  one score per KV head by the mean over the group (:func:`group_mean`);
+* **eviction**: :func:`evict` keeps, per layer and per KV head, the chosen entries (in their
+  original order) and records their original positions in ``KVCache.kept``.
+
+Positions: keys are cached after RoPE, so kept tokens keep their original positions; nothing is
+re-rotated. ``KVCache.positions`` keeps every prompt position seen and decoding continues at the
+prompt length (the pipeline's ``next_position``), so new tokens sit where they would without
+eviction. The scaling of the scores is ``1/sqrt(head_dim)`` (every supported family uses it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+from ..errors import UsageError
+from .base import Compressor, knob
+
+QUERY_CHUNK = 256  # query rows per block when every row's attention is needed (H2O)
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def parse_budget(method: str, value, knob_name: str = "budget") -> int | float:
+    """``"512"`` -> 512 (tokens), ``"0.25"`` -> 0.25 (ratio); UsageError for anything else."""
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not math.isfinite(number) or number <= 0 or (number >= 1 and number != int(number)):
+        raise UsageError(
+            f"{method}: {knob_name} must be a token count (integer >= 1) or a ratio of the prompt "
+            f"(0 < x < 1), got '{text}'"
+        )
+    return number if number < 1 else int(number)
+
+
+def format_budget(budget: int | float) -> str:
+    return str(budget)
+
+
+def resolve_budget(method: str, budget: int | float, n: int, explicit: bool, minimum: int = 1) -> int:
+    """The number of entries to keep per layer for a prompt of ``n`` tokens.
+
+    A ratio gives ``round(ratio * n)``, at least ``minimum`` (the tokens the method always keeps).
+    A count larger than the prompt is an error when the user set it, else it keeps everything.
+    """
+    if isinstance(budget, float):
+        return min(n, max(minimum, round(budget * n)))
+    if budget > n:
+        if explicit:
+            raise UsageError(
+                f"{method}: budget={budget} is larger than the prompt ({n} tokens); "
+                f"use budget <= {n}, a ratio (e.g. budget=0.25), or -c full to keep everything"
+            )
+        return n
+    return budget
+
+
+# --------------------------------------------------------------------------- scores
+
+
+def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(1, n_heads, q, d) -> (n_kv, group, q, d) float32: query head h reads KV head h // group."""
+    _, n_heads, q_len, d = query.shape
+    return query[0].reshape(n_kv, n_heads // n_kv, q_len, d).to(torch.float32)
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Causal softmax of q (n_kv, g, r, d) against k (n_kv, kv, d); ``rows`` (r,) are the key
+    indices of the query rows (each sees keys up to and including its own). -> (n_kv, g, r, kv)."""
+    logits = torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) / math.sqrt(q.shape[-1])
+    cols = torch.arange(k.shape[-2], device=k.device)
+    logits = logits.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int) -> torch.Tensor:
+    """Attention of the last ``window`` query rows to every key: (n_kv, group, window, kv_len).
+
+    query: (1, n_heads, q_len, d) — its rows are the last q_len keys; key: (1, n_kv, kv_len, d).
+    """
+    kv_len, q_len = key.shape[-2], query.shape[-2]
+    window = min(window, q_len)
+    k = key[0].to(torch.float32)
+    q = _grouped(query[:, :, q_len - window :], key.shape[1])
+    rows = torch.arange(kv_len - window, kv_len, device=key.device)
+    return _probs(q, k, rows)
+
+
+def column_sums(query: torch.Tensor, key: torch.Tensor, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """Accumulated attention each key receives from every query row of the pass (H2O's score),
+    per query head: (n_kv, group, kv_len) float32. Computed ``chunk`` rows at a time from q and K
+    (the (q_len x kv_len) matrix is never materialised; any attention kernel can run the model)."""
+    kv_len, q_len = key.shape[-2], query.shape[-2]
+    n_kv = key.shape[1]
+    k = key[0].to(torch.float32)
+    q_all = _grouped(query, n_kv)
+    total = torch.zeros(n_kv, q_all.shape[1], kv_len, dtype=torch.float32, device=key.device)
+    offset = kv_len - q_len
+    for start in range(0, q_len, chunk):
+        end = min(q_len, start + chunk)
+        visible = offset + end  # keys the last row of this chunk can see
+        rows = torch.arange(offset + start, offset + end, device=key.device)
+        probs = _probs(q_all[:, :, start:end], k[:, :visible], rows)
+        total[..., :visible] += probs.sum(dim=2)
+    return total
+
+
+def group_mean(scores: torch.Tensor) -> torch.Tensor:
+    """Per-query-head scores (n_kv, group, ...) -> one score per KV head (n_kv, ...)."""
+    return scores.mean(dim=1)
+
+
+def pool(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """Smooth (n_kv, n) scores along the sequence with a ``kind`` ("max"/"avg") pool of ``kernel``."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    fn = F.max_pool1d if kind == "max" else F.avg_pool1d
+    return fn(scores.unsqueeze(0), kernel_size=kernel, stride=1, padding=kernel // 2)[0]
+
+
+def snap_scores(query: torch.Tensor, key: torch.Tensor, window: int, kernel: int, kind: str) -> torch.Tensor:
+    """SnapKV's vote (Li et al. 2024, Listing 1): the attention of the last ``window`` queries to
+    each earlier key, summed over the window, mean over each GQA group, pooled. -> (n_kv, kv_len);
+    the window itself scores +inf (always kept)."""
+    probs = window_attention(query, key, window)  # (n_kv, g, w, kv_len)
+    w = probs.shape[2]
+    n = key.shape[-2]
+    votes = pool(group_mean(probs[..., : n - w].sum(dim=2)), kernel, kind)
+    return torch.cat([votes, votes.new_full((votes.shape[0], w), float("inf"))], dim=-1)
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+def require_kv_cache(method: str, cache) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise UsageError(f"{method}: evicts entries of a plain KV cache, not of a {type(cache).__name__}; use it without that method")
+    return cache
+
+
+def original_positions(cache: KVCache, layer: int, n_kv: int) -> torch.Tensor:
+    """(n_kv, seq_len) original positions of the entries of ``layer`` (before this eviction)."""
+    if cache.kept is not None:
+        return cache.kept[layer]
+    n = cache.seq_len(layer)
+    return torch.arange(n).expand(n_kv, n)
+
+
+def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
+    """Keep, in layer ``layer``, the entries ``keep`` (n_kv, m) — indices into its current entries,
+    the same count m for every KV head — in their original order."""
+    keep = torch.sort(keep.to(torch.long), dim=-1).values
+    n_kv = keep.shape[0]
+    positions = original_positions(cache, layer, n_kv)
+    if cache.kept is None:
+        cache.kept = [original_positions(cache, i, n_kv) for i in range(cache.n_layers)]
+    idx = keep.to(cache.keys[layer].device)[None, :, :, None].expand(-1, -1, -1, cache.keys[layer].shape[-1])
+    cache.keys[layer] = cache.keys[layer].gather(2, idx)
+    cache.values[layer] = cache.values[layer].gather(2, idx)
+    cache.kept[layer] = positions.gather(1, keep.cpu())
+
+
+def keep_top(cache: KVCache, layer: int, scores: torch.Tensor, k: int) -> None:
+    """Keep the ``k`` best entries of each KV head of ``layer``. ``scores`` (n_kv, n_prompt) are
+    indexed by original position (+inf: always kept, e.g. SnapKV's window, StreamingLLM's sinks);
+    a layer that holds k entries or fewer is left alone."""
+    current = entry_scores(cache, layer, scores)
+    if k >= current.shape[-1]:
+        return
+    evict(cache, layer, torch.topk(current, k, dim=-1).indices)
+
+
+def entry_scores(cache: KVCache, layer: int, scores: torch.Tensor) -> torch.Tensor:
+    """Scores (n_kv, n_prompt) indexed by original position -> scores of the layer's current
+    entries (n_kv, seq_len) (after an earlier eviction in the same pipeline, only the kept ones)."""
+    if cache.kept is None:
+        return scores
+    return scores.gather(1, cache.kept[layer].to(scores.device))
+
+
+# --------------------------------------------------------------------------- the shared method
+
+
+@dataclasses.dataclass
+class Eviction(Compressor):
+    """What every eviction method shares: the ``budget`` knob, observers that score the keys of
+    every layer in the final prefill pass, and ``compress`` keeping the best entries per KV head.
+
+    Subclasses define :meth:`layer_scores` (None: the method needs no attention, scores come from
+    :meth:`static_scores`), :meth:`always_kept` and optionally :meth:`layer_budgets`."""
+
+    budget: str | int | float = knob("1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)")
+    _scores: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    uses_attention: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.budget = parse_budget(self.name, self.budget)
+        self.check_knobs()
+        if isinstance(self.budget, int) and self.budget < self.always_kept():
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is smaller than the {self.always_kept()} tokens it always keeps; "
+                f"use budget >= {self.always_kept()}"
+            )
+
+    # --- what subclasses define -------------------------------------------------------------------
+    def check_knobs(self) -> None:
+        """Raise UsageError for bad knob values."""
+
+    def always_kept(self) -> int:
+        """Tokens kept whatever the scores (window, sinks): the smallest budget that works."""
+        return 1
+
+    def layer_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """(n_kv, kv_len) scores of one layer's keys from the pass's queries (higher: keep)."""
+        raise NotImplementedError
+
+    def static_scores(self, n: int, n_kv: int) -> torch.Tensor:
+        """(n_kv, n) scores for methods that need no attention."""
+        raise NotImplementedError
+
+    def layer_budgets(self, lm, n: int, k: int) -> list[int]:
+        """Entries kept in each layer for a prompt of ``n`` tokens and a budget of ``k``."""
+        return [k] * lm.n_layers
+
+    # --- the hooks --------------------------------------------------------------------------------
+    def resolve(self, n: int) -> int:
+        return resolve_budget(self.name, self.budget, n, "budget" in self.explicit_knobs, min(n, self.always_kept()))
+
+    def prefill_observers(self, lm, n_tokens: int) -> dict:
+        self._scores = {}
+        if not self.uses_attention or self.resolve(n_tokens) >= n_tokens:
+            return {}  # nothing to score (keep everything) or scores without attention
+        return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
+
+    def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        if getattr(key, "kvcli_grouped", False):
+            raise UsageError(f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache")
+        self._scores[layer] = self.layer_scores(query, key)
+
+    @torch.inference_mode()
+    def compress(self, engine, cache):
+        cache = require_kv_cache(self.name, cache)
+        lm = engine.lm
+        n = cache.n_tokens
+        k = self.resolve(n)
+        scores, self._scores = self._scores, {}
+        if k >= n:
+            return cache
+        if self.uses_attention and len(scores) != cache.n_layers:
+            raise UsageError(
+                f"{self.name}: no attention scores were observed in the prefill "
+                "(another method ran the prefill itself); use it with the default prefill"
+            )
+        static = None if self.uses_attention else self.static_scores(n, lm.n_kv_heads)
+        for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
+            keep_top(cache, layer, static if static is not None else scores[layer], k_layer)
+        return cache

@@ -1,0 +1,333 @@
+"""KV eviction (SnapKV, PyramidKV, H2O, StreamingLLM): keeping everything equals full attention,
+the kept entries are the papers' choices, GQA caches stay unexpanded, budgets and pipelines work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcli.compressors import parse_one
+from kvcli.compressors.pyramidkv import pyramid_budgets
+from kvcli.compressors.scoring import column_sums, window_attention
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, default_prefill, run
+from kvcli.prompt import build_prompt
+
+TOL = 1e-4
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+METHODS = ["snapkv", "pyramidkv", "h2o", "streamingllm"]
+
+
+def prompt_for(lm, question="How many gulls?"):
+    return build_prompt(lm.tokenizer, DOC, question)
+
+
+def prefill_and_compress(engine, ids, spec):
+    """The pipeline's prefill + compress for ``spec`` (a single eviction method)."""
+    pipeline = Pipeline.parse(spec)
+    pipeline.configure(engine.lm)
+    cache, logits = default_prefill(engine, ids, None, pipeline.compressors())
+    for stage in pipeline.compressors():
+        cache = stage.compress(engine, cache)
+    return cache, logits
+
+
+def decode_logits(engine, cache, first_logits, n_prompt, steps=5):
+    """Greedy decode ``steps`` tokens and return every step's logits."""
+    out, logits = [first_logits], first_logits
+    for step in range(steps):
+        token = int(torch.argmax(logits))
+        hidden = engine.forward(torch.tensor([token]), torch.tensor([n_prompt + step]), cache)
+        logits = engine.logits(hidden)[-1]
+        out.append(logits)
+    return out
+
+
+# --- keeping everything == full attention --------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_keep_everything_reproduces_full_attention(tiny_lm, family, method):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+    full_cache, full_first = engine.prefill(prompt.ids)
+    full = decode_logits(engine, full_cache, full_first, n)
+    cache, first = prefill_and_compress(engine, prompt.ids, f"{method}:budget={n}")
+    assert cache.kept is None and cache.seq_len(0) == n
+    ours = decode_logits(engine, cache, first, n)
+    for a, b in zip(ours, full):
+        assert torch.allclose(a, b, atol=TOL)
+    # and through the whole pipeline: 5 greedy tokens, identical
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    got = run(engine, prompt, Pipeline.parse(f"{method}:budget={n}"), max_new_tokens=5, stop_ids=set())
+    assert got.answer_ids == ref.answer_ids and len(got.answer_ids) == 5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_default_budget_on_a_short_prompt_keeps_everything(tiny_lm, method):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)  # far fewer tokens than the default budget (1024)
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    got = run(engine, prompt, Pipeline.parse(method), max_new_tokens=5, stop_ids=set())
+    assert got.answer_ids == ref.answer_ids
+    assert got.extra["kv_cache_bytes"] == ref.extra["kv_cache_bytes"]
+
+
+# --- the kept entries are the papers' ------------------------------------------------------------
+
+
+def reference_attention(lm, ids):
+    """Per layer, the full softmax attention (n_heads, n, n) of the model, computed the HF way:
+    q and k recomputed from the hidden states, RoPE, repeat_kv, causal softmax."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    model = lm.model
+    n = ids.numel()
+    out = []
+    with torch.inference_mode():
+        hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
+        pos = torch.arange(n).view(1, -1)
+        for l, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(hs[l])
+            q = attn.q_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(hs[l], pos)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k = repeat_kv(k, attn.num_key_value_groups)
+            w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
+            w = w.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            out.append(torch.softmax(w.float(), dim=-1)[0])
+    return out
+
+
+def per_kv_head(scores, n_kv):
+    """(n_heads, n) -> (n_kv, n): mean over each GQA group."""
+    return scores.view(n_kv, -1, scores.shape[-1]).mean(dim=1)
+
+
+def assert_top_k(kept, scores, k, tail, tol=1e-5):
+    """``kept`` (sorted positions) = the ``tail`` + k entries of ``scores`` (over the positions
+    before the tail) that are a top-k (ties, e.g. max-pool plateaus, may break either way)."""
+    kept = kept.tolist()
+    assert kept == sorted(kept) and kept[-len(tail) :] == list(tail) and len(kept) == k + len(tail)
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool)
+    chosen[kept[: k]] = True
+    assert scores[chosen].min() >= scores[~chosen].max() - tol
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_snapkv_keeps_the_papers_selection(tiny_lm, family):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n, w, budget = prompt.n_tokens, 8, 40
+    cache, _ = prefill_and_compress(engine, prompt.ids, f"snapkv:budget={budget},window={w},kernel=7,pool=max")
+    for l, attn in enumerate(reference_attention(lm, prompt.ids)):
+        votes = per_kv_head(attn[:, -w:, :-w].sum(dim=-2), lm.n_kv_heads)
+        votes = F.max_pool1d(votes[None], kernel_size=7, padding=3, stride=1)[0]
+        for h in range(lm.n_kv_heads):
+            assert_top_k(cache.kept[l][h], votes[h], budget - w, tail=range(n - w, n))
+
+
+def test_h2o_keeps_heavy_hitters_and_recent_tokens(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n, budget = prompt.n_tokens, 40
+    cache, _ = prefill_and_compress(engine, prompt.ids, f"h2o:budget={budget}")
+    for l, attn in enumerate(reference_attention(lm, prompt.ids)):
+        heavy = per_kv_head(attn.sum(dim=-2), lm.n_kv_heads)[:, : n - 20]
+        for h in range(lm.n_kv_heads):
+            assert_top_k(cache.kept[l][h], heavy[h], 20, tail=range(n - 20, n))
+
+
+def test_scores_from_q_and_k_match_the_attention_matrix():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 6, 50, 8), torch.randn(1, 2, 70, 8)  # 20 cached tokens + 50 new, GQA 3
+    logits = torch.matmul(q, k.repeat_interleave(3, dim=1).transpose(-1, -2)) / math.sqrt(8)
+    allowed = torch.arange(70)[None, :] <= torch.arange(20, 70)[:, None]
+    attn = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[0]  # (6, 50, 70)
+    assert torch.allclose(column_sums(q, k, chunk=16).reshape(6, 70), attn.sum(dim=1), atol=1e-5)
+    assert torch.allclose(window_attention(q, k, 10).reshape(6, 10, 70), attn[:, -10:], atol=1e-6)
+
+
+def test_streamingllm_keeps_sinks_and_recent(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+    cache, _ = prefill_and_compress(engine, prompt.ids, "streamingllm:budget=20,sinks=4")
+    expected = list(range(4)) + list(range(n - 16, n))
+    for kept in cache.kept:
+        assert all(row == expected for row in kept.tolist())
+
+
+# --- shapes, budgets, positions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", ["48", "0.25"])
+def test_gqa_shapes_after_compression(tiny_lm, method, budget):
+    lm = tiny_lm("qwen2")  # 4 query heads, 2 KV heads
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+    cache, _ = prefill_and_compress(engine, prompt.ids, f"{method}:budget={budget},window=8" if "kv" in method[-2:] else f"{method}:budget={budget}")
+    k = 48 if budget == "48" else round(0.25 * n)
+    sizes = [cache.seq_len(l) for l in range(lm.n_layers)]
+    if method == "pyramidkv":
+        assert sum(sizes) == k * lm.n_layers and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    else:
+        assert sizes == [k] * lm.n_layers
+    for l in range(lm.n_layers):
+        assert cache.keys[l].shape == (1, lm.n_kv_heads, sizes[l], lm.head_dim) == cache.values[l].shape
+        assert cache.kept[l].shape == (lm.n_kv_heads, sizes[l])
+        assert all(row == sorted(row) and row[-1] == n - 1 for row in cache.kept[l].tolist())
+    # every prompt position is still recorded: decoding continues at the prompt length
+    assert cache.positions.tolist() == list(range(n))
+    result = run(engine, prompt, Pipeline.parse(f"{method}:budget={budget}" + (",window=8" if method.endswith("kv") else "")), max_new_tokens=4, stop_ids=set())
+    assert len(result.answer_ids) == 4
+
+
+def test_per_head_selection_differs_between_kv_heads(tiny_lm):
+    lm = tiny_lm("qwen2")
+    cache, _ = prefill_and_compress(Engine(lm), prompt_for(lm).ids, "snapkv:budget=24,window=8")
+    assert any(not torch.equal(kept[0], kept[1]) for kept in cache.kept)
+
+
+def test_pyramid_budgets_follow_the_paper():
+    for layers, n, budget, window in [(30, 4000, 256, 32), (4, 100, 60, 8), (32, 8000, 2048, 32), (7, 500, 33, 32)]:
+        b = pyramid_budgets(layers, n, budget, window, 20.0)
+        assert sum(b) == layers * budget
+        assert b == sorted(b, reverse=True) and max(b) <= n and min(b) >= window
+    b = pyramid_budgets(30, 4000, 256, 32, 20.0)
+    assert abs((b[-1] - 32) - 224 / 20) <= 1 and abs((b[0] - 32) - (2 * 224 - 224 / 20)) <= 1
+    assert pyramid_budgets(4, 100, 60, 8, 20.0)[0] == 100  # the bottom layer would exceed the prompt
+
+
+def test_decoding_positions_after_eviction(tiny_lm):
+    """The compressed cache decodes like full attention with the evicted keys masked out."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+    cache, first = prefill_and_compress(engine, prompt.ids, "streamingllm:budget=30,sinks=4")
+    token = int(torch.argmax(first))
+    hidden = engine.forward(torch.tensor([token]), torch.tensor([n]), cache)
+    ours = engine.logits(hidden)[-1]
+    # reference: the same sinks + recent window as a fresh prompt whose tokens keep their original
+    # positions (keys are cached after RoPE), then the new token at position n
+    keep = torch.tensor(list(range(4)) + list(range(n - 26, n)))
+    ref_cache, _ = engine.prefill(prompt.ids, positions=torch.arange(n))
+    ref_cache.keys = [k[:, :, keep] for k in ref_cache.keys]
+    ref_cache.values = [v[:, :, keep] for v in ref_cache.values]
+    hidden = engine.forward(torch.tensor([token]), torch.tensor([n]), ref_cache)
+    assert torch.allclose(ours, engine.logits(hidden)[-1], atol=TOL)
+    assert cache.positions[-1].item() == n  # the decoded token is recorded after the prompt
+
+
+# --- pipelines -----------------------------------------------------------------------------------
+
+
+def test_gemfilter_then_snapkv(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+    result = run(engine, prompt, Pipeline.parse("gemfilter:k=64,layer=2+snapkv:budget=24,window=8"), max_new_tokens=3, stop_ids=set())
+    assert result.n_kept_tokens == 64 and len(result.answer_ids) == 3
+    assert result.extra["kv_cache_bytes"] == lm.n_layers * 2 * lm.n_kv_heads * (24 + 2) * lm.head_dim * 4
+    # everything kept by both: full attention
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    both = run(engine, prompt, Pipeline.parse(f"gemfilter:k={n},layer=2+snapkv:budget={n}"), max_new_tokens=5, stop_ids=set())
+    assert both.answer_ids == ref.answer_ids
+
+
+def test_two_evictions_chain(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    cache, _ = prefill_and_compress(engine, prompt_for(lm).ids, "snapkv:budget=60,window=8+h2o:budget=30")
+    assert [cache.seq_len(l) for l in range(lm.n_layers)] == [30] * lm.n_layers
+    snap, _ = prefill_and_compress(engine, prompt_for(lm).ids, "snapkv:budget=60,window=8")
+    for l in range(lm.n_layers):  # h2o chose among what snapkv kept
+        for h in range(lm.n_kv_heads):
+            assert set(cache.kept[l][h].tolist()) <= set(snap.kept[l][h].tolist())
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("snapkv:budget=0", "token count"),
+        ("snapkv:budget=1.5", "token count"),
+        ("h2o:budget=lots", "token count"),
+        ("snapkv:budget=16", "smaller than the 32 tokens"),
+        ("snapkv:window=0", "window must be at least 1"),
+        ("pyramidkv:kernel=4", "kernel must be odd"),
+        ("snapkv:pool=median", "pool must be max or avg"),
+        ("pyramidkv:beta=0", "beta must be at least 1"),
+        ("h2o:recent=1.5", "recent must be between 0 and 1"),
+        ("streamingllm:sinks=-2", "sinks must be at least 0"),
+        ("streamingllm:budget=2,sinks=4", "smaller than the 4 tokens"),
+        ("snapkv:bugdet=5", "unknown knob"),
+        ("gemfilter:k=64+", "empty compressor"),
+        ("snapkv+snapky", "unknown compressor"),
+    ],
+)
+def test_bad_knobs(spec, message):
+    with pytest.raises(UsageError, match=message):
+        Pipeline.parse(spec)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_budget_larger_than_the_prompt(tiny_lm, method):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    with pytest.raises(UsageError, match="larger than the prompt"):
+        run(engine, prompt_for(lm), Pipeline.parse(f"{method}:budget=100000"), max_new_tokens=2, stop_ids=set())
+
+
+def test_spec_and_registry():
+    from kvcli.compressors import REGISTRY
+
+    assert {"snapkv", "pyramidkv", "h2o", "streamingllm"} <= set(REGISTRY)
+    assert parse_one("snapkv:budget=0.25").spec() == "snapkv:budget=0.25,window=32,kernel=7,pool=max"
+    assert parse_one("h2o:budget=512").spec() == "h2o:budget=512,recent=0.5"
+    assert parse_one("pyramidkv").budget == 1024
+
+
+# --- disk store -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "streamingllm:budget=40"])
+def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
+    from test_store import ask, session_for
+
+    lm = tiny_lm("qwen2")
+    cold = ask(session_for(lm, tmp_path), spec)
+    warm = ask(session_for(lm, tmp_path), spec)
+    off = ask(session_for(lm, None, use_cache=False), spec)
+    full = ask(session_for(lm, tmp_path), "full")  # the same prefix state as full attention
+    assert cold.extra["cache"]["status"] == "miss"
+    assert warm.extra["cache"]["status"] == "hit" and full.extra["cache"]["status"] == "hit"
+    assert len(cold.answer_ids) == 8
+    assert cold.answer_ids == warm.answer_ids == off.answer_ids
+    assert cold.extra["kv_cache_bytes"] == warm.extra["kv_cache_bytes"] < full.extra["kv_cache_bytes"]
+
+
+def test_h2o_keeps_no_prefix_state(tiny_lm, tmp_path):
+    from test_store import ask, entry_files, session_for
+
+    lm = tiny_lm("qwen2")
+    first = ask(session_for(lm, tmp_path), "h2o:budget=40")
+    second = ask(session_for(lm, tmp_path), "h2o:budget=40")
+    assert first.extra["cache"]["status"] == second.extra["cache"]["status"] == "off"
+    assert first.answer_ids == second.answer_ids and entry_files(tmp_path) == []

@@ -1,0 +1,354 @@
+"""RazorAttention: the grouped cache reproduces full attention when it keeps everything, the
+compensation token is equation 5, head profiles are deterministic and reused, the memory saving
+is real, and the compressed cache survives the disk store's round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from kvcli import notices
+from kvcli.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.cache import KVCache, RazorCache
+from kvcli.compressors import parse_one
+from kvcli.compressors.razor import Razor, default_window
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.heads import HeadProfile, compute_profile, load_or_compute, probe_ids, top_fraction
+from kvcli.prompt import build_prompt
+
+TOL = 1e-4
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+
+
+def razor_for(lm, tmp_path, spec: str = "razor:tokens=8") -> Razor:
+    razor = parse_one(spec)
+    razor.cache_dir = tmp_path
+    razor.configure(lm)
+    return razor
+
+
+def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
+    """Prefill ``ids`` on top of ``cache``, then ``steps`` greedy tokens; the logits of each step."""
+    cache, logits = engine.prefill(ids, cache=cache)
+    out = [logits]
+    pos = int(cache.positions[-1]) + 1
+    for step in range(steps):
+        token = torch.tensor([int(torch.argmax(out[-1]))])
+        hidden = engine.forward(token, torch.tensor([pos + step]), cache)
+        out.append(engine.logits(hidden)[-1])
+    return out
+
+
+def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
+    return greedy_logits(engine, KVCache(), prompt.ids, steps)
+
+
+def assert_same_logits(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=TOL, rtol=0)
+    assert [int(g.argmax()) for g in got] == [int(w.argmax()) for w in want]
+
+
+# --------------------------------------------------------------------------- equal to full attention
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_all_heads_protected_reproduces_full_attention(tiny_lm, tmp_path, family):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    # a window far shorter than the document: without protection tokens would be dropped
+    razor = razor_for(lm, tmp_path, "razor:tokens=8,induction=1,window=8,ratio=100")
+    assert bool(razor.protected.all())
+    prefix = prompt.ids[: prompt.prefix_len]
+    cache = razor.build_prefix(engine, prefix)
+    assert isinstance(cache, RazorCache) and cache.n_dropped > 0
+    assert all(ck.shape[1] == 0 for ck in cache.ck)  # no head in the compressed group
+    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=5)
+    assert_same_logits(got, full_reference(engine, prompt, steps=5))
+
+
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")])
+def test_split_heads_without_dropping_reproduce_full_attention(tiny_lm, tmp_path, family, attn):
+    """Half the KV heads in each group, a window covering the prefix: the per-group attention and
+    the reassembly of the head outputs (GQA: 2 query heads per KV head) must give full attention."""
+    lm = tiny_lm(family, attn=attn)
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    razor = razor_for(lm, tmp_path, "razor:tokens=8,window=100000")
+    razor._protected = torch.tensor([[True, False], [False, True], [False, False], [True, True]])
+    cache = razor.build_prefix(engine, prompt.ids[: prompt.prefix_len])
+    assert cache.n_dropped == 0 and not cache.compensated
+    assert [ck.shape[1] for ck in cache.ck] == [1, 1, 2, 0]
+    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=5)
+    assert_same_logits(got, full_reference(engine, prompt, steps=5))
+
+
+def test_compression_changes_the_answer_path(tiny_lm, tmp_path):
+    """Sanity: with few protected heads and a short window, the logits do differ from full."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    razor = razor_for(lm, tmp_path, "razor:tokens=8,window=8,ratio=100,sinks=4")
+    cache = razor.build_prefix(engine, prompt.ids[: prompt.prefix_len])
+    assert cache.n_dropped == prompt.prefix_len - 12 and cache.compensated
+    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=0)
+    assert not torch.allclose(got[0], full_reference(engine, prompt, steps=0)[0], atol=TOL)
+
+
+# --------------------------------------------------------------------------- equation 5 by hand
+
+
+def _eq5_by_hand(q, keys, values, dropped, scaling):
+    """Equation 5 in float64: (N_d e^{s q k̂} v̂ + Σ_{n∉D} e^{s q k_n} v_n) / (N_d e^{s q k̂} + Σ_{n∉D} e^{s q k_n})."""
+    q, keys, values = q.double(), keys.double(), values.double()
+    n = keys.shape[0]
+    kept = [i for i in range(n) if i not in set(dropped)]
+    k_hat, v_hat = keys[dropped].mean(0), values[dropped].mean(0)
+    n_d = len(dropped)
+    num = n_d * torch.exp(scaling * q @ k_hat) * v_hat
+    den = n_d * torch.exp(scaling * q @ k_hat)
+    for i in kept:
+        w = torch.exp(scaling * q @ keys[i])
+        num = num + w * values[i]
+        den = den + w
+    return num / den
+
+
+def _plain_by_hand(q, keys, values, scaling):
+    w = torch.softmax(scaling * keys.double() @ q.double(), dim=0)
+    return w @ values.double()
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_compensation_token_is_equation_5(kernel):
+    torch.manual_seed(0)
+    n, d, n_heads, sinks, window = 20, 8, 4, 2, 5
+    keys, values = torch.randn(1, 2, n, d), torch.randn(1, 2, n, d)
+    kv = KVCache()
+    kv.update(keys, values, 0)
+    kv.record_positions(torch.arange(n))
+    protected = torch.tensor([[True, False]])  # KV head 0 keeps everything, KV head 1 is compressed
+    cache = RazorCache.compress(kv, protected, n_heads, sinks, window)
+    dropped = list(range(sinks, n - window))
+    assert cache.n_dropped == len(dropped) == 13 and cache.compensated
+    assert cache.ck[0].shape == (1, 1, 1 + sinks + window, d)  # [k̂, sinks, window]
+    torch.testing.assert_close(cache.ck[0][0, 0, 0], keys[0, 1, dropped].mean(0))
+    torch.testing.assert_close(cache.cv[0][0, 0, 0], values[0, 1, dropped].mean(0))
+
+    # two new tokens (causal between them), 4 query heads: heads 0-1 read KV head 0, 2-3 KV head 1
+    new_k, new_v = torch.randn(1, 2, 2, d), torch.randn(1, 2, 2, d)
+    view, same = cache.update(new_k, new_v, 0)
+    assert view is same and view.kvcli_grouped
+    query = torch.randn(1, n_heads, 2, d)
+    scaling = 1 / math.sqrt(d)
+    module = types.SimpleNamespace(layer_idx=0)
+    with attention_context(AttentionContext(kernel=kernel)):
+        out, _ = kvcli_attention(module, query, view, view, None, scaling=scaling)
+    assert out.shape == (1, 2, n_heads, d)
+
+    all_k, all_v = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
+    for row in range(2):
+        visible = n + row + 1
+        for h in range(n_heads):
+            g = h // 2
+            ks, vs = all_k[0, g, :visible], all_v[0, g, :visible]
+            if g == 0:
+                want = _plain_by_hand(query[0, h, row], ks, vs, scaling)
+            else:
+                want = _eq5_by_hand(query[0, h, row], ks, vs, dropped, scaling)
+            torch.testing.assert_close(out[0, row, h].double(), want, atol=1e-5, rtol=0)
+
+
+def test_without_compensation_the_dropped_tokens_are_gone():
+    torch.manual_seed(1)
+    n, d = 12, 4
+    keys, values = torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+    kv = KVCache()
+    kv.update(keys, values, 0)
+    kv.record_positions(torch.arange(n))
+    cache = RazorCache.compress(kv, torch.tensor([[False]]), 1, sinks=1, window=3, compensate=False)
+    assert not cache.compensated and cache.ck[0].shape[2] == 4
+    view, _ = cache.update(torch.randn(1, 1, 1, d), torch.randn(1, 1, 1, d), 0)
+    q = torch.randn(1, 1, 1, d)
+    out, _ = kvcli_attention(types.SimpleNamespace(layer_idx=0), q, view, view, None, scaling=0.5)
+    ks = torch.cat([keys[0, 0, [0, 9, 10, 11]], view.compressed_keys[0, 0, -1:]])
+    vs = torch.cat([values[0, 0, [0, 9, 10, 11]], view.compressed_values[0, 0, -1:]])
+    torch.testing.assert_close(out[0, 0, 0].double(), _plain_by_hand(q[0, 0, 0], ks, vs, 0.5), atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- head profiles
+
+
+def test_head_profile_is_deterministic_and_reloaded_from_disk(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    assert torch.equal(probe_ids(lm, 16, 0), probe_ids(lm, 16, 0))
+    ids = probe_ids(lm, 16, 0)
+    assert ids.numel() == 64 and torch.equal(ids[:16], ids[48:]) and ids[:16].unique().numel() == 16
+
+    first = load_or_compute(engine, tokens=16, seed=0, cache_dir=tmp_path)
+    assert not first.loaded and first.path.is_file() and first.path.parent == tmp_path / "heads"
+    assert lm.fingerprint in first.path.name
+    again = compute_profile(engine, tokens=16, seed=0)
+    assert torch.equal(again.echo, first.echo) and torch.equal(again.induction, first.induction)
+    other_seed = compute_profile(engine, tokens=16, seed=1)
+    assert not torch.equal(other_seed.induction, first.induction)
+
+    reloaded = load_or_compute(engine, tokens=16, seed=0, cache_dir=tmp_path)
+    assert reloaded.loaded and reloaded.path == first.path
+    assert torch.equal(reloaded.echo, first.echo) and torch.equal(reloaded.induction, first.induction)
+    assert reloaded.identity() == first.identity()
+    assert list(tmp_path.joinpath("heads").iterdir()) == [first.path]  # no temp files left
+
+    # a damaged file is a warning and is recomputed (and rewritten)
+    notices.reset()
+    first.path.write_bytes(b"garbage")
+    fixed = load_or_compute(engine, tokens=16, seed=0, cache_dir=tmp_path)
+    assert not fixed.loaded and torch.equal(fixed.induction, first.induction)
+    assert any("damaged" in w for w in notices.collected())
+    assert HeadProfile.load(first.path, lm).loaded
+    with pytest.raises(ValueError, match="another model"):
+        HeadProfile.load(first.path, tiny_lm("qwen2"))
+
+
+def test_protection_fractions_and_the_gqa_rule():
+    scores = torch.tensor([[0.9, 0.1, 0.2, 0.3], [0.0, 0.8, 0.05, 0.04]])  # 2 layers x 4 query heads
+    echo = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.7]])
+    profile = HeadProfile("f", "m", n_kv_heads=2, tokens=4, seed=0, echo=echo, induction=scores)
+    by_ind, by_echo = profile.protected_query_heads(0.25, 0.1)  # ceil(2) induction, ceil(0.8)=1 echo
+    assert torch.nonzero(by_ind).tolist() == [[0, 0], [1, 1]]
+    assert torch.nonzero(by_echo).tolist() == [[1, 3]]
+    # query heads 0-1 read KV head 0, heads 2-3 KV head 1: protected if any of its query heads is
+    assert profile.protected_kv_heads(0.25, 0.1).tolist() == [[True, False], [True, True]]
+    assert profile.protected_kv_heads(0.0, 0.0).tolist() == [[False, False], [False, False]]
+    assert top_fraction(scores, 1.0).all()
+
+
+# --------------------------------------------------------------------------- memory and the store
+
+
+def _partial_cache(tiny_lm, tmp_path, spec="razor:tokens=8,window=16,ratio=100"):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    razor = razor_for(lm, tmp_path, spec)
+    razor._protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
+    prefix = prompt.ids[: prompt.prefix_len]
+    return lm, engine, prompt, razor, razor.build_prefix(engine, prefix), engine.prefix_kv(prefix)
+
+
+def test_memory_saving_is_real(tiny_lm, tmp_path):
+    lm, engine, prompt, razor, cache, full = _partial_cache(tiny_lm, tmp_path)
+    n, d, el = prompt.prefix_len, lm.head_dim, 4
+    kept = razor.sinks + 16 + 1  # sinks + window + compensation token
+    n_protected = [1, 0, 1, 2]
+    expected = sum(2 * d * el * (p * n + (2 - p) * kept) for p in n_protected)
+    assert cache.nbytes() == expected
+    assert cache.full_nbytes() == full.nbytes()
+    report = cache.kv_bytes()
+    assert report["before"] == full.nbytes() and report["after"] == expected and report["ratio"] == full.nbytes() / expected > 1.5
+    # the tensors really are that small: no full-length tensor for compressed heads, no GQA expansion
+    for layer, p in enumerate(n_protected):
+        assert cache.pk[layer].shape == (1, p, n, d) and cache.ck[layer].shape == (1, 2 - p, kept, d)
+    # the question and each decoded token add one entry per KV head, in both groups
+    before = cache.nbytes()
+    grown = cache.copy()
+    engine.prefill(prompt.ids[prompt.prefix_len :], cache=grown)
+    assert grown.nbytes() - before == prompt.n_suffix * lm.n_layers * 2 * 2 * d * el
+    assert cache.nbytes() == before  # the copy left the original alone
+    assert grown.n_tokens == prompt.n_tokens and grown.get_seq_length(0) == prompt.n_tokens
+
+
+def test_to_tensors_round_trip(tiny_lm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    lm, engine, prompt, razor, cache, _ = _partial_cache(tiny_lm, tmp_path)
+    tensors, facts = cache.to_tensors()
+    json.dumps(facts)
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors.values())
+    save_file(tensors, str(tmp_path / "entry.safetensors"))
+    back = RazorCache.from_tensors(load_file(str(tmp_path / "entry.safetensors")), json.loads(json.dumps(facts)))
+    assert back.kind == "razor" and back.n_tokens == cache.n_tokens and back.n_dropped == cache.n_dropped
+    assert torch.equal(back.protected, cache.protected)
+    for a, b in zip((*back.pk, *back.pv, *back.ck, *back.cv), (*cache.pk, *cache.pv, *cache.ck, *cache.cv)):
+        assert torch.equal(a, b)
+    question = prompt.ids[prompt.prefix_len :]
+    assert_same_logits(greedy_logits(engine, back, question, 2), greedy_logits(engine, cache.copy(), question, 2))
+
+    bad = dict(tensors)
+    del bad["ck.1"]
+    with pytest.raises(ValueError, match="tensor names"):
+        RazorCache.from_tensors(bad, facts)
+    bad = dict(tensors, **{"ck.1": tensors["ck.1"][:, :, :-1]})
+    with pytest.raises(ValueError, match="ck.1 has shape"):
+        RazorCache.from_tensors(bad, facts)
+    with pytest.raises(ValueError):
+        RazorCache.from_tensors(tensors, dict(facts, n_dropped=facts["n_dropped"] + 1))
+    with pytest.raises(ValueError, match="positions"):
+        RazorCache.from_tensors(tensors, dict(facts, n_tokens=facts["n_tokens"] + 1))
+    with pytest.raises(ValueError, match="incomplete"):
+        RazorCache.from_tensors(tensors, {"n_layers": 4})
+
+
+def test_prefix_state_names_what_the_cache_depends_on(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    a = razor_for(lm, tmp_path).prefix_state(lm)
+    assert a["kind"] == "razor" and a["profile"]["tokens"] == 8 and "question" not in json.dumps(a)
+    assert a == razor_for(lm, tmp_path).prefix_state(lm)
+    assert razor_for(lm, tmp_path, "razor:tokens=8,window=64").prefix_state(lm) != a
+    assert razor_for(lm, tmp_path, "razor:tokens=8,seed=3").prefix_state(lm)["profile"] != a["profile"]
+
+
+# --------------------------------------------------------------------------- knobs and the CLI
+
+
+def test_knobs_defaults_and_errors(tiny_lm, tmp_path):
+    razor = razor_for(tiny_lm("llama"), tmp_path, "razor")
+    assert razor.spec() == "razor:induction=0.14,echo=0.01,sinks=4,window=500,ratio=5.0,compensate=true,tokens=512,seed=0"
+    assert razor.window_for(100) == 500 and razor.window_for(10_000) == 2000  # max(S_0, N/C)
+    assert default_window(8192) == 1000 and default_window(131072) == 4000
+    for spec, message in [
+        ("razor:induction=1.5", "between 0 and 1"),
+        ("razor:ratio=0.5", "at least 1"),
+        ("razor:window=0", "window must be at least 1"),
+        ("razor:tokens=1", "tokens must be at least 2"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_one(spec)
+    with pytest.raises(UsageError, match="sliding-window"):
+        razor_for(tiny_lm("mistral", sliding_window=32), tmp_path)
+
+
+def test_heads_command_computes_once_then_shows(tiny_dir, tmp_path, capsys, monkeypatch):
+    from test_cli import assert_user_error, run_cli
+
+    model = str(tiny_dir("llama", num_hidden_layers=4))
+    args = ["heads", model, "--tokens", "8", "--cache-dir", tmp_path, "--json"]
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    first = json.loads(out)
+    assert not first["loaded"] and first["n_layers"] == 4 and len(first["induction"]) == 4
+    assert first["n_by_induction"] == 3 and first["n_by_echo"] == 1  # ceil(14% of 16), ceil(1% of 16)
+    assert 3 <= first["n_protected_query_heads"] <= 4
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    second = json.loads(out)
+    assert second["loaded"] and second["induction"] == first["induction"]
+    code, out, err = run_cli(["heads", model, "--tokens", "8", "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert code == 0 and "layer" in out and "loaded from" in out
+    assert_user_error(run_cli(["heads", str(tmp_path / "nope"), "--cache-dir", tmp_path], capsys, monkeypatch), 1, "no such directory")
+    assert_user_error(run_cli(["heads", model, "--score", "x", "--cache-dir", tmp_path], capsys, monkeypatch), 2, "--score")
+
+
+def test_a_selector_before_razor_is_refused():
+    from kvcli.errors import UsageError
+    from kvcli.pipeline import Pipeline
+
+    with pytest.raises(UsageError, match="selects tokens before razor"):
+        Pipeline.parse("gemfilter+razor")
