@@ -29,9 +29,39 @@ def cache_type(cls):
     return cls
 
 
+class CacheBase:
+    """What every kvcli cache shares: the positions of the tokens it has seen, and byte counts.
+
+    Subclasses hold their tensors in per-layer lists named by :attr:`tensor_lists` and implement the
+    transformers ``update``/``get_seq_length`` contract, ``copy`` and ``to_tensors``/``from_tensors``.
+    """
+
+    kind: ClassVar[str] = ""
+    tensor_lists: ClassVar[tuple[str, ...]] = ()
+    positions: torch.Tensor | None
+
+    def seq_len(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data actually held."""
+        return sum(t.numel() * t.element_size() for name in self.tensor_lists for t in getattr(self, name))
+
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """Note the original positions of tokens just appended to every layer."""
+        positions = positions.detach().to("cpu", torch.long)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of prompt tokens the cache has seen (its positions)."""
+        return 0 if self.positions is None else self.positions.numel()
+
+
 @cache_type
-class KVCache:
+class KVCache(CacheBase):
     kind: ClassVar[str] = "kv"
+    tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -69,22 +99,6 @@ class KVCache:
     @property
     def n_layers(self) -> int:
         return len(self.keys)
-
-    def seq_len(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def record_positions(self, positions: torch.Tensor) -> None:
-        """Note the original positions of tokens just appended to every layer."""
-        positions = positions.detach().to("cpu", torch.long)
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
-
-    @property
-    def n_tokens(self) -> int:
-        """Number of prompt tokens the cache has seen (its positions)."""
-        return 0 if self.positions is None else self.positions.numel()
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -224,7 +238,7 @@ def compensated_attention(query, key, value, bias: torch.Tensor, scaling: float,
 
 
 @cache_type
-class RazorCache:
+class RazorCache(CacheBase):
     """RazorAttention's compressed cache: per layer, two groups of KV heads in separate tensors.
 
         pk[l], pv[l]: (1, n_protected_l, seq, head_dim)     — every token seen (retrieval heads)
@@ -239,6 +253,7 @@ class RazorCache:
     """
 
     kind: ClassVar[str] = "razor"
+    tensor_lists: ClassVar[tuple[str, ...]] = ("pk", "pv", "ck", "cv")
 
     def __init__(self, protected: torch.Tensor, n_heads: int, n_dropped: int = 0, compensated: bool = False,
                  sinks: int = 0, window: int = 0) -> None:
@@ -348,13 +363,6 @@ class RazorCache:
     def n_layers(self) -> int:
         return len(self.pk)
 
-    def seq_len(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
-
-    def nbytes(self) -> int:
-        """Bytes actually held (both groups, compensation tokens included)."""
-        return sum(t.numel() * t.element_size() for t in (*self.pk, *self.pv, *self.ck, *self.cv))
-
     def full_nbytes(self) -> int:
         """Bytes a full :class:`KVCache` of the same tokens would hold (the "before")."""
         total = 0
@@ -367,14 +375,6 @@ class RazorCache:
         """KV bytes before (full cache) and after (this cache), and their ratio."""
         before, after = self.full_nbytes(), self.nbytes()
         return {"before": before, "after": after, "ratio": before / after if after else float("inf")}
-
-    def record_positions(self, positions: torch.Tensor) -> None:
-        positions = positions.detach().to("cpu", torch.long)
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
-
-    @property
-    def n_tokens(self) -> int:
-        return 0 if self.positions is None else self.positions.numel()
 
     def copy(self) -> "RazorCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""

@@ -1,14 +1,15 @@
-"""KV eviction baselines vs full attention and GemFilter on the embedded model, at one budget.
+"""Every method vs full attention on the embedded model, at one budget: needle, TTFT, memory, KV.
 
-    python benchmarks/eviction.py                                   # 2k/4k/8k x 3 depths, budget 256
-    python benchmarks/eviction.py --lengths 2048,4096 --budget 512
+    python benchmarks/methods.py                                   # 2k/4k/8k x 3 depths, budget 256
+    python benchmarks/methods.py --lengths 2048,4096 --budget 512
+    python benchmarks/methods.py --lengths 1024,2048,4096,8000 --methods "full;gemfilter;gemfilter:span=16"
 
 Methods (every one keeps ``--budget`` tokens: KV entries per layer for the eviction methods — on
 average over layers for PyramidKV — and prompt tokens for GemFilter): full, snapkv, pyramidkv,
 h2o, streamingllm, gemfilter. All run in one process on the same needle documents, with no disk
 cache (every row is a cold run), so TTFT ratios are same-machine, same-run ratios. TTFT includes
 the eviction (the scores are computed during the prefill); "KV MiB" is the cache after
-compression (plus the answer's tokens). Writes benchmarks/out/eviction.json (after every row)
+compression (plus the answer's tokens). Writes benchmarks/out/methods.json (after every row)
 and prints a Markdown table; ``--table`` prints the table of an earlier (or interrupted) run.
 """
 
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--methods", default=";".join(METHODS), help="';'-separated specs; {b} is replaced by --budget")
     ap.add_argument("--haystack", default="filler", choices=["filler", "essays"])
     ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "eviction.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "methods.json"))
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
     args = ap.parse_args()
     if args.table:
