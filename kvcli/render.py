@@ -55,16 +55,17 @@ def cache_table(console: Console, entries) -> None:
     for e in entries:
         j = e.to_json()
         state = j["state"] if isinstance(j["state"], dict) else {}
-        what = " ".join(f"{k}={v}" for k, v in state.items() if k != "kind")
+        # short: the kind, and the layers of a KV state (every parameter: `kvcli cache info KEY`)
+        what = f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
         table.add_row(
             j["key"][:12],
             Path(j["document"]).name if j["document"] else f"[red]damaged: {e.error}[/red]",
             Path(j["model"]).name if j["model"] else "-",
             (j["method"] or "-").split(":")[0],
-            f"{state.get('kind', '-')} {what}".strip(),
+            what,
             f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-",
             human_bytes(j["size_bytes"]),
-            j["last_use"][:16].replace("T", " "),
+            j["last_use"][5:16].replace("T", " "),  # MM-DD HH:MM
         )
     console.print(table)
     console.print(f"[dim]{len(entries)} entries, {human_bytes(sum(e.size for e in entries))}[/dim]")
