@@ -2,6 +2,7 @@
 
 from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one, register
 from .full import FullAttention
+from .finch import Finch
 from .gemfilter import GemFilter
 from .razor import Razor
 # --- KV eviction (kvcli.compressors.scoring) ---
@@ -14,6 +15,7 @@ from .streamingllm import StreamingLLM
 __all__ = [
     "REGISTRY",
     "Compressor",
+    "Finch",
     "FullAttention",
     "GemFilter",
     "Razor",
