@@ -16,6 +16,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, default_prefill, run
 from kvcli.prompt import build_prompt
+from reference import causal_softmax, reference_qk
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -87,26 +88,7 @@ def test_default_budget_on_a_short_prompt_keeps_everything(tiny_lm, method):
 def reference_attention(lm, ids):
     """Per layer, the full softmax attention (n_heads, n, n) of the model, computed the HF way:
     q and k recomputed from the hidden states, RoPE, repeat_kv, causal softmax."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
-
-    model = lm.model
-    n = ids.numel()
-    out = []
-    with torch.inference_mode():
-        hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
-        pos = torch.arange(n).view(1, -1)
-        for l, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(hs[l])
-            q = attn.q_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            cos, sin = model.model.rotary_emb(hs[l], pos)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k = repeat_kv(k, attn.num_key_value_groups)
-            w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
-            w = w.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-            out.append(torch.softmax(w.float(), dim=-1)[0])
-    return out
+    return [causal_softmax(q, k, 1 / math.sqrt(attn.head_dim))[0] for q, k, attn in reference_qk(lm, ids)]
 
 
 def per_kv_head(scores, n_kv):

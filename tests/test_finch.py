@@ -14,6 +14,7 @@ from kvcli.errors import DocumentError, UsageError
 from kvcli.pipeline import Pipeline, check_window, run
 from kvcli.prompt import build_prompt
 from kvcli.rope import rerotate
+from reference import causal_softmax, reference_qk
 from tiny_models import FAMILIES, make_tiny_model
 
 TOL = 1e-4
@@ -61,30 +62,11 @@ def reference_scores(lm, ids: torch.Tensor, n_question: int) -> list[torch.Tenso
     """One Finch step written out plainly: HF's own forward for the hidden states, q and k of each
     layer recomputed from them, GQA keys repeated, causal softmax, the question rows summed over
     heads over the context columns, divided by the rows that see each column."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
-
-    model = lm.model
-    n = ids.numel()
-    n_context = n - n_question
+    n_context = ids.numel() - n_question
     out = []
-    with torch.inference_mode():
-        hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
-        pos = torch.arange(n).view(1, -1)
-        for li, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(hs[li])
-            q = attn.q_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            cos, sin = model.model.rotary_emb(h, pos)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k = repeat_kv(k, attn.num_key_value_groups)
-            w = torch.matmul(q, k.transpose(-1, -2)) * attn.scaling
-            w = w.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-            a = w[0].sum(0)[-n_question:, :n_context]  # sum over heads; question rows x context
-            s = a.sum(0) / n_question  # every question row sees every context column
-            out.append(s)
+    for q, k, attn in reference_qk(lm, ids):
+        a = causal_softmax(q, k, attn.scaling)[0].sum(0)[-n_question:, :n_context]  # heads summed; question rows x context
+        out.append(a.sum(0) / n_question)  # every question row sees every context column
     return out
 
 

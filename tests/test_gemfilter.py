@@ -12,6 +12,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
 from kvcli.prompt import build_prompt, stop_token_ids
+from reference import reference_qk
 from tiny_models import FAMILIES
 
 TOL = 1e-4
@@ -46,29 +47,13 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
 
 
 def reference_gemfilter_indices(lm, ids, r, k, kernel=5):
-    """Appendix C.1 of the paper, literally: HF eager attention with output_attentions off, q and k
-    recomputed from the hidden states entering layer r, repeat_kv, matmul, sum, avg_pool, topk, sort."""
-    model = lm.model
-    with torch.inference_mode():
-        out = model(ids.view(1, -1), output_hidden_states=True)
-        hidden = out.hidden_states[r - 1]  # input of layer r (1-based)
-        layer = model.model.layers[r - 1]
-        attn = layer.self_attn
-        h = layer.input_layernorm(hidden)
-        q = attn.q_proj(h).view(1, ids.numel(), -1, attn.head_dim).transpose(1, 2)
-        kk = attn.k_proj(h).view(1, ids.numel(), -1, attn.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # qwen3
-            q, kk = attn.q_norm(q), attn.k_norm(kk)
-        pos = torch.arange(ids.numel()).view(1, -1)
-        cos, sin = model.model.rotary_emb(hidden, pos)
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
-
-        q, kk = apply_rotary_pos_emb(q, kk, cos, sin)
-        kk = repeat_kv(kk, attn.num_key_value_groups)
-        in_pro = torch.matmul(q[:, :, -1:, :], kk.transpose(-1, -2))
-        in_pro = torch.sum(in_pro, dim=1, keepdim=True)
-        in_pro = F.avg_pool1d(in_pro[0], kernel_size=kernel, padding=kernel // 2, stride=1)
-        return torch.sort(torch.topk(in_pro[0, 0], k, dim=-1).indices).values
+    """Appendix C.1 of the paper, literally: q and k of layer r recomputed the HF way (no
+    output_attentions), repeat_kv, matmul of the last query row, sum over heads, avg_pool, topk, sort."""
+    q, kk, _ = reference_qk(lm, ids)[r - 1]
+    in_pro = torch.matmul(q[:, :, -1:, :], kk.transpose(-1, -2))
+    in_pro = torch.sum(in_pro, dim=1, keepdim=True)
+    in_pro = F.avg_pool1d(in_pro[0], kernel_size=kernel, padding=kernel // 2, stride=1)
+    return torch.sort(torch.topk(in_pro[0, 0], k, dim=-1).indices).values
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
