@@ -32,12 +32,9 @@ only runs RoPE decoders, and says so for an ALiBi model.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,24 +256,15 @@ class HeadProfile:
         }
 
     def save(self, path: Path) -> None:
-        """Write atomically: a temporary file in the same folder, then ``os.replace``."""
-        from safetensors.torch import save_file
+        """Write atomically (see :func:`kvcli.store.save_safetensors_atomic`)."""
+        from .store import save_safetensors_atomic
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(
-                {"echo": self.echo.contiguous(), "induction": self.induction.contiguous()},
-                tmp,
-                metadata={_META_KEY: json.dumps(self.header(), sort_keys=True)},
-            )
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        save_safetensors_atomic(
+            path,
+            {"echo": self.echo.contiguous(), "induction": self.induction.contiguous()},
+            {_META_KEY: json.dumps(self.header(), sort_keys=True)},
+        )
         self.path = path
 
     @classmethod

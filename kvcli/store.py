@@ -155,6 +155,25 @@ def _crc32(tensors: dict[str, torch.Tensor]) -> int:
     return crc
 
 
+def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
+    file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
+    the new one, never half of one; on failure the temporary file is removed and the error raised."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a shared cache should stay readable
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
@@ -315,8 +334,6 @@ class KVStore:
     # --- save -----------------------------------------------------------------------------------
     def _save(self, key: StoreKey, cache, meta: dict, compute_s: float) -> int | None:
         """Write the entry atomically; returns its size, or None when the store had to turn off."""
-        from safetensors.torch import save_file
-
         tensors, facts = cache.to_tensors()
         full_meta = {
             **meta,
@@ -331,26 +348,12 @@ class KVStore:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         path = self.path_of(key.digest)
-        tmp = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key.digest[:16]}.", suffix=".tmp", dir=self.root)
-            os.close(fd)
-            save_file(tensors, tmp, metadata={_META_KEY: json.dumps(full_meta, sort_keys=True)})
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-            tmp = None
+            save_safetensors_atomic(path, tensors, {_META_KEY: json.dumps(full_meta, sort_keys=True)})
             size = path.stat().st_size
-        except OSError as e:  # read-only, full disk, quota...
+        except Exception as e:  # read-only, full disk, quota (safetensors wraps some I/O errors)
             self._disable(e)
             return None
-        except Exception as e:  # safetensors wraps I/O errors in its own exception type
-            self._disable(e)
-            return None
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
         self._memo = (key.digest, (cache, full_meta, size))
         return size
 
