@@ -50,6 +50,7 @@ from urllib.parse import urlparse
 import torch
 
 from kvcli import notices
+from kvcli.files import atomic_write
 from kvcli.errors import ModelError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -245,20 +246,6 @@ def _embedded_gguf_file() -> Path:
     )
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -289,7 +276,7 @@ def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
     sha = _file_sha256(gguf)
     memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
     with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
-        _atomic_write_text(sidecar, json.dumps(memo, indent=1, sort_keys=True))
+        atomic_write(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8"))
     return sha
 
 

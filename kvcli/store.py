@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch
 
 from . import notices
 from .cache import CACHE_TYPES
+from .files import atomic_write
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
@@ -161,17 +161,7 @@ def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metada
     the new one, never half of one; on failure the temporary file is removed and the error raised."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a shared cache should stay readable
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _one_line(exc: BaseException) -> str:
