@@ -46,6 +46,10 @@ class AttentionContext:
 
     kernel: str = "sdpa"
     observers: dict[int, list[Observer]] = field(default_factory=dict)
+    # An explicit boolean (q_len, kv_len) mask, True where attending is allowed, for passes whose
+    # queries are not the last q_len entries of the key sequence (LazyLLM computes revived tokens
+    # late); None: the causal mask of :func:`causal_mask`. Applies to every layer of the pass.
+    mask: torch.Tensor | None = None
 
     def observe(self, layer_idx: int, fn: Observer) -> None:
         self.observers.setdefault(layer_idx, []).append(fn)
@@ -154,13 +158,18 @@ def kvcli_attention(
         fn(query, key)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
-    # --- grouped caches (RazorAttention, kvcli.cache.RazorCache) --------------------------------
-    # The cache's update returned a per-layer view whose KV heads live in separate groups; it
-    # attends per group and returns the head outputs in head order. (Observers above receive that
-    # view as ``key``: there is no single (n_kv, kv_len) key tensor.)
+    # --- caches that own attention (RazorAttention's grouped heads, block-sparse retrieval) -------
+    # The cache's update returned a per-layer view (``kvcli_grouped``) instead of key/value tensors;
+    # it attends itself — per head group, or over the blocks it selects — and returns
+    # (batch, q_len, n_heads, head_dim). Observers above receive that view as ``key``.
     if getattr(key, "kvcli_grouped", False):
         return key.attend(module, query, scaling, sliding_window, ctx.kernel), None
     # ---------------------------------------------------------------------------------------------
+    if ctx.mask is not None:
+        mask = ctx.mask.to(query.device)
+        if ctx.kernel == "eager":
+            return _eager(query, key, value, mask, scaling), None
+        return _sdpa(query, key, value, mask, scaling), None
     if ctx.kernel == "flash":
         return _flash(module, query, key, value, scaling, sliding_window), None
     mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)

@@ -57,6 +57,16 @@ class CacheBase:
         """Number of prompt tokens the cache has seen (its positions)."""
         return 0 if self.positions is None else self.positions.numel()
 
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """What each layer and KV head holds of the prompt: (n_layers, n_kv_heads, n_prompt) bool,
+        True where the KV of the token at original position p (0 <= p < n_prompt) is in the cache.
+
+        This is what ``kvcli inspect`` summarises per layer and head. Positions are those the
+        tokens had in the sequence the cache was built from (after a selector such as GemFilter,
+        indices into its kept tokens). Default: every layer holds every recorded position.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
+
 
 @cache_type
 class KVCache(CacheBase):
@@ -99,6 +109,24 @@ class KVCache(CacheBase):
     @property
     def n_layers(self) -> int:
         return len(self.keys)
+
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask`. Sources, in
+        order: ``kept`` (eviction, per head), ``kept_positions`` (Finch, per layer), ``positions``."""
+        n_kv = self.keys[0].shape[1] if self.keys else 0
+        mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        for layer in range(self.n_layers):
+            if self.kept is not None:
+                pos = self.kept[layer]  # (n_kv, kept_l)
+            elif getattr(self, "kept_positions", None) is not None:
+                pos = self.kept_positions[layer].view(1, -1).expand(n_kv, -1)
+            else:
+                pos = self.positions.view(1, -1).expand(n_kv, -1)
+            pos = pos.to("cpu", torch.long)
+            inside = pos < n_prompt
+            rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
+            mask[layer][rows[inside], pos[inside]] = True
+        return mask
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -362,6 +390,21 @@ class RazorCache(CacheBase):
     @property
     def n_layers(self) -> int:
         return len(self.pk)
+
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """(n_layers, n_kv_heads, n_prompt) bool (:meth:`CacheBase.kept_mask`): retrieval heads
+        hold every token; the others the sinks, the window and what came after compression (the
+        compensation token is no token)."""
+        n_kv = self.protected.shape[1]
+        n = self.sinks + self.n_dropped + self.window  # tokens at compression time
+        seen = self.positions  # also the tokens appended after compression (question, answer)
+        kept = torch.cat([seen[: self.sinks], seen[n - self.window :]])
+        mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        for layer in range(self.n_layers):
+            for head in range(n_kv):
+                pos = seen if self.protected[layer, head] else kept
+                mask[layer, head, pos[pos < n_prompt]] = True
+        return mask
 
     def full_nbytes(self) -> int:
         """Bytes a full :class:`KVCache` of the same tokens would hold (the "before")."""

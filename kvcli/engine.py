@@ -42,6 +42,43 @@ class Engine:
         return len(self.layers)
 
     # --- building blocks ------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (q_len,) -> input hidden states (1, q_len, hidden)."""
+        return self.embed_tokens(ids.to(self.device).view(1, -1))
+
+    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """The model's RoPE (cos, sin) for ``positions`` (q_len,), as its layers take them."""
+        return self.rotary_emb(hidden, positions.to(self.device).view(1, -1))
+
+    def layer(
+        self,
+        i: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        rope=None,
+    ) -> torch.Tensor:
+        """Run decoder layer ``i`` on ``hidden`` (1, q_len, hidden) at ``positions`` (q_len,),
+        appending its KV to ``cache``; returns (1, q_len, hidden). Call inside an
+        :func:`kvcli.attention.attention_context` to set the kernel, observers or an explicit mask
+        (methods that run different tokens in different layers, LazyLLM)."""
+        pos = positions.to(self.device).view(1, -1)
+        if rope is None:
+            rope = self.rotary_emb(hidden, pos)
+        out = self.layers[i](
+            hidden,
+            attention_mask=None,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_embeddings=rope,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def context(self, observers: dict[int, list[Observer]] | None = None, mask=None) -> AttentionContext:
+        """The attention context of a pass: this engine's kernel, plus observers / explicit mask."""
+        return AttentionContext(kernel=self.kernel, observers=observers or {}, mask=mask)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -57,23 +94,12 @@ class Engine:
         Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden);
         None when an observer ended the pass early with :class:`StopForward`.
         """
-        ids = ids.to(self.device).view(1, -1)
-        pos = positions.to(self.device).view(1, -1)
-        hidden = self.embed_tokens(ids)
-        rope = self.rotary_emb(hidden, pos)
-        ctx = AttentionContext(kernel=self.kernel, observers=observers or {})
-        with attention.attention_context(ctx):
+        hidden = self.embed(ids)
+        rope = self.position_embeddings(hidden, positions)
+        with attention.attention_context(self.context(observers)):
             try:
                 for i in range(self.n_layers) if layers is None else layers:
-                    out = self.layers[i](
-                        hidden,
-                        attention_mask=None,
-                        position_ids=pos,
-                        past_key_values=cache,
-                        use_cache=cache is not None,
-                        position_embeddings=rope,
-                    )
-                    hidden = out[0] if isinstance(out, tuple) else out
+                    hidden = self.layer(i, hidden, positions, cache, rope)
             except StopForward:
                 hidden = None
         if cache is not None and (layers is None or 0 in layers):
@@ -119,6 +145,12 @@ class Engine:
         return cache, self.logits(hidden[:, -1:])[-1]
 
     @torch.inference_mode()
+    def step(self, token: int, position: int, cache) -> torch.Tensor:
+        """One decoding step of full attention: the logits (vocab,) after ``token`` at ``position``."""
+        hidden = self.forward(torch.tensor([token]), torch.tensor([position]), cache)
+        return self.logits(hidden)[-1]
+
+    @torch.inference_mode()
     def decode(
         self,
         first_logits: torch.Tensor,
@@ -127,19 +159,24 @@ class Engine:
         max_new_tokens: int,
         stop_ids: set[int],
         on_token: Callable[[int], None] | None = None,
+        step: Callable[[int, int, object], torch.Tensor] | None = None,
     ) -> list[int]:
-        """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token)."""
+        """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
+
+        ``step(token, position, cache) -> logits (vocab,)`` runs one decoding step (default
+        :meth:`step`); methods that own decoding (``Compressor.decode_step``) pass theirs.
+        """
+        step = self.step if step is None else step
         out: list[int] = []
         logits = first_logits
-        for step in range(max_new_tokens):
+        for i in range(max_new_tokens):
             token = int(torch.argmax(logits))
             if token in stop_ids:
                 break
             out.append(token)
             if on_token is not None:
                 on_token(token)
-            if step + 1 == max_new_tokens:
+            if i + 1 == max_new_tokens:
                 break
-            hidden = self.forward(torch.tensor([token]), torch.tensor([next_position + step]), cache)
-            logits = self.logits(hidden)[-1]
+            logits = step(token, next_position + i, cache)
         return out

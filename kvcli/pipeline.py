@@ -140,6 +140,22 @@ class Result:
     peak_mem_mb: float
     decode_tokens_per_s: float | None
     extra: dict = field(default_factory=dict)
+    # the cache after decoding (what the layers and heads held: ``cache.kept_mask``; inspect reads it)
+    cache: object | None = field(default=None, repr=False)
+
+    def kept_mask(self) -> torch.Tensor | None:
+        """What each layer and KV head held of the prompt, in prompt indices:
+        (n_layers, n_kv_heads, n_prompt) bool; None when the cache does not report it.
+        Tokens a selector dropped are False everywhere."""
+        if self.cache is None:
+            return None
+        try:
+            inner = self.cache.kept_mask(self.selection.n_kept)  # indices into the selected tokens
+        except NotImplementedError:
+            return None
+        mask = torch.zeros(*inner.shape[:2], self.prompt.n_tokens, dtype=torch.bool)
+        mask[:, :, self.selection.kept] = inner
+        return mask
 
     @property
     def n_kept_tokens(self) -> int:
@@ -252,7 +268,9 @@ def run(
         for stage in compressors:
             cache = stage.compress(engine, cache)
         ttft = time.perf_counter() - start
-        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token)
+        decoder = pipeline.owner("decode_step")
+        step = None if decoder is None else (lambda token, position, c: decoder.decode_step(engine, token, position, c))
+        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step)
         total = time.perf_counter() - start
     decode_s = total - ttft
     return Result(
@@ -264,6 +282,7 @@ def run(
         total_s=total,
         peak_mem_mb=m.peak_mem_mb,
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
+        cache=cache,
         extra={
             "kv_cache_bytes": cache.nbytes(),
             "cache": _cache_report(prefix, second_prefix),

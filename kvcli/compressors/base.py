@@ -16,6 +16,10 @@ by :mod:`kvcli.pipeline` in this order:
     observers the method attaches to the final prefill pass (``prefill_observers``: per layer,
     ``fn(query, key)`` with the queries of the tokens run in that pass — at least the last
     ``query_window(lm)`` prompt tokens — and every key). Several may chain, in the order written.
+``decode_step(engine, token, position, cache) -> logits``
+    Own each greedy decoding step: run ``token`` at ``position`` on ``cache`` and return the next
+    logits (vocab,) (LazyLLM's dynamic pruning, block-sparse retrieval). At most one per pipeline;
+    default :meth:`kvcli.engine.Engine.step` (full attention over the cache).
 
 What a method computes from the question-agnostic prompt prefix (the document and the template
 around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
@@ -58,8 +62,8 @@ from ..selection import Selection
 REGISTRY: dict[str, type["Compressor"]] = {}
 
 # hooks that at most one method of a pipeline may own
-EXCLUSIVE_PHASES = ("build_prefix", "prefill")
-PHASES = ("select_tokens", "build_prefix", "prefill", "compress")
+EXCLUSIVE_PHASES = ("build_prefix", "prefill", "decode_step")
+PHASES = ("select_tokens", "build_prefix", "prefill", "compress", "decode_step")
 
 
 def knob(default, help: str):
@@ -103,6 +107,11 @@ class Compressor:
 
     def compress(self, engine, cache):
         """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""
+        raise NotImplementedError
+
+    def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
+        """One decoding step: the logits (vocab,) after ``token`` (at ``position``) on ``cache``,
+        the cache this pipeline's prefill (and compressors) produced."""
         raise NotImplementedError
 
     def prefill_observers(self, lm, n_tokens: int) -> dict:
