@@ -34,6 +34,7 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
+    kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -72,9 +73,11 @@ class Session:
 
     def ask(self, document: Document, question: str, pipeline: Pipeline, on_token=None) -> Result:
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
-        for stage in pipeline.stages:  # methods that keep per-model data (RazorAttention's head profile)
-            if hasattr(stage, "cache_dir"):
+        for stage in pipeline.stages:
+            if hasattr(stage, "cache_dir"):  # methods that keep per-model data (RazorAttention's head profile)
                 stage.cache_dir = self.options.cache_dir
+            if hasattr(stage, "kv_offload"):  # methods that can hold their KV in CPU memory (blocksparse)
+                stage.kv_offload = self.options.kv_offload
         pipeline.configure(self.lm)
         check_window(prompt, self.lm, self.options.max_new_tokens, pipeline)
         return run(
@@ -119,6 +122,7 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "cache": result.extra["cache"]["status"],
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
+        "method_stats": result.extra.get("method_stats", {}),  # the method's own counters (cache.stats())
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     if include_spans:

@@ -41,6 +41,11 @@ class Quant(str, Enum):
     eight = "8bit"
 
 
+class Offload(str, Enum):
+    none = "none"
+    cpu = "cpu"
+
+
 class Attn(str, Enum):
     sdpa = "sdpa"
     eager = "eager"
@@ -92,6 +97,7 @@ def ask(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept [default: $XDG_CACHE_HOME/kvcli]"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
+    kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
 ) -> None:
     err = _stderr(quiet)
     _route_warnings(quiet)
@@ -106,6 +112,7 @@ def ask(
         template=template,
         cache_dir=cache_dir,
         use_cache=not no_cache,
+        kv_offload=kv_offload.value,
     )
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:

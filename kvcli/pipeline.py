@@ -286,5 +286,8 @@ def run(
         extra={
             "kv_cache_bytes": cache.nbytes(),
             "cache": _cache_report(prefix, second_prefix),
+            # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
+            # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
+            "method_stats": cache.stats() if hasattr(cache, "stats") else {},
         },
     )
