@@ -112,14 +112,15 @@ class KVCache(CacheBase):
 
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
         """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask`. Sources, in
-        order: ``kept`` (eviction, per head), ``kept_positions`` (Finch, per layer), ``positions``."""
+        order: ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
+        layer, the document slots, then the question's), ``positions``."""
         n_kv = self.keys[0].shape[1] if self.keys else 0
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
         for layer in range(self.n_layers):
             if self.kept is not None:
                 pos = self.kept[layer]  # (n_kv, kept_l)
             elif getattr(self, "kept_positions", None) is not None:
-                pos = self.kept_positions[layer].view(1, -1).expand(n_kv, -1)
+                pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
             else:
                 pos = self.positions.view(1, -1).expand(n_kv, -1)
             pos = pos.to("cpu", torch.long)

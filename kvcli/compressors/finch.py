@@ -35,7 +35,8 @@ computation); chunks that would drop nothing are run without the question.
 Cache layout after :meth:`Finch.prefill`: ``keys[l]``/``values[l]``: (1, n_kv, k + q, d), the same
 count ``k = min(target, P)`` in every layer but different tokens; ``positions`` = ``0..k+q-1``
 (the re-positioned, contiguous slots: what RoPE was applied with); ``kept_positions[l]`` (an
-extra attribute): the original prompt positions of the ``k`` document slots of layer ``l``.
+extra attribute): the original prompt positions of the ``k`` document slots of layer ``l``;
+``suffix_positions``: the original positions of the question's ``q`` slots that follow them.
 
 Disk store: the compressed cache depends on the question, so there is no question-agnostic
 prefix state to reuse (``prefix_state`` is None): every question reads the document again.
@@ -160,6 +161,7 @@ class Finch(Compressor):
         if n_context == 0:
             cache, logits = engine.prefill(question)
             cache.kept_positions = [torch.zeros(0, dtype=torch.long)] * cache.n_layers
+            cache.suffix_positions = torch.arange(n)
             return cache, logits, n
         chunk = self.chunk
         window = lm.max_context
@@ -214,5 +216,6 @@ class Finch(Compressor):
             cache.positions = torch.arange(keep)
             m = keep
         cache.kept_positions = kept_positions
+        cache.suffix_positions = torch.arange(n_context, n)
         cache, logits = engine.prefill(question, positions=torch.arange(m, m + n_question), cache=cache)
         return cache, logits, m + n_question

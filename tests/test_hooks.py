@@ -1,0 +1,178 @@
+"""The shared hook points: what each cache reports it kept (``kept_mask``, what ``inspect`` shows),
+the decode-step hook, the per-layer engine API and the explicit attention mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli import attention
+from kvcli.cache import KVCache
+from kvcli.compressors import Compressor, parse_one, register
+from kvcli.compressors.base import REGISTRY
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, run
+from kvcli.prompt import build_prompt
+
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+TOL = 1e-4
+
+
+def answer(lm, spec, tmp_path=None, max_new_tokens=3):
+    pipeline = Pipeline.parse(spec)
+    for stage in pipeline.stages:
+        if hasattr(stage, "cache_dir"):
+            stage.cache_dir = tmp_path
+    pipeline.configure(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    return run(Engine(lm), prompt, pipeline, max_new_tokens=max_new_tokens, stop_ids=set())
+
+
+# --------------------------------------------------------------------------- kept_mask
+
+
+def test_full_attention_keeps_every_prompt_token_in_every_layer_and_head(tiny_lm):
+    lm = tiny_lm("qwen2")
+    result = answer(lm, "full")
+    mask = result.kept_mask()
+    assert mask.shape == (lm.n_layers, 2, result.prompt.n_tokens)
+    assert mask.all()  # decoded tokens (positions >= n_prompt) are not prompt tokens: not counted
+
+
+def test_eviction_keeps_budget_entries_per_layer_and_head(tiny_lm):
+    lm = tiny_lm("qwen2")
+    result = answer(lm, "snapkv:budget=40,window=8")
+    mask = result.kept_mask()
+    assert (mask.sum(dim=-1) == 40).all()
+    # the observation window (the last 8 prompt tokens) is always kept
+    assert mask[:, :, -8:].all()
+
+
+def test_streamingllm_keeps_exactly_sinks_and_recent(tiny_lm):
+    lm = tiny_lm("llama")
+    result = answer(lm, "streamingllm:budget=20,sinks=4")
+    n = result.prompt.n_tokens
+    want = torch.zeros(n, dtype=torch.bool)
+    want[:4] = True
+    want[n - 16 :] = True
+    assert (result.kept_mask() == want).all()
+
+
+def test_a_selector_maps_back_to_prompt_indices(tiny_lm):
+    lm = tiny_lm("llama")
+    result = answer(lm, "gemfilter:k=30,layer=2")
+    mask = result.kept_mask()
+    kept = torch.zeros(result.prompt.n_tokens, dtype=torch.bool)
+    kept[result.selection.kept] = True
+    assert (mask == kept).all()  # the second pass is full attention over the k tokens
+    assert int(kept.sum()) == 30
+
+
+def test_razor_retrieval_heads_keep_all_others_sinks_window_and_question(tiny_lm, tmp_path):
+    lm = tiny_lm("qwen2")
+    pipeline = Pipeline.parse("razor:tokens=8,window=16,ratio=100,sinks=4")
+    razor = pipeline.stages[0]
+    razor.cache_dir = tmp_path
+    razor.configure(lm)
+    protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
+    razor._protected = protected
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    result = run(Engine(lm), prompt, pipeline, max_new_tokens=2, stop_ids=set())
+    mask = result.kept_mask()
+    n, prefix = prompt.n_tokens, prompt.prefix_len
+    others = torch.zeros(n, dtype=torch.bool)
+    others[:4] = True
+    others[prefix - 16 :] = True  # the window of the compressed prefix, then the question
+    for layer in range(lm.n_layers):
+        for head in range(2):
+            want = torch.ones(n, dtype=torch.bool) if protected[layer, head] else others
+            assert (mask[layer, head] == want).all(), (layer, head)
+
+
+def test_finch_keeps_target_document_tokens_per_layer(tiny_lm):
+    lm = tiny_lm("llama")
+    result = answer(lm, "finch:target=24,chunk=64")
+    mask = result.kept_mask()
+    # every layer holds the target of the prefix plus the question's tokens, which run last
+    per_layer = mask[:, 0].sum(dim=-1)
+    assert (per_layer == 24 + result.prompt.n_suffix).all()
+
+
+# --------------------------------------------------------------------------- decode_step
+
+
+def test_decode_step_owner_runs_every_step_and_only_one_may_own_it(tiny_lm):
+    calls = []
+
+    @register
+    class CountingSteps(Compressor):
+        """Full attention, counting its decoding steps (a test double)."""
+
+        name = "test-counting-steps"
+
+        def decode_step(self, engine, token, position, cache):
+            calls.append(position)
+            return engine.step(token, position, cache)
+
+    try:
+        lm = tiny_lm("llama")
+        full = answer(lm, "full", max_new_tokens=5)
+        counted = answer(lm, "test-counting-steps", max_new_tokens=5)
+        assert counted.answer_ids == full.answer_ids
+        n = full.prompt.n_tokens
+        assert calls == [n, n + 1, n + 2, n + 3]  # the first token comes from the prefill
+        with pytest.raises(UsageError, match="decode_step"):
+            Pipeline.parse("test-counting-steps+test-counting-steps")
+    finally:
+        REGISTRY.pop("test-counting-steps")
+
+
+# --------------------------------------------------------------------------- engine API and masks
+
+
+def test_layer_by_layer_equals_forward_and_explicit_causal_mask_changes_nothing(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    ids = build_prompt(lm.tokenizer, DOC, "How many gulls?").ids
+    n = ids.numel()
+    positions = torch.arange(n)
+    want = engine.forward(ids, positions, KVCache())
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for kernel in ("sdpa", "eager"):
+        engine.kernel = kernel
+        with torch.inference_mode():
+            hidden = engine.embed(ids)
+            rope = engine.position_embeddings(hidden, positions)
+            cache = KVCache()
+            with attention.attention_context(engine.context(mask=causal)):
+                for i in range(engine.n_layers):
+                    hidden = engine.layer(i, hidden, positions, cache, rope)
+        torch.testing.assert_close(hidden, want, atol=TOL, rtol=0)
+    engine.kernel = lm.attn
+
+
+def test_explicit_mask_lets_a_late_query_see_only_earlier_keys(tiny_lm):
+    """A token whose KV slot comes after later tokens' (computed late) attends by the mask, not by
+    slot order: its output equals computing it in its natural place."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    ids = build_prompt(lm.tokenizer, DOC, "How many gulls?").ids[:20]
+    natural = engine.forward(ids, torch.arange(20), KVCache())
+    # run tokens 0..9 and 11..19 first, then token 10 alone, at position 10, in layer 0 only
+    order = torch.cat([torch.arange(10), torch.arange(11, 20)])
+    with torch.inference_mode():
+        cache = KVCache()
+        hidden = engine.embed(ids[order])
+        mask = torch.ones(19, 19, dtype=torch.bool).tril()
+        with attention.attention_context(engine.context(mask=mask)):
+            engine.layer(0, hidden, order, cache)
+        late = engine.embed(ids[10:11])
+        allowed = torch.zeros(1, 20, dtype=torch.bool)
+        allowed[0, :10] = True  # the keys of positions 0..9
+        allowed[0, 19] = True  # its own key (appended last)
+        with attention.attention_context(engine.context(mask=allowed)):
+            out = engine.layer(0, late, torch.tensor([10]), cache)
+        want = engine.layer(0, engine.embed(ids), torch.arange(20), KVCache())
+    torch.testing.assert_close(out[0, 0], want[0, 10], atol=TOL, rtol=0)
+    assert natural is not None
