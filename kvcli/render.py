@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 from rich.console import Console
@@ -89,3 +90,99 @@ def compressor_table(console: Console) -> None:
                 table.add_row(f.name, default, f.metadata.get("help", ""))
             console.print(table)
         console.print()
+
+
+# --------------------------------------------------------------------------- kvcli inspect
+
+# kept-span styles by score level (low -> high), the terminal twin of kvcli.report_html.PALETTE
+LEVEL_STYLES = ("black on #ffe14d", "black on #ffb830", "black on #ff8a1f", "bold white on #ff4d00")
+
+
+def inspect_summary(console: Console, ins) -> None:
+    """``kvcli inspect``: one header block: method, what it kept, the compression ratio."""
+    doc = ins.document
+    console.print(
+        f"[bold]{ins.method}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
+        f"{ins.n_document:,} document tokens in a {ins.n_prompt:,}-token prompt"
+    )
+    if ins.view == "all":
+        console.print(f"everything kept: all {ins.n_prompt:,} prompt tokens in every layer (no compression)")
+    elif ins.view == "per-head":
+        console.print(
+            f"each layer and KV head holds [bold]{ins.n_kept:,.1f}[/bold] of {ins.n_prompt:,} prompt tokens on average "
+            f"([bold]{ins.compression_ratio:.1f}×[/bold] compression); {ins.n_kept_any:,} are held by at least one "
+            f"({ins.n_document_kept:,} of the document's)"
+        )
+    else:
+        console.print(
+            f"kept [bold]{int(ins.n_kept):,}[/bold] of {ins.n_prompt:,} prompt tokens "
+            f"([bold]{ins.compression_ratio:.1f}×[/bold] compression), {ins.n_document_kept:,} of them from the document"
+        )
+    if ins.answer is not None:
+        console.print(f"answer: [bold]{ins.answer}[/bold]")
+
+
+def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
+    """Per layer: prompt tokens its KV heads hold (min / mean / max over heads)."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), title="kept per layer (over KV heads)", title_justify="left")
+    for col in ("layer", "min", "mean", "max", "share"):
+        table.add_column(col, justify="right")
+    table.add_column("", justify="left")
+    for row in layers:
+        share = row.kept_mean / max(n_prompt, 1)
+        table.add_row(
+            str(row.layer), f"{row.kept_min:,}", f"{row.kept_mean:,.1f}", f"{row.kept_max:,}", f"{share:.1%}", "█" * max(1, round(share * 30))
+        )
+    console.print(table)
+
+
+def document_view(console: Console, ins) -> None:
+    """The whole document with the kept tokens highlighted (colour: score level), a rule per page."""
+    from .inspect import span_levels
+
+    text, doc = ins.document.text, ins.document
+    levels = span_levels(ins, len(LEVEL_STYLES))
+    cuts = sorted({0, len(text)} | set(doc.page_starts) | {c for s in ins.spans for c in (s.start, s.end)})
+    page_at = {start: i + 1 for i, start in enumerate(doc.page_starts)}
+    starts = [s.start for s in ins.spans]
+
+    line = Text()
+    for a, b in zip(cuts, cuts[1:]):
+        if a in page_at:
+            if line:
+                console.print(line, overflow="fold")
+                line = Text()
+            console.rule(f"[cyan]page {page_at[a]}[/cyan]", align="left", style="dim")
+        j = bisect.bisect_right(starts, a) - 1
+        inside = j >= 0 and ins.spans[j].start <= a < ins.spans[j].end
+        line.append(text[a:b], style=LEVEL_STYLES[levels[j]] if inside else "")
+    if line:
+        console.print(line, overflow="fold")
+
+
+def layer_scan_table(console: Console, report) -> None:
+    """``kvcli inspect --layers``: per layer, whether GemFilter's top-k there keeps the needle."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+    for col, justify in (("layer", "right"), ("best rank", "right"), ("k needed", "right"), (f"in top-{report.k}", "right"), ("found", "left"), ("distance", "right")):
+        table.add_column(col, justify=justify)
+    for row in report.layers:
+        table.add_row(
+            str(row.layer),
+            f"{row.best_rank:,}",
+            f"{row.k_needed:,}",
+            f"{row.n_in_topk}/{row.n_needle}",
+            "[bold green]yes[/bold green]" if row.found else "[dim]no[/dim]",
+            "-" if row.distance is None else f"{row.distance:,}",
+        )
+    console.print(
+        f"[bold]{report.model}[/bold] · needle {report.needle!r} ({len(report.needle_tokens)} occurrence(s), "
+        f"{sum(len(g) for g in report.needle_tokens)} tokens) · {report.n_prompt:,}-token prompt · "
+        f"k={report.k}, kernel={report.kernel}"
+    )
+    console.print(table)
+    first = report.first_found
+    console.print(
+        (f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]" if first else f"no layer's top-{report.k} keeps the whole needle")
+        + f" · first layer with distance 0: {report.first_touched or '-'}"
+        + f" · smallest k needed: layer {report.best_layer}"
+    )

