@@ -5,6 +5,7 @@ from .full import FullAttention
 from .finch import Finch
 from .gemfilter import GemFilter
 from .razor import Razor
+from .blocksparse import BlockSparse
 # --- KV eviction (kvcli.compressors.scoring) ---
 from .snapkv import SnapKV
 from .pyramidkv import PyramidKV

@@ -1,0 +1,394 @@
+"""The block cache of block-sparse retrieval attention (:mod:`kvcli.compressors.blocksparse`).
+
+The KTransformers long-context framework (InfLLM, arXiv:2402.04617, generalised with Quest,
+arXiv:2406.10774, and SnapKV's preselection) keeps the *whole* KV of the prompt and lets each
+decoding step attend to part of it. The prompt of ``n`` tokens is split into
+
+    Initial  [0, initial)                 — always attended (attention sinks)
+    Context  [initial, ctx_end)           — ``n_blocks`` blocks of ``block_size`` tokens, retrieved
+    Local    [ctx_end, n) + generated     — always attended; the Context is a whole number of
+                                            blocks, the few tokens left over join Local
+
+Storage, per layer (batch 1, after RoPE, GQA never expanded):
+
+    keys[l], values[l]:   (1, n_kv, n_blocks * block_size, d)  — the Context, on the *storage*
+                          device (CPU, pinned when possible, with ``--kv-offload cpu`` on CUDA)
+    fkeys[l], fvalues[l]: (1, n_kv, initial + local + generated, d) — always attended, on the
+                          compute device; decoding appends here
+    reps[l]:              (n_kv, n_blocks, R, d) float32 representative keys, compute device
+                          (Quest: R = 2, [max, min] element-wise)
+    candidates[l]:        (H, P) preselected block indices (H = n_kv separate, 1 shared) or None
+
+At a decode step (one query token) :meth:`BlockCache.update` returns a :class:`BlockLayer` view
+(``kvcli_grouped``) so :func:`kvcli.attention.kvcli_attention` hands it the attention: the layer
+selects (or reuses) its blocks, gathers Initial + selected blocks + Local and runs SDPA on them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .cache import CacheBase, KVCache
+
+REPRESENTATIVES = ("max", "mean", "quest", "dynamic", "fixed")
+HEAD_SELECT = ("shared", "separate")
+
+
+# --------------------------------------------------------------------------- partition
+
+
+def partition(n: int, initial: int, local: int, block_size: int) -> tuple[int, int, int]:
+    """(initial, n_blocks, ctx_end) of a prompt of ``n`` tokens: Initial is ``[0, initial)``, the
+    Context ``[initial, ctx_end)`` is ``n_blocks`` whole blocks, Local is the rest (at least
+    ``local`` tokens: what the blocks leave over joins it)."""
+    initial = min(max(int(initial), 0), n)
+    local = min(max(int(local), 0), n - initial)
+    n_blocks = (n - initial - local) // int(block_size)
+    return initial, n_blocks, initial + n_blocks * int(block_size)
+
+
+# --------------------------------------------------------------------------- representatives
+
+
+def quest_upper_bound(query: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality bound (Tang et al. 2024, Algorithm 1): per block,
+    ``sum_c max(q_c * kmax_c, q_c * kmin_c)`` — for every channel the larger product, which is
+    ``q_c * kmax_c`` when ``q_c >= 0`` and ``q_c * kmin_c`` otherwise, so it is at least ``q · k``
+    for every key k of the block.
+
+    query (..., d), kmax/kmin (..., n_blocks, d) broadcastable -> (..., n_blocks).
+    Computed as two products, ``q⁺ · kmax + q⁻ · kmin``, never materialising (blocks x d) terms.
+    """
+    q = query.to(torch.float32)
+    pos, neg = q.clamp(min=0), q.clamp(max=0)
+    return (kmax.to(torch.float32) @ pos.unsqueeze(-1)).squeeze(-1) + (kmin.to(torch.float32) @ neg.unsqueeze(-1)).squeeze(-1)
+
+
+def block_representatives(blocks: torch.Tensor, kind: str, num: int, votes: torch.Tensor | None = None) -> torch.Tensor:
+    """Representative keys of each block.
+
+    blocks: (n_kv, n_blocks, block_size, d) keys of the Context; votes: (n_kv, n_blocks, block_size)
+    accumulated attention of each token (``dynamic`` only). Returns (n_kv, n_blocks, R, d) float32:
+
+    * ``max`` / ``mean``: the block cut into ``num`` contiguous pieces, each the element-wise
+      max / mean of its keys (``num`` = 1: one vector per block, the article's definition);
+    * ``quest``: [element-wise max, element-wise min] (R = 2);
+    * ``dynamic``: the ``num`` keys with the highest accumulated attention (InfLLM's representative
+      tokens, simplified as in the article);
+    * ``fixed``: ``num`` keys at fixed intervals (offsets ``i * block_size // num``).
+    """
+    b = blocks.to(torch.float32)
+    size = b.shape[2]
+    if kind == "quest":
+        return torch.stack([b.amax(dim=2), b.amin(dim=2)], dim=2)
+    if kind in ("max", "mean"):
+        pieces = torch.tensor_split(b, num, dim=2)
+        return torch.stack([p.amax(dim=2) if kind == "max" else p.mean(dim=2) for p in pieces], dim=2)
+    if kind == "fixed":
+        offsets = (torch.arange(num) * size) // num
+        return b[:, :, offsets.to(b.device)]
+    if kind == "dynamic":
+        if votes is None:
+            raise ValueError("dynamic representatives need the tokens' accumulated attention")
+        top = torch.topk(votes.to(b.device), num, dim=-1).indices  # (n_kv, n_blocks, num)
+        top = torch.sort(top, dim=-1).values
+        return b.gather(2, top[..., None].expand(-1, -1, -1, b.shape[-1]))
+    raise ValueError(f"unknown representative {kind!r}")
+
+
+def block_scores(query: torch.Tensor, reps: torch.Tensor, kind: str, shared: bool) -> torch.Tensor:
+    """Relevance of each block to the current query: (H, n_blocks), H = 1 shared else n_kv.
+
+    query (n_heads, d) — the decode token's queries after RoPE; reps (n_kv, n_blocks, R, d).
+    Per query head: InfLLM's equation 2, ``sum_r q · r`` over the representatives (Quest: the upper
+    bound of :func:`quest_upper_bound`); summed over the query heads of each KV head's GQA group
+    (``separate``) or over every head of the layer (``shared``).
+    """
+    n_kv, _, _, d = reps.shape
+    q = query.to(torch.float32).reshape(n_kv, -1, d)  # (n_kv, group, d): query head h reads KV head h // group
+    if kind == "quest":
+        s = quest_upper_bound(q, reps[:, None, :, 0], reps[:, None, :, 1])  # (n_kv, g, nb)
+    else:
+        s = torch.einsum("hgd,hbd->hgb", q, reps.sum(dim=2))
+    s = s.sum(dim=1)
+    return s.sum(dim=0, keepdim=True) if shared else s
+
+
+# --------------------------------------------------------------------------- prefill with offload
+
+
+class OffloadKVCache(KVCache):
+    """A :class:`KVCache` whose tensors live on the CPU while the model runs on a GPU: each layer's
+    KV is brought to the GPU only while that layer attends (the article's chunked prefill,
+    "loading only one layer of KVCache into GPU memory at a time")."""
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        super().update(key.to("cpu"), value.to("cpu"), layer_idx)
+        return self.keys[layer_idx].to(key.device, non_blocking=True), self.values[layer_idx].to(value.device, non_blocking=True)
+
+    def copy(self) -> "OffloadKVCache":
+        other = OffloadKVCache()
+        other.keys, other.values, other.positions, other.kept = list(self.keys), list(self.values), self.positions, None
+        return other
+
+
+# --------------------------------------------------------------------------- the block cache
+
+
+class BlockLayer:
+    """What :meth:`BlockCache.update` returns (as key and value) for one layer at a decode step."""
+
+    kvcli_grouped = True
+
+    def __init__(self, cache: "BlockCache", layer_idx: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+        """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim)."""
+        from . import attention as A
+
+        key, value = self.cache.gather(self.layer_idx, query)
+        fn = A._eager if kernel == "eager" else A._sdpa  # one query row: no mask, any kernel is exact
+        return fn(query, key.to(query.dtype), value.to(query.dtype), None, scaling)
+
+
+class BlockCache(CacheBase):
+    """The whole KV of the prompt, organised for block retrieval (see the module docstring).
+
+    Never written to the disk store: the prefix state of blocksparse is full attention's KV, and
+    the blocks, representatives and preselection are rebuilt from it for each question."""
+
+    kind: ClassVar[str] = "blocks"
+    tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values", "fkeys", "fvalues", "reps")
+
+    def __init__(self, *, initial: int, block_size: int, n_blocks: int, representative: str, topk: int,
+                 head_select: str = "shared", dense_layers: int = 0, layer_step: int = 1, token_step: int = 1,
+                 offload: bool = False) -> None:
+        self.initial, self.block_size, self.n_blocks = int(initial), int(block_size), int(n_blocks)
+        self.representative, self.topk, self.head_select = representative, int(topk), head_select
+        self.dense_layers, self.layer_step, self.token_step = int(dense_layers), int(layer_step), int(token_step)
+        self.offload = bool(offload)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.fkeys: list[torch.Tensor] = []
+        self.fvalues: list[torch.Tensor] = []
+        self.reps: list[torch.Tensor] = []
+        self.candidates: list[torch.Tensor | None] = []
+        self.positions: torch.Tensor | None = None
+        self.n_prompt = 0
+        # decoding state and counters
+        self.step = -1  # index of the current decode step (layer 0 of a one-token pass starts one)
+        self.history: dict[int, torch.Tensor] = {}  # selection group -> (H, k) block indices
+        self.selections = 0  # selections computed (a query scored the blocks)
+        self.reuses = 0  # selections reused from an earlier layer / token (layer_step, token_step)
+        self.frac_sum = 0.0  # sum over (step, layer, KV head) of attended keys / keys in cache
+        self.frac_count = 0
+        self.layer_frac: list[list[float]] = []  # per layer: [sum, count]
+        self.trace: list | None = None  # tests: set to [] to record (step, layer, query, blocks, computed)
+
+    # --- building it ----------------------------------------------------------------------------
+    @classmethod
+    def from_kv(cls, kv: KVCache, *, local: int, votes: list[torch.Tensor] | None = None,
+                candidates: list[torch.Tensor | None] | None = None, representative_num: int = 1,
+                compute_device=None, **config) -> "BlockCache":
+        """Split a full prompt cache ``kv`` (every layer, the same tokens) into Initial / Context
+        blocks / Local, with representatives per block. ``local``: the Local window (the tokens
+        left over by the blocks are added to it); ``votes[l]`` (n_kv, n) accumulated attention of
+        each prompt token (dynamic representatives); ``candidates[l]`` the preselected blocks."""
+        n = kv.get_seq_length(0)
+        block_size = int(config["block_size"])
+        initial, n_blocks, ctx_end = partition(n, config.pop("initial"), local, block_size)
+        cache = cls(initial=initial, n_blocks=n_blocks, **config)
+        cache.positions = kv.positions
+        cache.n_prompt = n
+        storage = torch.device("cpu") if cache.offload else None
+        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+            if k.shape[2] != n:
+                raise ValueError("every layer of the cache must hold the same tokens")
+            device = compute_device if compute_device is not None else k.device
+            ck, cv = k[:, :, initial:ctx_end], v[:, :, initial:ctx_end]
+            if storage is not None:
+                ck, cv = _to_storage(ck), _to_storage(cv)
+            cache.keys.append(ck.contiguous() if storage is None else ck)
+            cache.values.append(cv.contiguous() if storage is None else cv)
+            cache.fkeys.append(torch.cat([k[:, :, :initial], k[:, :, ctx_end:]], dim=2).to(device))
+            cache.fvalues.append(torch.cat([v[:, :, :initial], v[:, :, ctx_end:]], dim=2).to(device))
+            n_kv, d = k.shape[1], k.shape[3]
+            blocks = k[0, :, initial:ctx_end].to(device).reshape(n_kv, n_blocks, block_size, d)
+            layer_votes = None
+            if votes is not None and votes[layer] is not None:
+                layer_votes = votes[layer][:, initial:ctx_end].reshape(n_kv, n_blocks, block_size)
+            num = 2 if cache.representative == "quest" else representative_num
+            cache.reps.append(block_representatives(blocks, cache.representative, num, layer_votes))
+            cand = None if candidates is None else candidates[layer]
+            cache.candidates.append(None if cand is None else cand.to(device))
+            cache.layer_frac.append([0.0, 0])
+        return cache
+
+    # --- the transformers contract ----------------------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append new tokens (1, n_kv, new, d) to the always-attended part of ``layer_idx``. One
+        token (a decode step): return the layer's :class:`BlockLayer`, which attends sparsely;
+        several: return the whole KV (full causal attention over everything)."""
+        if not 0 <= layer_idx < self.n_layers:
+            raise IndexError(f"layer {layer_idx} is not in this cache ({self.n_layers} layers)")
+        dev = self.fkeys[layer_idx].device
+        self.fkeys[layer_idx] = torch.cat([self.fkeys[layer_idx], key.to(dev)], dim=-2)
+        self.fvalues[layer_idx] = torch.cat([self.fvalues[layer_idx], value.to(dev)], dim=-2)
+        if key.shape[-2] == 1:
+            if layer_idx == 0:
+                self.step += 1
+            view = BlockLayer(self, layer_idx)
+            return view, view
+        k, v = self.full(layer_idx, key.device)
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= self.n_layers:
+            return 0
+        return self.keys[layer_idx].shape[-2] + self.fkeys[layer_idx].shape[-2]
+
+    # --- attention over the selected blocks ---------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def ctx_len(self) -> int:
+        return self.n_blocks * self.block_size
+
+    def full(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of ``layer`` in token order (1, n_kv, seq, d) on ``device``."""
+        i = self.initial
+        fk, fv = self.fkeys[layer].to(device), self.fvalues[layer].to(device)
+        k = torch.cat([fk[:, :, :i], self.keys[layer].to(device, non_blocking=True), fk[:, :, i:]], dim=2)
+        v = torch.cat([fv[:, :, :i], self.values[layer].to(device, non_blocking=True), fv[:, :, i:]], dim=2)
+        return k, v
+
+    def selection_group(self, layer: int) -> int:
+        """Layers that share a selection (``layer_step``): the first sparse layer of each group selects."""
+        return (layer - self.dense_layers) // self.layer_step
+
+    def select(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
+        """The blocks ``layer`` attends at this step: (H, k) sorted block indices (H = n_kv when
+        heads select separately, else 1), or None for every block. Computed when the step is a
+        multiple of ``token_step`` and the layer the first of its ``layer_step`` group; otherwise
+        the group's last selection is reused (the article's ``history_kvcache_after_retrieval``)."""
+        group = self.selection_group(layer)
+        compute = (self.step % self.token_step == 0 and (layer - self.dense_layers) % self.layer_step == 0) or group not in self.history
+        if not compute:
+            self.reuses += 1
+            top = self.history[group]
+        else:
+            self.selections += 1
+            top = self._select(layer, query)
+            self.history[group] = top
+        if self.trace is not None:
+            self.trace.append({"step": self.step, "layer": layer, "query": query[0, :, -1].detach().cpu(),
+                               "blocks": None if top is None else top.cpu(), "computed": compute})
+        return top
+
+    def _select(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
+        # always scored, even when topk covers every block available (then the top-k is all of them)
+        cand = self.candidates[layer]
+        reps = self.reps[layer]
+        scores = block_scores(query[0, :, -1].to(reps.device), reps, self.representative, self.head_select == "shared")
+        if cand is None:
+            top = torch.topk(scores, min(self.topk, self.n_blocks), dim=-1).indices
+        else:
+            if cand.shape[0] != scores.shape[0]:
+                cand = cand.expand(scores.shape[0], -1)
+            k = min(self.topk, cand.shape[-1])
+            top = cand.gather(1, torch.topk(scores.gather(1, cand), k, dim=-1).indices)
+        return torch.sort(top, dim=-1).values
+
+    def gather(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial + selected blocks + Local (and generated tokens) of ``layer``, in token order,
+        on the query's device: (1, n_kv, L, d) each. Layers below ``dense_layers`` take everything."""
+        device = query.device
+        n_kv = self.fkeys[layer].shape[1]
+        total = self.get_seq_length(layer)
+        top = None if layer < self.dense_layers or self.n_blocks == 0 else self.select(layer, query)
+        if top is None:
+            k, v = self.full(layer, device)
+            self._count(layer, [1.0] * n_kv)
+            return k, v
+        bs = self.block_size
+        store = self.keys[layer].device
+        tok = (top.to(store)[..., None] * bs + torch.arange(bs, device=store)).flatten(-2)  # (H, k*bs)
+        if top.shape[0] == 1:
+            ck = self.keys[layer].index_select(2, tok[0])
+            cv = self.values[layer].index_select(2, tok[0])
+        else:
+            idx = tok[None, :, :, None].expand(1, -1, -1, self.keys[layer].shape[-1])
+            ck, cv = self.keys[layer].gather(2, idx), self.values[layer].gather(2, idx)
+        i = self.initial
+        fk, fv = self.fkeys[layer], self.fvalues[layer]
+        k = torch.cat([fk[:, :, :i].to(device), ck.to(device, non_blocking=True), fk[:, :, i:].to(device)], dim=2)
+        v = torch.cat([fv[:, :, :i].to(device), cv.to(device, non_blocking=True), fv[:, :, i:].to(device)], dim=2)
+        self._count(layer, [k.shape[2] / total] * n_kv)
+        return k, v
+
+    def _count(self, layer: int, fracs: list[float]) -> None:
+        self.frac_sum += sum(fracs)
+        self.frac_count += len(fracs)
+        self.layer_frac[layer][0] += sum(fracs)
+        self.layer_frac[layer][1] += len(fracs)
+
+    # --- kvcli's own use --------------------------------------------------------------------------
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """Nothing is thrown away: every layer and KV head holds every prompt position."""
+        n_kv = self.fkeys[0].shape[1] if self.fkeys else 0
+        mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        if self.positions is not None:
+            pos = self.positions[self.positions < n_prompt]
+            mask[:, :, pos] = True
+        return mask
+
+    def stats(self) -> dict:
+        """JSON-able counters: the share of the KV attended per decode step (mean over steps,
+        layers and KV heads), the partition, selections computed / reused, preselection."""
+        cand = [c for c in self.candidates if c is not None]
+        return {
+            "kv_attended_frac": self.frac_sum / self.frac_count if self.frac_count else None,
+            "kv_attended_frac_by_layer": [s / c if c else None for s, c in self.layer_frac],
+            "decode_steps": self.step + 1,
+            "blocks": self.n_blocks,
+            "block_size": self.block_size,
+            "initial_tokens": self.initial,
+            "context_tokens": self.ctx_len,
+            "local_tokens": self.n_prompt - self.initial - self.ctx_len,
+            "topk": self.topk,
+            "representative": self.representative,
+            "head_select": self.head_select,
+            "selections": self.selections,
+            "selections_reused": self.reuses,
+            "preselected_blocks": (sum(c.shape[-1] for c in cand) / len(cand)) if cand else None,
+            "kv_offload": "cpu" if self.offload else "none",
+            "kv_bytes": self.nbytes(),
+        }
+
+    def copy(self) -> "BlockCache":
+        """A shallow copy: new lists and counters, same tensors (``update`` never writes in place)."""
+        other = BlockCache.__new__(BlockCache)
+        other.__dict__.update(self.__dict__)
+        for name in ("keys", "values", "fkeys", "fvalues", "reps", "candidates"):
+            setattr(other, name, list(getattr(self, name)))
+        other.history = dict(self.history)
+        other.layer_frac = [list(x) for x in self.layer_frac]
+        other.trace = None if self.trace is None else list(self.trace)
+        return other
+
+
+def _to_storage(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``, pinned when CUDA is there (faster, asynchronous copies to the GPU)."""
+    t = t.detach().to("cpu").contiguous()
+    if torch.cuda.is_available():
+        try:
+            t = t.pin_memory()
+        except RuntimeError:  # pinning can fail (limits); unpinned memory still works
+            pass
+    return t

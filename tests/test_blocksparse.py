@@ -1,0 +1,369 @@
+"""Block-sparse retrieval attention (KTransformers' long-context framework, InfLLM + Quest):
+covering every block equals full attention, chunked prefill equals one pass, Quest's bound holds,
+the article's two equivalences (SnapKV without pooling, Quest) hold as presets, selections are
+reused across layers and tokens, and the pipeline, stats and knob errors work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvcli import notices
+from kvcli.blocks import BlockCache, block_representatives, block_scores, quest_upper_bound
+from kvcli.compressors import parse_one
+from kvcli.compressors.blocksparse import BlockSparse, default_local, default_topk
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
+from kvcli.prompt import build_prompt
+
+TOL = 1e-4
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+SMALL = "block_size=8,initial=4,local_window=8"  # ~25 blocks on the ~214-token test prompt
+
+
+def prompt_for(lm, question="How many gulls?"):
+    return build_prompt(lm.tokenizer, DOC, question)
+
+
+def stage_for(lm, spec: str) -> BlockSparse:
+    stage = Pipeline.parse(spec).stages[0]
+    stage.configure(lm)
+    return stage
+
+
+def blocksparse_logits(engine, spec, ids, steps=5, prefix=None, trace=False):
+    """Prefill + compress + ``steps`` greedy decode steps with ``spec``: (logits per step, cache)."""
+    stage = stage_for(engine.lm, spec)
+    cache, logits, position = stage.prefill(engine, ids, prefix=prefix)
+    cache = stage.compress(engine, cache)
+    if trace:
+        cache.trace = []
+    out = [logits]
+    for i in range(steps):
+        out.append(stage.decode_step(engine, int(torch.argmax(out[-1])), position + i, cache))
+    return out, cache
+
+
+_FULL: dict = {}
+
+
+def full_logits(engine, ids, steps=5):
+    key = (engine.lm.name, id(engine.lm), tuple(ids.tolist()), steps)
+    if key not in _FULL:
+        _FULL[key] = _full_logits(engine, ids, steps)
+    return _FULL[key]
+
+
+def _full_logits(engine, ids, steps):
+    cache, logits = engine.prefill(ids)
+    out = [logits]
+    for i in range(steps):
+        out.append(engine.step(int(torch.argmax(out[-1])), ids.numel() + i, cache))
+    return out
+
+
+def assert_same_logits(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=TOL, rtol=0)
+    assert [int(g.argmax()) for g in got] == [int(w.argmax()) for w in want]
+
+
+# --- covering every block == full attention ------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rep", ["max", "mean", "quest", "dynamic", "fixed"])
+def test_topk_covering_every_block_reproduces_full_attention(tiny_lm, family, rep):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    want = full_logits(engine, ids)
+    # one shared gather (llama) / per-KV-head gathers (qwen2); chunked prefill either way
+    heads, chunk = ("shared", 16) if family == "llama" else ("separate", 100)
+    spec = f"blocksparse:{SMALL},topk=1000,representative={rep},representative_num=2,head_select={heads},chunk={chunk}"
+    got, cache = blocksparse_logits(engine, spec, ids)
+    assert cache.n_blocks == 25 and cache.selections == 5 * lm.n_layers  # scored, not bypassed
+    assert cache.stats()["kv_attended_frac"] == pytest.approx(1.0)
+    assert_same_logits(got, want)
+
+
+def test_preselecting_every_block_reproduces_full_attention(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    got, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=1000,preselect=true,preselect_blocks=1000,head_select=separate", ids)
+    assert cache.stats()["preselected_blocks"] == 25
+    assert_same_logits(got, full_logits(engine, ids))
+
+
+def test_chunked_prefill_equals_one_pass(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    one, logits_one, _ = stage_for(lm, "blocksparse:chunk=4096").prefill(engine, ids)
+    chunked, logits_chunked, n = stage_for(lm, "blocksparse:chunk=7").prefill(engine, ids)
+    assert n == ids.numel() and torch.equal(chunked.positions, torch.arange(n))
+    torch.testing.assert_close(logits_chunked, logits_one, atol=TOL, rtol=0)
+    for a, b in zip(chunked.keys + chunked.values, one.keys + one.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_prefix_state_is_full_attentions_and_gives_the_same_answer(tiny_lm):
+    """The prefix KV (as the disk store gives it) + the question's tokens == prefill from scratch,
+    also when the observation window reaches back into the prefix (it is cut back and re-run)."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    spec = f"blocksparse:{SMALL},topk=3,preselect=true,window=24"  # window > the 11 question tokens
+    stage = stage_for(lm, spec)
+    assert stage.prefix_state(lm) == parse_one("full").prefix_state(lm)
+    prefix = make_prefix(engine, prompt, stage, None, {})
+    assert prefix is not None and prompt.n_tokens - prefix.n_tokens < 24
+    with_prefix, c1 = blocksparse_logits(engine, spec, prompt.ids, prefix=prefix)
+    scratch, c2 = blocksparse_logits(engine, spec, prompt.ids)
+    assert_same_logits(with_prefix, scratch)
+    assert all(torch.equal(a, b) for a, b in zip(c1.candidates, c2.candidates))
+
+
+# --- Quest's upper bound --------------------------------------------------------------------------
+
+
+def test_quest_upper_bound_is_at_least_the_true_max():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        d = int(torch.randint(1, 65, (1,), generator=gen))
+        size = int(torch.randint(1, 33, (1,), generator=gen))
+        n_blocks = int(torch.randint(1, 6, (1,), generator=gen))
+        scale = float(torch.rand(1, generator=gen)) * 10 + 0.01
+        shift = (torch.rand(d, generator=gen) - 0.5) * 4
+        keys = torch.randn(n_blocks, size, d, generator=gen) * scale + shift
+        q = torch.randn(d, generator=gen) * float(torch.rand(1, generator=gen) * 5)
+        ub = quest_upper_bound(q, keys.amax(dim=1), keys.amin(dim=1))  # (n_blocks,)
+        true_max = (keys @ q).amax(dim=1)
+        assert bool((ub >= true_max - 1e-4 * (1 + true_max.abs())).all())
+        # and the cache's scorer uses exactly that bound (one KV head, one query head)
+        reps = block_representatives(keys[None], "quest", 2)
+        torch.testing.assert_close(block_scores(q[None], reps, "quest", shared=False)[0], ub)
+        if size == 1:  # a one-token block: the bound is the dot product itself
+            torch.testing.assert_close(ub, true_max, atol=1e-4, rtol=1e-5)
+
+
+# --- the article's equivalences as presets ----------------------------------------------------------
+
+
+def snapkv_cache(engine, ids, spec):
+    pipeline = Pipeline.parse(spec)
+    cache, logits = default_prefill(engine, ids, None, pipeline.compressors())
+    for stage in pipeline.compressors():
+        cache = stage.compress(engine, cache)
+    out = [logits]
+    for i in range(5):
+        out.append(engine.step(int(torch.argmax(out[-1])), ids.numel() + i, cache))
+    return cache, out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_preset_snapkv_is_snapkv_without_pooling(tiny_lm, family):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    n, w, budget = ids.numel(), 8, 40
+    stage = stage_for(lm, f"blocksparse:preset=snapkv,window={w},preselect_blocks={budget - w}")
+    assert (stage.block_size, stage.preselect, stage.initial, stage.local_window, stage.head_select, stage.topk) == (
+        1, True, 0, w, "separate", budget - w)
+    snap, snap_out = snapkv_cache(engine, ids, f"snapkv:budget={budget},window={w},kernel=1")
+    got, cache = blocksparse_logits(engine, f"blocksparse:preset=snapkv,window={w},preselect_blocks={budget - w}", ids)
+    assert cache.n_blocks == n - w
+    for layer in range(lm.n_layers):
+        for head in range(lm.n_kv_heads):
+            picked = cache.candidates[layer][head].cpu().tolist() + list(range(n - w, n))  # block b = token b
+            assert picked == snap.kept[layer][head].tolist()
+    # decoding attends to exactly those tokens (+ the generated ones): SnapKV's logits
+    assert_same_logits(got, snap_out)
+    steps = [(budget + i + 1) / (n + i + 1) for i in range(5)]
+    assert cache.stats()["kv_attended_frac"] == pytest.approx(sum(steps) / 5)
+
+
+def test_preset_quest_selects_blocks_per_kv_head_by_the_upper_bound(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    spec = "blocksparse:preset=quest,topk=2"
+    stage = stage_for(lm, spec)
+    assert (stage.representative, stage.preselect, stage.head_select, stage.block_size, stage.dense_layers) == (
+        "quest", False, "separate", 16, 2)
+    _, cache = blocksparse_logits(engine, spec, ids, trace=True)
+    group = lm.n_heads // lm.n_kv_heads
+    by_layer = cache.stats()["kv_attended_frac_by_layer"]
+    assert by_layer[:2] == [1.0, 1.0] and all(f < 0.5 for f in by_layer[2:])  # Quest skips the first two layers
+    differ = 0
+    assert len(cache.trace) == 5 * 2
+    for entry in cache.trace:
+        layer, q, blocks = entry["layer"], entry["query"], entry["blocks"]
+        assert entry["computed"] and blocks.shape == (lm.n_kv_heads, 2)
+        ctx = cache.keys[layer][0].float()  # (n_kv, n_blocks * 16, d)
+        for head in range(lm.n_kv_heads):
+            k = ctx[head].reshape(cache.n_blocks, 16, -1)
+            kmax, kmin = k.amax(dim=1), k.amin(dim=1)
+            qs = q[head * group : (head + 1) * group].float()  # the query heads of this KV head
+            ub = torch.stack([torch.maximum(qq * kmax, qq * kmin).sum(-1) for qq in qs]).sum(0)
+            chosen = torch.zeros(cache.n_blocks, dtype=torch.bool)
+            chosen[blocks[head]] = True
+            assert ub[chosen].min() >= ub[~chosen].max() - 1e-4
+        differ += int(not torch.equal(blocks[0], blocks[1]))
+    assert differ > 0  # KV heads really choose separately
+
+
+# --- dense layers, reuse across layers and tokens ------------------------------------------------------
+
+
+def test_dense_layers_attend_to_everything(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    _, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=1,dense_layers=2,representative=mean", prompt_for(lm).ids)
+    by_layer = cache.stats()["kv_attended_frac_by_layer"]
+    assert by_layer[:2] == [1.0, 1.0] and all(f < 0.2 for f in by_layer[2:])
+    assert cache.selections == 5 * 2
+
+
+def test_layer_step_and_token_step_reuse_selections(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    _, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=2,layer_step=2,token_step=2,head_select=separate",
+                                  prompt_for(lm).ids, trace=True)
+    # selections at steps 0, 2, 4 in layers 0 and 2; the other 14 (step, layer) pairs reuse them
+    assert cache.stats()["decode_steps"] == 5
+    assert (cache.selections, cache.reuses) == (6, 14)
+    last = {}
+    for e in cache.trace:
+        group = e["layer"] // 2
+        assert e["computed"] == (e["step"] % 2 == 0 and e["layer"] % 2 == 0)
+        if not e["computed"]:
+            assert torch.equal(e["blocks"], last[group])
+        last[group] = e["blocks"]
+
+
+# --- the cache's report ----------------------------------------------------------------------------------
+
+
+def test_kept_mask_stats_and_bytes(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    n = ids.numel()
+    _, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=3,preselect=true,preselect_blocks=6", ids)
+    mask = cache.kept_mask(n)
+    assert mask.shape == (lm.n_layers, lm.n_kv_heads, n) and bool(mask.all())  # nothing thrown away
+    stats = json.loads(json.dumps(cache.stats()))
+    assert stats["decode_steps"] == 5 and stats["blocks"] == 25 and stats["preselected_blocks"] == 6
+    assert 0 < stats["kv_attended_frac"] < 0.3
+    assert stats["initial_tokens"] + stats["context_tokens"] + stats["local_tokens"] == n
+    full_bytes = 2 * lm.n_layers * lm.n_kv_heads * (n + 5) * lm.head_dim * 4
+    assert cache.nbytes() > full_bytes and cache.get_seq_length(0) == n + 5
+    other = cache.copy()
+    other.fkeys[0] = other.fkeys[0][:, :, :1]
+    assert cache.get_seq_length(0) == n + 5
+
+
+# --- pipeline, offload, knobs ------------------------------------------------------------------------------
+
+
+def test_end_to_end_pipeline(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=6, stop_ids=set())
+    same = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64"), max_new_tokens=6, stop_ids=set())
+    assert same.answer_ids == ref.answer_ids
+    sparse = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=2"), max_new_tokens=6, stop_ids=set())
+    assert len(sparse.answer_ids) == 6 and isinstance(sparse.cache, BlockCache)
+    assert sparse.extra["method_stats"]["decode_steps"] == 5
+    assert sparse.extra["method_stats"]["kv_attended_frac"] < 0.3
+    assert bool(sparse.kept_mask().all())
+    quest = run(engine, prompt, Pipeline.parse("blocksparse:preset=quest,topk=2"), max_new_tokens=3, stop_ids=set())
+    assert len(quest.answer_ids) == 3 and quest.extra["method_stats"]["head_select"] == "separate"
+
+
+def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    pipeline = Pipeline.parse(f"blocksparse:{SMALL},topk=2")
+    pipeline.stages[0].kv_offload = "cpu"
+    notices.reset()
+    result = run(engine, prompt, pipeline, max_new_tokens=4, stop_ids=set())
+    assert any("--kv-offload cpu has no effect" in m for m in notices.collected())
+    assert result.extra["method_stats"]["kv_offload"] == "none"
+    plain = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=2"), max_new_tokens=4, stop_ids=set())
+    assert plain.answer_ids == result.answer_ids
+    notices.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kv_offload_on_cuda_keeps_the_kv_in_cpu_memory(tiny_dir):
+    from kvcli.models import load_model
+
+    lm = load_model(str(tiny_dir("llama", num_hidden_layers=4)), device="cuda")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    spec = f"blocksparse:{SMALL},topk=2,preselect=true"
+    plain = run(engine, prompt, Pipeline.parse(spec), max_new_tokens=6, stop_ids=set())
+    pipeline = Pipeline.parse(spec)
+    pipeline.stages[0].kv_offload = "cpu"
+    off = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set())
+    assert off.answer_ids == plain.answer_ids
+    assert off.extra["method_stats"]["kv_offload"] == "cpu"
+    assert all(k.device.type == "cpu" for k in off.cache.keys)
+    assert all(r.device.type == "cuda" for r in off.cache.reps)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("blocksparse:block_size=0", "block_size must be at least 1"),
+        ("blocksparse:topk=0", "topk must be at least 1"),
+        ("blocksparse:representative=median", "representative must be one of"),
+        ("blocksparse:head_select=each", "head_select must be shared or separate"),
+        ("blocksparse:preset=infllm", "preset must be one of"),
+        ("blocksparse:layer_step=0", "layer_step must be at least 1"),
+        ("blocksparse:token_step=0", "token_step must be at least 1"),
+        ("blocksparse:window=0", "window must be at least 1"),
+        ("blocksparse:initial=-1", "initial must be at least 0"),
+        ("blocksparse:preselect=maybe", "expects bool"),
+    ],
+)
+def test_bad_knobs(spec, message):
+    with pytest.raises(UsageError, match=message):
+        Pipeline.parse(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("blocksparse:representative=quest,representative_num=3", "always 2"),
+        ("blocksparse:block_size=4,representative_num=8,representative=max", "exceeds block_size"),
+        ("blocksparse:dense_layers=9", "exceeds the model's 4 layers"),
+    ],
+)
+def test_knobs_checked_against_the_model(tiny_lm, spec, message):
+    with pytest.raises(UsageError, match=message):
+        stage_for(tiny_lm("llama"), spec)
+
+
+def test_defaults_and_presets_fill_only_unset_knobs(tiny_lm):
+    lm = tiny_lm("llama")  # 4096-token window
+    stage = stage_for(lm, "blocksparse")
+    assert (stage.block_size, stage.representative, stage.head_select, stage.preselect) == (128, "dynamic", "shared", False)
+    assert stage.local_window == default_local(4096) == 128 and stage.topk == default_topk(4096, 128) == 3
+    assert default_local(131072) == 4096 and default_topk(131072, 128) == 96  # the article's values at 128K
+    assert stage.preselect_blocks == 6
+    quest = stage_for(lm, "blocksparse:preset=quest,block_size=32,head_select=shared")
+    assert (quest.block_size, quest.head_select, quest.representative) == (32, "shared", "quest")
+    snap = stage_for(lm, "blocksparse:preset=snapkv")
+    assert (snap.window, snap.local_window, snap.preselect_blocks, snap.topk) == (32, 32, 992, 992)
+    assert "blocksparse" in parse_one("blocksparse").spec() and math.isfinite(stage.chunk)
