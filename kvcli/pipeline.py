@@ -51,10 +51,19 @@ class Pipeline:
                 raise UsageError(
                     f"pipeline: {' and '.join(owners)} both own the {phase} phase; only one method per pipeline may"
                 )
+        prefill_owner = self.owner("prefill")
+        foreign = [s.name for s in self.compressors() if s is not prefill_owner]
+        if prefill_owner is not None and foreign:
+            # compressors score with observers on kvcli's own prefill pass and expect its KVCache
+            raise UsageError(
+                f"pipeline: {prefill_owner.name} runs its own prefill, so {', '.join(foreign)} cannot compress "
+                f"after it; use {prefill_owner.name} alone"
+            )
         selectors = self.selectors()
         prefix_owner = self.owner("build_prefix")
-        if selectors and prefix_owner is not None:
+        if selectors and prefix_owner is not None and prefix_owner is not prefill_owner:
             # the selector reads the prompt first: the other method's prefix state would never be built
+            # (a method that also owns the prefill, LazyLLM, simply runs the selected tokens without it)
             raise UsageError(
                 f"pipeline: {selectors[0].name} selects tokens before {prefix_owner.name} could compress the "
                 f"prompt's KV; use {prefix_owner.name} alone"

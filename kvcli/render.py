@@ -146,6 +146,8 @@ def document_view(console: Console, ins) -> None:
     page_at = {start: i + 1 for i, start in enumerate(doc.page_starts)}
     starts = [s.start for s in ins.spans]
 
+    # without colours (a pipe, NO_COLOR) the highlight would vanish: mark kept text with ⟦ ⟧
+    plain = console.color_system is None
     line = Text()
     for a, b in zip(cuts, cuts[1:]):
         if a in page_at:
@@ -155,7 +157,10 @@ def document_view(console: Console, ins) -> None:
             console.rule(f"[cyan]page {page_at[a]}[/cyan]", align="left", style="dim")
         j = bisect.bisect_right(starts, a) - 1
         inside = j >= 0 and ins.spans[j].start <= a < ins.spans[j].end
-        line.append(text[a:b], style=LEVEL_STYLES[levels[j]] if inside else "")
+        if inside and plain:
+            line.append(("⟦" if a == ins.spans[j].start else "") + text[a:b] + ("⟧" if b == ins.spans[j].end else ""))
+        else:
+            line.append(text[a:b], style=LEVEL_STYLES[levels[j]] if inside else "")
     if line:
         console.print(line, overflow="fold")
 

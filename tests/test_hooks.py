@@ -176,3 +176,23 @@ def test_explicit_mask_lets_a_late_query_see_only_earlier_keys(tiny_lm):
         want = engine.layer(0, engine.embed(ids), torch.arange(20), KVCache())
     torch.testing.assert_close(out[0, 0], want[0, 10], atol=TOL, rtol=0)
     assert natural is not None
+
+
+@pytest.mark.parametrize("spec", ["lazyllm+snapkv", "finch+h2o", "blocksparse+streamingllm", "snapkv+blocksparse"])
+def test_compressing_after_a_method_that_owns_the_prefill_is_refused(spec):
+    with pytest.raises(UsageError, match="runs its own prefill"):
+        Pipeline.parse(spec)
+
+
+def test_chains_that_work_are_accepted():
+    for spec in ("gemfilter:k=64+snapkv:budget=32", "gemfilter:k=64+blocksparse", "gemfilter:k=64+lazyllm", "snapkv+h2o"):
+        Pipeline.parse(spec)
+
+
+@pytest.mark.parametrize("second", ["lazyllm", "blocksparse:block_size=4,initial=4,local_window=8,topk=2"])
+def test_gemfilter_then_a_prefill_owner_runs_on_the_selected_tokens(tiny_lm, second):
+    lm = tiny_lm("llama")
+    result = answer(lm, f"gemfilter:k=40,layer=2+{second}", max_new_tokens=3)
+    assert result.selection.n_kept == 40 and len(result.answer_ids) == 3
+    mask = result.kept_mask()
+    assert not mask[:, :, [i for i in range(result.prompt.n_tokens) if i not in set(result.selection.kept.tolist())]].any()

@@ -4,6 +4,7 @@ from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one,
 from .full import FullAttention
 from .finch import Finch
 from .gemfilter import GemFilter
+from .lazyllm import LazyLLM
 from .razor import Razor
 from .blocksparse import BlockSparse
 # --- KV eviction (kvcli.compressors.scoring) ---

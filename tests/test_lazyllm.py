@@ -1,0 +1,287 @@
+"""LazyLLM: keep=1 is full attention; revived tokens get the KV of the Aux Cache path (checked
+against an independent recomputation); every (token, layer) is computed at most once; the prefix
+state (disk store) does the same arithmetic as one pass; knobs and pipelines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcli.compressors import parse_one
+from kvcli.compressors.lazyllm import LazyCache, default_keep, default_layers, last_token_attention, n_keep
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, make_prefix, run
+from kvcli.prompt import build_prompt
+from kvcli.store import KVStore
+
+TOL = 1e-4
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+
+
+def lazy(lm, spec: str):
+    c = parse_one(spec)
+    c.configure(lm)
+    return c
+
+
+def setup(tiny_lm, family="llama"):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    return lm, engine, build_prompt(lm.tokenizer, DOC, "How many gulls?")
+
+
+def greedy(step, first_logits, n_prompt, steps=5):
+    """Greedy decode with ``step(token, position)``; every step's logits."""
+    out, logits = [first_logits], first_logits
+    for i in range(steps):
+        logits = step(int(torch.argmax(logits)), n_prompt + i)
+        out.append(logits)
+    return out
+
+
+# --- keep = 1 everywhere is full attention ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window"])
+def test_keep_one_reproduces_full_attention(tiny_lm, family):
+    if family == "mistral-window":  # a sliding window shorter than the prompt: masks count positions
+        lm = tiny_lm("mistral", sliding_window=48, num_hidden_layers=4)
+        engine, prompt = Engine(lm), build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    else:
+        lm, engine, prompt = setup(tiny_lm, family)
+    n = prompt.n_tokens
+    full_cache, full_first = engine.prefill(prompt.ids)
+    full = greedy(lambda t, p: engine.step(t, p, full_cache), full_first, n)
+    method = lazy(lm, "lazyllm:layers=1/2/3,keep=1/1/1")
+    cache, first, next_position = method.prefill(engine, prompt.ids, protected=prompt.n_suffix)
+    assert next_position == n
+    ours = greedy(lambda t, p: method.decode_step(engine, t, p, cache), first, n)
+    for a, b in zip(ours, full):
+        assert torch.allclose(a, b, atol=TOL)
+    stats = cache.stats()
+    assert stats["prompt_tokens_computed_frac"] == 1.0 and stats["revived"] == 0
+    # through the pipeline (prefix state + question on top): the same 5 greedy tokens
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    got = run(engine, prompt, Pipeline.parse("lazyllm:keep=1/1/1"), max_new_tokens=5, stop_ids=set())
+    assert got.answer_ids == ref.answer_ids and len(got.answer_ids) == 5
+
+
+# --- the scores are equation 1 ----------------------------------------------------------------------
+
+
+def test_last_token_attention_is_head_mean_of_softmax():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 7, 16)
+    visible = torch.tensor([True, False, True, True, True, False, True])
+    got = last_token_attention(q, k, visible)
+    kk = k.repeat_interleave(2, dim=1)  # GQA, expanded only in the reference
+    logits = (q[0, :, -1:, :] @ kk[0].transpose(-1, -2))[:, 0] / math.sqrt(16)  # (4, 7)
+    logits[:, ~visible] = float("-inf")
+    assert torch.allclose(got, logits.softmax(-1).mean(0), atol=1e-6)
+    assert got[~visible].eq(0).all()
+
+
+def test_prefill_prunes_by_the_last_tokens_attention(tiny_lm):
+    """The tokens kept at the pruning layer are the top ceil(keep·n) of equation 1 computed from an
+    independent HF forward (layers before it see every token); the last token is always kept."""
+    from reference import reference_qk
+
+    lm, engine, prompt = setup(tiny_lm)
+    n = prompt.n_tokens
+    method = lazy(lm, "lazyllm:layers=2,keep=0.4")
+    cache, _, _ = method.prefill(engine, prompt.ids)
+    q, k, _ = reference_qk(lm, prompt.ids)[1]  # layer 1 = the layer before the pruning layer
+    scores = (q[0, :, -1:, :] @ k[0].transpose(-1, -2))[:, 0].div(math.sqrt(q.shape[-1])).softmax(-1).mean(0)
+    scores[-1] = float("inf")
+    expected = torch.topk(scores, n_keep(0.4, n)).indices.sort().values
+    assert cache.slot_pos[2].tolist() == expected.tolist() == cache.slot_pos[3].tolist()
+    assert cache.stats()["per_layer_prefill_tokens"] == [n, n, n_keep(0.4, n), n_keep(0.4, n)]
+    mask = cache.kept_mask(n)
+    assert mask.shape == (4, 2, n) and mask[:2].all() and mask[2:, :, expected].all()
+    assert int(mask[2, 0].sum()) == n_keep(0.4, n)
+
+
+# --- revival from the Aux Cache == recomputation -----------------------------------------------------
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def _kv(layer, h, pos, lm):
+    """Reference key/value (1, n_kv, q, d) of layer ``layer`` for inputs h (1, q, hidden) at ``pos``."""
+    attn, rot = layer.self_attn, lm.model.model.rotary_emb
+    x = layer.input_layernorm(h)
+    k = attn.k_proj(x).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2)
+    cos, sin = rot(h, pos.view(1, -1))
+    return _rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v
+
+
+def _layer_out(layer, h, pos, keys, values, key_pos, lm):
+    """Reference decoder layer (eager, written out) for one token h (1, 1, hidden) at ``pos``
+    attending to ``keys``/``values`` (1, n_kv, m, d) at ``key_pos`` (those <= pos)."""
+    attn, rot = layer.self_attn, lm.model.model.rotary_emb
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+    cos, sin = rot(h, torch.tensor([[pos]]))
+    q = _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    groups = q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    w = (q @ k.transpose(-1, -2)) * attn.scaling
+    w = w.masked_fill(~(key_pos <= pos).view(1, 1, 1, -1), float("-inf")).softmax(-1)
+    o = attn.o_proj((w @ v).transpose(1, 2).reshape(1, 1, -1))
+    h = h + o
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_revived_token_gets_the_kv_of_the_aux_cache_path(tiny_lm, family):
+    """Prune at layer 2 in the prefill, decode one step: tokens the new token selects again are
+    revived from the Aux Cache of layer 2. Their KV at layer 2 must equal the KV recomputed from
+    an independent HF forward (their hidden state entering layer 2 — layers 0-1 saw every token),
+    and their KV at layer 3 that of a hand-written layer 2 attending to that step's set S_2."""
+    lm, engine, prompt = setup(tiny_lm, family)
+    n = prompt.n_tokens
+    method = lazy(lm, "lazyllm:layers=2,keep=0.5")
+    cache, first, _ = method.prefill(engine, prompt.ids)
+    pruned = cache.frontier[:n] == 2
+    assert int(pruned.sum()) == n - n_keep(0.5, n)
+    cache.trace = []
+    token = int(torch.argmax(first))
+    method.decode_step(engine, token, n, cache)
+    (layer, selected), = cache.trace[0]
+    assert layer == 2
+    revived = torch.nonzero(pruned & selected[:n]).flatten()
+    assert revived.numel() > 0 and cache.revived[revived].all() and cache.stats()["revived"] == revived.numel()
+    assert (cache.frontier[revived] == 4).all()
+
+    with torch.inference_mode():
+        model = lm.model
+        seq = torch.cat([prompt.ids, torch.tensor([token])]).view(1, -1)
+        hs = model(seq, output_hidden_states=True).hidden_states  # layers 0-1: full attention, all tokens
+        layers = model.model.layers
+        all_pos = torch.arange(n + 1)
+        k2, v2 = _kv(layers[2], hs[2], all_pos, lm)  # every token's layer-2 KV, recomputed
+        members = torch.nonzero(selected).flatten()  # S_2 of the decoding step (the new token included)
+        for j in revived.tolist():
+            slot = int(torch.nonzero(cache.slot_pos[2] == j))
+            assert torch.allclose(cache.keys[2][:, :, slot], k2[:, :, j], atol=TOL)
+            assert torch.allclose(cache.values[2][:, :, slot], v2[:, :, j], atol=TOL)
+            out = _layer_out(layers[2], hs[2][:, j : j + 1], j, k2[:, :, members], v2[:, :, members], members, lm)
+            k3, v3 = _kv(layers[3], out, torch.tensor([j]), lm)
+            slot = int(torch.nonzero(cache.slot_pos[3] == j))
+            assert torch.allclose(cache.keys[3][:, :, slot], k3[:, :, 0], atol=TOL)
+            assert torch.allclose(cache.values[3][:, :, slot], v3[:, :, 0], atol=TOL)
+        # tokens pruned again stay in the Aux Cache of layer 2 with their prefill hidden state
+        pos, hidden = cache.aux[2]
+        assert set(pos.tolist()) == set(torch.nonzero(pruned & ~selected[:n]).flatten().tolist())
+        assert torch.allclose(hidden[0], hs[2][0, pos], atol=TOL)
+
+
+# --- each token computed at most once per layer -------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_token_is_computed_at_most_once_per_layer(tiny_lm, family):
+    lm, engine, prompt = setup(tiny_lm, family)
+    n = prompt.n_tokens
+    result = run(engine, prompt, Pipeline.parse("lazyllm:layers=1/2/3,keep=0.6/0.4/0.2"), max_new_tokens=12, stop_ids=set())
+    cache, stats = result.cache, result.extra["method_stats"]
+    assert isinstance(cache, LazyCache) and len(result.answer_ids) == 12
+    total = n + 11  # prompt + the decoded tokens that ran as queries
+    assert cache.computed.shape == (4, total)
+    assert int(cache.computed.max()) == 1 == stats["max_computations_per_layer"]
+    assert stats["revived"] > 0  # tokens did come back, and were still computed only once
+    # what each layer holds is exactly what was computed there, once
+    for layer in range(4):
+        slots = cache.slot_pos[layer]
+        assert slots.unique().numel() == slots.numel() == cache.get_seq_length(layer)
+        assert sorted(slots.tolist()) == torch.nonzero(cache.computed[layer]).flatten().tolist()
+        assert (cache.frontier[slots] > layer).all()
+    # decoded tokens run through every layer; the Aux Cache holds exactly the unfinished tokens
+    assert (cache.computed[:, n:] == 1).all()
+    in_aux = sorted(p for pos, _ in cache.aux.values() for p in pos.tolist())
+    assert in_aux == torch.nonzero(cache.frontier < 4).flatten().tolist()
+    # the paper's "% of prompt tokens computed", never more than full attention's work
+    assert stats["prompt_tokens_computed_frac"] == pytest.approx(float(cache.computed[:, :n].sum()) / (4 * n))
+    assert stats["prefill_tokens_computed_frac"] < stats["prompt_tokens_computed_frac"] <= 1.0
+    assert stats["per_layer_prefill_tokens"] == [n, n_keep(0.6, n), n_keep(0.4, n), n_keep(0.2, n)]
+    # inspect's view: per layer, the prompt tokens that hold KV
+    mask = result.kept_mask()
+    assert mask.shape == (4, 2, n)
+    assert mask[:, 0].sum(dim=1).tolist() == stats["per_layer_kv_tokens"]
+
+
+# --- the prefix state (disk store) ---------------------------------------------------------------------
+
+
+def test_prefix_state_gives_the_one_pass_result(tiny_lm, tmp_path):
+    lm, engine, prompt = setup(tiny_lm)
+    method = lazy(lm, "lazyllm:layers=2/3,keep=0.5/0.25")
+    assert method.prefix_state(lm) == {"kind": "lazyllm", "layers": 2}
+    one_cache, one_first, _ = method.prefill(engine, prompt.ids)
+    prefix = make_prefix(engine, prompt, method, None, {})
+    two_cache, two_first, _ = method.prefill(engine, prompt.ids, prefix=prefix)
+    assert torch.allclose(one_first, two_first, atol=TOL)
+    assert torch.equal(one_cache.kept_mask(prompt.n_tokens), two_cache.kept_mask(prompt.n_tokens))
+    # the stored form round-trips
+    state = method.build_prefix(engine, prompt.ids[: prompt.prefix_len])
+    tensors, facts = state.to_tensors()
+    back = LazyCache.from_tensors(tensors, facts)
+    assert torch.equal(back.frontier, state.frontier) and back.aux.keys() == state.aux.keys() == {2}
+    with pytest.raises(ValueError):
+        LazyCache.from_tensors({k: v for k, v in tensors.items() if k != "aux_pos.2"}, facts)
+    # cold and warm runs through the store answer the same
+    store = KVStore.open(tmp_path)
+    spec = Pipeline.parse("lazyllm:layers=2/3,keep=0.5/0.25")
+    cold = run(engine, prompt, spec, max_new_tokens=6, stop_ids=set(), store=store)
+    warm = run(engine, prompt, spec, max_new_tokens=6, stop_ids=set(), store=store)
+    assert cold.extra["cache"]["status"] == "miss" and warm.extra["cache"]["status"] == "hit"
+    assert warm.answer_ids == cold.answer_ids
+    assert warm.extra["method_stats"] == cold.extra["method_stats"]
+
+
+# --- knobs ---------------------------------------------------------------------------------------------
+
+
+def test_default_schedule():
+    assert default_layers(30) == [8, 15, 22] and default_layers(32) == [8, 16, 24] and default_layers(4) == [1, 2, 3]
+    assert default_layers(2) == [1]
+    assert default_keep(3) == [0.7, 0.5, 0.3] and default_keep(1) == [0.5]
+    assert n_keep(0.3, 10) == 3 and n_keep(0.01, 10) == 1 and n_keep(1.0, 7) == 7
+
+
+def test_knobs_resolve_against_the_model(tiny_lm):
+    lm = tiny_lm("llama")
+    assert lazy(lm, "lazyllm").spec() == "lazyllm:layers=1/2/3,keep=0.7/0.5/0.3"
+    assert lazy(lm, "lazyllm:layers=2").spec() == "lazyllm:layers=2,keep=0.5"
+    assert lazy(lm, "lazyllm:keep=0.6/0.2").schedule() == [(1, 0.6), (3, 0.2)]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "lazyllm:layers=0/2",  # layer 0 has no layer before it to score with
+        "lazyllm:layers=4",  # the tiny model has layers 0..3
+        "lazyllm:layers=2/1",
+        "lazyllm:layers=2/2",
+        "lazyllm:layers=a/b",
+        "lazyllm:keep=1.5",
+        "lazyllm:keep=0",
+        "lazyllm:keep=0.3/0.5",
+        "lazyllm:keep=x",
+        "lazyllm:layers=1/2,keep=0.5",
+        "lazyllm:keep=0.9/0.8/0.7/0.6",  # 4 ratios, only 3 layers to prune at
+    ],
+)
+def test_bad_knobs_are_usage_errors(tiny_lm, spec):
+    with pytest.raises(UsageError, match="lazyllm"):
+        pipeline = Pipeline.parse(spec)
+        pipeline.configure(tiny_lm("llama"))
