@@ -94,6 +94,8 @@ class Session:
                 stage.cache_dir = self.options.cache_dir
             if hasattr(stage, "kv_offload"):  # methods that can hold their KV in CPU memory (blocksparse)
                 stage.kv_offload = self.options.kv_offload
+        if self.options.kv_offload != "none" and not any(hasattr(s, "kv_offload") for s in pipeline.stages):
+            notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
         pipeline.configure(self.lm)
         check_window(prompt, self.lm, max_new_tokens, pipeline)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)

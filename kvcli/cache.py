@@ -29,6 +29,20 @@ def cache_type(cls):
     return cls
 
 
+def append_kv(keys: list, values: list, key: torch.Tensor, value: torch.Tensor, layer_idx: int):
+    """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx`` of the per-layer
+    lists ``keys``/``values`` (a new layer only right after the last); returns that layer's tensors."""
+    if layer_idx == len(keys):
+        keys.append(key)
+        values.append(value)
+    elif layer_idx < len(keys):
+        keys[layer_idx] = torch.cat([keys[layer_idx], key], dim=-2)
+        values[layer_idx] = torch.cat([values[layer_idx], value], dim=-2)
+    else:
+        raise IndexError(f"layer {layer_idx} updated before layer {len(keys)}")
+    return keys[layer_idx], values[layer_idx]
+
+
 class CacheBase:
     """What every kvcli cache shares: the positions of the tokens it has seen, and byte counts.
 
@@ -92,15 +106,7 @@ class KVCache(CacheBase):
 
         Returns the whole (cached + new) key and value tensors of that layer.
         """
-        if layer_idx == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
-        elif layer_idx < len(self.keys):
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
-        else:
-            raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
-        return self.keys[layer_idx], self.values[layer_idx]
+        return append_kv(self.keys, self.values, key, value, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0

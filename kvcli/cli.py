@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +16,7 @@ import typer
 from rich.console import Console
 
 from . import api, batch, notices, render
+from .options import Attn, Device, Offload, Quant
 from .errors import KvcliError, UsageError
 
 app = typer.Typer(
@@ -27,29 +27,6 @@ app = typer.Typer(
 )
 
 stdout = Console(highlight=False, soft_wrap=True)
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Quant(str, Enum):
-    none = "none"
-    four = "4bit"
-    eight = "8bit"
-
-
-class Offload(str, Enum):
-    none = "none"
-    cpu = "cpu"
-
-
-class Attn(str, Enum):
-    sdpa = "sdpa"
-    eager = "eager"
-    flash = "flash"
 
 
 def _route_warnings(quiet: bool) -> None:

@@ -386,3 +386,15 @@ def test_real_entry_point_matches_in_process(cli, files, model):
     line = assert_user_error((proc.returncode, proc.stdout, proc.stderr), 1, "missing.txt", "does not exist")
     assert (proc.returncode, proc.stdout, proc.stderr) == cli(*args)
     assert line == f"kvcli: error: '{missing}' does not exist"
+
+
+@pytest.mark.parametrize(
+    "spec, note",
+    [("full", "--kv-offload cpu has no effect on full: only blocksparse"), ("blocksparse", "--kv-offload cpu has no effect: the model runs on the cpu")],
+)
+def test_kv_offload_without_effect_says_so_once(spec, note, files, model, capsys, monkeypatch):
+    code, out, err = run_cli(["ask", files["doc"], "Who keeps the light?", "--model", model, "-c", spec, "--kv-offload", "cpu", "--json", "--max-new-tokens", "2", "--no-cache"], capsys, monkeypatch)
+    assert code == 0, err
+    record = json.loads(out)
+    assert any(note in w for w in record["warnings"]), record["warnings"]
+    assert err.count("kvcli: warning:") == 1 and note in err

@@ -17,6 +17,7 @@ import typer
 
 from ..compressors import REGISTRY
 from ..errors import UsageError
+from ..options import Attn, Device
 from . import runner
 from .needle import HAYSTACKS, haystack_text
 from .runner import NEEDLE_KEY, ResultsFile, length_label
@@ -41,18 +42,6 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="Benchmark methods on your model: needle-in-a-haystack heatmaps, TTFT / decode speed / memory curves.",
 )
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Attn(str, Enum):
-    sdpa = "sdpa"
-    eager = "eager"
-    flash = "flash"
 
 
 class Haystack(str, Enum):

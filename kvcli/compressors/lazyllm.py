@@ -65,7 +65,7 @@ from typing import ClassVar
 import torch
 
 from .. import attention
-from ..cache import CacheBase, cache_type
+from ..cache import CacheBase, append_kv, cache_type
 from ..errors import UsageError
 from .base import Compressor, knob, register
 
@@ -146,15 +146,7 @@ class LazyCache(CacheBase):
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx``; the
         caller (:func:`run_tokens`) records the slots' positions."""
-        if layer_idx == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
-        elif layer_idx < len(self.keys):
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
-        else:
-            raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
-        return self.keys[layer_idx], self.values[layer_idx]
+        return append_kv(self.keys, self.values, key, value, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0
