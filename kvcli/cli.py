@@ -39,6 +39,24 @@ def _stderr(quiet: bool) -> Console:
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
+def _ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
+                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none) -> api.AskOptions:
+    """The library options of the commands that answer (ask, inspect) from their CLI values."""
+    return api.AskOptions(
+        compressor=compressor,
+        model=model,
+        device=device.value,
+        quant=quant.value,
+        attn=attn.value,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        template=template,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
+        kv_offload=kv_offload.value,
+    )
+
+
 ASK_HELP = """Answer a question from documents.
 
     kvcli ask book.pdf "Who is the narrator?"            one document: the answer as text (or --json)
@@ -78,19 +96,7 @@ def ask(
 ) -> None:
     err = _stderr(quiet)
     _route_warnings(quiet)
-    options = api.AskOptions(
-        compressor=compressor,
-        model=model,
-        device=device.value,
-        quant=quant.value,
-        attn=attn.value,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        template=template,
-        cache_dir=cache_dir,
-        use_cache=not no_cache,
-        kv_offload=kv_offload.value,
-    )
+    options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload)
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:
         paths, questions = inputs, batch.read_questions(questions_file)
@@ -300,18 +306,7 @@ def inspect_command(
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
         question = inputs[1]
-    options = api.AskOptions(
-        compressor=compressor,
-        model=model,
-        device=device.value,
-        quant=quant.value,
-        attn=attn.value,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        template=template,
-        cache_dir=cache_dir,
-        use_cache=not no_cache,
-    )
+    options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if needle_test is not None:

@@ -409,3 +409,23 @@ def test_errors_are_one_line(cli, model, pdf, tmp_path):
     assert_user_error(cli("inspect", pdf, "--model", model), 2, "give a document and a question")
     assert_user_error(cli("inspect", "--needle-test", "512", pdf, QUESTION), 2, "--needle-test")
     assert_user_error(cli("inspect", "--layers", pdf, QUESTION, "--html", tmp_path / "x.html"), 2, "--layers")
+
+
+def test_layers_without_needle_uses_the_full_attention_answer(cli, model, pdf, monkeypatch):
+    """No --needle: the answer under full attention is the needle when the document contains it;
+    otherwise one line asks for --needle."""
+    from kvcli import api
+
+    real = api.Session.ask
+    answers = iter(["xq zzz not in the text", "\u201c4417.\u201d"])
+
+    def fake(self, document, question, pipeline, *args, **kwargs):
+        if pipeline.spec() == "full":
+            return type("R", (), {"answer": next(answers)})()
+        return real(self, document, question, pipeline, *args, **kwargs)
+
+    monkeypatch.setattr(api.Session, "ask", fake)
+    assert_user_error(cli("inspect", "--layers", pdf, QUESTION, "--model", model), 2, "not in the document", "--needle TEXT")
+    code, out, err = cli("inspect", "--layers", pdf, QUESTION, "--model", model, "--k", "40", "--json")
+    assert code == 0, err
+    assert json.loads(out)["needle"] == "4417"
