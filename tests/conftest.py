@@ -62,6 +62,14 @@ def embedded_session():
     return Session.open(AskOptions(max_new_tokens=24))
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``cli("ask", doc, "Q?", ...)`` -> (exit code, stdout, stderr) of ``kvcli`` run in-process."""
+    from cli_runner import run_cli
+
+    return lambda *args: run_cli(args, capsys, monkeypatch)
+
+
 def pytest_collection_modifyitems(items):
     # run the slow real-model tests last, so quick failures show first
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

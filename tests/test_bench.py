@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 
 import pytest
 
 from kvcli import api
 from kvcli.bench import plots, runner, speed
-from kvcli.cli import main
 from kvcli.errors import UsageError
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -26,21 +24,6 @@ NEEDLE_FIELDS = (
 )  # fmt: skip
 
 
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["kvcli", *map(str, args)])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    return lambda *args: run_cli(args, capsys, monkeypatch)
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcli.cli import main
 from kvcli.documents import load_document
+from cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,23 +41,6 @@ JSON_KEYS = (
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    """Run ``kvcli *args`` in-process; return (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["kvcli", *map(str, args)])
-    capsys.readouterr()  # drop whatever an earlier step printed
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:  # sys.exit("message"): Python prints it and exits 1
-            print(e.code, file=sys.stderr)
-            code = 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

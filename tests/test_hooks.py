@@ -8,7 +8,7 @@ import torch
 
 from kvcli import attention
 from kvcli.cache import KVCache
-from kvcli.compressors import Compressor, parse_one, register
+from kvcli.compressors import Compressor, register
 from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
 from kvcli.errors import UsageError

@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import pytest
 import torch
 
 from kvcli import api
-from kvcli.cli import main
 from kvcli.compressors import parse_one
 from kvcli.documents import document_from_text, load_document
 from kvcli.inspect import find_needle, inspect_kept, rank_layers
@@ -52,21 +50,6 @@ def make_pdf(path: Path, pages: list[str]) -> Path:
     return path
 
 
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["kvcli", *map(str, args)])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    return lambda *args: run_cli(args, capsys, monkeypatch)
 
 
 def assert_user_error(result, code: int, *needles: str) -> None:

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvcli.compressors import parse_one
 from kvcli.compressors.lazyllm import LazyCache, default_keep, default_layers, last_token_attention, n_keep
