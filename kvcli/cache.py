@@ -29,20 +29,6 @@ def cache_type(cls):
     return cls
 
 
-def append_kv(keys: list, values: list, key: torch.Tensor, value: torch.Tensor, layer_idx: int):
-    """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx`` of the per-layer
-    lists ``keys``/``values`` (a new layer only right after the last); returns that layer's tensors."""
-    if layer_idx == len(keys):
-        keys.append(key)
-        values.append(value)
-    elif layer_idx < len(keys):
-        keys[layer_idx] = torch.cat([keys[layer_idx], key], dim=-2)
-        values[layer_idx] = torch.cat([values[layer_idx], value], dim=-2)
-    else:
-        raise IndexError(f"layer {layer_idx} updated before layer {len(keys)}")
-    return keys[layer_idx], values[layer_idx]
-
-
 class CacheBase:
     """What every kvcli cache shares: the positions of the tokens it has seen, and byte counts.
 
@@ -82,10 +68,41 @@ class CacheBase:
         raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
 
 
-@cache_type
-class KVCache(CacheBase):
-    kind: ClassVar[str] = "kv"
+class LayerKV(CacheBase):
+    """Per-layer key and value tensors, appended as the layers run — the transformers contract
+    shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):
+
+        keys[l], values[l]: (1, n_kv_heads, seq_len_l, head_dim)
+    """
+
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx`` (a
+        new layer only right after the last). Returns that layer's whole key and value tensors."""
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        elif layer_idx < len(self.keys):
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+        else:
+            raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+
+@cache_type
+class KVCache(LayerKV):
+    kind: ClassVar[str] = "kv"
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -100,22 +117,7 @@ class KVCache(CacheBase):
         # still the next position. An evicted cache is never written to the disk store.
         self.kept: list[torch.Tensor] | None = None
 
-    # --- the transformers contract -------------------------------------------------------------
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx``.
-
-        Returns the whole (cached + new) key and value tensors of that layer.
-        """
-        return append_kv(self.keys, self.values, key, value, layer_idx)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0
-
     # --- kvcli's own use ------------------------------------------------------------------------
-    @property
-    def n_layers(self) -> int:
-        return len(self.keys)
-
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
         """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask`. Sources, in
         order: ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per

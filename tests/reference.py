@@ -38,3 +38,11 @@ def causal_softmax(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Te
     n = q.shape[2]
     w = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
     return w.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+
+
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-4) -> None:
+    """Step-by-step logits (vocab,) equal within ``tol``, and the same greedy tokens."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=tol, rtol=0)
+    assert [int(g.argmax()) for g in got] == [int(w.argmax()) for w in want]

@@ -19,6 +19,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
+from reference import assert_same_logits
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -64,13 +65,6 @@ def _full_logits(engine, ids, steps):
     for i in range(steps):
         out.append(engine.step(int(torch.argmax(out[-1])), ids.numel() + i, cache))
     return out
-
-
-def assert_same_logits(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=TOL, rtol=0)
-    assert [int(g.argmax()) for g in got] == [int(w.argmax()) for w in want]
 
 
 # --- covering every block == full attention ------------------------------------------------------

@@ -20,6 +20,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.heads import HeadProfile, compute_profile, load_or_compute, probe_ids, top_fraction
 from kvcli.prompt import build_prompt
+from reference import assert_same_logits
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -46,13 +47,6 @@ def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
 
 def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
     return greedy_logits(engine, KVCache(), prompt.ids, steps)
-
-
-def assert_same_logits(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=TOL, rtol=0)
-    assert [int(g.argmax()) for g in got] == [int(w.argmax()) for w in want]
 
 
 # --------------------------------------------------------------------------- equal to full attention

@@ -65,7 +65,7 @@ from typing import ClassVar
 import torch
 
 from .. import attention
-from ..cache import CacheBase, append_kv, cache_type
+from ..cache import LayerKV, cache_type
 from ..errors import UsageError
 from .base import Compressor, knob, register
 
@@ -116,12 +116,11 @@ def last_token_attention(query: torch.Tensor, key: torch.Tensor, visible: torch.
 
 
 @cache_type
-class LazyCache(CacheBase):
+class LazyCache(LayerKV):
     """LazyLLM's cache: per layer the KV of the tokens computed there, plus the Aux Cache (see the
     module docstring for the layout)."""
 
     kind: ClassVar[str] = "lazyllm"
-    tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
 
     def __init__(self, n_model_layers: int) -> None:
         self.n_model_layers = int(n_model_layers)
@@ -142,20 +141,8 @@ class LazyCache(CacheBase):
         # set to a list to record, per step, [(pruning layer, S_layer (T,) bool), ...] (tests, debugging)
         self.trace: list | None = None
 
-    # --- the transformers contract -------------------------------------------------------------
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx``; the
-        caller (:func:`run_tokens`) records the slots' positions."""
-        return append_kv(self.keys, self.values, key, value, layer_idx)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0
-
-    # --- bookkeeping used by run_tokens ----------------------------------------------------------
-    @property
-    def n_layers(self) -> int:
-        return len(self.keys)
-
+    # --- bookkeeping used by run_tokens (update, inherited, appends KV; run_tokens records the
+    # slots' positions) ------------------------------------------------------------------------
     def slots(self, layer: int) -> torch.Tensor:
         return self.slot_pos[layer] if layer < len(self.slot_pos) else torch.zeros(0, dtype=torch.long)
 
