@@ -127,8 +127,11 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "n_pages": document.n_pages,
         "n_context_tokens": result.prompt.n_tokens,
         "n_document_tokens": result.prompt.n_document_tokens,
-        "n_kept_tokens": result.n_kept_tokens,
-        "compression_ratio": result.prompt.n_tokens / max(result.n_kept_tokens, 1),
+        # the KV actually held: mean over layers and KV heads of prompt entries in the cache
+        "n_kept_tokens": round(result.n_kept_tokens, 2),
+        "compression_ratio": round(result.compression_ratio, 4),
+        "n_selected_tokens": result.selection.n_kept,  # prompt tokens the model read (a selector's k)
+        **compute_fractions(result.extra.get("method_stats") or {}),
         "ttft_s": round(result.ttft_s, 4),
         "total_s": round(result.total_s, 4),
         "decode_tokens_per_s": None if result.decode_tokens_per_s is None else round(result.decode_tokens_per_s, 2),
@@ -147,6 +150,16 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
     if include_spans:
         record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
     return record
+
+
+def compute_fractions(stats: dict) -> dict:
+    """What a method saves besides the KV it holds, from its own counters: ``prompt_computed_frac``
+    (LazyLLM: share of (prompt token, layer) pairs computed) and ``kv_attended_frac`` (block-sparse
+    retrieval: share of the KV each decoding step attended); None for methods that do neither."""
+    return {
+        "prompt_computed_frac": stats.get("prompt_tokens_computed_frac"),
+        "kv_attended_frac": stats.get("kv_attended_frac"),
+    }
 
 
 # --------------------------------------------------------------------------- kvcli cache

@@ -135,11 +135,11 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, spans, document, result.n_kept_tokens, result.prompt.n_tokens)
+        render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
     err.print(
-        f"[dim]{pipeline.spec()} · kept {result.n_kept_tokens:,}/{result.prompt.n_tokens:,} tokens · "
+        f"[dim]{pipeline.spec()} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
         f"cache {cache['status']}{saved}[/dim]"
     )

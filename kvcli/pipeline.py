@@ -13,6 +13,7 @@ arithmetic and give token-identical answers.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -166,9 +167,21 @@ class Result:
         mask[:, :, self.selection.kept] = inner
         return mask
 
+    @functools.cached_property
+    def n_kept_tokens(self) -> float:
+        """The prompt's KV entries the model actually held after compression: the mean over layers
+        and KV heads of prompt tokens whose KV is in the cache (:meth:`kept_mask`), so per-head and
+        per-layer evictions count what they evicted. A selector's dropped tokens count as dropped;
+        a cache that does not report what it held counts the selection."""
+        mask = self.kept_mask()
+        if mask is None or not mask.numel():
+            return float(self.selection.n_kept)
+        return float(mask.sum()) / (mask.shape[0] * mask.shape[1])
+
     @property
-    def n_kept_tokens(self) -> int:
-        return self.selection.n_kept
+    def compression_ratio(self) -> float:
+        """Prompt tokens / KV entries held per layer and KV head (1.0: nothing evicted)."""
+        return self.prompt.n_tokens / max(self.n_kept_tokens, 1e-9)
 
 
 def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):

@@ -218,6 +218,7 @@ def result_fields(result) -> dict:
     return {
         "n_context_tokens": result.prompt.n_tokens,
         "n_kept_tokens": result.n_kept_tokens,
+        "compression_ratio": result.compression_ratio,
         "ttft_s": result.ttft_s,
         "total_s": result.total_s,
         "decode_tokens_per_s": result.decode_tokens_per_s,
