@@ -3,7 +3,7 @@
     from kvcli.api import AskOptions, Session, parse_pipeline, read_document
     session = Session.open(AskOptions())                  # embedded SmolLM2 by default
     doc = read_document("book.pdf")
-    result = session.ask(doc, "Who wrote it?", parse_pipeline("gemfilter:k=512"))
+    result = session.ask(doc, "Who wrote it?", parse_pipeline("auto"))
     print(result.answer, result.ttft_s, result.selection.spans(result.prompt, doc))
 """
 
@@ -19,12 +19,13 @@ from .engine import Engine
 from .models import LoadedModel, default_cache_dir, load_model
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .stopping import AnswerGuard
 from .store import KVStore
 
 
 @dataclass
 class AskOptions:
-    compressor: str = "gemfilter"
+    compressor: str = "auto"
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "auto"
     quant: str = "none"
@@ -35,6 +36,7 @@ class AskOptions:
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
+    answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -89,6 +91,7 @@ class Session:
         read nor write the disk store for this question (cold runs)."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
+        pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         for stage in pipeline.stages:
             if hasattr(stage, "cache_dir"):  # methods that keep per-model data (RazorAttention's head profile)
                 stage.cache_dir = self.options.cache_dir
@@ -99,7 +102,7 @@ class Session:
         pipeline.configure(self.lm)
         check_window(prompt, self.lm, max_new_tokens, pipeline)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
-        return run(
+        result = run(
             self.engine,
             prompt,
             pipeline,
@@ -107,6 +110,7 @@ class Session:
             stop_ids=stop,
             on_token=on_token,
             store=self.store if use_store else None,
+            guard=AnswerGuard(self.lm.tokenizer) if self.options.answer_guard and not force_tokens else None,
             meta={
                 "document": document.source if document.source == "-" else os.path.abspath(document.source),
                 "document_sha256": document.sha256,
@@ -115,13 +119,17 @@ class Session:
                 "template": self.options.template,
             },
         )
+        result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
+        result.extra["policy"] = pipeline.chosen_by
+        return result
 
 
 def result_record(result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:
     """The JSON object of ``kvcli ask --json``."""
     record = {
         "answer": result.answer,
-        "compressor": pipeline.spec(),
+        "compressor": result.extra.get("compressor", pipeline.spec()),
+        "policy": result.extra.get("policy"),  # "auto" when the default policy chose the method
         "model": session.lm.name,
         "document": document.source,
         "n_pages": document.n_pages,

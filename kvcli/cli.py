@@ -40,7 +40,7 @@ def _stderr(quiet: bool) -> Console:
 
 
 def _ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
-                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none) -> api.AskOptions:
+                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True) -> api.AskOptions:
     """The library options of the commands that answer (ask, inspect) from their CLI values."""
     return api.AskOptions(
         compressor=compressor,
@@ -54,6 +54,7 @@ def _ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dt
         cache_dir=cache_dir,
         use_cache=not no_cache,
         kv_offload=kv_offload.value,
+        answer_guard=answer_guard,
     )
 
 
@@ -77,7 +78,7 @@ def ask(
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
     compressor: str = typer.Option(
-        "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or gemfilter:layer=16,k=256,kernel=5; see `kvcli compressors`"
+        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention up to 3k tokens, SnapKV at 4x beyond, Finch past the window; see `kvcli compressors`"
     ),
     model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)"),
     device: Device = typer.Option(Device.auto, help="Where to run"),
@@ -93,10 +94,11 @@ def ask(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models and the disk KV cache are kept (default: $XDG_CACHE_HOME/kvcli)"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
+    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
 ) -> None:
     err = _stderr(quiet)
     _route_warnings(quiet)
-    options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload)
+    options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:
         paths, questions = inputs, batch.read_questions(questions_file)
@@ -139,7 +141,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
     err.print(
-        f"[dim]{pipeline.spec()} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
+        f"[dim]{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
         f"cache {cache['status']}{saved}[/dim]"
     )

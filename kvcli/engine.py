@@ -160,11 +160,14 @@ class Engine:
         stop_ids: set[int],
         on_token: Callable[[int], None] | None = None,
         step: Callable[[int, int, object], torch.Tensor] | None = None,
+        guard=None,
     ) -> list[int]:
         """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
 
         ``step(token, position, cache) -> logits (vocab,)`` runs one decoding step (default
         :meth:`step`); methods that own decoding (``Compressor.decode_step``) pass theirs.
+        ``guard``: a :class:`kvcli.stopping.AnswerGuard` that may end the answer earlier (an
+        invented next question, a repeated sentence) and trims it at the token limit.
         """
         step = self.step if step is None else step
         out: list[int] = []
@@ -172,11 +175,15 @@ class Engine:
         for i in range(max_new_tokens):
             token = int(torch.argmax(logits))
             if token in stop_ids:
-                break
+                return out
             out.append(token)
+            if guard is not None:
+                keep = guard.check(out)
+                if keep is not None:
+                    return out[:keep]
             if on_token is not None:
                 on_token(token)
             if i + 1 == max_new_tokens:
                 break
             logits = step(token, next_position + i, cache)
-        return out
+        return out if guard is None else out[: guard.finish(out)]

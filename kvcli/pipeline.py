@@ -23,6 +23,8 @@ import torch
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .errors import DocumentError, UsageError
 from .measure import measure
+from .policy import NAME as AUTO
+from .policy import AutoPolicy
 from .prompt import Prompt
 from .selection import Selection
 from .store import Fetched, KVStore, make_key
@@ -33,9 +35,14 @@ SEPARATOR = "+"
 @dataclass
 class Pipeline:
     stages: list[Compressor]
+    # ``-c auto``: no stages until :meth:`resolve` picks them for a prompt (kvcli.policy)
+    policy: AutoPolicy | None = None
+    chosen_by: str | None = None  # "auto" when the policy chose these stages
 
     @classmethod
     def parse(cls, spec: str) -> "Pipeline":
+        if spec.strip().lower() == AUTO:
+            return cls([], policy=AutoPolicy())
         parts = [p for p in spec.split(SEPARATOR)]
         if not spec.strip() or any(not p.strip() for p in parts):
             raise UsageError(f"empty compressor in pipeline '{spec}'")
@@ -71,7 +78,16 @@ class Pipeline:
             )
 
     def spec(self) -> str:
+        if self.policy is not None and not self.stages:
+            return AUTO
         return SEPARATOR.join(s.spec() for s in self.stages)
+
+    def resolve(self, prompt: Prompt, lm, max_new_tokens: int) -> "Pipeline":
+        """The pipeline that answers ``prompt``: itself, or for ``auto`` the policy's choice."""
+        if self.policy is None:
+            return self
+        chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens))
+        return Pipeline(chosen.stages, chosen_by=AUTO)
 
     def configure(self, lm) -> None:
         for s in self.stages:
@@ -236,7 +252,7 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
-            "shorten the document (methods that read longer documents chunk by chunk come later)"
+            "use -c finch (or the default -c auto), which reads a longer document chunk by chunk, or shorten the document"
         )
 
 
@@ -250,11 +266,13 @@ def run(
     on_token: Callable[[int], None] | None = None,
     store: KVStore | None = None,
     meta: dict | None = None,
+    guard=None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
     ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
-    recorded with a new store entry (document, method).
+    recorded with a new store entry (document, method); ``guard``: where the answer may end besides
+    the stop tokens (:class:`kvcli.stopping.AnswerGuard`).
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
@@ -292,7 +310,7 @@ def run(
         ttft = time.perf_counter() - start
         decoder = pipeline.owner("decode_step")
         step = None if decoder is None else (lambda token, position, c: decoder.decode_step(engine, token, position, c))
-        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step)
+        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
         total = time.perf_counter() - start
     decode_s = total - ttft
     return Result(

@@ -201,7 +201,8 @@ def test_attn_flash(cli, files, model):
 
 def test_document_longer_than_the_model_window(cli, files, tiny_dir):
     short = str(tiny_dir("llama", num_hidden_layers=4, max_position_embeddings=256))
-    assert_user_error(cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4"), 1, "256", "window")
+    # the refusal names the option that works
+    assert_user_error(cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "-c", "full"), 1, "256", "window", "-c finch")
 
 
 # --- Typer/click usage errors: exit 2, one short line, no traceback ---------------------------

@@ -1,0 +1,108 @@
+"""Where answers end (kvcli.stopping.AnswerGuard) and the default policy (-c auto)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.engine import Engine
+from kvcli.pipeline import Pipeline
+from kvcli.policy import BEYOND_WINDOW, FULL_UP_TO, LONG, AutoPolicy
+from kvcli.stopping import AnswerGuard
+from tiny_models import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def guard():
+    return AnswerGuard(_tokenizer())
+
+
+def ids(text: str) -> list[int]:
+    return _tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def run_guard(guard, text: str, at_limit: bool = False) -> str:
+    """Feed ``text`` token by token as decoding would; the text the guard lets through. The text
+    ends with a stop token, or with ``at_limit`` at the token limit."""
+    out: list[int] = []
+    for token in ids(text):
+        out.append(token)
+        keep = guard.check(out)
+        if keep is not None:
+            return _tokenizer().decode(out[:keep])
+    return _tokenizer().decode(out[: guard.finish(out)] if at_limit else out)
+
+
+def test_stops_before_an_invented_next_question(guard):
+    text = "The combination is 4-7-1-9.\nQuestion: What is the colour of the door?\nAnswer: Red."
+    assert run_guard(guard, text) == "The combination is 4-7-1-9."
+
+
+def test_stops_before_a_repeated_sentence(guard):
+    text = "The keeper was Angus Gray. He kept the light for years. The keeper was Angus Gray. He kept"
+    assert run_guard(guard, text) == "The keeper was Angus Gray. He kept the light for years."
+
+
+def test_a_repeated_line_counts_as_a_repeated_sentence(guard):
+    text = "Puffins: 214 pairs\nGulls: many\nPuffins: 214 pairs\nGulls"
+    assert run_guard(guard, text) == "Puffins: 214 pairs\nGulls: many"
+
+
+def test_at_the_limit_the_unfinished_sentence_is_dropped(guard):
+    text = "The storm came in March. It broke the lantern glass and the keeper had to"
+    assert run_guard(guard, text, at_limit=True) == "The storm came in March."
+
+
+def test_one_unfinished_sentence_is_kept_and_clean_answers_are_untouched(guard):
+    text = "The special magic numbers are 1234567, 7654321 and"
+    assert run_guard(guard, text, at_limit=True) == text
+    clean = "Angus Gray, the old keeper."
+    assert run_guard(guard, clean) == clean
+    # short repeats (list items, numbers) are not sentences
+    assert guard.cut("1. a\n1. a\n") is None
+    # a word that only starts like a role is not a turn
+    assert guard.cut("Questions about the light remain open. ") is None
+
+
+def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
+    """The guard decides only where to stop: its tokens are a prefix of unguarded decoding."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt_ids = torch.tensor(ids("Line one. Line two. Line one. Line two. Line one."))
+
+    class EveryFifth:
+        def check(self, out):
+            return 3 if len(out) == 5 else None
+
+        def finish(self, out):
+            return len(out)
+
+    def greedy(guard):
+        cache, logits = engine.prefill(prompt_ids)
+        return engine.decode(logits, cache, prompt_ids.numel(), 12, set(), guard=guard)
+
+    plain = greedy(None)
+    assert greedy(EveryFifth()) == plain[:3]
+    assert greedy(AnswerGuard(lm.tokenizer)) == plain[: len(greedy(AnswerGuard(lm.tokenizer)))]
+
+
+def test_auto_policy_full_for_short_prompts_compression_beyond_finch_past_the_window():
+    policy = AutoPolicy()
+    assert policy.choose(1000, 8192, 64) == "full"
+    assert policy.choose(FULL_UP_TO, 8192, 64) == "full"
+    assert policy.choose(FULL_UP_TO + 1, 8192, 64) == LONG
+    assert policy.choose(8192 - 64, 8192, 64) == LONG
+    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW
+    assert policy.choose(100_000, None, 64) == LONG  # no known window
+
+
+def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
+    from kvcli.prompt import build_prompt
+
+    lm = tiny_lm("llama")
+    auto = Pipeline.parse("auto")
+    assert auto.spec() == "auto" and auto.stages == []
+    short = build_prompt(lm.tokenizer, "A short note about gulls.", "How many?")
+    chosen = auto.resolve(short, lm, 8)
+    assert chosen.spec() == "full" and chosen.chosen_by == "auto"
+    assert Pipeline.parse("full").resolve(short, lm, 8).chosen_by is None
