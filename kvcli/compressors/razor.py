@@ -212,7 +212,7 @@ class Razor(Compressor):
         if not isinstance(cache, KVCache) or cache.kept is not None or getattr(cache, "kept_positions", None) is not None:
             raise UsageError("razor: compresses the whole KV of the prompt; use it without eviction methods before it")
         self._ensure_profile(engine.lm, engine)
-        return self.compress_kv(cache, engine.lm.n_heads, order=self.order)
+        return self.compress_kv(cache, engine.lm.n_heads, order="paper")  # the whole prompt was compressed
 
     def compress_kv(self, kv, n_heads: int, order: str = "prefix") -> RazorCache:
         """Algorithm 1 on the full cache ``kv`` of N tokens: L_h = max(S_0, N / C)."""
