@@ -16,7 +16,8 @@ Storage, per layer (batch 1, after RoPE, GQA never expanded):
     fkeys[l], fvalues[l]: (1, n_kv, initial + local + generated, d) — always attended, on the
                           compute device; decoding appends here
     reps[l]:              (n_kv, n_blocks, R, d) float32 representative keys, compute device
-                          (Quest: R = 2, [max, min] element-wise)
+                          (Quest: R = 2, [max, min] element-wise; dynamic / infllm: the R keys
+                          of the block with the highest per-token score)
     candidates[l]:        (H, P) preselected block indices (H = n_kv separate, 1 shared) or None
 
 At a decode step (one query token) :meth:`BlockCache.update` returns a :class:`BlockLayer` view
@@ -30,9 +31,10 @@ from typing import ClassVar
 
 import torch
 
-from .cache import CacheBase, KVCache
+from .cache import CacheBase, KVCache, cache_type
 
-REPRESENTATIVES = ("max", "mean", "quest", "dynamic", "fixed")
+REPRESENTATIVES = ("max", "mean", "quest", "dynamic", "infllm", "fixed")
+SCORED = ("dynamic", "infllm")  # representatives picked by a per-token score
 HEAD_SELECT = ("shared", "separate")
 
 
@@ -70,13 +72,14 @@ def block_representatives(blocks: torch.Tensor, kind: str, num: int, votes: torc
     """Representative keys of each block.
 
     blocks: (n_kv, n_blocks, block_size, d) keys of the Context; votes: (n_kv, n_blocks, block_size)
-    accumulated attention of each token (``dynamic`` only). Returns (n_kv, n_blocks, R, d) float32:
+    the per-token score (``dynamic``: attention accumulated from the last prompt queries;
+    ``infllm``: InfLLM's representative score, :func:`infllm_accumulate`). Returns
+    (n_kv, n_blocks, R, d) float32:
 
     * ``max`` / ``mean``: the block cut into ``num`` contiguous pieces, each the element-wise
       max / mean of its keys (``num`` = 1: one vector per block, the article's definition);
     * ``quest``: [element-wise max, element-wise min] (R = 2);
-    * ``dynamic``: the ``num`` keys with the highest accumulated attention (InfLLM's representative
-      tokens, simplified as in the article);
+    * ``dynamic`` / ``infllm``: the ``num`` keys with the highest score, in token order;
     * ``fixed``: ``num`` keys at fixed intervals (offsets ``i * block_size // num``).
     """
     b = blocks.to(torch.float32)
@@ -89,13 +92,57 @@ def block_representatives(blocks: torch.Tensor, kind: str, num: int, votes: torc
     if kind == "fixed":
         offsets = (torch.arange(num) * size) // num
         return b[:, :, offsets.to(b.device)]
-    if kind == "dynamic":
+    if kind in SCORED:
         if votes is None:
-            raise ValueError("dynamic representatives need the tokens' accumulated attention")
+            raise ValueError(f"{kind} representatives need a score per token")
         top = torch.topk(votes.to(b.device), num, dim=-1).indices  # (n_kv, n_blocks, num)
         top = torch.sort(top, dim=-1).values
         return b.gather(2, top[..., None].expand(-1, -1, -1, b.shape[-1]))
     raise ValueError(f"unknown representative {kind!r}")
+
+
+def infllm_accumulate(total: torch.Tensor, query: torch.Tensor, key: torch.Tensor, local: int,
+                      row_lo: int, row_hi: int, chunk: int = 256) -> None:
+    """Add the terms of InfLLM's representative score (Xiao et al. 2024, arXiv:2402.04617, §3.2,
+    equation 1: ``r_m = 1/l_L sum_{j=1..l_L} q_{m+j} · k_m``) contributed by the query rows of one
+    prefill pass to ``total`` (n_kv, >= kv_len) float32, in place: each query row g adds
+    ``q_g · k_m`` to the ``local`` tokens m = g - local .. g - 1 before it, averaged over the query
+    heads of each KV head's GQA group. Only rows ``row_lo <= g < row_hi`` count (kvcli lets the
+    question-agnostic prefix vote, never the question). The division by the number of successors
+    is :func:`infllm_scores`'.
+
+    query (1, n_heads, q_len, d): its rows are the last q_len of key (1, n_kv, kv_len, d), after
+    RoPE. Computed ``chunk`` rows at a time against only the keys they reach (chunk x (chunk +
+    local) products per head): no attention matrix, the cache is never GQA-expanded.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    first = kv_len - q_len  # key index of query row 0
+    lo, hi = max(row_lo, first, 1), min(row_hi, kv_len)
+    n_heads, d = query.shape[1], query.shape[3]
+    n_kv = key.shape[1]
+    group = n_heads // n_kv
+    for g0 in range(lo, hi, chunk):
+        g1 = min(hi, g0 + chunk)
+        k0 = max(0, g0 - local)
+        k = key[0, :, k0 : g1 - 1].to(torch.float32)  # the keys rows g0..g1-1 reach: k0 .. g1-2
+        q = query[0, :, g0 - first : g1 - first].to(torch.float32).reshape(n_kv, group, g1 - g0, d)
+        dots = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2))  # (n_kv, group, rows, keys)
+        rows = torch.arange(g0, g1, device=key.device)[:, None]
+        cols = torch.arange(k0, g1 - 1, device=key.device)[None, :]
+        band = (cols < rows) & (cols >= rows - local)
+        part = dots.masked_fill(~band, 0.0).sum(dim=2).mean(dim=1)  # (n_kv, keys)
+        total[:, k0 : g1 - 1] += part.to(total.device)
+
+
+def infllm_scores(total: torch.Tensor, local: int, rows: int) -> torch.Tensor:
+    """InfLLM's representative score from the sums of :func:`infllm_accumulate` over the query rows
+    ``0 <= g < rows``: token m had ``min(local, rows - 1 - m)`` successors voting, and its score is
+    their mean (equation 1; fewer than ``local`` only for the last tokens before ``rows``). Tokens
+    no row voted for (m >= rows - 1) get -inf. total (n_kv, n) -> (n_kv, n) float32."""
+    n = total.shape[-1]
+    count = (rows - 1 - torch.arange(n, device=total.device)).clamp(min=0, max=local).to(torch.float32)
+    score = total / count.clamp(min=1)
+    return score.masked_fill(count == 0, float("-inf"))
 
 
 def block_scores(query: torch.Tensor, reps: torch.Tensor, kind: str, shared: bool) -> torch.Tensor:
@@ -117,6 +164,67 @@ def block_scores(query: torch.Tensor, reps: torch.Tensor, kind: str, shared: boo
 
 
 # --------------------------------------------------------------------------- prefill with offload
+
+
+@cache_type
+class ScoredKVCache(KVCache):
+    """Full attention's KV of the question-agnostic prefix plus, per layer, the sums of InfLLM's
+    representative score of its tokens (:func:`infllm_accumulate`): blocksparse's prefix state with
+    ``representative=infllm`` (the score needs the query of every document token, which a plain
+    KV state no longer has).
+
+        rep_sums[l]: (n_kv, n) float32 — the summed ``q_g · k_m`` of token m's successors g
+        rows_scored: the query rows 0..rows_scored-1 that were added (the prefix's own tokens)
+        local:       l_L, the successors each token listens to
+    """
+
+    kind: ClassVar[str] = "kv+infllm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rep_sums: list[torch.Tensor] = []
+        self.rows_scored = 0
+        self.local = 0
+
+    @classmethod
+    def of(cls, kv: KVCache, rep_sums: list[torch.Tensor], rows_scored: int, local: int) -> "ScoredKVCache":
+        out = cls()
+        out.keys, out.values, out.positions = list(kv.keys), list(kv.values), kv.positions
+        out.rep_sums = [r[:, : kv.get_seq_length(0)].to("cpu") for r in rep_sums]
+        out.rows_scored, out.local = int(rows_scored), int(local)
+        return out
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(r.numel() * r.element_size() for r in self.rep_sums)
+
+    def copy(self) -> "ScoredKVCache":
+        other = ScoredKVCache.of(self, self.rep_sums, self.rows_scored, self.local)
+        other.kept = None if self.kept is None else list(self.kept)
+        return other
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, facts = super().to_tensors()
+        for i, r in enumerate(self.rep_sums):
+            tensors[f"rep.{i}"] = r.detach().to("cpu", torch.float32).contiguous()
+        return tensors, {**facts, "rows_scored": self.rows_scored, "local": self.local}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "ScoredKVCache":
+        reps = {name: t for name, t in tensors.items() if name.startswith("rep.")}
+        rest = {name: t for name, t in tensors.items() if not name.startswith("rep.")}
+        cache = super().from_tensors(rest, facts, device)
+        n_layers, n_tokens = int(facts["n_layers"]), int(facts["n_tokens"])
+        if set(reps) != {f"rep.{i}" for i in range(n_layers)}:
+            raise ValueError("unexpected representative-score tensors")
+        for i in range(n_layers):
+            r = reps[f"rep.{i}"]
+            if r.dim() != 2 or r.shape != (cache.keys[i].shape[1], n_tokens) or r.dtype != torch.float32:
+                raise ValueError(f"rep.{i} has shape {tuple(r.shape)}")
+            cache.rep_sums.append(r)
+        cache.rows_scored, cache.local = int(facts["rows_scored"]), int(facts["local"])
+        if not 0 <= cache.rows_scored <= n_tokens or cache.local < 1:
+            raise ValueError("inconsistent representative-score facts")
+        return cache
 
 
 class OffloadKVCache(KVCache):
@@ -197,7 +305,7 @@ class BlockCache(CacheBase):
         """Split a full prompt cache ``kv`` (every layer, the same tokens) into Initial / Context
         blocks / Local, with representatives per block. ``local``: the Local window (the tokens
         left over by the blocks are added to it); ``votes[l]`` (n_kv, n) accumulated attention of
-        each prompt token (dynamic representatives); ``candidates[l]`` the preselected blocks."""
+        each prompt token (dynamic / infllm representatives); ``candidates[l]`` the preselected blocks."""
         n = kv.get_seq_length(0)
         block_size = int(config["block_size"])
         initial, n_blocks, ctx_end = partition(n, config.pop("initial"), local, block_size)

@@ -284,9 +284,13 @@ class RazorCache(CacheBase):
                       ``window`` tokens of the compressed prefix]; ``update`` appends new tokens
 
     ``protected`` (n_layers, n_kv_heads) bool says which KV head is in which group (each group in
-    head order). ``n_dropped`` tokens of the prefix were merged into the compensation token (the
-    same tokens in every compressed head: N, the sinks and the window do not depend on the head).
-    ``positions`` are the original positions of every token seen, as for :class:`KVCache`.
+    head order). ``n_dropped`` tokens of the compressed sequence were merged into the compensation
+    token (the same tokens in every compressed head: N, the sinks and the window do not depend on
+    the head). ``positions`` are the original positions of every token seen, as for
+    :class:`KVCache`. ``order`` says what was compressed (:mod:`kvcli.compressors.razor`):
+    ``"paper"`` the whole prompt after its full-attention prefill, ``"prefix"`` the document
+    prefix before the question ran on it; in both, the first ``sinks + n_dropped + window``
+    positions are the compressed sequence and everything after it was appended whole.
     """
 
     kind: ClassVar[str] = "razor"
@@ -300,6 +304,7 @@ class RazorCache(CacheBase):
         self.compensated = bool(compensated)  # ck[l][:, :, 0] is the compensation token
         self.sinks = int(sinks)
         self.window = int(window)
+        self.order = "prefix"  # "paper": compressed after the whole prompt; "prefix": before the question
         self.pk: list[torch.Tensor] = []
         self.pv: list[torch.Tensor] = []
         self.ck: list[torch.Tensor] = []
@@ -400,12 +405,19 @@ class RazorCache(CacheBase):
     def n_layers(self) -> int:
         return len(self.pk)
 
+    @property
+    def n_compressed(self) -> int:
+        """Tokens the compression saw (N): the whole prompt (order=paper) or the prefix (prefix)."""
+        return self.sinks + self.n_dropped + self.window
+
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
-        """(n_layers, n_kv_heads, n_prompt) bool (:meth:`CacheBase.kept_mask`): retrieval heads
-        hold every token; the others the sinks, the window and what came after compression (the
-        compensation token is no token)."""
+        """(n_layers, n_kv_heads, n_prompt) bool (:meth:`CacheBase.kept_mask`): the prompt entries
+        each layer / KV head holds in its KV. Retrieval heads hold every token; the others the
+        sinks, the window and every token appended after compression (order=prefix: the
+        question; both orders: decoded tokens, which are no prompt entries). The compensation
+        token is a mean of dropped entries, not an entry: the dropped tokens are False."""
         n_kv = self.protected.shape[1]
-        n = self.sinks + self.n_dropped + self.window  # tokens at compression time
+        n = self.n_compressed
         seen = self.positions  # also the tokens appended after compression (question, answer)
         kept = torch.cat([seen[: self.sinks], seen[n - self.window :]])
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
@@ -414,6 +426,24 @@ class RazorCache(CacheBase):
                 pos = seen if self.protected[layer, head] else kept
                 mask[layer, head, pos[pos < n_prompt]] = True
         return mask
+
+    def stats(self) -> dict:
+        """JSON-able counters (``--json`` method_stats): when and what was compressed, the head
+        groups, and the KV bytes before (a full cache of the same tokens) and after."""
+        kv = self.kv_bytes()
+        return {
+            "order": self.order,
+            "compressed_tokens": self.n_compressed,
+            "sinks": self.sinks,
+            "window": self.window,
+            "dropped_tokens": self.n_dropped,
+            "compensation_token": self.compensated,
+            "protected_kv_heads": int(self.protected.sum()),
+            "kv_heads": int(self.protected.numel()),
+            "kv_bytes": kv["after"],
+            "kv_bytes_full": kv["before"],
+            "kv_compression": kv["ratio"],
+        }
 
     def full_nbytes(self) -> int:
         """Bytes a full :class:`KVCache` of the same tokens would hold (the "before")."""
@@ -433,6 +463,7 @@ class RazorCache(CacheBase):
         other = RazorCache(self.protected, self.n_heads, self.n_dropped, self.compensated, self.sinks, self.window)
         other.pk, other.pv, other.ck, other.cv = list(self.pk), list(self.pv), list(self.ck), list(self.cv)
         other.positions = self.positions
+        other.order = self.order
         other._index = self._index  # read-only lookups, safe to share
         return other
 
@@ -451,6 +482,7 @@ class RazorCache(CacheBase):
             "compensated": self.compensated,
             "sinks": self.sinks,
             "window": self.window,
+            "order": self.order,
         }
         return tensors, facts
 
@@ -474,6 +506,7 @@ class RazorCache(CacheBase):
         if n_kv < 1 or n_heads % n_kv or n_dropped < 0 or (compensated and n_dropped == 0):
             raise ValueError("inconsistent head counts or dropped tokens")
         cache = cls(protected.bool(), n_heads, n_dropped, compensated, sinks, window)
+        cache.order = str(facts.get("order", "prefix"))
         cache.positions = tensors["positions"].to(torch.long)
         if cache.positions.shape != (n_tokens,):
             raise ValueError("positions do not match the token count")

@@ -12,14 +12,23 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.blocks import BlockCache, block_representatives, block_scores, quest_upper_bound
+from kvcli.blocks import (
+    BlockCache,
+    ScoredKVCache,
+    block_representatives,
+    block_scores,
+    infllm_accumulate,
+    infllm_scores,
+    quest_upper_bound,
+)
 from kvcli.compressors import parse_one
 from kvcli.compressors.blocksparse import BlockSparse, default_local, default_topk
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
-from reference import assert_same_logits
+from kvcli.store import KVStore
+from reference import assert_same_logits, reference_qk
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -36,10 +45,10 @@ def stage_for(lm, spec: str) -> BlockSparse:
     return stage
 
 
-def blocksparse_logits(engine, spec, ids, steps=5, prefix=None, trace=False):
+def blocksparse_logits(engine, spec, ids, steps=5, prefix=None, trace=False, protected=0):
     """Prefill + compress + ``steps`` greedy decode steps with ``spec``: (logits per step, cache)."""
     stage = stage_for(engine.lm, spec)
-    cache, logits, position = stage.prefill(engine, ids, prefix=prefix)
+    cache, logits, position = stage.prefill(engine, ids, prefix=prefix, protected=protected)
     cache = stage.compress(engine, cache)
     if trace:
         cache.trace = []
@@ -71,7 +80,7 @@ def _full_logits(engine, ids, steps):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("rep", ["max", "mean", "quest", "dynamic", "fixed"])
+@pytest.mark.parametrize("rep", ["max", "mean", "quest", "dynamic", "infllm", "fixed"])
 def test_topk_covering_every_block_reproduces_full_attention(tiny_lm, family, rep):
     lm = tiny_lm(family)
     engine = Engine(lm)
@@ -122,6 +131,114 @@ def test_prefix_state_is_full_attentions_and_gives_the_same_answer(tiny_lm):
     scratch, c2 = blocksparse_logits(engine, spec, prompt.ids)
     assert_same_logits(with_prefix, scratch)
     assert all(torch.equal(a, b) for a, b in zip(c1.candidates, c2.candidates))
+
+
+# --- InfLLM's representative score ------------------------------------------------------------------
+
+QUESTIONS = ("How many gulls?", "Which line has the most gulls, and how many did the keeper count there?")
+
+
+def naive_infllm(q: torch.Tensor, k: torch.Tensor, local: int, rows: int, n_kv: int) -> torch.Tensor:
+    """InfLLM's equation 1 from the whole q·kᵀ matrix: r_m = mean over the query rows g of its
+    successors m < g <= m + local (g < rows) of q_g · k_m, per query head, then the mean over each
+    KV head's query heads; -inf where no row follows. q, k: (1, H, n, d), k GQA-repeated."""
+    dots = torch.matmul(q[0].double(), k[0].double().transpose(-1, -2))  # (H, n, n): [head, row g, key m]
+    n = dots.shape[-1]
+    out = torch.full((dots.shape[0], n), float("-inf"), dtype=torch.float64)
+    for m in range(n):
+        successors = list(range(m + 1, min(m + local, rows - 1) + 1))
+        if successors:
+            out[:, m] = dots[:, successors, m].mean(dim=-1)
+    return out.view(n_kv, -1, n).mean(dim=1)
+
+
+def test_infllm_accumulate_equals_the_naive_score_across_row_chunks():
+    """Random q/k, 600 rows in passes of 100 (as chunked prefill hands them), 64-row blocks inside
+    a pass, a 40-token window, 3 query heads per KV head, rows from 450 on do not vote."""
+    torch.manual_seed(0)
+    n, d, local, rows = 600, 8, 40, 450
+    q, k = torch.randn(1, 6, n, d), torch.randn(1, 2, n, d)
+    total = torch.zeros(2, n)
+    for s in range(0, n, 100):
+        infllm_accumulate(total, q[:, :, s : s + 100], k[:, :, : s + 100], local, 0, rows, chunk=64)
+    got = infllm_scores(total, local, rows)
+    want = naive_infllm(q, k.repeat_interleave(3, dim=1), local, rows, 2)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    assert bool(torch.isinf(got[:, rows - 1 :]).all()) and bool(torch.isfinite(got[:, : rows - 1]).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_infllm_representatives_equal_a_naive_reference(tiny_lm, family):
+    """Through blocksparse's chunked prefill (37-token chunks) on a real model: the per-token scores
+    equal equation 1 computed from Hugging Face's own q and k, and each block's representatives
+    are its keys of the highest scores; the question's queries never vote."""
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n, rows, local = prompt.n_tokens, prompt.prefix_len, 8
+    stage = stage_for(lm, f"blocksparse:{SMALL},representative=infllm,representative_num=2,chunk=37")
+    kv, _, _ = stage.prefill(engine, prompt.ids, protected=prompt.n_suffix)
+    scores = stage.infllm_scores()
+    cache = stage.compress(engine, kv)
+    assert cache.representative == "infllm" and cache.n_blocks == 25
+    for layer, (q, k, _) in enumerate(reference_qk(lm, prompt.ids)):
+        want = naive_infllm(q, k, local, rows, lm.n_kv_heads)
+        torch.testing.assert_close(scores[layer].double(), want, atol=1e-4, rtol=1e-5)
+        ctx = cache.keys[layer][0]  # (n_kv, n_blocks * 8, d)
+        for head in range(lm.n_kv_heads):
+            for b in range(cache.n_blocks):
+                block = want[head, 4 + 8 * b : 4 + 8 * (b + 1)]
+                top = torch.sort(torch.topk(block, 2).indices).values
+                torch.testing.assert_close(cache.reps[layer][head, b], ctx[head, 8 * b + top].float())
+
+
+def _reps(engine, spec, question, prefix_store=None):
+    lm = engine.lm
+    prompt = prompt_for(lm, question)
+    stage = stage_for(lm, spec)
+    prefix = None if prefix_store is None else make_prefix(engine, prompt, stage, prefix_store, {})
+    logits, cache = blocksparse_logits(engine, spec, prompt.ids, steps=2, prefix=prefix, protected=prompt.n_suffix)
+    whole = (prompt.prefix_len - cache.initial) // cache.block_size  # blocks inside the document prefix
+    return prompt, cache, whole, logits, prefix
+
+
+def test_infllm_representatives_do_not_change_with_the_question_dynamic_ones_do(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    for rep, same in (("infllm", True), ("dynamic", False)):
+        spec = f"blocksparse:{SMALL},representative={rep}"
+        (p1, c1, w1, _, _), (p2, c2, w2, _, _) = (_reps(engine, spec, q) for q in QUESTIONS)
+        assert p1.prefix_len == p2.prefix_len and p1.n_tokens != p2.n_tokens and w1 == w2 >= 20
+        equal = [torch.allclose(a[:, :w1], b[:, :w1], atol=1e-5, rtol=1e-5) for a, b in zip(c1.reps, c2.reps)]
+        assert all(equal) if same else not all(equal), rep
+
+
+def test_infllm_prefix_state_keeps_the_scores_and_serves_any_question(tiny_lm, tmp_path):
+    """representative=infllm stores full attention's KV plus the score sums of the document's own
+    queries (its own entry, not -c full's); a second question loads it, its representatives of
+    the document blocks are the first question's bit for bit, and the answer equals a prefill
+    from scratch."""
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    spec = f"blocksparse:{SMALL},representative=infllm,topk=3"
+    stage = stage_for(lm, spec)
+    state = stage.prefix_state(lm)
+    assert state["kind"] == "kv+infllm" and state != parse_one("full").prefix_state(lm)
+    store = KVStore.open(tmp_path)
+    p1, c1, w, l1, prefix1 = _reps(engine, spec, QUESTIONS[0], store)
+    p2, c2, _, l2, prefix2 = _reps(engine, spec, QUESTIONS[1], store)
+    assert (prefix1.fetched.status, prefix2.fetched.status) == ("miss", "hit")
+    assert isinstance(prefix2.cache(), ScoredKVCache) and prefix2.cache().rows_scored == p2.prefix_len
+    assert all(torch.equal(a[:, :w], b[:, :w]) for a, b in zip(c1.reps, c2.reps))
+    _, scratch, _, l_scratch, _ = _reps(engine, spec, QUESTIONS[1])
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(c2.reps, scratch.reps))
+    assert_same_logits(l2, l_scratch)
+    # the stored entry round-trips (what the store verified when it loaded it)
+    tensors, facts = prefix2.cache().to_tensors()
+    back = ScoredKVCache.from_tensors(tensors, json.loads(json.dumps(facts)))
+    assert back.rows_scored == p2.prefix_len and all(torch.equal(a, b) for a, b in zip(back.rep_sums, prefix2.cache().rep_sums))
+    with pytest.raises(ValueError, match="representative-score"):
+        ScoredKVCache.from_tensors({k: v for k, v in tensors.items() if k != "rep.1"}, facts)
 
 
 # --- Quest's upper bound --------------------------------------------------------------------------
@@ -274,6 +391,12 @@ def test_end_to_end_pipeline(tiny_lm):
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=6, stop_ids=set())
     same = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64"), max_new_tokens=6, stop_ids=set())
     assert same.answer_ids == ref.answer_ids
+    infllm = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64,representative=infllm"), max_new_tokens=6, stop_ids=set())
+    assert infllm.answer_ids == ref.answer_ids and infllm.extra["method_stats"]["representative"] == "infllm"
+    # after a selector the selected tokens are scored from scratch (no prefix state applies)
+    picked = run(engine, prompt, Pipeline.parse("gemfilter:k=120,layer=2+blocksparse:block_size=8,initial=4,local_window=8,topk=2,representative=infllm"),
+                 max_new_tokens=3, stop_ids=set())
+    assert picked.selection.n_kept == 120 and len(picked.answer_ids) == 3
     sparse = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=2"), max_new_tokens=6, stop_ids=set())
     assert len(sparse.answer_ids) == 6 and isinstance(sparse.cache, BlockCache)
     assert sparse.extra["method_stats"]["decode_steps"] == 5
@@ -342,6 +465,7 @@ def test_bad_knobs(spec, message):
         ("blocksparse:representative=quest,representative_num=3", "always 2"),
         ("blocksparse:block_size=4,representative_num=8,representative=max", "exceeds block_size"),
         ("blocksparse:dense_layers=9", "exceeds the model's 4 layers"),
+        ("blocksparse:representative=infllm,local_window=0", "local_window must be at least 1"),
     ],
 )
 def test_knobs_checked_against_the_model(tiny_lm, spec, message):

@@ -71,7 +71,7 @@ def test_a_selector_maps_back_to_prompt_indices(tiny_lm):
 
 def test_razor_retrieval_heads_keep_all_others_sinks_window_and_question(tiny_lm, tmp_path):
     lm = tiny_lm("qwen2")
-    pipeline = Pipeline.parse("razor:tokens=8,window=16,ratio=100,sinks=4")
+    pipeline = Pipeline.parse("razor:order=prefix,tokens=8,window=16,ratio=100,sinks=4")
     razor = pipeline.stages[0]
     razor.cache_dir = tmp_path
     razor.configure(lm)

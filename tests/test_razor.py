@@ -1,6 +1,9 @@
-"""RazorAttention: the grouped cache reproduces full attention when it keeps everything, the
-compensation token is equation 5, head profiles are deterministic and reused, the memory saving
-is real, and the compressed cache survives the disk store's round trip."""
+"""RazorAttention: the grouped cache reproduces full attention when it keeps everything (in the
+paper's order and in the question-agnostic prefix order), the paper's order gives full
+attention's first answer token and compresses the whole prompt, the compensation token is
+equation 5, the echo / induction scores pick hand-made echo and induction heads and equal a naive
+reference computed from token identity, head profiles are deterministic and reused, the memory
+saving is real, and the compressed cache survives the disk store's round trip."""
 
 from __future__ import annotations
 
@@ -14,16 +17,26 @@ import torch
 from kvcli import notices
 from kvcli.attention import AttentionContext, attention_context, kvcli_attention
 from kvcli.cache import KVCache, RazorCache
-from kvcli.compressors import parse_one
+from kvcli.compressors import FullAttention, parse_one
 from kvcli.compressors.razor import Razor, default_window
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.heads import HeadProfile, compute_profile, load_or_compute, probe_ids, top_fraction
+from kvcli.heads import (
+    HeadProfile,
+    compute_profile,
+    echo_induction_scores,
+    load_or_compute,
+    probe_ids,
+    top_fraction,
+)
+from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
-from reference import assert_same_logits
+from kvcli.store import make_key
+from reference import assert_same_logits, causal_softmax, reference_qk
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+ORDERS = ["paper", "prefix"]
 
 
 def razor_for(lm, tmp_path, spec: str = "razor:tokens=8") -> Razor:
@@ -45,6 +58,24 @@ def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
     return out
 
 
+def decode_from(engine, cache, first_logits, position: int, steps: int) -> list[torch.Tensor]:
+    out = [first_logits]
+    for step in range(steps):
+        out.append(engine.step(int(torch.argmax(out[-1])), position + step, cache))
+    return out
+
+
+def pipeline_logits(engine, stage, prompt, steps: int):
+    """What :func:`kvcli.pipeline.run` does with one stage: its prefix state (computed, no store),
+    the prompt's remaining tokens on top, ``compress``, then greedy steps. -> (logits, cache)."""
+    prefix = make_prefix(engine, prompt, stage, None, {})
+    compressors = [stage] if "compress" in type(stage).__dict__ else []
+    cache, logits = default_prefill(engine, prompt.ids, prefix, compressors)
+    for c in compressors:
+        cache = c.compress(engine, cache)
+    return decode_from(engine, cache, logits, prompt.n_tokens, steps), cache
+
+
 def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
     return greedy_logits(engine, KVCache(), prompt.ids, steps)
 
@@ -52,48 +83,126 @@ def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- equal to full attention
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_all_heads_protected_reproduces_full_attention(tiny_lm, tmp_path, family):
+def test_all_heads_protected_reproduces_full_attention(tiny_lm, tmp_path, family, order):
     lm = tiny_lm(family)
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
     # a window far shorter than the document: without protection tokens would be dropped
-    razor = razor_for(lm, tmp_path, "razor:tokens=8,induction=1,window=8,ratio=100")
+    razor = razor_for(lm, tmp_path, f"razor:order={order},tokens=8,induction=1,window=8,ratio=100")
     assert bool(razor.protected.all())
-    prefix = prompt.ids[: prompt.prefix_len]
-    cache = razor.build_prefix(engine, prefix)
-    assert isinstance(cache, RazorCache) and cache.n_dropped > 0
+    got, cache = pipeline_logits(engine, razor, prompt, steps=5)
+    assert isinstance(cache, RazorCache) and cache.n_dropped > 0 and cache.order == order
     assert all(ck.shape[1] == 0 for ck in cache.ck)  # no head in the compressed group
-    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=5)
     assert_same_logits(got, full_reference(engine, prompt, steps=5))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")])
-def test_split_heads_without_dropping_reproduce_full_attention(tiny_lm, tmp_path, family, attn):
-    """Half the KV heads in each group, a window covering the prefix: the per-group attention and
+def test_split_heads_without_dropping_reproduce_full_attention(tiny_lm, tmp_path, family, attn, order):
+    """Half the KV heads in each group, a window covering the prompt: the per-group attention and
     the reassembly of the head outputs (GQA: 2 query heads per KV head) must give full attention."""
     lm = tiny_lm(family, attn=attn)
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
-    razor = razor_for(lm, tmp_path, "razor:tokens=8,window=100000")
+    razor = razor_for(lm, tmp_path, f"razor:order={order},tokens=8,window=100000")
     razor._protected = torch.tensor([[True, False], [False, True], [False, False], [True, True]])
-    cache = razor.build_prefix(engine, prompt.ids[: prompt.prefix_len])
+    got, cache = pipeline_logits(engine, razor, prompt, steps=5)
     assert cache.n_dropped == 0 and not cache.compensated
     assert [ck.shape[1] for ck in cache.ck] == [1, 1, 2, 0]
-    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=5)
     assert_same_logits(got, full_reference(engine, prompt, steps=5))
 
 
-def test_compression_changes_the_answer_path(tiny_lm, tmp_path):
-    """Sanity: with few protected heads and a short window, the logits do differ from full."""
+def test_prefix_order_compression_changes_the_first_token(tiny_lm, tmp_path):
+    """Sanity: with few protected heads and a short window, compressing the document before the
+    question changes even the first answer token's logits."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    razor = razor_for(lm, tmp_path, "razor:order=prefix,tokens=8,window=8,ratio=100,sinks=4")
+    got, cache = pipeline_logits(engine, razor, prompt, steps=0)
+    assert cache.n_dropped == prompt.prefix_len - 12 and cache.compensated
+    assert not torch.allclose(got[0], full_reference(engine, prompt, steps=0)[0], atol=TOL)
+
+
+def test_paper_order_first_token_is_full_attentions_then_compression_acts(tiny_lm, tmp_path):
+    """Algorithm 1: the whole prompt is prefilled with full attention (from full attention's prefix
+    state), so the first answer token's logits are exactly full attention's; the KV is compressed
+    before decoding, so the next steps differ."""
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
     razor = razor_for(lm, tmp_path, "razor:tokens=8,window=8,ratio=100,sinks=4")
-    cache = razor.build_prefix(engine, prompt.ids[: prompt.prefix_len])
-    assert cache.n_dropped == prompt.prefix_len - 12 and cache.compensated
-    got = greedy_logits(engine, cache.copy(), prompt.ids[prompt.prefix_len :], steps=0)
-    assert not torch.allclose(got[0], full_reference(engine, prompt, steps=0)[0], atol=TOL)
+    assert razor.order == "paper"
+    got, cache = pipeline_logits(engine, razor, prompt, steps=3)
+    want, _ = pipeline_logits(engine, FullAttention(), prompt, steps=3)
+    assert torch.equal(got[0], want[0])  # the same arithmetic, bit for bit
+    assert not torch.allclose(got[1], want[1], atol=TOL)
+    # N is the whole prompt: the window of the non-retrieval heads ends with the question
+    n = prompt.n_tokens
+    assert (cache.n_compressed, cache.n_dropped, cache.window, cache.compensated) == (n, n - 4 - 8, 8, True)
+    assert cache.order == "paper" and cache.stats()["order"] == "paper"
+
+
+def test_paper_order_shares_full_attentions_prefix_state(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    razor = razor_for(lm, tmp_path)
+    assert razor.prefix_state(lm) == FullAttention().prefix_state(lm)
+    ids = prompt.ids[: prompt.prefix_len]
+    assert make_key(lm, ids, razor.prefix_state(lm)) == make_key(lm, ids, FullAttention().prefix_state(lm))
+    state = razor.build_prefix(engine, ids)
+    assert type(state) is KVCache and state.n_tokens == prompt.prefix_len
+    prefix_order = razor_for(lm, tmp_path, "razor:order=prefix,tokens=8")
+    assert prefix_order.prefix_state(lm)["kind"] == "razor"
+    assert isinstance(prefix_order.build_prefix(engine, ids), RazorCache)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_kept_mask_and_stats_say_what_each_head_holds(tiny_lm, tmp_path, order):
+    """Through the pipeline: retrieval heads hold every prompt entry, the others the sinks and the
+    last ``window`` tokens of what was compressed — the whole prompt (paper: the question is
+    inside the window) or the prefix (prefix: the question's tokens were appended after it)."""
+    lm = tiny_lm("qwen2")
+    pipeline = Pipeline.parse(f"razor:order={order},tokens=8,window=16,ratio=100,sinks=4")
+    razor = pipeline.stages[0]
+    razor.cache_dir = tmp_path
+    razor.configure(lm)
+    protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
+    razor._protected = protected
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    result = run(Engine(lm), prompt, pipeline, max_new_tokens=3, stop_ids=set())
+    n, prefix = prompt.n_tokens, prompt.prefix_len
+    others = torch.zeros(n, dtype=torch.bool)
+    others[:4] = True
+    if order == "paper":
+        others[n - 16 :] = True
+    else:
+        others[prefix - 16 :] = True
+    mask = result.kept_mask()
+    for layer in range(lm.n_layers):
+        for head in range(2):
+            want = torch.ones(n, dtype=torch.bool) if protected[layer, head] else others
+            assert (mask[layer, head] == want).all(), (layer, head)
+    stats = json.loads(json.dumps(result.extra["method_stats"]))
+    compressed = n if order == "paper" else prefix
+    assert stats["order"] == order and stats["compressed_tokens"] == compressed
+    assert stats["dropped_tokens"] == compressed - 20 and stats["protected_kv_heads"] == 4 and stats["kv_heads"] == 8
+    assert stats["kv_bytes"] == result.extra["kv_cache_bytes"] < stats["kv_bytes_full"]
+
+
+def test_razor_after_an_eviction_method_is_refused(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    pipeline = Pipeline.parse("snapkv:budget=40,window=8+razor:tokens=8")
+    for stage in pipeline.stages:
+        if hasattr(stage, "cache_dir"):
+            stage.cache_dir = tmp_path
+    pipeline.configure(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    with pytest.raises(UsageError, match="whole KV"):
+        run(Engine(lm), prompt, pipeline, max_new_tokens=2, stop_ids=set())
 
 
 # --------------------------------------------------------------------------- equation 5 by hand
@@ -225,10 +334,114 @@ def test_protection_fractions_and_the_gqa_rule():
     assert top_fraction(scores, 1.0).all()
 
 
+# --------------------------------------------------------------------------- echo and induction scores
+
+
+def reference_scores(attn: torch.Tensor, ids: torch.Tensor, first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's definitions (§3.3, Figure 3b) read off a full attention matrix ``attn`` (H, n, n)
+    by token identity, not by period arithmetic: for query row i, the *echo tokens* are the earlier
+    positions m < i holding the same token id as i, the *induction tokens* the positions m + 1 right
+    after them. Each score sums the row's attention on those positions; rows ``first_row..n-1`` are
+    averaged (the probe: repeats 2-4)."""
+    n = ids.numel()
+    echo = torch.zeros(attn.shape[0], dtype=torch.float64)
+    induction = torch.zeros(attn.shape[0], dtype=torch.float64)
+    for i in range(first_row, n):
+        earlier = [m for m in range(i) if int(ids[m]) == int(ids[i])]
+        echo += attn[:, i, earlier].double().sum(-1)
+        induction += attn[:, i, [m + 1 for m in earlier]].double().sum(-1)
+    rows = n - first_row
+    return echo / rows, induction / rows
+
+
+def handmade_heads(period: int, strength: float = 20.0):
+    """Queries and keys of 4 query heads over 2 KV heads (GQA) for a sequence of ``period``
+    distinct tokens repeated 4 times: KV head 0 keys are one-hot in the token's place in the
+    period; query head 0 looks for the *next* token's key (an induction head), query head 1 for
+    the same token's key (an echo head); KV head 1 has zero keys, so heads 2-3 attend uniformly."""
+    n = 4 * period
+    place = torch.arange(n) % period
+    eye = torch.eye(period)
+    key = torch.zeros(1, 2, n, period)
+    key[0, 0] = eye[place]
+    query = torch.zeros(1, 4, n, period)
+    query[0, 0] = strength * eye[(place + 1) % period]
+    query[0, 1] = strength * eye[place]
+    query[0, 2:] = torch.randn(2, n, period)
+    return query, key
+
+
+def test_scores_rank_a_handmade_induction_head_and_echo_head_first():
+    """Where each head looks is known by construction, so are the scores. An off-by-one in the
+    ``i - j*K (+1)`` columns swaps or zeroes them. 100 tokens repeated 4 times: 300 scored rows,
+    i.e. two row chunks of the scorer."""
+    torch.manual_seed(0)
+    K = 100
+    query, key = handmade_heads(K)
+    echo, induction = echo_induction_scores(query, key, K, scaling=1.0)
+    assert induction.argmax() == 0 and echo.argmax() == 1
+    assert torch.argsort(induction, descending=True)[0] == 0 and torch.argsort(echo, descending=True)[0] == 1
+    # row i of repeat r (r = 1, 2, 3 previous occurrences): the induction head's mass is on the r
+    # tokens that followed them — except for the last token of a period, whose "next" token also
+    # occurs at position 0, which followed nothing (r / (r+1)); the echo head splits its mass
+    # between the r earlier occurrences and the current token itself (r / (r+1))
+    split = sum(r / (r + 1) for r in (1, 2, 3))
+    torch.testing.assert_close(induction[0].double(), torch.tensor(((K - 1) * 3 + split) / (3 * K), dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(echo[1].double(), torch.tensor(split / 3, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert echo[0] < 1e-5 and induction[1] < 1e-5  # each looks at the other's tokens not at all
+    # uniform heads: row i puts 1/(i+1) on each of its r earlier occurrences, and on each follower
+    uniform = sum((i // K) / (i + 1) for i in range(K, 4 * K)) / (3 * K)
+    for h in (2, 3):
+        assert echo[h].item() == pytest.approx(uniform, abs=1e-6) and induction[h].item() == pytest.approx(uniform, abs=1e-6)
+    # the protection rule picks exactly those heads (one layer of 4 query heads, 2 KV heads)
+    profile = HeadProfile("f", "m", n_kv_heads=2, tokens=K, seed=0, echo=echo.view(1, 4), induction=induction.view(1, 4))
+    by_ind, by_echo = profile.protected_query_heads(0.25, 0.25)
+    assert by_ind.tolist() == [[True, False, False, False]] and by_echo.tolist() == [[False, True, False, False]]
+    assert profile.protected_kv_heads(0.25, 0.25).tolist() == [[True, False]]
+    # and they equal the definition computed naively from the attention matrix by token identity
+    ids = torch.arange(4 * K) % K
+    attn = causal_softmax(query, key.repeat_interleave(2, dim=1), 1.0)[0]
+    want_echo, want_induction = reference_scores(attn, ids, K)
+    torch.testing.assert_close(echo.double(), want_echo, atol=1e-6, rtol=0)
+    torch.testing.assert_close(induction.double(), want_induction, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_scores_equal_the_naive_definition_on_random_heads(window):
+    torch.manual_seed(1)
+    K, d = 90, 8
+    n = 4 * K
+    query, key = torch.randn(1, 6, n, d), torch.randn(1, 2, n, d)  # 3 query heads per KV head
+    echo, induction = echo_induction_scores(query, key, K, scaling=0.7, sliding_window=window)
+    logits = torch.matmul(query, key.repeat_interleave(3, dim=1).transpose(-1, -2))[0] * 0.7
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols > rows - window
+    attn = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    want_echo, want_induction = reference_scores(attn, torch.arange(n) % K, K)
+    torch.testing.assert_close(echo.double(), want_echo, atol=1e-6, rtol=0)
+    torch.testing.assert_close(induction.double(), want_induction, atol=1e-6, rtol=0)
+
+
+def test_profile_of_a_model_equals_the_definition_on_its_own_attention(tiny_lm):
+    """The whole probe through kvcli's engine (observers, RoPE, GQA, scaling, the period of the
+    repeats) against the definition applied to attention recomputed the Hugging Face way."""
+    lm = tiny_lm("qwen2")
+    K = 100
+    profile = compute_profile(Engine(lm), tokens=K, seed=0)
+    ids = probe_ids(lm, K, 0)
+    for layer, (q, k, attn) in enumerate(reference_qk(lm, ids)):
+        weights = causal_softmax(q, k, attn.scaling)[0]
+        want_echo, want_induction = reference_scores(weights, ids, K)
+        torch.testing.assert_close(profile.echo[layer].double(), want_echo, atol=1e-5, rtol=0)
+        torch.testing.assert_close(profile.induction[layer].double(), want_induction, atol=1e-5, rtol=0)
+
+
 # --------------------------------------------------------------------------- memory and the store
 
 
-def _partial_cache(tiny_lm, tmp_path, spec="razor:tokens=8,window=16,ratio=100"):
+def _partial_cache(tiny_lm, tmp_path, spec="razor:order=prefix,tokens=8,window=16,ratio=100"):
     lm = tiny_lm("qwen2")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
@@ -270,6 +483,7 @@ def test_to_tensors_round_trip(tiny_lm, tmp_path):
     save_file(tensors, str(tmp_path / "entry.safetensors"))
     back = RazorCache.from_tensors(load_file(str(tmp_path / "entry.safetensors")), json.loads(json.dumps(facts)))
     assert back.kind == "razor" and back.n_tokens == cache.n_tokens and back.n_dropped == cache.n_dropped
+    assert back.order == cache.order == "prefix"
     assert torch.equal(back.protected, cache.protected)
     for a, b in zip((*back.pk, *back.pv, *back.ck, *back.cv), (*cache.pk, *cache.pv, *cache.ck, *cache.cv)):
         assert torch.equal(a, b)
@@ -293,11 +507,12 @@ def test_to_tensors_round_trip(tiny_lm, tmp_path):
 
 def test_prefix_state_names_what_the_cache_depends_on(tiny_lm, tmp_path):
     lm = tiny_lm("llama")
-    a = razor_for(lm, tmp_path).prefix_state(lm)
+    spec = "razor:order=prefix,tokens=8"
+    a = razor_for(lm, tmp_path, spec).prefix_state(lm)
     assert a["kind"] == "razor" and a["profile"]["tokens"] == 8 and "question" not in json.dumps(a)
-    assert a == razor_for(lm, tmp_path).prefix_state(lm)
-    assert razor_for(lm, tmp_path, "razor:tokens=8,window=64").prefix_state(lm) != a
-    assert razor_for(lm, tmp_path, "razor:tokens=8,seed=3").prefix_state(lm)["profile"] != a["profile"]
+    assert a == razor_for(lm, tmp_path, spec).prefix_state(lm)
+    assert razor_for(lm, tmp_path, spec + ",window=64").prefix_state(lm) != a
+    assert razor_for(lm, tmp_path, spec + ",seed=3").prefix_state(lm)["profile"] != a["profile"]
 
 
 # --------------------------------------------------------------------------- knobs and the CLI
@@ -305,7 +520,7 @@ def test_prefix_state_names_what_the_cache_depends_on(tiny_lm, tmp_path):
 
 def test_knobs_defaults_and_errors(tiny_lm, tmp_path):
     razor = razor_for(tiny_lm("llama"), tmp_path, "razor")
-    assert razor.spec() == "razor:induction=0.14,echo=0.01,sinks=4,window=500,ratio=5.0,compensate=true,tokens=512,seed=0"
+    assert razor.spec() == "razor:order=paper,induction=0.14,echo=0.01,sinks=4,window=500,ratio=5.0,compensate=true,tokens=512,seed=0"
     assert razor.window_for(100) == 500 and razor.window_for(10_000) == 2000  # max(S_0, N/C)
     assert default_window(8192) == 1000 and default_window(131072) == 4000
     for spec, message in [
@@ -313,6 +528,7 @@ def test_knobs_defaults_and_errors(tiny_lm, tmp_path):
         ("razor:ratio=0.5", "at least 1"),
         ("razor:window=0", "window must be at least 1"),
         ("razor:tokens=1", "tokens must be at least 2"),
+        ("razor:order=late", "order must be paper or prefix"),
     ]:
         with pytest.raises(UsageError, match=message):
             parse_one(spec)

@@ -14,9 +14,9 @@ blocks most relevant to its query.
 3. Each block gets representative keys (``representative``, ``representative_num``): ``max`` /
    ``mean`` (element-wise over the block, or over ``representative_num`` equal pieces of it),
    ``quest`` (element-wise max and min; the block's score is Quest's upper bound
-   ``sum_c max(q_c kmax_c, q_c kmin_c)`` >= q·k of every key in it), ``dynamic`` (the
-   ``representative_num`` tokens with the most accumulated attention from the last ``window``
-   prompt queries) and ``fixed`` (tokens at fixed intervals).
+   ``sum_c max(q_c kmax_c, q_c kmin_c)`` >= q·k of every key in it), ``dynamic`` and ``infllm``
+   (the ``representative_num`` tokens of the block with the highest per-token score, two
+   readings of that score — below) and ``fixed`` (tokens at fixed intervals).
 4. Optional preselection (``preselect``, ``preselect_blocks``): before decoding, SnapKV's vote of
    the last ``window`` prompt queries (attention summed over the window, mean over each GQA
    group, no pooling) preselects the blocks holding the most-voted tokens (block vote = its best
@@ -29,6 +29,37 @@ blocks most relevant to its query.
    ``dense_layers`` layers attend to everything; a selection is recomputed only every
    ``token_step`` tokens and every ``layer_step`` layers, and reused in between (the article's
    ``history_kvcache_after_retrieval``).
+
+Two readings of the per-token score behind "representative tokens":
+
+* ``dynamic`` — the KTransformers article's ("Dynamic: by calculating the cumulative attention
+  score for each token using a specific method, each block selects the top-k tokens [...] similar
+  to InfLLM but with some simplifications"), as its code does it (``operators/dynamic_attention.py``:
+  at the end of the prefill, the softmax attention of the *last 128 prompt queries* summed per
+  token): kvcli sums the attention of the last ``window`` prompt queries (softmax over the whole
+  prompt, each query head on its GQA group's KV head, mean over the group). Those queries are
+  the question's, so the representatives — and which blocks a decoding step can find — depend on
+  the question, even with ``preselect=false``. The article explicitly did *not* implement
+  InfLLM's own score ("InfLLM requires calculating a representative score for each token during
+  the prefill stage [...] invasive modifications to the prefill [...] we ultimately decided not to
+  integrate this method"), and its configurations use ``representative_type: DYNAMIC``: so
+  ``dynamic`` is the default here, the framework as the article runs it.
+* ``infllm`` — InfLLM's (Xiao et al. 2024, §3.2, equation 1): the representative score of token m
+  is ``r_m = 1/l_L sum_{j=1..l_L} q_{m+j} · k_m``, the mean dot product with the queries of its
+  ``l_L`` successors — how much the tokens of its local window listen to it, read off during the
+  prefill, question-independent. kvcli takes ``l_L = local_window`` (InfLLM's local window is the
+  one its queries attend to, as Local is here), averages the group's query heads per KV head
+  (InfLLM picks per query head; kvcli's representatives are per KV head), and lets only the
+  question-agnostic prefix vote: rows of the question never count, so the last document tokens
+  have fewer than ``l_L`` voters (their mean is over those). It is computed from the queries and
+  keys of every prefill chunk, 256 rows at a time against only the ``l_L`` keys each row reaches
+  (:func:`kvcli.blocks.infllm_accumulate`; no attention matrix, GQA never expanded). InfLLM's
+  released code differs in detail: it sums the *softmax* weights of its own sparse attention
+  (initial + retrieved + local) from the queries within ``n_local`` of a token, itself included;
+  kvcli follows the paper's equation, which does not depend on how the prefill attends.
+  Because the score needs the query of every document token, the prefix state of
+  ``representative=infllm`` is full attention's KV *plus* the per-token score sums
+  (:class:`kvcli.blocks.ScoredKVCache`), not ``-c full``'s entry.
 
 The article's named equivalences are presets (``preset=...`` fills the knobs the user did not set):
 
@@ -49,8 +80,9 @@ none); ``window=32`` is SnapKV's. The article attends a 4096-token Local window 
 model's context window (8K window: 256 tokens and 6 blocks of 128). ``preselect_blocks`` defaults
 to ``2 * topk`` (a kvcli choice: the article gives no default).
 
-Disk store: the prefix state is full attention's (the KV of every layer, shared with ``-c full``):
-the tokens after the prefix (at least ``window`` when the queries are needed) run on top of it.
+Disk store: the prefix state is full attention's (the KV of every layer, shared with ``-c full``);
+with ``representative=infllm`` that KV plus the representative-score sums of the prefix's tokens.
+The tokens after the prefix (at least ``window`` when the queries are needed) run on top of it.
 """
 
 from __future__ import annotations
@@ -63,7 +95,16 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..blocks import HEAD_SELECT, REPRESENTATIVES, BlockCache, OffloadKVCache, partition
+from ..blocks import (
+    HEAD_SELECT,
+    REPRESENTATIVES,
+    BlockCache,
+    OffloadKVCache,
+    ScoredKVCache,
+    infllm_accumulate,
+    infllm_scores,
+    partition,
+)
 from ..cache import KVCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
@@ -115,7 +156,7 @@ class BlockSparse(Compressor):
     initial: int = knob(128, "Initial tokens at the start, always attended (InfLLM: 128)")
     local_window: int | None = knob(None, "Local tokens at the end of the prompt, always attended; auto = the article's 4096 of 128K scaled to the model's window")
     topk: int | None = knob(None, "Context blocks attended per step; auto = the article's 96 blocks of 128 tokens (of 128K) scaled to the model's window")
-    representative: str = knob("dynamic", "representative keys of a block: max, mean, quest, dynamic or fixed (article: dynamic)")
+    representative: str = knob("dynamic", "representative keys of a block: max, mean, quest, dynamic (the article's: attention of the last window prompt queries, i.e. the question's), infllm (InfLLM's eq. 1: mean q·k from each token's local_window successors in the prefill, question-independent) or fixed")
     representative_num: int = knob(1, "representatives per block (max/mean: pieces of the block; quest: always 2)")
     preselect: bool = knob(False, "SnapKV-style preselection of blocks by the question before decoding")
     preselect_blocks: int | None = knob(None, "blocks kept by the preselection; auto = 2 * topk")
@@ -129,6 +170,9 @@ class BlockSparse(Compressor):
     # set by the CLI (--kv-offload cpu), not a knob: hold the whole KV in CPU memory on CUDA
     kv_offload: str = dataclasses.field(default="none", init=False, repr=False, compare=False)
     _qtail: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # infllm: per layer the (n_kv, n) sums of q·k from each token's successors; rows counted so far
+    _rep_sums: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _rows: tuple = dataclasses.field(default=(0, 0), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.preset = str(self.preset).strip().lower()
@@ -174,6 +218,8 @@ class BlockSparse(Compressor):
             raise UsageError(f"blocksparse: quest representatives are always 2 (max and min), got representative_num={self.representative_num}")
         if self.representative != "quest" and self.representative_num > self.block_size:
             raise UsageError(f"blocksparse: representative_num={self.representative_num} exceeds block_size={self.block_size}")
+        if self.representative == "infllm" and self.local_window < 1:
+            raise UsageError("blocksparse: infllm representatives are scored by each token's local_window successors; local_window must be at least 1")
         if self.dense_layers > lm.n_layers:
             raise UsageError(f"blocksparse: dense_layers={self.dense_layers} exceeds the model's {lm.n_layers} layers")
         windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
@@ -199,39 +245,89 @@ class BlockSparse(Compressor):
         )
         return False
 
-    # --- prefill: chunked, on top of full attention's prefix state ---------------------------------
+    # --- the prefix state: full attention's KV (infllm: plus the representative-score sums) ------------
+    def prefix_state(self, lm) -> dict:
+        state = super().prefix_state(lm)
+        if self.representative != "infllm":
+            return state  # shared with -c full
+        self.configure(lm)
+        return {**state, "kind": "kv+infllm", "local_window": self.local_window}
+
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        """Full attention's KV of ``prefix_ids`` (n,); with infllm representatives its chunked
+        prefill also sums the representative scores the prefix's own queries give its tokens."""
+        if self.representative != "infllm":
+            return super().build_prefix(engine, prefix_ids)
+        cache, _, n = self.prefill(engine, prefix_ids)
+        sums = [self._rep_sums[layer] for layer in range(cache.n_layers)]
+        self._rep_sums = {}
+        return ScoredKVCache.of(cache, sums, rows_scored=n, local=self.local_window)
+
+    # --- prefill: chunked, on top of the prefix state ------------------------------------------------
     @torch.inference_mode()
     def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
         """Run ``ids`` in chunks of ``chunk`` tokens with full attention over the cache so far, on
         top of the prefix KV when there is one (cut back so the last ``window`` tokens run when
-        their queries are needed). Returns (KVCache, first_logits, n)."""
+        their queries are needed). The last ``protected`` tokens (the question) never vote for
+        infllm representatives. Returns (KVCache, first_logits, n)."""
         lm = engine.lm
         self.configure(lm)
         n = ids.numel()
         offload = self.offloaded(engine)
         need = min(n, max(1, self.query_window(lm)))
         cache = OffloadKVCache() if offload else KVCache()
+        infllm = self.representative == "infllm"
+        limit = max(0, n - int(protected))  # query rows that may vote for infllm representatives
+        # the prefix state first: computing it (build_prefix) runs this method on the prefix alone
+        pc = prefix.cache() if prefix is not None and prefix.n_tokens > 0 else None
+        self._rep_sums, scored = {}, 0
         start = 0
-        if prefix is not None and prefix.n_tokens > 0:
-            pc = prefix.cache()
-            start = max(0, min(prefix.n_tokens, n - need))
-            if start < pc.n_tokens:
-                pc.truncate(start)
-            if offload:
-                cache.keys = [k.to("cpu") for k in pc.keys]
-                cache.values = [v.to("cpu") for v in pc.values]
-                cache.positions = pc.positions
-            else:
-                cache = pc
+        if pc is not None:
+            usable = not infllm or (isinstance(pc, ScoredKVCache) and pc.local == self.local_window)
+            if usable:
+                start = max(0, min(prefix.n_tokens, n - need))
+                if infllm:
+                    scored = pc.rows_scored
+                    self._rep_sums = {layer: self._sums_from(r, n, engine.device) for layer, r in enumerate(pc.rep_sums)}
+                if start < pc.n_tokens:
+                    pc.truncate(start)
+                if offload:
+                    cache.keys = [k.to("cpu") for k in pc.keys]
+                    cache.values = [v.to("cpu") for v in pc.values]
+                    cache.positions = pc.positions
+                else:
+                    cache = KVCache.copy(pc) if isinstance(pc, ScoredKVCache) else pc
         self._qtail = {}
-        observers = {}
+        self._rows = (scored, max(scored, limit))
+        observers: dict = {}
         if self.needs_queries():
             observers = {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
+        if infllm:
+            for layer in range(lm.n_layers):
+                self._rep_sums.setdefault(layer, torch.zeros(lm.n_kv_heads, n, dtype=torch.float32, device=engine.device))
+                observers.setdefault(layer, []).append(functools.partial(self._observe_infllm, layer))
         logits = None
         for s in range(start, n, self.chunk):
             e = min(n, s + self.chunk)
             cache, logits = engine.prefill(ids[s:e], positions=torch.arange(s, e), cache=cache, observers=observers)
         return cache, logits, n
+
+    @staticmethod
+    def _sums_from(stored: torch.Tensor, n: int, device) -> torch.Tensor:
+        out = torch.zeros(stored.shape[0], n, dtype=torch.float32, device=device)
+        out[:, : stored.shape[1]] = stored.to(device)
+        return out
+
+    def _observe_infllm(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Add this pass's query rows (those not counted yet, before the question) to the sums."""
+        lo, hi = self._rows
+        infllm_accumulate(self._rep_sums[layer], query, key, self.local_window, lo, hi)
+
+    def infllm_scores(self) -> list[torch.Tensor]:
+        """InfLLM's representative score of every prompt token, per layer (n_kv, n) float32, from
+        the last prefill (before :meth:`compress`); -inf for tokens no document query followed."""
+        rows = self._rows[1]
+        return [infllm_scores(self._rep_sums[layer], self.local_window, rows) for layer in range(len(self._rep_sums))]
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Keep the queries of the last ``window`` tokens run so far (across chunks)."""
@@ -256,13 +352,19 @@ class BlockSparse(Compressor):
                 raise UsageError("blocksparse: the prompt's last queries were not observed (another method ran the prefill); use blocksparse's own prefill")
             votes = [self.token_votes(self._qtail[layer], cache.keys[layer].to(engine.device)) for layer in range(cache.n_layers)]
         self._qtail = {}
+        scores = votes if self.representative == "dynamic" else None
+        if self.representative == "infllm":
+            if len(self._rep_sums) != cache.n_layers:
+                raise UsageError("blocksparse: the prefill's queries were not observed (another method ran the prefill); use blocksparse's own prefill")
+            scores = self.infllm_scores()
+            self._rep_sums = {}
         candidates = None
         if self.preselect and n_blocks > 0:
             candidates = [self.preselect_from(v[:, initial:ctx_end], n_blocks) for v in votes]
         return BlockCache.from_kv(
             cache,
             local=self.local_window,
-            votes=votes if self.representative == "dynamic" else None,
+            votes=scores,
             candidates=candidates,
             representative_num=self.representative_num,
             compute_device=engine.device,

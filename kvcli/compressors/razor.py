@@ -7,17 +7,35 @@
    occurrence of the current token) and the *induction* score (attention to the token that
    followed it); the top 14% induction heads and top 1% echo heads are protected (Table 2). With
    GQA a KV head is protected when any of its query heads is (§4.1.1).
-2. After prefill (Algorithm 1), protected KV heads keep their whole cache; every other KV head
+2. Compression (Algorithm 1): protected KV heads keep their whole cache; every other KV head
    keeps the first ``sinks`` tokens (N_0 = 4) and the most recent ``L_h = max(S_0, N / C)``
    tokens, and the N_d dropped tokens become one *compensation token* whose key and value are the
    means of the dropped keys and values after RoPE (equation 4).
 3. Non-retrieval heads attend with the compensation token weighted by N_d (equation 5), here a
    ``log(N_d)`` bias on its logit; retrieval heads attend normally.
 
-The compression does not look at the question, so the compressed cache of a document serves
-every later question: it is this method's prefix state in the disk store (:mod:`kvcli.store`),
-and a second question runs only its own tokens on top of it. The two kinds of heads live in
-separate tensors (:class:`kvcli.cache.RazorCache`); the memory saving is real.
+When the compression happens (knob ``order``):
+
+* ``order=paper`` (default) — the paper's order. Algorithm 1 takes "the original KV cache" as its
+  input and its output is "generated output tokens": the whole prompt (document *and* question)
+  is prefilled with full attention, then the KV is compressed per head before decoding. Every
+  head sees the whole context while the prompt is read, so the first answer token is exactly
+  full attention's; compression acts from the second one on. N is the whole prompt, so the
+  recent window is the last ``L_h`` tokens of the prompt — it ends with the question and the
+  generation prompt, and so reaches ``n_suffix`` tokens less far into the document than in
+  ``prefix`` order. The prefix state in the disk store is full attention's KV (shared with
+  ``-c full``); the profile of retrieval heads is the only per-method state.
+* ``order=prefix`` — question-agnostic, a kvcli variant: the document prefix (document +
+  template) is prefilled and compressed *before* the question, whose tokens then run on the
+  compressed cache (the non-retrieval heads never see the dropped document tokens, not even for
+  the first answer token). N is the prefix, the window its last ``L_h`` tokens; the question's
+  tokens are appended after it in every head. Its payoff: the compressed cache is this method's
+  prefix state in the disk store (:mod:`kvcli.store`), so a second question skips the document
+  entirely and loads a smaller entry.
+
+In both orders the two kinds of heads live in separate tensors (:class:`kvcli.cache.RazorCache`):
+the memory saving is real, and ``kept_mask`` reports exactly the prompt entries each layer / KV
+head holds (the compensation token is no prompt entry).
 
 kvcli choices, each visible: the probe uses K = 512 random tokens for models under 1B parameters
 (1024 under 4B, else the paper's 2500; knob ``tokens``); S_0 defaults to the paper's 4000 scaled
@@ -37,10 +55,11 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import RazorCache
+from ..cache import KVCache, RazorCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
 
+ORDERS = ("paper", "prefix")
 PAPER_WINDOW = 4000  # S_0 of Table 2, for models with 32k-token windows (Qwen1.5-7B)
 PAPER_CONTEXT = 32768
 
@@ -68,12 +87,14 @@ def sliding_windows(lm) -> set:
 class Razor(Compressor):
     """RazorAttention (Tang et al., 2024): retrieval heads (echo + induction heads found once per
     model) keep their full KV cache; the other heads keep 4 sink tokens, a recent window and one
-    compensation token. Question-agnostic: the compressed cache serves every later question.
-    arXiv:2407.15891."""
+    compensation token. order=paper compresses after a full-attention prefill of the whole prompt
+    (Algorithm 1); order=prefix compresses the document before the question, so the compressed
+    cache serves every later question from the disk store. arXiv:2407.15891."""
 
     name: ClassVar[str] = "razor"
     paper: ClassVar[str] = "Tang et al. 2024, RazorAttention: Efficient KV Cache Compression Through Retrieval Heads, arXiv:2407.15891"
 
+    order: str = knob("paper", "paper: prefill the whole prompt with full attention, compress before decoding (Algorithm 1; first answer token = full attention's); prefix: compress the document before the question (question-agnostic, the compressed cache is stored for any question)")
     induction: float = knob(0.14, "fraction of all query heads protected for their induction score (paper: top 14%)")
     echo: float = knob(0.01, "fraction of all query heads protected for their echo score (paper: top 1%)")
     sinks: int = knob(4, "sink tokens N_0 kept at the start by every non-retrieval head")
@@ -87,6 +108,9 @@ class Razor(Compressor):
     cache_dir: Path | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.order = str(self.order).strip().lower()
+        if self.order not in ORDERS:
+            raise UsageError(f"razor: order must be paper or prefix, got '{self.order}'")
         for name in ("induction", "echo"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -150,8 +174,10 @@ class Razor(Compressor):
         """L_h = max(S_0, N / C) for a prefix of ``n`` tokens."""
         return max(int(self.window), math.ceil(n / self.ratio))
 
-    # --- the prefix state: the compressed cache of the document ----------------------------------
+    # --- the prefix state: full attention's KV (paper) or the compressed cache (prefix) -------------
     def prefix_state(self, lm) -> dict:
+        if self.order == "paper":
+            return super().prefix_state(lm)  # full attention's KV of every layer, shared with -c full
         self._ensure_profile(lm)
         protected = self._protected.to(torch.uint8).contiguous().numpy().tobytes()
         return {
@@ -166,12 +192,31 @@ class Razor(Compressor):
             "protected": hashlib.sha256(protected).hexdigest()[:16],
         }
 
-    def build_prefix(self, engine, prefix_ids: torch.Tensor) -> RazorCache:
-        """Prefill ``prefix_ids`` at positions 0..n-1 with full KV, then compress (Algorithm 1)."""
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        """order=paper: full attention's KV of ``prefix_ids``. order=prefix: prefill ``prefix_ids``
+        at positions 0..n-1 with full KV, then compress it (Algorithm 1 on the document alone)."""
+        if self.order == "paper":
+            return super().build_prefix(engine, prefix_ids)
         self._ensure_profile(engine.lm, engine)
         kv = engine.prefix_kv(prefix_ids)
-        return self.compress_kv(kv, engine.lm.n_heads)
+        return self.compress_kv(kv, engine.lm.n_heads, order="prefix")
 
-    def compress_kv(self, kv, n_heads: int) -> RazorCache:
+    # --- after the prefill of the whole prompt ----------------------------------------------------
+    def compress(self, engine, cache):
+        """order=paper: Algorithm 1 on the full KV of the whole prompt (document + question), after
+        its full-attention prefill. order=prefix: the cache is already compressed (the question ran
+        on it); only when there was no prefix state to compress (an empty prefix) is the whole
+        prompt compressed here."""
+        if isinstance(cache, RazorCache):
+            return cache
+        if not isinstance(cache, KVCache) or cache.kept is not None or getattr(cache, "kept_positions", None) is not None:
+            raise UsageError("razor: compresses the whole KV of the prompt; use it without eviction methods before it")
+        self._ensure_profile(engine.lm, engine)
+        return self.compress_kv(cache, engine.lm.n_heads, order="paper")  # the whole prompt was compressed
+
+    def compress_kv(self, kv, n_heads: int, order: str = "prefix") -> RazorCache:
+        """Algorithm 1 on the full cache ``kv`` of N tokens: L_h = max(S_0, N / C)."""
         n = kv.get_seq_length(0)
-        return RazorCache.compress(kv, self.protected, n_heads, self.sinks, self.window_for(n), self.compensate)
+        cache = RazorCache.compress(kv, self.protected, n_heads, self.sinks, self.window_for(n), self.compensate)
+        cache.order = order
+        return cache
