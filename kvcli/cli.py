@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from . import api, batch, notices, render
 from .options import Attn, Device, Offload, Quant
@@ -23,8 +24,87 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # click's plain help (every sub-command, bench's included): paragraphs re-flowed to the
+    # terminal, example blocks after a \b line kept as written, no Typer type placeholders
+    rich_markup_mode=None,
     help="Ask questions about long documents with a local LLM, compressing the prompt and its KV cache.",
 )
+
+
+class KvcliCommand(TyperCommand):
+    """A command whose help names its arguments by their metavar (``DOCUMENT... QUESTION``), in
+    the usage line and the Arguments section, as click does; ``usage`` lists alternative usage
+    lines (without the command path)."""
+
+    usage: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:  # a name for each option's value, instead of a type (<str>)
+            if param.param_type_name == "option" and param.metavar is None and not getattr(param, "is_flag", False):
+                param.metavar = METAVARS.get(param.name)
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [_argument_label(p) for p in self.get_params(ctx) if p.param_type_name == "argument"]
+
+    def format_usage(self, ctx, formatter) -> None:
+        if not self.usage:
+            return super().format_usage(ctx, formatter)
+        for i, line in enumerate(self.usage):
+            formatter.write_usage(ctx.command_path, line, prefix="Usage: " if i == 0 else "   or: ")
+
+    def format_options(self, ctx, formatter) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((_argument_label(param), record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+# the value names of options, by parameter name (an option not listed shows Typer's type)
+METAVARS = {
+    "questions_file": "FILE",
+    "compressor": "SPEC",
+    "model": "MODEL",
+    "dtype": "DTYPE",
+    "max_new_tokens": "N",
+    "template": "NAME",
+    "cache_dir": "DIR",
+    "tokens": "K",
+    "seed": "N",
+    "induction": "FRACTION",
+    "echo": "FRACTION",
+    "score": "NAME",
+    "html_file": "FILE",
+    "needle": "TEXT",
+    "needle_test": "N",
+    "depth": "DEPTH",
+    "haystack": "NAME",
+    "k": "K",
+    "plot": "FILE",
+    "key": "KEY",
+    "max_size": "SIZE",
+}
+
+
+def _argument_label(param) -> str:
+    if param.metavar:
+        return param.metavar
+    return param.name.upper() + ("..." if param.nargs != 1 else "")
+
+
+def _usage(*lines: str):
+    """``cls=`` for a command with these usage lines."""
+    return type("KvcliCommand", (KvcliCommand,), {"usage": lines})
 
 stdout = Console(highlight=False, soft_wrap=True)
 
@@ -59,21 +139,28 @@ def _ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dt
 
 ASK_HELP = """Answer a question from documents.
 
-    kvcli ask book.pdf "Who is the narrator?"            one document: the answer as text (or --json)
-    kvcli ask contracts/ "Who are the parties?"          a folder (recursive), globs, several paths
-    kvcli ask a.pdf b.md --questions questions.txt       every question of the file, for each document
-    cat notes.txt | kvcli ask - "What changed?"          - : the document text from stdin
+Documents are .pdf, .txt, .md and .html files, folders (read recursively), glob patterns, or -
+for text on stdin. One document and one question: the answer as text (--json: one JSON object).
+More than one: JSON Lines, one object per (document, question) in input order; a document that
+fails gives an error record and the batch goes on.
 
-With more than one document or question the output is JSON Lines: one object per (document,
-question), in input order; a document that fails gives an error record and the batch goes on.
 Exit code: 0 all answered, 1 some failed, 2 usage error.
+
+Examples:
+
+\b
+  kvcli ask book.pdf "Who is the narrator?"
+  kvcli ask book.pdf "Who is the narrator?" -c full --json
+  kvcli ask contracts/ "Who are the parties?"
+  kvcli ask a.pdf b.md --questions questions.txt
+  cat notes.txt | kvcli ask - "What changed?"
 """
 
 
-@app.command(help=ASK_HELP)
+@app.command(help=ASK_HELP, cls=_usage("[OPTIONS] DOCUMENT... QUESTION", "[OPTIONS] DOCUMENT... --questions FILE"))
 def ask(
     inputs: list[str] = typer.Argument(
-        ..., metavar="DOCUMENT... QUESTION", help="Documents (.pdf .txt .md .html), folders, globs or - (stdin), then the question (omit it with --questions)", show_default=False
+        ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
     compressor: str = typer.Option(
@@ -226,26 +313,28 @@ def heads(
 
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
 
-    kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
-    kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
-    kvcli inspect book.pdf "Who is it?" --json
-    kvcli inspect book.pdf "Who is it?" --html kept.html
-
 --show-selected prints the document with the kept text highlighted, --json the kept spans
 (characters, page, text, score), --html one self-contained page with a score strip.
 
---layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
-ranks, whether the top-k keeps it, its distance to the nearest kept token:
+\b
+  kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
+  kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
+  kvcli inspect book.pdf "Who is it?" --json
+  kvcli inspect book.pdf "Who is it?" --html kept.html
 
-    kvcli inspect --layers notes.txt "What is the code?" --needle 4417
-    kvcli inspect --layers --needle-test 4096 --plot layers.png
+--layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
+ranks, whether the top-k keeps it, its distance to the nearest kept token.
+
+\b
+  kvcli inspect --layers notes.txt "What is the code?" --needle 4417
+  kvcli inspect --layers --needle-test 4096 --plot layers.png
 """
 
 
-@app.command("inspect", help=INSPECT_HELP)
+@app.command("inspect", help=INSPECT_HELP, short_help="Show what a method keeps of a document.", cls=_usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"))
 def inspect_command(
     inputs: Optional[list[str]] = typer.Argument(
-        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question; omit both with --needle-test", show_default=False
+        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)", show_default=False
     ),
     compressor: str = typer.Option(
         "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span"
@@ -491,7 +580,7 @@ def main() -> None:
     try:
         # standalone_mode=False: click raises usage errors instead of printing them, and
         # *returns* the exit code of --help (0) and of Ctrl-C (130) instead of exiting
-        code = app(standalone_mode=False)
+        code = app(prog_name="kvcli", standalone_mode=False)  # the same name however it was started
     except KvcliError as e:
         print(f"kvcli: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
