@@ -110,8 +110,13 @@ stdout = Console(highlight=False, soft_wrap=True)
 
 
 def _route_warnings(quiet: bool) -> None:
-    """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, none with --quiet."""
+    """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, and long
+    one-time steps (the embedded model's conversion) as ``kvcli: ...`` lines, whether or not stderr
+    is a terminal (a spinner shows only on one); none with --quiet."""
+    from .models import set_progress_sink
+
     notices.set_sink(None if quiet else lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
+    set_progress_sink(None if quiet else lambda m: print(f"kvcli: {m}", file=sys.stderr, flush=True))
 
 
 def _stderr(quiet: bool) -> Console:
