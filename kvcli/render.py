@@ -47,29 +47,67 @@ def human_bytes(n: int | None) -> str:
     return str(n)
 
 
-def cache_table(console: Console, entries) -> None:
-    """``kvcli cache ls``: one row per store entry, most recently used first (``--json``: all fields)."""
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _cache_state(state) -> str:
+    """Short: the kind, and the layers of a KV state (every parameter: ``kvcli cache info KEY``)."""
+    state = state if isinstance(state, dict) else {}
+    return f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
+
+
+def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> None:
+    """``kvcli cache ls`` on a terminal: one row per store entry, most recently used first, and a
+    line of totals (with the writes in progress and what opening the store reclaimed)."""
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
     for col in ("key", "document", "model", "method", "state", "tokens", "size", "last use"):
         right = col in ("tokens", "size")
         table.add_column(col, justify="right" if right else "left", overflow="fold", no_wrap=col in ("key", "size"))
     for e in entries:
         j = e.to_json()
-        state = j["state"] if isinstance(j["state"], dict) else {}
-        # short: the kind, and the layers of a KV state (every parameter: `kvcli cache info KEY`)
-        what = f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
         table.add_row(
             j["key"][:12],
-            Path(j["document"]).name if j["document"] else f"[red]damaged: {e.error}[/red]",
-            Path(j["model"]).name if j["model"] else "-",
-            (j["method"] or "-").split(":")[0],
-            what,
+            Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
+            Text(Path(j["model"]).name if j["model"] else "-"),
+            Text((j["method"] or "-").split(":")[0]),
+            _cache_state(j["state"]),
             f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-",
             human_bytes(j["size_bytes"]),
             j["last_use"][5:16].replace("T", " "),  # MM-DD HH:MM
         )
-    console.print(table)
-    console.print(f"[dim]{len(entries)} entries, {human_bytes(sum(e.size for e in entries))}[/dim]")
+    if entries:
+        console.print(table)
+    total = f"{_plural(len(entries), 'entry', 'entries')}, {human_bytes(sum(e.size for e in entries))}"
+    if leftovers is not None and leftovers.temp_files:
+        total += f" · {_plural(leftovers.temp_files, 'write')} in progress, {human_bytes(leftovers.temp_bytes)}"
+    if reclaimed is not None and reclaimed.temp_files:
+        total += f" · reclaimed {human_bytes(reclaimed.temp_bytes)} left by killed runs"
+    console.print(total, style="dim", markup=False, highlight=False)
+
+
+CACHE_TSV_COLUMNS = ("key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use")
+
+
+def cache_tsv(entries) -> str:
+    """``kvcli cache ls`` piped: tab-separated values, a header row, full keys and paths, sizes in
+    bytes, the state as compact JSON; never wrapped. A damaged entry's document is ``damaged: ...``."""
+    import json
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return " ".join(str(value).split())  # no tab or newline inside a cell
+
+    lines = ["\t".join(CACHE_TSV_COLUMNS)]
+    for e in entries:
+        j = e.to_json()
+        if j["document"] is None and e.error:
+            j["document"] = f"damaged: {e.error}"
+        lines.append("\t".join(cell(j[c]) for c in CACHE_TSV_COLUMNS))
+    return "\n".join(lines) + "\n"
 
 
 def compressor_table(console: Console) -> None:
