@@ -191,6 +191,11 @@ def ask(
     options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload)
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:
+        if batch.looks_like_question(inputs[-1]):
+            raise UsageError(
+                f"'{inputs[-1]}' is not a document, folder or matching pattern; a QUESTION and --questions "
+                "exclude each other (add the question to the questions file)"
+            )
         paths, questions = inputs, batch.read_questions(questions_file)
     elif len(inputs) < 2:
         raise UsageError(
@@ -198,7 +203,7 @@ def ask(
             "(see 'kvcli ask --help')"
         )
     else:
-        paths, questions = inputs[:-1], [inputs[-1]]
+        paths, questions = inputs[:-1], [batch.check_question(inputs[-1])]
     if paths.count(batch.STDIN) > 1 or (batch.STDIN in paths and questions_file == batch.STDIN):
         raise UsageError("stdin (-) can be read only once: as one document, or as the questions file")
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
@@ -395,11 +400,11 @@ def inspect_command(
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = None
     if needle_test is None:
+        question = batch.check_question(inputs[1])
         items = batch.expand_inputs([inputs[0]])
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
-        question = inputs[1]
     options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
