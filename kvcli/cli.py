@@ -212,7 +212,7 @@ def ask(
     if single:
         _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
     else:
-        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast)
+        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor)
 
 
 def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
@@ -242,7 +242,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     )
 
 
-def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast) -> None:
+def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str) -> None:
     """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -257,7 +257,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         TimeElapsedColumn(),
         console=err,
         transient=True,
-        disable=err.quiet,
+        disable=err.quiet or not err.is_terminal,  # a bar in a pipe is noise (and leaves a blank line)
     )
     with progress:
         task = progress.add_task("answering", total=total)
@@ -273,22 +273,25 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
             done += 1
             if "error" in record:
                 failed += 1
-                progress.console.print(f"[red]kvcli: {record['document']}: {record['error']}[/red]")
+                progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
+            else:
+                spec = record["compressor"]  # every knob resolved for the model
             progress.advance(task)
-    err.print(f"[dim]{done - failed} answered, {failed} failed ({total} asked) · {pipeline.spec()}[/dim]")
+    stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}", style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=KvcliCommand)
 def compressors() -> None:
     """List the compression methods with their knobs and defaults."""
     render.compressor_table(stdout)
 
 
-@app.command()
+@app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
 def heads(
-    model: Optional[str] = typer.Argument(None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
     tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
     seed: int = typer.Option(0, help="Seed of the random probe tokens"),
     induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
