@@ -98,6 +98,33 @@ def read_questions(path: str) -> list[str]:
     return questions
 
 
+def looks_like_question(arg: str) -> bool:
+    """True when a command-line input names no document: not ``-``, not an existing file or folder,
+    not a pattern that matches files, and without a document's extension (``'Extra?'``, not
+    ``'notes/*.pdf'`` or a missing ``report.pdf``, which are reported as unreadable documents)."""
+    if arg == STDIN:
+        return False
+    path = Path(arg).expanduser()
+    if path.exists() or path.suffix.lower() in SUPPORTED_SUFFIXES:
+        return False
+    return not (glob.has_magic(arg) and glob.glob(os.path.expanduser(arg), recursive=True))
+
+
+def check_question(question: str) -> str:
+    """The question as given, or a usage error when it is empty."""
+    if not question.strip():
+        raise UsageError("the question is empty")
+    return question
+
+
+def error_line(record: dict) -> str:
+    """An error record as one line that names its document once: the message when it names the
+    document already (document errors do), else ``document: message``."""
+    source, message = record["document"], record["error"]
+    named = "stdin" if source == STDIN else source
+    return message if named in message else f"{named}: {message}"
+
+
 def read_input(item: Input, stdin_text: Callable[[], str]) -> Document:
     if item.problem is not None:
         raise DocumentError(item.problem)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from . import api, batch, notices, render
 from .options import Attn, Device, Offload, Quant
@@ -23,15 +24,99 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # click's plain help (every sub-command, bench's included): paragraphs re-flowed to the
+    # terminal, example blocks after a \b line kept as written, no Typer type placeholders
+    rich_markup_mode=None,
     help="Ask questions about long documents with a local LLM, compressing the prompt and its KV cache.",
 )
+
+
+class KvcliCommand(TyperCommand):
+    """A command whose help names its arguments by their metavar (``DOCUMENT... QUESTION``), in
+    the usage line and the Arguments section, as click does; ``usage`` lists alternative usage
+    lines (without the command path)."""
+
+    usage: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:  # a name for each option's value, instead of a type (<str>)
+            if param.param_type_name == "option" and param.metavar is None and not getattr(param, "is_flag", False):
+                param.metavar = METAVARS.get(param.name)
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [_argument_label(p) for p in self.get_params(ctx) if p.param_type_name == "argument"]
+
+    def format_usage(self, ctx, formatter) -> None:
+        if not self.usage:
+            return super().format_usage(ctx, formatter)
+        for i, line in enumerate(self.usage):
+            formatter.write_usage(ctx.command_path, line, prefix="Usage: " if i == 0 else "   or: ")
+
+    def format_options(self, ctx, formatter) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((_argument_label(param), record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+# the value names of options, by parameter name (an option not listed shows Typer's type)
+METAVARS = {
+    "questions_file": "FILE",
+    "compressor": "SPEC",
+    "model": "MODEL",
+    "dtype": "DTYPE",
+    "max_new_tokens": "N",
+    "template": "NAME",
+    "cache_dir": "DIR",
+    "tokens": "K",
+    "seed": "N",
+    "induction": "FRACTION",
+    "echo": "FRACTION",
+    "score": "NAME",
+    "html_file": "FILE",
+    "needle": "TEXT",
+    "needle_test": "N",
+    "depth": "DEPTH",
+    "haystack": "NAME",
+    "k": "K",
+    "plot": "FILE",
+    "key": "KEY",
+    "max_size": "SIZE",
+}
+
+
+def _argument_label(param) -> str:
+    if param.metavar:
+        return param.metavar
+    return param.name.upper() + ("..." if param.nargs != 1 else "")
+
+
+def _usage(*lines: str):
+    """``cls=`` for a command with these usage lines."""
+    return type("KvcliCommand", (KvcliCommand,), {"usage": lines})
 
 stdout = Console(highlight=False, soft_wrap=True)
 
 
 def _route_warnings(quiet: bool) -> None:
-    """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, none with --quiet."""
+    """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, and long
+    one-time steps (the embedded model's conversion) as ``kvcli: ...`` lines, whether or not stderr
+    is a terminal (a spinner shows only on one); none with --quiet."""
+    from .models import set_progress_sink
+
     notices.set_sink(None if quiet else lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
+    set_progress_sink(None if quiet else lambda m: print(f"kvcli: {m}", file=sys.stderr, flush=True))
 
 
 def _stderr(quiet: bool) -> Console:
@@ -60,21 +145,28 @@ def _ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dt
 
 ASK_HELP = """Answer a question from documents.
 
-    kvcli ask book.pdf "Who is the narrator?"            one document: the answer as text (or --json)
-    kvcli ask contracts/ "Who are the parties?"          a folder (recursive), globs, several paths
-    kvcli ask a.pdf b.md --questions questions.txt       every question of the file, for each document
-    cat notes.txt | kvcli ask - "What changed?"          - : the document text from stdin
+Documents are .pdf, .txt, .md and .html files, folders (read recursively), glob patterns, or -
+for text on stdin. One document and one question: the answer as text (--json: one JSON object).
+More than one: JSON Lines, one object per (document, question) in input order; a document that
+fails gives an error record and the batch goes on.
 
-With more than one document or question the output is JSON Lines: one object per (document,
-question), in input order; a document that fails gives an error record and the batch goes on.
 Exit code: 0 all answered, 1 some failed, 2 usage error.
+
+Examples:
+
+\b
+  kvcli ask book.pdf "Who is the narrator?"
+  kvcli ask book.pdf "Who is the narrator?" -c full --json
+  kvcli ask contracts/ "Who are the parties?"
+  kvcli ask a.pdf b.md --questions questions.txt
+  cat notes.txt | kvcli ask - "What changed?"
 """
 
 
-@app.command(help=ASK_HELP)
+@app.command(help=ASK_HELP, cls=_usage("[OPTIONS] DOCUMENT... QUESTION", "[OPTIONS] DOCUMENT... --questions FILE"))
 def ask(
     inputs: list[str] = typer.Argument(
-        ..., metavar="DOCUMENT... QUESTION", help="Documents (.pdf .txt .md .html), folders, globs or - (stdin), then the question (omit it with --questions)", show_default=False
+        ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
     compressor: str = typer.Option(
@@ -101,6 +193,11 @@ def ask(
     options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:
+        if batch.looks_like_question(inputs[-1]):
+            raise UsageError(
+                f"'{inputs[-1]}' is not a document, folder or matching pattern; a QUESTION and --questions "
+                "exclude each other (add the question to the questions file)"
+            )
         paths, questions = inputs, batch.read_questions(questions_file)
     elif len(inputs) < 2:
         raise UsageError(
@@ -108,7 +205,7 @@ def ask(
             "(see 'kvcli ask --help')"
         )
     else:
-        paths, questions = inputs[:-1], [inputs[-1]]
+        paths, questions = inputs[:-1], [batch.check_question(inputs[-1])]
     if paths.count(batch.STDIN) > 1 or (batch.STDIN in paths and questions_file == batch.STDIN):
         raise UsageError("stdin (-) can be read only once: as one document, or as the questions file")
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
@@ -117,7 +214,7 @@ def ask(
     if single:
         _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
     else:
-        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast)
+        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor)
 
 
 def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
@@ -147,7 +244,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     )
 
 
-def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast) -> None:
+def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str) -> None:
     """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -162,7 +259,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         TimeElapsedColumn(),
         console=err,
         transient=True,
-        disable=err.quiet,
+        disable=err.quiet or not err.is_terminal,  # a bar in a pipe is noise (and leaves a blank line)
     )
     with progress:
         task = progress.add_task("answering", total=total)
@@ -178,22 +275,25 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
             done += 1
             if "error" in record:
                 failed += 1
-                progress.console.print(f"[red]kvcli: {record['document']}: {record['error']}[/red]")
+                progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
+            else:
+                spec = record["compressor"]  # every knob resolved for the model
             progress.advance(task)
-    err.print(f"[dim]{done - failed} answered, {failed} failed ({total} asked) · {pipeline.spec()}[/dim]")
+    stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}", style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=KvcliCommand)
 def compressors() -> None:
     """List the compression methods with their knobs and defaults."""
     render.compressor_table(stdout)
 
 
-@app.command()
+@app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
 def heads(
-    model: Optional[str] = typer.Argument(None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
     tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
     seed: int = typer.Option(0, help="Seed of the random probe tokens"),
     induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
@@ -228,26 +328,28 @@ def heads(
 
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
 
-    kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
-    kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
-    kvcli inspect book.pdf "Who is it?" --json
-    kvcli inspect book.pdf "Who is it?" --html kept.html
-
 --show-selected prints the document with the kept text highlighted, --json the kept spans
 (characters, page, text, score), --html one self-contained page with a score strip.
 
---layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
-ranks, whether the top-k keeps it, its distance to the nearest kept token:
+\b
+  kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
+  kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
+  kvcli inspect book.pdf "Who is it?" --json
+  kvcli inspect book.pdf "Who is it?" --html kept.html
 
-    kvcli inspect --layers notes.txt "What is the code?" --needle 4417
-    kvcli inspect --layers --needle-test 4096 --plot layers.png
+--layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
+ranks, whether the top-k keeps it, its distance to the nearest kept token.
+
+\b
+  kvcli inspect --layers notes.txt "What is the code?" --needle 4417
+  kvcli inspect --layers --needle-test 4096 --plot layers.png
 """
 
 
-@app.command("inspect", help=INSPECT_HELP)
+@app.command("inspect", help=INSPECT_HELP, short_help="Show what a method keeps of a document.", cls=_usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"))
 def inspect_command(
     inputs: Optional[list[str]] = typer.Argument(
-        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question; omit both with --needle-test", show_default=False
+        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)", show_default=False
     ),
     compressor: str = typer.Option(
         "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span"
@@ -303,11 +405,11 @@ def inspect_command(
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = None
     if needle_test is None:
+        question = batch.check_question(inputs[1])
         items = batch.expand_inputs([inputs[0]])
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
-        question = inputs[1]
     options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
@@ -365,6 +467,7 @@ def inspect_command(
 
 cache_app = typer.Typer(
     no_args_is_help=True,
+    short_help="The disk KV cache: list, show, remove, prune.",
     help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",
 )
 app.add_typer(cache_app, name="cache")
@@ -372,89 +475,167 @@ app.add_typer(cache_app, name="cache")
 CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)")
 
 
-@cache_app.command("path")
+def _open_cache(cache_dir: Optional[Path]):
+    """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
+    a mistyped --cache-dir would otherwise look like an empty cache."""
+    from .models import default_cache_dir
+
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if not folder.exists():
+        print(f"kvcli: warning: the cache folder {folder} does not exist; nothing is cached there", file=sys.stderr)
+    elif not folder.is_dir():
+        print(f"kvcli: warning: {folder} is not a folder; nothing is cached there", file=sys.stderr)
+    return api.open_store(cache_dir)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _match_key(entries, key: str) -> list:
+    """The entry whose key starts with ``key`` ([] when none does); a usage error for an empty,
+    malformed or ambiguous key, so that a partial key never removes more than one entry."""
+    import re
+
+    k = key.strip().lower()
+    if not k:
+        raise UsageError("empty cache key; give an entry's key or its first characters (see 'kvcli cache ls')")
+    if not re.fullmatch(r"[0-9a-f]+", k):
+        raise UsageError(f"'{key}' is not a cache key: keys are hex digits (see 'kvcli cache ls')")
+    matches = [e for e in entries if e.key.startswith(k)]
+    if len(matches) > 1:
+        raise UsageError(f"key '{key}' matches {len(matches)} cache entries; give more of its characters")
+    return matches
+
+
+@cache_app.command("path", cls=KvcliCommand)
 def cache_path(cache_dir: Optional[Path] = CacheDir) -> None:
     """Print the folder the KV cache entries live in."""
     stdout.out(str(api.open_store(cache_dir).root))
 
 
-@cache_app.command("ls")
+@cache_app.command("ls", cls=KvcliCommand)
 def cache_ls(
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per entry (JSON Lines)"),
 ) -> None:
-    """List the entries: document, model, method, size, last use (most recent first)."""
-    entries = api.open_store(cache_dir).entries()
+    """List the entries, most recently used first.
+
+    Each entry's key, document, model, method, state, tokens, size and last use. On a terminal: a table; piped: tab-separated values with a header row (full keys and paths,
+    sizes in bytes); --json: JSON Lines.
+    """
+    store = _open_cache(cache_dir)
+    entries = store.entries()
     if as_json:
         for e in entries:
             stdout.out(json.dumps(e.to_json(), ensure_ascii=False))
+    elif stdout.is_terminal:
+        render.cache_table(stdout, entries, store.leftovers(), store.reclaimed)
     else:
-        render.cache_table(stdout, entries)
+        sys.stdout.write(render.cache_tsv(entries))
 
 
-@cache_app.command("info")
+@cache_app.command("info", cls=KvcliCommand)
 def cache_info(
-    key: Optional[str] = typer.Argument(None, help="An entry's key (or its first characters); none: totals"),
+    key: Optional[str] = typer.Argument(None, metavar="[KEY]", help="An entry's key (or its first characters); none: totals", show_default=False),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
-    """Totals of the cache, or everything recorded about one entry, as JSON."""
-    store = api.open_store(cache_dir)
+    """Show the totals of the cache, or one entry's metadata, as JSON.
+
+    The totals count every file of the store: entries, temporary files of writes in progress and
+    lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
+    left (temporary files whose writer is gone, lock files nobody holds), removed just now.
+    """
+    store = _open_cache(cache_dir)
     entries = store.entries()
     if key is None:
+        left = store.leftovers()
+        size = sum(e.size for e in entries)
         info = {
             "path": str(store.root),
             "entries": len(entries),
-            "size_bytes": sum(e.size for e in entries),
+            "size_bytes": size,
             "damaged": sum(1 for e in entries if e.error),
+            "writes_in_progress": left.temp_files,
+            "in_progress_bytes": left.temp_bytes,
+            "lock_files": left.lock_files,
+            "disk_bytes": size + left.temp_bytes,
+            "reclaimed_temp_files": store.reclaimed.temp_files,
+            "reclaimed_bytes": store.reclaimed.temp_bytes,
+            "reclaimed_lock_files": store.reclaimed.lock_files,
         }
         stdout.out(json.dumps(info, indent=1))
         return
-    matches = [e for e in entries if e.key.startswith(key.lower())]
-    if len(matches) != 1:
-        raise UsageError(f"{'no' if not matches else len(matches)} cache entries match key '{key}'")
+    matches = _match_key(entries, key)
+    if not matches:
+        raise KvcliError(f"no cache entry has key '{key}' (see 'kvcli cache ls')")
     stdout.out(json.dumps({**matches[0].to_json(), "metadata": matches[0].meta}, indent=1, ensure_ascii=False))
 
 
-@cache_app.command("rm")
+@cache_app.command("rm", cls=KvcliCommand)
 def cache_rm(
-    documents: Optional[list[Path]] = typer.Argument(None, help="Remove the entries of these documents"),
-    key: Optional[list[str]] = typer.Option(None, "--key", help="Remove the entry with this key (or key prefix); repeatable"),
+    documents: Optional[list[Path]] = typer.Argument(None, metavar="[DOCUMENT]...", help="Remove the entries of these documents (by path, or by text if the file moved)", show_default=False),
+    key: Optional[list[str]] = typer.Option(None, "--key", help="Remove the entry with this key (or an unambiguous prefix of it); repeatable"),
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
-    """Remove entries by document, by key, or all of them."""
+    """Remove entries by document, by key, or all of them.
+
+    Exit code 1 when a document or key named no entry (the others are removed).
+    """
     if not documents and not key and not all_entries:
         raise UsageError("cache rm: name documents, --key KEY or --all")
-    store = api.open_store(cache_dir)
+    if all_entries and (documents or key):
+        raise UsageError("cache rm: --all removes every entry; give it without documents or --key")
+    store = _open_cache(cache_dir)
+    entries = store.entries()
+    chosen, unmatched = [], []
     if all_entries:
-        chosen = store.entries()
-    else:
-        chosen = api.entries_for_documents(store, documents or [])
-        entries = store.entries()
-        for k in key or []:
-            chosen += [e for e in entries if e.key.startswith(k.lower()) and e not in chosen]
+        chosen = entries
+    for k in key or []:  # every key checked (empty, malformed, ambiguous) before anything is removed
+        matches = _match_key(entries, k)
+        chosen += [e for e in matches if e not in chosen]
+        if not matches:
+            unmatched.append(f"key '{k}'")
+    for doc in documents or []:
+        matches = api.entries_for_documents(store, [doc])
+        chosen += [e for e in matches if e not in chosen]
+        if not matches:
+            unmatched.append(f"'{doc}'")
     freed = store.remove(chosen)
-    if all_entries:
-        store.clean_temp_files(max_age_s=0)
-        store.clean_locks()
-    stdout.out(f"removed {len(chosen)} entries, {render.human_bytes(freed)}")
+    if chosen or all_entries:
+        line = f"removed {_plural(len(chosen), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        if all_entries:
+            left = store.reclaim()
+            temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes
+            if temps:
+                line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+        stdout.out(line)
+    if unmatched:
+        raise KvcliError(f"no cache entries for {', '.join(unmatched)} (see 'kvcli cache ls')")
 
 
-@cache_app.command("prune")
+@cache_app.command("prune", cls=KvcliCommand)
 def cache_prune(
-    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, e.g. 500M or 2G; least recently used go first"),
+    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, e.g. 500M or 2G; least recently used go first", show_default=False),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
-    """Shrink the cache to --max-size by removing the least recently used entries."""
+    """Remove the least recently used entries down to --max-size.
+
+    Also removes what runs killed half-way left behind: temporary files whose writer is gone and
+    lock files nobody holds.
+    """
     from .store import parse_size
 
     limit = parse_size(max_size)
-    store = api.open_store(cache_dir)
-    removed = store.prune(limit)
-    stdout.out(
-        f"removed {len(removed)} entries, {render.human_bytes(sum(e.size for e in removed))}; "
-        f"{render.human_bytes(store.total_bytes())} left"
-    )
+    store = _open_cache(cache_dir)
+    removed, left = store.prune(limit)
+    temps = store.reclaimed.temp_files + left.temp_files
+    temp_bytes = store.reclaimed.temp_bytes + left.temp_bytes
+    line = f"removed {_plural(len(removed), 'entry', 'entries')}, {render.human_bytes(sum(e.size for e in removed))}"
+    if temps:
+        line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+    stdout.out(f"{line}; {render.human_bytes(store.total_bytes())} left")
 
 
 from .bench.cli import bench_app  # noqa: E402
@@ -493,7 +674,7 @@ def main() -> None:
     try:
         # standalone_mode=False: click raises usage errors instead of printing them, and
         # *returns* the exit code of --help (0) and of Ctrl-C (130) instead of exiting
-        code = app(standalone_mode=False)
+        code = app(prog_name="kvcli", standalone_mode=False)  # the same name however it was started
     except KvcliError as e:
         print(f"kvcli: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -155,15 +155,20 @@ def _load_pdf(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
         warnings.simplefilter("ignore")
         try:
             reader = pypdf.PdfReader(io.BytesIO(data))
+            # encrypted PDFs that open without a password (an owner password only, as qpdf and
+            # many tools write them, RC4 or AES) are read; a user password cannot be guessed
             if reader.is_encrypted and reader.decrypt("") == pypdf.PasswordType.NOT_DECRYPTED:
-                raise DocumentError(f"{name} is encrypted; decrypt it first (e.g. qpdf --decrypt)")
+                raise DocumentError(
+                    f"{name} is protected by a password; save a copy without it first "
+                    "(e.g. qpdf --password=PASSWORD --decrypt in.pdf out.pdf)"
+                )
             pages = [page.extract_text() or "" for page in reader.pages]
         except DocumentError:
             raise
-        except DependencyError:
+        except DependencyError:  # AES needs 'cryptography', a kvcli dependency: a broken install
             raise DocumentError(
-                f"{name} uses AES encryption, which needs the 'cryptography' package "
-                "(pip install cryptography)"
+                f"{name} uses AES encryption and the 'cryptography' package (a kvcli dependency) is "
+                "missing: reinstall kvcli or pip install cryptography"
             ) from None
         except Exception as e:  # pypdf raises many kinds on malformed files
             raise DocumentError(f"{name} is not a valid PDF: {_short(e)}") from None

@@ -44,13 +44,13 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
 
 import torch
 
 from kvcli import notices
-from kvcli.files import atomic_write
+from kvcli.files import atomic_write, dir_mode, file_mode
 from kvcli.errors import ModelError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -280,6 +280,28 @@ def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
     return sha
 
 
+# Long steps worth a line on stderr (the one-time conversion of the embedded model): the library
+# never prints; the CLI sets a sink that does (none with --quiet).
+_progress: Callable[[str], None] = lambda message: None
+
+
+def set_progress_sink(sink: Callable[[str], None] | None) -> None:
+    """Where to announce long one-time steps (None: nowhere)."""
+    global _progress
+    _progress = sink if sink is not None else (lambda message: None)
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes the umask gives new files and folders:
+    mkdtemp makes the folder 0700 and safetensors writes the weights 0600, which would lock the
+    other users of a cache folder shared by a group out of the converted model."""
+    fmode, dmode = file_mode(), dir_mode()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, dmode)
+        for name in files:
+            os.chmod(os.path.join(root, name), fmode)
+
+
 def _is_converted(folder: Path) -> bool:
     return (folder / _SOURCE_MARKER).is_file() and (folder / "config.json").is_file()
 
@@ -340,6 +362,7 @@ def _embedded(cache_dir: Path | None) -> tuple[Path, str]:
         _remove_stale_temp_dirs(models_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
         t0 = time.monotonic()
+        _progress(f"converting the embedded model {EMBEDDED_MODEL} for its first use (once, ~30 s) into {models_dir}")
         try:
             _convert_gguf(gguf, tmp)
         except (OSError, MemoryError):
@@ -357,7 +380,7 @@ def _embedded(cache_dir: Path | None) -> tuple[Path, str]:
             "transformers_version": _transformers_version(),
         }
         (tmp / _SOURCE_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a shared cache should stay readable
+        _share_like_umask(tmp)
         try:
             os.rename(tmp, target)
             tmp = None
@@ -381,6 +404,7 @@ def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
     """Convert the embedded model into a temporary folder removed when the process exits."""
     tmp = Path(tempfile.mkdtemp(prefix="kvcli-model-"))
     atexit.register(shutil.rmtree, tmp, True)
+    _progress(f"converting the embedded model {EMBEDDED_MODEL} (~30 s; again on every run while the cache directory is not writable)")
     try:
         _convert_gguf(gguf, tmp)
     except MemoryError as e:

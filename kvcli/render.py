@@ -19,22 +19,62 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+def word_spans(text: str, spans) -> list[tuple[int, int, list[int]]]:
+    """Kept character spans for the terminal: each widened to whole words (a kept token inside a
+    word highlights the word: ``GNOME``, never ``G⟦NO⟧ME``), then merged where they overlap or
+    touch. Returns (start, end, indices of the merged spans), in document order. The JSON views
+    keep the token offsets."""
+    out: list[tuple[int, int, list[int]]] = []
+    n = len(text)
+    for i, span in enumerate(spans):
+        a, b = span.start, span.end
+        while 0 < a < n and _is_word(text[a - 1]) and _is_word(text[a]):
+            a -= 1
+        while 0 < b < n and _is_word(text[b - 1]) and _is_word(text[b]):
+            b += 1
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b), out[-1][2] + [i])
+        else:
+            out.append((a, b, [i]))
+    return out
+
+
 def selected_spans(console: Console, spans, document, n_kept: int, n_total: int, max_spans: int | None = None) -> None:
-    """Print each kept document span highlighted inside a little of its context, with its page."""
+    """Print the kept document spans highlighted inside a little of their context, with pages.
+
+    Spans whose context would overlap share one row (the text between them shown once, dim), so
+    no part of the document is printed twice; highlights fall on word boundaries (:func:`word_spans`)."""
     console.rule(f"[bold]kept {n_kept:,} of {n_total:,} prompt tokens ({n_kept / max(n_total, 1):.1%}) — {len(spans)} document spans")
-    shown = spans if max_spans is None else spans[:max_spans]
-    for span in shown:
-        before = document.text[max(0, span.start - CONTEXT_CHARS) : span.start]
-        after = document.text[span.end : span.end + CONTEXT_CHARS]
-        pages = f"p.{span.page}" if span.page == span.last_page else f"p.{span.page}-{span.last_page}"
+    text = document.text
+    rows: list[list[tuple[int, int, list[int]]]] = []
+    for piece in word_spans(text, spans):
+        if rows and piece[0] - rows[-1][-1][1] <= 2 * CONTEXT_CHARS:
+            rows[-1].append(piece)
+        else:
+            rows.append([piece])
+    shown = rows if max_spans is None else rows[:max_spans]
+    for row in shown:
+        start, end = row[0][0], row[-1][1]
+        first, last = document.page_of(start), document.page_of(max(start, end - 1))
+        pages = f"p.{first}" if first == last else f"p.{first}-{last}"
         line = Text()
         line.append(f"{pages:>8}  ", style="cyan")
-        line.append("…" + _one_line(before)[-CONTEXT_CHARS:] + " ", style="dim")
-        line.append(_one_line(span.text), style=GEM_STYLE)
-        line.append(" " + _one_line(after)[:CONTEXT_CHARS] + "…", style="dim")
+        before = _one_line(text[max(0, start - CONTEXT_CHARS) : start])[-CONTEXT_CHARS:]
+        line.append(("…" if start > CONTEXT_CHARS else "") + before + " ", style="dim")
+        for j, (a, b, _) in enumerate(row):
+            if j:
+                line.append(" " + _one_line(text[row[j - 1][1] : a]) + " ", style="dim")
+            line.append(_one_line(text[a:b]), style=GEM_STYLE)
+        after = _one_line(text[end : end + CONTEXT_CHARS])[:CONTEXT_CHARS]
+        line.append(" " + after + ("…" if end + CONTEXT_CHARS < len(text) else ""), style="dim")
         console.print(line, overflow="fold")
-    if len(shown) < len(spans):
-        console.print(f"… {len(spans) - len(shown)} more spans (use --json for all)", style="dim")
+    if len(shown) < len(rows):
+        hidden = sum(len(piece[2]) for row in rows[len(shown) :] for piece in row)
+        console.print(f"… {hidden} more {'span' if hidden == 1 else 'spans'} (use --json for all)", style="dim")
 
 
 def human_bytes(n: int | None) -> str:
@@ -47,29 +87,67 @@ def human_bytes(n: int | None) -> str:
     return str(n)
 
 
-def cache_table(console: Console, entries) -> None:
-    """``kvcli cache ls``: one row per store entry, most recently used first (``--json``: all fields)."""
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _cache_state(state) -> str:
+    """Short: the kind, and the layers of a KV state (every parameter: ``kvcli cache info KEY``)."""
+    state = state if isinstance(state, dict) else {}
+    return f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
+
+
+def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> None:
+    """``kvcli cache ls`` on a terminal: one row per store entry, most recently used first, and a
+    line of totals (with the writes in progress and what opening the store reclaimed)."""
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
     for col in ("key", "document", "model", "method", "state", "tokens", "size", "last use"):
         right = col in ("tokens", "size")
         table.add_column(col, justify="right" if right else "left", overflow="fold", no_wrap=col in ("key", "size"))
     for e in entries:
         j = e.to_json()
-        state = j["state"] if isinstance(j["state"], dict) else {}
-        # short: the kind, and the layers of a KV state (every parameter: `kvcli cache info KEY`)
-        what = f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
         table.add_row(
             j["key"][:12],
-            Path(j["document"]).name if j["document"] else f"[red]damaged: {e.error}[/red]",
-            Path(j["model"]).name if j["model"] else "-",
-            (j["method"] or "-").split(":")[0],
-            what,
+            Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
+            Text(Path(j["model"]).name if j["model"] else "-"),
+            Text((j["method"] or "-").split(":")[0]),
+            _cache_state(j["state"]),
             f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-",
             human_bytes(j["size_bytes"]),
             j["last_use"][5:16].replace("T", " "),  # MM-DD HH:MM
         )
-    console.print(table)
-    console.print(f"[dim]{len(entries)} entries, {human_bytes(sum(e.size for e in entries))}[/dim]")
+    if entries:
+        console.print(table)
+    total = f"{_plural(len(entries), 'entry', 'entries')}, {human_bytes(sum(e.size for e in entries))}"
+    if leftovers is not None and leftovers.temp_files:
+        total += f" · {_plural(leftovers.temp_files, 'write')} in progress, {human_bytes(leftovers.temp_bytes)}"
+    if reclaimed is not None and reclaimed.temp_files:
+        total += f" · reclaimed {human_bytes(reclaimed.temp_bytes)} left by killed runs"
+    console.print(total, style="dim", markup=False, highlight=False)
+
+
+CACHE_TSV_COLUMNS = ("key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use")
+
+
+def cache_tsv(entries) -> str:
+    """``kvcli cache ls`` piped: tab-separated values, a header row, full keys and paths, sizes in
+    bytes, the state as compact JSON; never wrapped. A damaged entry's document is ``damaged: ...``."""
+    import json
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return " ".join(str(value).split())  # no tab or newline inside a cell
+
+    lines = ["\t".join(CACHE_TSV_COLUMNS)]
+    for e in entries:
+        j = e.to_json()
+        if j["document"] is None and e.error:
+            j["document"] = f"damaged: {e.error}"
+        lines.append("\t".join(cell(j[c]) for c in CACHE_TSV_COLUMNS))
+    return "\n".join(lines) + "\n"
 
 
 def compressor_table(console: Console) -> None:
@@ -137,14 +215,16 @@ def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
 
 
 def document_view(console: Console, ins) -> None:
-    """The whole document with the kept tokens highlighted (colour: score level), a rule per page."""
+    """The whole document with the kept tokens highlighted (colour: the best score level of the
+    merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
     from .inspect import span_levels
 
     text, doc = ins.document.text, ins.document
     levels = span_levels(ins, len(LEVEL_STYLES))
-    cuts = sorted({0, len(text)} | set(doc.page_starts) | {c for s in ins.spans for c in (s.start, s.end)})
+    pieces = [(a, b, max(levels[i] for i in members)) for a, b, members in word_spans(text, ins.spans)]
+    cuts = sorted({0, len(text)} | set(doc.page_starts) | {c for a, b, _ in pieces for c in (a, b)})
     page_at = {start: i + 1 for i, start in enumerate(doc.page_starts)}
-    starts = [s.start for s in ins.spans]
+    starts = [a for a, _, _ in pieces]
 
     # without colours (a pipe, NO_COLOR) the highlight would vanish: mark kept text with ⟦ ⟧
     plain = console.color_system is None
@@ -156,11 +236,11 @@ def document_view(console: Console, ins) -> None:
                 line = Text()
             console.rule(f"[cyan]page {page_at[a]}[/cyan]", align="left", style="dim")
         j = bisect.bisect_right(starts, a) - 1
-        inside = j >= 0 and ins.spans[j].start <= a < ins.spans[j].end
+        inside = j >= 0 and pieces[j][0] <= a < pieces[j][1]
         if inside and plain:
-            line.append(("⟦" if a == ins.spans[j].start else "") + text[a:b] + ("⟧" if b == ins.spans[j].end else ""))
+            line.append(("⟦" if a == pieces[j][0] else "") + text[a:b] + ("⟧" if b == pieces[j][1] else ""))
         else:
-            line.append(text[a:b], style=LEVEL_STYLES[levels[j]] if inside else "")
+            line.append(text[a:b], style=LEVEL_STYLES[pieces[j][2]] if inside else "")
     if line:
         console.print(line, overflow="fold")
 

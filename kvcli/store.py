@@ -21,7 +21,12 @@ Safety:
 * writes go to a temporary file in the same folder, then ``os.replace`` — readers see the old
   entry or the new one, never half a file;
 * an exclusive ``flock`` per key makes concurrent kvcli processes wait for the one computing an
-  entry and then load it, instead of all computing it;
+  entry and then load it, instead of all computing it; the temporary file of an entry is only
+  written while its key's lock is held;
+* nothing is left behind: opening the store (and ``kvcli cache prune`` / ``rm --all``) removes the
+  temporary files of writers that died (their key's lock is free — a killed process holds no
+  lock) and the lock files nobody holds (:meth:`KVStore.reclaim`); a lock file is only removed
+  by a process holding it, and a process that took the lock of a file since removed takes it again;
 * every load checks the JSON, the format version, the key, the tensor names, shapes, dtypes and
   CRC-32 and the cache's own consistency; anything wrong is a warning, the entry is dropped and the
   state recomputed — never a crash or a wrong answer;
@@ -34,7 +39,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -50,7 +57,9 @@ from .files import atomic_write
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
 _META_KEY = "kvcli"
-_STALE_TEMP_S = 3600.0
+_STALE_TEMP_S = 3600.0  # a temporary file not named after a key is removed after this long
+# the temporary file of an entry: ``.<key>.safetensors.<random>.tmp`` (kvcli.files.atomic_write)
+_TEMP_NAME = re.compile(r"^\.([0-9a-f]{64})" + re.escape(SUFFIX) + r"\..+\.tmp$")
 
 try:  # POSIX advisory locks; elsewhere concurrent runs may compute an entry twice (still safe)
     import fcntl
@@ -169,6 +178,43 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+def _take_lock(path: Path, blocking: bool = True):
+    """An open handle holding the exclusive ``flock`` of the lock file ``path`` (created if absent);
+    None when ``blocking`` is False and another process holds it. Raises OSError.
+
+    Lock files are removed by :meth:`KVStore.reclaim`, only while it holds them. A process that
+    opened the file just before it was removed would lock a file no longer at ``path``: the
+    inode is checked after locking, and the lock taken again on the file now there."""
+    while True:
+        handle = open(path, "a+b")
+        if fcntl is None:
+            return handle
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return None
+        except BaseException:
+            handle.close()
+            raise
+        try:
+            here, ours = os.stat(path), os.fstat(handle.fileno())
+            if (here.st_ino, here.st_dev) == (ours.st_ino, ours.st_dev):
+                return handle
+        except FileNotFoundError:
+            pass
+        handle.close()  # removed (and maybe re-created) meanwhile: lock the file that is there now
+
+
+@dataclass
+class Leftovers:
+    """Files of the store that are not entries: temporary files (with their bytes) and lock files."""
+
+    temp_files: int = 0
+    temp_bytes: int = 0
+    lock_files: int = 0
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -177,10 +223,14 @@ class KVStore:
     root: Path  # <cache_dir>/kv
     enabled: bool = True
     _memo: tuple[str, object] | None = field(default=None, repr=False)
+    reclaimed: Leftovers = field(default_factory=Leftovers)  # what opening removed (kvcli cache info)
 
     @classmethod
     def open(cls, cache_dir: Path) -> "KVStore":
-        return cls(Path(cache_dir).expanduser() / "kv")
+        """The store under ``cache_dir``, after removing what killed runs left in it (:meth:`reclaim`)."""
+        store = cls(Path(cache_dir).expanduser() / "kv")
+        store.reclaimed = store.reclaim()
+        return store
 
     # --- the one call the pipeline makes ------------------------------------------------------
     def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu") -> tuple[object, Fetched]:
@@ -239,9 +289,7 @@ class KVStore:
         try:
             locks = self.root / "locks"
             locks.mkdir(parents=True, exist_ok=True)
-            handle = open(locks / f"{digest}.lock", "a+b")
-            if fcntl is not None:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            handle = _take_lock(locks / f"{digest}.lock")
         except OSError as e:
             if handle is not None:
                 handle.close()
@@ -383,8 +431,9 @@ class KVStore:
             self._memo = None
         return freed
 
-    def prune(self, max_bytes: int) -> list[Entry]:
-        """Remove least recently used entries (and damaged ones) until the store fits in ``max_bytes``."""
+    def prune(self, max_bytes: int) -> tuple[list[Entry], Leftovers]:
+        """Remove least recently used entries (and damaged ones) until the store fits in
+        ``max_bytes``, and what killed runs left behind; returns (entries removed, leftovers removed)."""
         entries = self.entries()
         removed = [e for e in entries if e.error]
         kept = [e for e in entries if not e.error]
@@ -395,29 +444,72 @@ class KVStore:
             removed.append(e)
             total -= e.size
         self.remove(removed)
-        self.clean_temp_files()
-        self.clean_locks()
-        return removed
+        return removed, self.reclaim()
 
-    def clean_temp_files(self, max_age_s: float = _STALE_TEMP_S) -> None:
-        """Remove temporary files of writes killed half-way."""
-        now = time.time()
-        for p in self.root.glob(".*.tmp"):
-            with contextlib.suppress(OSError):
-                if now - p.stat().st_mtime > max_age_s:
-                    p.unlink()
+    def reclaim(self) -> Leftovers:
+        """Remove the temporary files of writers that died and the lock files nobody holds.
 
-    def clean_locks(self) -> None:
-        """Remove lock files nobody holds (a lock file is created per key and left behind)."""
-        for p in (self.root / "locks").glob("*.lock"):
+        An entry's temporary file is written only while its key's lock is held, and the kernel
+        releases the lock of a killed process: a temporary file whose lock can be taken has no
+        writer, whatever its age. Lock files nobody holds are removed (while holding them). Files
+        that cannot be removed (a read-only cache) are left. Returns what was removed."""
+        out = Leftovers()
+        if not self.root.is_dir():
+            return out
+        locks = set((self.root / "locks").glob("*.lock"))  # checking a temporary file may create its lock
+        for path in self.root.glob(".*.tmp"):
+            try:
+                size, mtime = (st := path.stat()).st_size, st.st_mtime
+            except OSError:
+                continue
+            match = _TEMP_NAME.match(path.name)
+            if match is None or fcntl is None:  # not an entry's temporary file (or no locks here): by age
+                if time.time() - mtime > _STALE_TEMP_S and _unlink(path):
+                    out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
+                continue
+            try:
+                handle = _take_lock(self.root / "locks" / f"{match.group(1)}.lock", blocking=False)
+            except OSError:
+                continue  # cannot tell whether its writer lives: leave it
+            if handle is None:
+                continue  # its writer holds the lock: a write in progress
+            with handle:
+                if _unlink(path):
+                    out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
+        if fcntl is not None:
+            for path in (self.root / "locks").glob("*.lock"):
+                try:
+                    handle = _take_lock(path, blocking=False)
+                except OSError:
+                    continue
+                if handle is not None:
+                    with handle:
+                        if _unlink(path) and path in locks:
+                            out.lock_files += 1
+        return out
+
+    def leftovers(self) -> Leftovers:
+        """Temporary files (writes in progress, or not yet reclaimed) and lock files now in the store."""
+        out = Leftovers()
+        if not self.root.is_dir():
+            return out
+        for path in self.root.glob(".*.tmp"):
             with contextlib.suppress(OSError):
-                with open(p, "a+b") as handle:
-                    if fcntl is not None:
-                        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    p.unlink()
+                out.temp_bytes += path.stat().st_size
+                out.temp_files += 1
+        out.lock_files = sum(1 for _ in (self.root / "locks").glob("*.lock"))
+        return out
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries())
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
 
 
 def parse_size(text: str) -> int:
@@ -431,7 +523,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(number)
     except ValueError:
-        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'") from None
+        value = math.nan
+    if not math.isfinite(value * scale):  # nan, inf, 1e400
+        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'")
     if value < 0:
         raise UsageError(f"size must not be negative, got '{text}'")
     return int(value * scale)

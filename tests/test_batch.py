@@ -64,7 +64,10 @@ def test_folder_with_a_corrupt_file_gives_records_for_all_and_exit_1(cli, folder
         if "error" not in r:
             assert r["question"] == "Who was the keeper?" and isinstance(r["answer"], str) and r["n_context_tokens"] > 0
             assert list(r)[:2] == ["document", "question"]
-    assert "broken.pdf" in err  # the failure is also said on stderr
+    # the failure is also said on stderr, naming the file once; then the summary
+    [line] = [line for line in err.splitlines() if "broken.pdf" in line]
+    assert line.startswith("kvcli: error: ") and line.count("broken.pdf") == 1, line
+    assert err.splitlines()[-1] == "3 answered, 1 failed · full"
 
 
 def test_questions_file_asks_every_question_of_every_document_loading_the_model_once(cli, folder, tmp_path, monkeypatch):
@@ -113,10 +116,35 @@ def test_quiet_leaves_stderr_empty_even_with_failures(cli, folder):
 
 
 def test_fail_fast_stops_at_the_first_failure(cli, folder):
-    code, records, _ = cli(folder / "missing.txt", folder / "a.txt", "Who?", "--fail-fast")
+    code, records, err = cli(folder / "missing.txt", folder / "a.txt", "Who?", "--fail-fast")
     assert code == 1 and len(records) == 1 and "does not exist" in records[0]["error"]
+    assert err.splitlines()[-1] == "0 answered, 1 failed, 1 not asked (--fail-fast) · full"
     code, records, _ = cli(folder / "missing.txt", folder / "a.txt", "Who?")
     assert code == 1 and len(records) == 2 and "error" not in records[1]
+
+
+def test_batch_summary_counts_what_ran_and_shows_the_resolved_spec(folder, model, tmp_path, capsys, monkeypatch):
+    def run(*args):
+        return run_cli(["ask", *args, "-m", model, "--max-new-tokens", "2", "--no-cache", "-c", "gemfilter:layer=2"], capsys, monkeypatch)
+
+    code, out, err = run(folder / "missing.txt", folder / "a.txt", folder / "b.md", "Who?", "--fail-fast")
+    assert code == 1 and len(out.splitlines()) == 1
+    assert err.splitlines() == [
+        f"kvcli: error: '{folder / 'missing.txt'}' does not exist",
+        "0 answered, 1 failed, 2 not asked (--fail-fast) · gemfilter:layer=2",  # nothing ran: the spec as given
+    ]
+    code, out, err = run(folder / "a.txt", folder / "missing.txt", "Who?")
+    summary = err.splitlines()[-1]
+    resolved = json.loads(out.splitlines()[0])["compressor"]
+    assert code == 1 and summary == f"1 answered, 1 failed · {resolved}" and "auto" not in resolved, summary
+
+
+def test_an_error_that_does_not_name_the_document_gets_its_name_once():
+    from kvcli.batch import error_line
+
+    assert error_line({"document": "/x/a.pdf", "error": "'/x/a.pdf' is not a valid PDF"}) == "'/x/a.pdf' is not a valid PDF"
+    assert error_line({"document": "/x/a.txt", "error": "the prompt is longer than the window"}) == "/x/a.txt: the prompt is longer than the window"
+    assert error_line({"document": "-", "error": "stdin is empty"}) == "stdin is empty"
 
 
 def test_glob_pattern_and_usage_errors(cli, folder, capsys):

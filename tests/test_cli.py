@@ -138,7 +138,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         ("dir", ["no .pdf", "files in this folder"]),  # a folder is read recursively; this one is empty
         ("docx", ["unsupported file type '.docx'", ".pdf", ".txt"]),
         ("empty", ["is empty"]),
-        ("encrypted", ["encrypt"]),
+        ("encrypted", ["protected by a password", "qpdf --password"]),
         ("image_only", ["no extractable text", "OCR"]),
         ("corrupt", ["not a valid PDF"]),
     ],
@@ -161,6 +161,8 @@ def test_unreadable_document(cli, files, model, key, needles):
         ("gemfilter:kernel=4", ["kernel", "odd"]),
         ("gemfilter:k", ["knob=value"]),
         ("full+", ["empty compressor"]),
+        ("gemfilter:k=8,k=16", ["knob 'k' is given twice"]),
+        ("gemfilter:k=8,layer=2,k=8", ["knob 'k' is given twice"]),
     ],
 )
 def test_bad_compressor_spec(cli, files, spec, needles):
@@ -388,3 +390,41 @@ def test_kv_offload_without_effect_says_so_once(spec, note, files, model, capsys
     record = json.loads(out)
     assert any(note in w for w in record["warnings"]), record["warnings"]
     assert err.count("kvcli: warning:") == 1 and note in err
+
+
+# --- questions ---------------------------------------------------------------------------------
+
+
+def test_a_question_with_questions_file_is_a_usage_error(cli, files, tmp_path):
+    questions = tmp_path / "q.txt"
+    questions.write_text("Who keeps the light?\n")
+    for extra in ("Extra?", "What is it", "notes"):  # not documents: a glob that matches nothing, words
+        line = assert_user_error(cli("ask", files["doc"], extra, "--questions", questions, "-m", "/nonexistent/model"), 2, f"'{extra}'")
+        assert "a QUESTION and --questions exclude each other" in line
+    # documents that cannot be read stay documents (exit 1, named)
+    assert_user_error(cli("ask", files["doc"].with_name("gone.txt"), "--questions", questions, "-m", "/nonexistent/model"), 1, "gone.txt")
+
+
+@pytest.mark.parametrize("question", ["", "   ", "\n"])
+def test_an_empty_question_is_a_usage_error(cli, files, question):
+    assert_user_error(cli("ask", files["doc"], question, "-m", "/nonexistent/model"), 2, "the question is empty")
+    assert_user_error(cli("inspect", files["doc"], question, "-m", "/nonexistent/model"), 2, "the question is empty")
+
+
+# --- a cold first run: the embedded model's conversion says so --------------------------------
+
+
+def test_the_embedded_models_conversion_is_announced_when_stderr_is_not_a_terminal(cli, files, tmp_path, monkeypatch):
+    from kvcli import models
+
+    def convert(gguf, dest):  # stands for the ~30 s conversion; stop there
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    code, out, err = cli("ask", files["doc"], "What is it?", "--cache-dir", tmp_path / "fresh")
+    lines = err.splitlines()
+    assert code == 1 and out == "" and len(lines) == 2, err
+    assert lines[0].startswith("kvcli: converting the embedded model smollm2-135m-instruct for its first use (once, ~30 s) into ")
+    assert lines[1].startswith("kvcli: error: cannot convert the embedded model")
+    code, out, err = cli("ask", files["doc"], "What is it?", "--cache-dir", tmp_path / "fresh", "--quiet")
+    assert code == 1 and err.startswith("kvcli: error: cannot convert") and len(err.splitlines()) == 1

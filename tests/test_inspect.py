@@ -412,3 +412,67 @@ def test_layers_without_needle_uses_the_full_attention_answer(cli, model, pdf, m
     code, out, err = cli("inspect", "--layers", pdf, QUESTION, "--model", model, "--k", "40", "--json")
     assert code == 0, err
     assert json.loads(out)["needle"] == "4417"
+
+
+# --- the terminal views: whole words, each piece of text once ------------------------------------
+
+
+def _spans_at(doc, pieces):
+    from kvcli.selection import Span
+
+    return [Span(a, b, doc.page_of(a), doc.page_of(b - 1), 1, None, doc.text[a:b]) for a, b in pieces]
+
+
+def _plain_console():
+    from io import StringIO
+
+    from rich.console import Console
+
+    return Console(file=StringIO(), width=100, color_system=None, highlight=False)  # as in a pipe: ⟦ ⟧ marks
+
+
+def test_document_view_highlights_whole_words_and_merges_what_overlaps():
+    from types import SimpleNamespace
+
+    from kvcli import render
+
+    doc = document_from_text("The GNOME desktop ran fine. Nothing else: x_y and 42 items.")
+    t = doc.text
+    g, d, n = t.index("GNOME"), t.index("desktop"), t.index("Nothing")
+    # token pieces: "NO" and "ME" of GNOME (adjacent), "desk" and "top" of desktop (each widens to
+    # the word, then they overlap), the "thin" of "Nothing" and the "4" of "42"
+    spans = _spans_at(doc, [(g + 1, g + 3), (g + 3, g + 5), (d, d + 4), (d + 4, d + 7), (n + 2, n + 6), (t.index("42"), t.index("42") + 1)])
+    console = _plain_console()
+    render.document_view(console, SimpleNamespace(document=doc, spans=spans, score_kind=None))
+    out = console.file.getvalue()
+    assert "The ⟦GNOME⟧ ⟦desktop⟧ ran fine. ⟦Nothing⟧ else: x_y and ⟦42⟧ items." in out
+    assert not re.search(r"\w⟦\w|\w⟧\w", out)
+    # the JSON keeps token offsets: the spans themselves are unchanged
+    assert [s.text for s in spans] == ["NO", "ME", "desk", "top", "thin", "4"]
+
+
+def test_kept_spans_list_shows_each_piece_of_text_once():
+    from kvcli import render
+
+    doc = document_from_text(" ".join(f"s{i:02d} alpha beta gamma." for i in range(60)))
+    t = doc.text
+    near = [t.index(f"s{i:02d}") for i in range(0, 30, 2)]  # kept spans ~40 characters apart
+    far = t.index("s55")
+    spans = _spans_at(doc, [(a, a + 3) for a in near] + [(far, far + 3)])
+    console = _plain_console()
+    render.selected_spans(console, spans, doc, n_kept=16, n_total=400)
+    out = console.file.getvalue()
+    rows = [line for line in out.splitlines() if line.lstrip().startswith("p.1")]
+    assert len(rows) == 2  # the 15 close spans share one row; the far one has its own
+    for i in range(60):  # nothing printed twice (the old view repeated the overlapping context ~20 times)
+        assert out.count(f"s{i:02d}") <= 1, (i, out)
+    assert "s00" in out and "s28" in out and "s55" in out and "s40" not in out
+    console = _plain_console()
+    render.selected_spans(console, spans, doc, n_kept=16, n_total=400, max_spans=1)
+    assert "… 1 more span (use --json for all)" in console.file.getvalue()
+
+
+def test_cli_show_selected_marks_whole_words(cli, model, pdf):
+    code, out, err = cli("inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--no-cache", "--show-selected")
+    assert code == 0, err
+    assert "⟦" in out and not re.search(r"\w⟦\w|\w⟧\w", out)

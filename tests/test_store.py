@@ -219,10 +219,19 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 << 30
     assert parse_size("1.5k") == 1536
     assert parse_size("123") == 123
+    assert parse_size("0") == 0
     from kvcli.errors import UsageError
 
-    with pytest.raises(UsageError):
-        parse_size("lots")
+    for bad in ("lots", "", "M", "nan", "inf", "-inf", "1e400", "1e300T", "NaNG", "-1K"):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "1e400", "-5M", ""])
+def test_prune_with_a_size_that_is_not_a_size_is_a_usage_error(size, tmp_path, capsys, monkeypatch):
+    code, out, err = _cli(["cache", "prune", "--max-size", size, "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert (code, out) == (2, "") and err.startswith("kvcli: error: size ") and len(err.splitlines()) == 1, err
+    assert "internal error" not in err and "Traceback" not in err
 
 
 # --- kvcli cache ls | info | rm | prune | path ----------------------------------------------------
@@ -266,8 +275,11 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert code == 0 and len(rows) == 2
     assert rows[0]["document"] == str(doc_a)  # most recently used first (the hit touched it)
     assert {r["method"] for r in rows} == {"full"} and all(r["size_bytes"] > 0 for r in rows)
-    code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)
-    assert code == 0 and "a.txt" in out and "2 entries" in out
+    code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: TSV, never wrapped
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split("\t") == ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use"]
+    assert [line.split("\t")[:2] for line in lines[1:]] == [[r["key"], r["document"]] for r in rows]
+    assert [int(line.split("\t")[6]) for line in lines[1:]] == [r["size_bytes"] for r in rows]
     code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
     assert json.loads(out)["entries"] == 2
     code, out, _ = _cli(["cache", "info", rows[1]["key"][:10], "--cache-dir", cache], capsys, monkeypatch)
@@ -275,14 +287,14 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
 
     # prune to a size that fits one entry: the least recently used (b) goes
     code, out, _ = _cli(["cache", "prune", "--max-size", str(rows[0]["size_bytes"]), "--cache-dir", cache], capsys, monkeypatch)
-    assert code == 0 and out.startswith("removed 1 entries")
+    assert code == 0 and out.startswith("removed 1 entry, ")
     remaining = KVStore.open(cache).entries()
     assert [e.meta["document"] for e in remaining] == [str(doc_a)]
     # rm by document (matched by path, or by text when the file moved)
     moved = tmp_path / "moved.txt"
     doc_a.rename(moved)
     code, out, _ = _cli(["cache", "rm", moved, "--cache-dir", cache], capsys, monkeypatch)
-    assert code == 0 and out.startswith("removed 1 entries")
+    assert code == 0 and out.startswith("removed 1 entry, ")
     assert KVStore.open(cache).entries() == []
     code, out, _ = _cli(["cache", "rm", "--all", "--cache-dir", cache], capsys, monkeypatch)
     assert code == 0 and list((cache / "kv" / "locks").glob("*.lock")) == []  # unheld locks cleaned
@@ -311,3 +323,223 @@ def test_four_concurrent_processes_share_one_valid_entry(tiny_dir, tmp_path):
     entries = KVStore.open(cache).entries()
     assert len(entries) == 1 and entries[0].error is None
     assert not list((cache / "kv").glob(".*.tmp"))
+
+
+# --- nothing left behind: runs killed half-way, stale temporary files and locks -------------------
+
+# run kvcli, killed (SIGKILL: no cleanup of any kind) after a store entry is written in full to its
+# temporary file and before the rename that would publish it
+KILLED_BEFORE_RENAME = r"""
+import os, signal, sys
+real_replace = os.replace
+def replace(src, dst):
+    if os.path.basename(os.path.dirname(os.fspath(dst))) == "kv":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+os.replace = replace
+from kvcli.cli import main
+sys.argv = ["kvcli", *sys.argv[1:]]
+main()
+"""
+
+
+def _terminal_stdout(monkeypatch):
+    """`kvcli cache ls` as on a terminal (the tests' stdout is a pipe)."""
+    from rich.console import Console
+
+    import kvcli.cli
+
+    monkeypatch.setattr(kvcli.cli, "stdout", Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True))
+
+
+def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, tmp_path, capsys, monkeypatch):
+    import signal
+
+    from kvcli.store import _take_lock
+
+    doc, cache = tmp_path / "doc.txt", tmp_path / "cache"
+    doc.write_text(DOC)
+    kv, model = cache / "kv", str(tiny_dir("llama", num_hidden_layers=4))
+    ask_args = ["ask", str(doc), Q1, "-m", model, "-c", "full", "--cache-dir", str(cache), "--max-new-tokens", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_BEFORE_RENAME, *ask_args, "-q"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [killed] = kv.glob(".*.tmp")
+    killed_bytes = killed.stat().st_size
+    assert killed_bytes > 100_000  # the whole entry, never renamed
+    assert len(list((kv / "locks").glob("*.lock"))) == 1  # and its key's lock file
+    # a 0-byte temporary file of an earlier kill, seconds old (age alone would keep it)
+    empty = kv / f".{'a' * 64}.safetensors.k1ll3d.tmp"
+    empty.touch()
+    # a write in progress: its writer (this test) holds the key's lock
+    live = kv / f".{'b' * 64}.safetensors.l1v3.tmp"
+    live.write_bytes(b"x" * 1000)
+    holder = _take_lock(kv / "locks" / f"{'b' * 64}.lock")
+    try:
+        code, out, err = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
+        assert (code, err) == (0, "")
+        info = json.loads(out)
+        assert (info["entries"], info["size_bytes"]) == (0, 0)
+        assert (info["reclaimed_temp_files"], info["reclaimed_bytes"], info["reclaimed_lock_files"]) == (2, killed_bytes, 1)
+        assert (info["writes_in_progress"], info["in_progress_bytes"], info["lock_files"], info["disk_bytes"]) == (1, 1000, 1, 1000)
+        assert [p.name for p in kv.glob(".*.tmp")] == [live.name]
+        assert [p.name for p in (kv / "locks").glob("*.lock")] == [f"{'b' * 64}.lock"]
+        _terminal_stdout(monkeypatch)
+        code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)
+        assert code == 0 and "0 entries, 0 B · 1 write in progress, 1,000 B" in out
+    finally:
+        holder.close()
+    # its writer gone, the next open (here: prune) reclaims it too
+    code, out, _ = _cli(["cache", "prune", "--max-size", "1G", "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and out == "removed 0 entries, 0 B; reclaimed 1 temporary file of killed runs, 1,000 B; 0 B left\n"
+    assert list(kv.glob(".*.tmp")) == [] and list((kv / "locks").glob("*.lock")) == []
+    # the killed run's entry is computed again, and listed
+    code, out, err = _cli([*ask_args, "--json", "-q"], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["cache"] == "miss", err
+    code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)
+    assert "doc.txt" in out and "1 entry, " in out and "in progress" not in out
+
+
+def test_reclaim_keeps_what_a_live_writer_holds_and_a_stale_foreign_temp_goes_by_age(tmp_path):
+    from kvcli.store import _take_lock
+
+    kv = tmp_path / "kv"
+    (kv / "locks").mkdir(parents=True)
+    live = kv / f".{'c' * 64}.safetensors.x.tmp"
+    live.write_bytes(b"12345")
+    fresh, old = kv / ".something-else.tmp", kv / ".older.tmp"  # not an entry's name: by age only
+    fresh.write_bytes(b"1")
+    old.write_bytes(b"12")
+    os.utime(old, (0, 0))
+    with _take_lock(kv / "locks" / f"{'c' * 64}.lock"):
+        store = KVStore.open(tmp_path)
+        assert live.exists() and fresh.exists() and not old.exists()
+        assert (store.reclaimed.temp_files, store.reclaimed.temp_bytes) == (1, 2)
+        assert store.leftovers().temp_files == 2 and store.leftovers().lock_files == 1
+    assert KVStore.open(tmp_path).reclaimed.temp_files == 1 and not live.exists()
+
+
+def test_a_lock_removed_while_a_process_waits_for_it_is_taken_again(tmp_path):
+    """The cleaner removes a lock file only while holding it; a process that opened the file just
+    before sees the inode change after locking and locks the file now at the path."""
+    import threading
+
+    from kvcli.store import _take_lock
+
+    path = tmp_path / "k.lock"
+    first = _take_lock(path)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(_take_lock(path)))
+    waiter.start()
+    path.unlink()  # as reclaim does, holding the lock
+    first.close()
+    waiter.join(timeout=10)
+    [handle] = got
+    assert os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino  # holds the file that is there
+    assert _take_lock(path, blocking=False) is None  # and others see it held
+    handle.close()
+
+
+def _make_entries(lm, cache_dir: Path, n: int) -> list[str]:
+    """``n`` small entries (1 layer of a few tokens each); their keys."""
+    store, engine, keys = KVStore.open(cache_dir), Engine(lm), []
+    for i in range(n):
+        ids = torch.arange(8 + i)
+        key = make_key(lm, ids, {"kind": "kv", "layers": 1})
+        store.fetch(key, lambda: engine.prefix_kv(ids, 1), {"document": f"/docs/doc{i}.txt", "method": "full", "model_name": lm.name})
+        keys.append(key.digest)
+    return keys
+
+
+def test_rm_and_info_keys_must_name_one_entry(tiny_lm, tmp_path, capsys, monkeypatch):
+    keys = _make_entries(tiny_lm("llama"), tmp_path, 20)
+    first = [k[0] for k in keys]
+    shared = next(c for c in first if first.count(c) > 1)  # 20 keys, 16 hex digits: one is shared
+    unused = next(c for c in "0123456789abcdef" if c not in first)
+
+    def one_error_line(args, code):
+        got, out, err = _cli([*args, "--cache-dir", tmp_path], capsys, monkeypatch)
+        assert (got, out) == (code, "") and err.startswith("kvcli: error: ") and len(err.splitlines()) == 1, (got, out, err)
+        assert len(KVStore.open(tmp_path).entries()) == 20  # nothing removed
+        return err
+
+    assert "empty cache key" in one_error_line(["cache", "rm", "--key", ""], 2)
+    assert "empty cache key" in one_error_line(["cache", "rm", "--key", "  "], 2)
+    assert "is not a cache key" in one_error_line(["cache", "rm", "--key", "book.pdf"], 2)
+    assert f"matches {first.count(shared)} cache entries" in one_error_line(["cache", "rm", "--key", shared], 2)
+    # an ambiguous key among good ones: refused before anything is removed
+    one_error_line(["cache", "rm", "--key", keys[0][:12], "--key", shared], 2)
+    assert "empty cache key" in one_error_line(["cache", "info", ""], 2)
+    assert "matches" in one_error_line(["cache", "info", shared], 2)
+    assert "no cache entries for key" in one_error_line(["cache", "rm", "--key", unused * 8], 1)
+    assert "no cache entry has key" in one_error_line(["cache", "info", unused * 8], 1)
+    missing = tmp_path / "never-asked.txt"
+    assert f"no cache entries for '{missing}'" in one_error_line(["cache", "rm", missing], 1)
+
+    code, out, err = _cli(["cache", "rm", "--key", keys[3][:10].upper(), "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert (code, err) == (0, "") and out.startswith("removed 1 entry, ")
+    assert keys[3] not in {e.key for e in KVStore.open(tmp_path).entries()}
+    # one name matches, one does not: the first is removed, the second said, exit 1
+    code, out, err = _cli(["cache", "rm", "--key", keys[4], "--key", unused * 8, "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert code == 1 and out.startswith("removed 1 entry, ") and err.startswith("kvcli: error: no cache entries for key")
+    code, out, _ = _cli(["cache", "rm", "--all", "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert code == 0 and out.startswith("removed 18 entries, ")
+    code, out, err = _cli(["cache", "rm", "--all", "--key", keys[0], "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert code == 2 and "--all" in err
+
+
+@pytest.mark.parametrize("what", ["missing", "file"])
+def test_cache_commands_warn_about_a_cache_dir_that_is_not_a_folder(what, tmp_path, capsys, monkeypatch):
+    target = tmp_path / "nope"
+    if what == "file":
+        target.write_text("not a folder")
+    for args in (["ls"], ["ls", "--json"], ["info"], ["prune", "--max-size", "1G"]):
+        code, out, err = _cli(["cache", *args, "--cache-dir", target], capsys, monkeypatch)
+        assert code == 0, err
+        expected = f"the cache folder {target} does not exist" if what == "missing" else f"{target} is not a folder"
+        assert err == f"kvcli: warning: {expected}; nothing is cached there\n"
+    assert target.exists() == (what == "file")  # nothing created
+
+
+def test_cache_table_on_a_terminal_counts_right(tiny_lm, tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kvcli import render
+
+    _make_entries(tiny_lm("llama"), tmp_path, 2)
+    entries = KVStore.open(tmp_path).entries()
+    for n, count in ((0, "0 entries, 0 B"), (1, "1 entry, "), (2, "2 entries, ")):
+        console = Console(file=StringIO(), width=100, force_terminal=True, color_system=None)
+        render.cache_table(console, entries[:n])
+        assert count in console.file.getvalue()
+        assert ("doc1.txt" in console.file.getvalue()) == (n >= 1)
+
+
+def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path, monkeypatch):
+    """Entries and the converted embedded model get the modes the umask gives new files: with
+    umask 002 the group can read and replace them (the converted weights used to be 0600)."""
+    import stat
+
+    from kvcli import models
+
+    lm = tiny_lm("llama")
+
+    def fake_convert(gguf, dest):  # what safetensors does: weights written 0600
+        fd = os.open(dest / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    old = os.umask(0o002)
+    try:
+        folder, _ = models._embedded(tmp_path / "shared")
+        [entry_key] = _make_entries(lm, tmp_path / "shared", 1)
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(folder) == 0o775
+    assert {p.name: mode(p) for p in folder.iterdir()} == {"model.safetensors": 0o664, "config.json": 0o664, "kvcli-source.json": 0o664}
+    assert mode(tmp_path / "shared" / "kv" / f"{entry_key}.safetensors") == 0o664
+    assert mode(tmp_path / "shared" / "gguf-sha256.json") == 0o664

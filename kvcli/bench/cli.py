@@ -141,6 +141,7 @@ def _check_preload(lengths, model, new_tokens) -> None:
 
 NEEDLE_HELP = """Needle in a haystack: a passkey at each depth of documents of each length, for each method.
 
+\b
     kvcli bench needle --out bench/ --methods "full;gemfilter:k=256" --lengths 1024,2048,4096
 
 A cell is correct when the passkey's digits appear in the answer (spaces and commas ignored).
@@ -222,6 +223,7 @@ def _needle_report(err, rows, out, model, draw):
 
 SPEED_HELP = """TTFT, decode tokens/s and peak memory vs context length, for each method.
 
+\b
     kvcli bench speed --out bench/ --methods "full;gemfilter:k=256" --lengths 1024,2048,4096,8000
 
 Each cell answers about a needle document of that length (no disk cache) and generates exactly

@@ -216,6 +216,8 @@ def parse_one(spec: str) -> Compressor:
             raise UsageError(f"{name}: expected knob=value, got '{item}'")
         if key not in fields:
             raise UsageError(f"{name}: unknown knob '{key}'; knobs: {describe_knobs(cls)}")
+        if key in values:
+            raise UsageError(f"{name}: knob '{key}' is given twice; give each knob once")
         values[key] = _parse_value(cls, fields[key], val)
     obj = cls(**values)
     obj.explicit_knobs = frozenset(values)
