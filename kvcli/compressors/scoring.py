@@ -274,3 +274,66 @@ class Eviction(Compressor):
         for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
             keep_top(cache, layer, static if static is not None else scores[layer], k_layer)
         return cache
+
+
+# --------------------------------------------------------------------------- head-adaptive budgets
+# (AdaKV, KVzip, ExpectedAttention: the KV heads of a layer keep different numbers of entries; the
+# result is a kvcli.cache.RaggedCache whose padding the attention masks out exactly.)
+
+
+def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(n_kv, n) scores -> (n_kv, n) bool: the ``k`` best entries of every head (all if k >= n)."""
+    n = scores.shape[-1]
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if k >= n:
+        return mask.fill_(True)
+    return mask.scatter_(-1, torch.topk(scores, k, dim=-1).indices, True)
+
+
+def adaptive_mask(scores: torch.Tensor, k: int, safeguard: float) -> torch.Tensor:
+    """AdaKV's allocation (Feng et al. 2024, arXiv:2407.11550, Algorithm 1 + the safeguard of its
+    later versions and of NVIDIA kvpress): a layer keeps ``k`` entries per head *on average* —
+    the ``k * n_kv`` best of the scores of all its heads flattened together — but every head keeps
+    at least its own ``floor(safeguard * k)`` best. (n_kv, n) scores -> (n_kv, n) bool.
+    Entries scoring +inf (windows, sinks) are always kept, by every head."""
+    n_kv, n = scores.shape
+    if k >= n:
+        return torch.ones(n_kv, n, dtype=torch.bool, device=scores.device)
+    s = scores.to(torch.float32).clone()
+    safe = min(k, math.floor(safeguard * k + 1e-9))
+    if safe > 0:
+        s.scatter_(-1, torch.topk(s, safe, dim=-1).indices, float("inf"))
+    chosen = torch.topk(s.flatten(), k * n_kv).indices
+    mask = torch.zeros(n_kv * n, dtype=torch.bool, device=scores.device)
+    mask[chosen] = True
+    return mask.view(n_kv, n)
+
+
+def global_masks(scores: list[torch.Tensor], total: int) -> list[torch.Tensor]:
+    """Keep the ``total`` best entries over every layer and head together (KVzip's non-uniform
+    budgets). ``scores``: per layer (n_kv, n_l) -> per layer (n_kv, n_l) bool."""
+    sizes = [s.numel() for s in scores]
+    flat = torch.cat([s.to(torch.float32).flatten().cpu() for s in scores])
+    mask = torch.zeros(flat.numel(), dtype=torch.bool)
+    mask[torch.topk(flat, min(total, flat.numel())).indices] = True
+    return [m.view(s.shape) for m, s in zip(torch.split(mask, sizes), scores)]
+
+
+def refuse_sliding_window(lm, method: str) -> None:
+    """Methods whose heads keep different entries index slots, not positions: a sliding window
+    (counted in positions) cannot apply to them; refuse such models with one line."""
+    from .razor import sliding_windows
+
+    windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
+    if windows:
+        raise UsageError(
+            f"{method}: {lm.name} uses sliding-window attention ({min(windows)} tokens); per-head eviction "
+            "needs full-attention layers (use -c full or gemfilter)"
+        )
+
+
+def require_plain_prefix(method: str, cache) -> KVCache:
+    """A compressing ``build_prefix`` starts from the KV of every layer of the prefix."""
+    if not isinstance(cache, KVCache) or cache.kept is not None:
+        raise UsageError(f"{method}: needs the full KV of the prefix")
+    return cache
