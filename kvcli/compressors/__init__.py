@@ -31,3 +31,4 @@ from .tova import TOVA
 from .knorm import KNorm
 from .keydiff import KeyDiff
 from .adakv import AdaKV
+from .expected_attention import ExpectedAttention

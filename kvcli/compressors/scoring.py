@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
+from ..cache import KVCache, RaggedCache
 from ..errors import UsageError
 from .base import Compressor, knob
 
@@ -332,8 +332,95 @@ def refuse_sliding_window(lm, method: str) -> None:
         )
 
 
-def require_plain_prefix(method: str, cache) -> KVCache:
-    """A compressing ``build_prefix`` starts from the KV of every layer of the prefix."""
-    if not isinstance(cache, KVCache) or cache.kept is not None:
-        raise UsageError(f"{method}: needs the full KV of the prefix")
-    return cache
+def prerope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo RoPE: queries or keys (..., n, head_dim) rotated by the model's (cos, sin) (n, rot_dim)
+    (:func:`kvcli.rope.rope_cos_sin`, ``attention_scaling`` included) -> the vectors before RoPE,
+    float32. A rotation by -angle, divided by the scale squared (cos² + sin²); dimensions past
+    rot_dim (partial rotary) pass through."""
+    from ..rope import apply_rotation
+
+    scale2 = (cos * cos + sin * sin).clamp_min(1e-30)
+    return apply_rotation(x.to(torch.float32), cos / scale2, -sin / scale2)
+
+
+# --------------------------------------------------------------------------- question-agnostic eviction
+
+ALLOCATIONS = ("uniform", "adaptive", "global")
+
+
+def allocate(scores: list[torch.Tensor], k: int, allocation: str, safeguard: float) -> list[torch.Tensor]:
+    """Per-layer keep masks for scores (n_kv, n) of every layer and ``k`` entries per KV head on
+    average: ``uniform`` (every head keeps its k best), ``adaptive`` (AdaKV: k × n_kv per layer split
+    across heads by score, :func:`adaptive_mask`) or ``global`` (k × n_kv × n_layers over the whole
+    model, KVzip's non-uniform budgets, :func:`global_masks`)."""
+    if allocation == "uniform":
+        return [top_mask(s, k) for s in scores]
+    if allocation == "adaptive":
+        return [adaptive_mask(s, k, safeguard) for s in scores]
+    return global_masks(scores, k * sum(s.shape[0] for s in scores))
+
+
+@dataclasses.dataclass
+class PrefixEviction(Compressor):
+    """Eviction of the question-agnostic prefix (document + template), once per document: the
+    compressed cache is the method's prefix state, kept by the disk store and reused for every
+    question; the question's tokens then run on top of it, never compressed (the setting of NVIDIA
+    kvpress, which compresses the context before the question is seen).
+
+    Subclasses define :meth:`prefix_scores` (the full KV of the prefix and per-layer scores)."""
+
+    budget: str | int | float = knob("1024", "entries kept per layer and KV head of the document prefix (the question is never compressed): a token count or a ratio of the prefix")
+    allocation: str = knob("uniform", "uniform: every KV head keeps budget; adaptive: AdaKV, budget x KV heads per layer split by score; global: budget x KV heads x layers over the whole model")
+    safeguard: float = knob(0.2, "adaptive: every KV head keeps at least this fraction of the budget")
+
+    def __post_init__(self) -> None:
+        self.budget = parse_budget(self.name, self.budget)
+        self.allocation = str(self.allocation).strip().lower()
+        if self.allocation not in ALLOCATIONS:
+            raise UsageError(f"{self.name}: allocation must be one of {', '.join(ALLOCATIONS)}, got '{self.allocation}'")
+        if not 0.0 <= self.safeguard <= 1.0:
+            raise UsageError(f"{self.name}: safeguard must be between 0 and 1, got {self.safeguard}")
+        self.check_knobs()
+        if isinstance(self.budget, int) and self.budget < self.always_kept():
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is smaller than the {self.always_kept()} tokens it always keeps; "
+                f"use budget >= {self.always_kept()}"
+            )
+
+    def check_knobs(self) -> None:
+        """Raise UsageError for bad knob values."""
+
+    def always_kept(self) -> int:
+        return 1
+
+    def configure(self, lm) -> None:
+        refuse_sliding_window(lm, self.name)
+
+    def resolve(self, n: int) -> int:
+        """Entries per KV head for a prefix of ``n`` tokens (the question is not counted)."""
+        if isinstance(self.budget, int) and self.budget > n and "budget" in self.explicit_knobs:
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is larger than the document prefix ({n} tokens: the document "
+                f"and the template before the question); use budget <= {n}, a ratio (e.g. budget=0.25), or -c full"
+            )
+        return resolve_budget(self.name, self.budget, n, False, min(n, self.always_kept()))
+
+    def prefix_state(self, lm) -> dict:
+        from .base import _format
+
+        return {"kind": self.name, **{f.name: _format(getattr(self, f.name)) for f in self.knobs()}}
+
+    def prefix_scores(self, engine, prefix_ids: torch.Tensor) -> tuple[KVCache, list[torch.Tensor]]:
+        """The KV of every layer for ``prefix_ids`` at positions 0..n-1, and per layer (n_kv, n)
+        scores (higher: keep; +inf: always kept)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        """The compressed KV of the prefix (a RaggedCache), or its full KV when the budget holds it."""
+        n = prefix_ids.numel()
+        k = self.resolve(n)
+        if k >= n:
+            return engine.prefix_kv(prefix_ids)
+        kv, scores = self.prefix_scores(engine, prefix_ids)
+        return RaggedCache.from_selection(kv, allocate(scores, k, self.allocation, self.safeguard))
