@@ -32,3 +32,4 @@ from .knorm import KNorm
 from .keydiff import KeyDiff
 from .adakv import AdaKV
 from .expected_attention import ExpectedAttention
+from .kvzip import KVzip
