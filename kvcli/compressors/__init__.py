@@ -33,3 +33,4 @@ from .keydiff import KeyDiff
 from .adakv import AdaKV
 from .expected_attention import ExpectedAttention
 from .kvzip import KVzip
+from .duo import DuoAttention
