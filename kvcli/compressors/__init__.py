@@ -34,3 +34,4 @@ from .adakv import AdaKV
 from .expected_attention import ExpectedAttention
 from .kvzip import KVzip
 from .duo import DuoAttention
+from .decoding import Decoding
