@@ -150,3 +150,39 @@ def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
     assert warm.extra["cache"]["status"] == "hit" and full.extra["cache"]["status"] == "hit"
     assert cold.answer_ids == warm.answer_ids == off.answer_ids and len(cold.answer_ids) == 8
     assert cold.extra["kv_cache_bytes"] == warm.extra["kv_cache_bytes"] < full.extra["kv_cache_bytes"]
+
+
+# --- the command line: every new method through `kvcli ask` and `kvcli inspect` ------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "tova:budget=40",
+        "knorm:budget=0.3",
+        "keydiff:budget=40,window=8",
+        "adakv:budget=40,base=snapkv:window=8",
+        "expectedattention:budget=0.3,allocation=adaptive",
+        "kvzip:budget=0.3",
+        "duo:sinks=4,recent=16,tokens=64,length=40",
+        "snapkv:budget=40,window=8+decoding:base=knorm:window=4,budget=40,interval=2",
+    ],
+)
+def test_cli_ask_and_inspect(cli, tiny_dir, tmp_path, spec):
+    import json
+
+    from test_eviction import DOC
+
+    model = str(tiny_dir("llama", num_hidden_layers=4))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    code, out, err = cli("ask", doc, "How many gulls?", "-c", spec, "--model", model, "--json", "--max-new-tokens", "4", "--cache-dir", tmp_path / "c")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["compressor"].split(":")[0] == spec.split(":")[0] and record["cache"] == "miss"
+    assert "answer" in record and record["n_context_tokens"] > 40
+    code, out, err = cli("inspect", doc, "How many gulls?", "-c", spec, "--model", model, "--json", "--no-cache")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["view"] == "per-head" and len(record["layers"]) == 4
+    assert 0 < record["n_kept_tokens"] < record["n_prompt_tokens"]

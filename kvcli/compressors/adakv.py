@@ -69,8 +69,8 @@ def base_spec(base: Eviction) -> str:
 @dataclass
 class AdaKV(Eviction):
     """AdaKV (Feng et al., 2024): a base scorer's entries chosen per layer across its KV heads —
-    ``budget × n_kv_heads`` entries a layer, split by score, at least ``safeguard × budget`` per
-    head. arXiv:2407.11550."""
+    budget x KV heads entries a layer, split by score, at least safeguard x budget per head.
+    arXiv:2407.11550."""
 
     name: ClassVar[str] = "adakv"
     paper: ClassVar[str] = "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"

@@ -58,8 +58,8 @@ def cover_appended(cache: KVCache) -> None:
 @register
 @dataclass
 class Decoding(Compressor):
-    """Decoding-time compression (NVIDIA kvpress's DecodingPress): every ``interval`` generated
-    tokens, an eviction scorer keeps the best ``budget`` entries per KV head."""
+    """Decoding-time compression (NVIDIA kvpress's DecodingPress): every interval generated
+    tokens, an eviction scorer keeps the best budget entries per KV head."""
 
     name: ClassVar[str] = "decoding"
     paper: ClassVar[str] = "NVIDIA kvpress DecodingPress (Devoto et al. 2025, arXiv:2510.00636, decoding-phase compression)"

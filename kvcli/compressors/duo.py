@@ -177,7 +177,7 @@ def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = N
 @dataclass
 class DuoAttention(Compressor):
     """DuoAttention (Xiao et al., 2024): retrieval KV heads keep the whole cache, streaming heads
-    the first ``sinks`` and the last ``recent`` tokens; heads estimated once per model (kvpress's
+    the first sinks and the last recent tokens; heads estimated once per model (kvpress's
     on-the-fly scores). Question-agnostic: the compressed cache serves every later question.
     arXiv:2410.10819."""
 

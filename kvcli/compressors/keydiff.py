@@ -38,7 +38,7 @@ def keydiff_scores(key: torch.Tensor, window: int) -> torch.Tensor:
 @dataclass
 class KeyDiff(KeyScorer):
     """KeyDiff (Park et al., 2025): each KV head keeps the keys least similar (cosine) to its mean
-    normalised key (plus the last ``window`` prompt tokens). arXiv:2504.15364."""
+    normalised key (plus the last window prompt tokens). arXiv:2504.15364."""
 
     name: ClassVar[str] = "keydiff"
     paper: ClassVar[str] = "Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference, arXiv:2504.15364"

@@ -55,7 +55,7 @@ class KeyScorer(Eviction):
 @dataclass
 class KNorm(KeyScorer):
     """KNorm (Devoto et al., 2024): each KV head keeps the keys of lowest L2 norm (plus the last
-    ``window`` prompt tokens). arXiv:2406.11430."""
+    window prompt tokens). arXiv:2406.11430."""
 
     name: ClassVar[str] = "knorm"
     paper: ClassVar[str] = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv:2406.11430"
