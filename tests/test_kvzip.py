@@ -144,3 +144,18 @@ def test_compressed_prefix_is_reused_for_any_question(tiny_lm, tmp_path):
     n_prefix = warm.prompt.prefix_len
     assert mask[:, :, n_prefix:].all() and mask[:, :, : build(lm, spec).sinks].all()
     assert int(mask[:, :, :n_prefix].sum()) == round(0.3 * n_prefix) * lm.n_kv_heads * lm.n_layers
+
+
+def test_chunks_fit_in_the_window(tiny_lm):
+    lm = tiny_lm("llama", max_position_embeddings=300)
+    assert lm.max_context == 300
+    method = build(lm, "kvzip")
+    prefix = prompt_for(lm).ids[: prompt_for(lm).prefix_len]
+    n = prefix.numel()
+    chunk = method.chunk_within_window(lm, n)
+    assert 1 <= chunk < 300 - n
+    from kvcli.compressors.kvzip import reconstruction_inputs
+
+    for _, _, ids in reconstruction_inputs(lm.tokenizer, prefix[method.sinks :], chunk, method.overlap):
+        assert n + ids.numel() <= 300
+    assert build(tiny_lm("llama"), "kvzip").chunk_within_window(tiny_lm("llama"), n) == 2000

@@ -18,7 +18,9 @@ reconstruction queries over the sink keys, the chunk's keys and the reconstructi
 each chunk. The first ``sinks`` tokens (auto: the chat template's head — system prompt and the
 start of the user turn, which the paper never evicts) are always kept.
 
-kvcli details: the reconstruction prompt goes where the question would (kvcli's prefix ends with
+kvcli details: chunks shrink so that the prefix, the reconstruction prompt and the chunk fit in
+the model's window (a document filling most of the window costs more, smaller passes); the
+reconstruction prompt goes where the question would (kvcli's prefix ends with
 the template's "Question: "), followed by the chat template's end of turn and generation prompt.
 Scores from queries and keys per chunk, in blocks of query rows (never the full attention matrix,
 and no attention weights from the model: any kernel runs it); GQA never expanded. Kept tokens keep
@@ -36,6 +38,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import notices
 from ..attention import StopForward
 from ..cache import KVCache
 from ..errors import UsageError
@@ -135,6 +138,20 @@ class KVzip(PrefixEviction):
         if isinstance(self.budget, int) and self.budget < self.always_kept():
             raise UsageError(f"{self.name}: budget={self.budget} is smaller than the {self.sinks} sink tokens it always keeps")
 
+    def chunk_within_window(self, lm, n: int) -> int:
+        """``chunk``, shrunk so that the prefix (n tokens), the reconstruction prompt and the chunk
+        fit in the model's window (the reconstruction runs at positions n, n+1, ...)."""
+        if not lm.max_context:
+            return self.chunk
+        head = max(len(_encode(lm.tokenizer, FIRST_PROMPT)), len(_encode(lm.tokenizer, NEXT_PROMPT)) + self.overlap)
+        room = lm.max_context - n - head - len(template_pieces(lm.tokenizer)[1])
+        if room < 1:
+            notices.warn(
+                f"kvzip: the {n:,}-token document leaves no room in the {lm.max_context:,}-token window of {lm.name} "
+                f"for the reconstruction prompt; positions past the window are used"
+            )
+        return max(1, min(self.chunk, room))
+
     @torch.inference_mode()
     def prefix_scores(self, engine, prefix_ids: torch.Tensor) -> tuple[KVCache, list[torch.Tensor]]:
         lm = engine.lm
@@ -145,7 +162,8 @@ class KVzip(PrefixEviction):
         kv = engine.prefix_kv(prefix_ids)
         scaling = 1.0 / math.sqrt(lm.head_dim)
         scores = [torch.full((lm.n_kv_heads, n), float("inf"), device=engine.device) for _ in range(lm.n_layers)]
-        for start, end, ids in reconstruction_inputs(lm.tokenizer, prefix_ids[sinks:], self.chunk, self.overlap):
+        chunk = self.chunk_within_window(lm, n)
+        for start, end, ids in reconstruction_inputs(lm.tokenizer, prefix_ids[sinks:], chunk, self.overlap):
 
             def observe(layer: int, query: torch.Tensor, key: torch.Tensor, a=sinks + start, b=sinks + end) -> None:
                 scores[layer][:, a:b] = chunk_scores(query, key, sinks, a, b, scaling)

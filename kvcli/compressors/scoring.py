@@ -1,4 +1,5 @@
-"""Shared machinery of the KV eviction methods (SnapKV, PyramidKV, H2O, StreamingLLM).
+"""Shared machinery of the KV eviction methods (SnapKV, PyramidKV, H2O, StreamingLLM, TOVA, KNorm,
+KeyDiff, AdaKV, Expected Attention, KVzip, decoding-time compression).
 
 * **budgets**: a knob ``budget`` is a token count (an integer >= 1) or a ratio of the prompt
   (0 < x < 1); :func:`parse_budget` checks it once, :func:`resolve_budget` turns it into a count
@@ -8,7 +9,11 @@
   head, each reading the KV head of its GQA group (the cache is never expanded) — then reduced to
   one score per KV head by the mean over the group (:func:`group_mean`);
 * **eviction**: :func:`evict` keeps, per layer and per KV head, the chosen entries (in their
-  original order) and records their original positions in ``KVCache.kept``.
+  original order) and records their original positions in ``KVCache.kept``;
+* **head-adaptive budgets** (AdaKV, KVzip, Expected Attention): :func:`adaptive_mask`,
+  :func:`global_masks`, :func:`allocate` choose entries per head with different counts per head,
+  stored in a :class:`kvcli.cache.RaggedCache`; :class:`PrefixEviction` compresses the
+  question-agnostic prefix once (its compressed cache is the disk store's prefix state).
 
 Positions: keys are cached after RoPE, so kept tokens keep their original positions; nothing is
 re-rotated. ``KVCache.positions`` keeps every prompt position seen and decoding continues at the
