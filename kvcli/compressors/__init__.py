@@ -26,3 +26,12 @@ __all__ = [
     "parse_one",
     "register",
 ]
+# --- issue 16: more eviction scorers, head-adaptive budgets, question-agnostic compression ---
+from .tova import TOVA
+from .knorm import KNorm
+from .keydiff import KeyDiff
+from .adakv import AdaKV
+from .expected_attention import ExpectedAttention
+from .kvzip import KVzip
+from .duo import DuoAttention
+from .decoding import Decoding

@@ -1,4 +1,5 @@
-"""Shared machinery of the KV eviction methods (SnapKV, PyramidKV, H2O, StreamingLLM).
+"""Shared machinery of the KV eviction methods (SnapKV, PyramidKV, H2O, StreamingLLM, TOVA, KNorm,
+KeyDiff, AdaKV, Expected Attention, KVzip, decoding-time compression).
 
 * **budgets**: a knob ``budget`` is a token count (an integer >= 1) or a ratio of the prompt
   (0 < x < 1); :func:`parse_budget` checks it once, :func:`resolve_budget` turns it into a count
@@ -8,7 +9,11 @@
   head, each reading the KV head of its GQA group (the cache is never expanded) — then reduced to
   one score per KV head by the mean over the group (:func:`group_mean`);
 * **eviction**: :func:`evict` keeps, per layer and per KV head, the chosen entries (in their
-  original order) and records their original positions in ``KVCache.kept``.
+  original order) and records their original positions in ``KVCache.kept``;
+* **head-adaptive budgets** (AdaKV, KVzip, Expected Attention): :func:`adaptive_mask`,
+  :func:`global_masks`, :func:`allocate` choose entries per head with different counts per head,
+  stored in a :class:`kvcli.cache.RaggedCache`; :class:`PrefixEviction` compresses the
+  question-agnostic prefix once (its compressed cache is the disk store's prefix state).
 
 Positions: keys are cached after RoPE, so kept tokens keep their original positions; nothing is
 re-rotated. ``KVCache.positions`` keeps every prompt position seen and decoding continues at the
@@ -26,7 +31,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
+from ..cache import KVCache, RaggedCache
 from ..errors import UsageError
 from .base import Compressor, knob
 
@@ -274,3 +279,153 @@ class Eviction(Compressor):
         for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
             keep_top(cache, layer, static if static is not None else scores[layer], k_layer)
         return cache
+
+
+# --------------------------------------------------------------------------- head-adaptive budgets
+# (AdaKV, KVzip, ExpectedAttention: the KV heads of a layer keep different numbers of entries; the
+# result is a kvcli.cache.RaggedCache whose padding the attention masks out exactly.)
+
+
+def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(n_kv, n) scores -> (n_kv, n) bool: the ``k`` best entries of every head (all if k >= n)."""
+    n = scores.shape[-1]
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if k >= n:
+        return mask.fill_(True)
+    return mask.scatter_(-1, torch.topk(scores, k, dim=-1).indices, True)
+
+
+def adaptive_mask(scores: torch.Tensor, k: int, safeguard: float) -> torch.Tensor:
+    """AdaKV's allocation (Feng et al. 2024, arXiv:2407.11550, Algorithm 1 + the safeguard of its
+    later versions and of NVIDIA kvpress): a layer keeps ``k`` entries per head *on average* —
+    the ``k * n_kv`` best of the scores of all its heads flattened together — but every head keeps
+    at least its own ``floor(safeguard * k)`` best. (n_kv, n) scores -> (n_kv, n) bool.
+    Entries scoring +inf (windows, sinks) are always kept, by every head."""
+    n_kv, n = scores.shape
+    if k >= n:
+        return torch.ones(n_kv, n, dtype=torch.bool, device=scores.device)
+    s = scores.to(torch.float32).clone()
+    safe = min(k, math.floor(safeguard * k + 1e-9))
+    if safe > 0:
+        s.scatter_(-1, torch.topk(s, safe, dim=-1).indices, float("inf"))
+    chosen = torch.topk(s.flatten(), k * n_kv).indices
+    mask = torch.zeros(n_kv * n, dtype=torch.bool, device=scores.device)
+    mask[chosen] = True
+    return mask.view(n_kv, n)
+
+
+def global_masks(scores: list[torch.Tensor], total: int) -> list[torch.Tensor]:
+    """Keep the ``total`` best entries over every layer and head together (KVzip's non-uniform
+    budgets). ``scores``: per layer (n_kv, n_l) -> per layer (n_kv, n_l) bool."""
+    sizes = [s.numel() for s in scores]
+    flat = torch.cat([s.to(torch.float32).flatten().cpu() for s in scores])
+    mask = torch.zeros(flat.numel(), dtype=torch.bool)
+    mask[torch.topk(flat, min(total, flat.numel())).indices] = True
+    return [m.view(s.shape) for m, s in zip(torch.split(mask, sizes), scores)]
+
+
+def refuse_sliding_window(lm, method: str) -> None:
+    """Methods whose heads keep different entries index slots, not positions: a sliding window
+    (counted in positions) cannot apply to them; refuse such models with one line."""
+    from .razor import sliding_windows
+
+    windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
+    if windows:
+        raise UsageError(
+            f"{method}: {lm.name} uses sliding-window attention ({min(windows)} tokens); per-head eviction "
+            "needs full-attention layers (use -c full or gemfilter)"
+        )
+
+
+def prerope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo RoPE: queries or keys (..., n, head_dim) rotated by the model's (cos, sin) (n, rot_dim)
+    (:func:`kvcli.rope.rope_cos_sin`, ``attention_scaling`` included) -> the vectors before RoPE,
+    float32. A rotation by -angle, divided by the scale squared (cos² + sin²); dimensions past
+    rot_dim (partial rotary) pass through."""
+    from ..rope import apply_rotation
+
+    scale2 = (cos * cos + sin * sin).clamp_min(1e-30)
+    return apply_rotation(x.to(torch.float32), cos / scale2, -sin / scale2)
+
+
+# --------------------------------------------------------------------------- question-agnostic eviction
+
+ALLOCATIONS = ("uniform", "adaptive", "global")
+
+
+def allocate(scores: list[torch.Tensor], k: int, allocation: str, safeguard: float) -> list[torch.Tensor]:
+    """Per-layer keep masks for scores (n_kv, n) of every layer and ``k`` entries per KV head on
+    average: ``uniform`` (every head keeps its k best), ``adaptive`` (AdaKV: k × n_kv per layer split
+    across heads by score, :func:`adaptive_mask`) or ``global`` (k × n_kv × n_layers over the whole
+    model, KVzip's non-uniform budgets, :func:`global_masks`)."""
+    if allocation == "uniform":
+        return [top_mask(s, k) for s in scores]
+    if allocation == "adaptive":
+        return [adaptive_mask(s, k, safeguard) for s in scores]
+    return global_masks(scores, k * sum(s.shape[0] for s in scores))
+
+
+@dataclasses.dataclass
+class PrefixEviction(Compressor):
+    """Eviction of the question-agnostic prefix (document + template), once per document: the
+    compressed cache is the method's prefix state, kept by the disk store and reused for every
+    question; the question's tokens then run on top of it, never compressed (the setting of NVIDIA
+    kvpress, which compresses the context before the question is seen).
+
+    Subclasses define :meth:`prefix_scores` (the full KV of the prefix and per-layer scores)."""
+
+    budget: str | int | float = knob("1024", "entries kept per layer and KV head of the document prefix (the question is never compressed): a token count or a ratio of the prefix")
+    allocation: str = knob("uniform", "uniform: every KV head keeps budget; adaptive: AdaKV, budget x KV heads per layer split by score; global: budget x KV heads x layers over the whole model")
+    safeguard: float = knob(0.2, "adaptive: every KV head keeps at least this fraction of the budget")
+
+    def __post_init__(self) -> None:
+        self.budget = parse_budget(self.name, self.budget)
+        self.allocation = str(self.allocation).strip().lower()
+        if self.allocation not in ALLOCATIONS:
+            raise UsageError(f"{self.name}: allocation must be one of {', '.join(ALLOCATIONS)}, got '{self.allocation}'")
+        if not 0.0 <= self.safeguard <= 1.0:
+            raise UsageError(f"{self.name}: safeguard must be between 0 and 1, got {self.safeguard}")
+        self.check_knobs()
+        if isinstance(self.budget, int) and self.budget < self.always_kept():
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is smaller than the {self.always_kept()} tokens it always keeps; "
+                f"use budget >= {self.always_kept()}"
+            )
+
+    def check_knobs(self) -> None:
+        """Raise UsageError for bad knob values."""
+
+    def always_kept(self) -> int:
+        return 1
+
+    def configure(self, lm) -> None:
+        refuse_sliding_window(lm, self.name)
+
+    def resolve(self, n: int) -> int:
+        """Entries per KV head for a prefix of ``n`` tokens (the question is not counted)."""
+        if isinstance(self.budget, int) and self.budget > n and "budget" in self.explicit_knobs:
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is larger than the document prefix ({n} tokens: the document "
+                f"and the template before the question); use budget <= {n}, a ratio (e.g. budget=0.25), or -c full"
+            )
+        return resolve_budget(self.name, self.budget, n, False, min(n, self.always_kept()))
+
+    def prefix_state(self, lm) -> dict:
+        from .base import _format
+
+        return {"kind": self.name, **{f.name: _format(getattr(self, f.name)) for f in self.knobs()}}
+
+    def prefix_scores(self, engine, prefix_ids: torch.Tensor) -> tuple[KVCache, list[torch.Tensor]]:
+        """The KV of every layer for ``prefix_ids`` at positions 0..n-1, and per layer (n_kv, n)
+        scores (higher: keep; +inf: always kept)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        """The compressed KV of the prefix (a RaggedCache), or its full KV when the budget holds it."""
+        n = prefix_ids.numel()
+        k = self.resolve(n)
+        if k >= n:
+            return engine.prefix_kv(prefix_ids)
+        kv, scores = self.prefix_scores(engine, prefix_ids)
+        return RaggedCache.from_selection(kv, allocate(scores, k, self.allocation, self.safeguard))

@@ -1,0 +1,137 @@
+"""AdaKV: head-wise adaptive budgets over any eviction scorer (Feng et al., 2024, arXiv:2407.11550).
+
+"Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference":
+the heads of a layer do not need the same share of the cache — some concentrate their attention
+on a few tokens, others spread it. With a layer budget of ``budget × n_kv_heads`` entries, AdaKV
+keeps the best entries of the *flattened* scores of all the layer's heads (Algorithm 1), so a head
+whose scores are concentrated gives its room to heads that need more; a *safeguard* keeps, in every
+head, at least its own ``floor(safeguard × budget)`` best entries (α = 0.2 in the paper's later
+versions and in NVIDIA kvpress's ``AdaKVPress``).
+
+``adakv:base=snapkv,budget=0.25,safeguard=0.2`` — the scorer (``base``) is any eviction method
+that scores keys per KV head in kvcli's final prefill pass: ``snapkv`` (Ada-SnapKV, the paper's
+main variant), ``pyramidkv`` (Ada-Pyramid: the pyramid sets each layer's budget, AdaKV splits it
+across heads), ``tova``, ``knorm``, ``keydiff``, ``streamingllm``. The base's own knobs go after
+its name, separated by ``;`` (``base=snapkv:window=16;kernel=5``); the base's budget is AdaKV's.
+Entries a base always keeps (SnapKV's window, sinks) stay kept in every head. H2O is refused (its
+recent window is not part of its scores).
+
+GQA: scores are the base's (per query head, mean over each KV head's group); budgets are per KV
+head; the cache is never expanded. Kept tokens keep their original positions; decoding continues
+at the prompt length. Heads now hold different numbers of entries: the layer is stored padded to
+its widest head (:class:`kvcli.cache.RaggedCache`) and the attention masks the padding out
+exactly; ``method_stats`` reports ``kv_entries`` vs ``kv_slots`` (the padding is memory too —
+the paper's own kernels use variable-length flash attention instead). Disk store: the prefix state
+is the base's (full attention's KV); the selection happens per question after the prefill.
+``budget`` >= the prompt keeps everything (= full attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..cache import RaggedCache
+from ..errors import UsageError
+from .base import _format, knob, parse_one, register
+from .scoring import Eviction, adaptive_mask, entry_scores, refuse_sliding_window, require_kv_cache
+
+BASE_KNOB_SEPARATOR = ";"
+
+
+def parse_base(owner: str, text: str) -> Eviction:
+    """``"snapkv:window=16;kernel=5"`` -> SnapKV(window=16, kernel=5): an eviction scorer whose
+    selection is a per-layer top-k of its scores (so an adaptive split of the budget applies)."""
+    name, _, rest = str(text).strip().partition(":")
+    if name.strip().lower() == owner:
+        raise UsageError(f"{owner}: base cannot be {owner} itself")
+    base = parse_one(name + (":" + rest.replace(BASE_KNOB_SEPARATOR, ",") if rest else ""))
+    if not isinstance(base, Eviction) or type(base).compress is not Eviction.compress:
+        raise UsageError(
+            f"{owner}: base must be an eviction scorer (snapkv, pyramidkv, tova, knorm, keydiff, streamingllm), got '{base.name}'"
+        )
+    if "budget" in base.explicit_knobs:
+        raise UsageError(f"{owner}: set the budget on {owner} (budget=...), not on its base")
+    return base
+
+
+def base_spec(base: Eviction) -> str:
+    """The base's canonical spec without its budget, knobs separated by ``;``."""
+    parts = [f"{f.name}={_format(getattr(base, f.name))}" for f in base.knobs() if f.name != "budget"]
+    return base.name + (":" + BASE_KNOB_SEPARATOR.join(parts) if parts else "")
+
+
+@register
+@dataclass
+class AdaKV(Eviction):
+    """AdaKV (Feng et al., 2024): a base scorer's entries chosen per layer across its KV heads —
+    budget x KV heads entries a layer, split by score, at least safeguard x budget per head.
+    arXiv:2407.11550."""
+
+    name: ClassVar[str] = "adakv"
+    paper: ClassVar[str] = "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
+
+    base: str = knob("snapkv", "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'")
+    safeguard: float = knob(0.2, "every KV head keeps at least this fraction of the per-head budget (its own best entries)")
+
+    _base: Eviction | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def check_knobs(self) -> None:
+        self._base = parse_base(self.name, self.base)
+        self.base = base_spec(self._base)
+        if not 0.0 <= self.safeguard <= 1.0:
+            raise UsageError(f"{self.name}: safeguard must be between 0 and 1, got {self.safeguard}")
+
+    @property
+    def scorer(self) -> Eviction:
+        return self._base
+
+    def always_kept(self) -> int:
+        return self._base.always_kept()
+
+    def configure(self, lm) -> None:
+        refuse_sliding_window(lm, self.name)
+        self._base.configure(lm)
+
+    def query_window(self, lm) -> int:
+        return self._base.query_window(lm)
+
+    def prefix_state(self, lm):
+        return self._base.prefix_state(lm)
+
+    def layer_budgets(self, lm, n: int, k: int) -> list[int]:
+        return self._base.layer_budgets(lm, n, k)
+
+    def prefill_observers(self, lm, n_tokens: int) -> dict:
+        self._scores = {}
+        if not self._base.uses_attention or self.resolve(n_tokens) >= n_tokens:
+            return {}
+        return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
+
+    def layer_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return self._base.layer_scores(query, key)
+
+    @torch.inference_mode()
+    def compress(self, engine, cache):
+        cache = require_kv_cache(self.name, cache)
+        lm = engine.lm
+        n = cache.n_tokens
+        k = self.resolve(n)
+        scores, self._scores = self._scores, {}
+        if k >= n:
+            return cache
+        if self._base.uses_attention and len(scores) != cache.n_layers:
+            raise UsageError(
+                f"{self.name}: no attention scores were observed in the prefill "
+                "(another method ran the prefill itself); use it with the default prefill"
+            )
+        static = None if self._base.uses_attention else self._base.static_scores(n, lm.n_kv_heads)
+        masks = []
+        for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
+            current = entry_scores(cache, layer, static if static is not None else scores[layer])
+            masks.append(adaptive_mask(current, k_layer, self.safeguard))
+        return RaggedCache.from_selection(cache, masks)

@@ -1,0 +1,180 @@
+"""Expected Attention: keeping everything equals full attention; the kept entries are the paper's
+closed-form expected attention, recomputed naively from the Hugging Face model's own projections
+(explicit rotation matrices, per-head loops); the compressed prefix is question-agnostic and
+reused from the disk store (warm == cold, any question)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcli.cache import KVCache, RaggedCache
+from kvcli.compressors import parse_one
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, run
+from reference import assert_same_logits
+from test_eviction import prompt_for
+from test_razor import full_reference, greedy_logits
+
+
+def build(lm, spec):
+    method = parse_one(spec)
+    method.configure(lm)
+    return method
+
+
+def test_spec_round_trip_and_errors():
+    ea = parse_one("expectedattention")
+    assert ea.spec() == "expectedattention:budget=1024,allocation=uniform,safeguard=0.2,sinks=4,future=512,queries=auto,covariance=true,vnorm=true"
+    spec = "expectedattention:budget=0.3,allocation=adaptive,sinks=2,future=64,queries=100,covariance=false"
+    assert parse_one(parse_one(spec).spec()).spec() == parse_one(spec).spec()
+    for spec, message in [
+        ("expectedattention:allocation=lots", "allocation must be one of"),
+        ("expectedattention:safeguard=2", "between 0 and 1"),
+        ("expectedattention:future=0", "future must be at least 1"),
+        ("expectedattention:queries=1", "queries must be at least 2"),
+        ("expectedattention:budget=2,sinks=4", "smaller than the 4 tokens"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_one(spec)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_keep_everything_reproduces_full_attention(tiny_lm, family):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    method = build(lm, f"expectedattention:budget={prompt.prefix_len}")
+    cache = method.build_prefix(engine, prompt.ids[: prompt.prefix_len])
+    got = greedy_logits(engine, cache, prompt.ids[prompt.prefix_len :], steps=5)
+    assert_same_logits(got, full_reference(engine, prompt, steps=5))
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    assert run(engine, prompt, Pipeline.parse(f"expectedattention:budget={prompt.prefix_len}"), max_new_tokens=5, stop_ids=set()).answer_ids == ref.answer_ids
+    with pytest.raises(UsageError, match="larger than the document prefix"):
+        run(engine, prompt, Pipeline.parse(f"expectedattention:budget={prompt.prefix_len + 1}"), max_new_tokens=1, stop_ids=set())
+
+
+# --- the paper's scores, naively --------------------------------------------------------------------
+
+
+def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True):
+    """Per layer (n_kv, n) scores, from the HF model: pre-RoPE queries from q_proj, keys after RoPE,
+    mean/covariance by definition, one explicit rotation matrix per future position, loops."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, n, d = lm.model, ids.numel(), lm.head_dim
+    group = lm.n_heads // lm.n_kv_heads
+    half = d // 2
+    P = torch.zeros(d, d, dtype=torch.float64)  # rotate_half as a matrix: P x = [-x2, x1]
+    P[:half, half:] = -torch.eye(half, dtype=torch.float64)
+    P[half:, :half] = torch.eye(half, dtype=torch.float64)
+    out = []
+    with torch.inference_mode():
+        hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
+        cos_f, sin_f = model.model.rotary_emb(hs[0], torch.arange(n, n + future).view(1, -1))
+        R = sum(torch.diag(cos_f[0, p].double()) + torch.diag(sin_f[0, p].double()) @ P for p in range(future)) / future
+        cos, sin = model.model.rotary_emb(hs[0], torch.arange(n).view(1, -1))
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(hs[i])
+            q = attn.q_proj(h).view(1, n, -1, d).transpose(1, 2)
+            k = attn.k_proj(h).view(1, n, -1, d).transpose(1, 2)
+            v = attn.v_proj(h).view(1, n, -1, d).transpose(1, 2)[0].double()
+            _, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = q[0].double(), k[0].double()
+            scores = torch.zeros(lm.n_kv_heads, n, dtype=torch.float64)
+            for head in range(lm.n_heads):
+                g = head // group
+                rows = q[head, sinks:]
+                mu = rows.mean(dim=0)
+                cov = (rows - mu).T @ (rows - mu) / rows.shape[0]
+                mu_f, cov_f = R @ mu, R @ cov @ R.T
+                logit = torch.tensor([
+                    float(k[g, j] @ mu_f) / math.sqrt(d) + (float(k[g, j] @ cov_f @ k[g, j]) / (2 * d) if covariance else 0.0)
+                    for j in range(sinks, n)
+                ], dtype=torch.float64)
+                scores[g, sinks:] += torch.softmax(logit, dim=0) / group
+            if vnorm:
+                scores[:, sinks:] *= v[:, sinks:].norm(dim=-1)
+            scores[:, :sinks] = float("inf")
+            out.append(scores)
+    return out
+
+
+@pytest.mark.parametrize("family, knobs", [("llama", ""), ("qwen2", ""), ("qwen2", ",covariance=false,vnorm=false")])
+def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    ids = prompt.ids[: prompt.prefix_len]
+    n, budget, sinks, future = ids.numel(), 40, 3, 32
+    method = build(lm, f"expectedattention:budget={budget},sinks={sinks},future={future}{knobs}")
+    cache = method.build_prefix(engine, ids)
+    assert isinstance(cache, RaggedCache) and all(int(l.min()) == int(l.max()) == budget for l in cache.lengths)
+    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs)
+    # the method's own scores equal the naive ones (float32 vs float64)
+    _, got_scores = method.prefix_scores(engine, ids)
+    for g, w in zip(got_scores, want):
+        torch.testing.assert_close(g[:, sinks:].double(), w[:, sinks:], rtol=1e-3, atol=1e-6)
+    for l, scores in enumerate(want):
+        for h in range(lm.n_kv_heads):
+            kept = cache.kept[l][h].tolist()
+            assert kept == sorted(kept) and kept[:sinks] == list(range(sinks))
+            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen[kept] = True
+            assert scores[h][chosen].min() >= scores[h][~chosen].max() * (1 - 1e-4)
+
+
+# --- question-agnostic: the disk store keeps the compressed prefix ------------------------------------
+
+
+def test_compressed_prefix_is_reused_for_any_question(tiny_lm, tmp_path):
+    from test_store import Q1, Q2, ask, entry_files, session_for
+
+    lm = tiny_lm("qwen2")
+    spec = "expectedattention:budget=40,allocation=adaptive"
+    cold = ask(session_for(lm, tmp_path), spec, Q1)
+    warm = ask(session_for(lm, tmp_path), spec, Q1)
+    other = ask(session_for(lm, tmp_path), spec, Q2)  # a new question: the same entry
+    off = ask(session_for(lm, None, use_cache=False), spec, Q1)
+    assert cold.extra["cache"]["status"] == "miss"
+    assert warm.extra["cache"]["status"] == other.extra["cache"]["status"] == "hit"
+    assert cold.answer_ids == warm.answer_ids == off.answer_ids and len(cold.answer_ids) == 8
+    assert other.answer_ids == ask(session_for(lm, None, use_cache=False), spec, Q2).answer_ids
+    assert len(entry_files(tmp_path)) == 1
+    assert isinstance(cold.cache, RaggedCache) and cold.extra["kv_cache_bytes"] == warm.extra["kv_cache_bytes"]
+    full = ask(session_for(lm, tmp_path), "full", Q1)
+    assert cold.extra["kv_cache_bytes"] < full.extra["kv_cache_bytes"]
+
+
+def test_what_inspect_reads(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    result = run(engine, prompt, Pipeline.parse("expectedattention:budget=0.25,allocation=adaptive"), max_new_tokens=3, stop_ids=set())
+    k = round(0.25 * prompt.prefix_len)
+    mask = result.kept_mask()
+    assert mask.shape == (lm.n_layers, lm.n_kv_heads, prompt.n_tokens)
+    assert mask[:, :, prompt.prefix_len :].all()  # the question is never compressed
+    assert (mask[:, :, : prompt.prefix_len].sum(dim=(1, 2)) == k * lm.n_kv_heads).all()
+    assert mask[:, :, :4].all()  # the sinks, in every head
+
+
+def test_global_allocation_spends_the_whole_model_budget(tiny_lm):
+    lm = tiny_lm("qwen2")
+    ids = prompt_for(lm).ids[:120]
+    cache = build(lm, "expectedattention:budget=30,allocation=global").build_prefix(Engine(lm), ids)
+    assert sum(int(l.sum()) for l in cache.lengths) == 30 * lm.n_kv_heads * lm.n_layers
+    assert len({int(l.sum()) for l in cache.lengths}) > 1  # layers differ
+
+
+def test_chaining_an_eviction_after_it_is_refused(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    with pytest.raises(UsageError, match="cannot be cut back|not of a RaggedCache"):
+        run(engine, prompt_for(lm), Pipeline.parse("expectedattention:budget=40+snapkv:budget=30,window=8"), max_new_tokens=2, stop_ids=set())
+    with pytest.raises(UsageError, match="selects tokens before expectedattention"):
+        Pipeline.parse("gemfilter+expectedattention")
