@@ -26,6 +26,15 @@ COMPRESSING = {
     "finch": "finch:target=60",
     "lazyllm": "lazyllm:keep=0.5/0.4/0.3",
     "blocksparse": "blocksparse:block_size=8,initial=8,local_window=16,topk=2",
+    "tova": "tova:budget=0.25",
+    "knorm": "knorm:budget=0.25,window=8",
+    "keydiff": "keydiff:budget=0.25,window=8",
+    "adakv": "adakv:budget=0.25,base=snapkv:window=8",
+    "expectedattention": "expectedattention:budget=0.25",
+    "kvzip": "kvzip:budget=0.25",
+    "duo": "duo:streaming=0.5,sinks=4,recent=16",
+    # decoding-time compression: the prefill's method compresses, decoding keeps it under budget
+    "decoding": "snapkv:budget=0.25,window=8+decoding:budget=0.25",
 }
 HOLDS_EVERYTHING = {"full", "blocksparse"}  # blocksparse keeps all, attends a few blocks per step
 
@@ -37,6 +46,13 @@ def held_per_layer_head(cache) -> float:
         for pk, ck in zip(cache.pk, cache.ck):
             rows += pk.shape[1] * pk.shape[2] + ck.shape[1] * (ck.shape[2] - int(cache.compensated))
             heads += pk.shape[1] + ck.shape[1]
+        return rows / heads
+    if hasattr(cache, "lengths"):  # RaggedCache: each head's rows minus its padding slots
+        rows = heads = 0
+        for k, lengths in zip(cache.keys, cache.lengths):
+            slots = int(lengths.max())
+            rows += sum(k.shape[2] - (slots - int(n)) for n in lengths)
+            heads += k.shape[1]
         return rows / heads
     keys = cache.fkeys if hasattr(cache, "fkeys") else cache.keys
     return sum(k.shape[1] * k.shape[2] for k in keys) / sum(k.shape[1] for k in keys)
