@@ -89,8 +89,8 @@ def test_split_prefill_matches_one_pass_logits(tiny_lm):
 def test_gemfilter_stores_only_layers_1_to_r_and_k_does_not_change_the_entry(tiny_lm, tmp_path):
     lm = tiny_lm("llama")
     session = session_for(lm, tmp_path)
-    first = ask(session, "gemfilter:layer=2,k=24")
-    other_k = ask(session_for(lm, tmp_path), "gemfilter:layer=2,k=30,kernel=3")
+    first = ask(session, "gemfilter:layer=1,k=24")
+    other_k = ask(session_for(lm, tmp_path), "gemfilter:layer=1,k=30,kernel=3")
     assert (first.extra["cache"]["status"], other_k.extra["cache"]["status"]) == ("miss", "hit")
     [path] = entry_files(tmp_path)
     from safetensors import safe_open
@@ -98,11 +98,11 @@ def test_gemfilter_stores_only_layers_1_to_r_and_k_does_not_change_the_entry(tin
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
         meta = json.loads(f.metadata()["kvcli"])
-    assert names == {"positions", "k.0", "v.0", "k.1", "v.1"}  # layers 1..r=2 of 4
+    assert names == {"positions", "k.0", "v.0", "k.1", "v.1"}  # layers 0..r=1 (r + 1 = 2) of 4
     assert meta["fields"]["state"] == {"kind": "kv", "layers": 2}
     assert meta["format"] == FORMAT_VERSION
     # another filter layer is another state
-    assert ask(session_for(lm, tmp_path), "gemfilter:layer=3,k=24").extra["cache"]["status"] == "miss"
+    assert ask(session_for(lm, tmp_path), "gemfilter:layer=2,k=24").extra["cache"]["status"] == "miss"
     assert len(entry_files(tmp_path)) == 2
 
 
