@@ -120,8 +120,9 @@ def question_scores(query: torch.Tensor, key: torch.Tensor, n_question: int, n_c
 @dataclass
 class Finch(Compressor):
     """Finch (Corallo & Papotti, 2024): the document is read chunk by chunk; after each chunk the
-    question's attention keeps, per layer, the most relevant KV pairs (re-positioned with RoPE),
-    so a document longer than the window fits a ``target``-token cache. TACL 2024, doi
+    attention of the user prompt (instructions + question, never compressed) keeps, per layer, the
+    most relevant KV pairs (re-positioned with RoPE), so a document longer than the window fits a
+    ``target``-token cache. TACL 2024, doi
     10.1162/tacl_a_00716 (arXiv:2408.00167)."""
 
     name: ClassVar[str] = "finch"
