@@ -242,7 +242,7 @@ def span_levels(ins: Inspection, n_levels: int = 4) -> list[int]:
 
 @dataclass
 class LayerScore:
-    layer: int  # 1-based
+    layer: int  # 0-based: the gemfilter:layer= index (layers 0..layer run)
     best_rank: int  # rank (1 = best) of the best needle token among the tokens competing for the top-k
     k_needed: int  # the smallest k that keeps one whole occurrence of the needle at this layer
     n_in_topk: int  # needle tokens inside the top-k
@@ -377,7 +377,7 @@ def rank_layers(
             distance = int((pick_idx.view(-1, 1) - needle_t.view(1, -1)).abs().min())
         rows.append(
             LayerScore(
-                layer=layer + 1,
+                layer=layer,
                 best_rank=best_rank,
                 k_needed=k_needed,
                 n_in_topk=int(chosen[needle].sum()),
@@ -415,7 +415,7 @@ def inspect_layers(
             f"the prompt is {prompt.n_tokens:,} tokens, over the {lm.max_context:,}-token window of {lm.name}"
         )
     per_layer = layer_scores(session.engine, prompt.ids, gem.kernel)
-    rows = rank_layers(per_layer, groups, gem.k, prompt.n_suffix, gem.keep_question, gem.span)
+    rows = rank_layers(per_layer, groups, gem.k, prompt.n_after_document, gem.keep_question, gem.span)
     return LayerReport(
         model=lm.name,
         document=document.source,
@@ -454,7 +454,7 @@ def plot_layers(report: LayerReport, path) -> None:
         bottom.semilogy(layers, [r.k_needed for r in report.layers], marker="o", color="#2b8a3e", label="k needed")
         bottom.axhline(report.k, color="#e8590c", linestyle="--", label=f"k = {report.k}")
         bottom.set_ylabel("k to keep the whole needle")
-        bottom.set_xlabel("filter layer")
+        bottom.set_xlabel("filter layer (gemfilter:layer=, 0-based)")
         bottom.legend(loc="upper right")
         fig.tight_layout()
         fig.savefig(path, dpi=100)

@@ -238,7 +238,7 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
     # --- Finch: the reader may read documents longer than the window chunk by chunk ---
     if limit and pipeline is not None:
         reader = pipeline.reader()
-        needed = reader.window_needed(lm, prompt.n_tokens, prompt.n_suffix, max_new_tokens)
+        needed = reader.window_needed(lm, prompt.n_tokens, prompt.n_after_document, max_new_tokens)
         if needed != prompt.n_tokens + max_new_tokens:
             if needed > limit:
                 raise DocumentError(
@@ -282,7 +282,7 @@ def run(
         selection = Selection(torch.arange(prompt.n_tokens))
         for i, stage in enumerate(pipeline.selectors()):
             # only the first selector sees the prompt itself; later ones see its selection
-            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_suffix, prefix=prefix if i == 0 else None)
+            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_after_document, prefix=prefix if i == 0 else None)
             if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
@@ -301,7 +301,7 @@ def run(
         owner = pipeline.owner("prefill")
         compressors = pipeline.compressors()
         if owner is not None:
-            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix, protected=prompt.n_suffix)
+            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix, protected=prompt.n_after_document)
         else:
             cache, logits = default_prefill(engine, kept_ids, second_prefix, compressors)
             next_position = kept_ids.numel()

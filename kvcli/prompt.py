@@ -47,6 +47,14 @@ class Prompt:
         """Tokens after the prefix: the question and the generation prompt."""
         return self.n_tokens - self.prefix_len
 
+    @property
+    def n_after_document(self) -> int:
+        """Tokens after the document: the template's ``middle`` (the instructions between the
+        document and the question), the question and the ``tail`` (generation prompt). What
+        question-guided methods (GemFilter's ``keep_question``, Finch) never compress — unlike
+        :attr:`n_suffix`, which is the question-dependent part (the disk store's prefix split)."""
+        return self.n_tokens - self.doc_end
+
     def char_span(self, token_index: int) -> tuple[int, int] | None:
         """Document character span of prompt token ``token_index``; None outside the document."""
         if self.doc_start <= token_index < self.doc_end:

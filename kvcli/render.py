@@ -267,7 +267,7 @@ def layer_scan_table(console: Console, report) -> None:
     console.print(table)
     first = report.first_found
     console.print(
-        (f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]" if first else f"no layer's top-{report.k} keeps the whole needle")
-        + f" · first layer with distance 0: {report.first_touched or '-'}"
-        + f" · smallest k needed: layer {report.best_layer}"
+        (f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]" if first is not None else f"no layer's top-{report.k} keeps the whole needle")
+        + f" · first layer with distance 0: {'-' if report.first_touched is None else report.first_touched}"
+        + f" · smallest k needed: layer {report.best_layer} (layers are gemfilter:layer= indices, 0-based)"
     )

@@ -226,7 +226,8 @@ def test_gemfilter_then_snapkv(tiny_lm):
     prompt = prompt_for(lm)
     n = prompt.n_tokens
     result = run(engine, prompt, Pipeline.parse("gemfilter:k=64,layer=2+snapkv:budget=24,window=8"), max_new_tokens=3, stop_ids=set())
-    assert result.n_kept_tokens == 64 and len(result.answer_ids) == 3
+    # GemFilter read 64 tokens, SnapKV then held 24 of them per layer and head
+    assert result.selection.n_kept == 64 and result.n_kept_tokens == 24 and len(result.answer_ids) == 3
     assert result.extra["kv_cache_bytes"] == lm.n_layers * 2 * lm.n_kv_heads * (24 + 2) * lm.head_dim * 4
     # everything kept by both: full attention
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())

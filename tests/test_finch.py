@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcli.compressors import parse_one
-from kvcli.compressors.finch import chunk_bounds, kept_counts, question_scores
+from kvcli.compressors.finch import DEFAULT_CHUNK, chunk_bounds, kept_counts, question_scores
 from kvcli.engine import Engine
 from kvcli.errors import DocumentError, UsageError
 from kvcli.pipeline import Pipeline, check_window, run
@@ -43,8 +43,8 @@ def test_budget_covering_the_document_reproduces_full_attention(tiny_lm, family,
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
     n = prompt.n_tokens
-    f = finch(lm, f"finch:target={prompt.prefix_len},chunk={chunk}")
-    cache, logits, next_position = f.prefill(engine, prompt.ids, protected=prompt.n_suffix)
+    f = finch(lm, f"finch:target={prompt.doc_end},chunk={chunk}")
+    cache, logits, next_position = f.prefill(engine, prompt.ids, protected=prompt.n_after_document)
     _, full_logits = engine.prefill(prompt.ids)
     assert next_position == n
     assert torch.allclose(logits, full_logits, atol=TOL)
@@ -59,14 +59,19 @@ def test_budget_covering_the_document_reproduces_full_attention(tiny_lm, family,
 
 
 def reference_scores(lm, ids: torch.Tensor, n_question: int) -> list[torch.Tensor]:
-    """One Finch step written out plainly: HF's own forward for the hidden states, q and k of each
-    layer recomputed from them, GQA keys repeated, causal softmax, the question rows summed over
-    heads over the context columns, divided by the rows that see each column."""
-    n_context = ids.numel() - n_question
+    """One Finch step written out plainly, as the authors' code does it (giulio98/context-compression,
+    ``condition="question"``, ``normalize=True``): HF's own forward for the hidden states, q and k of
+    each layer recomputed from them, GQA keys repeated, causal softmax summed over heads; the
+    question rows x context columns; each row times its non-zero count / the sequence length
+    (``non_zero_counts = arange(1, T + 1)[context:]``); summed over the rows."""
+    n = ids.numel()
+    n_context = n - n_question
+    non_zero_counts = torch.arange(1, n + 1)[n_context:]
     out = []
     for q, k, attn in reference_qk(lm, ids):
-        a = causal_softmax(q, k, attn.scaling)[0].sum(0)[-n_question:, :n_context]  # heads summed; question rows x context
-        out.append(a.sum(0) / n_question)  # every question row sees every context column
+        summed = causal_softmax(q, k, attn.scaling)[0].sum(0)  # heads summed: (n, n)
+        context_attention = summed[n_context:, :n_context] * (non_zero_counts.float() / n)[:, None]
+        out.append(context_attention.sum(0))
     return out
 
 
@@ -77,8 +82,8 @@ def test_one_step_keeps_the_papers_top_positions(tiny_lm, family):
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls did the keeper count on line 7?")
     keep = 40
     f = finch(lm, f"finch:target={keep},chunk=4000")  # one chunk: one selection over the whole context
-    cache, _, next_position = f.prefill(engine, prompt.ids, protected=prompt.n_suffix)
-    ref = reference_scores(lm, prompt.ids, prompt.n_suffix)
+    cache, _, next_position = f.prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    ref = reference_scores(lm, prompt.ids, prompt.n_after_document)
     for layer, kept in enumerate(cache.kept_positions):
         # the kept set is a top-k of the reference scores (random tiny models give near-ties:
         # compare scores, with a tolerance, rather than indices)
@@ -89,7 +94,7 @@ def test_one_step_keeps_the_papers_top_positions(tiny_lm, family):
         dropped[kept] = False
         assert bool((s[dropped] <= kth + 1e-5).all()), layer
         assert len(set(kept.tolist()) & set(torch.topk(s, keep).indices.tolist())) >= keep - 3
-    assert next_position == keep + prompt.n_suffix
+    assert next_position == keep + prompt.n_after_document
     assert len({tuple(k.tolist()) for k in cache.kept_positions}) > 1  # layers keep different tokens
 
 
@@ -101,8 +106,36 @@ def test_question_scores_gqa_never_expands_and_normalises():
     k = key.repeat_interleave(3, dim=1)
     w = torch.matmul(query[:, :, -3:], k.transpose(-1, -2)) * 8**-0.5
     w = w.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril()[-3:], float("-inf")).softmax(-1)
+    rows_see = torch.tensor([10.0, 11.0, 12.0])  # keys visible to each question row
     assert s.shape == (9,)
-    assert torch.allclose(s, w[0].sum(0)[:, :9].sum(0) / 3, atol=1e-6)
+    assert torch.allclose(s, (w[0].sum(0)[:, :9] * (rows_see / 12)[:, None]).sum(0), atol=1e-6)
+
+
+def test_normalisation_changes_the_ranking_as_the_paper_says():
+    """A hand-built step where the causal-bias normalisation decides: 2 candidates (A = 0, B = 1),
+    then 4 question rows. The first question row sees 3 keys and gives A 0.6; the last sees 6 and
+    gives B 0.45 (and the first gives B 0.1). Raw sums rank A first (0.60 vs 0.55); normalised — each
+    row times the keys it sees — B (3·0.1 + 6·0.45 = 3.0 vs 3·0.6 = 1.8). A column-count
+    normalisation (every candidate is seen by every question row) ranks as the raw sum: A."""
+    n_cand, n_q = 2, 4
+    kv_len = n_cand + n_q
+    probs = torch.full((n_q, kv_len), 0.0)
+    probs[0, :3] = torch.tensor([0.6, 0.1, 0.3])  # row 0 sees A, B and itself
+    probs[1, :4] = torch.tensor([0.0, 0.0, 0.5, 0.5])
+    probs[2, :5] = torch.tensor([0.0, 0.0, 0.3, 0.3, 0.4])
+    probs[3, :6] = torch.tensor([0.0, 0.45, 0.1, 0.15, 0.1, 0.2])
+    # logits that give these probabilities: one-hot keys, each query row holds its log-probabilities
+    # (zero probabilities -> a large negative logit, exp() of it ~ 1e-22: nothing)
+    logits = torch.where(probs > 0, probs.clamp_min(1e-30).log(), torch.full_like(probs, -50.0))
+    key = torch.eye(kv_len).view(1, 1, kv_len, kv_len)  # 1 KV head, d = kv_len
+    query = logits.view(1, 1, n_q, kv_len)  # 1 query head: q_i · k_j = logits[i, j]
+    s = question_scores(query, key, n_q, n_cand, 1.0)
+    raw = probs[:, :n_cand].sum(0)
+    sees = torch.arange(n_cand + 1, kv_len + 1, dtype=torch.float32)  # 3, 4, 5, 6
+    normalised = (probs[:, :n_cand] * (sees / kv_len)[:, None]).sum(0)
+    assert torch.allclose(s, normalised, atol=1e-5), (s, normalised)
+    assert int(raw.argmax()) == 0 and int(normalised.argmax()) == 1  # the rankings differ
+    assert int(s.argmax()) == 1  # Finch keeps B
 
 
 def test_chunking_and_the_kept_schedule():
@@ -110,6 +143,41 @@ def test_chunking_and_the_kept_schedule():
     assert chunk_bounds(8, 8) == [(0, 8)]
     assert kept_counts(chunk_bounds(10, 4), 5) == [2, 4, 5]
     assert kept_counts(chunk_bounds(10, 4), 50) == [3, 7, 10]  # a target above the document keeps all
+
+
+def test_default_chunk_is_in_the_papers_range_and_target_may_be_a_ratio(tiny_lm):
+    assert DEFAULT_CHUNK == 1024 and 64 <= DEFAULT_CHUNK <= 2048  # the paper's chunks (Table 9)
+    lm = tiny_lm("llama")  # window 4096
+    f = finch(lm, "finch")
+    assert (f.target, f.chunk) == (1024, 1024)
+    assert f.spec() == "finch:target=1024,chunk=1024"
+    small = finch(tiny_lm("llama", max_position_embeddings=1024), "finch:target=128")
+    assert small.chunk == 1024 - 128 - 256  # a small window shrinks the default chunk, never an explicit one
+    ratio = finch(lm, "finch:target=0.25,chunk=64")
+    assert ratio.spec() == "finch:target=0.25,chunk=64" and ratio.target_tokens(401) == 100
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, words(600, seed=2), "Which word?")
+    cache, _, next_position = ratio.prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    keep = round(0.25 * prompt.doc_end)
+    assert next_position == keep + prompt.n_after_document
+    assert all(k.numel() == keep for k in cache.kept_positions)
+    for spec, needle in [("finch:target=1.5", "target"), ("finch:target=-0.1", "target"), ("finch:target=abc", "target")]:
+        with pytest.raises(UsageError, match=needle):
+            parse_one(spec)
+
+
+def test_the_user_prompt_after_the_document_is_never_compressed(tiny_lm):
+    """Finch keeps the user prompt — the instructions between the document and the question
+    included — and compresses the context (template head + document) only."""
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, words(600, seed=4), "Which word comes first?")
+    assert prompt.n_after_document > prompt.n_suffix  # the template's middle: the instructions
+    cache, _, next_position = finch(lm, "finch:target=40,chunk=128").prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    assert cache.suffix_positions.tolist() == list(range(prompt.doc_end, prompt.n_tokens))
+    assert next_position == 40 + prompt.n_after_document
+    for kept in cache.kept_positions:
+        assert kept.numel() == 40 and int(kept.max()) < prompt.doc_end
 
 
 # --- RoPE re-rotation ----------------------------------------------------------------------------
@@ -210,15 +278,16 @@ def test_25k_token_document_on_a_1k_window(tiny_lm, monkeypatch):
     assert len(result.answer_ids) == 4
     assert len(spans) > 30 and max(spans) <= lm.max_context
     # GQA shapes: n_kv heads per layer, never expanded; target + question + the 3 decoded tokens
-    assert result.extra["kv_cache_bytes"] == 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 4 * (128 + prompt.n_suffix + 3)
+    q = result.cache.suffix_positions.numel()  # the protected tokens the pipeline passed
+    assert result.extra["kv_cache_bytes"] == 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 4 * (128 + q + 3)
 
 
 def test_compressed_cache_shapes(tiny_lm):
     lm = tiny_lm("qwen3")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, words(600, seed=1), "Which word?")
-    cache, logits, next_position = finch(lm, "finch:target=50,chunk=100").prefill(engine, prompt.ids, protected=prompt.n_suffix)
-    q = prompt.n_suffix
+    cache, logits, next_position = finch(lm, "finch:target=50,chunk=100").prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    q = prompt.n_after_document
     assert logits.shape == (lm.model.config.vocab_size,)
     assert next_position == 50 + q
     assert cache.positions.tolist() == list(range(50 + q))
@@ -226,7 +295,7 @@ def test_compressed_cache_shapes(tiny_lm):
         assert cache.keys[layer].shape == (1, lm.n_kv_heads, 50 + q, lm.head_dim)
         assert cache.values[layer].shape == cache.keys[layer].shape
         kept = cache.kept_positions[layer]
-        assert kept.numel() == 50 and torch.all(kept[1:] > kept[:-1]) and int(kept[-1]) < prompt.prefix_len
+        assert kept.numel() == 50 and torch.all(kept[1:] > kept[:-1]) and int(kept[-1]) < prompt.doc_end
 
 
 # --- knobs and the CLI ---------------------------------------------------------------------------
@@ -242,6 +311,19 @@ def test_knob_errors(tiny_lm):
     with pytest.raises(UsageError, match="room"):
         finch(lm, "finch:target=1000,chunk=3096")
     assert parse_one("finch").prefix_state(lm) is None  # depends on the question: nothing to store
+
+
+def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, words(300, seed=5), "Which word?")
+    pipeline = Pipeline.parse("finch:target=40,chunk=128")
+    f = pipeline.stages[0]
+    seen = []
+    real = f.prefill
+    monkeypatch.setattr(f, "prefill", lambda engine, ids, prefix=None, protected=0: seen.append(protected) or real(engine, ids, prefix, protected))
+    run(engine, prompt, pipeline, max_new_tokens=1, stop_ids=set())
+    assert seen == [prompt.n_after_document]
 
 
 def test_cli_reads_a_document_longer_than_the_window_with_finch_only(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -94,9 +94,9 @@ def test_finch_keeps_target_document_tokens_per_layer(tiny_lm):
     lm = tiny_lm("llama")
     result = answer(lm, "finch:target=24,chunk=64")
     mask = result.kept_mask()
-    # every layer holds the target of the prefix plus the question's tokens, which run last
+    # every layer holds the target of the document plus the user prompt after it (instructions, question)
     per_layer = mask[:, 0].sum(dim=-1)
-    assert (per_layer == 24 + result.prompt.n_suffix).all()
+    assert (per_layer == 24 + result.prompt.n_after_document).all()
 
 
 # --------------------------------------------------------------------------- decode_step

@@ -92,7 +92,7 @@ def expected_spans(session, document, spec: str):
     prompt = build_prompt(lm.tokenizer, document.text, QUESTION, session.template)
     gem = parse_one(spec)
     gem.configure(lm)
-    kept = gem.select_tokens(session.engine, prompt.ids, protected=prompt.n_suffix).kept.tolist()
+    kept = gem.select_tokens(session.engine, prompt.ids, protected=prompt.n_after_document).kept.tolist()
     doc_tokens = [i - prompt.doc_start for i in kept if prompt.doc_start <= i < prompt.doc_end]
     runs = []
     for t in doc_tokens:

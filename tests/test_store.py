@@ -37,7 +37,8 @@ def fresh_notices():
 
 
 def session_for(lm, cache_dir: Path | None, use_cache: bool = True) -> Session:
-    options = AskOptions(max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache)
+    # no answer guard: these tests compare whole 8-token answers of random tiny models
+    options = AskOptions(max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache, answer_guard=False)
     store = KVStore.open(cache_dir) if use_cache else None
     return Session(lm=lm, engine=Engine(lm), options=options, template=load_template(), store=store)
 
@@ -89,8 +90,8 @@ def test_split_prefill_matches_one_pass_logits(tiny_lm):
 def test_gemfilter_stores_only_layers_1_to_r_and_k_does_not_change_the_entry(tiny_lm, tmp_path):
     lm = tiny_lm("llama")
     session = session_for(lm, tmp_path)
-    first = ask(session, "gemfilter:layer=2,k=24")
-    other_k = ask(session_for(lm, tmp_path), "gemfilter:layer=2,k=30,kernel=3")
+    first = ask(session, "gemfilter:layer=1,k=24")
+    other_k = ask(session_for(lm, tmp_path), "gemfilter:layer=1,k=30,kernel=3")
     assert (first.extra["cache"]["status"], other_k.extra["cache"]["status"]) == ("miss", "hit")
     [path] = entry_files(tmp_path)
     from safetensors import safe_open
@@ -98,11 +99,11 @@ def test_gemfilter_stores_only_layers_1_to_r_and_k_does_not_change_the_entry(tin
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
         meta = json.loads(f.metadata()["kvcli"])
-    assert names == {"positions", "k.0", "v.0", "k.1", "v.1"}  # layers 1..r=2 of 4
+    assert names == {"positions", "k.0", "v.0", "k.1", "v.1"}  # layers 0..r=1 (r + 1 = 2) of 4
     assert meta["fields"]["state"] == {"kind": "kv", "layers": 2}
     assert meta["format"] == FORMAT_VERSION
     # another filter layer is another state
-    assert ask(session_for(lm, tmp_path), "gemfilter:layer=3,k=24").extra["cache"]["status"] == "miss"
+    assert ask(session_for(lm, tmp_path), "gemfilter:layer=2,k=24").extra["cache"]["status"] == "miss"
     assert len(entry_files(tmp_path)) == 2
 
 

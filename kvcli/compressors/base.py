@@ -9,7 +9,8 @@ by :mod:`kvcli.pipeline` in this order:
     with fresh, contiguous positions. Several selectors may chain.
 ``prefill(engine, ids, prefix, protected) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
-    ``protected``: the question's length, as for ``select_tokens``. A prefill owner that reads the
+    ``protected``: the tokens after the document (instructions, question, generation prompt), as
+    for ``select_tokens``. A prefill owner that reads the
     prompt first may read documents longer than the window (``window_needed``, Finch).
 ``compress(engine, cache) -> cache``
     After the prefill, shrink the KV cache (SnapKV, H2O, StreamingLLM, PyramidKV). Scores come from
@@ -86,7 +87,8 @@ class Compressor:
 
     def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> "Selection":
         """Choose prompt tokens to keep: a Selection of sorted indices into ``prompt_ids`` (n,)
-        (and the per-token scores, if any). The last ``protected`` tokens are the question and
+        (and the per-token scores, if any). The last ``protected`` tokens are the user prompt after the
+        document (instructions, question) and
         the generation prompt; the method's own rule decides whether they are forced in.
         ``prefix``: the state of ``prompt_ids[:prefix.n_tokens]`` (see the module docstring), or None."""
         raise NotImplementedError
@@ -94,12 +96,13 @@ class Compressor:
     def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
         """Run the prompt ``ids`` (n,) and return ``(cache, first_logits (vocab,), next_position)``;
         ``prefix`` as for :meth:`select_tokens`; the last ``protected`` tokens of ``ids`` are the
-        question and the generation prompt (``Prompt.n_suffix``), as for :meth:`select_tokens`."""
+        instructions, question and generation prompt after the document (``Prompt.n_after_document``),
+        as for :meth:`select_tokens`."""
         raise NotImplementedError
 
     def window_needed(self, lm, n_prompt: int, n_suffix: int, max_new_tokens: int) -> int:
         """The most positions the model must hold at once for a prompt of ``n_prompt`` tokens (the
-        last ``n_suffix`` of them the question) and ``max_new_tokens`` to generate, when this method
+        last ``n_suffix`` of them after the document) and ``max_new_tokens`` to generate, when this method
         reads the prompt first (:meth:`kvcli.pipeline.Pipeline.reader`); checked against the model's
         window. Default: everything. Methods that read documents longer than the window chunk by
         chunk (Finch) return less."""

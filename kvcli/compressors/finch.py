@@ -1,23 +1,28 @@
 """Finch: prompt-guided KV cache compression, chunk by chunk (Corallo & Papotti, TACL 2024).
 
 "FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models", section 5.1. Finch
-reads a document longer than the model's window:
+reads a document longer than the model's window. The prompt is cut into the *context* (the
+template head and the document: ``P`` tokens) and the *user prompt* — every token after the
+document: the template's instructions ("Answer the question using only the document above..."),
+the question and the chat template's closing tokens (``Prompt.n_after_document``, passed as
+``protected``). The paper compresses the context only and keeps the user prompt whole,
+"particularly its instructions" (section 4):
 
-1. the question-agnostic part of the prompt (template head, document, template middle: ``P``
-   tokens) is split into chunks of at most ``chunk`` tokens (balanced sizes);
-2. each chunk is prefilled on top of the compressed cache so far, followed by the *question*
-   (the question and the chat template's closing tokens: the prompt's suffix). Per layer, from the
-   queries and keys the attention hands to observers (never ``output_attentions``):
+1. the context is split into chunks of at most ``chunk`` tokens (balanced sizes; default 1024,
+   in the paper's range of 64-2,048 — see :data:`DEFAULT_CHUNK`);
+2. each chunk is prefilled on top of the compressed cache so far, followed by the user prompt
+   (the *question* below). Per layer, from the queries and keys the attention hands to observers
+   (never ``output_attentions``):
 
-   * the question rows' softmax attention over every key (chunk + cache + the question's own,
+   * the question rows' softmax attention over every key (cache + chunk + the question's own,
      causally), **summed over heads** (GQA: each query head reads its group's KV head; the cache is
-     never expanded) and over the question rows;
-   * restricted to the chunk + cache columns (the prompt-guided submatrix);
-   * **normalised** for the causal position bias as in the paper: each column's sum is divided by
-     the number of question rows that can see it (its non-zero attention entries). The question
-     comes after every chunk and cache token, so all of them see every candidate: the divisor is
-     the question length for every candidate and the ranking is that of the plain sum — the step
-     is kept, literally, so that the scores are the paper's;
+     never expanded);
+   * restricted to the cache + chunk columns (the prompt-guided submatrix);
+   * **normalised** for the causal position bias: each question row's attention is multiplied by
+     its number of non-zero entries (the keys it sees) over the step's length, as the authors' code
+     does (``non_zero_counts / tot_seq_len``, github.com/giulio98/context-compression, and kvpress's
+     ``FinchPress``): a row that sees more keys spreads the same probability mass thinner, so
+     without it the first question rows dominate. Then summed over the question rows;
    * the top ``k_i`` positions are kept (sorted back into document order), per layer: layers keep
      different tokens. ``k_i = ceil(target · seen_i / P)`` grows with the tokens seen so far and
      reaches ``target`` at the last chunk (the paper's update rule: a constant compression rate);
@@ -27,15 +32,19 @@ reads a document longer than the model's window:
 4. finally the question runs once more, on the ``target``-token cache only, at positions
    ``target..target+q-1``; its logits start the answer and decoding continues at ``target + q``.
 
+``target`` is a token count or a ratio of the context (``target=0.25``: a quarter of ``P``), as
+the eviction methods' ``budget`` (:func:`kvcli.compressors.scoring.parse_budget`).
+
 The model never sees more than ``target + chunk + q`` positions at once (and ``target + q +
-max_new_tokens`` while decoding), whatever the document's length. With ``target >= P`` nothing is
-dropped and the result is full attention's (chunks only change the order of an exact causal
-computation); chunks that would drop nothing are run without the question.
+max_new_tokens`` while decoding), whatever the document's length: where the window is smaller the
+chunk shrinks to fit. With ``target >= P`` nothing is dropped and the result is full attention's
+(chunks only change the order of an exact causal computation); chunks that would drop nothing are
+run without the question.
 
 Cache layout after :meth:`Finch.prefill`: ``keys[l]``/``values[l]``: (1, n_kv, k + q, d), the same
 count ``k = min(target, P)`` in every layer but different tokens; ``positions`` = ``0..k+q-1``
 (the re-positioned, contiguous slots: what RoPE was applied with); ``kept_positions[l]`` (an
-extra attribute): the original prompt positions of the ``k`` document slots of layer ``l``;
+extra attribute): the original prompt positions of the ``k`` context slots of layer ``l``;
 ``suffix_positions``: the original positions of the question's ``q`` slots that follow them.
 
 Disk store: the compressed cache depends on the question, so there is no question-agnostic
@@ -55,9 +64,14 @@ from ..cache import KVCache
 from ..errors import DocumentError, UsageError
 from ..rope import rerotate_table, rope_cos_sin
 from .base import Compressor, knob, register
+from .scoring import parse_budget, resolve_budget
 
 DEFAULT_TARGET = 1024
-QUESTION_ROOM = 512  # positions the automatic chunk size leaves for the question and the answer
+# The paper runs chunks of 64-2,048 tokens (Table 9) and finds 1024 better than 256 for
+# single-document QA (smaller chunks help multi-document QA; larger ones are faster: fewer steps).
+# kvcli answers questions about one document, so 1024.
+DEFAULT_CHUNK = 1024
+QUESTION_ROOM = 512  # positions a small window keeps for the question and the answer when the default chunk shrinks
 
 
 def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -82,8 +96,9 @@ def question_scores(query: torch.Tensor, key: torch.Tensor, n_question: int, n_c
     query (1, n_heads, q_len, d) with the question in its last ``n_question`` rows; key
     (1, n_kv, kv_len, d) whose first ``n_candidates`` entries are the cache + chunk and whose last
     ``n_question`` are the question's own. Softmax attention of the question rows over every key
-    (causal among the question), summed over heads and question rows, normalised per column by the
-    number of question rows that see it.
+    (causal among the question), summed over heads; each question row multiplied by its number of
+    non-zero entries (the keys it sees) / ``kv_len`` (the positional-bias normalisation); summed
+    over the question rows, for the candidate columns.
     """
     _, n_heads, _, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
@@ -97,52 +112,75 @@ def question_scores(query: torch.Tensor, key: torch.Tensor, n_question: int, n_c
     logits = logits.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # sum over heads: (n_question, kv_len)
     sub = weights[:, :n_candidates]  # the prompt-guided submatrix: question rows x (cache + chunk)
-    counts = visible[:, :n_candidates].sum(dim=0).clamp_min(1)  # non-zero entries per column
-    return sub.sum(dim=0) / counts
+    non_zero = visible.sum(dim=1).to(torch.float32)  # keys each question row sees
+    return (sub * (non_zero / kv_len)[:, None]).sum(dim=0)
 
 
 @register
 @dataclass
 class Finch(Compressor):
     """Finch (Corallo & Papotti, 2024): the document is read chunk by chunk; after each chunk the
-    question's attention keeps, per layer, the most relevant KV pairs (re-positioned with RoPE),
-    so a document longer than the window fits a ``target``-token cache. TACL 2024, doi
+    attention of the user prompt (instructions + question, never compressed) keeps, per layer, the
+    most relevant KV pairs (re-positioned with RoPE), so a document longer than the window fits a
+    ``target``-token cache. TACL 2024, doi
     10.1162/tacl_a_00716 (arXiv:2408.00167)."""
 
     name: ClassVar[str] = "finch"
     paper: ClassVar[str] = "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
 
-    target: int | None = knob(None, f"KV cache size (tokens) the document is compressed to; auto = {DEFAULT_TARGET} (at most a quarter of the window)")
-    chunk: int | None = knob(None, f"document tokens read per step; auto = the window minus target minus {QUESTION_ROOM} (room for the question and the answer)")
+    target: str | int | float | None = knob(
+        None,
+        f"KV cache size the context (template head + document) is compressed to: a token count (>= 1) or a ratio of "
+        f"it (0 < x < 1); auto = {DEFAULT_TARGET} tokens (at most a quarter of the window)",
+    )
+    chunk: int = knob(
+        DEFAULT_CHUNK,
+        "context tokens read per step (the paper: 64-2,048; 1024 for single-document QA); shrinks to fit a small window",
+    )
 
     def __post_init__(self) -> None:
-        if self.target is not None and self.target < 1:
-            raise UsageError(f"finch: target must be at least 1, got {self.target}")
-        if self.chunk is not None and self.chunk < 1:
+        if self.target is not None:
+            self.target = parse_budget(self.name, self.target, "target")
+        if self.chunk < 1:
             raise UsageError(f"finch: chunk must be at least 1, got {self.chunk}")
 
     def configure(self, lm) -> None:
         window = lm.max_context
         if self.target is None:
             self.target = min(DEFAULT_TARGET, window // 4) if window else DEFAULT_TARGET
-        if window and self.target >= window:
+        if not window or isinstance(self.target, float):
+            return  # a ratio: checked per prompt (window_needed, prefill)
+        if self.target >= window:
             raise UsageError(f"finch: target={self.target} does not fit the {window:,}-token window of {lm.name}; use target < {window}")
-        if self.chunk is None:
-            room = min(QUESTION_ROOM, window // 4) if window else QUESTION_ROOM
-            self.chunk = max(1, window - self.target - room) if window else 4 * self.target
-        elif window and self.target + self.chunk >= window:
+        if "chunk" not in self.explicit_knobs:
+            room = min(QUESTION_ROOM, window // 4)
+            self.chunk = max(1, min(self.chunk, window - self.target - room))
+        elif self.target + self.chunk >= window:
             raise UsageError(
                 f"finch: target={self.target} + chunk={self.chunk} leave no room for the question in the "
                 f"{window:,}-token window of {lm.name}; use target + chunk < {window}"
             )
 
+    def target_tokens(self, n_context: int) -> int:
+        """The compressed cache size for a context of ``n_context`` tokens: the count (at most the
+        context: a larger target keeps everything) or ``round(ratio · n_context)``."""
+        return resolve_budget(self.name, self.target, n_context, explicit=False)
+
+    def chunk_tokens(self, window: int, target: int, n_question: int) -> int:
+        """The chunk actually read per step: ``chunk``, less where the window could not hold
+        target + chunk + question (0 or less: it cannot fit at all)."""
+        return min(self.chunk, window - target - n_question) if window else self.chunk
+
     # --- the window it needs -----------------------------------------------------------------------
     def window_needed(self, lm, n_prompt: int, n_suffix: int, max_new_tokens: int) -> int:
         """Chunk passes: at most min(P, target + chunk) + q positions; decoding: min(P, target) + q
-        + max_new_tokens (P: prompt tokens before the question, q: the question's)."""
+        + max_new_tokens (P: the context, q = ``n_suffix``: the protected tokens after it, which
+        the pipeline must count as it passes them to :meth:`prefill`)."""
         n_context = n_prompt - n_suffix
-        passes = min(n_context, self.target + self.chunk) + n_suffix
-        decode = min(n_context, self.target) + n_suffix + max_new_tokens
+        target = self.target_tokens(n_context) if n_context > 0 else 0
+        chunk = max(1, self.chunk_tokens(lm.max_context, target, n_suffix))
+        passes = min(n_context, target + chunk) + n_suffix
+        decode = target + n_suffix + max_new_tokens
         return max(passes, decode)
 
     def prefix_state(self, lm) -> None:
@@ -151,8 +189,10 @@ class Finch(Compressor):
 
     # --- the method -----------------------------------------------------------------------------
     def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
-        """``ids`` (n,) = [context][question]; the last ``protected`` tokens are the question (and
-        the generation prompt). Returns (cache, first_logits, next_position)."""
+        """``ids`` (n,) = [context][user prompt]; the last ``protected`` tokens are the user prompt,
+        never compressed: the pipeline passes every token after the document
+        (``Prompt.n_after_document``: instructions, question, generation prompt). Returns (cache,
+        first_logits, next_position)."""
         lm = engine.lm
         n = ids.numel()
         n_question = min(max(protected, 1), n)
@@ -163,17 +203,16 @@ class Finch(Compressor):
             cache.kept_positions = [torch.zeros(0, dtype=torch.long)] * cache.n_layers
             cache.suffix_positions = torch.arange(n)
             return cache, logits, n
-        chunk = self.chunk
+        target = self.target_tokens(n_context)
         window = lm.max_context
-        if window and self.target + chunk + n_question > window:
-            chunk = window - self.target - n_question
-            if chunk < 1:
-                raise DocumentError(
-                    f"finch: the question is {n_question:,} tokens; with target={self.target} it does not fit the "
-                    f"{window:,}-token window of {lm.name}"
-                )
+        chunk = self.chunk_tokens(window, target, n_question)
+        if chunk < 1:
+            raise DocumentError(
+                f"finch: the question is {n_question:,} tokens; with target={target} it does not fit the "
+                f"{window:,}-token window of {lm.name}"
+            )
         bounds = chunk_bounds(n_context, chunk)
-        counts = kept_counts(bounds, self.target)
+        counts = kept_counts(bounds, target)
         n_layers = engine.n_layers
         cache = KVCache()
         kept_positions: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long) for _ in range(n_layers)]
