@@ -83,14 +83,16 @@ class Session:
         max_new_tokens: int | None = None,
         force_tokens: bool = False,
         use_store: bool = True,
+        answer_prefix: str = "",
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
         ``max_new_tokens``: default the session's; ``force_tokens``: ignore the stop tokens and
         generate exactly that many (benchmarks of decoding speed); ``use_store=False``: neither
-        read nor write the disk store for this question (cold runs)."""
+        read nor write the disk store for this question (cold runs); ``answer_prefix``: text the
+        answer starts with, after the generation prompt (benchmarks such as RULER)."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
-        prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template)
+        prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         for stage in pipeline.stages:
             if hasattr(stage, "cache_dir"):  # methods that keep per-model data (RazorAttention's head profile)

@@ -95,14 +95,16 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def build_prompt(tokenizer, document_text: str, question: str, template: str | None = None) -> Prompt:
+def build_prompt(tokenizer, document_text: str, question: str, template: str | None = None, answer_prefix: str = "") -> Prompt:
+    """``answer_prefix``: text that starts the model's answer, after the generation prompt (RULER's
+    "The special magic number for ... is"); it is part of the suffix, never of the answer."""
     head, middle, tail = render_pieces(tokenizer, template or load_template())
     enc = tokenizer(document_text, add_special_tokens=False, return_offsets_mapping=True)
     doc_ids = enc["input_ids"]
     if not doc_ids:
         raise DocumentError("the document has no tokens")
     head_ids, middle_ids = _encode(tokenizer, head), _encode(tokenizer, middle)
-    question_ids = _encode(tokenizer, question.strip()) + _encode(tokenizer, tail)
+    question_ids = _encode(tokenizer, question.strip()) + _encode(tokenizer, tail) + _encode(tokenizer, answer_prefix)
     ids = head_ids + doc_ids + middle_ids + question_ids
     return Prompt(
         ids=torch.tensor(ids, dtype=torch.long),

@@ -1,4 +1,4 @@
-"""Run ``kvcli`` in-process, as the tests of every command do."""
+"""Run ``kvcli`` in-process, as the tests of every command do, and check what it printed."""
 
 from __future__ import annotations
 
@@ -24,3 +24,23 @@ def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
             code = 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000, path
+    assert path.read_bytes()[:8] == PNG, path
+
+
+def assert_one_line_error(result, code, *needles) -> None:
+    """``result`` of ``cli(...)``: exit ``code``, nothing on stdout, one ``kvcli: error:`` line
+    on stderr holding every needle."""
+    got, out, err = result
+    assert got == code, (got, out, err)
+    assert out == "" and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcli: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -70,6 +70,30 @@ def cli(capsys, monkeypatch):
     return lambda *args: run_cli(args, capsys, monkeypatch)
 
 
+@pytest.fixture
+def asks(monkeypatch):
+    """Counts Session.ask calls (one per benchmark cell; warm-ups excluded); ``asks.fail_at = n``
+    interrupts the n-th (Ctrl-C)."""
+    from kvcli import api
+
+    class Counter:
+        calls = 0
+        fail_at = None
+
+    real = api.Session.ask
+
+    def counting(self, document, *args, **kwargs):
+        if document.source == "warm-up":  # the untimed warm-up answers are not cells
+            return real(self, document, *args, **kwargs)
+        Counter.calls += 1
+        if Counter.fail_at == Counter.calls:
+            raise KeyboardInterrupt
+        return real(self, document, *args, **kwargs)
+
+    monkeypatch.setattr(api.Session, "ask", counting)
+    return Counter
+
+
 def pytest_collection_modifyitems(items):
     # run the slow real-model tests last, so quick failures show first
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

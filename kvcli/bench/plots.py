@@ -43,25 +43,30 @@ def accuracy_grid(rows: list[dict], method: str, lengths: list[int], depths: lis
     return grid
 
 
-def _heatmap(ax, grid, lengths, depths, cmap, title: str):
+def _heatmap(ax, grid, xlabels, ylabels, cmap, title: str, xlabel: str = "context length (tokens)", ylabel: str = "needle depth", fmt=lambda v: f"{v:.2g}"):
+    """``grid[y][x]`` in 0..1 (None: not run) as coloured cells with ``fmt(value)`` written in them."""
     import numpy as np
 
     data = np.array([[np.nan if v is None else v for v in line] for line in grid], dtype=float)
     image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xticks([x - 0.5 for x in range(1, len(lengths))], minor=True)
-    ax.set_yticks([y - 0.5 for y in range(1, len(depths))], minor=True)
+    ax.set_xticks(range(len(xlabels)), xlabels)
+    ax.set_yticks(range(len(ylabels)), ylabels)
+    ax.set_xticks([x - 0.5 for x in range(1, len(xlabels))], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, len(ylabels))], minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
     ax.tick_params(which="minor", length=0)
     for y, line in enumerate(grid):
         for x, v in enumerate(line):
-            text = "—" if v is None else f"{v:.2g}"
+            text = "—" if v is None else fmt(v)
             ax.text(x, y, text, ha="center", va="center", fontsize=9, color="black")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     return image
+
+
+def _needle_labels(lengths, depths) -> tuple[list[str], list[str]]:
+    return [length_label(n) for n in lengths], [f"{d:.0%}" for d in depths]
 
 
 def needle_heatmaps(rows: list[dict], out_dir: Path, model: str = "", combined: bool = True) -> list[Path]:
@@ -84,7 +89,7 @@ def needle_heatmaps(rows: list[dict], out_dir: Path, model: str = "", combined: 
         grid = grids[method] = accuracy_grid(rows, method, lengths, depths)
         fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(lengths), 1.6 + 0.45 * len(depths)), layout="constrained")
         mean = _overall(grid)
-        image = _heatmap(ax, grid, lengths, depths, cmap, f"{method}{suffix}\nneedle accuracy {mean:.0%}")
+        image = _heatmap(ax, grid, *_needle_labels(lengths, depths), cmap, f"{method}{suffix}\nneedle accuracy {mean:.0%}")
         fig.colorbar(image, ax=ax, fraction=0.05, pad=0.03)
         path = out_dir / f"needle_{method_slug(method)}.png"
         fig.savefig(path, dpi=120)
@@ -97,7 +102,7 @@ def needle_heatmaps(rows: list[dict], out_dir: Path, model: str = "", combined: 
         )
         image = None
         for ax, method in zip(axes[0], methods):
-            image = _heatmap(ax, grids[method], lengths, depths, cmap, f"{method}\n{_overall(grids[method]):.0%}")
+            image = _heatmap(ax, grids[method], *_needle_labels(lengths, depths), cmap, f"{method}\n{_overall(grids[method]):.0%}")
             if ax is not axes[0][0]:
                 ax.set_ylabel("")
         fig.suptitle(f"Needle in a haystack{suffix}", fontsize=11)
@@ -150,6 +155,96 @@ def speed_plot(rows: list[dict], path: Path, model: str = "") -> Path:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
     fig.suptitle(f"Speed and memory vs context length{' · ' + _model_label(model) if model else ''}", fontsize=11)
     fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 4 if labels else 0), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ruler_plot(rows: list[dict], path: Path, model: str = "") -> Path:
+    """``ruler.png``, kvpress-leaderboard style: x the compression ratio (1 = full attention, log
+    scale), y RULER's average score, one line per method over its ratios, full attention as a
+    dashed ceiling, one panel per length. Methods run at their own settings are single points at
+    their measured ratio."""
+    from .ruler import _runs, average_scores, measured_ratios
+
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = sorted(dict.fromkeys(r["length"] for r in rows))
+    runs = _runs(rows)
+    averages = average_scores(rows)
+    ratios = sorted({r for _, r in runs if r is not None})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(max(7.0, 4.4 * len(lengths)), 4.2), sharey=True, squeeze=False)
+    markers = "osD^vP*Xh<>"
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = [m for m in dict.fromkeys(m for m, _ in runs) if m != "full"]
+    top = max([v for v in averages.values()] + [1.0])
+    xs_all = [1.0, *ratios]
+    for ax, n in zip(axes[0], lengths):
+        measured = measured_ratios([r for r in rows if r["length"] == n])
+        if (n, "full", None) in averages:
+            y = averages[(n, "full", None)]
+            ax.axhline(y, color="black", linestyle="--", linewidth=1.2, label="full attention")
+            ax.plot([1.0], [y], marker="o", color="black")
+        for i, method in enumerate(methods):
+            style = dict(color=colours[i % len(colours)], marker=markers[i % len(markers)])
+            points = sorted((r, averages[(n, m, r)]) for m, r in runs if m == method and r is not None and (n, m, r) in averages)
+            if points:
+                ax.plot(*zip(*points), label=method, **style)
+            if (n, method, None) in averages:  # its own settings: at the ratio it measured
+                x = measured.get((method, None)) or 1.0
+                xs_all.append(x)
+                ax.plot([x], [averages[(n, method, None)]], linestyle="none", markersize=8, markerfacecolor="none",
+                        label=f"{method} (own settings)", **style)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ticks = sorted(set([1.0, *ratios]))
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set_xlim(min(xs_all) / 1.25, max(xs_all) * 1.25)
+        ax.set_ylim(0, min(100, max(10, top * 1.15)))
+        ax.set_xlabel("compression ratio (1 = full attention)")
+        ax.set_title(f"{length_label(n)} tokens", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("RULER average score")
+    handles, labels = {}, []
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    labels = list(handles)
+    if labels:
+        fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
+    fig.suptitle(f"RULER vs compression ratio{' · ' + _model_label(model) if model else ''}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07 + 0.05 * ((len(labels) - 1) // 4 if labels else 0), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:
+    """``ruler_tasks.png``: per length a panel of task × (method, ratio), colour and number the
+    task's mean score (0-100)."""
+    from matplotlib.colors import LinearSegmentedColormap
+
+    from .ruler import TASK_NAMES, _runs, run_label, task_scores
+
+    plt = _pyplot()
+    cmap = LinearSegmentedColormap.from_list("ruler", NEEDLE_COLOURS).with_extremes(bad="#DDDDDD")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = sorted(dict.fromkeys(r["length"] for r in rows))
+    tasks = [t for t in TASK_NAMES if any(r["task"] == t for r in rows)]
+    runs = _runs(rows)
+    scores = task_scores(rows)
+    width = 1.6 + 0.62 * len(runs)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(width * len(lengths) + 1.0, 1.6 + 0.36 * len(tasks)), sharey=True, squeeze=False, layout="constrained")
+    image = None
+    for ax, n in zip(axes[0], lengths):
+        grid = [[None if (n, m, r, t) not in scores else scores[(n, m, r, t)].mean / 100 for m, r in runs] for t in tasks]
+        image = _heatmap(ax, grid, [run_label(m, r) for m, r in runs], tasks, cmap, f"{length_label(n)} tokens", "method", "task" if ax is axes[0][0] else "", fmt=lambda v: f"{100 * v:.0f}")
+        ax.tick_params(axis="x", labelrotation=45)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    fig.suptitle(f"RULER score per task{' · ' + _model_label(model) if model else ''}", fontsize=11)
+    fig.colorbar(image, ax=list(axes[0]), fraction=0.02, pad=0.01).set_label("score / 100")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -74,7 +74,7 @@ def check_lengths(lengths: Iterable[int], max_context: int | None, new_tokens: i
     too_long = [n for n in lengths if n + new_tokens > max_context]
     if too_long:
         raise UsageError(
-            f"--lengths {','.join(map(str, too_long))}: plus {new_tokens} new tokens, over the "
+            f"--lengths {','.join(map(str, too_long))}:{f' plus {new_tokens} new tokens,' if new_tokens else ''} over the "
             f"{max_context:,}-token window of {model_name}; use lengths up to {max_context - new_tokens:,}"
         )
 
