@@ -80,7 +80,7 @@ def _progress(err):
     )
 
 
-def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa"):
+def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True):
     from ..api import AskOptions, Session
 
     options = AskOptions(
@@ -92,6 +92,7 @@ def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: in
         use_cache=False,  # every cell is a cold run: timings compare (ruler sets a store of its own)
         max_new_tokens=max_new_tokens,
         template=template,
+        answer_guard=answer_guard,
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -338,6 +339,7 @@ def ruler(
     dtype: str = DtypeOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
+    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit"),
 ) -> None:
     from ..cli import _route_warnings, _stderr
     from . import ruler as rl
@@ -362,7 +364,7 @@ def ruler(
     rl.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE, answer_guard=answer_guard)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 
@@ -370,6 +372,7 @@ def ruler(
     results.meta = runner.run_meta(
         session, seed=seed, tasks=grid_tasks, template=rl.TEMPLATE, data=rl.WHEEL,
         scoring="RULER: string_match_all (niah, vt, cwe, fwe), string_match_part (qa) x 100",
+        answer_guard=answer_guard,
     )  # fmt: skip
     if grid_ratios and rl.unswept(specs):
         err.print(f"[dim]--ratios: {', '.join(rl.unswept(specs))} run once at their own settings (no budget to set)[/dim]")

@@ -588,7 +588,11 @@ def score_answer(task: str, prediction: str, references: list[str]) -> float:
 # --------------------------------------------------------------------------- compression ratios
 
 # the knob of each method that sets how much it keeps (a ratio of the prompt, or a token count)
-RATIO_KNOBS = {"snapkv": "budget", "pyramidkv": "budget", "h2o": "budget", "streamingllm": "budget", "gemfilter": "k", "finch": "target"}
+RATIO_KNOBS = {
+    **{m: "budget" for m in ("snapkv", "pyramidkv", "h2o", "streamingllm", "tova", "knorm", "keydiff", "adakv", "expectedattention", "kvzip")},
+    "gemfilter": "k",
+    "finch": "target",
+}
 
 
 def parse_ratios(text: str | None) -> list[float]:
