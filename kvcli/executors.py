@@ -206,6 +206,7 @@ class RayExecutor(Executor):
         self.dead: list[str] = []  # ids of workers that died
         self.load_errors: list[str] = []
         self.retried = 0  # documents sent to a second worker
+        self.n_started = 0  # workers that loaded the model
         self.use_gpu = False
         self._pending: dict = {}  # ready() ref -> actor handle still loading its model
         self._own_ray = False
@@ -281,6 +282,7 @@ class RayExecutor(Executor):
                 continue
             worker = WorkerInfo(info["id"], info["host"], info["pid"], info["device"], handle)
             self.workers.append(worker)
+            self.n_started += 1
             ready.append(worker)
         return ready
 
@@ -288,7 +290,7 @@ class RayExecutor(Executor):
         died = f", {len(self.dead)} died" if self.dead else ""
         retried = f", {self.retried} document{'s' if self.retried != 1 else ''} retried" if self.retried else ""
         kind = "GPU" if self.use_gpu else "CPU"
-        n = len(self.workers) + len(self.dead)
+        n = self.n_started
         return f"{n} Ray {kind} worker{'s' if n != 1 else ''}{died}{retried}"
 
     def close(self) -> None:
@@ -315,6 +317,7 @@ class RayExecutor(Executor):
         running: dict = {}  # ref -> (job, worker)
         reasons: dict[int, list[str]] = {}  # why a job failed, try after try
         tried: dict[int, set[str]] = {}  # ids of the workers a job failed on
+        retrying: list[Job] = []  # queued jobs that failed before (the only ones a live worker may refuse)
         try:
             while queue or running:
                 parked = []
@@ -325,6 +328,8 @@ class RayExecutor(Executor):
                         parked.append(worker)
                         continue
                     queue.remove(job)
+                    if job in retrying:
+                        retrying.remove(job)
                     running[worker.handle.run.remote(job, work)] = (job, worker)
                     if on_start is not None:
                         on_start(job.item.source, work.questions[0])
@@ -333,9 +338,11 @@ class RayExecutor(Executor):
                 idle.extend(parked)
                 if not self._pending:  # documents no live worker may take any more
                     alive = {w.id for w in self.workers}
-                    for job in [j for j in queue if not alive - tried.get(j.index, set())]:
+                    for job in [j for j in retrying if not alive - tried[j.index]] if alive else list(queue):
                         queue.remove(job)
-                        yield from self._failed(job, work, reasons.get(job.index) or ["no Ray worker left"], tried)
+                        if job in retrying:
+                            retrying.remove(job)
+                        yield from self._failed(job, work, reasons.get(job.index, []), tried)
                 if not running and not self._pending:
                     continue  # the queue is empty now (every document left was failed above)
                 done, _ = ray.wait(list(running) + list(self._pending), num_returns=1)
@@ -365,6 +372,7 @@ class RayExecutor(Executor):
                     if len(reasons[job.index]) < MAX_ATTEMPTS:
                         self.retried += 1
                         queue.appendleft(job)  # next, on another worker: it holds the output back
+                        retrying.append(job)
                     else:
                         yield from self._failed(job, work, reasons[job.index], tried)
         finally:

@@ -8,7 +8,6 @@ one line. Also: the disk store without flock (a shared filesystem without locks)
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import logging
 import os
@@ -26,7 +25,12 @@ from kvcli.batch import expand_inputs, run_batch
 from kvcli.executors import LocalExecutor, RayExecutor
 from test_cli import run_cli
 
-HAVE_RAY = importlib.util.find_spec("ray") is not None
+try:
+    import ray  # noqa: F401
+
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'kvcli[ray]')")
 QUESTIONS = ["Who was the keeper?", "How many ships arrived?", "What colour is the light?"]
 # what differs from run to run (timings, memory) or names the worker
