@@ -10,6 +10,10 @@ cannot be read, or a question that fails, yields an *error record* — ``{"docum
 "error", "error_type"}`` — and the batch goes on (unless ``fail_fast``). The model is loaded once
 (the caller's :class:`~kvcli.api.Session`) and the disk KV store is shared by every question, so
 the questions about one document reuse its prefix state.
+
+One code path makes the records: :meth:`Work.records` answers every question of one document
+(a :class:`Job`). Where it runs is an executor's choice (:mod:`kvcli.executors`: this process, or
+the actors of a Ray cluster); :func:`run_batch` puts what executors report back in input order.
 """
 
 from __future__ import annotations
@@ -141,8 +145,67 @@ def error_record(source: str, question: str, exc: BaseException) -> dict:
     return {"document": source, "question": question, "error": message, "error_type": kind}
 
 
+@dataclass(frozen=True)
+class Job:
+    """One document of a batch, the unit an executor places on a worker: all of its questions run
+    there, in order, so questions 2..n reuse the prefix state the first one computed."""
+
+    index: int  # its place in the input list (the output's order)
+    item: Input
+    text: str | None = None  # stdin's text, read where the batch started (a worker has no stdin)
+
+    def read(self, stdin_text: Callable[[], str]) -> Document:
+        return read_input(self.item, (lambda: self.text) if self.text is not None else stdin_text)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every document of a batch is asked, and how: the one code path that makes records,
+    wherever an executor runs it (this process, a Ray actor)."""
+
+    questions: tuple[str, ...]
+    pipeline: object  # kvcli.pipeline.Pipeline (as parsed: picklable)
+    include_spans: bool = False
+    fail_fast: bool = False
+
+    def records(
+        self,
+        session,
+        job: Job,
+        on_start: Callable[[str, str], None] | None = None,
+        stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+    ) -> Iterator[dict]:
+        """The records of one document: one per question, in order (with ``fail_fast``, up to the
+        first error record)."""
+        from .api import result_record
+
+        source = job.item.source
+        try:
+            document = job.read(stdin_text)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+            for question in self.questions:
+                yield error_record(source, question, exc)
+                if self.fail_fast:
+                    return
+            return
+        for question in self.questions:
+            if on_start is not None:
+                on_start(source, question)
+            try:
+                result = session.ask(document, question, self.pipeline)
+            except Exception as exc:  # noqa: BLE001
+                yield error_record(source, question, exc)
+                if self.fail_fast:
+                    return
+                continue
+            record = {"document": source, "question": question}
+            record.update(result_record(result, session, self.pipeline, document, include_spans=self.include_spans))
+            record["document"] = source
+            yield record
+
+
 def run_batch(
-    session,
+    executor,
     inputs: list[Input],
     questions: list[str],
     pipeline,
@@ -154,29 +217,45 @@ def run_batch(
 ) -> Iterator[dict]:
     """Yield one record per (document, question): the result fields of ``ask --json`` with the
     document and the question first, or an error record. Documents in input order, questions in
-    file order. With ``fail_fast`` the first error record is the last record."""
-    from .api import result_record
+    file order. With ``fail_fast`` the first error record is the last record.
 
-    for item in inputs:
-        try:
-            document = read_input(item, stdin_text)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
-            for question in questions:
-                yield error_record(item.source, question, exc)
-                if fail_fast:
-                    return
-            continue
-        for question in questions:
-            if on_start is not None:
-                on_start(item.source, question)
-            try:
-                result = session.ask(document, question, pipeline)
-            except Exception as exc:  # noqa: BLE001
-                yield error_record(item.source, question, exc)
-                if fail_fast:
-                    return
-                continue
-            record = {"document": item.source, "question": question}
-            record.update(result_record(result, session, pipeline, document, include_spans=include_spans))
-            record["document"] = item.source
+    ``executor`` decides where each document's questions run (:mod:`kvcli.executors`): a
+    :class:`~kvcli.api.Session` (or ``LocalExecutor(session)``) answers here, one document after
+    the other; a ``RayExecutor`` on Ray actors, several documents at once. Either way a record is
+    yielded as soon as every record before it is (a document finished early waits for the ones
+    before it), so what was yielded stays valid if the batch dies later."""
+    from .executors import Executor, LocalExecutor
+
+    if not isinstance(executor, Executor):
+        executor = LocalExecutor(executor)
+    work = Work(tuple(questions), pipeline, include_spans=include_spans, fail_fast=fail_fast)
+    jobs = [Job(i, item) for i, item in enumerate(inputs)]
+    events = executor.run(jobs, work, on_start=on_start, stdin_text=stdin_text)
+    try:
+        for record in in_input_order(events, len(jobs)):
             yield record
+            if fail_fast and "error" in record:
+                return
+    finally:
+        events.close()  # stops what still runs (a Ray executor kills its busy workers)
+
+
+def in_input_order(events: Iterator[tuple[int, dict | None]], n_jobs: int) -> Iterator[dict]:
+    """Records in job order from an executor's events, ``(job index, record)`` as records are made
+    and ``(job index, None)`` when a job is done, in any order across jobs (in order within one):
+    each record as soon as the jobs before its own are done."""
+    waiting: dict[int, list[dict]] = {}
+    done: set[int] = set()
+    head = 0  # the first job not yet done: its records go out as they come
+    for index, record in events:
+        if record is None:
+            done.add(index)
+        else:
+            waiting.setdefault(index, []).append(record)
+        while head < n_jobs:
+            yield from waiting.pop(head, [])
+            if head not in done:
+                break
+            head += 1
+    if head < n_jobs:
+        raise RuntimeError(f"the executor stopped with {n_jobs - head} documents unfinished")

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from . import api, batch, notices, render
+from . import api, batch, executors, notices, render
 from .options import Attn, Device, Offload, Quant
 from .errors import KvcliError, UsageError
 
@@ -93,6 +93,8 @@ METAVARS = {
     "plot": "FILE",
     "key": "KEY",
     "max_size": "SIZE",
+    "ray_address": "ADDRESS",
+    "workers": "N",
 }
 
 
@@ -187,10 +189,18 @@ def ask(
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache"),
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
 ) -> None:
     err = _stderr(quiet)
     _route_warnings(quiet)
     options = _ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
+    if workers is not None and ray_address is None:
+        raise UsageError("--workers needs --ray (without it one process answers every document)")
+    if ray_address is not None:
+        if not ray_address.strip():
+            raise UsageError("--ray: give an address (auto, ray://HOST:PORT) or local")
+        executors.import_ray()  # missing: one line naming the extra, before anything else
     # --- what to ask of what: every usage error before the model loads
     if questions_file is not None:
         if batch.looks_like_question(inputs[-1]):
@@ -211,10 +221,10 @@ def ask(
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     items = batch.expand_inputs(paths)
     single = len(paths) == 1 and len(items) == 1 and items[0].source == paths[0] and len(questions) == 1
-    if single:
+    if single and ray_address is None:
         _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
     else:
-        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor)
+        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor, ray_address, workers)
 
 
 def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
@@ -244,12 +254,17 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     )
 
 
-def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str) -> None:
-    """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed."""
+def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None) -> None:
+    """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed. Answered
+    here (the model loaded once), or with --ray on the workers of a Ray cluster."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with err.status("loading model…", spinner="dots"):
-        session = api.Session.open(options)
+    if ray_address is None:
+        with err.status("loading model…", spinner="dots"):
+            executor = executors.LocalExecutor(api.Session.open(options))
+    else:
+        warn = None if err.quiet else (lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
+        executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
     total = len(items) * len(questions)
     failed = done = 0
     progress = Progress(
@@ -261,26 +276,32 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         transient=True,
         disable=err.quiet or not err.is_terminal,  # a bar in a pipe is noise (and leaves a blank line)
     )
-    with progress:
-        task = progress.add_task("answering", total=total)
+    with executor:
+        if ray_address is not None:
+            with err.status(f"starting Ray workers ({ray_address}) and loading the model…", spinner="dots"):
+                executor.start(len(items))
+        with progress:
+            task = progress.add_task("answering", total=total)
 
-        def on_start(source: str, question: str) -> None:
-            progress.update(task, description=f"{Path(source).name}: {question[:40]}")
+            def on_start(source: str, question: str) -> None:
+                progress.update(task, description=f"{Path(source).name}: {question[:40]}")
 
-        for record in batch.run_batch(
-            session, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
-        ):
-            stdout.out(json.dumps(record, ensure_ascii=False))
-            sys.stdout.flush()
-            done += 1
-            if "error" in record:
-                failed += 1
-                progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
-            else:
-                spec = record["compressor"]  # every knob resolved for the model
-            progress.advance(task)
+            for record in batch.run_batch(
+                executor, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
+            ):
+                stdout.out(json.dumps(record, ensure_ascii=False))
+                sys.stdout.flush()
+                done += 1
+                if "error" in record:
+                    failed += 1
+                    progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
+                else:
+                    spec = record["compressor"]  # every knob resolved for the model
+                progress.advance(task)
+        where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
-    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}", style="dim", markup=False, highlight=False)
+    where = f" · {where}" if where else ""
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}{where}", style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
 

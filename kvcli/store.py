@@ -22,7 +22,12 @@ Safety:
   entry or the new one, never half a file;
 * an exclusive ``flock`` per key makes concurrent kvcli processes wait for the one computing an
   entry and then load it, instead of all computing it; the temporary file of an entry is only
-  written while its key's lock is held;
+  written while its key's lock is held. On a shared filesystem the lock holds across hosts where
+  ``flock`` does (NFS, CephFS, Lustre with ``-o flock``); where ``flock`` fails (``ENOLCK``,
+  ``EOPNOTSUPP``) the store runs without locks — one warning, and concurrent processes may compute
+  an entry twice and keep one (each write is atomic) — and temporary files are reclaimed by age
+  only; where it silently locks per host only, the same holds without the warning, and a writer
+  whose temporary file another host reclaimed just does not keep its entry;
 * nothing is left behind: opening the store (and ``kvcli cache prune`` / ``rm --all``) removes the
   temporary files of writers that died (their key's lock is free — a killed process holds no
   lock) and the lock files nobody holds (:meth:`KVStore.reclaim`); a lock file is only removed
@@ -37,6 +42,7 @@ Safety:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -65,6 +71,13 @@ try:  # POSIX advisory locks; elsewhere concurrent runs may compute an entry twi
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
+
+# what flock raises on a filesystem without (working) locks: some NFS mounts, FUSE, SMB
+_NO_LOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
+class LocksUnsupported(OSError):
+    """The filesystem of the lock file does not support ``flock``."""
 
 
 # --------------------------------------------------------------------------- keys
@@ -184,7 +197,8 @@ def _take_lock(path: Path, blocking: bool = True):
 
     Lock files are removed by :meth:`KVStore.reclaim`, only while it holds them. A process that
     opened the file just before it was removed would lock a file no longer at ``path``: the
-    inode is checked after locking, and the lock taken again on the file now there."""
+    inode is checked after locking, and the lock taken again on the file now there. Raises
+    :class:`LocksUnsupported` where the filesystem has no ``flock``."""
     while True:
         handle = open(path, "a+b")
         if fcntl is None:
@@ -194,6 +208,11 @@ def _take_lock(path: Path, blocking: bool = True):
         except BlockingIOError:
             handle.close()
             return None
+        except OSError as e:
+            handle.close()
+            if e.errno in _NO_LOCK_ERRNOS:
+                raise LocksUnsupported(e.errno, e.strerror) from e
+            raise
         except BaseException:
             handle.close()
             raise
@@ -290,6 +309,12 @@ class KVStore:
             locks = self.root / "locks"
             locks.mkdir(parents=True, exist_ok=True)
             handle = _take_lock(locks / f"{digest}.lock")
+        except LocksUnsupported as e:  # compute without the lock: maybe twice, one entry kept
+            notices.warn(
+                f"the cache directory {self.root} has no file locks ({e.strerror}); concurrent kvcli processes "
+                "may compute an entry twice (one is kept)",
+                key=("cache-no-locks", str(self.root)),
+            )
         except OSError as e:
             if handle is not None:
                 handle.close()
@@ -389,6 +414,12 @@ class KVStore:
         try:
             save_safetensors_atomic(path, tensors, {_META_KEY: json.dumps(full_meta, sort_keys=True)})
             size = path.stat().st_size
+        except FileNotFoundError:
+            if not self.root.is_dir():
+                self._disable(OSError(f"{self.root} was removed"))
+            # else: our temporary file was reclaimed by a process that could not see our lock (a
+            # host where flock is per host): the entry is not kept this time, the store stays on
+            return None
         except Exception as e:  # read-only, full disk, quota (safetensors wraps some I/O errors)
             self._disable(e)
             return None
@@ -463,12 +494,17 @@ class KVStore:
             except OSError:
                 continue
             match = _TEMP_NAME.match(path.name)
+            stale = time.time() - mtime > _STALE_TEMP_S
             if match is None or fcntl is None:  # not an entry's temporary file (or no locks here): by age
-                if time.time() - mtime > _STALE_TEMP_S and _unlink(path):
+                if stale and _unlink(path):
                     out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
                 continue
             try:
                 handle = _take_lock(self.root / "locks" / f"{match.group(1)}.lock", blocking=False)
+            except LocksUnsupported:  # no locks on this filesystem: by age
+                if stale and _unlink(path):
+                    out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
+                continue
             except OSError:
                 continue  # cannot tell whether its writer lives: leave it
             if handle is None:

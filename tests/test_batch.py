@@ -160,6 +160,27 @@ def test_glob_pattern_and_usage_errors(cli, folder, capsys):
         assert code == 2 and records == [] and err.startswith("kvcli: error:") and len(err.splitlines()) == 1
 
 
+def test_records_stream_in_input_order_as_soon_as_every_earlier_document_is_done():
+    """Executors report documents in any order; a record goes out once the documents before it are
+    done (not at the end), so what was printed stays printed if the run dies."""
+    from kvcli.batch import in_input_order
+
+    consumed = []
+
+    def events():  # job 2 finishes first, then job 0 record by record, then job 1
+        for event in [(2, {"r": "2a"}), (2, None), (0, {"r": "0a"}), (0, {"r": "0b"}), (0, None), (1, {"r": "1a"}), (1, None)]:
+            consumed.append(event)
+            yield event
+
+    out = []
+    for record in in_input_order(events(), 3):
+        out.append((record["r"], len(consumed)))
+    # 0a as soon as it came (job 0 is the head), 2a right after job 1 was done
+    assert out == [("0a", 3), ("0b", 4), ("1a", 6), ("2a", 7)]
+    with pytest.raises(RuntimeError, match="1 documents unfinished"):
+        list(in_input_order(iter([(0, None), (1, {"r": "x"})]), 2))
+
+
 def test_expand_inputs_and_read_questions(folder, tmp_path):
     items = expand_inputs([str(folder), "-", str(folder / "a.txt")])
     assert [Path(i.source).name for i in items] == ["a.txt", "b.md", "broken.pdf", "c.html", "-", "a.txt"]

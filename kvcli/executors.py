@@ -1,0 +1,454 @@
+"""Where a batch's documents are answered: here, or on the actors of a Ray cluster.
+
+    from kvcli.batch import run_batch
+    from kvcli.executors import LocalExecutor, RayExecutor
+    with RayExecutor(AskOptions(), address="auto", workers=4) as executor:
+        for record in run_batch(executor, inputs, questions, pipeline):
+            print(record)
+
+The records always come from :meth:`kvcli.batch.Work.records`, one document at a time with all
+of its questions, in order; an executor only decides *where* a document runs. Its ``run(jobs,
+work)`` yields ``(job index, record)`` as records are made and ``(job index, None)`` when a
+document is done, in any order across documents; :func:`kvcli.batch.run_batch` puts them back in
+input order.
+
+* :class:`LocalExecutor`: this process, the caller's :class:`~kvcli.api.Session`, documents in
+  input order.
+* :class:`RayExecutor`: N Ray actors, each holding one loaded model (one GPU each when the model is
+  on CUDA). A whole document goes to one actor, so its questions 2..n hit that actor's memo and
+  the shared disk store; documents are handed out longest first (by file size, within windows of
+  the input order: :func:`dispatch_order`) to whichever actor is free, so no actor idles at the
+  end while another works through a long document. A document
+  whose actor dies (killed, out of memory) or fails outside the per-question handling is retried
+  once on another actor, then given as error records (``error_type`` ``WorkerError``). Closing
+  the run early (``--fail-fast``, Ctrl-C) kills the actors still working and reclaims the
+  temporary files they were writing; entries are written atomically, so none is ever half there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .batch import STDIN, Input, Job, Work, error_record
+from .errors import KvcliError, UsageError
+
+RAY_MISSING = "--ray needs Ray, an optional extra: pip install 'kvcli[ray]'"
+MAX_ATTEMPTS = 2  # a document runs on at most this many workers: once, and once again elsewhere
+
+
+class WorkerError(KvcliError):
+    """A document whose Ray workers died (or failed) while answering it, on every try."""
+
+
+class Executor:
+    """Decides where each document's questions run (see the module docstring)."""
+
+    def run(
+        self,
+        jobs: list[Job],
+        work: Work,
+        *,
+        on_start: Callable[[str, str], None] | None = None,
+        stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+    ) -> Iterator[tuple[int, dict | None]]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A few words for the batch summary ('' for nothing worth saying)."""
+        return ""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalExecutor(Executor):
+    """Every document in this process, one after the other, with the caller's session."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+
+    def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
+        for job in jobs:
+            for record in work.records(self.session, job, on_start, stdin_text):
+                yield job.index, record
+            yield job.index, None
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def import_ray():
+    """The ``ray`` module, or a usage error naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(RAY_MISSING) from None
+    return ray
+
+
+def _no_stdin() -> str:  # a worker never reads stdin: the driver sends its text with the job
+    raise RuntimeError("stdin is read where the batch starts")
+
+
+class BatchWorker:
+    """The body of one Ray actor: a loaded model answering whole documents.
+
+    A model that cannot load does not kill the actor: :meth:`ready` reports the error (one line)
+    so the driver can say it as kvcli says it locally."""
+
+    def __init__(self, options, cwd: str | None) -> None:
+        import ray
+
+        from . import notices
+
+        notices.set_sink(None)  # warnings travel in the records' "warnings"; the driver says them
+        self.id = ray.get_runtime_context().get_actor_id()
+        self.session = None
+        self.error: tuple[str, int] | None = None
+        try:
+            if cwd and os.path.isdir(cwd):  # relative paths mean what they mean to the driver
+                os.chdir(cwd)
+            from .api import Session
+
+            self.session = Session.open(options)
+        except KvcliError as e:
+            self.error = (str(e), e.exit_code)
+        except Exception as e:  # noqa: BLE001 - said by the driver, like a local internal error
+            self.error = (f"internal error: {type(e).__name__}: {e}", 3)
+
+    def ready(self) -> dict:
+        device = None if self.session is None else str(self.session.engine.device)
+        return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "device": device, "error": self.error}
+
+    def run(self, job: Job, work: Work) -> list[dict]:
+        records = []
+        for record in work.records(self.session, job, None, _no_stdin):
+            record["worker"] = self.id  # which actor answered (``ray list actors`` shows the same id)
+            records.append(record)
+        return records
+
+
+@dataclass
+class WorkerInfo:
+    """A Ray actor that loaded its model, as the driver knows it."""
+
+    id: str
+    host: str
+    pid: int
+    device: str
+    handle: object = field(repr=False)
+
+
+def _reason(exc: BaseException) -> str:
+    """A Ray error in a few words (its message runs over many lines)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        text = str(exc)
+        if "ray.kill" in text:
+            return "worker killed"
+        if "memory" in text.lower():
+            return "worker died: out of memory"
+        return "worker died"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    cause = getattr(exc, "cause", None)
+    if cause is not None:
+        return f"worker error: {type(cause).__name__}: {cause}"[:300]
+    return f"worker error: {lines[-1] if lines else type(exc).__name__}"[:300]
+
+
+class RayExecutor(Executor):
+    """Documents on ``workers`` Ray actors, each holding one loaded model.
+
+    ``address``: what ``ray.init`` takes (``auto``: the running cluster, ``ray://host:port``), or
+    ``local`` to start a Ray instance for this run; a process already connected to Ray uses that
+    connection. ``workers``: default one per GPU of the cluster when the model runs on CUDA,
+    else one per CPU (one thread each), never more than the documents. The cache folder is
+    resolved here, so workers on other hosts need it (and the documents) at the same paths: a
+    shared filesystem. ``on_warning``: gets each warning the workers report, once.
+    ``on_dispatch(job index, worker id)``: called as a document is sent to a worker.
+    """
+
+    def __init__(
+        self,
+        options,
+        address: str = "auto",
+        workers: int | None = None,
+        *,
+        on_warning: Callable[[str], None] | None = None,
+        on_dispatch: Callable[[int, str], None] | None = None,
+    ) -> None:
+        from .models import default_cache_dir
+
+        if workers is not None and workers < 1:
+            raise UsageError(f"--workers must be at least 1, not {workers}")
+        cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+        self.options = replace(options, cache_dir=Path(cache_dir).expanduser().absolute())
+        self.address = address
+        self.requested = workers
+        self.on_warning = on_warning
+        self.on_dispatch = on_dispatch
+        self.workers: list[WorkerInfo] = []  # loaded and alive
+        self.dead: list[str] = []  # ids of workers that died
+        self.load_errors: list[str] = []
+        self.retried = 0  # documents sent to a second worker
+        self.n_started = 0  # workers that loaded the model
+        self.use_gpu = False
+        self._pending: dict = {}  # ready() ref -> actor handle still loading its model
+        self._own_ray = False
+        self._started = False
+        self._warned: set[str] = set()
+        self._ray = None
+        self.window: int | None = None  # documents ordered longest first within (default: max(32, 8 x workers))
+
+    # --- the cluster ---------------------------------------------------------------------------
+    def start(self, n_documents: int | None = None) -> None:
+        """Connect, start the actors and wait until they have loaded the model (the first, and
+        the others for a while longer); a model that loads on no worker is the error kvcli gives
+        locally (one line)."""
+        if self._started:
+            return
+        ray = self._ray = import_ray()
+        if not ray.is_initialized():
+            kwargs = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
+            if self.address == "local":
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, self.requested or 0)
+            else:
+                kwargs["address"] = self.address
+            try:
+                ray.init(**kwargs)
+            except Exception as e:  # ConnectionError, ValueError (bad address), RuntimeError
+                first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                raise KvcliError(f"--ray {self.address}: cannot start or reach a Ray cluster: {first}") from None
+            self._own_ray = True
+        self._started = True
+        resources = ray.cluster_resources()
+        gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+        device = self.options.device
+        if device == "cuda" and gpus == 0:
+            raise KvcliError("--device cuda: the Ray cluster has no GPUs")
+        self.use_gpu = device != "cpu" and gpus > 0
+        options = self.options if self.use_gpu else replace(self.options, device="cpu")
+        n = self.requested or (gpus if self.use_gpu else cpus) or 1
+        if n_documents is not None:
+            n = max(1, min(n, n_documents))
+        actor = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0, max_task_retries=0)(BatchWorker)
+        cwd = os.getcwd()
+        handles = [actor.remote(options, cwd) for _ in range(n)]
+        self._pending = {h.ready.remote(): h for h in handles}
+        t0 = time.monotonic()
+        while not self.workers and self._pending:
+            done, _ = ray.wait(list(self._pending), num_returns=1)
+            self._collect_ready(done)
+        # the others load at the same pace: wait for them a while, so the first does not take every
+        # document; one that waits for resources (a GPU not there yet) joins when it is ready
+        deadline = time.monotonic() + max(30.0, 2 * (time.monotonic() - t0))
+        while self.workers and self._pending and time.monotonic() < deadline:
+            done, _ = ray.wait(list(self._pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            self._collect_ready(done)
+        if not self.workers:
+            message, code = self.load_errors[0] if self.load_errors else ("no Ray worker started", 1)
+            error = KvcliError(message)
+            error.exit_code = code
+            raise error
+
+    def _collect_ready(self, refs) -> list[WorkerInfo]:
+        """Workers among ``refs`` (ready() calls) that loaded their model; the others are noted."""
+        ray, ready = self._ray, []
+        for ref in refs:
+            handle = self._pending.pop(ref)
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                self.load_errors.append((f"a Ray worker died loading the model ({_reason(e)})", 1))
+                continue
+            if info["error"] is not None:
+                self.load_errors.append(tuple(info["error"]))
+                ray.kill(handle, no_restart=True)
+                continue
+            worker = WorkerInfo(info["id"], info["host"], info["pid"], info["device"], handle)
+            self.workers.append(worker)
+            self.n_started += 1
+            ready.append(worker)
+        return ready
+
+    def describe(self) -> str:
+        died = f", {len(self.dead)} died" if self.dead else ""
+        retried = f", {self.retried} document{'s' if self.retried != 1 else ''} retried" if self.retried else ""
+        kind = "GPU" if self.use_gpu else "CPU"
+        n = self.n_started
+        return f"{n} Ray {kind} worker{'s' if n != 1 else ''}{died}{retried}"
+
+    def close(self) -> None:
+        """Stop every worker (and the Ray instance this executor started)."""
+        if self._ray is None:
+            return
+        for worker in self.workers:
+            self._ray.kill(worker.handle, no_restart=True)
+        for handle in self._pending.values():
+            self._ray.kill(handle, no_restart=True)
+        self.workers, self._pending = [], {}
+        if self._own_ray:
+            self._ray.shutdown()
+            self._own_ray = False
+        self._started = False
+
+    # --- the batch -----------------------------------------------------------------------------
+    def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
+        self.start(len(jobs))
+        ray = self._ray
+        window = self.window or max(32, 8 * (len(self.workers) + len(self._pending)))
+        queue = deque(dispatch_order([_with_stdin(job, stdin_text) for job in jobs], window))
+        idle = deque(self.workers)
+        running: dict = {}  # ref -> (job, worker)
+        reasons: dict[int, list[str]] = {}  # why a job failed, try after try
+        tried: dict[int, set[str]] = {}  # ids of the workers a job failed on
+        retrying: list[Job] = []  # queued jobs that failed before (the only ones a live worker may refuse)
+        try:
+            while queue or running:
+                parked = []
+                while idle and queue:
+                    worker = idle.popleft()
+                    job = next((j for j in queue if worker.id not in tried.get(j.index, ())), None)
+                    if job is None:  # it failed every queued document already
+                        parked.append(worker)
+                        continue
+                    queue.remove(job)
+                    if job in retrying:
+                        retrying.remove(job)
+                    running[worker.handle.run.remote(job, work)] = (job, worker)
+                    if on_start is not None:
+                        on_start(job.item.source, work.questions[0])
+                    if self.on_dispatch is not None:
+                        self.on_dispatch(job.index, worker.id)
+                idle.extend(parked)
+                if not self._pending:  # documents no live worker may take any more
+                    alive = {w.id for w in self.workers}
+                    for job in [j for j in retrying if not alive - tried[j.index]] if alive else list(queue):
+                        queue.remove(job)
+                        if job in retrying:
+                            retrying.remove(job)
+                        yield from self._failed(job, work, reasons.get(job.index, []), tried)
+                if not running and not self._pending:
+                    continue  # the queue is empty now (every document left was failed above)
+                done, _ = ray.wait(list(running) + list(self._pending), num_returns=1)
+                for ref in done:
+                    if ref in self._pending:
+                        idle.extend(self._collect_ready([ref]))
+                        continue
+                    job, worker = running.pop(ref)
+                    try:
+                        records = ray.get(ref)
+                    except ray.exceptions.RayActorError as e:  # killed, out of memory, node lost
+                        self._lost(worker)
+                        idle = deque(w for w in idle if w is not worker)
+                        reason = _reason(e)
+                    except ray.exceptions.RayError as e:  # failed outside the per-question handling
+                        idle.append(worker)
+                        reason = _reason(e)
+                    else:
+                        idle.append(worker)
+                        for record in records:
+                            self._relay_warnings(record)
+                            yield job.index, record
+                        yield job.index, None
+                        continue
+                    tried.setdefault(job.index, set()).add(worker.id)
+                    reasons.setdefault(job.index, []).append(reason)
+                    if len(reasons[job.index]) < MAX_ATTEMPTS:
+                        self.retried += 1
+                        queue.appendleft(job)  # next, on another worker: it holds the output back
+                        retrying.append(job)
+                    else:
+                        yield from self._failed(job, work, reasons[job.index], tried)
+        finally:
+            if running:  # closed early (--fail-fast, Ctrl-C, an error): stop what still runs
+                self._abort([worker for _, worker in running.values()])
+
+    def _failed(self, job: Job, work: Work, reasons: list[str], tried: dict) -> Iterator[tuple[int, dict | None]]:
+        n = len(tried.get(job.index, ()))
+        if n == 0:
+            message = "no Ray worker left to answer it"
+        else:
+            alone = "; no other worker left to retry it" if n < MAX_ATTEMPTS else ""
+            message = f"failed on {n} Ray worker{'s' if n != 1 else ''} ({'; '.join(reasons)}){alone}"
+        for question in work.questions:
+            record = error_record(job.item.source, question, WorkerError(message))
+            record["worker"] = None
+            yield job.index, record
+            if work.fail_fast:
+                break
+        yield job.index, None
+
+    def _lost(self, worker: WorkerInfo) -> None:
+        if worker in self.workers:
+            self.workers.remove(worker)
+            self.dead.append(worker.id)
+            self._ray.kill(worker.handle, no_restart=True)  # unreachable may mean not quite dead
+
+    def _relay_warnings(self, record: dict) -> None:
+        for message in record.get("warnings") or []:
+            if message not in self._warned:
+                self._warned.add(message)
+                if self.on_warning is not None:
+                    self.on_warning(message)
+
+    def _abort(self, busy: list[WorkerInfo]) -> None:
+        """Kill the workers still answering, wait (briefly) until they are gone, and reclaim the
+        temporary files of the cache entries they were writing (their locks died with them)."""
+        ray = self._ray
+        for worker in busy:
+            self._ray.kill(worker.handle, no_restart=True)
+            if worker in self.workers:
+                self.workers.remove(worker)
+        if busy:
+            ray.wait([w.handle.ready.remote() for w in busy], num_returns=len(busy), timeout=10)
+        if self.options.use_cache:
+            from .store import KVStore
+
+            KVStore.open(self.options.cache_dir)  # opening reclaims what dead writers left
+
+
+def _with_stdin(job: Job, stdin_text: Callable[[], str]) -> Job:
+    """The job with stdin's text (read here: a worker has no stdin)."""
+    if job.item.source != STDIN or job.item.problem is not None:
+        return job
+    try:
+        return replace(job, text=stdin_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return replace(job, item=Input(STDIN, f"stdin cannot be read: {getattr(e, 'strerror', None) or e}"))
+
+
+def dispatch_order(jobs: list[Job], window: int) -> list[Job]:
+    """The order documents are handed to workers: longest first within consecutive windows of
+    ``window`` documents of the input order. Longest first keeps every worker busy to the end
+    (a long document started last would leave the others idle); windows keep the output
+    streaming, since a record is written only when every document before it is done, and keep
+    that wait to about one window. Windows are counted from the end, so the last one is whole
+    (where balancing matters) and the first one short (the first records come sooner)."""
+    n = len(jobs)
+    return sorted(jobs, key=lambda j: (-((n - 1 - j.index) // window), -_size(j), j.index))
+
+
+def _size(job: Job) -> int:
+    """How long a document is, to hand out the longest first: its bytes on disk (or stdin's)."""
+    if job.text is not None:
+        return len(job.text)
+    try:
+        return os.stat(job.item.source).st_size
+    except OSError:
+        return 0
