@@ -73,6 +73,17 @@ def test_ruler_templates_and_answer_prefix(instances):
         assert mv.document.startswith("Some special magic numbers are hidden") and mv.answer_prefix.endswith("text are")
 
 
+def test_answer_prefix_follows_the_generation_prompt(tokenizer):
+    from kvcli.prompt import build_prompt, load_template
+
+    template = load_template(ruler.TEMPLATE)
+    plain = build_prompt(tokenizer, "Some document.", "Which?", template)
+    started = build_prompt(tokenizer, "Some document.", "Which?", template, "The answer is")
+    assert tokenizer.decode(plain.ids).endswith("Some document.\nWhich?<|im_end|>\n<|im_start|>assistant\n")
+    assert started.ids[: plain.n_tokens].tolist() == plain.ids.tolist() and started.prefix_len == plain.prefix_len
+    assert tokenizer.decode(started.ids[plain.n_tokens :]) == "The answer is"
+
+
 def _needle(task, key, value) -> str:
     return ruler.NEEDLE.format(type_v=TASKS[task].type_v, key=key, value=value)
 
