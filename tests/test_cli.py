@@ -205,6 +205,12 @@ def test_document_longer_than_the_model_window(cli, files, tiny_dir):
     short = str(tiny_dir("llama", num_hidden_layers=4, max_position_embeddings=256))
     # the refusal names the option that works
     assert_user_error(cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "-c", "full"), 1, "256", "window", "-c finch")
+    # the default reads it: -c auto hands a document longer than the window to Finch
+    code, out, err = cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["policy"] == "auto" and record["compressor"].startswith("finch:")
+    assert record["n_context_tokens"] > 256 and record["compression_ratio"] > 1
 
 
 # --- Typer/click usage errors: exit 2, one short line, no traceback ---------------------------
