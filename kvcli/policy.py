@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FULL_UP_TO = 3072  # prompt tokens
-LONG = "snapkv:budget=0.25"
+LONG = "snapkv:budget=0.25,kernel=63"
 BEYOND_WINDOW = "finch"
 NAME = "auto"
 
