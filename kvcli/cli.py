@@ -172,7 +172,7 @@ def ask(
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
     compressor: str = typer.Option(
-        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention up to 3k tokens, SnapKV at 4x beyond, Finch past the window; see `kvcli compressors`"
+        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see README, The default); `kvcli compressors` lists the methods"
     ),
     model: Optional[str] = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)"),
     device: Device = typer.Option(Device.auto, help="Where to run"),

@@ -7,7 +7,7 @@ import torch
 
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline
-from kvcli.policy import BEYOND_WINDOW, FULL_UP_TO, LONG, AutoPolicy
+from kvcli.policy import BEYOND_WINDOW, AutoPolicy
 from kvcli.stopping import AnswerGuard
 from tiny_models import _tokenizer
 
@@ -86,14 +86,15 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     assert greedy(AnswerGuard(lm.tokenizer)) == plain[: len(greedy(AnswerGuard(lm.tokenizer)))]
 
 
-def test_auto_policy_full_for_short_prompts_compression_beyond_finch_past_the_window():
+def test_auto_policy_full_within_the_window_finch_beyond():
     policy = AutoPolicy()
     assert policy.choose(1000, 8192, 64) == "full"
-    assert policy.choose(FULL_UP_TO, 8192, 64) == "full"
-    assert policy.choose(FULL_UP_TO + 1, 8192, 64) == LONG
-    assert policy.choose(8192 - 64, 8192, 64) == LONG
-    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW
-    assert policy.choose(100_000, None, 64) == LONG  # no known window
+    assert policy.choose(8192 - 64, 8192, 64) == "full"
+    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW == "finch"
+    assert policy.choose(100_000, None, 64) == "full"  # no known window
+    # the hook for a model where compression measured lossless
+    measured = AutoPolicy(compress_from=4096, long="snapkv:budget=0.25")
+    assert measured.choose(4095, 8192, 64) == "full" and measured.choose(4096, 8192, 64) == "snapkv:budget=0.25"
 
 
 def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
