@@ -9,8 +9,9 @@ repeat the same sentence, write an invented next turn (``Question: ...``), or ru
   ``Document:`` (the roles of kvcli's prompt templates, never part of an answer);
 * before a repeated sentence or line: one equal (case and spacing aside) to an earlier one of the
   same answer, at least ``MIN_REPEAT_CHARS`` long;
-* at the token limit, after the last finished sentence, when the answer has one and the limit cut
-  the next one off (an answer that is one unfinished sentence is kept as it is).
+* at the token limit, after the last finished sentence (one ending in ``.``, ``!`` or ``?``), when
+  the answer has one and the limit cut the next one off; an answer without one (a list after a
+  colon, one unfinished sentence) is kept as it is.
 
 Greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an answer it
 does not touch is token-identical to one without it. Its effect on accuracy is measured by
@@ -86,6 +87,8 @@ class AnswerGuard:
         last = None
         for m in _SENTENCE_END.finditer(body):
             last = m.end()
-        if last is None or not body[:last].strip():
-            return len(ids)  # one unfinished sentence: keep it
-        return self._tokens_within(ids, len(body[:last].rstrip()))
+        kept = body[:last].rstrip() if last is not None else ""
+        if len(_norm(kept)) < MIN_REPEAT_CHARS or kept[-1] not in ".!?\"')]":
+            # no whole sentence before the cut-off one (e.g. "The numbers are:\n* 1851551..."): keep it all
+            return len(ids)
+        return self._tokens_within(ids, len(kept))

@@ -56,6 +56,9 @@ def test_at_the_limit_the_unfinished_sentence_is_dropped(guard):
 def test_one_unfinished_sentence_is_kept_and_clean_answers_are_untouched(guard):
     text = "The special magic numbers are 1234567, 7654321 and"
     assert run_guard(guard, text, at_limit=True) == text
+    # a list after a colon has no whole sentence to end on: nothing is dropped at the limit
+    listing = ":\n\n* 1851551.1851551.1851551.18515"
+    assert run_guard(guard, listing, at_limit=True) == listing
     clean = "Angus Gray, the old keeper."
     assert run_guard(guard, clean) == clean
     # short repeats (list items, numbers) are not sentences
