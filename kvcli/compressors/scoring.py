@@ -56,6 +56,15 @@ def parse_budget(method: str, value, knob_name: str = "budget") -> int | float:
     return number if number < 1 else int(number)
 
 
+def check_budget_covers_kept(method) -> None:
+    """A count ``budget`` must hold at least the tokens ``method`` always keeps (window, sinks)."""
+    if isinstance(method.budget, int) and method.budget < method.always_kept():
+        raise UsageError(
+            f"{method.name}: budget={method.budget} is smaller than the {method.always_kept()} tokens it always keeps; "
+            f"use budget >= {method.always_kept()}"
+        )
+
+
 def format_budget(budget: int | float) -> str:
     return str(budget)
 
@@ -220,11 +229,7 @@ class Eviction(Compressor):
     def __post_init__(self) -> None:
         self.budget = parse_budget(self.name, self.budget)
         self.check_knobs()
-        if isinstance(self.budget, int) and self.budget < self.always_kept():
-            raise UsageError(
-                f"{self.name}: budget={self.budget} is smaller than the {self.always_kept()} tokens it always keeps; "
-                f"use budget >= {self.always_kept()}"
-            )
+        check_budget_covers_kept(self)
 
     # --- what subclasses define -------------------------------------------------------------------
     def check_knobs(self) -> None:
@@ -386,11 +391,7 @@ class PrefixEviction(Compressor):
         if not 0.0 <= self.safeguard <= 1.0:
             raise UsageError(f"{self.name}: safeguard must be between 0 and 1, got {self.safeguard}")
         self.check_knobs()
-        if isinstance(self.budget, int) and self.budget < self.always_kept():
-            raise UsageError(
-                f"{self.name}: budget={self.budget} is smaller than the {self.always_kept()} tokens it always keeps; "
-                f"use budget >= {self.always_kept()}"
-            )
+        check_budget_covers_kept(self)
 
     def check_knobs(self) -> None:
         """Raise UsageError for bad knob values."""
