@@ -175,7 +175,7 @@ def main() -> None:
         print(f"| {r['run']} | {r['start_s']:.1f} | {r['batch_s']:.1f} | {r['docs_per_s']:.2f} | {ratio} |")
     print(f"\nProjection for {args.project:,} documents: t_doc {t_doc:.3f} s ({result['projection']['t_doc_from']}), "
           f"tail {t_tail:.2f} s, start {start:.1f} s, driver {rtt * 1000:.2f} ms/document\n")
-    print("| GPU workers | hours | documents/s |")
+    print(f"| workers at {t_doc:.2f} s/document | hours | documents/s |")
     print("|---:|---:|---:|")
     for p in projection:
         print(f"| {p['gpu_workers']} | {p['hours']:.2f} | {p['docs_per_s']:.1f}{' (driver-bound)' if p['driver_bound'] else ''} |")
