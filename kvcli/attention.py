@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-KERNELS = ("sdpa", "eager", "flash")
+from .caches.base import LayerView
+from .kernels import KERNELS, attend, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
+
 
 # observer(query, key) is called with the tensors documented above, before attention is computed.
 Observer = Callable[[torch.Tensor, torch.Tensor], None]
@@ -69,24 +70,6 @@ def attention_context(ctx: AttentionContext):
         _CONTEXT.reset(token)
 
 
-def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
-    """Boolean (q_len, kv_len) mask, True where attending is allowed; None when plain causal SDPA fits.
-
-    Query i sits at key index ``kv_len - q_len + i``; it sees every key up to and including itself,
-    and with a sliding window only the last ``sliding_window`` of them.
-    """
-    if sliding_window is None or sliding_window >= kv_len:
-        if q_len == 1 or q_len == kv_len:
-            return None  # q_len == 1 sees everything; square means the standard causal triangle
-    offset = kv_len - q_len
-    rows = torch.arange(q_len, device=device)[:, None] + offset
-    cols = torch.arange(kv_len, device=device)[None, :]
-    allowed = cols <= rows
-    if sliding_window is not None:
-        allowed &= cols > rows - sliding_window
-    return allowed
-
-
 def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Scores of the last query row against every key, summed over all query heads.
 
@@ -101,45 +84,6 @@ def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | N
     scores = torch.matmul(q_last, key.to(torch.float32).transpose(-1, -2))
     scores = scores.sum(dim=(1, 2))
     return scores * scaling if scaling is not None else scores
-
-
-def _sdpa(query, key, value, mask, scaling):
-    q_len = query.shape[2]
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=mask is None and q_len > 1,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return out.transpose(1, 2).contiguous()
-
-
-def _eager(query, key, value, mask, scaling):
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if mask is None and q_len > 1:
-        mask = causal_mask(q_len, kv_len, None, query.device)
-        if mask is None:
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-    if mask is not None:
-        weights = weights.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous()
-
-
-def _flash(module, query, key, value, scaling, sliding_window):
-    from transformers.integrations.flash_attention import flash_attention_forward
-
-    out, _ = flash_attention_forward(
-        module, query, key, value, None, scaling=scaling, sliding_window=sliding_window, is_causal=True
-    )
-    return out
 
 
 def kvcli_attention(
@@ -158,24 +102,12 @@ def kvcli_attention(
         fn(query, key)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
-    # --- caches that own attention (RazorAttention's grouped heads, block-sparse retrieval) -------
-    # The cache's update returned a per-layer view (``kvcli_grouped``) instead of key/value tensors;
-    # it attends itself — per head group, or over the blocks it selects — and returns
-    # (batch, q_len, n_heads, head_dim). Observers above receive that view as ``key``.
-    if getattr(key, "kvcli_grouped", False):
+    # --- caches that own attention (RazorAttention's grouped heads, ragged heads, block retrieval) ---
+    # The cache's update returned a per-layer view instead of key/value tensors; it attends itself
+    # and returns (batch, q_len, n_heads, head_dim). Observers above receive that view as ``key``.
+    if isinstance(key, LayerView):
         return key.attend(module, query, scaling, sliding_window, ctx.kernel), None
-    # ---------------------------------------------------------------------------------------------
-    if ctx.mask is not None:
-        mask = ctx.mask.to(query.device)
-        if ctx.kernel == "eager":
-            return _eager(query, key, value, mask, scaling), None
-        return _sdpa(query, key, value, mask, scaling), None
-    if ctx.kernel == "flash":
-        return _flash(module, query, key, value, scaling, sliding_window), None
-    mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)
-    if ctx.kernel == "eager":
-        return _eager(query, key, value, mask, scaling), None
-    return _sdpa(query, key, value, mask, scaling), None
+    return attend(ctx.kernel, module, query, key, value, scaling, sliding_window, mask=None if ctx.mask is None else ctx.mask.to(query.device)), None
 
 
 def install(model) -> None:

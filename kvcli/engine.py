@@ -19,7 +19,7 @@ import torch
 
 from . import attention
 from .attention import AttentionContext, Observer, StopForward
-from .cache import KVCache
+from .caches import KVCache
 
 
 class Engine:

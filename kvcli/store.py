@@ -57,7 +57,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import notices
-from .cache import CACHE_TYPES
+from .caches import CACHE_TYPES
 from .files import atomic_write
 
 FORMAT_VERSION = 1

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.attention import AttentionContext, attention_context, kvcli_attention
-from kvcli.cache import KVCache, RaggedCache
+from kvcli.caches import KVCache, RaggedCache
 from kvcli.compressors import parse_one
 from kvcli.compressors.pyramidkv import pyramid_budgets
 from kvcli.engine import Engine

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.blocks import (
+from kvcli.caches.blocks import (
     BlockCache,
     ScoredKVCache,
     block_representatives,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvcli.cache import KVCache
+from kvcli.caches import KVCache
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError

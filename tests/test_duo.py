@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.cache import RazorCache
+from kvcli.caches import RazorCache
 from kvcli.compressors import parse_one
 from kvcli.compressors.duo import DuoProfile, calibration_ids
 from kvcli.engine import Engine

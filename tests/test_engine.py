@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcli.attention import causal_mask, last_query_scores
-from kvcli.cache import KVCache
+from kvcli.caches import KVCache
 from kvcli.engine import Engine
 from tiny_models import FAMILIES
 

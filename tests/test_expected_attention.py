@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvcli.cache import KVCache, RaggedCache
+from kvcli.caches import KVCache, RaggedCache
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError

@@ -184,7 +184,7 @@ def test_the_user_prompt_after_the_document_is_never_compressed(tiny_lm):
 
 
 def layer0_keys(engine, ids, positions):
-    from kvcli.cache import KVCache
+    from kvcli.caches import KVCache
 
     cache = KVCache()
     engine.forward(ids, positions, cache, layers=range(1))
@@ -205,7 +205,7 @@ def check_rerotation(lm):
     assert moved.shape == at_p.shape
     assert torch.allclose(moved, at_q, atol=1e-5), (moved - at_q).abs().max()
     # every layer: shifting the whole sequence changes no hidden state, only the rotation
-    from kvcli.cache import KVCache
+    from kvcli.caches import KVCache
 
     a = engine.prefix_kv(ids)
     shifted = KVCache()

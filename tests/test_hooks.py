@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcli import attention
-from kvcli.cache import KVCache
+from kvcli.caches import KVCache
 from kvcli.compressors import Compressor, register
 from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine

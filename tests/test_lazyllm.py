@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvcli.compressors import parse_one
-from kvcli.compressors.lazyllm import LazyCache, default_keep, default_layers, last_token_attention, n_keep
+from kvcli.caches import LazyCache
+from kvcli.compressors.lazyllm import default_keep, default_layers, last_token_attention, n_keep
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, make_prefix, run

@@ -16,7 +16,7 @@ import torch
 
 from kvcli import notices
 from kvcli.attention import AttentionContext, attention_context, kvcli_attention
-from kvcli.cache import KVCache, RazorCache
+from kvcli.caches import KVCache, LayerView, RazorCache
 from kvcli.compressors import FullAttention, parse_one
 from kvcli.compressors.razor import Razor, default_window
 from kvcli.engine import Engine
@@ -248,7 +248,7 @@ def test_compensation_token_is_equation_5(kernel):
     # two new tokens (causal between them), 4 query heads: heads 0-1 read KV head 0, 2-3 KV head 1
     new_k, new_v = torch.randn(1, 2, 2, d), torch.randn(1, 2, 2, d)
     view, same = cache.update(new_k, new_v, 0)
-    assert view is same and view.kvcli_grouped
+    assert view is same and isinstance(view, LayerView)
     query = torch.randn(1, n_heads, 2, d)
     scaling = 1 / math.sqrt(d)
     module = types.SimpleNamespace(layer_idx=0)

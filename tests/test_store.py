@@ -14,7 +14,7 @@ import torch
 
 from kvcli import notices
 from kvcli.api import AskOptions, Session
-from kvcli.cache import KVCache
+from kvcli.caches import KVCache
 from kvcli.documents import document_from_text
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline

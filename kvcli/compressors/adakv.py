@@ -19,7 +19,7 @@ recent window is not part of its scores).
 GQA: scores are the base's (per query head, mean over each KV head's group); budgets are per KV
 head; the cache is never expanded. Kept tokens keep their original positions; decoding continues
 at the prompt length. Heads now hold different numbers of entries: the layer is stored padded to
-its widest head (:class:`kvcli.cache.RaggedCache`) and the attention masks the padding out
+its widest head (:class:`kvcli.caches.ragged.RaggedCache`) and the attention masks the padding out
 exactly; ``method_stats`` reports ``kv_entries`` vs ``kv_slots`` (the padding is memory too —
 the paper's own kernels use variable-length flash attention instead). Disk store: the prefix state
 is the base's (full attention's KV); the selection happens per question after the prefill.
@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import RaggedCache
+from ..caches import RaggedCache
 from ..errors import UsageError
 from .base import _format, knob, parse_one, register
 from .scoring import Eviction, adaptive_mask, entry_scores, refuse_sliding_window, require_kv_cache

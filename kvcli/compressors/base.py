@@ -34,7 +34,7 @@ keeps it so a second question starts from it:
     Compute the state for ``prefix_ids`` (n,) at positions 0..n-1. Default: the KV of the first
     ``prefix_state(lm)["layers"]`` layers (:meth:`kvcli.engine.Engine.prefix_kv`). A method whose
     state is a compressed cache (question-agnostic, e.g. RazorAttention) overrides it and returns
-    any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.cache`).
+    any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.caches`).
     At most one method per pipeline may override it.
 
 The pipeline hands the state to the stage that reads the whole prompt first (the first selector,

@@ -53,13 +53,13 @@ Two readings of the per-token score behind "representative tokens":
   question-agnostic prefix vote: rows of the question never count, so the last document tokens
   have fewer than ``l_L`` voters (their mean is over those). It is computed from the queries and
   keys of every prefill chunk, 256 rows at a time against only the ``l_L`` keys each row reaches
-  (:func:`kvcli.blocks.infllm_accumulate`; no attention matrix, GQA never expanded). InfLLM's
+  (:func:`kvcli.caches.blocks.infllm_accumulate`; no attention matrix, GQA never expanded). InfLLM's
   released code differs in detail: it sums the *softmax* weights of its own sparse attention
   (initial + retrieved + local) from the queries within ``n_local`` of a token, itself included;
   kvcli follows the paper's equation, which does not depend on how the prefill attends.
   Because the score needs the query of every document token, the prefix state of
   ``representative=infllm`` is full attention's KV *plus* the per-token score sums
-  (:class:`kvcli.blocks.ScoredKVCache`), not ``-c full``'s entry.
+  (:class:`kvcli.caches.blocks.ScoredKVCache`), not ``-c full``'s entry.
 
 The article's named equivalences are presets (``preset=...`` fills the knobs the user did not set):
 
@@ -95,7 +95,7 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..blocks import (
+from ..caches.blocks import (
     HEAD_SELECT,
     REPRESENTATIVES,
     BlockCache,
@@ -105,7 +105,7 @@ from ..blocks import (
     infllm_scores,
     partition,
 )
-from ..cache import KVCache
+from ..caches import KVCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
 from .scoring import group_mean, window_attention

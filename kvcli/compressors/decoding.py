@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import KVCache
+from ..caches import KVCache, LayerView
 from ..errors import UsageError
 from .adakv import base_spec, parse_base
 from .base import Compressor, knob, register
@@ -106,7 +106,7 @@ class Decoding(Compressor):
         return self._run
 
     def _record(self, run: dict, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        if getattr(key, "kvcli_grouped", False):
+        if isinstance(key, LayerView):
             raise UsageError(f"{self.name}: compresses a plain KV cache while decoding; it cannot follow a method with a grouped cache")
         held = run["queries"].get(layer)
         q = query if held is None else torch.cat([held, query], dim=2)

@@ -21,7 +21,7 @@ download), ``tokens`` of it.
 
 After the prefill of the document (question-agnostic), retrieval KV heads keep every entry and
 streaming heads the first ``sinks`` and the last ``recent`` entries: RazorAttention's grouped cache
-(:class:`kvcli.cache.RazorCache`, no compensation token) holds the two groups in separate tensors,
+(:class:`kvcli.caches.razor.RazorCache`, no compensation token) holds the two groups in separate tensors,
 so the memory saving is real. The compressed cache is the prefix state in the disk store and
 serves every later question. Kept tokens keep their original positions; GQA: the split is per KV
 head, never expanded. The streaming window does not roll during decoding (new tokens stay), which
@@ -43,7 +43,7 @@ import torch
 
 from .. import notices
 from ..attention import StopForward
-from ..cache import RazorCache
+from ..caches import RazorCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
 from .scoring import prerope, refuse_sliding_window

@@ -25,7 +25,7 @@ kvcli details:
 * ``allocation``: ``uniform`` (every KV head keeps ``budget``; kvpress's press), ``adaptive``
   (AdaKV's head-wise split, the paper's best setting, ``AdaKVPress(ExpectedAttentionPress)``) or
   ``global`` (over all layers); non-uniform heads are stored padded and masked
-  (:class:`kvcli.cache.RaggedCache`);
+  (:class:`kvcli.caches.ragged.RaggedCache`);
 * GQA: per query head from the grouped queries, mean over the group; the cache is never expanded
   and no attention matrix is materialised (one expected row per head). Kept tokens keep their
   original positions. ``budget`` >= the prefix keeps everything (= full attention).
@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import StopForward
-from ..cache import KVCache
+from ..caches import KVCache
 from ..errors import UsageError
 from ..rope import rope_cos_sin
 from .base import knob, register

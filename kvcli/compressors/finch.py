@@ -60,7 +60,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import StopForward
-from ..cache import KVCache
+from ..caches import KVCache
 from ..errors import DocumentError, UsageError
 from ..rope import rerotate_table, rope_cos_sin
 from .base import Compressor, knob, register

@@ -40,7 +40,7 @@ import torch
 
 from .. import notices
 from ..attention import StopForward
-from ..cache import KVCache
+from ..caches import KVCache
 from ..errors import UsageError
 from .base import knob, register
 from .scoring import QUERY_CHUNK, PrefixEviction

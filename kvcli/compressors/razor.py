@@ -33,7 +33,7 @@ When the compression happens (knob ``order``):
   prefix state in the disk store (:mod:`kvcli.store`), so a second question skips the document
   entirely and loads a smaller entry.
 
-In both orders the two kinds of heads live in separate tensors (:class:`kvcli.cache.RazorCache`):
+In both orders the two kinds of heads live in separate tensors (:class:`kvcli.caches.razor.RazorCache`):
 the memory saving is real, and ``kept_mask`` reports exactly the prompt entries each layer / KV
 head holds (the compensation token is no prompt entry).
 
@@ -55,7 +55,7 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import KVCache, RazorCache
+from ..caches import KVCache, RazorCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
 

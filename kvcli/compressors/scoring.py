@@ -12,7 +12,7 @@ KeyDiff, AdaKV, Expected Attention, KVzip, decoding-time compression).
   original order) and records their original positions in ``KVCache.kept``;
 * **head-adaptive budgets** (AdaKV, KVzip, Expected Attention): :func:`adaptive_mask`,
   :func:`global_masks`, :func:`allocate` choose entries per head with different counts per head,
-  stored in a :class:`kvcli.cache.RaggedCache`; :class:`PrefixEviction` compresses the
+  stored in a :class:`kvcli.caches.ragged.RaggedCache`; :class:`PrefixEviction` compresses the
   question-agnostic prefix once (its compressed cache is the disk store's prefix state).
 
 Positions: keys are cached after RoPE, so kept tokens keep their original positions; nothing is
@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, RaggedCache
+from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
 from .base import Compressor, knob
 
@@ -262,7 +262,7 @@ class Eviction(Compressor):
         return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        if getattr(key, "kvcli_grouped", False):
+        if isinstance(key, LayerView):
             raise UsageError(f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache")
         self._scores[layer] = self.layer_scores(query, key)
 
@@ -288,7 +288,7 @@ class Eviction(Compressor):
 
 # --------------------------------------------------------------------------- head-adaptive budgets
 # (AdaKV, KVzip, ExpectedAttention: the KV heads of a layer keep different numbers of entries; the
-# result is a kvcli.cache.RaggedCache whose padding the attention masks out exactly.)
+# result is a kvcli.caches.ragged.RaggedCache whose padding the attention masks out exactly.)
 
 
 def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ Storage, per layer (batch 1, after RoPE, GQA never expanded):
     candidates[l]:        (H, P) preselected block indices (H = n_kv separate, 1 shared) or None
 
 At a decode step (one query token) :meth:`BlockCache.update` returns a :class:`BlockLayer` view
-(``kvcli_grouped``) so :func:`kvcli.attention.kvcli_attention` hands it the attention: the layer
+(a :class:`~kvcli.caches.base.LayerView`) so :func:`kvcli.attention.kvcli_attention` hands it the attention: the layer
 selects (or reuses) its blocks, gathers Initial + selected blocks + Local and runs SDPA on them.
 """
 
@@ -31,7 +31,9 @@ from typing import ClassVar
 
 import torch
 
-from .cache import CacheBase, KVCache, cache_type
+from .. import kernels
+from .base import CacheBase, LayerView, cache_type
+from .kv import KVCache
 
 REPRESENTATIVES = ("max", "mean", "quest", "dynamic", "infllm", "fixed")
 SCORED = ("dynamic", "infllm")  # representatives picked by a per-token score
@@ -245,21 +247,15 @@ class OffloadKVCache(KVCache):
 # --------------------------------------------------------------------------- the block cache
 
 
-class BlockLayer:
+class BlockLayer(LayerView):
     """What :meth:`BlockCache.update` returns (as key and value) for one layer at a decode step."""
 
-    kvcli_grouped = True
-
-    def __init__(self, cache: "BlockCache", layer_idx: int) -> None:
-        self.cache = cache
-        self.layer_idx = layer_idx
+    cache: "BlockCache"
 
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim)."""
-        from . import attention as A
-
         key, value = self.cache.gather(self.layer_idx, query)
-        fn = A._eager if kernel == "eager" else A._sdpa  # one query row: no mask, any kernel is exact
+        fn = kernels.eager if kernel == "eager" else kernels.sdpa  # one query row: no mask, any kernel is exact
         return fn(query, key.to(query.dtype), value.to(query.dtype), None, scaling)
 
 

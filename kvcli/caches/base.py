@@ -1,0 +1,122 @@
+"""The cache contract every kvcli cache layout shares (the layouts: one file each in this package).
+
+transformers' attention layers only ever call ``past_key_values.update(key, value, layer_idx)``;
+a kvcli cache is that contract with nothing hidden. The plain layout (:mod:`.kv`) holds one key
+and one value tensor per layer,
+
+    keys[l], values[l]: (batch=1, n_kv_heads, seq_len_l, head_dim)   — after RoPE, never GQA-expanded
+
+plus the original token position of every cached entry (``positions``) so that methods which drop
+entries still know where each kept token came from. A layout whose attention is not "softmax over
+this layer's keys" (RazorAttention's head groups, block retrieval, padded ragged heads) returns a
+:class:`LayerView` from ``update`` instead of the key tensor; :func:`kvcli.attention.kvcli_attention`
+dispatches on that type and the view attends itself with the kernels of :mod:`kvcli.kernels`.
+
+A cache is also what the disk store (:mod:`kvcli.store`) saves: ``to_tensors()`` gives named
+tensors for a safetensors file plus JSON-able facts, ``from_tensors()`` rebuilds and checks it.
+Every layout registers under its ``kind`` in :data:`CACHE_TYPES` (:func:`cache_type`); importing
+:mod:`kvcli.caches` imports every layout, so the store can always load any entry back.
+
+The rule: a method's policy goes in ``kvcli/compressors/<name>.py``; a new cache layout, only if
+it needs one, in ``kvcli/caches/<name>.py`` (imported by ``kvcli/caches/__init__.py``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+CACHE_TYPES: dict[str, type] = {}
+
+
+def cache_type(cls):
+    """Register a cache class under its ``kind`` so the store can load it back."""
+    CACHE_TYPES[cls.kind] = cls
+    return cls
+
+
+class CacheBase:
+    """What every kvcli cache shares: the positions of the tokens it has seen, and byte counts.
+
+    Subclasses hold their tensors in per-layer lists named by :attr:`tensor_lists` and implement the
+    transformers ``update``/``get_seq_length`` contract, ``copy`` and ``to_tensors``/``from_tensors``.
+    """
+
+    kind: ClassVar[str] = ""
+    tensor_lists: ClassVar[tuple[str, ...]] = ()
+    positions: torch.Tensor | None
+
+    def seq_len(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data actually held."""
+        return sum(t.numel() * t.element_size() for name in self.tensor_lists for t in getattr(self, name))
+
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """Note the original positions of tokens just appended to every layer."""
+        positions = positions.detach().to("cpu", torch.long)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of prompt tokens the cache has seen (its positions)."""
+        return 0 if self.positions is None else self.positions.numel()
+
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """What each layer and KV head holds of the prompt: (n_layers, n_kv_heads, n_prompt) bool,
+        True where the KV of the token at original position p (0 <= p < n_prompt) is in the cache.
+
+        This is what ``kvcli inspect`` summarises per layer and head. Positions are those the
+        tokens had in the sequence the cache was built from (after a selector such as GemFilter,
+        indices into its kept tokens). Default: every layer holds every recorded position.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
+
+
+class LayerKV(CacheBase):
+    """Per-layer key and value tensors, appended as the layers run — the transformers contract
+    shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):
+
+        keys[l], values[l]: (1, n_kv_heads, seq_len_l, head_dim)
+    """
+
+    tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx`` (a
+        new layer only right after the last). Returns that layer's whole key and value tensors."""
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        elif layer_idx < len(self.keys):
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+        else:
+            raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+
+class LayerView:
+    """What a cache's ``update`` returns, as both key and value, for a layer whose attention the
+    cache owns (head groups, padded heads, retrieved blocks). The attention function dispatches on
+    this type: it calls :meth:`attend` instead of running a kernel over key/value tensors, and
+    observers (scorers) receive the view as ``key``."""
+
+    def __init__(self, cache, layer_idx: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+        """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
+        raise NotImplementedError

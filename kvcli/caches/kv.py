@@ -1,0 +1,96 @@
+"""The plain layout: one key and one value tensor per layer (full attention, and the eviction
+methods, which keep per-head positions in ``kept``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import LayerKV, cache_type
+
+
+@cache_type
+class KVCache(LayerKV):
+    kind: ClassVar[str] = "kv"
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        # (seq_len,) original positions of the entries of layer 0 (all layers share them unless a
+        # compressor keeps different tokens per layer, in which case it tracks its own).
+        self.positions: torch.Tensor | None = None
+        # --- eviction (kvcli.compressors.scoring: snapkv, h2o, streamingllm, pyramidkv) ----------
+        # None until an eviction method drops entries; then, per layer, the (n_kv_heads, kept_l)
+        # original positions of the prompt entries each KV head kept (decoded tokens are appended
+        # after them). ``positions`` keeps every prompt position seen, so ``positions[-1] + 1`` is
+        # still the next position. An evicted cache is never written to the disk store.
+        self.kept: list[torch.Tensor] | None = None
+
+    # --- kvcli's own use ------------------------------------------------------------------------
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask`. Sources, in
+        order: ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
+        layer, the document slots, then the question's), ``positions``."""
+        n_kv = self.keys[0].shape[1] if self.keys else 0
+        mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        for layer in range(self.n_layers):
+            if self.kept is not None:
+                pos = self.kept[layer]  # (n_kv, kept_l)
+            elif getattr(self, "kept_positions", None) is not None:
+                pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
+            else:
+                pos = self.positions.view(1, -1).expand(n_kv, -1)
+            pos = pos.to("cpu", torch.long)
+            inside = pos < n_prompt
+            rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
+            mask[layer][rows[inside], pos[inside]] = True
+        return mask
+
+    # --- the disk store's contract ---------------------------------------------------------------
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Named contiguous CPU tensors (``k.<layer>``, ``v.<layer>``, ``positions``) and facts."""
+        tensors = {"positions": self.positions.contiguous()}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
+            tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
+        return tensors, {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "KVCache":
+        """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
+        n_layers, n_tokens = int(facts["n_layers"]), int(facts["n_tokens"])
+        expected = {"positions", *(f"{t}.{i}" for i in range(n_layers) for t in "kv")}
+        if set(tensors) != expected:
+            raise ValueError("unexpected tensor names")
+        cache = cls()
+        cache.positions = tensors["positions"].to(torch.long)
+        if cache.positions.shape != (n_tokens,):
+            raise ValueError("positions do not match the token count")
+        shape = None
+        for i in range(n_layers):
+            k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+            if k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != n_tokens or k.shape != v.shape:
+                raise ValueError(f"layer {i} has shape {tuple(k.shape)}")
+            if shape is not None and (k.shape, k.dtype) != shape:
+                raise ValueError(f"layer {i} differs from layer 0")
+            shape = (k.shape, k.dtype)
+            cache.keys.append(k.to(device))
+            cache.values.append(v.to(device))
+        return cache
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` entries of every layer (and their positions)."""
+        self.keys = [k[:, :, :n_tokens] for k in self.keys]
+        self.values = [v[:, :, :n_tokens] for v in self.values]
+        if self.positions is not None:
+            self.positions = self.positions[:n_tokens]
+
+    def copy(self) -> "KVCache":
+        """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
+        other = KVCache()
+        other.keys = list(self.keys)
+        other.values = list(self.values)
+        other.positions = self.positions
+        other.kept = None if self.kept is None else list(self.kept)  # eviction (see __init__)
+        return other

@@ -1,0 +1,86 @@
+"""The attention kernels, by name: PyTorch SDPA (default), eager (a materialised softmax, for
+checking) and flash-attn (CUDA only). The attention function (:mod:`kvcli.attention`) and the
+cache layouts that attend themselves (:class:`kvcli.caches.base.LayerView`) run them through
+:func:`attend`.
+
+Shapes: query (1, n_heads, q_len, head_dim); key, value (1, n_kv_heads, kv_len, head_dim), GQA
+never expanded in the cache (SDPA's ``enable_gqa``; eager repeats KV heads for its own matmul
+only); returns (1, q_len, n_heads, head_dim). The new queries are always the last ``q_len``
+entries of the key sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """Boolean (q_len, kv_len) mask, True where attending is allowed; None when plain causal SDPA fits.
+
+    Query i sits at key index ``kv_len - q_len + i``; it sees every key up to and including itself,
+    and with a sliding window only the last ``sliding_window`` of them.
+    """
+    if sliding_window is None or sliding_window >= kv_len:
+        if q_len == 1 or q_len == kv_len:
+            return None  # q_len == 1 sees everything; square means the standard causal triangle
+    offset = kv_len - q_len
+    rows = torch.arange(q_len, device=device)[:, None] + offset
+    cols = torch.arange(kv_len, device=device)[None, :]
+    allowed = cols <= rows
+    if sliding_window is not None:
+        allowed &= cols > rows - sliding_window
+    return allowed
+
+
+def sdpa(query, key, value, mask, scaling):
+    q_len = query.shape[2]
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=mask is None and q_len > 1,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def eager(query, key, value, mask, scaling):
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        mask = causal_mask(q_len, kv_len, None, query.device)
+        if mask is None:
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+    if mask is not None:
+        weights = weights.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+def flash(module, query, key, value, scaling, sliding_window):
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    out, _ = flash_attention_forward(
+        module, query, key, value, None, scaling=scaling, sliding_window=sliding_window, is_causal=True
+    )
+    return out
+
+
+KERNELS = {"sdpa": sdpa, "eager": eager, "flash": flash}
+
+
+def attend(kernel: str, module, query, key, value, scaling: float, sliding_window: int | None = None,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (sliding-window) attention with ``kernel``; ``mask``: an explicit boolean mask,
+    True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then."""
+    if mask is None:
+        if kernel == "flash":
+            return flash(module, query, key, value, scaling, sliding_window)
+        mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+    return (eager if kernel == "eager" else sdpa)(query, key, value, mask, scaling)
