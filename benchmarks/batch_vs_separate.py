@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "batch_vs_separate.json"))
     args = ap.parse_args()
     from kvcli.bench.needle import make_case
-    from kvcli.models import load_model
+    from kvcli.model import load_model
 
     tok = load_model(None).tokenizer
     case = make_case(tok, args.tokens, 0.5, seed=3, haystack="filler")

@@ -42,7 +42,7 @@ QUESTIONS = ["What is the pass key?", "What colour is the grass in the text?", "
 
 def make_documents(folder: Path, n: int) -> list[Path]:
     from kvcli.bench.needle import make_case
-    from kvcli.models import load_model
+    from kvcli.model import load_model
 
     tokenizer = load_model(None).tokenizer
     paths = []
@@ -57,7 +57,7 @@ def make_documents(folder: Path, n: int) -> list[Path]:
 
 def fresh_cache(root: Path, name: str) -> Path:
     """An empty KV cache whose models/ is the user's (the embedded model converted once)."""
-    from kvcli.models import default_cache_dir
+    from kvcli.model import default_cache_dir
 
     cache = root / name
     cache.mkdir()

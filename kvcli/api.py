@@ -16,7 +16,7 @@ from pathlib import Path
 from . import notices
 from .documents import Document, load_document
 from .engine import Engine
-from .models import LoadedModel, default_cache_dir, load_model
+from .model import LoadedModel, default_cache_dir, load_model
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .stopping import AnswerGuard

@@ -115,7 +115,7 @@ def _route_warnings(quiet: bool) -> None:
     """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, and long
     one-time steps (the embedded model's conversion) as ``kvcli: ...`` lines, whether or not stderr
     is a terminal (a spinner shows only on one); none with --quiet."""
-    from .models import set_progress_sink
+    from .model import set_progress_sink
 
     notices.set_sink(None if quiet else lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
     set_progress_sink(None if quiet else lambda m: print(f"kvcli: {m}", file=sys.stderr, flush=True))
@@ -331,7 +331,7 @@ def heads(
     from . import heads as head_profiles
     from .engine import Engine
     from .errors import UsageError
-    from .models import load_model
+    from .model import load_model
 
     if score not in ("induction", "echo"):
         raise UsageError(f"--score must be induction or echo, not '{score}'")
@@ -499,7 +499,7 @@ CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The
 def _open_cache(cache_dir: Optional[Path]):
     """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
     a mistyped --cache-dir would otherwise look like an empty cache."""
-    from .models import default_cache_dir
+    from .model import default_cache_dir
 
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not folder.exists():

@@ -24,7 +24,7 @@ from .caches import KVCache
 
 class Engine:
     def __init__(self, lm) -> None:
-        """``lm``: a :class:`kvcli.models.LoadedModel`."""
+        """``lm``: a :class:`kvcli.model.LoadedModel`."""
         self.lm = lm
         model = lm.model
         attention.install(model)

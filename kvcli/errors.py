@@ -33,3 +33,12 @@ class DocumentError(KvcliError):
 
 class ModelError(KvcliError):
     """A model that cannot be loaded or run as asked (missing weights, no GPU, no bitsandbytes...)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message as one line: its first non-blank line, whitespace squashed (the
+    type's name when the message is empty) — for wrapping library errors in a KvcliError."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return " ".join(line.split())
+    return type(exc).__name__

@@ -192,7 +192,7 @@ class RayExecutor(Executor):
         on_warning: Callable[[str], None] | None = None,
         on_dispatch: Callable[[int, str], None] | None = None,
     ) -> None:
-        from .models import default_cache_dir
+        from .model import default_cache_dir
 
         if workers is not None and workers < 1:
             raise UsageError(f"--workers must be at least 1, not {workers}")

@@ -147,13 +147,6 @@ def echo_induction_scores(
     return (echo / n_rows).to(torch.float32), (induction / n_rows).to(torch.float32)
 
 
-def _sliding_window(engine, layer: int) -> int | None:
-    attn = engine.layers[layer].self_attn
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    return getattr(engine.lm._config, "sliding_window", None)
-
-
 def profile_scores(engine, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the probe through ``engine``; returns (echo, induction), each (n_layers, n_heads) float32."""
     lm = engine.lm
@@ -164,7 +157,7 @@ def profile_scores(engine, tokens: int, seed: int) -> tuple[torch.Tensor, torch.
     def observer(layer: int):
         attn = engine.layers[layer].self_attn
         scaling = getattr(attn, "scaling", None) or 1.0 / math.sqrt(lm.head_dim)
-        window = _sliding_window(engine, layer)
+        window = engine.lm.sliding_window(layer)
 
         def observe(query: torch.Tensor, key: torch.Tensor) -> None:
             e, i = echo_induction_scores(query, key, tokens, scaling, window)
@@ -348,7 +341,7 @@ def load_or_compute(
     """The profile of ``engine.lm`` for (K, seed): read from ``<cache_dir>/heads/`` when there,
     else computed and stored there. A damaged or foreign file is a warning and is recomputed; an
     unwritable cache directory is a warning (the profile is still returned)."""
-    from .models import default_cache_dir
+    from .model import default_cache_dir
 
     lm = engine.lm
     check_rope_model(lm, "heads")

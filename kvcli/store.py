@@ -58,6 +58,7 @@ import torch
 
 from . import notices
 from .caches import CACHE_TYPES
+from .errors import one_line
 from .files import atomic_write
 
 FORMAT_VERSION = 1
@@ -186,11 +187,6 @@ def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metada
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 def _take_lock(path: Path, blocking: bool = True):
     """An open handle holding the exclusive ``flock`` of the lock file ``path`` (created if absent);
     None when ``blocking`` is False and another process holds it. Raises OSError.
@@ -297,7 +293,7 @@ class KVStore:
     def _disable(self, exc: BaseException) -> None:
         self.enabled = False
         notices.warn(
-            f"cannot write to the cache directory {self.root} ({_one_line(exc)}); running without the disk cache",
+            f"cannot write to the cache directory {self.root} ({one_line(exc)}); running without the disk cache",
             key=("cache-dir", str(self.root.parent)),
         )
 
@@ -380,7 +376,7 @@ class KVStore:
         except FileNotFoundError:
             raise
         except Exception as e:  # safetensors' own errors (torn header, truncated data), bad JSON
-            raise DamagedEntry(_one_line(e)) from e
+            raise DamagedEntry(one_line(e)) from e
         if _crc32(tensors) != meta.get("crc32"):
             raise DamagedEntry("checksum mismatch")
         cls = CACHE_TYPES.get(meta.get("cache_kind"))
@@ -389,7 +385,7 @@ class KVStore:
         try:
             cache = cls.from_tensors(tensors, meta.get("facts") or {}, device=device)
         except (ValueError, KeyError, TypeError) as e:
-            raise DamagedEntry(_one_line(e)) from e
+            raise DamagedEntry(one_line(e)) from e
         if cache.n_tokens != key.fields["n_tokens"]:
             raise DamagedEntry(f"{cache.n_tokens} tokens, expected {key.fields['n_tokens']}")
         return cache, meta
@@ -446,7 +442,7 @@ class KVStore:
                 if not isinstance(meta, dict):
                     meta, error = None, "no kvcli metadata"
             except Exception as e:
-                error = _one_line(e)
+                error = one_line(e)
             out.append(Entry(path, st.st_size, st.st_mtime, meta, error))
         out.sort(key=lambda e: e.last_use, reverse=True)
         return out

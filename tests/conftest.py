@@ -18,7 +18,7 @@ def isolated_cache_dir(tmp_path_factory):
     """Point KVCLI_CACHE_DIR at a fresh folder for the whole run, so tests never read or fill the
     user's disk KV cache; its ``models/`` links to the user's, so the embedded model is converted
     at most once per machine, not once per test run."""
-    from kvcli.models import default_cache_dir
+    from kvcli.model import default_cache_dir
 
     real_models = default_cache_dir() / "models"
     real_models.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_dir):
     """``tiny_lm(family, attn="sdpa", **overrides)`` -> LoadedModel of a 4-layer tiny model."""
-    from kvcli.models import load_model
+    from kvcli.model import load_model
 
     @functools.cache
     def load(family: str, attn: str = "sdpa", **overrides):

@@ -423,7 +423,7 @@ def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kv_offload_on_cuda_keeps_the_kv_in_cpu_memory(tiny_dir):
-    from kvcli.models import load_model
+    from kvcli.model import load_model
 
     lm = load_model(str(tiny_dir("llama", num_hidden_layers=4)), device="cuda")
     engine = Engine(lm)

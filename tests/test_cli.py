@@ -423,7 +423,7 @@ def test_an_empty_question_is_a_usage_error(cli, files, question):
 
 
 def test_the_embedded_models_conversion_is_announced_when_stderr_is_not_a_terminal(cli, files, tmp_path, monkeypatch):
-    from kvcli import models
+    from kvcli.model import embedded as models
 
     def convert(gguf, dest):  # stands for the ~30 s conversion; stop there
         raise RuntimeError("stopped by the test")

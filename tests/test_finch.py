@@ -234,7 +234,7 @@ def engine_rot_dim(lm) -> int:
 
 def test_rerotation_with_yarn_attention_scaling(tmp_path_factory):
     """yarn multiplies cos and sin by attention_scaling != 1: the delta rotation must not."""
-    from kvcli.models import load_model
+    from kvcli.model import load_model
 
     folder = make_tiny_model(
         "llama",

@@ -1,4 +1,4 @@
-"""Tests of kvcli.models: loading the embedded model, tiny families, hub ids, and the errors."""
+"""Tests of kvcli.model: loading the embedded model, tiny families, hub ids, and the errors."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-import kvcli.models as models
+from kvcli.model import embedded, hub
 from kvcli.errors import ModelError, UsageError
-from kvcli.models import (
+from kvcli.model import (
     EMBEDDED_MODEL,
     LoadedModel,
     default_cache_dir,
@@ -157,7 +157,7 @@ def test_hub_id_from_the_hf_cache(tiny_root, tmp_path, monkeypatch):
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: False)
     repo = tmp_path / "models--kvcli-test--tiny-qwen2"
     commit = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)
@@ -174,7 +174,7 @@ def test_hub_id_missing_without_network(monkeypatch, tmp_path):
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: False)
     with pytest.raises(ModelError) as e:
         load_model("kvcli-test/not-there")
     assert _one_line(e.value) == (
@@ -303,7 +303,7 @@ def test_embedded_converted_once(embedded_cache):
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
-    marker = json.loads((folder / models._SOURCE_MARKER).read_text())
+    marker = json.loads((folder / embedded._SOURCE_MARKER).read_text())
     assert folder.name.endswith(marker["gguf_sha256"][:12])
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
 
@@ -317,7 +317,7 @@ def test_embedded_converted_once(embedded_cache):
 def test_embedded_lost_race_uses_theirs(embedded_cache, tmp_path, monkeypatch):
     """Two processes convert at once: the second rename fails, and it uses the first's folder."""
     cache, real_folder, _ = embedded_cache
-    shutil.copy(cache / models._GGUF_SHA_SIDECAR, tmp_path / models._GGUF_SHA_SIDECAR)  # no re-hash
+    shutil.copy(cache / embedded._GGUF_SHA_SIDECAR, tmp_path / embedded._GGUF_SHA_SIDECAR)  # no re-hash
     target = tmp_path / "models" / real_folder.name
 
     def fake_convert(gguf, dest):
@@ -325,9 +325,9 @@ def test_embedded_lost_race_uses_theirs(embedded_cache, tmp_path, monkeypatch):
         # meanwhile the other process finishes
         target.mkdir(parents=True)
         (target / "config.json").write_text('{"theirs": true}')
-        (target / models._SOURCE_MARKER).write_text("{}")
+        (target / embedded._SOURCE_MARKER).write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(embedded, "_convert_gguf", fake_convert)
     assert embedded_model_path(tmp_path) == target
     assert json.loads((target / "config.json").read_text()) == {"theirs": True}
     assert [p.name for p in (tmp_path / "models").iterdir()] == [target.name]

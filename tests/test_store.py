@@ -523,7 +523,7 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
     umask 002 the group can read and replace them (the converted weights used to be 0600)."""
     import stat
 
-    from kvcli import models
+    from kvcli.model import embedded as models
 
     lm = tiny_lm("llama")
 
@@ -535,7 +535,7 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
     monkeypatch.setattr(models, "_convert_gguf", fake_convert)
     old = os.umask(0o002)
     try:
-        folder, _ = models._embedded(tmp_path / "shared")
+        folder, _ = models.ensure_converted(tmp_path / "shared")
         [entry_key] = _make_entries(lm, tmp_path / "shared", 1)
     finally:
         os.umask(old)

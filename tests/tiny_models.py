@@ -88,7 +88,7 @@ def tokenizer_dir() -> Path:
     """Folder of the embedded model converted by kvcli (its tokenizer is what we reuse)."""
     global _tokenizer_dir
     if _tokenizer_dir is None:
-        from kvcli.models import embedded_model_path
+        from kvcli.model import embedded_model_path
 
         _tokenizer_dir = embedded_model_path()
     return _tokenizer_dir

@@ -9,12 +9,15 @@ out of the softmax exactly (a -inf logit, never a small weight).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from .. import kernels
 from .base import LayerKV, LayerView, cache_type
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .kv import KVCache
 
 
 class RaggedLayer(LayerView):

@@ -10,13 +10,16 @@ puts the head outputs back in head order.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
 from .base import CacheBase, LayerView, cache_type
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .kv import KVCache
 
 
 class RazorLayer(LayerView):

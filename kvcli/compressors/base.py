@@ -150,6 +150,15 @@ class Compressor:
         return {f.name: getattr(self, f.name) for f in self.knobs()}
 
 
+def refuse_sliding_window(lm, method: str, what: str = "per-head eviction", hint: str = " (use -c full or gemfilter)") -> None:
+    """Refuse, in one line, a model with sliding-window layers for a method whose cache indexes
+    slots, not positions (per-head eviction, head groups, blocks): a window counted in positions
+    cannot apply to it."""
+    windows = lm.limiting_windows()
+    if windows:
+        raise UsageError(f"{method}: {lm.name} uses sliding-window attention ({min(windows)} tokens); {what} needs full-attention layers{hint}")
+
+
 def owned_phases(cls: type[Compressor]) -> set[str]:
     return {p for p in PHASES if getattr(cls, p) is not getattr(Compressor, p)}
 

@@ -107,7 +107,7 @@ from ..caches.blocks import (
 )
 from ..caches import KVCache
 from ..errors import UsageError
-from .base import Compressor, knob, register
+from .base import Compressor, knob, refuse_sliding_window, register
 from .scoring import group_mean, window_attention
 
 ARTICLE_CONTEXT = 131072  # the article's 128K experiments
@@ -195,8 +195,6 @@ class BlockSparse(Compressor):
 
     # --- knobs: presets, automatic values, checks against the model -------------------------------
     def configure(self, lm) -> None:
-        from .razor import sliding_windows
-
         explicit = self.explicit_knobs
         for name, value in PRESETS[self.preset].items():
             if name not in explicit:
@@ -222,9 +220,7 @@ class BlockSparse(Compressor):
             raise UsageError("blocksparse: infllm representatives are scored by each token's local_window successors; local_window must be at least 1")
         if self.dense_layers > lm.n_layers:
             raise UsageError(f"blocksparse: dense_layers={self.dense_layers} exceeds the model's {lm.n_layers} layers")
-        windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
-        if windows:
-            raise UsageError(f"blocksparse: {lm.name} uses sliding-window attention ({min(windows)} tokens); block retrieval needs full-attention layers")
+        refuse_sliding_window(lm, "blocksparse", "block retrieval", hint="")
 
     def needs_queries(self) -> bool:
         """Whether the last ``window`` prompt queries are needed (preselection, dynamic representatives)."""

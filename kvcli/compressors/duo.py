@@ -154,7 +154,7 @@ def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = N
     """The model's profile from ``<cache_dir>/heads/`` (kvcli.heads' folder and naming), else
     computed and stored there; a damaged file is a warning and is recomputed."""
     from ..heads import profile_path
-    from ..models import default_cache_dir
+    from ..model import default_cache_dir
 
     lm = engine.lm
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()

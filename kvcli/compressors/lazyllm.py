@@ -119,14 +119,6 @@ def _rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return hidden.index_select(1, idx.to(hidden.device))
 
 
-def _sliding_window(attn) -> int | None:
-    """The sliding window a layer's attention passes to the kernel (qwen2/3: per layer; mistral,
-    phi3: the config's), None for none."""
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    return getattr(getattr(attn, "config", None), "sliding_window", None)
-
-
 def _layer_mask(slots: torch.Tensor, batch_pos: torch.Tensor, selected: torch.Tensor, window: int | None = None):
     """(key positions, mask) of a layer pass: keys = the layer's slots then the batch's; mask
     (q_len, kv_len) bool or None when plain causal attention is exact (every slot selected and
@@ -211,7 +203,7 @@ def run_tokens(
                 raise RuntimeError("lazyllm: a selected token has neither KV nor an Aux Cache entry")
             rope = engine.position_embeddings(hidden, batch_pos)
             step_trace.append((layer, selected.clone()))
-        window = _sliding_window(engine.layers[layer].self_attn)
+        window = engine.lm.sliding_window(layer)
         key_pos, mask = _layer_mask(cache.slots(layer), batch_pos, selected, window)
         observers = None
         if layer + 1 in keep_at and layer + 1 < stop:

@@ -57,7 +57,7 @@ import torch
 
 from ..caches import KVCache, RazorCache
 from ..errors import UsageError
-from .base import Compressor, knob, register
+from .base import Compressor, knob, refuse_sliding_window, register
 
 ORDERS = ("paper", "prefix")
 PAPER_WINDOW = 4000  # S_0 of Table 2, for models with 32k-token windows (Qwen1.5-7B)
@@ -70,16 +70,6 @@ def default_window(max_context: int | None) -> int:
     if not max_context or max_context >= PAPER_CONTEXT:
         return PAPER_WINDOW
     return max(256, round(PAPER_WINDOW * max_context / PAPER_CONTEXT))
-
-
-def sliding_windows(lm) -> set:
-    """The attention windows of the layers of ``lm`` (None: full attention)."""
-    base = lm.model.get_decoder()
-    out = set()
-    for layer in base.layers:
-        attn = layer.self_attn
-        out.add(attn.sliding_window if hasattr(attn, "sliding_window") else getattr(lm._config, "sliding_window", None))
-    return out
 
 
 @register
@@ -104,7 +94,7 @@ class Razor(Compressor):
     tokens: int | None = knob(None, "K random tokens of the head probe (repeated 4 times); auto = 512 under 1B parameters, 1024 under 4B, else 2500")
     seed: int = knob(0, "seed of the head probe's random tokens")
 
-    # where head profiles are kept (not a knob; None = kvcli.models.default_cache_dir())
+    # where head profiles are kept (not a knob; None = kvcli.model.default_cache_dir())
     cache_dir: Path | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,12 +123,7 @@ class Razor(Compressor):
         from ..heads import check_rope_model, default_tokens
 
         check_rope_model(lm, "razor")
-        windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
-        if windows:
-            raise UsageError(
-                f"razor: {lm.name} uses sliding-window attention ({min(windows)} tokens); RazorAttention "
-                "needs full-attention layers (use -c full or gemfilter)"
-            )
+        refuse_sliding_window(lm, "razor", "RazorAttention")
         if self.window is None:
             self.window = default_window(lm.max_context)
         if self.tokens is None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
-from .base import Compressor, knob
+from .base import Compressor, knob, refuse_sliding_window  # noqa: F401  (re-exported for the eviction methods)
 
 QUERY_CHUNK = 256  # query rows per block when every row's attention is needed (H2O)
 
@@ -327,19 +327,6 @@ def global_masks(scores: list[torch.Tensor], total: int) -> list[torch.Tensor]:
     mask = torch.zeros(flat.numel(), dtype=torch.bool)
     mask[torch.topk(flat, min(total, flat.numel())).indices] = True
     return [m.view(s.shape) for m, s in zip(torch.split(mask, sizes), scores)]
-
-
-def refuse_sliding_window(lm, method: str) -> None:
-    """Methods whose heads keep different entries index slots, not positions: a sliding window
-    (counted in positions) cannot apply to them; refuse such models with one line."""
-    from .razor import sliding_windows
-
-    windows = {w for w in sliding_windows(lm) if w is not None and (not lm.max_context or w < lm.max_context)}
-    if windows:
-        raise UsageError(
-            f"{method}: {lm.name} uses sliding-window attention ({min(windows)} tokens); per-head eviction "
-            "needs full-attention layers (use -c full or gemfilter)"
-        )
 
 
 def prerope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

