@@ -17,6 +17,7 @@ from . import notices
 from .documents import Document, load_document
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
+from .compressors.base import Runtime
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .stopping import AnswerGuard
@@ -94,14 +95,9 @@ class Session:
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
-        for stage in pipeline.stages:
-            if hasattr(stage, "cache_dir"):  # methods that keep per-model data (RazorAttention's head profile)
-                stage.cache_dir = self.options.cache_dir
-            if hasattr(stage, "kv_offload"):  # methods that can hold their KV in CPU memory (blocksparse)
-                stage.kv_offload = self.options.kv_offload
-        if self.options.kv_offload != "none" and not any(hasattr(s, "kv_offload") for s in pipeline.stages):
+        if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
-        pipeline.configure(self.lm)
+        pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
         check_window(prompt, self.lm, max_new_tokens, pipeline)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         result = run(

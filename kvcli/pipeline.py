@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
+from .compressors.base import Runtime
 from .errors import DocumentError, UsageError
 from .measure import measure
 from .policy import NAME as AUTO
@@ -89,8 +90,11 @@ class Pipeline:
         chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens))
         return Pipeline(chosen.stages, chosen_by=AUTO)
 
-    def configure(self, lm) -> None:
+    def configure(self, lm, runtime: Runtime | None = None) -> None:
+        """Hand every stage the run's settings, then let it resolve its knobs for ``lm``."""
         for s in self.stages:
+            if runtime is not None:
+                s.runtime = runtime
             s.configure(lm)
 
     def owner(self, phase: str) -> Compressor | None:

@@ -205,7 +205,7 @@ def test_pipeline_answers_and_reports_what_each_head_kept(tiny_lm):
 def test_inspect_reports_per_head_counts(tiny_dir):
     from kvcli import api
     from kvcli.documents import document_from_text
-    from kvcli.inspect import inspect_kept
+    from kvcli.report.inspection import inspect_kept
     from test_eviction import DOC
 
     session = api.Session.open(api.AskOptions(model=str(tiny_dir("llama", num_hidden_layers=4)), use_cache=False))

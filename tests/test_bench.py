@@ -189,6 +189,6 @@ def test_method_and_grid_parsing():
     assert plots.method_slug("gemfilter:k=256,span=16") == "gemfilter-k256-span16"
     assert runner.length_label(1024) == "1k" and runner.length_label(8000) == "8k" and runner.length_label(1500) == "1,500"
     # every default method exists in this kvcli
-    from kvcli.bench.cli import default_methods
+    from kvcli.cli.bench import default_methods
 
     runner.split_methods(default_methods())

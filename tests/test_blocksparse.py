@@ -9,6 +9,8 @@ import json
 import math
 
 import pytest
+
+from kvcli.compressors.base import Runtime
 import torch
 
 from kvcli import notices
@@ -411,7 +413,7 @@ def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
     engine = Engine(lm)
     prompt = prompt_for(lm)
     pipeline = Pipeline.parse(f"blocksparse:{SMALL},topk=2")
-    pipeline.stages[0].kv_offload = "cpu"
+    pipeline.stages[0].runtime = Runtime(kv_offload="cpu")
     notices.reset()
     result = run(engine, prompt, pipeline, max_new_tokens=4, stop_ids=set())
     assert any("--kv-offload cpu has no effect" in m for m in notices.collected())
@@ -431,7 +433,7 @@ def test_kv_offload_on_cuda_keeps_the_kv_in_cpu_memory(tiny_dir):
     spec = f"blocksparse:{SMALL},topk=2,preselect=true"
     plain = run(engine, prompt, Pipeline.parse(spec), max_new_tokens=6, stop_ids=set())
     pipeline = Pipeline.parse(spec)
-    pipeline.stages[0].kv_offload = "cpu"
+    pipeline.stages[0].runtime = Runtime(kv_offload="cpu")
     off = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set())
     assert off.answer_ids == plain.answer_ids
     assert off.extra["method_stats"]["kv_offload"] == "cpu"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvcli.compressors.base import Runtime
+
 from kvcli.api import compute_fractions
 from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
@@ -60,10 +62,7 @@ def held_per_layer_head(cache) -> float:
 
 def answer(lm, spec, tmp_path):
     pipeline = Pipeline.parse(spec)
-    for stage in pipeline.stages:
-        if hasattr(stage, "cache_dir"):
-            stage.cache_dir = tmp_path
-    pipeline.configure(lm)
+    pipeline.configure(lm, Runtime(cache_dir=tmp_path))
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 7?")
     # one token: no decoding step runs, so every KV row in the cache is a prompt entry
     return run(Engine(lm), prompt, pipeline, max_new_tokens=1, stop_ids=set())

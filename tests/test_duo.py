@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from kvcli.compressors.base import Runtime
 import torch
 
 from kvcli import notices
@@ -26,7 +28,7 @@ SMALL = "tokens=64,length=40"
 
 def duo_for(lm, tmp_path, spec):
     duo = parse_one(spec)
-    duo.cache_dir = tmp_path
+    duo.runtime = Runtime(cache_dir=tmp_path)
     duo.configure(lm)
     return duo
 

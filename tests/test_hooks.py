@@ -4,6 +4,8 @@ the decode-step hook, the per-layer engine API and the explicit attention mask."
 from __future__ import annotations
 
 import pytest
+
+from kvcli.compressors.base import Runtime
 import torch
 
 from kvcli import attention
@@ -21,10 +23,7 @@ TOL = 1e-4
 
 def answer(lm, spec, tmp_path=None, max_new_tokens=3):
     pipeline = Pipeline.parse(spec)
-    for stage in pipeline.stages:
-        if hasattr(stage, "cache_dir"):
-            stage.cache_dir = tmp_path
-    pipeline.configure(lm)
+    pipeline.configure(lm, Runtime(cache_dir=tmp_path))
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
     return run(Engine(lm), prompt, pipeline, max_new_tokens=max_new_tokens, stop_ids=set())
 
@@ -73,7 +72,7 @@ def test_razor_retrieval_heads_keep_all_others_sinks_window_and_question(tiny_lm
     lm = tiny_lm("qwen2")
     pipeline = Pipeline.parse("razor:order=prefix,tokens=8,window=16,ratio=100,sinks=4")
     razor = pipeline.stages[0]
-    razor.cache_dir = tmp_path
+    razor.runtime = Runtime(cache_dir=tmp_path)
     razor.configure(lm)
     protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
     razor._protected = protected

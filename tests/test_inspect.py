@@ -21,7 +21,8 @@ import torch
 from kvcli import api
 from kvcli.compressors import parse_one
 from kvcli.documents import document_from_text, load_document
-from kvcli.inspect import find_needle, inspect_kept, rank_layers
+from kvcli.report.inspection import inspect_kept
+from kvcli.report.layers import find_needle, rank_layers
 from kvcli.prompt import build_prompt
 
 PAGES = [
@@ -236,7 +237,7 @@ def test_html_is_self_contained_and_escaped(cli, session, model, tmp_path):
 def test_html_stays_small_for_a_long_document(session):
     doc = document_from_text(" ".join(f"word{i % 97}" for i in range(1000)))
     ins = inspect_kept(session, doc, "Which word?", api.parse_pipeline("snapkv:budget=300"))
-    from kvcli import report_html
+    from kvcli.report import html as report_html
 
     page = report_html.render(ins)
     assert page.count("<mark") <= len(ins.spans) + report_html.N_BUCKETS + doc.n_pages
@@ -292,7 +293,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_html_renders_the_highlight_in_headless_chromium(session, tmp_path):
-    from kvcli import report_html
+    from kvcli.report import html as report_html
 
     doc = document_from_text(
         "Short log. The gale came from the south west and the padlock combination is 4417. "
@@ -312,7 +313,7 @@ def test_html_renders_the_highlight_in_headless_chromium(session, tmp_path):
     width, height, bpp, rows = _png_pixels(shot)
     assert (width, height) == (1000, 800)
     palette = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in report_html.PALETTE]
-    levels = set(__import__("kvcli.inspect", fromlist=["span_levels"]).span_levels(ins, len(palette)))
+    levels = set(__import__("kvcli.report.inspection", fromlist=["span_levels"]).span_levels(ins, len(palette)))
     counts = dict.fromkeys(range(len(palette)), 0)
     for row in rows[200:]:  # below the header (its legend and strip use the palette too)
         for x in range(0, width * bpp, bpp):
@@ -434,7 +435,7 @@ def _plain_console():
 def test_document_view_highlights_whole_words_and_merges_what_overlaps():
     from types import SimpleNamespace
 
-    from kvcli import render
+    from kvcli.report import terminal as render
 
     doc = document_from_text("The GNOME desktop ran fine. Nothing else: x_y and 42 items.")
     t = doc.text
@@ -452,7 +453,7 @@ def test_document_view_highlights_whole_words_and_merges_what_overlaps():
 
 
 def test_kept_spans_list_shows_each_piece_of_text_once():
-    from kvcli import render
+    from kvcli.report import terminal as render
 
     doc = document_from_text(" ".join(f"s{i:02d} alpha beta gamma." for i in range(60)))
     t = doc.text

@@ -16,12 +16,13 @@ import torch
 
 from kvcli import notices
 from kvcli.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.compressors.base import Runtime
 from kvcli.caches import KVCache, LayerView, RazorCache
 from kvcli.compressors import FullAttention, parse_one
 from kvcli.compressors.razor import Razor, default_window
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.heads import (
+from kvcli.compressors.razor_heads import (
     HeadProfile,
     compute_profile,
     echo_induction_scores,
@@ -196,10 +197,7 @@ def test_kept_mask_and_stats_say_what_each_head_holds(tiny_lm, tmp_path, order):
 def test_razor_after_an_eviction_method_is_refused(tiny_lm, tmp_path):
     lm = tiny_lm("llama")
     pipeline = Pipeline.parse("snapkv:budget=40,window=8+razor:tokens=8")
-    for stage in pipeline.stages:
-        if hasattr(stage, "cache_dir"):
-            stage.cache_dir = tmp_path
-    pipeline.configure(lm)
+    pipeline.configure(lm, Runtime(cache_dir=tmp_path))
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
     with pytest.raises(UsageError, match="whole KV"):
         run(Engine(lm), prompt, pipeline, max_new_tokens=2, stop_ids=set())

@@ -348,9 +348,9 @@ def _terminal_stdout(monkeypatch):
     """`kvcli cache ls` as on a terminal (the tests' stdout is a pipe)."""
     from rich.console import Console
 
-    import kvcli.cli
+    import kvcli.cli.cache
 
-    monkeypatch.setattr(kvcli.cli, "stdout", Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True))
+    monkeypatch.setattr(kvcli.cli.cache, "stdout", Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True))
 
 
 def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -507,7 +507,7 @@ def test_cache_table_on_a_terminal_counts_right(tiny_lm, tmp_path):
 
     from rich.console import Console
 
-    from kvcli import render
+    from kvcli.report import terminal as render
 
     _make_entries(tiny_lm("llama"), tmp_path, 2)
     entries = KVStore.open(tmp_path).entries()

@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -72,12 +73,27 @@ def knob(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """The run's settings every method is handed (by :meth:`Pipeline.configure`, before
+    :meth:`Compressor.configure`), whatever its knobs: not part of a method's spec, set by the
+    command line or the library's ``AskOptions``. The device, dtype and kernel are the model's
+    (``lm.device`` ...)."""
+
+    cache_dir: Path | None = None  # per-model data (head profiles); None: kvcli.model.default_cache_dir()
+    kv_offload: str = "none"  # "cpu": methods with ``holds_whole_kv`` keep the KV in CPU memory (--kv-offload)
+
+
 @dataclass
 class Compressor:
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
+    holds_whole_kv: ClassVar[bool] = False
     # knobs the user set explicitly (filled by parse_one); defaults may adapt, explicit values may not
     explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
+    # the run's settings (Pipeline.configure hands them over; not a knob)
+    runtime: Runtime = dataclasses.field(default_factory=Runtime, init=False, repr=False, compare=False)
 
     def configure(self, lm) -> None:
         """Resolve model-dependent defaults and validate knobs against the model ``lm``.

@@ -146,6 +146,7 @@ class BlockSparse(Compressor):
     to Initial + the top-k Context blocks (scored by representative keys) + Local."""
 
     name: ClassVar[str] = "blocksparse"
+    holds_whole_kv: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "KTransformers 2024, KVCache Long Context (framework of InfLLM, Xiao et al. 2024, arXiv:2402.04617, "
         "and Quest, Tang et al. 2024, arXiv:2406.10774)"
@@ -167,8 +168,6 @@ class BlockSparse(Compressor):
     head_select: str = knob("shared", "shared (all KV heads of a layer pick the same blocks) or separate (per KV head)")
     chunk: int = knob(4096, "prefill chunk in tokens (article: 4096)")
 
-    # set by the CLI (--kv-offload cpu), not a knob: hold the whole KV in CPU memory on CUDA
-    kv_offload: str = dataclasses.field(default="none", init=False, repr=False, compare=False)
     _qtail: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     # infllm: per layer the (n_kv, n) sums of q·k from each token's successors; rows counted so far
     _rep_sums: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -231,7 +230,7 @@ class BlockSparse(Compressor):
 
     def offloaded(self, engine) -> bool:
         """``--kv-offload cpu`` on a CUDA model; on the CPU a no-op, said once."""
-        if self.kv_offload != "cpu":
+        if self.runtime.kv_offload != "cpu":
             return False
         if engine.device.type == "cuda":
             return True

@@ -15,7 +15,7 @@ whole model; mean over each GQA group) become streaming heads.
 
 The profile is a property of the model, computed once and stored per model next to
 RazorAttention's head profiles (``<cache dir>/heads/``, atomic safetensors writes, see
-:mod:`kvcli.heads` and :func:`kvcli.store.save_safetensors_atomic`). Calibration text: kvcli's
+:mod:`kvcli.compressors.razor_heads` and :func:`kvcli.store.save_safetensors_atomic`). Calibration text: kvcli's
 bundled passkey filler (``kvcli.bench.needle.FILLER``; kvpress samples BookSum, which kvcli does not
 download), ``tokens`` of it.
 
@@ -151,14 +151,14 @@ class DuoProfile:
 
 
 def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = None) -> DuoProfile:
-    """The model's profile from ``<cache_dir>/heads/`` (kvcli.heads' folder and naming), else
+    """The model's profile from ``<cache_dir>/heads/`` (kvcli.compressors.razor_heads' folder and naming), else
     computed and stored there; a damaged file is a warning and is recomputed."""
-    from ..heads import profile_path
+    from .razor_heads import profile_path
     from ..model import default_cache_dir
 
     lm = engine.lm
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    # kvcli.heads names profiles <fingerprint>-K<tokens>-s<seed>; "-duo-L<length>" keeps these apart
+    # kvcli.compressors.razor_heads names profiles <fingerprint>-K<tokens>-s<seed>; "-duo-L<length>" keeps these apart
     path = profile_path(cache_dir, f"{lm.fingerprint}-duo-L{length}", tokens, 0)
     if path.is_file():
         try:
@@ -190,8 +190,6 @@ class DuoAttention(Compressor):
     tokens: int | None = knob(None, "calibration tokens of the head estimate; auto = 2048, at most the model's window")
     length: int = knob(500, "positions of the head estimate (kvpress: 500)")
 
-    cache_dir: Path | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
     def __post_init__(self) -> None:
         if not 0.0 <= self.streaming <= 1.0:
             raise UsageError(f"duo: streaming is a fraction of the KV heads, between 0 and 1, got {self.streaming}")
@@ -205,7 +203,7 @@ class DuoAttention(Compressor):
         self._profile: DuoProfile | None = None
 
     def configure(self, lm) -> None:
-        from ..heads import check_rope_model
+        from .razor_heads import check_rope_model
 
         check_rope_model(lm, "duo")
         refuse_sliding_window(lm, "duo")
@@ -220,7 +218,7 @@ class DuoAttention(Compressor):
         if self.tokens is None:
             self.configure(lm)
         if self._profile is None or self._profile.fingerprint != lm.fingerprint:
-            self._profile = load_or_compute(engine, self.tokens, self.length, self.cache_dir)
+            self._profile = load_or_compute(engine, self.tokens, self.length, self.runtime.cache_dir)
         return self._profile
 
     def retrieval_heads(self, engine) -> torch.Tensor:

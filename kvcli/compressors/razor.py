@@ -2,7 +2,7 @@
 
 "RazorAttention: Efficient KV Cache Compression Through Retrieval Heads", arXiv:2407.15891.
 
-1. Retrieval heads are found once per model with a data-free probe (§3.3, :mod:`kvcli.heads`):
+1. Retrieval heads are found once per model with a data-free probe (§3.3, :mod:`kvcli.compressors.razor_heads`):
    K random tokens repeated 4 times; per head the *echo* score (attention to the previous
    occurrence of the current token) and the *induction* score (attention to the token that
    followed it); the top 14% induction heads and top 1% echo heads are protected (Table 2). With
@@ -94,9 +94,6 @@ class Razor(Compressor):
     tokens: int | None = knob(None, "K random tokens of the head probe (repeated 4 times); auto = 512 under 1B parameters, 1024 under 4B, else 2500")
     seed: int = knob(0, "seed of the head probe's random tokens")
 
-    # where head profiles are kept (not a knob; None = kvcli.model.default_cache_dir())
-    cache_dir: Path | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
     def __post_init__(self) -> None:
         self.order = str(self.order).strip().lower()
         if self.order not in ORDERS:
@@ -120,7 +117,7 @@ class Razor(Compressor):
     # --- model-dependent setup ------------------------------------------------------------------
     def configure(self, lm) -> None:
         """Resolve the automatic knobs and load (or compute once and store) the head profile."""
-        from ..heads import check_rope_model, default_tokens
+        from .razor_heads import check_rope_model, default_tokens
 
         check_rope_model(lm, "razor")
         refuse_sliding_window(lm, "razor", "RazorAttention")
@@ -134,13 +131,13 @@ class Razor(Compressor):
         if self._protected is not None and self._fingerprint == lm.fingerprint:
             return
         from ..engine import Engine
-        from ..heads import load_or_compute
+        from .razor_heads import load_or_compute
 
         if self.window is None or self.tokens is None:
             self.configure(lm)
             return
         engine = engine if engine is not None and engine.lm is lm else Engine(lm)
-        self._profile = load_or_compute(engine, self.tokens, self.seed, self.cache_dir)
+        self._profile = load_or_compute(engine, self.tokens, self.seed, self.runtime.cache_dir)
         self._protected = self._profile.protected_kv_heads(self.induction, self.echo)
         self._fingerprint = lm.fingerprint
 

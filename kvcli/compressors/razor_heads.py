@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from . import notices
-from .errors import ModelError, UsageError
+from .. import notices
+from ..errors import ModelError, UsageError
 
 FORMAT_VERSION = 1
 PAPER_TOKENS = 2500  # K of the paper
@@ -170,7 +170,7 @@ def profile_scores(engine, tokens: int, seed: int) -> tuple[torch.Tensor, torch.
     last = engine.n_layers - 1
 
     def stop(query, key):
-        from .attention import StopForward
+        from ..attention import StopForward
 
         raise StopForward
 
@@ -250,7 +250,7 @@ class HeadProfile:
 
     def save(self, path: Path) -> None:
         """Write atomically (see :func:`kvcli.store.save_safetensors_atomic`)."""
-        from .store import save_safetensors_atomic
+        from ..store import save_safetensors_atomic
 
         path = Path(path)
         save_safetensors_atomic(
@@ -341,7 +341,7 @@ def load_or_compute(
     """The profile of ``engine.lm`` for (K, seed): read from ``<cache_dir>/heads/`` when there,
     else computed and stored there. A damaged or foreign file is a warning and is recomputed; an
     unwritable cache directory is a warning (the profile is still returned)."""
-    from .model import default_cache_dir
+    from ..model import default_cache_dir
 
     lm = engine.lm
     check_rope_model(lm, "heads")
@@ -402,44 +402,3 @@ def to_json(profile: HeadProfile, induction: float, echo: float) -> dict:
         "induction": [[round(x, 5) for x in row] for row in profile.induction.tolist()],
         "echo": [[round(x, 5) for x in row] for row in profile.echo.tolist()],
     }
-
-
-def render_table(console, profile: HeadProfile, induction: float, echo: float, score: str = "induction") -> None:
-    """Layer x head table of one score (x100), protected heads marked: I induction, E echo."""
-    from rich.table import Table
-
-    by_ind, by_echo = profile.protected_query_heads(induction, echo)
-    kv = profile.protected_kv_heads(induction, echo)
-    values = profile.induction if score == "induction" else profile.echo
-    s = summary(profile, induction, echo)
-    table = Table(
-        title=f"{score} score x100 per head — I: top {induction:.0%} induction, E: top {echo:.0%} echo (protected)",
-        header_style="bold",
-        box=None,
-        padding=(0, 1),
-    )
-    table.add_column("layer", justify="right")
-    for h in range(profile.n_heads):
-        table.add_column(f"h{h}", justify="right")
-    table.add_column("full KV heads", justify="left")
-    for layer in range(profile.n_layers):
-        cells = []
-        for h in range(profile.n_heads):
-            mark = ("I" if by_ind[layer, h] else "") + ("E" if by_echo[layer, h] else "")
-            text = f"{100 * float(values[layer, h]):.0f}{mark}"
-            style = "bold green" if by_ind[layer, h] else "bold magenta" if by_echo[layer, h] else "dim"
-            cells.append(f"[{style}]{text}[/{style}]")
-        kept = ",".join(str(g) for g in torch.nonzero(kv[layer]).flatten().tolist())
-        cells.append(kept or "-")
-        table.add_row(str(layer), *cells)
-    console.print(table)
-    where = f"loaded from {profile.path}" if profile.loaded else f"computed in {profile.compute_s:.1f}s" + (
-        f", stored in {profile.path}" if profile.path is not None else ""
-    )
-    console.print(
-        f"{profile.model_name}: {s['n_protected_query_heads']}/{s['n_query_heads']} query heads protected "
-        f"({s['n_by_induction']} induction, {s['n_by_echo']} echo) -> {s['n_protected_kv_heads']}/{s['n_kv_heads']} "
-        f"KV heads keep full KV ({s['protected_kv_fraction']:.1%}); probe K={profile.tokens} x {REPEATS}, "
-        f"seed {profile.seed}; {where}",
-        soft_wrap=True,
-    )

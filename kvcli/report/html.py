@@ -18,8 +18,8 @@ import bisect
 import html
 from pathlib import Path
 
-from .errors import UsageError
-from .inspect import Inspection, document_profile, span_levels
+from ..errors import UsageError
+from .inspection import Inspection, document_profile, span_levels
 
 # kept-span backgrounds, lowest score first: saturated, so kept text stands out (and a screenshot
 # test can count its pixels)

@@ -18,11 +18,13 @@ import typer
 
 from ..compressors import REGISTRY
 from ..errors import UsageError
-from ..options import Attn, Device
-from . import runner
-from .needle import HAYSTACKS, haystack_text
-from .runner import NEEDLE_KEY, ResultsFile, length_label
-from .speed import SPEED_KEY
+from ..bench import runner
+from ..bench.needle import HAYSTACKS, haystack_text
+from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
+from ..bench.speed import SPEED_KEY
+from .app import app
+from .console import route_warnings, stderr, stdout
+from .options import Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, cache_dir_option
 
 BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
 OPTIONAL_METHODS = ["lazyllm", "blocksparse"]  # in the defaults when this kvcli has them
@@ -43,6 +45,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="Benchmark methods on your model: needle-in-a-haystack heatmaps, TTFT / decode speed / memory curves, RULER accuracy.",
 )
+app.add_typer(bench_app, name="bench")
 
 
 class Haystack(str, Enum):
@@ -52,16 +55,11 @@ class Haystack(str, Enum):
 
 assert tuple(h.value for h in Haystack) == HAYSTACKS
 
-ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
-DeviceOpt = typer.Option(Device.auto, help="Where to run")
-AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
-DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
 MethodsOpt = typer.Option(None, "--methods", help=METHODS_HELP, show_default=False)
 OutOpt = typer.Option(Path("bench"), "--out", "-o", help="Folder for the JSON results and the PNGs")
 ResumeOpt = typer.Option(False, "--resume", help="Keep the results already in OUT and run only the missing cells")
 PlotOnlyOpt = typer.Option(False, "--plot-only", help="Load no model: print the table and redraw the PNGs from OUT's JSON")
-QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
-CacheDirOpt = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="Where converted models are kept (default: $XDG_CACHE_HOME/kvcli)")
+CacheDirOpt = cache_dir_option("converted models are kept")
 
 
 def _progress(err):
@@ -173,11 +171,10 @@ def needle(
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
-    from ..cli import _route_warnings, _stderr
-    from .plots import needle_heatmaps
+    from ..bench.plots import needle_heatmaps
 
-    err = _stderr(quiet)
-    _route_warnings(quiet)
+    err = stderr(quiet)
+    route_warnings(quiet)
     path = out / "needle.json"
     if plot_only:
         results = ResultsFile.read(path, NEEDLE_KEY)
@@ -218,7 +215,6 @@ def needle(
 def _needle_report(err, rows, out, model, draw):
     if not rows:
         raise UsageError(f"no needle results to show in {out / 'needle.json'}")
-    from ..cli import stdout
 
     stdout.out(runner.needle_table(rows))
     return draw(rows, out, model=model)
@@ -253,12 +249,11 @@ def speed(
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
-    from ..cli import _route_warnings, _stderr
-    from .plots import speed_plot
-    from .speed import SpeedBench, speed_cells
+    from ..bench.plots import speed_plot
+    from ..bench.speed import SpeedBench, speed_cells
 
-    err = _stderr(quiet)
-    _route_warnings(quiet)
+    err = stderr(quiet)
+    route_warnings(quiet)
     path = out / "speed.json"
     if plot_only:
         results = ResultsFile.read(path, SPEED_KEY)
@@ -295,8 +290,7 @@ def speed(
 def _speed_report(rows, out, model, draw):
     if not rows:
         raise UsageError(f"no speed results to show in {out / 'speed.json'}")
-    from ..cli import stdout
-    from .speed import speed_table
+    from ..bench.speed import speed_table
 
     stdout.out(speed_table(rows))
     return draw(rows, out / "speed.png", model=model)
@@ -341,11 +335,10 @@ def ruler(
     cache_dir: Optional[Path] = CacheDirOpt,
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit"),
 ) -> None:
-    from ..cli import _route_warnings, _stderr
-    from . import ruler as rl
+    from ..bench import ruler as rl
 
-    err = _stderr(quiet)
-    _route_warnings(quiet)
+    err = stderr(quiet)
+    route_warnings(quiet)
     path = out / "ruler.json"
     if plot_only:
         results = ResultsFile.read(path, rl.RULER_KEY)
@@ -400,10 +393,9 @@ def ruler(
 def _ruler_report(err, rows, out: Path, model: str) -> list[Path]:
     if not rows:
         raise UsageError(f"no RULER results to show in {out / 'ruler.json'}")
-    from ..cli import stdout
     from ..files import atomic_write
-    from .plots import ruler_plot, ruler_task_heatmap
-    from .ruler import ruler_table
+    from ..bench.plots import ruler_plot, ruler_task_heatmap
+    from ..bench.ruler import ruler_table
 
     table = ruler_table(rows)
     stdout.out(table)

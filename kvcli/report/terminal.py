@@ -9,13 +9,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .compressors import REGISTRY, owned_phases
+from ..compressors import REGISTRY, owned_phases
 
 CONTEXT_CHARS = 60
 GEM_STYLE = "bold black on yellow"
 
 
-def _one_line(text: str) -> str:
+def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
@@ -63,13 +63,13 @@ def selected_spans(console: Console, spans, document, n_kept: int, n_total: int,
         pages = f"p.{first}" if first == last else f"p.{first}-{last}"
         line = Text()
         line.append(f"{pages:>8}  ", style="cyan")
-        before = _one_line(text[max(0, start - CONTEXT_CHARS) : start])[-CONTEXT_CHARS:]
+        before = _flat(text[max(0, start - CONTEXT_CHARS) : start])[-CONTEXT_CHARS:]
         line.append(("…" if start > CONTEXT_CHARS else "") + before + " ", style="dim")
         for j, (a, b, _) in enumerate(row):
             if j:
-                line.append(" " + _one_line(text[row[j - 1][1] : a]) + " ", style="dim")
-            line.append(_one_line(text[a:b]), style=GEM_STYLE)
-        after = _one_line(text[end : end + CONTEXT_CHARS])[:CONTEXT_CHARS]
+                line.append(" " + _flat(text[row[j - 1][1] : a]) + " ", style="dim")
+            line.append(_flat(text[a:b]), style=GEM_STYLE)
+        after = _flat(text[end : end + CONTEXT_CHARS])[:CONTEXT_CHARS]
         line.append(" " + after + ("…" if end + CONTEXT_CHARS < len(text) else ""), style="dim")
         console.print(line, overflow="fold")
     if len(shown) < len(rows):
@@ -172,7 +172,7 @@ def compressor_table(console: Console) -> None:
 
 # --------------------------------------------------------------------------- kvcli inspect
 
-# kept-span styles by score level (low -> high), the terminal twin of kvcli.report_html.PALETTE
+# kept-span styles by score level (low -> high), the terminal twin of kvcli.report.html.PALETTE
 LEVEL_STYLES = ("black on #ffe14d", "black on #ffb830", "black on #ff8a1f", "bold white on #ff4d00")
 
 
@@ -217,7 +217,7 @@ def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
 def document_view(console: Console, ins) -> None:
     """The whole document with the kept tokens highlighted (colour: the best score level of the
     merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
-    from .inspect import span_levels
+    from .inspection import span_levels
 
     text, doc = ins.document.text, ins.document
     levels = span_levels(ins, len(LEVEL_STYLES))
@@ -270,4 +270,47 @@ def layer_scan_table(console: Console, report) -> None:
         (f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]" if first is not None else f"no layer's top-{report.k} keeps the whole needle")
         + f" · first layer with distance 0: {'-' if report.first_touched is None else report.first_touched}"
         + f" · smallest k needed: layer {report.best_layer} (layers are gemfilter:layer= indices, 0-based)"
+    )
+
+
+def head_table(console, profile, induction: float, echo: float, score: str = "induction") -> None:
+    """Layer x head table of one score (x100), protected heads marked: I induction, E echo."""
+    import torch
+
+    from ..compressors.razor_heads import REPEATS, summary
+
+    by_ind, by_echo = profile.protected_query_heads(induction, echo)
+    kv = profile.protected_kv_heads(induction, echo)
+    values = profile.induction if score == "induction" else profile.echo
+    s = summary(profile, induction, echo)
+    table = Table(
+        title=f"{score} score x100 per head — I: top {induction:.0%} induction, E: top {echo:.0%} echo (protected)",
+        header_style="bold",
+        box=None,
+        padding=(0, 1),
+    )
+    table.add_column("layer", justify="right")
+    for h in range(profile.n_heads):
+        table.add_column(f"h{h}", justify="right")
+    table.add_column("full KV heads", justify="left")
+    for layer in range(profile.n_layers):
+        cells = []
+        for h in range(profile.n_heads):
+            mark = ("I" if by_ind[layer, h] else "") + ("E" if by_echo[layer, h] else "")
+            text = f"{100 * float(values[layer, h]):.0f}{mark}"
+            style = "bold green" if by_ind[layer, h] else "bold magenta" if by_echo[layer, h] else "dim"
+            cells.append(f"[{style}]{text}[/{style}]")
+        kept = ",".join(str(g) for g in torch.nonzero(kv[layer]).flatten().tolist())
+        cells.append(kept or "-")
+        table.add_row(str(layer), *cells)
+    console.print(table)
+    where = f"loaded from {profile.path}" if profile.loaded else f"computed in {profile.compute_s:.1f}s" + (
+        f", stored in {profile.path}" if profile.path is not None else ""
+    )
+    console.print(
+        f"{profile.model_name}: {s['n_protected_query_heads']}/{s['n_query_heads']} query heads protected "
+        f"({s['n_by_induction']} induction, {s['n_by_echo']} echo) -> {s['n_protected_kv_heads']}/{s['n_kv_heads']} "
+        f"KV heads keep full KV ({s['protected_kv_fraction']:.1%}); probe K={profile.tokens} x {REPEATS}, "
+        f"seed {profile.seed}; {where}",
+        soft_wrap=True,
     )

@@ -1,0 +1,19 @@
+"""The kvcli command line: thin Typer commands over the library, one module per command
+(:mod:`.ask`, :mod:`.methods` — ``compressors`` and ``heads`` —, :mod:`.inspect`, :mod:`.cache`,
+:mod:`.bench`), the shared option declarations (:mod:`.options`) and the console (:mod:`.console`:
+stdout/stderr, warnings, errors as one line).
+
+Answers and JSON go to stdout; progress and errors go to stderr. A user error is one line,
+``kvcli: error: ...``, and a non-zero exit code (2 for usage errors, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+from . import ask, methods, inspect, cache, bench  # noqa: F401  (each registers its commands, in help order)
+from .app import app
+from .console import run
+
+
+def main() -> None:
+    """Entry point (``kvcli``)."""
+    run(app)

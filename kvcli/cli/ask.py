@@ -1,0 +1,181 @@
+"""``kvcli ask``: answer questions about documents — one answer as text, or a batch as JSON Lines
+(here, or on a Ray cluster with ``--ray``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .. import api, batch, executors
+from ..report import terminal as render
+from ..errors import UsageError
+from .app import app
+from .console import route_warnings, stderr, stdout
+from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+
+ASK_HELP = """Answer a question from documents.
+
+Documents are .pdf, .txt, .md and .html files, folders (read recursively), glob patterns, or -
+for text on stdin. One document and one question: the answer as text (--json: one JSON object).
+More than one: JSON Lines, one object per (document, question) in input order; a document that
+fails gives an error record and the batch goes on.
+
+Exit code: 0 all answered, 1 some failed, 2 usage error.
+
+Examples:
+
+\b
+  kvcli ask book.pdf "Who is the narrator?"
+  kvcli ask book.pdf "Who is the narrator?" -c full --json
+  kvcli ask contracts/ "Who are the parties?"
+  kvcli ask a.pdf b.md --questions questions.txt
+  cat notes.txt | kvcli ask - "What changed?"
+"""
+
+
+@app.command(help=ASK_HELP, cls=usage("[OPTIONS] DOCUMENT... QUESTION", "[OPTIONS] DOCUMENT... --questions FILE"))
+def ask(
+    inputs: list[str] = typer.Argument(
+        ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
+    ),
+    questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
+    compressor: str = typer.Option(
+        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see README, The default); `kvcli compressors` lists the methods"
+    ),
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    quant: Quant = QuantOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    max_new_tokens: int = max_new_tokens_option(),
+    template: str = TemplateOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text (always, for batches: JSON Lines)"),
+    show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers (in JSON: selected_spans)"),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="In a batch, stop at the first failure"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
+    cache_dir: Optional[Path] = CacheDirOpt,
+    no_cache: bool = NoCacheOpt,
+    kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
+    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
+) -> None:
+    err = stderr(quiet)
+    route_warnings(quiet)
+    options = ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
+    if workers is not None and ray_address is None:
+        raise UsageError("--workers needs --ray (without it one process answers every document)")
+    if ray_address is not None:
+        if not ray_address.strip():
+            raise UsageError("--ray: give an address (auto, ray://HOST:PORT) or local")
+        executors.import_ray()  # missing: one line naming the extra, before anything else
+    # --- what to ask of what: every usage error before the model loads
+    if questions_file is not None:
+        if batch.looks_like_question(inputs[-1]):
+            raise UsageError(
+                f"'{inputs[-1]}' is not a document, folder or matching pattern; a QUESTION and --questions "
+                "exclude each other (add the question to the questions file)"
+            )
+        paths, questions = inputs, batch.read_questions(questions_file)
+    elif len(inputs) < 2:
+        raise UsageError(
+            "give a document and a question, e.g. kvcli ask book.pdf \"Who wrote it?\", or --questions FILE "
+            "(see 'kvcli ask --help')"
+        )
+    else:
+        paths, questions = inputs[:-1], [batch.check_question(inputs[-1])]
+    if paths.count(batch.STDIN) > 1 or (batch.STDIN in paths and questions_file == batch.STDIN):
+        raise UsageError("stdin (-) can be read only once: as one document, or as the questions file")
+    pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
+    items = batch.expand_inputs(paths)
+    single = len(paths) == 1 and len(items) == 1 and items[0].source == paths[0] and len(questions) == 1
+    if single and ray_address is None:
+        _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
+    else:
+        _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor, ray_address, workers)
+
+
+def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
+    """One document, one question: the answer as text (or one JSON object); errors end the run."""
+    document = batch.read_input(item, sys.stdin.read)
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    with err.status(f"answering with {pipeline.spec()}…", spinner="dots"):
+        result = session.ask(document, question, pipeline)
+    if as_json:
+        record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
+        stdout.out(json.dumps(record, ensure_ascii=False))
+        return
+    stdout.out(result.answer)
+    if show_selected:
+        spans = result.selection.spans(result.prompt, document)
+        # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
+        # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
+        view = Console(highlight=False)
+        render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
+    cache = result.extra["cache"]
+    saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    err.print(
+        f"[dim]{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
+        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
+        f"cache {cache['status']}{saved}[/dim]"
+    )
+
+
+def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None) -> None:
+    """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed. Answered
+    here (the model loaded once), or with --ray on the workers of a Ray cluster."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if ray_address is None:
+        with err.status("loading model…", spinner="dots"):
+            executor = executors.LocalExecutor(api.Session.open(options))
+    else:
+        warn = None if err.quiet else (lambda m: print(f"kvcli: warning: {m}", file=sys.stderr))
+        executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
+    total = len(items) * len(questions)
+    failed = done = 0
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=err.quiet or not err.is_terminal,  # a bar in a pipe is noise (and leaves a blank line)
+    )
+    with executor:
+        if ray_address is not None:
+            with err.status(f"starting Ray workers ({ray_address}) and loading the model…", spinner="dots"):
+                executor.start(len(items))
+        with progress:
+            task = progress.add_task("answering", total=total)
+
+            def on_start(source: str, question: str) -> None:
+                progress.update(task, description=f"{Path(source).name}: {question[:40]}")
+
+            for record in batch.run_batch(
+                executor, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
+            ):
+                stdout.out(json.dumps(record, ensure_ascii=False))
+                sys.stdout.flush()
+                done += 1
+                if "error" in record:
+                    failed += 1
+                    progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
+                else:
+                    spec = record["compressor"]  # every knob resolved for the model
+                progress.advance(task)
+        where = executor.describe()
+    stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
+    where = f" · {where}" if where else ""
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}{where}", style="dim", markup=False, highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+

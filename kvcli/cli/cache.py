@@ -1,0 +1,190 @@
+"""``kvcli cache``: the disk KV cache — list, show, remove, prune."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import api
+from ..report import terminal as render
+from ..errors import KvcliError, UsageError
+from .app import app
+from .console import stdout
+from .options import KvcliCommand
+
+cache_app = typer.Typer(
+    no_args_is_help=True,
+    short_help="The disk KV cache: list, show, remove, prune.",
+    help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",
+)
+app.add_typer(cache_app, name="cache")
+
+CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)")
+
+
+def _open_cache(cache_dir: Optional[Path]):
+    """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
+    a mistyped --cache-dir would otherwise look like an empty cache."""
+    from ..model import default_cache_dir
+
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if not folder.exists():
+        print(f"kvcli: warning: the cache folder {folder} does not exist; nothing is cached there", file=sys.stderr)
+    elif not folder.is_dir():
+        print(f"kvcli: warning: {folder} is not a folder; nothing is cached there", file=sys.stderr)
+    return api.open_store(cache_dir)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _match_key(entries, key: str) -> list:
+    """The entry whose key starts with ``key`` ([] when none does); a usage error for an empty,
+    malformed or ambiguous key, so that a partial key never removes more than one entry."""
+    k = key.strip().lower()
+    if not k:
+        raise UsageError("empty cache key; give an entry's key or its first characters (see 'kvcli cache ls')")
+    if not re.fullmatch(r"[0-9a-f]+", k):
+        raise UsageError(f"'{key}' is not a cache key: keys are hex digits (see 'kvcli cache ls')")
+    matches = [e for e in entries if e.key.startswith(k)]
+    if len(matches) > 1:
+        raise UsageError(f"key '{key}' matches {len(matches)} cache entries; give more of its characters")
+    return matches
+
+
+@cache_app.command("path", cls=KvcliCommand)
+def cache_path(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Print the folder the KV cache entries live in."""
+    stdout.out(str(api.open_store(cache_dir).root))
+
+
+@cache_app.command("ls", cls=KvcliCommand)
+def cache_ls(
+    cache_dir: Optional[Path] = CacheDir,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per entry (JSON Lines)"),
+) -> None:
+    """List the entries, most recently used first.
+
+    Each entry's key, document, model, method, state, tokens, size and last use. On a terminal: a table; piped: tab-separated values with a header row (full keys and paths,
+    sizes in bytes); --json: JSON Lines.
+    """
+    store = _open_cache(cache_dir)
+    entries = store.entries()
+    if as_json:
+        for e in entries:
+            stdout.out(json.dumps(e.to_json(), ensure_ascii=False))
+    elif stdout.is_terminal:
+        render.cache_table(stdout, entries, store.leftovers(), store.reclaimed)
+    else:
+        sys.stdout.write(render.cache_tsv(entries))
+
+
+@cache_app.command("info", cls=KvcliCommand)
+def cache_info(
+    key: Optional[str] = typer.Argument(None, metavar="[KEY]", help="An entry's key (or its first characters); none: totals", show_default=False),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Show the totals of the cache, or one entry's metadata, as JSON.
+
+    The totals count every file of the store: entries, temporary files of writes in progress and
+    lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
+    left (temporary files whose writer is gone, lock files nobody holds), removed just now.
+    """
+    store = _open_cache(cache_dir)
+    entries = store.entries()
+    if key is None:
+        left = store.leftovers()
+        size = sum(e.size for e in entries)
+        info = {
+            "path": str(store.root),
+            "entries": len(entries),
+            "size_bytes": size,
+            "damaged": sum(1 for e in entries if e.error),
+            "writes_in_progress": left.temp_files,
+            "in_progress_bytes": left.temp_bytes,
+            "lock_files": left.lock_files,
+            "disk_bytes": size + left.temp_bytes,
+            "reclaimed_temp_files": store.reclaimed.temp_files,
+            "reclaimed_bytes": store.reclaimed.temp_bytes,
+            "reclaimed_lock_files": store.reclaimed.lock_files,
+        }
+        stdout.out(json.dumps(info, indent=1))
+        return
+    matches = _match_key(entries, key)
+    if not matches:
+        raise KvcliError(f"no cache entry has key '{key}' (see 'kvcli cache ls')")
+    stdout.out(json.dumps({**matches[0].to_json(), "metadata": matches[0].meta}, indent=1, ensure_ascii=False))
+
+
+@cache_app.command("rm", cls=KvcliCommand)
+def cache_rm(
+    documents: Optional[list[Path]] = typer.Argument(None, metavar="[DOCUMENT]...", help="Remove the entries of these documents (by path, or by text if the file moved)", show_default=False),
+    key: Optional[list[str]] = typer.Option(None, "--key", help="Remove the entry with this key (or an unambiguous prefix of it); repeatable"),
+    all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Remove entries by document, by key, or all of them.
+
+    Exit code 1 when a document or key named no entry (the others are removed).
+    """
+    if not documents and not key and not all_entries:
+        raise UsageError("cache rm: name documents, --key KEY or --all")
+    if all_entries and (documents or key):
+        raise UsageError("cache rm: --all removes every entry; give it without documents or --key")
+    store = _open_cache(cache_dir)
+    entries = store.entries()
+    chosen, unmatched = [], []
+    if all_entries:
+        chosen = entries
+    for k in key or []:  # every key checked (empty, malformed, ambiguous) before anything is removed
+        matches = _match_key(entries, k)
+        chosen += [e for e in matches if e not in chosen]
+        if not matches:
+            unmatched.append(f"key '{k}'")
+    for doc in documents or []:
+        matches = api.entries_for_documents(store, [doc])
+        chosen += [e for e in matches if e not in chosen]
+        if not matches:
+            unmatched.append(f"'{doc}'")
+    freed = store.remove(chosen)
+    if chosen or all_entries:
+        line = f"removed {_plural(len(chosen), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        if all_entries:
+            left = store.reclaim()
+            temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes
+            if temps:
+                line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+        stdout.out(line)
+    if unmatched:
+        raise KvcliError(f"no cache entries for {', '.join(unmatched)} (see 'kvcli cache ls')")
+
+
+@cache_app.command("prune", cls=KvcliCommand)
+def cache_prune(
+    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, e.g. 500M or 2G; least recently used go first", show_default=False),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Remove the least recently used entries down to --max-size.
+
+    Also removes what runs killed half-way left behind: temporary files whose writer is gone and
+    lock files nobody holds.
+    """
+    from ..store import parse_size
+
+    limit = parse_size(max_size)
+    store = _open_cache(cache_dir)
+    removed, left = store.prune(limit)
+    temps = store.reclaimed.temp_files + left.temp_files
+    temp_bytes = store.reclaimed.temp_bytes + left.temp_bytes
+    line = f"removed {_plural(len(removed), 'entry', 'entries')}, {render.human_bytes(sum(e.size for e in removed))}"
+    if temps:
+        line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+    stdout.out(f"{line}; {render.human_bytes(store.total_bytes())} left")
+
+

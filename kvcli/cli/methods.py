@@ -1,0 +1,58 @@
+"""``kvcli compressors`` (the methods and their knobs) and ``kvcli heads`` (the retrieval heads
+RazorAttention protects, computed once per model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from ..report import terminal as render
+from ..errors import UsageError
+from .app import app
+from .console import route_warnings, stderr, stdout
+from .options import Device, DeviceOpt, DtypeOpt, KvcliCommand, QuietOpt, cache_dir_option
+
+@app.command(cls=KvcliCommand)
+def compressors() -> None:
+    """List the compression methods with their knobs and defaults."""
+    render.compressor_table(stdout)
+
+
+@app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
+def heads(
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
+    tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
+    seed: int = typer.Option(0, help="Seed of the random probe tokens"),
+    induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
+    echo: float = typer.Option(0.01, min=0.0, max=1.0, help="Fraction of query heads protected by echo score"),
+    score: str = typer.Option("induction", help="Score shown in the table: induction or echo"),
+    recompute: bool = typer.Option(False, "--recompute", help="Compute the profile again even if it is stored"),
+    device: Device = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table"),
+    quiet: bool = QuietOpt,
+    cache_dir: Optional[Path] = cache_dir_option("converted models and head profiles are kept"),
+) -> None:
+    """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
+    from ..compressors import razor_heads as head_profiles
+    from ..engine import Engine
+    from ..model import load_model
+
+    if score not in ("induction", "echo"):
+        raise UsageError(f"--score must be induction or echo, not '{score}'")
+    err = stderr(quiet)
+    route_warnings(quiet)
+    with err.status("loading model…", spinner="dots"):
+        lm = load_model(model, device=device.value, dtype=dtype, cache_dir=cache_dir)
+    with err.status("profiling attention heads (once per model)…", spinner="dots"):
+        profile = head_profiles.load_or_compute(Engine(lm), tokens, seed, cache_dir, recompute=recompute)
+    if as_json:
+        stdout.out(json.dumps(head_profiles.to_json(profile, induction, echo)))
+        return
+    render.head_table(Console(highlight=False), profile, induction, echo, score)
+
+

@@ -1,0 +1,159 @@
+"""How kvcli's commands are declared: the choices shared by every command that loads a model
+(enums Typer turns into ``--device auto|cpu|cuda`` and so on), the options they share, declared
+once, and the help format (:class:`KvcliCommand`)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+import typer
+from typer.core import TyperCommand
+
+from .. import api
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Quant(str, Enum):
+    none = "none"
+    four = "4bit"
+    eight = "8bit"
+
+
+class Offload(str, Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class Attn(str, Enum):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash = "flash"
+
+
+# --- options several commands declare alike ---------------------------------------------------
+MODEL_HELP = "HF id or local path (default: embedded SmolLM2-135M-Instruct)"
+ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help=MODEL_HELP)
+DeviceOpt = typer.Option(Device.auto, help="Where to run")
+QuantOpt = typer.Option(Quant.none, help="Weight quantisation with bitsandbytes")
+AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
+DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
+TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a path")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
+NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
+
+
+def cache_dir_option(what: str = "converted models and the disk KV cache are kept"):
+    """``--cache-dir``: ``what`` the folder holds for this command."""
+    return typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help=f"Where {what} (default: $XDG_CACHE_HOME/kvcli)")
+
+
+def max_new_tokens_option(default: int = 64, help: str = "Longest answer, in tokens", envvar: Optional[str] = "KVCLI_MAX_NEW_TOKENS"):
+    return typer.Option(default, "--max-new-tokens", min=1, envvar=envvar, help=help)
+
+
+CacheDirOpt = cache_dir_option()
+
+
+def ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
+                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True) -> api.AskOptions:
+    """The library options of the commands that answer (ask, inspect) from their CLI values."""
+    return api.AskOptions(
+        compressor=compressor,
+        model=model,
+        device=device.value,
+        quant=quant.value,
+        attn=attn.value,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        template=template,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
+        kv_offload=kv_offload.value,
+        answer_guard=answer_guard,
+    )
+
+
+
+class KvcliCommand(TyperCommand):
+    """A command whose help names its arguments by their metavar (``DOCUMENT... QUESTION``), in
+    the usage line and the Arguments section, as click does; ``usage`` lists alternative usage
+    lines (without the command path)."""
+
+    usage: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:  # a name for each option's value, instead of a type (<str>)
+            if param.param_type_name == "option" and param.metavar is None and not getattr(param, "is_flag", False):
+                param.metavar = METAVARS.get(param.name)
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [_argument_label(p) for p in self.get_params(ctx) if p.param_type_name == "argument"]
+
+    def format_usage(self, ctx, formatter) -> None:
+        if not self.usage:
+            return super().format_usage(ctx, formatter)
+        for i, line in enumerate(self.usage):
+            formatter.write_usage(ctx.command_path, line, prefix="Usage: " if i == 0 else "   or: ")
+
+    def format_options(self, ctx, formatter) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((_argument_label(param), record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+# the value names of options, by parameter name (an option not listed shows Typer's type)
+METAVARS = {
+    "questions_file": "FILE",
+    "compressor": "SPEC",
+    "model": "MODEL",
+    "dtype": "DTYPE",
+    "max_new_tokens": "N",
+    "template": "NAME",
+    "cache_dir": "DIR",
+    "tokens": "K",
+    "seed": "N",
+    "induction": "FRACTION",
+    "echo": "FRACTION",
+    "score": "NAME",
+    "html_file": "FILE",
+    "needle": "TEXT",
+    "needle_test": "N",
+    "depth": "DEPTH",
+    "haystack": "NAME",
+    "k": "K",
+    "plot": "FILE",
+    "key": "KEY",
+    "max_size": "SIZE",
+    "ray_address": "ADDRESS",
+    "workers": "N",
+}
+
+
+def _argument_label(param) -> str:
+    if param.metavar:
+        return param.metavar
+    return param.name.upper() + ("..." if param.nargs != 1 else "")
+
+
+def usage(*lines: str):
+    """``cls=`` for a command with these usage lines."""
+    return type("KvcliCommand", (KvcliCommand,), {"usage": lines})
+

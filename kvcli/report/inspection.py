@@ -1,0 +1,225 @@
+"""What a method keeps of a document (``kvcli inspect``): :func:`inspect_kept` runs the method's
+selection and prefill only (the TTFT path: ``max_new_tokens=1``; the first token's logits are
+computed anyway, no answer is decoded unless ``generate=True``) and returns an
+:class:`Inspection`: the kept document spans (characters, pages, text, score), the compression
+ratio and, for methods that keep different tokens per layer or KV head (SnapKV, H2O, PyramidKV,
+RazorAttention, Finch, ...), a per-layer summary. A token counts as kept in the document view when
+any (layer, KV head) holds it; its score is then the share of (layer, KV head) pairs that hold it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..documents import Document
+from ..pipeline import Pipeline
+from ..prompt import Prompt
+from ..selection import Selection, Span
+
+# --------------------------------------------------------------------------- what was kept
+
+
+@dataclass
+class LayerKept:
+    """Prompt tokens one layer holds, over its KV heads."""
+
+    layer: int  # 1-based
+    kept_min: int
+    kept_mean: float
+    kept_max: int
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "kept_min": self.kept_min, "kept_mean": round(self.kept_mean, 2), "kept_max": self.kept_max}
+
+
+@dataclass
+class Inspection:
+    method: str
+    model: str
+    document: Document
+    question: str
+    prompt: Prompt
+    kept: torch.Tensor  # (n_prompt,) bool: held by the method (any layer / KV head)
+    scores: torch.Tensor | None  # (n_prompt,) float per token, NaN where unknown; None: no scores
+    score_kind: str | None  # "filter" (the selector's score), "share" (of layer/head pairs), None
+    view: str  # "selection" (one token set), "per-head" (union over layers/heads), "all" (everything)
+    n_kept: float  # tokens the model reads per layer and KV head (mean for per-head methods)
+    spans: list[Span]
+    layers: list[LayerKept] | None  # per-layer summary, when the cache reports what it held
+    answer: str | None = None
+    method_stats: dict = field(default_factory=dict)
+
+    @property
+    def n_prompt(self) -> int:
+        return self.prompt.n_tokens
+
+    @property
+    def n_document(self) -> int:
+        return self.prompt.n_document_tokens
+
+    @property
+    def n_kept_any(self) -> int:
+        return int(self.kept.sum())
+
+    @property
+    def n_document_kept(self) -> int:
+        return int(self.kept[self.prompt.doc_start : self.prompt.doc_end].sum())
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.n_prompt / max(self.n_kept, 1e-9)
+
+    @property
+    def per_layer(self) -> bool:
+        """True when layers or heads keep different tokens (the per-layer table says more)."""
+        return self.view == "per-head"
+
+    def to_json(self) -> dict:
+        record = {
+            "compressor": self.method,
+            "model": self.model,
+            "document": self.document.source,
+            "n_pages": self.document.n_pages,
+            "question": self.question,
+            "n_prompt_tokens": self.n_prompt,
+            "n_document_tokens": self.n_document,
+            "n_kept_tokens": round(self.n_kept, 2) if self.view == "per-head" else int(self.n_kept),
+            "n_kept_any": self.n_kept_any,
+            "n_document_kept": self.n_document_kept,
+            "compression_ratio": round(self.compression_ratio, 4),
+            "view": self.view,
+            "score": self.score_kind,
+            "spans": [s.to_json() for s in self.spans],
+        }
+        if self.layers is not None:
+            record["layers"] = [row.to_json() for row in self.layers]
+        if self.answer is not None:
+            record["answer"] = self.answer
+        record["method_stats"] = self.method_stats
+        return record
+
+    def token_chars(self) -> list[tuple[int, int]]:
+        """Character span of each document token (index: document token number)."""
+        return self.prompt.doc_offsets
+
+
+def _uniform(mask: torch.Tensor) -> bool:
+    flat = mask.reshape(-1, mask.shape[-1])
+    return bool((flat == flat[:1]).all())
+
+
+def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False) -> Inspection:
+    """Run ``pipeline`` on (document, question) and report what it kept (see the module doc).
+
+    Without ``generate`` only the selection and the prefill run (``max_new_tokens=1``); with it
+    the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``)."""
+    if not generate:
+        session = dataclasses.replace(session, options=dataclasses.replace(session.options, max_new_tokens=1))
+    result = session.ask(document, question, pipeline)
+    prompt = result.prompt
+    n = prompt.n_tokens
+    selection = result.selection
+    selected = torch.zeros(n, dtype=torch.bool)
+    selected[selection.kept] = True
+    mask = result.kept_mask()
+    layers = None
+    if mask is not None and mask.numel():
+        per_head = mask.sum(dim=-1)  # (n_layers, n_kv)
+        layers = [
+            LayerKept(i + 1, int(row.min()), float(row.float().mean()), int(row.max())) for i, row in enumerate(per_head)
+        ]
+    scores, score_kind = None, None
+    if mask is None or not mask.numel() or _uniform(mask):
+        kept = selected if mask is None or not mask.numel() else mask[0, 0].clone()
+        n_kept = float(kept.sum())
+        if selection.scores is not None and torch.equal(kept, selected):
+            scores, score_kind = selection.scores.float(), "filter"
+        view = "all" if bool(kept.all()) else "selection"
+    else:
+        kept = mask.any(dim=0).any(dim=0)
+        scores, score_kind = mask.float().mean(dim=(0, 1)), "share"
+        n_kept = float(mask.sum()) / (mask.shape[0] * mask.shape[1])
+        view = "per-head"
+    spans = Selection(torch.nonzero(kept).flatten(), scores).spans(prompt, document)
+    return Inspection(
+        method=pipeline.spec(),
+        model=session.lm.name,
+        document=document,
+        question=question,
+        prompt=prompt,
+        kept=kept,
+        scores=scores,
+        score_kind=score_kind,
+        view=view,
+        n_kept=n_kept,
+        spans=spans,
+        layers=layers,
+        answer=result.answer if generate else None,
+        method_stats=result.extra.get("method_stats", {}),
+    )
+
+
+def document_profile(ins: Inspection, n_buckets: int = 200) -> list[dict]:
+    """The document cut into at most ``n_buckets`` equal character ranges, each with the share of
+    its tokens kept and its best token score scaled to 0..1 (the HTML page's score strip)."""
+    prompt, text_len = ins.prompt, max(len(ins.document.text), 1)
+    n_buckets = max(1, min(n_buckets, prompt.n_document_tokens))
+    kept = torch.zeros(n_buckets)
+    total = torch.zeros(n_buckets)
+    best = torch.full((n_buckets,), float("nan"))
+    scores = ins.scores
+    norm = None
+    if scores is not None:
+        doc_scores = scores[prompt.doc_start : prompt.doc_end].float()
+        finite = doc_scores[torch.isfinite(doc_scores)]
+        if finite.numel():
+            lo, hi = float(finite.min()), float(finite.max())
+            if ins.score_kind == "share":
+                lo, hi = 0.0, 1.0
+            norm = ((doc_scores - lo) / (hi - lo if hi > lo else 1.0)).clamp(0, 1)
+    for t, (start, _end) in enumerate(prompt.doc_offsets):
+        b = min(n_buckets - 1, start * n_buckets // text_len)
+        total[b] += 1
+        if ins.kept[prompt.doc_start + t]:
+            kept[b] += 1
+        if norm is not None and torch.isfinite(norm[t]):
+            v = float(norm[t])
+            if not (best[b] >= v):  # nan or smaller
+                best[b] = v
+    out = []
+    for b in range(n_buckets):
+        start = b * text_len // n_buckets
+        out.append(
+            {
+                "start": start,
+                "end": (b + 1) * text_len // n_buckets,
+                "page": ins.document.page_of(start),
+                "n_tokens": int(total[b]),
+                "kept": float(kept[b] / total[b]) if total[b] else 0.0,
+                "score": None if torch.isnan(best[b]) else float(best[b]),
+            }
+        )
+    return out
+
+
+def span_levels(ins: Inspection, n_levels: int = 4) -> list[int]:
+    """A colour level 0..n_levels-1 per span (higher: better score): ranks of the filter scores
+    among the kept spans, or the share of layer/head pairs that hold the span's best token."""
+    spans = ins.spans
+    if not spans:
+        return []
+    if ins.score_kind == "share":
+        return [min(n_levels - 1, int((s.score or 0.0) * n_levels)) for s in spans]
+    if ins.score_kind != "filter":  # no scores: one readable middle colour
+        return [min(1, n_levels - 1)] * len(spans)
+    if len(spans) == 1:
+        return [n_levels - 1]
+    values = [float("-inf") if s.score is None or s.score != s.score else s.score for s in spans]
+    order = sorted(range(len(spans)), key=lambda i: values[i])
+    levels = [0] * len(spans)
+    for r, i in enumerate(order):
+        levels[i] = min(n_levels - 1, r * n_levels // len(spans))
+    return levels
