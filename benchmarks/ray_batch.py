@@ -69,7 +69,8 @@ def fresh_cache(root: Path, name: str) -> Path:
 
 def run(executor, docs: list[Path], questions: list[str], spec: str) -> tuple[list[dict], float]:
     from kvcli.api import parse_pipeline
-    from kvcli.batch import expand_inputs, run_batch
+    from kvcli.batch import expand_inputs
+    from kvcli.executors import run_batch
 
     t0 = time.perf_counter()
     records = list(run_batch(executor, expand_inputs([str(d) for d in docs]), questions, parse_pipeline(spec)))
@@ -115,7 +116,7 @@ def main() -> None:
         docs = make_documents(root / "docs", args.docs)
 
         def options(cache: Path) -> AskOptions:
-            return AskOptions(compressor=args.spec, max_new_tokens=args.max_new_tokens, cache_dir=cache, device=args.device)
+            return AskOptions(max_new_tokens=args.max_new_tokens, cache_dir=cache, device=args.device)
 
         if not args.no_local:
             t0 = time.perf_counter()

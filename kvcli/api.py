@@ -26,7 +26,6 @@ from .store import KVStore
 
 @dataclass
 class AskOptions:
-    compressor: str = "auto"
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "auto"
     quant: str = "none"

@@ -1,6 +1,5 @@
 """Where a batch's documents are answered: here, or on the actors of a Ray cluster.
 
-    from kvcli.batch import run_batch
     from kvcli.executors import LocalExecutor, RayExecutor
     with RayExecutor(AskOptions(), address="auto", workers=4) as executor:
         for record in run_batch(executor, inputs, questions, pipeline):
@@ -9,7 +8,7 @@
 The records always come from :meth:`kvcli.batch.Work.records`, one document at a time with all
 of its questions, in order; an executor only decides *where* a document runs. Its ``run(jobs,
 work)`` yields ``(job index, record)`` as records are made and ``(job index, None)`` when a
-document is done, in any order across documents; :func:`kvcli.batch.run_batch` puts them back in
+document is done, in any order across documents; :func:`run_batch` puts them back in
 input order.
 
 * :class:`LocalExecutor`: this process, the caller's :class:`~kvcli.api.Session`, documents in
@@ -452,3 +451,61 @@ def _size(job: Job) -> int:
         return os.stat(job.item.source).st_size
     except OSError:
         return 0
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+def run_batch(
+    executor,
+    inputs: list[Input],
+    questions: list[str],
+    pipeline,
+    *,
+    include_spans: bool = False,
+    fail_fast: bool = False,
+    on_start: Callable[[str, str], None] | None = None,
+    stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+) -> Iterator[dict]:
+    """Yield one record per (document, question): the result fields of ``ask --json`` with the
+    document and the question first, or an error record. Documents in input order, questions in
+    file order. With ``fail_fast`` the first error record is the last record.
+
+    ``executor`` decides where each document's questions run (:mod:`kvcli.executors`): a
+    :class:`~kvcli.api.Session` (or ``LocalExecutor(session)``) answers here, one document after
+    the other; a ``RayExecutor`` on Ray actors, several documents at once. Either way a record is
+    yielded as soon as every record before it is (a document finished early waits for the ones
+    before it), so what was yielded stays valid if the batch dies later."""
+    if not isinstance(executor, Executor):
+        executor = LocalExecutor(executor)
+    work = Work(tuple(questions), pipeline, include_spans=include_spans, fail_fast=fail_fast)
+    jobs = [Job(i, item) for i, item in enumerate(inputs)]
+    events = executor.run(jobs, work, on_start=on_start, stdin_text=stdin_text)
+    try:
+        for record in in_input_order(events, len(jobs)):
+            yield record
+            if fail_fast and "error" in record:
+                return
+    finally:
+        events.close()  # stops what still runs (a Ray executor kills its busy workers)
+
+
+def in_input_order(events: Iterator[tuple[int, dict | None]], n_jobs: int) -> Iterator[dict]:
+    """Records in job order from an executor's events, ``(job index, record)`` as records are made
+    and ``(job index, None)`` when a job is done, in any order across jobs (in order within one):
+    each record as soon as the jobs before its own are done."""
+    waiting: dict[int, list[dict]] = {}
+    done: set[int] = set()
+    head = 0  # the first job not yet done: its records go out as they come
+    for index, record in events:
+        if record is None:
+            done.add(index)
+        else:
+            waiting.setdefault(index, []).append(record)
+        while head < n_jobs:
+            yield from waiting.pop(head, [])
+            if head not in done:
+                break
+            head += 1
+    if head < n_jobs:
+        raise RuntimeError(f"the executor stopped with {n_jobs - head} documents unfinished")

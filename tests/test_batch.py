@@ -163,7 +163,7 @@ def test_glob_pattern_and_usage_errors(cli, folder, capsys):
 def test_records_stream_in_input_order_as_soon_as_every_earlier_document_is_done():
     """Executors report documents in any order; a record goes out once the documents before it are
     done (not at the end), so what was printed stays printed if the run dies."""
-    from kvcli.batch import in_input_order
+    from kvcli.executors import in_input_order
 
     consumed = []
 

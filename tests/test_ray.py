@@ -21,7 +21,8 @@ import pytest
 
 from kvcli import notices
 from kvcli.api import AskOptions, Session, parse_pipeline
-from kvcli.batch import expand_inputs, run_batch
+from kvcli.batch import expand_inputs
+from kvcli.executors import run_batch
 from kvcli.executors import LocalExecutor, RayExecutor
 from test_cli import run_cli
 
@@ -71,7 +72,7 @@ def folder(tmp_path):
 
 
 def _options(model: str, cache: Path) -> AskOptions:
-    return AskOptions(model=model, max_new_tokens=3, cache_dir=cache, compressor="full")
+    return AskOptions(model=model, max_new_tokens=3, cache_dir=cache)
 
 
 def _stable(records: list[dict]) -> list[dict]:

@@ -67,7 +67,7 @@ def ask(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard)
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:
@@ -159,7 +159,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
             def on_start(source: str, question: str) -> None:
                 progress.update(task, description=f"{Path(source).name}: {question[:40]}")
 
-            for record in batch.run_batch(
+            for record in executors.run_batch(
                 executor, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
             ):
                 stdout.out(json.dumps(record, ensure_ascii=False))

@@ -102,7 +102,7 @@ def inspect_command(
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
-    options = ask_options(compressor, model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if needle_test is not None:

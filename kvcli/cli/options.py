@@ -60,11 +60,10 @@ def max_new_tokens_option(default: int = 64, help: str = "Longest answer, in tok
 CacheDirOpt = cache_dir_option()
 
 
-def ask_options(compressor, model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
+def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
                  cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True) -> api.AskOptions:
     """The library options of the commands that answer (ask, inspect) from their CLI values."""
     return api.AskOptions(
-        compressor=compressor,
         model=model,
         device=device.value,
         quant=quant.value,
