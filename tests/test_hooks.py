@@ -110,6 +110,7 @@ def test_decode_step_owner_runs_every_step_and_only_one_may_own_it(tiny_lm):
         """Full attention, counting its decoding steps (a test double)."""
 
         name = "test-counting-steps"
+        keep_all = ""
 
         def decode_step(self, engine, token, position, cache):
             calls.append(position)

@@ -150,6 +150,9 @@ class BlockSparse(Compressor):
         "KTransformers 2024, KVCache Long Context (framework of InfLLM, Xiao et al. 2024, arXiv:2402.04617, "
         "and Quest, Tang et al. 2024, arXiv:2406.10774)"
     )
+    # the whole KV is always kept; topk >= the number of Context blocks (a block holds >= 1 of the n
+    # tokens) makes every decoding step attend to every block: full attention
+    keep_all: ClassVar[str] = "topk={n}"
 
     preset: str = knob("none", "none, snapkv (block_size 1 + preselect = SnapKV without pooling) or quest (quest representatives, separate heads); fills knobs not set")
     block_size: int = knob(128, "tokens per Context block (article: 128)")
