@@ -6,7 +6,9 @@
     spec the model resolves (what ``--json`` reports);
 (b) told to keep everything, it reproduces full attention's fp32 logits at the prompt's last
     position and at 5 greedy decoding steps, through the whole pipeline (prefix state, selectors,
-    its own prefill / decoding step), on two model families (llama; qwen3, with q/k norms);
+    its own prefill / decoding step), on a tiny model of every supported family (tiny_models'
+    FAMILIES: llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms, phi3 with fused
+    projections);
 (c) compressing, it answers the same warm (disk store hit), cold (store miss) and without the
     store; a method that stores nothing is "off" all three times and still answers the same;
 (d) ``Result.kept_mask`` is (layers, KV heads, prompt) bool and ``n_kept_tokens`` its mean, the
@@ -42,9 +44,9 @@ from test_compression_ratio import COMPRESSING
 from test_eviction import DOC, prompt_for
 from test_razor import full_reference
 from test_store import session_for
+from tiny_models import FAMILIES  # every family kvcli supports (b) runs on
 
 METHODS = sorted(REGISTRY)
-FAMILIES = ("llama", "qwen3")
 STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
