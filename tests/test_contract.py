@@ -287,16 +287,17 @@ def check_kept(result, lm) -> None:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, tiny_lm):
-    lm = tiny_lm(STORE_FAMILY)
-    everything, _ = kept_all(name, STORE_FAMILY)
+    for family in FAMILIES:
+        everything, _ = kept_all(name, family)
+        check_kept(everything, tiny_lm(family))
+        # keeping everything: every layer and head held every prompt token, computed and attended all of it
+        assert everything.kept_mask().all(), family
+        assert everything.n_kept_tokens == everything.prompt.n_tokens and everything.compression_ratio == 1.0
+        for key, value in compute_fractions(everything.extra["method_stats"]).items():
+            assert value is None or value == pytest.approx(1.0), (family, key, value)
     cold, warm, off = (stored(name)[k] for k in ("cold", "warm", "off"))
-    for result in (everything, cold, warm, off):
-        check_kept(result, lm)
-    # keeping everything: every layer and head held every prompt token, computed and attended all of it
-    assert everything.kept_mask().all()
-    assert everything.n_kept_tokens == everything.prompt.n_tokens and everything.compression_ratio == 1.0
-    for key, value in compute_fractions(everything.extra["method_stats"]).items():
-        assert value is None or value == pytest.approx(1.0), (key, value)
+    for result in (cold, warm, off):
+        check_kept(result, tiny_lm(STORE_FAMILY))
     # warm, cold and no store held the same entries
     assert torch.equal(cold.kept_mask(), warm.kept_mask()) and torch.equal(cold.kept_mask(), off.kept_mask())
 
