@@ -13,7 +13,7 @@ from kvcli.caches import KVCache
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, default_prefill, run
+from kvcli.pipeline import Pipeline, run
 from reference import assert_same_logits, causal_softmax, reference_qk
 from test_eviction import prompt_for
 

@@ -18,7 +18,6 @@ from kvcli.compressors import parse_one
 from kvcli.compressors.duo import DuoProfile, calibration_ids
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
 from reference import assert_same_logits
 from test_eviction import prompt_for
 from test_razor import full_reference, greedy_logits

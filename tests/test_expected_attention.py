@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvcli.caches import KVCache, RaggedCache
+from kvcli.caches import RaggedCache
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError

@@ -31,14 +31,6 @@ def answer(lm, spec, tmp_path=None, max_new_tokens=3):
 # --------------------------------------------------------------------------- kept_mask
 
 
-def test_full_attention_keeps_every_prompt_token_in_every_layer_and_head(tiny_lm):
-    lm = tiny_lm("qwen2")
-    result = answer(lm, "full")
-    mask = result.kept_mask()
-    assert mask.shape == (lm.n_layers, 2, result.prompt.n_tokens)
-    assert mask.all()  # decoded tokens (positions >= n_prompt) are not prompt tokens: not counted
-
-
 def test_eviction_keeps_budget_entries_per_layer_and_head(tiny_lm):
     lm = tiny_lm("qwen2")
     result = answer(lm, "snapkv:budget=40,window=8")
@@ -109,6 +101,7 @@ def test_decode_step_owner_runs_every_step_and_only_one_may_own_it(tiny_lm):
         """Full attention, counting its decoding steps (a test double)."""
 
         name = "test-counting-steps"
+        keep_all = ""
 
         def decode_step(self, engine, token, position, cache):
             calls.append(position)

@@ -1,37 +1,37 @@
-"""Compression methods, one per file, registered by name (see :mod:`.base`)."""
+"""Compression methods, one per file, registered by name (see :mod:`.base`): importing this
+package registers every method. A method is one policy file here (its knobs, its paper, its
+hooks; ``keep_all`` for the contract test) plus, only if it needs a new cache layout, one file in
+:mod:`kvcli.caches`; per-model calibration sits beside its method (``razor_heads.py``)."""
 
 from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one, register
+
+# --- token selection and prefill-owning methods
 from .full import FullAttention
 from .finch import Finch
 from .gemfilter import GemFilter
 from .lazyllm import LazyLLM
 from .razor import Razor
 from .blocksparse import BlockSparse
-# --- KV eviction (kvcli.compressors.scoring) ---
+from .duo import DuoAttention
+
+# --- KV eviction after the prefill (kvcli.compressors.scoring)
 from .snapkv import SnapKV
 from .pyramidkv import PyramidKV
 from .h2o import H2O
 from .streamingllm import StreamingLLM
-# ---
-
-__all__ = [
-    "REGISTRY",
-    "Compressor",
-    "Finch",
-    "FullAttention",
-    "GemFilter",
-    "Razor",
-    "describe_knobs",
-    "owned_phases",
-    "parse_one",
-    "register",
-]
-# --- issue 16: more eviction scorers, head-adaptive budgets, question-agnostic compression ---
 from .tova import TOVA
 from .knorm import KNorm
 from .keydiff import KeyDiff
 from .adakv import AdaKV
 from .expected_attention import ExpectedAttention
 from .kvzip import KVzip
-from .duo import DuoAttention
+
+# --- decoding-time compression
 from .decoding import Decoding
+
+__all__ = [
+    "REGISTRY", "Compressor", "describe_knobs", "owned_phases", "parse_one", "register",
+    "FullAttention", "Finch", "GemFilter", "LazyLLM", "Razor", "BlockSparse", "DuoAttention",
+    "SnapKV", "PyramidKV", "H2O", "StreamingLLM", "TOVA", "KNorm", "KeyDiff", "AdaKV",
+    "ExpectedAttention", "KVzip", "Decoding",
+]

@@ -74,6 +74,7 @@ class AdaKV(Eviction):
 
     name: ClassVar[str] = "adakv"
     paper: ClassVar[str] = "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
+    keep_all: ClassVar[str] = "budget={n}"  # a per-head budget of the whole prompt (default base: snapkv)
 
     base: str = knob("snapkv", "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'")
     safeguard: float = knob(0.2, "every KV head keeps at least this fraction of the per-head budget (its own best entries)")

@@ -45,7 +45,10 @@ A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it 
 the pipeline can refuse two methods that would both own the prefill loop.
 
 Registration: ``@register`` adds the class to :data:`REGISTRY` under its ``name``; users write
-``name:knob=value,knob=value``.
+``name:knob=value,knob=value``. Every registered class must declare, in its own body, ``keep_all``:
+the knobs with which it keeps every entry (see :attr:`Compressor.keep_all`); ``register`` refuses a
+class without it, and ``tests/test_contract.py`` holds every registered method to reproducing full
+attention with it.
 """
 
 from __future__ import annotations
@@ -90,6 +93,12 @@ class Compressor:
     paper: ClassVar[str] = ""
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
+    # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
+    # it must reproduce full attention's logits (tests/test_contract.py); "" for the defaults.
+    # ``{n}`` stands for the prompt's token count and ``{prefix}`` for its question-agnostic prefix
+    # (:func:`keep_all_spec`), for a knob that must cover the prompt exactly (an explicit count
+    # larger than the prompt is refused). Each registered class declares its own (``register``).
+    keep_all: ClassVar[str]
     # knobs the user set explicitly (filled by parse_one); defaults may adapt, explicit values may not
     explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
     # the run's settings (Pipeline.configure hands them over; not a knob)
@@ -182,8 +191,20 @@ def owned_phases(cls: type[Compressor]) -> set[str]:
 def register(cls: type[Compressor]) -> type[Compressor]:
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
+    if not isinstance(vars(cls).get("keep_all"), str):
+        raise TypeError(
+            f"{cls.__name__} ({cls.name}) declares no keep_all: give it `keep_all: ClassVar[str] = \"...\"`, "
+            "the knobs with which it keeps every entry (\"\" for the defaults; see Compressor.keep_all)"
+        )
     REGISTRY[cls.name] = cls
     return cls
+
+
+def keep_all_spec(cls: type[Compressor], n_prompt: int, n_prefix: int) -> str:
+    """The spec with which ``cls`` keeps everything (:attr:`Compressor.keep_all`) on a prompt of
+    ``n_prompt`` tokens whose question-agnostic prefix is ``n_prefix`` tokens."""
+    knobs = cls.keep_all.format(n=n_prompt, prefix=n_prefix)
+    return cls.name + (":" + knobs if knobs else "")
 
 
 def _format(value) -> str:

@@ -151,6 +151,10 @@ class BlockSparse(Compressor):
         "KTransformers 2024, KVCache Long Context (framework of InfLLM, Xiao et al. 2024, arXiv:2402.04617, "
         "and Quest, Tang et al. 2024, arXiv:2406.10774)"
     )
+    # the whole KV is always kept (nothing to drop); with no Initial or Local tokens and small blocks,
+    # even a short prompt is all Context blocks, and topk >= the number of blocks (each holds >= 1 of
+    # the n tokens) makes every decoding step score and attend to all of them: full attention
+    keep_all: ClassVar[str] = "block_size=16,initial=0,local_window=0,topk={n}"
 
     preset: str = knob("none", "none, snapkv (block_size 1 + preselect = SnapKV without pooling) or quest (quest representatives, separate heads); fills knobs not set")
     block_size: int = knob(128, "tokens per Context block (article: 128)")

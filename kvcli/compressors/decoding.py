@@ -63,6 +63,7 @@ class Decoding(Compressor):
 
     name: ClassVar[str] = "decoding"
     paper: ClassVar[str] = "NVIDIA kvpress DecodingPress (Devoto et al. 2025, arXiv:2510.00636, decoding-phase compression)"
+    keep_all: ClassVar[str] = "interval=1,budget=1000000"  # a budget above prompt + answer never evicts, though checked after every step
 
     base: str = knob("knorm", "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'")
     budget: str | int | float = knob("1024", "entries each KV head keeps after a compression: a token count or a ratio of the prompt")

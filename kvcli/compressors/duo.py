@@ -31,7 +31,6 @@ everything (= full attention).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -183,6 +182,9 @@ class DuoAttention(Compressor):
 
     name: ClassVar[str] = "duo"
     paper: ClassVar[str] = "Xiao et al. 2024, DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, arXiv:2410.10819"
+    # no streaming heads: every KV head is a retrieval head and keeps the whole prefix — sinks=0 and
+    # recent=0: it is the head split that keeps everything, not sinks + recent covering the prompt
+    keep_all: ClassVar[str] = "streaming=0,sinks=0,recent=0"
 
     streaming: float = knob(0.5, "fraction of the KV heads (whole model) made streaming heads: the lowest scores")
     sinks: int = knob(128, "first tokens a streaming head keeps (the paper's patterns: 128)")

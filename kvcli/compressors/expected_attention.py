@@ -95,6 +95,7 @@ class ExpectedAttention(PrefixEviction):
 
     name: ClassVar[str] = "expectedattention"
     paper: ClassVar[str] = "Devoto, Jeblick & Jégou 2025, Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution, arXiv:2510.00636"
+    keep_all: ClassVar[str] = "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
 
     sinks: int = knob(4, "first tokens always kept and left out of the statistics and the softmax")
     future: int = knob(512, "future positions the query rotation is averaged over")

@@ -127,6 +127,7 @@ class Finch(Compressor):
 
     name: ClassVar[str] = "finch"
     paper: ClassVar[str] = "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
+    keep_all: ClassVar[str] = "target={n}"  # a target at least the context: no chunk compresses anything
 
     target: str | int | float | None = knob(
         None,

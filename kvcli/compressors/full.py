@@ -19,3 +19,4 @@ class FullAttention(Compressor):
 
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "Vaswani et al. 2017, Attention Is All You Need"
+    keep_all: ClassVar[str] = ""  # nothing is ever dropped

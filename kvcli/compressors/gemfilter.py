@@ -112,6 +112,7 @@ class GemFilter(Compressor):
 
     name: ClassVar[str] = "gemfilter"
     paper: ClassVar[str] = "Shi et al. 2024, Discovering the Gems in Early Layers, arXiv:2409.17422"
+    keep_all: ClassVar[str] = "k={n}"  # the top-k of the filter layer is every prompt token (an explicit k may not exceed the prompt)
 
     layer: int | None = knob(
         None,

@@ -47,6 +47,7 @@ class H2O(Eviction):
 
     name: ClassVar[str] = "h2o"
     paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, arXiv:2306.14048"
+    keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     recent: float = knob(0.5, "fraction of the budget given to the most recent tokens (the rest: heavy hitters)")
 

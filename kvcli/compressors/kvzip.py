@@ -113,6 +113,7 @@ class KVzip(PrefixEviction):
 
     name: ClassVar[str] = "kvzip"
     paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, arXiv:2505.23416"
+    keep_all: ClassVar[str] = "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
 
     allocation: str = knob("global", "global: budget x KV heads x layers over the whole model (the paper); adaptive: per layer (AdaKV split); uniform: every KV head keeps budget")
     sinks: int | None = knob(None, "first tokens never evicted and in every chunk's softmax; auto = the chat template's head (system prompt + user turn start)")

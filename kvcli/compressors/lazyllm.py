@@ -245,6 +245,7 @@ class LazyLLM(Compressor):
 
     name: ClassVar[str] = "lazyllm"
     paper: ClassVar[str] = "Fu et al. 2024, LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference, arXiv:2407.14057"
+    keep_all: ClassVar[str] = "keep=1/1/1"  # no token is pruned at any of the (default) three pruning layers
 
     layers: str | None = knob(
         None,

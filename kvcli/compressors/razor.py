@@ -46,11 +46,9 @@ with a closed form, Theorem 1), are refused with a message.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -83,6 +81,9 @@ class Razor(Compressor):
 
     name: ClassVar[str] = "razor"
     paper: ClassVar[str] = "Tang et al. 2024, RazorAttention: Efficient KV Cache Compression Through Retrieval Heads, arXiv:2407.15891"
+    # every head protected (all are retrieval heads), so none is cut to sinks + window — window=1:
+    # it is the protection that keeps everything, not a window covering the prompt
+    keep_all: ClassVar[str] = "induction=1,window=1"
 
     order: str = knob("paper", "paper: prefill the whole prompt with full attention, compress before decoding (Algorithm 1; first answer token = full attention's); prefix: compress the document before the question (question-agnostic, the compressed cache is stored for any question)")
     induction: float = knob(0.14, "fraction of all query heads protected for their induction score (paper: top 14%)")

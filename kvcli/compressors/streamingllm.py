@@ -32,6 +32,7 @@ class StreamingLLM(Eviction):
 
     name: ClassVar[str] = "streamingllm"
     paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv:2309.17453"
+    keep_all: ClassVar[str] = "budget={n}"  # sinks + recent window cover the whole prompt
     uses_attention: ClassVar[bool] = False
 
     sinks: int = knob(4, "first tokens always kept (attention sinks)")

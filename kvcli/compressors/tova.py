@@ -46,6 +46,7 @@ class TOVA(Eviction):
 
     name: ClassVar[str] = "tova"
     paper: ClassVar[str] = "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA), arXiv:2401.06104"
+    keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     def query_window(self, lm) -> int:
         return 1

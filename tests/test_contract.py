@@ -1,0 +1,364 @@
+"""The contract every registered compression method keeps, checked for each name in
+:data:`kvcli.compressors.base.REGISTRY` — a method registered later is covered without a new test:
+
+(a) its keep-everything spec (the class's ``keep_all``) and its compressing spec
+    (``COMPRESSING`` of test_compression_ratio) round-trip through the parser, and so does the
+    spec the model resolves (what ``--json`` reports);
+(b) told to keep everything, it reproduces full attention's fp32 logits at the prompt's last
+    position and at 5 greedy decoding steps, through the whole pipeline (prefix state, selectors,
+    its own prefill / decoding step), on a tiny model of every supported family (tiny_models'
+    FAMILIES: llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms, phi3 with fused
+    projections);
+(c) compressing, it answers the same warm (disk store hit), cold (store miss) and without the
+    store; a method that stores nothing is "off" all three times and still answers the same;
+(d) ``Result.kept_mask`` is (layers, KV heads, prompt) bool and ``n_kept_tokens`` its mean, the
+    cache's ``stats()`` (``method_stats``) are JSON-able and agree with both;
+(e) its ``kvcli ask --json`` record (:func:`kvcli.api.result_record`, what the CLI prints) has
+    every field the README documents, with its type.
+
+Everything is memoised per session, on tiny random models and a ~210-token prompt: one
+keep-everything run per (method, family), three store runs per method (whose third, without the
+store, also gives the --json record), one CLI run in all; head profiles (razor, duo) are computed
+once per model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcli.api import compute_fractions, result_record
+from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
+from kvcli.documents import document_from_text
+from kvcli.engine import Engine
+from kvcli.pipeline import Pipeline, run
+from kvcli.store import KVStore
+from reference import assert_same_logits
+from test_compression_ratio import COMPRESSING
+from test_eviction import DOC, prompt_for
+from test_razor import full_reference
+from test_store import session_for
+from tiny_models import FAMILIES  # every family kvcli supports (b) runs on
+
+METHODS = sorted(REGISTRY)
+STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
+QUESTION = "How many gulls?"  # prompt_for's
+STEPS = 5  # greedy decoding steps after the prefill's token
+TOL = 1e-4
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# (method, family) -> why it does not reproduce full attention when told to keep everything
+# (each one an xfail(strict=True): fixing the method turns the test red until the entry goes)
+KNOWN_DIFFERENT: dict[tuple[str, str], str] = {}
+
+# the fields of `kvcli ask --json` the README documents (its "`--json` prints" paragraph)
+DOCUMENTED_FIELDS = (
+    "answer", "compressor", "model", "n_context_tokens", "n_document_tokens", "n_kept_tokens",
+    "compression_ratio", "n_selected_tokens", "prompt_computed_frac", "kv_attended_frac", "ttft_s",
+    "total_s", "decode_tokens_per_s", "peak_mem_mb", "kv_cache_bytes", "cache", "cache_saved_s",
+    "cache_entry_bytes", "method_stats", "warnings",
+)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class RecordingEngine(Engine):
+    """The engine of one pipeline run that keeps the logits every answer token was chosen from: the
+    prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
+
+    def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
+        inner = self.step if step is None else step
+        self.seen = [first_logits]
+
+        def recording(token, position, c):
+            logits = inner(token, position, c)
+            self.seen.append(logits)
+            return logits
+
+        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording, guard=guard)
+
+
+def configured(spec: str, lm, profiles: Path) -> Pipeline:
+    pipeline = Pipeline.parse(spec)
+    for stage in pipeline.stages:
+        if hasattr(stage, "cache_dir"):  # per-model head profiles (razor, duo): computed once per session
+            stage.cache_dir = profiles
+    pipeline.configure(lm)
+    return pipeline
+
+
+def keep_all_for(name: str, prompt) -> str:
+    return keep_all_spec(REGISTRY[name], prompt.n_tokens, prompt.prefix_len)
+
+
+def known(name: str, family: str) -> list:
+    reason = KNOWN_DIFFERENT.get((name, family))
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny models' operations are far too small to share, and on a loaded
+    machine every parallel region waits for a second thread to be scheduled (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def profiles(isolated_cache_dir) -> Path:
+    """Where razor's and duo's per-model head profiles go: the session's cache dir, which is also
+    where a run without --cache-dir puts them, so each is computed once per model."""
+    return isolated_cache_dir
+
+
+@pytest.fixture(scope="session")
+def kept_all(tiny_lm, profiles):
+    """``kept_all(name, family)`` -> (Result, logits per position) of the method's keep_all spec:
+    the whole pipeline, no store, 1 + STEPS greedy tokens, no stop token."""
+
+    @functools.cache
+    def get(name: str, family: str):
+        lm = tiny_lm(family)
+        prompt = prompt_for(lm)
+        engine = RecordingEngine(lm)
+        pipeline = configured(keep_all_for(name, prompt), lm, profiles)
+        result = run(engine, prompt, pipeline, max_new_tokens=STEPS + 1, stop_ids=set())
+        return result, engine.seen
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def full_logits(tiny_lm):
+    """``full_logits(family)``: full attention's logits, computed the plain way (one prefill)."""
+
+    @functools.cache
+    def get(family: str):
+        lm = tiny_lm(family)
+        return full_reference(Engine(lm), prompt_for(lm), steps=STEPS)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stored(tiny_lm, tmp_path_factory, profiles):
+    """``stored(name)`` -> {cold, warm, off: Result, record: off's --json record} of COMPRESSING[name]
+    through ``Session.ask``: a fresh store (miss), a new session on it (hit), no store at all."""
+
+    @functools.cache
+    def get(name: str):
+        lm = tiny_lm(STORE_FAMILY)
+        store = tmp_path_factory.mktemp(f"contract-store-{name}")
+        document = document_from_text(DOC)
+
+        def with_store():
+            session = session_for(lm, profiles)  # head profiles from the session's cache dir
+            session.store = KVStore.open(store)  # KV entries in a store of this method's own
+            return session
+
+        def ask(session):
+            pipeline = Pipeline.parse(COMPRESSING[name])
+            return session.ask(document, QUESTION, pipeline, max_new_tokens=STEPS), pipeline
+
+        (cold, _), (warm, _) = ask(with_store()), ask(with_store())  # the second: nothing in memory, all from the disk
+        off_session = session_for(lm, None, use_cache=False)
+        off, pipeline = ask(off_session)
+        return {"cold": cold, "warm": warm, "off": off, "record": result_record(off, off_session, pipeline, document)}
+
+    return get
+
+
+# --------------------------------------------------------------------------- (a) specs
+
+
+def test_a_method_without_keep_all_cannot_register():
+    class Anonymous(Compressor):
+        name = "test-no-keep-all"
+
+    with pytest.raises(TypeError, match="declares no keep_all"):
+        register(Anonymous)
+
+    class Inherited(type(REGISTRY["snapkv"])):  # a subclass states its own: its knobs may differ
+        name = "test-inherited-keep-all"
+
+    with pytest.raises(TypeError, match="declares no keep_all"):
+        register(Inherited)
+    assert not {"test-no-keep-all", "test-inherited-keep-all"} & set(REGISTRY)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_specs_round_trip_through_the_parser(name, tiny_lm, profiles):
+    cls = REGISTRY[name]
+    assert isinstance(vars(cls).get("keep_all"), str)  # declared by the class itself (register refuses otherwise)
+    lm = tiny_lm(STORE_FAMILY)
+    for spec in (keep_all_for(name, prompt_for(lm)), COMPRESSING[name]):
+        parsed = Pipeline.parse(spec)
+        printed = parsed.spec()
+        again = Pipeline.parse(printed)
+        assert again.spec() == printed, spec
+        assert [type(s) for s in again.stages] == [type(s) for s in parsed.stages]
+        assert [s.knob_values() for s in again.stages] == [s.knob_values() for s in parsed.stages], spec
+        # what the model resolves (automatic knobs filled in; --json's `compressor`) is a fixed point:
+        # given back with -c it parses, configures and prints the same
+        resolved = configured(spec, lm, profiles).spec()
+        assert configured(resolved, lm, profiles).spec() == resolved, spec
+
+
+# --------------------------------------------------------------------------- (b) keep everything
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [pytest.param(n, f, id=f"{n}-{f}", marks=known(n, f)) for n in METHODS for f in FAMILIES],
+)
+def test_keeping_everything_reproduces_full_attention(name, family, kept_all, full_logits, tiny_lm):
+    assert tiny_lm(family).model.dtype == torch.float32
+    result, got = kept_all(name, family)
+    want = full_logits(family)
+    assert len(got) == len(want) == STEPS + 1
+    assert all(g.dtype == torch.float32 for g in got)
+    worst = [float((g - w).abs().max()) for g, w in zip(got, want)]
+    assert max(worst) <= TOL, f"max |logits - full attention's| per position (prefill, steps 1..{STEPS}): {worst}"
+    assert_same_logits(got, want, TOL)
+    assert len(result.answer_ids) == STEPS + 1
+
+
+# --------------------------------------------------------------------------- (c) the disk store
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_warm_cold_and_no_store_give_the_same_answer(name, stored, tiny_lm, profiles):
+    cold, warm, off = (stored(name)[k] for k in ("cold", "warm", "off"))
+    lm = tiny_lm(STORE_FAMILY)
+    keeps_state = configured(COMPRESSING[name], lm, profiles).reader().prefix_state(lm) is not None
+    statuses = [r.extra["cache"]["status"] for r in (cold, warm, off)]
+    assert statuses == (["miss", "hit", "off"] if keeps_state else ["off", "off", "off"])
+    assert cold.answer_ids, "no answer token: nothing compared"
+    assert cold.answer_ids == warm.answer_ids == off.answer_ids
+    assert cold.selection.kept.tolist() == warm.selection.kept.tolist() == off.selection.kept.tolist()
+    assert cold.n_kept_tokens == warm.n_kept_tokens == off.n_kept_tokens
+    assert cold.extra["kv_cache_bytes"] == warm.extra["kv_cache_bytes"] == off.extra["kv_cache_bytes"]
+
+
+# --------------------------------------------------------------------------- (d) kept_mask, stats
+
+
+def check_kept(result, lm) -> None:
+    """kept_mask: (layers, KV heads, prompt tokens) bool, nothing a selector dropped; n_kept_tokens
+    its mean over layers and heads; compression_ratio the prompt over it; stats JSON-able and in
+    agreement with the mask and the bytes held."""
+    n = result.prompt.n_tokens
+    mask = result.kept_mask()
+    assert mask is not None, "the cache does not report what it held (kept_mask)"
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (lm.n_layers, lm.n_kv_heads, n)
+    dropped = torch.ones(n, dtype=torch.bool)
+    dropped[result.selection.kept] = False
+    assert not mask[:, :, dropped].any()
+    held = float(mask.sum()) / (lm.n_layers * lm.n_kv_heads)
+    assert result.n_kept_tokens == pytest.approx(held) and 0 < held <= result.selection.n_kept
+    assert result.compression_ratio == pytest.approx(n / held)
+    stats = result.extra["method_stats"]
+    assert isinstance(stats, dict) and all(isinstance(k, str) for k in stats)
+    assert json.loads(json.dumps(stats)) == stats  # JSON-able as it is (the --json record carries it)
+    if hasattr(result.cache, "stats"):
+        assert set(stats) == set(result.cache.stats())
+    for key, value in compute_fractions(stats).items():
+        assert value is None or 0.0 <= value <= 1.0, (key, value)
+    if "kv_bytes" in stats:
+        assert stats["kv_bytes"] == result.extra["kv_cache_bytes"] == result.cache.nbytes()
+    if "per_layer_kv_tokens" in stats:  # prompt tokens holding KV, per layer (the same in every head)
+        assert stats["per_layer_kv_tokens"] == mask[:, 0].sum(dim=-1).tolist()
+    if "kv_heads" in stats:  # grouped caches: protected (retrieval) heads hold all, the others lose dropped_tokens
+        assert stats["kv_heads"] == lm.n_layers * lm.n_kv_heads
+        cut = (stats["kv_heads"] - stats["protected_kv_heads"]) / stats["kv_heads"]
+        assert held == pytest.approx(n - cut * stats["dropped_tokens"])
+    if "kv_entries" in stats:  # ragged caches: entries held (prompt and later tokens) within the padded slots
+        assert held * lm.n_layers * lm.n_kv_heads <= stats["kv_entries"] <= stats["kv_slots"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, tiny_lm):
+    for family in FAMILIES:
+        everything, _ = kept_all(name, family)
+        check_kept(everything, tiny_lm(family))
+        # keeping everything: every layer and head held every prompt token, computed and attended all of it
+        assert everything.kept_mask().all(), family
+        assert everything.n_kept_tokens == everything.prompt.n_tokens and everything.compression_ratio == 1.0
+        for key, value in compute_fractions(everything.extra["method_stats"]).items():
+            assert value is None or value == pytest.approx(1.0), (family, key, value)
+    cold, warm, off = (stored(name)[k] for k in ("cold", "warm", "off"))
+    for result in (cold, warm, off):
+        check_kept(result, tiny_lm(STORE_FAMILY))
+    # warm, cold and no store held the same entries
+    assert torch.equal(cold.kept_mask(), warm.kept_mask()) and torch.equal(cold.kept_mask(), off.kept_mask())
+
+
+# --------------------------------------------------------------------------- (e) --json
+
+
+def check_record(record: dict) -> None:
+    """Every documented field of a ``kvcli ask --json`` record (no store), with its type."""
+    missing = [f for f in DOCUMENTED_FIELDS if f not in record]
+    assert not missing, f"the --json record lacks documented fields {missing}"
+    assert isinstance(record["answer"], str) and isinstance(record["model"], str) and record["model"]
+    spec = record["compressor"]
+    assert isinstance(spec, str) and Pipeline.parse(spec).spec() == spec
+    for key in ("n_context_tokens", "n_document_tokens", "n_selected_tokens", "kv_cache_bytes"):
+        assert type(record[key]) is int and record[key] > 0, key
+    n = record["n_context_tokens"]
+    assert record["n_document_tokens"] < n and record["n_selected_tokens"] <= n
+    assert isinstance(record["n_kept_tokens"], float) and 0 < record["n_kept_tokens"] <= record["n_selected_tokens"]
+    assert record["compression_ratio"] == pytest.approx(n / record["n_kept_tokens"], rel=1e-3)
+    for key in ("prompt_computed_frac", "kv_attended_frac"):
+        assert record[key] is None or 0.0 <= record[key] <= 1.0, key
+    for key in ("ttft_s", "total_s", "peak_mem_mb"):
+        assert isinstance(record[key], (int, float)) and not isinstance(record[key], bool) and math.isfinite(record[key]), key
+    assert 0 <= record["ttft_s"] <= record["total_s"]
+    assert record["decode_tokens_per_s"] is None or record["decode_tokens_per_s"] > 0
+    assert record["cache"] == "off" and record["cache_saved_s"] is None and record["cache_entry_bytes"] is None
+    assert isinstance(record["method_stats"], dict) and isinstance(record["warnings"], list)
+    assert json.loads(json.dumps(record)) == record
+
+
+def test_the_documented_json_fields_are_the_readmes():
+    paragraph = README.read_text(encoding="utf-8").split("`--json` prints", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", paragraph)) >= set(DOCUMENTED_FIELDS)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_ask_json_record_has_every_documented_field(name, stored):
+    record = stored(name)["record"]
+    check_record(record)
+    off = stored(name)["off"]
+    assert record["n_kept_tokens"] == round(off.n_kept_tokens, 2) and record["n_selected_tokens"] == off.selection.n_kept
+    assert record["compressor"] == off.extra["compressor"]
+
+
+def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
+    """`kvcli ask --json` prints :func:`result_record` (checked for one method, a two-stage pipeline):
+    the same fields and, for the same model, document, question and method, the same answer."""
+    name = "decoding"
+    doc = tmp_path / "gulls.txt"
+    doc.write_text(DOC, encoding="utf-8")
+    model = tiny_dir(STORE_FAMILY, num_hidden_layers=4)  # tiny_lm(STORE_FAMILY)'s folder
+    code, out, err = cli(
+        "ask", doc, QUESTION, "-m", model, "-c", COMPRESSING[name], "--json",
+        "--max-new-tokens", str(STEPS), "--no-cache", "--no-answer-guard",
+    )
+    assert code == 0, err
+    assert out.count("\n") == 1, out  # one JSON object, one line
+    record = json.loads(out)
+    check_record(record)
+    library = stored(name)["record"]
+    assert record.keys() == library.keys()
+    for key in ("answer", "compressor", "n_context_tokens", "n_kept_tokens", "n_selected_tokens", "kv_cache_bytes", "method_stats"):
+        assert record[key] == library[key], key
