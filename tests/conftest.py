@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
+from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -65,7 +62,7 @@ def embedded_session():
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``cli("ask", doc, "Q?", ...)`` -> (exit code, stdout, stderr) of ``kvcli`` run in-process."""
-    from cli_runner import run_cli
+    from tests.helpers.cli_runner import run_cli
 
     return lambda *args: run_cli(args, capsys, monkeypatch)
 

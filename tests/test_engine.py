@@ -8,7 +8,7 @@ import torch
 from kvcli.attention import causal_mask, last_query_scores
 from kvcli.caches import KVCache
 from kvcli.engine import Engine
-from tiny_models import FAMILIES
+from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4
 

@@ -9,7 +9,7 @@ from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline
 from kvcli.policy import BEYOND_WINDOW, AutoPolicy
 from kvcli.stopping import AnswerGuard
-from tiny_models import _tokenizer
+from tests.helpers.tiny_models import _tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,12 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.api import AskOptions, Session
 from kvcli.caches import KVCache
-from kvcli.documents import document_from_text
 from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline
-from kvcli.prompt import build_prompt, load_template
+from kvcli.prompt import build_prompt
 from kvcli.store import FORMAT_VERSION, KVStore, make_key, parse_size
+from tests.helpers.stores import DOC, Q1, Q2, ask, entry_files, session_for
 
-DOC = " ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships and {i * 5 % 11} storms." for i in range(30))
-Q1, Q2 = "How many ships were logged?", "Which entry mentions storms first?"
 SPECS = ["full", "gemfilter:layer=2,k=24"]
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,21 +30,6 @@ def fresh_notices():
     yield
     notices.reset()
     notices.set_sink(None)
-
-
-def session_for(lm, cache_dir: Path | None, use_cache: bool = True) -> Session:
-    # no answer guard: these tests compare whole 8-token answers of random tiny models
-    options = AskOptions(max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache, answer_guard=False)
-    store = KVStore.open(cache_dir) if use_cache else None
-    return Session(lm=lm, engine=Engine(lm), options=options, template=load_template(), store=store)
-
-
-def ask(session, spec, question=Q1, doc=DOC):
-    return session.ask(document_from_text(doc), question, Pipeline.parse(spec))
-
-
-def entry_files(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "kv").glob("*.safetensors"))
 
 
 # --- warm == cold == no cache ----------------------------------------------------------------
@@ -339,6 +320,7 @@ def replace(src, dst):
     return real_replace(src, dst)
 os.replace = replace
 from kvcli.cli import main
+from tests.helpers.stores import DOC, Q1, Q2, session_for, ask, entry_files
 sys.argv = ["kvcli", *sys.argv[1:]]
 main()
 """

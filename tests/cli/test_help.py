@@ -1,10 +1,10 @@
-"""``--help`` of every kvcli command, compared with the checked-in ``tests/help_snapshot.txt``.
+"""``--help`` of every kvcli command, compared with the checked-in ``tests/cli/help_snapshot.txt``.
 
 The help is part of the interface: a change to a command, an option or its help text shows up
 here as a diff to review. After changing help on purpose, regenerate the snapshot and commit it
 with the change:
 
-    KVCLI_UPDATE_HELP=1 python -m pytest tests/test_help.py     # or: python tests/test_help.py
+    KVCLI_UPDATE_HELP=1 python -m pytest tests/cli/test_help.py     # or: python tests/cli/test_help.py
 
 Every command is found by walking the Typer app (a new sub-command is picked up by itself), and
 rendered at 80 columns, as in a pipe. The snapshot records the Typer version it was made with;
@@ -77,7 +77,7 @@ def help_text(path: tuple[str, ...]) -> str:
 
 
 def render_all() -> str:
-    parts = [f"# kvcli --help of every command (typer {typer_version()}); regenerate: {UPDATE_ENV}=1 python -m pytest tests/test_help.py\n"]
+    parts = [f"# kvcli --help of every command (typer {typer_version()}); regenerate: {UPDATE_ENV}=1 python -m pytest tests/cli/test_help.py\n"]
     for path in command_paths():
         parts.append(f"\n$ kvcli {' '.join([*path, '--help'])}\n{help_text(path)}")
     return "".join(parts)
@@ -96,14 +96,14 @@ def test_help_matches_the_snapshot(rendered):
     if os.environ.get(UPDATE_ENV):
         SNAPSHOT.write_text(rendered, encoding="utf-8")
         return
-    assert SNAPSHOT.exists(), f"no {SNAPSHOT.name}: create it with {UPDATE_ENV}=1 python -m pytest tests/test_help.py"
+    assert SNAPSHOT.exists(), f"no {SNAPSHOT.name}: create it with {UPDATE_ENV}=1 python -m pytest tests/cli/test_help.py"
     expected = SNAPSHOT.read_text(encoding="utf-8")
     made_with = re.search(r"\(typer (\d+\.\d+)\)", expected.splitlines()[0])
     if made_with and made_with.group(1) != typer_version():
         pytest.skip(f"{SNAPSHOT.name} was made with typer {made_with.group(1)}; typer {typer_version()} renders help differently")
     if rendered != expected:
         diff = "".join(difflib.unified_diff(expected.splitlines(True), rendered.splitlines(True), SNAPSHOT.name, "kvcli --help now"))
-        pytest.fail(f"--help changed; if that is intended, run {UPDATE_ENV}=1 python -m pytest tests/test_help.py and commit the snapshot\n{diff}")
+        pytest.fail(f"--help changed; if that is intended, run {UPDATE_ENV}=1 python -m pytest tests/cli/test_help.py and commit the snapshot\n{diff}")
 
 
 def test_help_reads_like_a_well_kept_cli(rendered):

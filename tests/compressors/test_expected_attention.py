@@ -15,9 +15,9 @@ from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from reference import assert_same_logits
-from test_eviction import prompt_for
-from test_razor import full_reference, greedy_logits
+from tests.helpers.reference import assert_same_logits
+from tests.helpers.runs import prompt_for
+from tests.helpers.runs import full_reference, greedy_logits
 
 
 def build(lm, spec):
@@ -132,7 +132,7 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
 
 
 def test_compressed_prefix_is_reused_for_any_question(tiny_lm, tmp_path):
-    from test_store import Q1, Q2, ask, entry_files, session_for
+    from tests.helpers.stores import Q1, Q2, ask, entry_files, session_for
 
     lm = tiny_lm("qwen2")
     spec = "expectedattention:budget=40,allocation=adaptive"

@@ -11,7 +11,7 @@ from kvcli.bench.needle import make_case
 from kvcli.documents import document_from_text
 
 pytestmark = pytest.mark.slow
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

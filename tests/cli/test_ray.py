@@ -24,7 +24,7 @@ from kvcli.api import AskOptions, Session, parse_pipeline
 from kvcli.batch import expand_inputs
 from kvcli.executors import run_batch
 from kvcli.executors import LocalExecutor, RayExecutor
-from test_cli import run_cli
+from tests.helpers.cli_runner import run_cli
 
 try:
     import ray  # noqa: F401

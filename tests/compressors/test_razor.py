@@ -33,7 +33,8 @@ from kvcli.compressors.razor_heads import (
 from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
 from kvcli.store import make_key
-from reference import assert_same_logits, causal_softmax, reference_qk
+from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
+from tests.helpers.runs import greedy_logits, full_reference
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -42,21 +43,9 @@ ORDERS = ["paper", "prefix"]
 
 def razor_for(lm, tmp_path, spec: str = "razor:tokens=8") -> Razor:
     razor = parse_one(spec)
-    razor.cache_dir = tmp_path
+    razor.runtime = Runtime(cache_dir=tmp_path)
     razor.configure(lm)
     return razor
-
-
-def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
-    """Prefill ``ids`` on top of ``cache``, then ``steps`` greedy tokens; the logits of each step."""
-    cache, logits = engine.prefill(ids, cache=cache)
-    out = [logits]
-    pos = int(cache.positions[-1]) + 1
-    for step in range(steps):
-        token = torch.tensor([int(torch.argmax(out[-1]))])
-        hidden = engine.forward(token, torch.tensor([pos + step]), cache)
-        out.append(engine.logits(hidden)[-1])
-    return out
 
 
 def decode_from(engine, cache, first_logits, position: int, steps: int) -> list[torch.Tensor]:
@@ -75,10 +64,6 @@ def pipeline_logits(engine, stage, prompt, steps: int):
     for c in compressors:
         cache = c.compress(engine, cache)
     return decode_from(engine, cache, logits, prompt.n_tokens, steps), cache
-
-
-def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
-    return greedy_logits(engine, KVCache(), prompt.ids, steps)
 
 
 # --------------------------------------------------------------------------- equal to full attention
@@ -169,7 +154,7 @@ def test_kept_mask_and_stats_say_what_each_head_holds(tiny_lm, tmp_path, order):
     lm = tiny_lm("qwen2")
     pipeline = Pipeline.parse(f"razor:order={order},tokens=8,window=16,ratio=100,sinks=4")
     razor = pipeline.stages[0]
-    razor.cache_dir = tmp_path
+    razor.runtime = Runtime(cache_dir=tmp_path)
     razor.configure(lm)
     protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
     razor._protected = protected
@@ -535,7 +520,7 @@ def test_knobs_defaults_and_errors(tiny_lm, tmp_path):
 
 
 def test_heads_command_computes_once_then_shows(tiny_dir, tmp_path, capsys, monkeypatch):
-    from test_cli import assert_user_error, run_cli
+    from tests.helpers.cli_runner import assert_user_error, run_cli
 
     model = str(tiny_dir("llama", num_hidden_layers=4))
     args = ["heads", model, "--tokens", "8", "--cache-dir", tmp_path, "--json"]

@@ -30,7 +30,7 @@ from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
-from reference import assert_same_logits, reference_qk
+from tests.helpers.reference import assert_same_logits, reference_qk
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))

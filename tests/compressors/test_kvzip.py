@@ -15,8 +15,8 @@ from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.prompt import build_prompt
-from reference import reference_qk
-from test_eviction import prompt_for
+from tests.helpers.reference import reference_qk
+from tests.helpers.runs import prompt_for
 
 
 def build(lm, spec):
@@ -113,7 +113,7 @@ def test_scores_and_global_selection_are_kvzips(tiny_lm, family):
 
 
 def test_compressed_prefix_is_reused_for_any_question(tiny_lm, tmp_path):
-    from test_store import Q1, Q2, ask, entry_files, session_for
+    from tests.helpers.stores import Q1, Q2, ask, entry_files, session_for
 
     lm = tiny_lm("llama")
     spec = "kvzip:budget=0.3,chunk=100"

@@ -13,8 +13,8 @@ from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from reference import causal_softmax, reference_qk
-from test_eviction import assert_top_k, prefill_and_compress, prompt_for
+from tests.helpers.reference import causal_softmax, reference_qk
+from tests.helpers.runs import assert_top_k, prefill_and_compress, prompt_for
 
 TOL = 1e-4
 METHODS = ["tova", "knorm", "keydiff"]
@@ -120,7 +120,7 @@ def test_gqa_shapes_and_answers(tiny_lm, method, budget):
 
 @pytest.mark.parametrize("spec", ["tova:budget=40", "knorm:budget=40,window=8", "keydiff:budget=40,window=8"])
 def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
-    from test_store import ask, session_for
+    from tests.helpers.stores import ask, session_for
 
     lm = tiny_lm("qwen2")
     cold = ask(session_for(lm, tmp_path), spec)
@@ -152,7 +152,7 @@ def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
 def test_cli_ask_and_inspect(cli, tiny_dir, tmp_path, spec):
     import json
 
-    from test_eviction import DOC
+    from tests.helpers.runs import DOC
 
     model = str(tiny_dir("llama", num_hidden_layers=4))
     doc = tmp_path / "doc.txt"

@@ -88,7 +88,7 @@ def test_last_token_attention_is_head_mean_of_softmax():
 def test_prefill_prunes_by_the_last_tokens_attention(tiny_lm):
     """The tokens kept at the pruning layer are the top ceil(keep·n) of equation 1 computed from an
     independent HF forward (layers before it see every token); the last token is always kept."""
-    from reference import reference_qk
+    from tests.helpers.reference import reference_qk
 
     lm, engine, prompt = setup(tiny_lm)
     n = prompt.n_tokens

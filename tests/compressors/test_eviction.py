@@ -14,38 +14,12 @@ from kvcli.compressors.pyramidkv import pyramid_budgets
 from kvcli.compressors.scoring import column_sums, window_attention
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, default_prefill, run
-from kvcli.prompt import build_prompt
-from reference import causal_softmax, reference_qk
+from kvcli.pipeline import Pipeline, run
+from tests.helpers.reference import causal_softmax, reference_qk
+from tests.helpers.runs import prompt_for, prefill_and_compress, assert_top_k
 
 TOL = 1e-4
-DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
 METHODS = ["snapkv", "pyramidkv", "h2o", "streamingllm"]
-
-
-def prompt_for(lm, question="How many gulls?"):
-    return build_prompt(lm.tokenizer, DOC, question)
-
-
-def prefill_and_compress(engine, ids, spec):
-    """The pipeline's prefill + compress for ``spec`` (a single eviction method)."""
-    pipeline = Pipeline.parse(spec)
-    pipeline.configure(engine.lm)
-    cache, logits = default_prefill(engine, ids, None, pipeline.compressors())
-    for stage in pipeline.compressors():
-        cache = stage.compress(engine, cache)
-    return cache, logits
-
-
-def decode_logits(engine, cache, first_logits, n_prompt, steps=5):
-    """Greedy decode ``steps`` tokens and return every step's logits."""
-    out, logits = [first_logits], first_logits
-    for step in range(steps):
-        token = int(torch.argmax(logits))
-        hidden = engine.forward(torch.tensor([token]), torch.tensor([n_prompt + step]), cache)
-        logits = engine.logits(hidden)[-1]
-        out.append(logits)
-    return out
 
 
 # --- keeping everything == full attention --------------------------------------------------------
@@ -74,16 +48,6 @@ def reference_attention(lm, ids):
 def per_kv_head(scores, n_kv):
     """(n_heads, n) -> (n_kv, n): mean over each GQA group."""
     return scores.view(n_kv, -1, scores.shape[-1]).mean(dim=1)
-
-
-def assert_top_k(kept, scores, k, tail, tol=1e-5):
-    """``kept`` (sorted positions) = the ``tail`` + k entries of ``scores`` (over the positions
-    before the tail) that are a top-k (ties, e.g. max-pool plateaus, may break either way)."""
-    kept = kept.tolist()
-    assert kept == sorted(kept) and kept[-len(tail) :] == list(tail) and len(kept) == k + len(tail)
-    chosen = torch.zeros(scores.numel(), dtype=torch.bool)
-    chosen[kept[: k]] = True
-    assert scores[chosen].min() >= scores[~chosen].max() - tol
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -272,7 +236,7 @@ def test_spec_and_registry():
 
 @pytest.mark.parametrize("spec", ["snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "streamingllm:budget=40"])
 def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
-    from test_store import ask, session_for
+    from tests.helpers.stores import ask, session_for
 
     lm = tiny_lm("qwen2")
     cold = ask(session_for(lm, tmp_path), spec)
@@ -287,7 +251,7 @@ def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
 
 
 def test_h2o_keeps_no_prefix_state(tiny_lm, tmp_path):
-    from test_store import ask, entry_files, session_for
+    from tests.helpers.stores import ask, entry_files, session_for
 
     lm = tiny_lm("qwen2")
     first = ask(session_for(lm, tmp_path), "h2o:budget=40")

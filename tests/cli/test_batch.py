@@ -14,9 +14,9 @@ import pytest
 from kvcli import api
 from kvcli.batch import expand_inputs, read_questions
 from kvcli.errors import UsageError
-from test_cli import run_cli
+from tests.helpers.cli_runner import run_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TEXT = "The harbour log for {name}: {n} ships arrived, the keeper was Ada Brook, the light is red."
 
 

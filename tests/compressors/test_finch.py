@@ -14,8 +14,8 @@ from kvcli.errors import DocumentError, UsageError
 from kvcli.pipeline import Pipeline, check_window, run
 from kvcli.prompt import build_prompt
 from kvcli.rope import rerotate
-from reference import causal_softmax, reference_qk
-from tiny_models import FAMILIES, make_tiny_model
+from tests.helpers.reference import causal_softmax, reference_qk
+from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -329,7 +329,7 @@ def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
 def test_cli_reads_a_document_longer_than_the_window_with_finch_only(tiny_dir, tmp_path, capsys, monkeypatch):
     import json
 
-    from test_cli import run_cli
+    from tests.helpers.cli_runner import run_cli
 
     short = str(tiny_dir("llama", num_hidden_layers=4, max_position_embeddings=256))
     doc = tmp_path / "long.txt"

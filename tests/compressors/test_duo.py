@@ -18,9 +18,9 @@ from kvcli.compressors import parse_one
 from kvcli.compressors.duo import DuoProfile, calibration_ids
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from reference import assert_same_logits
-from test_eviction import prompt_for
-from test_razor import full_reference, greedy_logits
+from tests.helpers.reference import assert_same_logits
+from tests.helpers.runs import prompt_for
+from tests.helpers.runs import full_reference, greedy_logits
 
 SMALL = "tokens=64,length=40"
 
@@ -140,7 +140,7 @@ def test_profile_is_stored_and_reloaded(tiny_lm, tmp_path):
 
 
 def test_compressed_prefix_is_reused_for_any_question(tiny_lm, tmp_path):
-    from test_store import Q1, Q2, ask, entry_files, session_for
+    from tests.helpers.stores import Q1, Q2, ask, entry_files, session_for
 
     lm = tiny_lm("qwen2")
     spec = f"duo:streaming=0.5,sinks=4,recent=16,{SMALL}"

@@ -37,21 +37,22 @@ from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
 from kvcli.engine import Engine
+from kvcli.compressors.base import Runtime
 from kvcli.pipeline import Pipeline, run
 from kvcli.store import KVStore
-from reference import assert_same_logits
-from test_compression_ratio import COMPRESSING
-from test_eviction import DOC, prompt_for
-from test_razor import full_reference
-from test_store import session_for
-from tiny_models import FAMILIES  # every family kvcli supports (b) runs on
+from tests.helpers.reference import assert_same_logits
+from tests.helpers.specs import COMPRESSING
+from tests.helpers.runs import DOC, prompt_for
+from tests.helpers.runs import full_reference
+from tests.helpers.stores import session_for
+from tests.helpers.tiny_models import FAMILIES  # every family kvcli supports (b) runs on
 
 METHODS = sorted(REGISTRY)
 STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
 TOL = 1e-4
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 # (method, family) -> why it does not reproduce full attention when told to keep everything
 # (each one an xfail(strict=True): fixing the method turns the test red until the entry goes)
@@ -87,10 +88,7 @@ class RecordingEngine(Engine):
 
 def configured(spec: str, lm, profiles: Path) -> Pipeline:
     pipeline = Pipeline.parse(spec)
-    for stage in pipeline.stages:
-        if hasattr(stage, "cache_dir"):  # per-model head profiles (razor, duo): computed once per session
-            stage.cache_dir = profiles
-    pipeline.configure(lm)
+    pipeline.configure(lm, Runtime(cache_dir=profiles))  # per-model head profiles (razor, duo): computed once per session
     return pipeline
 
 

@@ -19,8 +19,8 @@ from kvcli.compressors.pyramidkv import pyramid_budgets
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from reference import assert_same_logits, causal_softmax, reference_qk
-from test_eviction import decode_logits, prefill_and_compress, prompt_for
+from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
+from tests.helpers.runs import decode_logits, prefill_and_compress, prompt_for
 
 TOL = 1e-4
 
@@ -190,7 +190,7 @@ def test_inspect_reports_per_head_counts(tiny_dir):
     from kvcli import api
     from kvcli.documents import document_from_text
     from kvcli.report.inspection import inspect_kept
-    from test_eviction import DOC
+    from tests.helpers.runs import DOC
 
     session = api.Session.open(api.AskOptions(model=str(tiny_dir("llama", num_hidden_layers=4)), use_cache=False))
     ins = inspect_kept(session, document_from_text(DOC), "How many gulls?", api.parse_pipeline("adakv:budget=40,base=snapkv:window=8"))
@@ -217,7 +217,7 @@ def test_chains(tiny_lm):
 
 
 def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path):
-    from test_store import ask, session_for
+    from tests.helpers.stores import ask, session_for
 
     lm = tiny_lm("qwen2")
     spec = "adakv:budget=40,base=snapkv:window=8"

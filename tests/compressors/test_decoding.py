@@ -14,8 +14,8 @@ from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from reference import assert_same_logits, causal_softmax, reference_qk
-from test_eviction import prompt_for
+from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
+from tests.helpers.runs import prompt_for
 
 
 def decoding_for(lm, spec):

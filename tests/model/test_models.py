@@ -21,8 +21,8 @@ from kvcli.model import (
     resolve_device,
 )
 
-import tiny_models
-from tiny_models import FAMILIES, make_tiny_model
+from tests.helpers import tiny_models
+from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 HAS_CUDA = torch.cuda.is_available()
 

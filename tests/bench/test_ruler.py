@@ -17,7 +17,7 @@ from kvcli.bench.ruler import TASKS, make_instance, score_answer, spec_at_ratio,
 from kvcli.documents import document_from_text
 from kvcli.errors import KvcliError, UsageError
 
-from cli_runner import assert_one_line_error, assert_png
+from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
 HAS_DATA = importlib.util.find_spec(ruler.DATA_PACKAGE) is not None
 needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"RULER's data: {ruler.INSTALL_HINT}")

@@ -12,7 +12,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, Prefix, run
 from kvcli.prompt import build_prompt, stop_token_ids
-from tiny_models import FAMILIES
+from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))

@@ -1,0 +1,63 @@
+"""Running a method on a tiny model the way the pipeline does, and full attention's reference
+(the logits of the prefill and of each greedy decoding step)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcli.caches import KVCache
+from kvcli.pipeline import Pipeline, default_prefill
+from kvcli.prompt import build_prompt
+
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
+
+
+def prompt_for(lm, question="How many gulls?"):
+    return build_prompt(lm.tokenizer, DOC, question)
+
+
+def prefill_and_compress(engine, ids, spec):
+    """The pipeline's prefill + compress for ``spec`` (a single eviction method)."""
+    pipeline = Pipeline.parse(spec)
+    pipeline.configure(engine.lm)
+    cache, logits = default_prefill(engine, ids, None, pipeline.compressors())
+    for stage in pipeline.compressors():
+        cache = stage.compress(engine, cache)
+    return cache, logits
+
+
+def decode_logits(engine, cache, first_logits, n_prompt, steps=5):
+    """Greedy decode ``steps`` tokens and return every step's logits."""
+    out, logits = [first_logits], first_logits
+    for step in range(steps):
+        token = int(torch.argmax(logits))
+        hidden = engine.forward(torch.tensor([token]), torch.tensor([n_prompt + step]), cache)
+        logits = engine.logits(hidden)[-1]
+        out.append(logits)
+    return out
+
+
+def assert_top_k(kept, scores, k, tail, tol=1e-5):
+    """``kept`` (sorted positions) = the ``tail`` + k entries of ``scores`` (over the positions
+    before the tail) that are a top-k (ties, e.g. max-pool plateaus, may break either way)."""
+    kept = kept.tolist()
+    assert kept == sorted(kept) and kept[-len(tail) :] == list(tail) and len(kept) == k + len(tail)
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool)
+    chosen[kept[: k]] = True
+    assert scores[chosen].min() >= scores[~chosen].max() - tol
+
+
+def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
+    """Prefill ``ids`` on top of ``cache``, then ``steps`` greedy tokens; the logits of each step."""
+    cache, logits = engine.prefill(ids, cache=cache)
+    out = [logits]
+    pos = int(cache.positions[-1]) + 1
+    for step in range(steps):
+        token = torch.tensor([int(torch.argmax(out[-1]))])
+        hidden = engine.forward(token, torch.tensor([pos + step]), cache)
+        out.append(engine.logits(hidden)[-1])
+    return out
+
+
+def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
+    return greedy_logits(engine, KVCache(), prompt.ids, steps)

@@ -1,0 +1,28 @@
+"""A spec that compresses, for every registered method, on the tests' short documents."""
+
+from __future__ import annotations
+
+COMPRESSING = {
+    "full": "full",
+    "gemfilter": "gemfilter:k=60,layer=2",
+    "snapkv": "snapkv:budget=0.25,window=8",
+    "pyramidkv": "pyramidkv:budget=0.25,window=8",
+    "h2o": "h2o:budget=0.25",
+    "streamingllm": "streamingllm:budget=0.25",
+    "razor": "razor:window=16,sinks=4",
+    "finch": "finch:target=60",
+    "lazyllm": "lazyllm:keep=0.5/0.4/0.3",
+    "blocksparse": "blocksparse:block_size=8,initial=8,local_window=16,topk=2",
+    "tova": "tova:budget=0.25",
+    "knorm": "knorm:budget=0.25,window=8",
+    "keydiff": "keydiff:budget=0.25,window=8",
+    "adakv": "adakv:budget=0.25,base=snapkv:window=8",
+    "expectedattention": "expectedattention:budget=0.25",
+    "kvzip": "kvzip:budget=0.25",
+    "duo": "duo:streaming=0.5,sinks=4,recent=16",
+    # decoding-time compression: the prefill's method compresses, decoding keeps it under budget
+    "decoding": "snapkv:budget=0.25,window=8+decoding:budget=0.25",
+}
+
+
+HOLDS_EVERYTHING = {"full", "blocksparse"}  # blocksparse keeps all, attends a few blocks per step

@@ -1,0 +1,33 @@
+"""Sessions on a disk KV store for tiny models, and asking them (the store's tests and each
+method's warm == cold checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcli.api import AskOptions, Session
+from kvcli.documents import document_from_text
+from kvcli.engine import Engine
+from kvcli.pipeline import Pipeline
+from kvcli.prompt import load_template
+from kvcli.store import KVStore
+
+DOC = " ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships and {i * 5 % 11} storms." for i in range(30))
+
+
+Q1, Q2 = "How many ships were logged?", "Which entry mentions storms first?"
+
+
+def session_for(lm, cache_dir: Path | None, use_cache: bool = True) -> Session:
+    # no answer guard: these tests compare whole 8-token answers of random tiny models
+    options = AskOptions(max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache, answer_guard=False)
+    store = KVStore.open(cache_dir) if use_cache else None
+    return Session(lm=lm, engine=Engine(lm), options=options, template=load_template(), store=store)
+
+
+def ask(session, spec, question=Q1, doc=DOC):
+    return session.ask(document_from_text(doc), question, Pipeline.parse(spec))
+
+
+def entry_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "kv").glob("*.safetensors"))
