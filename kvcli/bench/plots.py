@@ -153,8 +153,17 @@ def speed_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
-    fig.suptitle(f"Speed and memory vs context length{' · ' + _model_label(model) if model else ''}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 4 if labels else 0), 1, 1))
+    return _save(fig, path, "Speed and memory vs context length", model, labels, (0.06, 0.04))
+
+
+
+def _save(fig, path: Path, title: str, model: str, labels: list, legend_room: tuple[float, float]) -> Path:
+    """Title (with the model), room at the bottom for a legend of ``labels`` (4 per row), PNG."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(f"{title}{' · ' + _model_label(model) if model else ''}", fontsize=11)
+    base, per_row = legend_room
+    fig.tight_layout(rect=(0, base + per_row * ((len(labels) - 1) // 4 if labels else 0), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -212,11 +221,7 @@ def ruler_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     labels = list(handles)
     if labels:
         fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
-    fig.suptitle(f"RULER vs compression ratio{' · ' + _model_label(model) if model else ''}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.07 + 0.05 * ((len(labels) - 1) // 4 if labels else 0), 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, "RULER vs compression ratio", model, labels, (0.07, 0.05))
 
 
 def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:

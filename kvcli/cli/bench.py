@@ -136,6 +136,19 @@ def _finish(err, failed: int, paths) -> None:
         raise typer.Exit(1)
 
 
+def _stored_rows(path: Path, key, methods: Optional[str], lengths: Optional[str], **filters) -> tuple[list[dict], str]:
+    """--plot-only: the rows of OUT's JSON that the options given select (none given: all), and
+    the model they were measured on."""
+    results = ResultsFile.read(path, key)
+    rows = runner.select_rows(
+        results.rows,
+        method=runner.split_methods(methods) if methods else None,
+        length=runner.parse_lengths(lengths) if lengths else None,
+        **filters,
+    )
+    return rows, results.meta.get("model", "")
+
+
 def _check_preload(lengths, model, new_tokens) -> None:
     runner.check_lengths(lengths, runner.peek_max_context(model), new_tokens, model or "the model")
 
@@ -177,14 +190,8 @@ def needle(
     route_warnings(quiet)
     path = out / "needle.json"
     if plot_only:
-        results = ResultsFile.read(path, NEEDLE_KEY)
-        rows = runner.select_rows(
-            results.rows,
-            method=runner.split_methods(methods) if methods else None,
-            length=runner.parse_lengths(lengths) if lengths else None,
-            depth=runner.parse_depths(depths) if depths else None,
-        )
-        _needle_report(err, rows, out, results.meta.get("model", ""), needle_heatmaps)
+        rows, measured_on = _stored_rows(path, NEEDLE_KEY, methods, lengths, depth=runner.parse_depths(depths) if depths else None)
+        _needle_report(err, rows, out, measured_on, needle_heatmaps)
         return
     specs = runner.split_methods(methods or default_methods())
     grid_lengths = runner.parse_lengths(lengths or NEEDLE_LENGTHS)
@@ -256,13 +263,8 @@ def speed(
     route_warnings(quiet)
     path = out / "speed.json"
     if plot_only:
-        results = ResultsFile.read(path, SPEED_KEY)
-        rows = runner.select_rows(
-            results.rows,
-            method=runner.split_methods(methods) if methods else None,
-            length=runner.parse_lengths(lengths) if lengths else None,
-        )
-        _speed_report(rows, out, results.meta.get("model", ""), speed_plot)
+        rows, measured_on = _stored_rows(path, SPEED_KEY, methods, lengths)
+        _speed_report(rows, out, measured_on, speed_plot)
         return
     specs = runner.split_methods(methods or default_methods())
     grid_lengths = runner.parse_lengths(lengths or SPEED_LENGTHS)
@@ -341,14 +343,8 @@ def ruler(
     route_warnings(quiet)
     path = out / "ruler.json"
     if plot_only:
-        results = ResultsFile.read(path, rl.RULER_KEY)
-        rows = runner.select_rows(
-            results.rows,
-            method=runner.split_methods(methods) if methods else None,
-            length=runner.parse_lengths(lengths) if lengths else None,
-            task=rl.parse_tasks(tasks) if tasks else None,
-        )
-        _ruler_report(err, rows, out, results.meta.get("model", ""))
+        rows, measured_on = _stored_rows(path, rl.RULER_KEY, methods, lengths, task=rl.parse_tasks(tasks) if tasks else None)
+        _ruler_report(err, rows, out, measured_on)
         return
     specs = runner.split_methods(methods or RULER_METHODS)
     grid_ratios = rl.parse_ratios(RULER_RATIOS if ratios is None else ratios)

@@ -47,7 +47,7 @@ the pipeline can refuse two methods that would both own the prefill loop.
 Registration: ``@register`` adds the class to :data:`REGISTRY` under its ``name``; users write
 ``name:knob=value,knob=value``. Every registered class must declare, in its own body, ``keep_all``:
 the knobs with which it keeps every entry (see :attr:`Compressor.keep_all`); ``register`` refuses a
-class without it, and ``tests/test_contract.py`` holds every registered method to reproducing full
+class without it, and ``tests/compressors/test_contract.py`` holds every registered method to reproducing full
 attention with it.
 """
 
@@ -94,7 +94,7 @@ class Compressor:
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
-    # it must reproduce full attention's logits (tests/test_contract.py); "" for the defaults.
+    # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
     # ``{n}`` stands for the prompt's token count and ``{prefix}`` for its question-agnostic prefix
     # (:func:`keep_all_spec`), for a knob that must cover the prompt exactly (an explicit count
     # larger than the prompt is refused). Each registered class declares its own (``register``).

@@ -34,14 +34,8 @@ it), and the worst case — every token selected everywhere — is full attentio
 
 With every ``k_j = 1`` nothing is pruned and the result is full attention's.
 
-Cache layout (:class:`LazyCache`), per layer ``l`` its own token set:
-
-    keys[l], values[l]: (1, n_kv_heads, m_l, head_dim)   after RoPE, in the order computed
-    slot_pos[l]:        (m_l,) int64                      original position of each slot
-    frontier:           (T,) int64                        per token: layers 0..frontier-1 hold its KV
-    aux[L]:             ((k,) int64 positions, (1, k, hidden))  hidden states entering pruning
-                        layer L of the k tokens whose frontier is L (the Aux Cache)
-    computed:           (n_layers, T) int32               times each (layer, token) was computed
+Cache layout: :class:`kvcli.caches.lazy.LazyCache`, per layer ``l`` its own token set (``keys``,
+``values``, ``slot_pos``), each token's ``frontier``, the Aux Cache ``aux`` and the ``computed`` counts.
 
 A revived token's KV slot is appended at the end of its layer's tensors, so whenever the slots
 are not "all of ``S_l``, then the new tokens in position order" the layer runs with an explicit

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvcli.documents import load_document
-from tests.helpers.cli_runner import run_cli
+from tests.helpers.cli_runner import assert_user_error, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,26 +45,10 @@ JSON_KEYS = (
 # --- helpers ---------------------------------------------------------------------------------
 
 
-
-
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``cli(*args) -> (code, stdout, stderr)``."""
     return lambda *args: run_cli(args, capsys, monkeypatch)
-
-
-def assert_user_error(result, code: int, *needles: str) -> str:
-    """Exit ``code``, nothing on stdout, stderr one line ``kvcli: error: ...`` containing ``needles``."""
-    got, out, err = result
-    assert "Traceback" not in out + err
-    assert got == code, (got, out, err)
-    assert out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1 and err.endswith("\n"), err
-    assert lines[0].startswith("kvcli: error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def words(n: int, seed: int = 0) -> str:

@@ -44,3 +44,17 @@ def assert_one_line_error(result, code, *needles) -> None:
     assert len(lines) == 1 and lines[0].startswith("kvcli: error: "), err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def assert_user_error(result, code: int, *needles: str) -> str:
+    """Exit ``code``, nothing on stdout, stderr one line ``kvcli: error: ...`` containing ``needles``."""
+    got, out, err = result
+    assert "Traceback" not in out + err
+    assert got == code, (got, out, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), err
+    assert lines[0].startswith("kvcli: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
