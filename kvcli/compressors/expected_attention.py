@@ -12,8 +12,9 @@ in closed form, ``E[exp(qᵀk/√d)] = exp(μ̄ᵀk/√d + ½ kᵀ Σ̄ k / d)``
 head's GQA group), times ``‖v‖`` (a key's contribution to the residual stream scales with its
 value) — ``(scores + epsilon) · ‖v‖`` as kvpress, whose ``epsilon`` defaults to 0 but is 1e-2 in the
 configuration its leaderboard evaluates (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``:
-``expectedattention:allocation=adaptive,epsilon=0.01``); the first ``sinks`` tokens are left out
-of the statistics and the softmax and always kept.
+``expectedattention:allocation=adaptive,epsilon=0.01``; on the embedded model's RULER it is ε that
+matters, 0 -> 58.3 at 2x, README Accuracy); the first ``sinks`` tokens are left out of the
+statistics and the softmax and always kept.
 
 kvcli details:
 
