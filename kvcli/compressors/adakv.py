@@ -29,16 +29,15 @@ is the base's (full attention's KV); the selection happens per question after th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..caches import RaggedCache
+from ..caches import KVCache, RaggedCache
 from ..errors import UsageError
 from .base import _format, knob, parse_one, register
-from .scoring import Eviction, adaptive_mask, entry_scores, refuse_sliding_window, require_kv_cache
+from .scoring import Eviction, adaptive_mask, entry_scores, refuse_sliding_window
 
 BASE_KNOB_SEPARATOR = ";"
 
@@ -50,7 +49,7 @@ def parse_base(owner: str, text: str) -> Eviction:
     if name.strip().lower() == owner:
         raise UsageError(f"{owner}: base cannot be {owner} itself")
     base = parse_one(name + (":" + rest.replace(BASE_KNOB_SEPARATOR, ",") if rest else ""))
-    if not isinstance(base, Eviction) or type(base).compress is not Eviction.compress:
+    if not isinstance(base, Eviction) or type(base).compress is not Eviction.compress or type(base).keep is not Eviction.keep:
         raise UsageError(
             f"{owner}: base must be an eviction scorer (snapkv, pyramidkv, tova, knorm, keydiff, streamingllm), got '{base.name}'"
         )
@@ -107,32 +106,7 @@ class AdaKV(Eviction):
     def layer_budgets(self, lm, n: int, k: int) -> list[int]:
         return self._base.layer_budgets(lm, n, k)
 
-    def prefill_observers(self, lm, n_tokens: int) -> dict:
-        self._scores = {}
-        if not self._base.uses_attention or self.resolve(n_tokens) >= n_tokens:
-            return {}
-        return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
-
-    def layer_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        return self._base.layer_scores(query, key)
-
-    @torch.inference_mode()
-    def compress(self, engine, cache):
-        cache = require_kv_cache(self.name, cache)
-        lm = engine.lm
-        n = cache.n_tokens
-        k = self.resolve(n)
-        scores, self._scores = self._scores, {}
-        if k >= n:
-            return cache
-        if self._base.uses_attention and len(scores) != cache.n_layers:
-            raise UsageError(
-                f"{self.name}: no attention scores were observed in the prefill "
-                "(another method ran the prefill itself); use it with the default prefill"
-            )
-        static = None if self._base.uses_attention else self._base.static_scores(n, lm.n_kv_heads)
-        masks = []
-        for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
-            current = entry_scores(cache, layer, static if static is not None else scores[layer])
-            masks.append(adaptive_mask(current, k_layer, self.safeguard))
+    def keep(self, cache: KVCache, scores: list[torch.Tensor], budgets: list[int]) -> RaggedCache:
+        """The base's scores, chosen per layer across its KV heads (:func:`adaptive_mask`)."""
+        masks = [adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard) for layer, (s, k_layer) in enumerate(zip(scores, budgets))]
         return RaggedCache.from_selection(cache, masks)

@@ -11,6 +11,13 @@ averaged over the GQA group of its KV head; each KV head keeps its own heavy hit
 tokens are then appended without further eviction (the paper's step-by-step greedy eviction
 during generation matters for long outputs, not for short answers).
 
+The score is the paper's *sum* (its code: ``attn_weights.sum(...)`` over the query rows), so a
+key seen by more queries — an early one — accumulates more. kvpress's ``ObservedAttentionPress``
+("related to H2O") divides each column by the number of queries that see it (a mean) instead.
+Either way a needle that only the question attends to scores low: on RULER at 4x the heavy
+hitters are punctuation, newlines and filler words, a quarter of them in the first tenth of the
+prompt, and the needle's digits are evicted in the heads that copy them (README, Accuracy).
+
 Kernel: no eager attention needed. The column sums are computed by the layer's observer from q
 and K in blocks of 256 query rows (causal softmax of each block, summed) — the full attention
 matrix is never materialised and the model itself runs on SDPA (or eager, or flash). The cost is

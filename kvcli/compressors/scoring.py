@@ -219,7 +219,9 @@ class Eviction(Compressor):
     every layer in the final prefill pass, and ``compress`` keeping the best entries per KV head.
 
     Subclasses define :meth:`layer_scores` (None: the method needs no attention, scores come from
-    :meth:`static_scores`), :meth:`always_kept` and optionally :meth:`layer_budgets`."""
+    :meth:`static_scores`), :meth:`always_kept` and optionally :meth:`layer_budgets`. A method that
+    ranks with another method's scores (AdaKV) returns it as :attr:`scorer` and chooses the entries
+    its own way in :meth:`keep`; the observers and the checks of :meth:`compress` serve both."""
 
     budget: str | int | float = knob("1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)")
     _scores: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -251,20 +253,32 @@ class Eviction(Compressor):
         """Entries kept in each layer for a prompt of ``n`` tokens and a budget of ``k``."""
         return [k] * lm.n_layers
 
+    @property
+    def scorer(self) -> "Eviction":
+        """The method whose scores rank the entries: the method itself (AdaKV: its base)."""
+        return self
+
+    def keep(self, cache: KVCache, scores: list[torch.Tensor], budgets: list[int]):
+        """Keep, per layer, the ``budgets[l]`` best entries of each KV head by ``scores[l]``
+        (n_kv, n_prompt), indexed by original position; returns the cache."""
+        for layer, (layer_scores, k_layer) in enumerate(zip(scores, budgets)):
+            keep_top(cache, layer, layer_scores, k_layer)
+        return cache
+
     # --- the hooks --------------------------------------------------------------------------------
     def resolve(self, n: int) -> int:
         return resolve_budget(self.name, self.budget, n, "budget" in self.explicit_knobs, min(n, self.always_kept()))
 
     def prefill_observers(self, lm, n_tokens: int) -> dict:
         self._scores = {}
-        if not self.uses_attention or self.resolve(n_tokens) >= n_tokens:
+        if not self.scorer.uses_attention or self.resolve(n_tokens) >= n_tokens:
             return {}  # nothing to score (keep everything) or scores without attention
         return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if isinstance(key, LayerView):
             raise UsageError(f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache")
-        self._scores[layer] = self.layer_scores(query, key)
+        self._scores[layer] = self.scorer.layer_scores(query, key)
 
     @torch.inference_mode()
     def compress(self, engine, cache):
@@ -275,15 +289,16 @@ class Eviction(Compressor):
         scores, self._scores = self._scores, {}
         if k >= n:
             return cache
-        if self.uses_attention and len(scores) != cache.n_layers:
+        scorer = self.scorer
+        if scorer.uses_attention and len(scores) != cache.n_layers:
             raise UsageError(
                 f"{self.name}: no attention scores were observed in the prefill "
                 "(another method ran the prefill itself); use it with the default prefill"
             )
-        static = None if self.uses_attention else self.static_scores(n, lm.n_kv_heads)
-        for layer, k_layer in enumerate(self.layer_budgets(lm, n, k)):
-            keep_top(cache, layer, static if static is not None else scores[layer], k_layer)
-        return cache
+        if not scorer.uses_attention:
+            static = scorer.static_scores(n, lm.n_kv_heads)
+            scores = {layer: static for layer in range(cache.n_layers)}
+        return self.keep(cache, [scores[layer] for layer in range(cache.n_layers)], self.layer_budgets(lm, n, k))
 
 
 # --------------------------------------------------------------------------- head-adaptive budgets

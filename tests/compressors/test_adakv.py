@@ -164,6 +164,41 @@ def test_selection_is_adakvs_allocation(tiny_lm, family, base, budget):
         assert_same_choice(got, want, votes)
 
 
+def test_a_concentrated_head_gives_its_room_to_a_spread_one():
+    """By hand: head 0 puts all its score on one token, head 1 spreads it. Uniform top-4 keeps 3
+    near-zero entries in head 0; AdaKV (safeguard 1 entry per head) moves them to head 1."""
+    from kvcli.compressors.scoring import adaptive_mask, top_mask
+
+    scores = torch.tensor([[5.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09],
+                           [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]])
+    ada, uni = adaptive_mask(scores, 4, 0.25), top_mask(scores, 4)
+    assert ada[0].nonzero().flatten().tolist() == [0]
+    assert ada[1].nonzero().flatten().tolist() == list(range(7))
+    assert uni.sum(-1).tolist() == [4, 4]
+    assert float((scores * ada).sum()) == pytest.approx(9.9) and float((scores * uni).sum()) == pytest.approx(8.64)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_adakv_never_keeps_less_vote_mass_than_snapkv(tiny_lm, family):
+    """At the same budget AdaKV keeps, per layer, at least the SnapKV vote mass that SnapKV keeps
+    (uniform top-k is one of the splits AdaKV chooses the best of; the safeguard is inside every
+    head's top-k), votes recomputed from the Hugging Face model's attention."""
+    window, budget = 4, 24
+    lm, engine, prompt, ada = ragged(tiny_lm, family, f"adakv:budget={budget},base=snapkv:window={window};kernel=1,safeguard=0.2")
+    snap, _ = prefill_and_compress(engine, prompt.ids, f"snapkv:budget={budget},window={window},kernel=1")
+    n = prompt.n_tokens
+    gained = 0.0
+    for l, (q, k, attn) in enumerate(reference_qk(lm, prompt.ids)):
+        probs = causal_softmax(q, k, 1 / math.sqrt(attn.head_dim))[0]
+        votes = probs[:, -window:, : n - window].sum(dim=1).view(lm.n_kv_heads, -1, n - window).mean(dim=1)
+        mass = lambda kept: sum(float(votes[h, [j for j in kept[h] if j < n - window]].sum()) for h in range(lm.n_kv_heads))
+        got = mass([cache_row[: int(ada.lengths[l][h])].tolist() for h, cache_row in enumerate(ada.kept[l])])
+        want = mass([snap.kept[l][h].tolist() for h in range(lm.n_kv_heads)])
+        assert got >= want - 1e-5
+        gained += got - want
+    assert gained > 0  # and it does move entries on this prompt
+
+
 # --- the pipeline: answers, inspect, stats, the store ------------------------------------------------
 
 

@@ -28,7 +28,7 @@ def build(lm, spec):
 
 def test_spec_round_trip_and_errors():
     ea = parse_one("expectedattention")
-    assert ea.spec() == "expectedattention:budget=1024,allocation=uniform,safeguard=0.2,sinks=4,future=512,queries=auto,covariance=true,vnorm=true"
+    assert ea.spec() == "expectedattention:budget=1024,allocation=uniform,safeguard=0.2,sinks=4,future=512,queries=auto,covariance=true,vnorm=true,epsilon=0.0"
     spec = "expectedattention:budget=0.3,allocation=adaptive,sinks=2,future=64,queries=100,covariance=false"
     assert parse_one(parse_one(spec).spec()).spec() == parse_one(spec).spec()
     for spec, message in [
@@ -36,6 +36,7 @@ def test_spec_round_trip_and_errors():
         ("expectedattention:safeguard=2", "between 0 and 1"),
         ("expectedattention:future=0", "future must be at least 1"),
         ("expectedattention:queries=1", "queries must be at least 2"),
+        ("expectedattention:epsilon=-0.1", "epsilon must be a number >= 0"),
         ("expectedattention:budget=2,sinks=4", "smaller than the 4 tokens"),
     ]:
         with pytest.raises(UsageError, match=message):
@@ -60,7 +61,7 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
 # --- the paper's scores, naively --------------------------------------------------------------------
 
 
-def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True):
+def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, epsilon=0.0):
     """Per layer (n_kv, n) scores, from the HF model: pre-RoPE queries from q_proj, keys after RoPE,
     mean/covariance by definition, one explicit rotation matrix per future position, loops."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -97,14 +98,14 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True):
                     for j in range(sinks, n)
                 ], dtype=torch.float64)
                 scores[g, sinks:] += torch.softmax(logit, dim=0) / group
-            if vnorm:
-                scores[:, sinks:] *= v[:, sinks:].norm(dim=-1)
+            if vnorm:  # kvpress: (scores + epsilon) * ||v||
+                scores[:, sinks:] = (scores[:, sinks:] + epsilon) * v[:, sinks:].norm(dim=-1)
             scores[:, :sinks] = float("inf")
             out.append(scores)
     return out
 
 
-@pytest.mark.parametrize("family, knobs", [("llama", ""), ("qwen2", ""), ("qwen2", ",covariance=false,vnorm=false")])
+@pytest.mark.parametrize("family, knobs", [("llama", ""), ("qwen2", ""), ("qwen2", ",covariance=false,vnorm=false"), ("llama", ",epsilon=0.01")])
 def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
     lm = tiny_lm(family)
     engine = Engine(lm)
@@ -114,7 +115,8 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
     method = build(lm, f"expectedattention:budget={budget},sinks={sinks},future={future}{knobs}")
     cache = method.build_prefix(engine, ids)
     assert isinstance(cache, RaggedCache) and all(int(l.min()) == int(l.max()) == budget for l in cache.lengths)
-    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs)
+    epsilon = 0.01 if "epsilon" in knobs else 0.0
+    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs, epsilon=epsilon)
     # the method's own scores equal the naive ones (float32 vs float64)
     _, got_scores = method.prefix_scores(engine, ids)
     for g, w in zip(got_scores, want):
@@ -126,6 +128,56 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
             chosen = torch.zeros(n, dtype=torch.bool)
             chosen[kept] = True
             assert scores[h][chosen].min() >= scores[h][~chosen].max() * (1 - 1e-4)
+
+
+def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
+    """kvpress's ExpectedAttentionPress written out on random tensors, RoPE as explicit matrices
+    from its angles (no model, no kvcli.rope): pre-RoPE query mean/covariance over the tokens after
+    the sinks, R̄ = mean of R_p over the next ``future`` positions, softmax over the non-sink keys of
+    k·R̄μ/√d + kᵀR̄ΣR̄ᵀk/2d, mean over the GQA group, (· + ε)·‖v‖; sinks always kept."""
+    from kvcli.compressors.expected_attention import expected_scores, mean_rotation, query_statistics
+    from kvcli.compressors.scoring import allocate
+
+    gen = torch.Generator().manual_seed(0)
+    d, n_kv, group, n, sinks, future, epsilon, k = 8, 2, 3, 24, 2, 16, 0.01, 9
+    half, n_heads = d // 2, n_kv * group
+    inv_freq = 50.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
+
+    def R(p):  # RoPE at position p: dims (i, i + d/2) rotated by p * inv_freq[i]
+        m = torch.zeros(d, d, dtype=torch.float64)
+        for i in range(half):
+            c, s = math.cos(p * inv_freq[i]), math.sin(p * inv_freq[i])
+            m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
+        return m
+
+    q_pre = torch.randn(n_heads, n, d, generator=gen, dtype=torch.float64) + torch.linspace(-1, 1, d, dtype=torch.float64)
+    q = torch.stack([torch.stack([R(p) @ q_pre[h, p] for p in range(n)]) for h in range(n_heads)])  # as observed
+    key = torch.randn(n_kv, n, d, generator=gen, dtype=torch.float64)
+    value = torch.randn(n_kv, n, d, generator=gen, dtype=torch.float64) * torch.rand(n_kv, n, 1, generator=gen, dtype=torch.float64)
+    R_bar = sum(R(p) for p in range(n, n + future)) / future
+    want = torch.zeros(n_kv, n, dtype=torch.float64)
+    for h in range(n_heads):
+        g = h // group
+        rows = q_pre[h, sinks:]
+        mu, cov = rows.mean(0), (rows - rows.mean(0)).T @ (rows - rows.mean(0)) / rows.shape[0]
+        mu_f, cov_f = R_bar @ mu, R_bar @ cov @ R_bar.T
+        logits = torch.stack([key[g, j] @ mu_f / math.sqrt(d) + key[g, j] @ cov_f @ key[g, j] / (2 * d) for j in range(sinks, n)])
+        want[g, sinks:] += torch.softmax(logits, 0) / group
+    want[:, sinks:] = (want[:, sinks:] + epsilon) * value[:, sinks:].norm(dim=-1)
+
+    def table(positions):  # (cos, sin) as the model's rotary embedding returns them: (len, d)
+        angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv_freq[None]
+        return torch.cat([angles.cos()] * 2, -1).float(), torch.cat([angles.sin()] * 2, -1).float()
+
+    cos, sin = table(range(n))
+    mu, cov = query_statistics(q[None].float(), cos, sin, sinks)
+    got = expected_scores(mu, cov, mean_rotation(*table(range(n, n + future)), d), key[None].float(), value[None].float(), sinks, True, epsilon)
+    assert torch.isinf(got[:, :sinks]).all()
+    torch.testing.assert_close(got[:, sinks:].double(), want[:, sinks:], rtol=1e-4, atol=1e-7)
+    mask = allocate([got], k, "uniform", 0.2)[0]
+    for g in range(n_kv):
+        best = set(range(sinks)) | set((sinks + torch.topk(want[g, sinks:], k - sinks).indices).tolist())
+        assert set(mask[g].nonzero().flatten().tolist()) == best
 
 
 # --- question-agnostic: the disk store keeps the compressed prefix ------------------------------------
