@@ -60,27 +60,6 @@ def test_a_selector_maps_back_to_prompt_indices(tiny_lm):
     assert int(kept.sum()) == 30
 
 
-def test_razor_retrieval_heads_keep_all_others_sinks_window_and_question(tiny_lm, tmp_path):
-    lm = tiny_lm("qwen2")
-    pipeline = Pipeline.parse("razor:order=prefix,tokens=8,window=16,ratio=100,sinks=4")
-    razor = pipeline.stages[0]
-    razor.runtime = Runtime(cache_dir=tmp_path)
-    razor.configure(lm)
-    protected = torch.tensor([[True, False], [False, False], [False, True], [True, True]])
-    razor._protected = protected
-    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
-    result = run(Engine(lm), prompt, pipeline, max_new_tokens=2, stop_ids=set())
-    mask = result.kept_mask()
-    n, prefix = prompt.n_tokens, prompt.prefix_len
-    others = torch.zeros(n, dtype=torch.bool)
-    others[:4] = True
-    others[prefix - 16 :] = True  # the window of the compressed prefix, then the question
-    for layer in range(lm.n_layers):
-        for head in range(2):
-            want = torch.ones(n, dtype=torch.bool) if protected[layer, head] else others
-            assert (mask[layer, head] == want).all(), (layer, head)
-
-
 def test_finch_keeps_target_document_tokens_per_layer(tiny_lm):
     lm = tiny_lm("llama")
     result = answer(lm, "finch:target=24,chunk=64")
