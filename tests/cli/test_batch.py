@@ -21,11 +21,6 @@ TEXT = "The harbour log for {name}: {n} ships arrived, the keeper was Ada Brook,
 
 
 @pytest.fixture
-def model(tiny_dir):
-    return str(tiny_dir("llama", num_hidden_layers=4))
-
-
-@pytest.fixture
 def folder(tmp_path):
     """3 documents (one in a sub-folder) and a corrupt PDF."""
     d = tmp_path / "docs"

@@ -56,11 +56,6 @@ def ray_cluster():
 
 
 @pytest.fixture
-def model(tiny_dir):
-    return str(tiny_dir("llama", num_hidden_layers=4))
-
-
-@pytest.fixture
 def folder(tmp_path):
     """6 documents of different lengths (longest not first) and a corrupt PDF."""
     d = tmp_path / "docs"
