@@ -113,20 +113,32 @@ def _rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return hidden.index_select(1, idx.to(hidden.device))
 
 
-def _layer_mask(slots: torch.Tensor, batch_pos: torch.Tensor, selected: torch.Tensor, window: int | None = None):
-    """(key positions, mask) of a layer pass: keys = the layer's slots then the batch's; mask
-    (q_len, kv_len) bool or None when plain causal attention is exact (every slot selected and
-    before every batch token, the batch in position order, and no sliding window that could
-    count slots instead of positions). ``window``: the layer's sliding window (None: none)."""
-    key_pos = torch.cat([slots, batch_pos])
-    visible = selected[key_pos]
+def _layer_pass(slots: torch.Tensor, batch_pos: torch.Tensor, selected: torch.Tensor, window: int | None = None):
+    """What one layer pass attends to: (key positions, gather, mask).
+
+    The layer holds KV slots at positions ``slots`` and appends the batch's rows (positions
+    ``batch_pos``, in position order) after them. ``gather``: None when every held slot is in the
+    step's set ``selected`` (the layer reads all its slots), else the slot indices of the held
+    members of ``S_l`` followed by the batch's new slots (:attr:`LazyCache.gather`: the attention
+    reads only those rows, so membership needs no mask). ``key positions``: the positions of the
+    rows read, in order. ``mask``: (q_len, kv_len) bool, or None when plain causal attention over
+    the rows read is exact (every held row before every batch row, and no sliding window that
+    could count rows instead of positions; ``window``: the layer's sliding window, None: none)."""
+    n_held, q = slots.numel(), batch_pos.numel()
+    members = selected[slots]
+    if bool(members.all()):
+        gather, held_pos = None, slots
+    else:
+        idx = torch.nonzero(members).flatten()
+        gather, held_pos = torch.cat([idx, torch.arange(n_held, n_held + q)]), slots[idx]
+    key_pos = torch.cat([held_pos, batch_pos])
     windowed = window is not None and window < int(key_pos.max()) + 1
-    if not windowed and bool(visible.all()) and (slots.numel() == 0 or int(slots.max()) < int(batch_pos.min())):
-        return key_pos, None
-    mask = visible.view(1, -1) & (key_pos.view(1, -1) <= batch_pos.view(-1, 1))
+    if not windowed and (held_pos.numel() == 0 or int(held_pos.max()) < int(batch_pos[0])):
+        return key_pos, gather, None
+    mask = key_pos.view(1, -1) <= batch_pos.view(-1, 1)
     if windowed:
         mask &= key_pos.view(1, -1) > batch_pos.view(-1, 1) - window
-    return key_pos, mask
+    return key_pos, gather, mask
 
 
 @torch.inference_mode()
@@ -158,6 +170,7 @@ def run_tokens(
     hidden = engine.embed(ids)
     rope = engine.position_embeddings(hidden, batch_pos)
     found: dict[str, torch.Tensor] = {}
+    plan = None  # (selected, batch_pos, window, slots, key positions, gather, mask) of the last layer pass
     step_trace: list = []
     if cache.trace is not None:
         cache.trace.append(step_trace)
@@ -198,19 +211,25 @@ def run_tokens(
             rope = engine.position_embeddings(hidden, batch_pos)
             step_trace.append((layer, selected.clone()))
         window = engine.lm.sliding_window(layer)
-        key_pos, mask = _layer_mask(cache.slots(layer), batch_pos, selected, window)
+        slots = cache.slots(layer)
+        # the layers between two pruning layers hold the same slots: one pass plan serves them all
+        if plan is None or plan[0] is not selected or plan[1] is not batch_pos or plan[2] != window or not torch.equal(plan[3], slots):
+            plan = (selected, batch_pos, window, slots, *_layer_pass(slots, batch_pos, selected, window))
+        key_pos, gather, mask = plan[4:]
         observers = None
         if layer + 1 in keep_at and layer + 1 < stop:
-            visible = selected[key_pos]  # what the query token (the last row) sees: S_layer
 
-            def score(query: torch.Tensor, key: torch.Tensor, visible=visible, key_pos=key_pos) -> None:
-                probs = last_token_attention(query, key, visible)
-                idx = torch.nonzero(visible).flatten()
-                found["cand"], found["scores"] = key_pos[idx], probs[idx.to(probs.device)]
+            def score(query: torch.Tensor, key: torch.Tensor, key_pos=key_pos) -> None:
+                # the rows read are exactly S_layer: the query token's attention over them
+                found["cand"], found["scores"] = key_pos, last_token_attention(query, key, None)
 
             observers = {layer: [score]}
-        with attention.attention_context(engine.context(observers=observers, mask=mask)):
-            hidden = engine.layer(layer, hidden, batch_pos, cache, rope)
+        cache.gather = gather
+        try:
+            with attention.attention_context(engine.context(observers=observers, mask=mask)):
+                hidden = engine.layer(layer, hidden, batch_pos, cache, rope)
+        finally:
+            cache.gather = None
         cache.note_computed(layer, batch_pos)
 
     if stop < n_layers:

@@ -285,3 +285,26 @@ def test_bad_knobs_are_usage_errors(tiny_lm, spec):
     with pytest.raises(UsageError, match="lazyllm"):
         pipeline = Pipeline.parse(spec)
         pipeline.configure(tiny_lm("llama"))
+
+
+# --- the cache's buffers: appends in place, copies never share a writer --------------------------------
+
+
+def test_cache_appends_in_place_and_copies_write_their_own_buffers():
+    torch.manual_seed(0)
+    cache = LazyCache(1)
+    rows = [torch.randn(1, 2, n, 4) for n in (5, 1, 3, 1)]
+    cache.update(rows[0], rows[0] + 1, 0)
+    k, _ = cache.update(rows[1], rows[1] + 1, 0)
+    assert torch.equal(k, torch.cat(rows[:2], dim=2))
+    twin = cache.copy()
+    cache.update(rows[2], rows[2] + 1, 0)  # in place, beyond the twin's rows
+    k2, v2 = twin.update(rows[3], rows[3] + 1, 0)  # the twin allocates a buffer of its own
+    assert torch.equal(k2, torch.cat([*rows[:2], rows[3]], dim=2)) and torch.equal(v2, k2 + 1)
+    assert torch.equal(cache.keys[0], torch.cat(rows[:3], dim=2))
+    assert cache.keys[0].data_ptr() != twin.keys[0].data_ptr()
+    # `gather` reads just the given slots (after the append)
+    cache.gather = torch.tensor([0, 4, 9])
+    k, v = cache.update(rows[3], rows[3] + 1, 0)
+    assert torch.equal(k, torch.cat([*rows[:3], rows[3]], dim=2)[:, :, [0, 4, 9]]) and torch.equal(v, k + 1)
+    assert cache.get_seq_length(0) == 10
