@@ -7,6 +7,8 @@ layer the KV of the tokens computed there, plus the Aux Cache of hidden states.
     aux[L]:             ((k,) int64 positions, (1, k, hidden))  hidden states entering pruning
                         layer L of the k tokens whose frontier is L (the Aux Cache)
     computed:           (n_layers, T) int32               times each (layer, token) was computed
+    selection[L]:       (T',) bool                        S_L of the last step that selected (knob
+                        ``reselect``: the decoding steps between selections reuse it)
 
 ``keys[l]``/``values[l]`` are views of the first ``m_l`` slots of a per-layer buffer with room to
 spare, so that a decoding step appends its few rows in place instead of copying the whole layer
@@ -52,6 +54,10 @@ class LazyCache(LayerKV):
         self.revivals = 0  # (token, layer) pairs taken from the Aux Cache by decoding steps
         self.revived = torch.zeros(0, dtype=torch.bool)  # per token: revived at least once
         self.decode_steps = 0
+        self.selecting_steps = 0  # decoding steps that selected again (all of them unless reselect != 1)
+        self.reselect = 1
+        # per pruning layer L: S_L (T,) bool of the last step that selected (reused by the steps between)
+        self.selection: dict[int, torch.Tensor] = {}
         # set to a list to record, per step, [(pruning layer, S_layer (T,) bool), ...] (tests, debugging)
         self.trace: list | None = None
 
@@ -169,8 +175,9 @@ class LazyCache(LayerKV):
             "revived_tokens": int(self.revived[:n].sum()),
             "aux_cache_tokens": self.aux_tokens(),
             "decode_steps": self.decode_steps,
+            "selecting_decode_steps": self.selecting_steps,
             "max_computations_per_layer": int(self.computed.max()) if self.computed.numel() else 0,
-            "schedule": {"layers": [l for l, _ in self.schedule], "keep": [k for _, k in self.schedule]},
+            "schedule": {"layers": [l for l, _ in self.schedule], "keep": [k for _, k in self.schedule], "reselect": self.reselect},
         }
 
     def copy(self) -> "LazyCache":
@@ -183,6 +190,7 @@ class LazyCache(LayerKV):
         other.positions = self.positions
         other.schedule, other.n_prompt = list(self.schedule), self.n_prompt
         other.prefill_tokens, other.revivals, other.decode_steps = list(self.prefill_tokens), self.revivals, self.decode_steps
+        other.selecting_steps, other.reselect, other.selection = self.selecting_steps, self.reselect, dict(self.selection)
         return other
 
     # --- the disk store's contract (prefix states) -------------------------------------------------

@@ -37,10 +37,24 @@ With every ``k_j = 1`` nothing is pruned and the result is full attention's.
 Cache layout: :class:`kvcli.caches.lazy.LazyCache`, per layer ``l`` its own token set (``keys``,
 ``values``, ``slot_pos``), each token's ``frontier``, the Aux Cache ``aux`` and the ``computed`` counts.
 
-A revived token's KV slot is appended at the end of its layer's tensors, so whenever the slots
-are not "all of ``S_l``, then the new tokens in position order" the layer runs with an explicit
-(q_len, kv_len) mask built from ``slot_pos`` (membership in ``S_l``, position ``<=`` the query's,
-and within a layer's sliding window, if any, counted in positions, not slots).
+A revived token's KV slot is appended at the end of its layer's tensors (in place, in a buffer
+with room to spare), and a layer holds the KV of tokens that are not in this step's ``S_l``. A
+layer pass therefore reads ``S_l`` one of two ways (:func:`_layer_pass`, planned once for the
+layers between two pruning layers, which hold the same slots): several query rows (revivals) and
+few members: only the members' rows are gathered, and a (q_len, kv_len) mask (position ``<=`` the
+query's) is built only when held rows come after a query row; otherwise every slot is read and a
+mask from ``slot_pos`` hides the others (membership in ``S_l``, position ``<=`` the query's). Both
+are exact; a sliding window, if any, is counted in positions, not slots.
+
+**Departure from the paper (knob ``reselect``, default 1 = the paper).** Every decoding step of
+the paper selects again, so a step revives the tokens its new query wants and runs them through
+the later layers: after ~128 tokens nearly every (token, layer) has been computed (0.97 at 4k),
+and that work, done a few hundred rows at a time, costs more wall time than the prefill saved.
+``reselect=N`` selects at every N-th decoding step only; the steps between reuse, at each pruning
+layer, the last selection plus the tokens generated since (they hold KV everywhere), so they score
+nothing and revive nothing, and their single row attends to that set. ``reselect=0`` keeps the
+prefill's selection for good (the Aux Cache is never read again). Each (token, layer) is still
+computed at most once, and ``keep=1`` is still full attention.
 
 Disk store: the layers before the first pruning layer ``L_1`` see every token with plain causal
 attention, so they are question-agnostic; the prefix state is the KV of layers ``0..L_1-1`` of
@@ -113,32 +127,47 @@ def _rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return hidden.index_select(1, idx.to(hidden.device))
 
 
+GATHER_BELOW = 0.8  # a pass with revived rows reads S_l's rows (a copy) when they are fewer than this share of the held slots
+
+
 def _layer_pass(slots: torch.Tensor, batch_pos: torch.Tensor, selected: torch.Tensor, window: int | None = None):
-    """What one layer pass attends to: (key positions, gather, mask).
+    """What one layer pass attends to: (key positions, gather, mask, visible).
 
     The layer holds KV slots at positions ``slots`` and appends the batch's rows (positions
-    ``batch_pos``, in position order) after them. ``gather``: None when every held slot is in the
-    step's set ``selected`` (the layer reads all its slots), else the slot indices of the held
-    members of ``S_l`` followed by the batch's new slots (:attr:`LazyCache.gather`: the attention
-    reads only those rows, so membership needs no mask). ``key positions``: the positions of the
-    rows read, in order. ``mask``: (q_len, kv_len) bool, or None when plain causal attention over
-    the rows read is exact (every held row before every batch row, and no sliding window that
-    could count rows instead of positions; ``window``: the layer's sliding window, None: none)."""
+    ``batch_pos``, in position order) after them; the attention may read only the members of the
+    step's set ``selected`` (S_l), at positions ``<=`` the query row's. Two ways to read them:
+
+    * ``gather`` (slot indices, :attr:`LazyCache.gather`): only the held members of ``S_l``
+      followed by the batch's new slots are read (a copy of those rows), so membership needs no
+      mask. Worth it when several rows query a small share of the slots (revivals);
+    * else (``gather`` None) every slot is read and non-members are masked out (``visible``).
+
+    ``key positions``: the positions of the rows read, in order; ``visible``: (kv_len,) bool of the
+    rows read that are in ``S_l`` (None: all); ``mask``: (q_len, kv_len) bool, or None when plain
+    causal attention over the rows read is exact (all visible, every held row before every batch
+    row, and no sliding window that could count rows instead of positions; ``window``: the
+    layer's sliding window, None: none)."""
     n_held, q = slots.numel(), batch_pos.numel()
     members = selected[slots]
-    if bool(members.all()):
-        gather, held_pos = None, slots
-    else:
+    n_members = int(members.sum())
+    gather, visible = None, None
+    if n_members == n_held:
+        held_pos = slots
+    elif q > 1 and n_members < GATHER_BELOW * n_held:
         idx = torch.nonzero(members).flatten()
         gather, held_pos = torch.cat([idx, torch.arange(n_held, n_held + q)]), slots[idx]
+    else:
+        held_pos, visible = slots, torch.cat([members, torch.ones(q, dtype=torch.bool)])
     key_pos = torch.cat([held_pos, batch_pos])
     windowed = window is not None and window < int(key_pos.max()) + 1
-    if not windowed and (held_pos.numel() == 0 or int(held_pos.max()) < int(batch_pos[0])):
-        return key_pos, gather, None
+    if visible is None and not windowed and (held_pos.numel() == 0 or int(held_pos.max()) < int(batch_pos[0])):
+        return key_pos, gather, None, None
     mask = key_pos.view(1, -1) <= batch_pos.view(-1, 1)
+    if visible is not None:
+        mask &= visible.view(1, -1)
     if windowed:
         mask &= key_pos.view(1, -1) > batch_pos.view(-1, 1) - window
-    return key_pos, gather, mask
+    return key_pos, gather, mask, visible
 
 
 @torch.inference_mode()
@@ -150,6 +179,7 @@ def run_tokens(
     *,
     until: int | None = None,
     decoding: bool = False,
+    select: bool = True,
 ) -> torch.Tensor | None:
     """One LazyLLM generation step (module docstring): the new tokens ``ids`` (q,) at positions
     ``cache.n_tokens ..`` on top of ``cache``; returns the query token's last hidden state
@@ -158,6 +188,9 @@ def run_tokens(
     ``until``: run layers ``0..until-1`` only, every token, and leave the new tokens' hidden states
     in the Aux Cache of ``until`` (the prefix state; no pruning layer may come before ``until``).
     ``decoding``: count Aux Cache reads as revivals.
+    ``select``: False (a decoding step between two selections, knob ``reselect``): no scoring;
+    each pruning layer reuses the set of the last selecting step (``cache.selection``) plus the
+    tokens generated since, which all hold KV there, so nothing is revived.
     """
     n_layers = engine.n_layers
     start, q = cache.n_tokens, ids.numel()
@@ -170,7 +203,7 @@ def run_tokens(
     hidden = engine.embed(ids)
     rope = engine.position_embeddings(hidden, batch_pos)
     found: dict[str, torch.Tensor] = {}
-    plan = None  # (selected, batch_pos, window, slots, key positions, gather, mask) of the last layer pass
+    plan = None  # (selected, batch_pos, window, slots, key positions, gather, mask, visible) of the last layer pass
     step_trace: list = []
     if cache.trace is not None:
         cache.trace.append(step_trace)
@@ -178,9 +211,15 @@ def run_tokens(
     for layer in range(stop):
         if layer in keep_at:
             # --- pruning layer: S_layer = the best of S_{layer-1} by the query token's attention
-            cand, scores = found.pop("cand"), found.pop("scores")
-            k = n_keep(keep_at[layer], total)
-            if k < cand.numel():
+            if not select:
+                last = cache.selection[layer]
+                selected = torch.ones(total, dtype=torch.bool)  # the tokens generated since: all in
+                selected[: last.numel()] = last
+                cand = None
+            else:
+                cand, scores = found.pop("cand"), found.pop("scores")
+                k = n_keep(keep_at[layer], total)
+            if cand is not None and k < cand.numel():
                 scores = scores.cpu().clone()
                 scores[cand == total - 1] = float("inf")  # the query token always goes on
                 kept = cand[torch.topk(scores, k).indices]
@@ -209,19 +248,26 @@ def run_tokens(
             if bool(missing.any()):
                 raise RuntimeError("lazyllm: a selected token has neither KV nor an Aux Cache entry")
             rope = engine.position_embeddings(hidden, batch_pos)
+            if select:
+                cache.selection[layer] = selected
             step_trace.append((layer, selected.clone()))
         window = engine.lm.sliding_window(layer)
         slots = cache.slots(layer)
         # the layers between two pruning layers hold the same slots: one pass plan serves them all
         if plan is None or plan[0] is not selected or plan[1] is not batch_pos or plan[2] != window or not torch.equal(plan[3], slots):
             plan = (selected, batch_pos, window, slots, *_layer_pass(slots, batch_pos, selected, window))
-        key_pos, gather, mask = plan[4:]
+        key_pos, gather, mask, visible = plan[4:]
         observers = None
-        if layer + 1 in keep_at and layer + 1 < stop:
+        if select and layer + 1 in keep_at and layer + 1 < stop:
 
-            def score(query: torch.Tensor, key: torch.Tensor, key_pos=key_pos) -> None:
-                # the rows read are exactly S_layer: the query token's attention over them
-                found["cand"], found["scores"] = key_pos, last_token_attention(query, key, None)
+            def score(query: torch.Tensor, key: torch.Tensor, key_pos=key_pos, visible=visible) -> None:
+                # the query token's attention over S_layer (the rows read, less the masked ones)
+                probs = last_token_attention(query, key, visible)
+                if visible is None:
+                    found["cand"], found["scores"] = key_pos, probs
+                else:
+                    idx = torch.nonzero(visible).flatten()
+                    found["cand"], found["scores"] = key_pos[idx], probs[idx.to(probs.device)]
 
             observers = {layer: [score]}
         cache.gather = gather
@@ -253,8 +299,8 @@ def _parse_list(name: str, text: str, kind, example: str) -> list:
 class LazyLLM(Compressor):
     """LazyLLM (Fu et al., 2024): at a few pruning layers the last token's attention in the layer
     before keeps the most important tokens (fewer in later layers); pruned tokens stop being
-    computed, and every decoding step selects again, reviving tokens from an Aux Cache of hidden
-    states. arXiv:2407.14057."""
+    computed, and every decoding step selects again (``reselect``: every N-th step), reviving
+    tokens from an Aux Cache of hidden states. arXiv:2407.14057."""
 
     name: ClassVar[str] = "lazyllm"
     paper: ClassVar[str] = "Fu et al. 2024, LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference, arXiv:2407.14057"
@@ -270,8 +316,16 @@ class LazyLLM(Compressor):
         "share of all tokens kept at each pruning layer, '/'-separated, non-increasing, in (0, 1]; "
         "auto = evenly from 0.7 down to 0.3 (0.7/0.5/0.3)",
     )
+    reselect: int = knob(
+        1,
+        "decoding steps per selection: 1 = select again at every step (the paper); N > 1 = at every N-th step, "
+        "the steps between reuse the last selection plus the new tokens (no scoring, no revival); "
+        "0 = keep the prefill's selection",
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.reselect, bool) or not isinstance(self.reselect, int) or self.reselect < 0:
+            raise UsageError(f"lazyllm: reselect expects a whole number of decoding steps >= 0 (1: every step), got '{self.reselect}'")
         if self.layers is not None:
             _parse_list("layers", self.layers, int, "8/16/24")
         if self.keep is not None:
@@ -341,14 +395,19 @@ class LazyLLM(Compressor):
             cache = LazyCache(engine.n_layers)
         hidden = run_tokens(engine, ids, cache, schedule)
         cache.schedule = schedule
+        cache.reselect = self.reselect
         cache.n_prompt = cache.n_tokens
         cache.prefill_tokens = [int(c) for c in cache.computed[:, : cache.n_prompt].sum(dim=1)]
         return cache, engine.logits(hidden)[-1], cache.n_tokens
 
     def decode_step(self, engine, token: int, position: int, cache: LazyCache) -> torch.Tensor:
-        """One decoding step: the selection runs again for the new token (dynamic pruning)."""
+        """One decoding step: the selection runs again for the new token (dynamic pruning), at
+        every ``reselect``-th step (knob; 1: every step, as the paper)."""
         if position != cache.n_tokens:
             raise ValueError(f"lazyllm: decoding step at position {position}, expected {cache.n_tokens}")
-        hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True)
-        cache.decode_steps += 1
+        step = cache.decode_steps + 1  # the prefill is step 0, a selecting step
+        select = self.reselect == 1 or (self.reselect > 1 and step % self.reselect == 0)
+        hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select)
+        cache.decode_steps = step
+        cache.selecting_steps += select
         return engine.logits(hidden)[-1]

@@ -260,8 +260,8 @@ def test_default_schedule():
 
 def test_knobs_resolve_against_the_model(tiny_lm):
     lm = tiny_lm("llama")
-    assert lazy(lm, "lazyllm").spec() == "lazyllm:layers=1/2/3,keep=0.7/0.5/0.3"
-    assert lazy(lm, "lazyllm:layers=2").spec() == "lazyllm:layers=2,keep=0.5"
+    assert lazy(lm, "lazyllm").spec() == "lazyllm:layers=1/2/3,keep=0.7/0.5/0.3,reselect=1"
+    assert lazy(lm, "lazyllm:layers=2").spec() == "lazyllm:layers=2,keep=0.5,reselect=1"
     assert lazy(lm, "lazyllm:keep=0.6/0.2").schedule() == [(1, 0.6), (3, 0.2)]
 
 
@@ -279,6 +279,8 @@ def test_knobs_resolve_against_the_model(tiny_lm):
         "lazyllm:keep=x",
         "lazyllm:layers=1/2,keep=0.5",
         "lazyllm:keep=0.9/0.8/0.7/0.6",  # 4 ratios, only 3 layers to prune at
+        "lazyllm:reselect=-1",
+        "lazyllm:reselect=two",
     ],
 )
 def test_bad_knobs_are_usage_errors(tiny_lm, spec):
@@ -308,3 +310,68 @@ def test_cache_appends_in_place_and_copies_write_their_own_buffers():
     k, v = cache.update(rows[3], rows[3] + 1, 0)
     assert torch.equal(k, torch.cat([*rows[:3], rows[3]], dim=2)[:, :, [0, 4, 9]]) and torch.equal(v, k + 1)
     assert cache.get_seq_length(0) == 10
+
+
+# --- reading S_l: gathering its rows or masking the others gives the same step ------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_gathering_and_masking_give_the_same_logits(tiny_lm, family, monkeypatch):
+    import kvcli.compressors.lazyllm as lazymod
+
+    if family == "mistral-window":
+        lm = tiny_lm("mistral", sliding_window=48, num_hidden_layers=4)
+        engine, prompt = Engine(lm), build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    else:
+        lm, engine, prompt = setup(tiny_lm, family)
+    runs = []
+    for gather_below in (0.0, 1.01):  # never gather / gather whenever several rows query a subset
+        monkeypatch.setattr(lazymod, "GATHER_BELOW", gather_below)
+        method = lazy(lm, "lazyllm:layers=1/2/3,keep=0.6/0.4/0.2")
+        cache, first, n = method.prefill(engine, prompt.ids)
+        runs.append((greedy(lambda t, p: method.decode_step(engine, t, p, cache), first, n, steps=8), cache))
+    (a, cache_a), (b, cache_b) = runs
+    assert cache_a.revivals > 0 and cache_a.revivals == cache_b.revivals
+    assert torch.equal(cache_a.computed, cache_b.computed)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=TOL)
+
+
+# --- reselect: a documented departure from the paper (selection every N decoding steps) -------------
+
+
+def test_reselect_reuses_the_last_selection_between_selecting_steps(tiny_lm):
+    lm, engine, prompt = setup(tiny_lm)
+    method = lazy(lm, "lazyllm:layers=1/2/3,keep=0.6/0.4/0.2,reselect=3")
+    cache, logits, n = method.prefill(engine, prompt.ids)
+    cache.trace, revivals = [], []
+    for i in range(7):  # decoding steps 1..7: steps 3 and 6 select again
+        before = cache.revivals
+        logits = method.decode_step(engine, int(torch.argmax(logits)), n + i, cache)
+        revivals.append(cache.revivals - before)
+    stats = cache.stats()
+    assert stats["decode_steps"] == 7 and stats["selecting_decode_steps"] == 2
+    assert stats["schedule"]["reselect"] == 3 and int(cache.computed.max()) == 1
+    assert revivals[2] > 0 and all(revivals[i] == 0 for i in (0, 1, 3, 4, 6))
+    for step in (2, 4, 5, 7):  # a step between selections: the step before's S_l plus the new token
+        now, prev = dict(cache.trace[step - 1]), dict(cache.trace[step - 2])
+        for layer, selected in now.items():
+            assert selected.numel() == n + step and selected[-1]
+            assert torch.equal(selected[:-1], prev[layer])
+    # reselect=0: the prefill's selection for good, nothing revived, nothing computed beyond it
+    frozen = lazy(lm, "lazyllm:layers=1/2/3,keep=0.6/0.4/0.2,reselect=0")
+    cache0, first0, _ = frozen.prefill(engine, prompt.ids)
+    greedy(lambda t, p: frozen.decode_step(engine, t, p, cache0), first0, n, steps=7)
+    stats0 = cache0.stats()
+    assert cache0.revivals == 0 and stats0["selecting_decode_steps"] == 0
+    assert stats0["prompt_tokens_computed_frac"] == stats0["prefill_tokens_computed_frac"]
+
+
+def test_reselect_one_is_the_paper_and_keep_one_is_still_full_attention(tiny_lm):
+    lm, engine, prompt = setup(tiny_lm)
+    a = run(engine, prompt, Pipeline.parse("lazyllm:keep=0.6/0.4/0.2"), max_new_tokens=6, stop_ids=set())
+    b = run(engine, prompt, Pipeline.parse("lazyllm:keep=0.6/0.4/0.2,reselect=1"), max_new_tokens=6, stop_ids=set())
+    assert a.answer_ids == b.answer_ids and a.extra["method_stats"] == b.extra["method_stats"]
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=6, stop_ids=set())
+    for spec in ("lazyllm:keep=1/1/1,reselect=4", "lazyllm:keep=1/1/1,reselect=0"):
+        assert run(engine, prompt, Pipeline.parse(spec), max_new_tokens=6, stop_ids=set()).answer_ids == ref.answer_ids
