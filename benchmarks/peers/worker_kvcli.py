@@ -1,0 +1,57 @@
+"""One kvcli measurement (see common.py): ``python worker_kvcli.py CASE SPEC [--store DIR]``.
+
+SPEC is a kvcli compressor spec (``full``, ``snapkv:budget=0.25`` ...). ``--store DIR``: use the
+disk KV store in DIR (the repeat-question rows: a first process fills it, a second one reads it);
+without it the store is off (cold runs). The answer is forced to the case's ``new_tokens`` tokens
+(``force_tokens``: decode speed over a fixed length); the answer compared is the part before the
+first stop token. The environment variable ``KVCLI_SRC`` selects which kvcli tree is measured (run.py's
+``--before``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.environ.get("KVCLI_SRC"):  # measure another kvcli tree: bypass the editable install's finder
+    sys.meta_path = [f for f in sys.meta_path if "editable" not in str(f)]
+    sys.path.insert(0, os.environ["KVCLI_SRC"])
+from common import Clock, emit, read_case, reset_peak  # noqa: E402
+
+import torch  # noqa: E402
+
+import kvcli  # noqa: E402
+from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
+from kvcli.documents import document_from_text  # noqa: E402
+from kvcli.store import KVStore  # noqa: E402
+
+
+def main() -> None:
+    case, spec, extra = read_case()
+    store = Path(extra[extra.index("--store") + 1]) if "--store" in extra else None
+    session = Session.open(AskOptions(use_cache=False))
+    if store is not None:
+        session = dataclasses.replace(session, store=KVStore.open(store))
+    doc = document_from_text(case["document"])
+    # warm-up on a short prompt: one-time costs (kernels, allocator) are not the method's
+    warm = document_from_text(case["document"][:1500])
+    try:
+        session.ask(warm, case["question"], parse_pipeline(spec), max_new_tokens=4, use_store=False)
+    except Exception:
+        session.ask(warm, case["question"], parse_pipeline("full"), max_new_tokens=4, use_store=False)
+    reset_peak()
+    clock = Clock()
+    result = session.ask(doc, case["question"], parse_pipeline(spec), on_token=lambda _t: clock.first(),
+                         max_new_tokens=case["new_tokens"], force_tokens=True, use_store=store is not None)
+    clock.done()
+    if result.prompt.ids.tolist() != case["ids"]:
+        raise SystemExit("kvcli built other prompt ids than the case's")
+    emit(case, clock, result.answer_ids, kvcli_src=os.path.dirname(kvcli.__file__),
+         compression_ratio=round(result.compression_ratio, 3) if hasattr(result, "compression_ratio") else None,
+         cache=(result.extra.get("cache") or {}).get("status"), threads=torch.get_num_threads())
+
+
+if __name__ == "__main__":
+    main()
