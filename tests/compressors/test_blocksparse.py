@@ -177,7 +177,7 @@ def test_infllm_representatives_equal_a_naive_reference(tiny_lm, family):
     lm = tiny_lm(family)
     engine = Engine(lm)
     prompt = prompt_for(lm)
-    n, rows, local = prompt.n_tokens, prompt.prefix_len, 8
+    rows, local = prompt.prefix_len, 8
     stage = stage_for(lm, f"blocksparse:{SMALL},representative=infllm,representative_num=2,chunk=37")
     kv, _, _ = stage.prefill(engine, prompt.ids, protected=prompt.n_suffix)
     scores = stage.infllm_scores()
