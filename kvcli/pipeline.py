@@ -13,6 +13,7 @@ arithmetic and give token-identical answers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .compressors.base import Runtime
 from .errors import DocumentError, UsageError
-from .measure import measure
+from .measure import large_allocations_mapped, measure
 from .policy import NAME as AUTO
 from .policy import AutoPolicy
 from .prompt import Prompt
@@ -125,15 +126,25 @@ class Prefix:
     build: Callable[[], object]  # () -> state; loads or computes
     fetched: Fetched | None = None
     _state: object | None = None
+    # True when nothing but this object holds the state (no disk store, whose memo keeps it for the
+    # next question): :meth:`cache` then hands the state itself over instead of a copy, so the
+    # prefix KV is not held twice while the question's tokens are appended (each layer's ``torch.cat``
+    # frees the tensor it replaces) and while a compressor evicts.
+    sole_owner: bool = False
 
     @property
     def n_tokens(self) -> int:
         return self.ids.numel()
 
     def cache(self):
-        """A fresh copy of the state (appending the question's tokens never touches the stored one)."""
+        """A fresh copy of the state (appending the question's tokens never touches the stored one).
+
+        With ``sole_owner`` the state itself, forgotten here (a later call builds it again)."""
         if self._state is None:
             self._state, self.fetched = self.build()
+        if self.sole_owner:
+            state, self._state = self._state, None
+            return state
         return self._state.copy()
 
 
@@ -156,7 +167,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
         key = make_key(lm, ids, state)
         return store.fetch(key, compute, meta, device=engine.device)
 
-    return Prefix(ids, state, build)
+    return Prefix(ids, state, build, sole_owner=store is None)
 
 
 @dataclass
@@ -280,7 +291,9 @@ def run(
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
-    with measure(engine.device) as m:
+    with measure(engine.device) as m, contextlib.ExitStack() as reading:
+        # the prompt phase (selection, prefill, compression): freed tensors go back to the OS
+        reading.enter_context(large_allocations_mapped(engine.device))
         start = time.perf_counter()
         prefix = make_prefix(engine, prompt, pipeline.reader(), store, meta or {})
         selection = Selection(torch.arange(prompt.n_tokens))
@@ -312,6 +325,7 @@ def run(
         for stage in compressors:
             cache = stage.compress(engine, cache)
         ttft = time.perf_counter() - start
+        reading.close()
         decoder = pipeline.owner("decode_step")
         step = None if decoder is None else (lambda token, position, c: decoder.decode_step(engine, token, position, c))
         answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)

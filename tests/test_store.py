@@ -233,7 +233,7 @@ def _cli(args, capsys, monkeypatch):
 
 
 def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
-    tiny_lm("llama")  # the tiny model the CLI loads (tiny_dir)
+    tiny_lm("llama")  # loads it once (the tiny model folder the commands read)
     doc_a, doc_b = tmp_path / "a.txt", tmp_path / "b.txt"
     doc_a.write_text(DOC)
     doc_b.write_text(DOC.replace("ships", "boats"))

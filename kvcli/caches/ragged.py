@@ -76,9 +76,13 @@ class RaggedCache(LayerKV):
 
     # --- building it ------------------------------------------------------------------------------
     @classmethod
-    def from_selection(cls, cache: "KVCache", keep: list[torch.Tensor]) -> "RaggedCache":
+    def from_selection(cls, cache: "KVCache", keep: list[torch.Tensor], consume: bool = False) -> "RaggedCache":
         """Keep, in each layer l of ``cache`` (a KVCache right after a prefill: prompt entries
-        only), the entries where ``keep[l]`` (n_kv_heads, seq_len_l) bool is True, head by head."""
+        only), the entries where ``keep[l]`` (n_kv_heads, seq_len_l) bool is True, head by head.
+
+        ``consume``: the caller drops ``cache`` afterwards, so each layer's full key and value
+        tensors are released from it as soon as that layer is converted (the whole uncompressed
+        cache and the compressed one are never held together); ``cache`` is unusable after."""
         if len(keep) != cache.n_layers:
             raise ValueError(f"{len(keep)} selections for {cache.n_layers} layers")
         out = cls()
@@ -105,6 +109,9 @@ class RaggedCache(LayerKV):
             out.values.append(torch.where(fill, v.gather(2, idx), 0).contiguous())
             out.kept.append(torch.where(valid, positions.gather(1, order), -1))
             out.lengths.append(lengths.to(torch.long))
+            if consume:
+                del k, v
+                cache.keys[layer] = cache.values[layer] = None
         return out
 
     # --- the transformers contract -----------------------------------------------------------------

@@ -109,4 +109,4 @@ class AdaKV(Eviction):
     def keep(self, cache: KVCache, scores: list[torch.Tensor], budgets: list[int]) -> RaggedCache:
         """The base's scores, chosen per layer across its KV heads (:func:`adaptive_mask`)."""
         masks = [adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard) for layer, (s, k_layer) in enumerate(zip(scores, budgets))]
-        return RaggedCache.from_selection(cache, masks)
+        return RaggedCache.from_selection(cache, masks, consume=True)  # the pipeline keeps only the result

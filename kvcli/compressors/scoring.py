@@ -431,4 +431,4 @@ class PrefixEviction(Compressor):
         if k >= n:
             return engine.prefix_kv(prefix_ids)
         kv, scores = self.prefix_scores(engine, prefix_ids)
-        return RaggedCache.from_selection(kv, allocate(scores, k, self.allocation, self.safeguard))
+        return RaggedCache.from_selection(kv, allocate(scores, k, self.allocation, self.safeguard), consume=True)
