@@ -34,14 +34,16 @@ stored next to its KV — but is not implemented.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from ..attention import Attending
 from ..errors import UsageError
 from .base import knob, register
-from .scoring import Eviction, column_sums, group_mean
+from .scoring import Eviction, attention_and_column_sums, column_sums, group_mean
 
 WHOLE_PROMPT = 2**62  # query_window: every token
 
@@ -70,6 +72,16 @@ class H2O(Eviction):
 
     def layer_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return group_mean(column_sums(query, key))
+
+    def prefill_observers(self, lm, n_tokens: int) -> dict:
+        # each layer's observer attends too: the softmax weights that sum to the scores give its output
+        return {layer: [Attending(fn, functools.partial(self._attend, layer)) for fn in fns]
+                for layer, fns in super().prefill_observers(lm, n_tokens).items()}
+
+    def _attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        out, sums = attention_and_column_sums(query, key, value, scaling)
+        self._scores[layer] = group_mean(sums)
+        return out
 
     def compress(self, engine, cache):
         n = cache.n_tokens
