@@ -10,7 +10,10 @@ its own, ``"kvcli"``, which
   flash-attn (CUDA only);
 * before attending, hands ``(query, key)`` of a layer to the observers registered in the active
   :class:`AttentionContext`. That is how compressors compute their scores from queries and keys
-  without ``output_attentions``, so the fast kernels stay usable.
+  without ``output_attentions``, so the fast kernels stay usable;
+* lets an :class:`Attending` observer — one that needs the softmax weights of every query anyway
+  (H2O) — compute the layer's attention itself from those weights, instead of the kernel, so the
+  weights are computed once.
 
 Shapes at this boundary (after RoPE, after the cache update):
     query: (batch, n_heads, q_len, head_dim)
@@ -34,6 +37,26 @@ from .kernels import KERNELS, attend, causal_mask  # noqa: F401  (causal_mask: p
 
 # observer(query, key) is called with the tensors documented above, before attention is computed.
 Observer = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Attending:
+    """An observer that can also compute the layer's attention: ``attend(query, key, value,
+    scaling)`` observes *and* returns the output (batch, q_len, n_heads, head_dim), the causal
+    attention of the new queries to every key, from the same softmax weights.
+
+    :func:`kvcli_attention` calls ``attend`` instead of the kernel where the attention is plain
+    causal over key and value tensors: no explicit mask (:attr:`AttentionContext.mask`), no
+    sliding window shorter than the keys, not a cache that attends itself, batch 1. Elsewhere it
+    calls ``observe(query, key)`` and runs the kernel as usual — so the observation must not
+    depend on which of the two ran. Of several Attending observers of a layer, the first attends
+    and the others observe. Called as a plain observer, it observes."""
+
+    observe: Observer
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        self.observe(query, key)
 
 
 class StopForward(Exception):
@@ -98,16 +121,33 @@ def kvcli_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     ctx = _CONTEXT.get()
-    for fn in ctx.observers.get(module.layer_idx, ()):
-        fn(query, key)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
+    out = None
+    for fn in ctx.observers.get(module.layer_idx, ()):
+        if out is None and isinstance(fn, Attending) and _plain_causal(ctx, query, key, sliding_window):
+            out = fn.attend(query, key, value, scaling)
+        else:
+            fn(query, key)
+    if out is not None:
+        return out, None
     # --- caches that own attention (RazorAttention's grouped heads, ragged heads, block retrieval) ---
     # The cache's update returned a per-layer view instead of key/value tensors; it attends itself
     # and returns (batch, q_len, n_heads, head_dim). Observers above receive that view as ``key``.
     if isinstance(key, LayerView):
         return key.attend(module, query, scaling, sliding_window, ctx.kernel), None
     return attend(ctx.kernel, module, query, key, value, scaling, sliding_window, mask=None if ctx.mask is None else ctx.mask.to(query.device)), None
+
+
+def _plain_causal(ctx: AttentionContext, query: torch.Tensor, key, sliding_window: int | None) -> bool:
+    """Whether the layer's attention is the causal attention of the new queries to every key of
+    a plain tensor (what an :class:`Attending` observer computes)."""
+    return (
+        isinstance(key, torch.Tensor)
+        and ctx.mask is None
+        and query.shape[0] == 1
+        and (sliding_window is None or sliding_window >= key.shape[-2])
+    )
 
 
 def install(model) -> None:

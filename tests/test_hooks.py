@@ -167,3 +167,40 @@ def test_gemfilter_then_a_prefill_owner_runs_on_the_selected_tokens(tiny_lm, sec
     assert result.selection.n_kept == 40 and len(result.answer_ids) == 3
     mask = result.kept_mask()
     assert not mask[:, :, [i for i in range(result.prompt.n_tokens) if i not in set(result.selection.kept.tolist())]].any()
+
+
+def test_an_attending_observer_attends_only_where_the_attention_is_plain_causal():
+    """An Attending observer replaces the kernel for causal attention over key/value tensors;
+    with an explicit mask or a sliding window shorter than the keys it only observes. Of two, the
+    first attends."""
+    import types
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    calls = []
+
+    def observing(name):
+        def attend(query, key, value, scaling):
+            calls.append(f"{name} attends")
+            return torch.full((1, query.shape[2], query.shape[1], query.shape[3]), 7.0)
+
+        return attention.Attending(lambda query, key: calls.append(f"{name} observes"), attend)
+
+    module = types.SimpleNamespace(layer_idx=3)
+    plain = attention.kvcli_attention(module, q, k, v, None)[0]
+    for mask, window, want in [
+        (None, None, ["a attends", "b observes"]),
+        (None, 10, ["a attends", "b observes"]),
+        (None, 9, ["a observes", "b observes"]),
+        (torch.ones(6, 10, dtype=torch.bool).tril(4), None, ["a observes", "b observes"]),
+    ]:
+        calls.clear()
+        ctx = attention.AttentionContext(observers={3: [observing("a"), observing("b")]}, mask=mask)
+        with attention.attention_context(ctx):
+            out = attention.kvcli_attention(module, q, k, v, None, sliding_window=window)[0]
+        assert calls == want
+        if want[0] == "a attends":
+            assert torch.equal(out, torch.full_like(out, 7.0))
+        else:
+            torch.testing.assert_close(out, attention.attend("sdpa", module, q, k, v, 8**-0.5, window, mask=mask))
+    assert plain.shape == (1, 6, 4, 8)

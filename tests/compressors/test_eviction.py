@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 from kvcli.compressors import parse_one
 from kvcli.compressors.pyramidkv import pyramid_budgets
-from kvcli.compressors.scoring import column_sums, window_attention
+from kvcli import attention
+from kvcli.compressors import scoring
+from kvcli.compressors.scoring import attention_and_column_sums, column_sums, window_attention
+from kvcli.kernels import attend
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
@@ -64,16 +67,35 @@ def test_snapkv_keeps_the_papers_selection(tiny_lm, family):
             assert_top_k(cache.kept[l][h], votes[h], budget - w, tail=range(n - w, n))
 
 
-def test_h2o_keeps_heavy_hitters_and_recent_tokens(tiny_lm):
-    lm = tiny_lm("qwen2")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [None, 16])  # the default blocks (one, for this prompt), 16-row blocks
+def test_h2o_keeps_heavy_hitters_and_recent_tokens(tiny_lm, monkeypatch, family, rows):
+    lm = tiny_lm(family)
     engine = Engine(lm)
     prompt = prompt_for(lm)
     n, budget = prompt.n_tokens, 40
-    cache, _ = prefill_and_compress(engine, prompt.ids, f"h2o:budget={budget}")
+    if rows:
+        monkeypatch.setattr(scoring, "block_rows", lambda group, kv_len: rows)
+        assert n > 4 * rows
+    kernel_calls = []
+    monkeypatch.setattr(attention, "attend", lambda *a, **kw: kernel_calls.append(1) or attend(*a, **kw))
+    cache, first = prefill_and_compress(engine, prompt.ids, f"h2o:budget={budget}")
+    # H2O computed every layer's attention itself, from the weights it sums: no kernel ran
+    assert kernel_calls == []
+    full, want = prefill_and_compress(engine, prompt.ids, "full")
+    assert len(kernel_calls) == lm.n_layers
+    torch.testing.assert_close(first, want, atol=TOL, rtol=0)
     for l, attn in enumerate(reference_attention(lm, prompt.ids)):
         heavy = per_kv_head(attn.sum(dim=-2), lm.n_kv_heads)[:, : n - 20]
         for h in range(lm.n_kv_heads):
             assert_top_k(cache.kept[l][h], heavy[h], 20, tail=range(n - 20, n))
+    # where it may not attend (here: never), it observes and the kernel runs: the same selection
+    monkeypatch.setattr(attention, "_plain_causal", lambda *a: False)
+    kernel_calls.clear()
+    observed, first_observed = prefill_and_compress(engine, prompt.ids, f"h2o:budget={budget}")
+    assert len(kernel_calls) == lm.n_layers
+    assert all(torch.equal(a, b) for a, b in zip(observed.kept, cache.kept))
+    torch.testing.assert_close(first_observed, want, atol=TOL, rtol=0)
 
 
 def test_scores_from_q_and_k_match_the_attention_matrix():
@@ -84,6 +106,27 @@ def test_scores_from_q_and_k_match_the_attention_matrix():
     attn = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[0]  # (6, 50, 70)
     assert torch.allclose(column_sums(q, k, chunk=16).reshape(6, 70), attn.sum(dim=1), atol=1e-5)
     assert torch.allclose(window_attention(q, k, 10).reshape(6, 10, 70), attn[:, -10:], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 16, 50])
+@pytest.mark.parametrize("cached", [0, 20])
+def test_attention_and_column_sums_equal_the_kernel_and_the_attention_matrix(chunk, cached):
+    """H2O's one pass: the kernel's output and the column sums of the attention matrix, from the
+    same blocks, whatever their size (the last one short) and with keys cached before the queries."""
+    torch.manual_seed(0)
+    kv_len = cached + 50
+    q, k, v = torch.randn(1, 6, 50, 8), torch.randn(1, 2, kv_len, 8), torch.randn(1, 2, kv_len, 8)  # GQA 3
+    logits = torch.matmul(q, k.repeat_interleave(3, dim=1).transpose(-1, -2)) / math.sqrt(8)
+    allowed = torch.arange(kv_len)[None, :] <= torch.arange(cached, kv_len)[:, None]
+    attn = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[0]  # (6, 50, kv_len)
+    out, sums = attention_and_column_sums(q, k, v, 1 / math.sqrt(8), chunk)
+    assert out.shape == (1, 50, 6, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, attend("sdpa", None, q, k, v, 1 / math.sqrt(8)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0], torch.matmul(attn, v[0].repeat_interleave(3, dim=0)).transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(sums.reshape(6, kv_len), attn.sum(dim=1), atol=1e-5, rtol=0)
+    assert torch.equal(sums, column_sums(q, k, chunk))  # the observer alone sums the same weights
+    half = attention_and_column_sums(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), 1 / math.sqrt(8), chunk)
+    assert half[0].dtype == torch.bfloat16 and half[1].dtype == torch.float32
 
 
 def test_streamingllm_keeps_sinks_and_recent(tiny_lm):
