@@ -11,6 +11,7 @@ one run are directly comparable between methods.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import threading
 import time
@@ -37,6 +38,9 @@ def _malloc_trim() -> None:
 # glibc mallopt parameter, and its largest value on 64-bit (what its dynamic threshold grows up to)
 _M_MMAP_THRESHOLD = -3
 _DYNAMIC_MAX = 32 * 2**20
+_MAPPED_MIN = 2**20  # tensors from this size on get their own mapping while a prompt is read
+# "" outside a prompt phase; "kv": the kept KV gets its own mappings; "all": every large allocation does
+_READING: contextvars.ContextVar[str] = contextvars.ContextVar("kvcli_reading_prompt", default="")
 
 
 def _set_mmap_threshold(nbytes: int) -> bool:
@@ -47,22 +51,51 @@ def _set_mmap_threshold(nbytes: int) -> bool:
 
 
 @contextmanager
-def large_allocations_mapped(device: torch.device | str = "cpu", threshold: int = 2**20):
-    """While reading a prompt on CPU, give every allocation above ``threshold`` bytes its own
-    ``mmap``, so a freed tensor goes back to the OS at once (glibc; elsewhere a no-op).
+def reading_prompt(device: torch.device | str = "cpu", low_memory: bool = False):
+    """The prompt phase (selection, prefill, compression) on CPU, where a prefill allocates and
+    frees each layer's activations (tens of MiB at 8k tokens) while the KV it keeps accumulates.
+    From glibc's heap, the long-lived KV tensors sit between freed activation blocks and keep
+    them resident. Two remedies (glibc only; on CUDA, and elsewhere, nothing changes):
 
-    By default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB),
-    after which a prefill's per-layer activations and the KV tensors it keeps come from the same
-    heap: the long-lived KV pins that heap, and the freed activations between its tensors stay
-    resident — 240-300 MiB of a 8k-token prompt's peak on the embedded model. Mapped, they are
-    returned when freed. On exit the threshold is fixed at glibc's dynamic maximum, so decoding's
-    per-step ``torch.cat`` of each layer's KV reuses heap blocks instead of faulting in fresh pages.
-    Memory layout only: no computation changes."""
-    if torch.device(device).type != "cpu" or not _set_mmap_threshold(threshold):
+    * default: the KV tensors a pass keeps get their own ``mmap`` (:func:`long_lived`), out of
+      the heap, which reuses its activation blocks layer after layer. Costs nothing measurable;
+      saves ~30 MiB at 4k tokens on the embedded model.
+    * ``low_memory`` (``kvcli ask --low-memory``): *every* allocation of 1 MiB or more gets its
+      own mapping, so a freed activation goes back to the OS at once: 150 MiB less at 4k and
+      ~250-400 MiB less at 8k, but each activation faults in fresh pages — +15-20% TTFT on this
+      CPU (measured: benchmarks/peers, docs/bench/peers).
+
+    On leaving, the freed heap is handed back (``malloc_trim``), so decoding's first KV copies do
+    not land on resident activation blocks. Decoding itself runs with glibc's largest dynamic
+    threshold: its per-step KV copies reuse heap blocks."""
+    if torch.device(device).type != "cpu":
         yield
         return
+    whole = low_memory and _set_mmap_threshold(_MAPPED_MIN)
+    token = _READING.set("all" if whole else "kv")
     try:
         yield
+    finally:
+        _READING.reset(token)
+        if whole:
+            _set_mmap_threshold(_DYNAMIC_MAX)
+        _malloc_trim()
+
+
+@contextmanager
+def long_lived(*tensors: torch.Tensor):
+    """Allocations made inside ``with long_lived(t...) as mapped:`` get their own mapping when
+    ``mapped`` is True: inside :func:`reading_prompt` (default mode; with ``low_memory`` every
+    large allocation is mapped already), on CPU, and for tensors ``t`` of 1 MiB or
+    more together (the KV a prefill keeps: the caller allocates it there — a copy of a tensor the
+    model made, or the concatenation it keeps)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    on = _READING.get() == "kv" and all(t.device.type == "cpu" for t in tensors) and nbytes >= _MAPPED_MIN
+    if not on or not _set_mmap_threshold(_MAPPED_MIN):
+        yield False
+        return
+    try:
+        yield True
     finally:
         _set_mmap_threshold(_DYNAMIC_MAX)
 

@@ -24,7 +24,7 @@ import torch
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .compressors.base import Runtime
 from .errors import DocumentError, UsageError
-from .measure import large_allocations_mapped, measure
+from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
 from .policy import AutoPolicy
 from .prompt import Prompt
@@ -282,6 +282,7 @@ def run(
     store: KVStore | None = None,
     meta: dict | None = None,
     guard=None,
+    low_memory: bool = False,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
@@ -292,8 +293,8 @@ def run(
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
-        # the prompt phase (selection, prefill, compression): freed tensors go back to the OS
-        reading.enter_context(large_allocations_mapped(engine.device))
+        # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
+        reading.enter_context(reading_prompt(engine.device, low_memory))
         start = time.perf_counter()
         prefix = make_prefix(engine, prompt, pipeline.reader(), store, meta or {})
         selection = Selection(torch.arange(prompt.n_tokens))

@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 
+from ..measure import long_lived
+
 CACHE_TYPES: dict[str, type] = {}
 
 
@@ -89,12 +91,15 @@ class LayerKV(CacheBase):
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx`` (a
         new layer only right after the last). Returns that layer's whole key and value tensors."""
+        # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.measure.reading_prompt)
         if layer_idx == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
+            with long_lived(key, value) as mapped:
+                self.keys.append(key.clone() if mapped else key)
+                self.values.append(value.clone() if mapped else value)
         elif layer_idx < len(self.keys):
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+            with long_lived(self.keys[layer_idx], key, self.values[layer_idx], value):
+                self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
+                self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
         else:
             raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
         return self.keys[layer_idx], self.values[layer_idx]

@@ -61,7 +61,8 @@ CacheDirOpt = cache_dir_option()
 
 
 def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
-                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True) -> api.AskOptions:
+                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
+                low_memory: bool = False) -> api.AskOptions:
     """The library options of the commands that answer (ask, inspect) from their CLI values."""
     return api.AskOptions(
         model=model,
@@ -75,6 +76,7 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         use_cache=not no_cache,
         kv_offload=kv_offload.value,
         answer_guard=answer_guard,
+        low_memory=low_memory,
     )
 
 

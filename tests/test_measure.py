@@ -1,0 +1,71 @@
+"""kvcli.measure's prompt-phase memory layout: which allocations get their own mapping, and that
+neither layout changes a single number the model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli import measure
+from kvcli.caches import KVCache
+from kvcli.engine import Engine
+from kvcli.measure import long_lived, reading_prompt
+from kvcli.pipeline import Pipeline, run
+from tests.helpers.runs import prompt_for
+
+BIG = torch.zeros(1, 3, 2048, 64)  # 1.5 MiB: over the 1 MiB mapping size
+SMALL = torch.zeros(1, 3, 16, 64)
+
+
+def _mapped(*tensors) -> bool:
+    with long_lived(*tensors) as mapped:
+        return mapped
+
+
+def test_long_lived_maps_only_large_kv_while_a_prompt_is_read(monkeypatch):
+    calls = []
+    monkeypatch.setattr(measure, "_set_mmap_threshold", lambda n: calls.append(n) or True)
+    assert not _mapped(BIG)  # outside a prompt phase: decoding's copies stay on the heap
+    with reading_prompt("cpu"):
+        assert _mapped(BIG)
+        assert not _mapped(SMALL)
+        assert _mapped(SMALL, BIG)  # the size of what is allocated: old KV + new together
+    assert calls == [measure._MAPPED_MIN, measure._DYNAMIC_MAX] * 2  # lowered for the allocation, restored after
+    calls.clear()
+    with reading_prompt("cpu", low_memory=True):
+        assert calls == [measure._MAPPED_MIN]  # every large allocation mapped for the whole phase
+        assert not _mapped(BIG)  # ... so the KV needs nothing of its own
+    assert calls == [measure._MAPPED_MIN, measure._DYNAMIC_MAX]
+    with reading_prompt("meta"):  # not CPU (CUDA): nothing changes
+        assert not _mapped(BIG)
+
+
+def test_cache_update_keeps_a_copy_only_when_mapped(monkeypatch):
+    monkeypatch.setattr(measure, "_set_mmap_threshold", lambda n: True)
+    key, value = torch.randn(1, 3, 2048, 64), torch.randn(1, 3, 2048, 64)
+    outside = KVCache()
+    outside.update(key, value, 0)
+    assert outside.keys[0] is key  # no copy outside a prompt phase
+    with reading_prompt("cpu"):
+        inside = KVCache()
+        k, v = inside.update(key, value, 0)
+    assert k is not key and torch.equal(k, key) and torch.equal(v, value)
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("spec", ["full", "snapkv:budget=0.5"])
+def test_memory_layouts_change_no_number(tiny_lm, spec, low_memory, monkeypatch):
+    monkeypatch.setattr(measure, "_MAPPED_MIN", 1024)  # the tiny model's tensors are small: map them too
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+
+    def answer(**kw):
+        pipeline = Pipeline.parse(spec)
+        pipeline.configure(lm)
+        return run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set(), **kw)
+
+    base, other = answer(), answer(low_memory=low_memory)
+    assert other.answer_ids == base.answer_ids
+    for a, b in zip(base.cache.keys, other.cache.keys):
+        assert torch.equal(a, b)
