@@ -31,7 +31,7 @@ from kvcli.store import KVStore  # noqa: E402
 def main() -> None:
     case, spec, extra = read_case()
     store = Path(extra[extra.index("--store") + 1]) if "--store" in extra else None
-    session = Session.open(AskOptions(use_cache=False, low_memory=bool(os.environ.get("KVCLI_LOW_MEMORY"))))
+    session = Session.open(AskOptions(use_cache=False, **({"low_memory": True} if os.environ.get("KVCLI_LOW_MEMORY") else {})))
     if store is not None:
         session = dataclasses.replace(session, store=KVStore.open(store))
     doc = document_from_text(case["document"])
