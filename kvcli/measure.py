@@ -43,9 +43,20 @@ _MAPPED_MIN = 2**20  # tensors from this size on get their own mapping while a p
 _READING: contextvars.ContextVar[str] = contextvars.ContextVar("kvcli_reading_prompt", default="")
 
 
+_M_TRIM_THRESHOLD = -1
+
+
 def _set_mmap_threshold(nbytes: int) -> bool:
+    """Set glibc's mmap threshold. Setting it turns glibc's dynamic adjustment off, which also
+    leaves the trim threshold at its 128 KiB start: back at the dynamic maximum, the trim
+    threshold is set where the adjustment would have put it (twice the mmap threshold), or every
+    freed top-of-heap KV copy of a decoding step would be handed back and faulted in again."""
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+        libc = ctypes.CDLL("libc.so.6")
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+        if ok and nbytes >= _DYNAMIC_MAX:
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(nbytes))
+        return ok
     except (OSError, AttributeError):
         return False
 
