@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -28,22 +29,30 @@ class Measurement:
     peak_mem_mb: float = 0.0
 
 
+@functools.cache
+def _libc():
+    """glibc, loaded once (None elsewhere): the prompt phase calls it for every layer's KV."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def _malloc_trim() -> None:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
+        _libc().malloc_trim(0)
+    except AttributeError:
         pass
 
 
-# glibc mallopt parameter, and its largest value on 64-bit (what its dynamic threshold grows up to)
+# glibc mallopt parameters, and the mmap threshold's largest value on 64-bit (what its dynamic
+# adjustment grows it up to)
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _DYNAMIC_MAX = 32 * 2**20
-_MAPPED_MIN = 2**20  # tensors from this size on get their own mapping while a prompt is read
+_MAPPED_MIN = 2**20  # allocations from this size on get their own mapping while a prompt is read
 # "" outside a prompt phase; "kv": the kept KV gets its own mappings; "all": every large allocation does
 _READING: contextvars.ContextVar[str] = contextvars.ContextVar("kvcli_reading_prompt", default="")
-
-
-_M_TRIM_THRESHOLD = -1
 
 
 def _set_mmap_threshold(nbytes: int) -> bool:
@@ -51,8 +60,8 @@ def _set_mmap_threshold(nbytes: int) -> bool:
     leaves the trim threshold at its 128 KiB start: back at the dynamic maximum, the trim
     threshold is set where the adjustment would have put it (twice the mmap threshold), or every
     freed top-of-heap KV copy of a decoding step would be handed back and faulted in again."""
+    libc = _libc()
     try:
-        libc = ctypes.CDLL("libc.so.6")
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
         if ok and nbytes >= _DYNAMIC_MAX:
             libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(nbytes))
@@ -94,14 +103,14 @@ def reading_prompt(device: torch.device | str = "cpu", low_memory: bool = False)
 
 
 @contextmanager
-def long_lived(*tensors: torch.Tensor):
-    """Allocations made inside ``with long_lived(t...) as mapped:`` get their own mapping when
-    ``mapped`` is True: inside :func:`reading_prompt` (default mode; with ``low_memory`` every
-    large allocation is mapped already), on CPU, and for tensors ``t`` of 1 MiB or
-    more together (the KV a prefill keeps: the caller allocates it there — a copy of a tensor the
-    model made, or the concatenation it keeps)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    on = _READING.get() == "kv" and all(t.device.type == "cpu" for t in tensors) and nbytes >= _MAPPED_MIN
+def long_lived(device: torch.device, nbytes: int):
+    """Allocations of ``nbytes`` each made inside ``with long_lived(device, nbytes) as mapped:``
+    get their own mapping when ``mapped`` is True: inside :func:`reading_prompt` (default mode;
+    with ``low_memory`` every large allocation is mapped already), on CPU, and ``nbytes`` of
+    1 MiB or more — smaller ones stay on the heap whatever the threshold, so there is nothing to
+    do (the KV a prefill keeps: the caller allocates it there — a copy of a tensor the model
+    made, or the concatenation it keeps)."""
+    on = _READING.get() == "kv" and device.type == "cpu" and nbytes >= _MAPPED_MIN
     if not on or not _set_mmap_threshold(_MAPPED_MIN):
         yield False
         return

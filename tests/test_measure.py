@@ -18,7 +18,8 @@ SMALL = torch.zeros(1, 3, 16, 64)
 
 
 def _mapped(*tensors) -> bool:
-    with long_lived(*tensors) as mapped:
+    """Whether allocating a tensor of their total size is mapped (a KV concatenation's size)."""
+    with long_lived(tensors[0].device, sum(t.numel() * t.element_size() for t in tensors)) as mapped:
         return mapped
 
 
@@ -38,11 +39,17 @@ def test_long_lived_maps_only_large_kv_while_a_prompt_is_read(monkeypatch):
     assert calls == [measure._MAPPED_MIN, measure._DYNAMIC_MAX]
     with reading_prompt("meta"):  # not CPU (CUDA): nothing changes
         assert not _mapped(BIG)
+    with reading_prompt("cpu"):  # a tensor on another device than the CPU: nothing either
+        assert not _mapped(BIG.to("meta"))
 
 
 def test_cache_update_keeps_a_copy_only_when_mapped(monkeypatch):
     monkeypatch.setattr(measure, "_set_mmap_threshold", lambda n: True)
     key, value = torch.randn(1, 3, 2048, 64), torch.randn(1, 3, 2048, 64)
+    with reading_prompt("cpu"):  # K and V of 768 KiB each: 1.5 MiB together, but neither would be mapped
+        small = KVCache()
+        small.update(key[:, :, :1024], value[:, :, :1024], 0)
+    assert small.keys[0]._base is key  # kept as the model made it: no useless copy
     outside = KVCache()
     outside.update(key, value, 0)
     assert outside.keys[0] is key  # no copy outside a prompt phase

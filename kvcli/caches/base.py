@@ -32,6 +32,10 @@ from ..measure import long_lived
 CACHE_TYPES: dict[str, type] = {}
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def cache_type(cls):
     """Register a cache class under its ``kind`` so the store can load it back."""
     CACHE_TYPES[cls.kind] = cls
@@ -93,11 +97,11 @@ class LayerKV(CacheBase):
         new layer only right after the last). Returns that layer's whole key and value tensors."""
         # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.measure.reading_prompt)
         if layer_idx == len(self.keys):
-            with long_lived(key, value) as mapped:
+            with long_lived(key.device, _nbytes(key)) as mapped:
                 self.keys.append(key.clone() if mapped else key)
                 self.values.append(value.clone() if mapped else value)
         elif layer_idx < len(self.keys):
-            with long_lived(self.keys[layer_idx], key, self.values[layer_idx], value):
+            with long_lived(key.device, _nbytes(self.keys[layer_idx]) + _nbytes(key)):
                 self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
                 self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
         else:
