@@ -88,11 +88,13 @@ class Engine:
         *,
         layers: Iterable[int] | None = None,
         observers: dict[int, list[Observer]] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """Run ``ids`` at ``positions`` through ``layers`` (default: all), appending to ``cache``.
 
         Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden);
-        None when an observer ended the pass early with :class:`StopForward`.
+        None when an observer ended the pass early with :class:`StopForward`. ``after_layer(i)``
+        is called as soon as layer i has run (compressors evict its KV there).
         """
         hidden = self.embed(ids)
         rope = self.position_embeddings(hidden, positions)
@@ -100,6 +102,8 @@ class Engine:
             try:
                 for i in range(self.n_layers) if layers is None else layers:
                     hidden = self.layer(i, hidden, positions, cache, rope)
+                    if after_layer is not None:
+                        after_layer(i)
             except StopForward:
                 hidden = None
         if cache is not None and (layers is None or 0 in layers):
@@ -135,14 +139,62 @@ class Engine:
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         observers: dict[int, list[Observer]] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[KVCache, torch.Tensor]:
-        """Run all layers over ``ids``; returns the cache and the logits of the last position (vocab,)."""
+        """Run all layers over ``ids``; returns the cache and the logits of the last position (vocab,).
+        ``after_layer``: as for :meth:`forward`."""
         cache = KVCache() if cache is None else cache
         if positions is None:
-            start = 0 if cache.positions is None else int(cache.positions[-1]) + 1
+            start = 0 if cache.positions is None or not cache.positions.numel() else int(cache.positions[-1]) + 1
             positions = torch.arange(start, start + ids.numel())
-        hidden = self.forward(ids, positions, cache, observers=observers)
+        hidden = self.forward(ids, positions, cache, observers=observers, after_layer=after_layer)
         return cache, self.logits(hidden[:, -1:])[-1]
+
+    @torch.inference_mode()
+    def prefill_on_prefix(
+        self,
+        ids: torch.Tensor,
+        n_prefix: int,
+        start: int,
+        cache: KVCache | None = None,
+        observers: dict[int, list[Observer]] | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[KVCache, torch.Tensor]:
+        """:meth:`prefix_kv` of ``ids[:n_prefix]``, cut back to ``start`` tokens, then :meth:`prefill`
+        of ``ids[start:]`` on top of it with ``observers`` and ``after_layer`` — the same arithmetic,
+        run one layer at a time over both parts: layer i of the prefix, then layer i of the rest,
+        then ``after_layer(i)``. A compressor that evicts there never holds the whole prompt's
+        uncompressed KV (the prefix pass would finish with all of it). Returns (cache, logits of the
+        last position). ``cache``: an empty :class:`KVCache` to fill (default: a new one)."""
+        n = ids.numel()
+        if not 0 <= start <= n_prefix <= n:
+            raise ValueError(f"need 0 <= start <= n_prefix <= len(ids), got {start}, {n_prefix}, {n}")
+        cache = KVCache() if cache is None else cache
+        last = self.n_layers - 1
+
+        def stop(query: torch.Tensor, key: torch.Tensor) -> None:
+            raise StopForward  # the prefix's last layer: only its KV is wanted (as in prefix_kv)
+
+        parts = []
+        for part_ids, positions in ((ids[:n_prefix], torch.arange(n_prefix)), (ids[start:], torch.arange(start, n))):
+            hidden = self.embed(part_ids)
+            parts.append([hidden, positions, self.position_embeddings(hidden, positions)])
+        prefix_ctx, rest_ctx = self.context({last: [stop]}), self.context(observers)
+        for i in range(self.n_layers):
+            hidden, positions, rope = parts[0]
+            with attention.attention_context(prefix_ctx):
+                try:
+                    parts[0][0] = self.layer(i, hidden, positions, cache, rope)
+                except StopForward:
+                    parts[0][0] = None
+            cache.truncate(start, layer=i)
+            hidden, positions, rope = parts[1]
+            with attention.attention_context(rest_ctx):
+                parts[1][0] = self.layer(i, hidden, positions, cache, rope)
+            if after_layer is not None:
+                after_layer(i)
+        cache.record_positions(torch.arange(n))
+        return cache, self.logits(parts[1][0][:, -1:])[-1]
 
     @torch.inference_mode()
     def step(self, token: int, position: int, cache) -> torch.Tensor:

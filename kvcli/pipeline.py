@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
+from .caches import KVCache
 from .compressors.base import Runtime
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
@@ -132,9 +133,18 @@ class Prefix:
     # frees the tensor it replaces) and while a compressor evicts.
     sole_owner: bool = False
 
+    # the state is full attention's KV of every layer, computed by the default build_prefix
+    full_kv: bool = False
+
     @property
     def n_tokens(self) -> int:
         return self.ids.numel()
+
+    def unbuilt_full_kv(self, lm) -> bool:
+        """Whether the state is full attention's KV, not computed yet and held by nothing else:
+        then the prefill may compute it itself, layer by layer with the rest of the prompt
+        (:func:`default_prefill`), and nothing needs it afterwards."""
+        return self.full_kv and self.sole_owner and self._state is None
 
     def cache(self):
         """A fresh copy of the state (appending the question's tokens never touches the stored one).
@@ -167,7 +177,8 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
         key = make_key(lm, ids, state)
         return store.fetch(key, compute, meta, device=engine.device)
 
-    return Prefix(ids, state, build, sole_owner=store is None)
+    full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
+    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv)
 
 
 @dataclass
@@ -221,6 +232,12 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     Returns (cache, first_logits). The tokens after the prefix always run; when a compressor needs
     the queries of more of the last tokens (``query_window``) than that, the prefix state is cut
     back and those tokens run again (same KV, so the answer does not change).
+
+    Compressors that evict layer by layer (``compresses_by_layer``: the leading ones, so the order
+    of a chain is kept) evict each layer as soon as the pass has run it. When the prefix state is
+    full attention's KV, computed here and held by nothing else (no disk store), the prefix and
+    the rest run layer by layer together (:meth:`kvcli.engine.Engine.prefill_on_prefix`): the
+    prompt's whole uncompressed KV is never held at once.
     """
     lm = engine.lm
     n = ids.numel()
@@ -228,16 +245,35 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     for stage in compressors:
         for layer, fns in stage.prefill_observers(lm, n).items():
             observers.setdefault(layer, []).extend(fns)
+    by_layer = []
+    for stage in compressors:
+        if not stage.compresses_by_layer():
+            break
+        by_layer.append(stage)
+    cache = None
+
+    def after_layer(i: int) -> None:
+        for stage in by_layer:
+            stage.compress_layer(engine, cache, i)
+
+    hook = after_layer if by_layer else None
     if prefix is None:
-        return engine.prefill(ids, observers=observers)
-    cache = prefix.cache()
+        cache = KVCache()
+        return engine.prefill(ids, cache=cache, observers=observers, after_layer=hook)
     window = max((stage.query_window(lm) for stage in compressors), default=0)
     start = max(0, min(prefix.n_tokens, n - window))
+    if hook is not None and prefix.unbuilt_full_kv(lm):
+        t0 = time.perf_counter()
+        cache = KVCache()
+        out = engine.prefill_on_prefix(ids, prefix.n_tokens, start, cache, observers, after_layer=hook)
+        prefix.fetched = Fetched("off", time.perf_counter() - t0)  # computed with the rest of the prompt
+        return out
+    cache = prefix.cache()
     if start < prefix.n_tokens:
         if not hasattr(cache, "truncate"):
             raise UsageError(f"the prefix state {prefix.state} cannot be cut back for a {window}-token query window")
         cache.truncate(start)
-    return engine.prefill(ids[start:], cache=cache, observers=observers)
+    return engine.prefill(ids[start:], cache=cache, observers=observers, after_layer=hook)
 
 
 def _cache_report(*prefixes: Prefix | None) -> dict:

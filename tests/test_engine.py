@@ -96,3 +96,22 @@ def test_last_query_scores_handles_gqa_without_expanding():
     expanded = k.repeat_interleave(3, dim=1)
     ref = torch.einsum("hd,hnd->n", q[0, :, -1], expanded[0])
     assert torch.allclose(last_query_scores(q, k)[0], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("n_prefix, start", [(30, 22), (30, 30), (30, 0)])
+def test_prefill_on_prefix_is_the_two_pass_arithmetic(tiny_lm, family, n_prefix, start):
+    """Layer by layer over prefix and rest = prefix_kv, truncate, prefill: the same tensors, bit for bit."""
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    ids = random_ids(40, seed=2)
+    ref = engine.prefix_kv(ids[:n_prefix])
+    ref.truncate(start)
+    ref, ref_logits = engine.prefill(ids[start:], cache=ref)
+    seen = []
+    cache, logits = engine.prefill_on_prefix(ids, n_prefix, start, after_layer=seen.append)
+    assert seen == list(range(lm.n_layers))
+    assert torch.equal(logits, ref_logits)
+    assert cache.positions.tolist() == ref.positions.tolist() == list(range(40))
+    for l in range(lm.n_layers):
+        assert torch.equal(cache.keys[l], ref.keys[l]) and torch.equal(cache.values[l], ref.values[l])

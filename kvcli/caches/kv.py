@@ -79,8 +79,14 @@ class KVCache(LayerKV):
             cache.values.append(v.to(device))
         return cache
 
-    def truncate(self, n_tokens: int) -> None:
-        """Keep only the first ``n_tokens`` entries of every layer (and their positions)."""
+    def truncate(self, n_tokens: int, layer: int | None = None) -> None:
+        """Keep only the first ``n_tokens`` entries of every layer (and their positions); with
+        ``layer``, of that layer only (a pass that runs the prompt layer by layer; the positions
+        are the caller's)."""
+        if layer is not None:
+            self.keys[layer] = self.keys[layer][:, :, :n_tokens]
+            self.values[layer] = self.values[layer][:, :, :n_tokens]
+            return
         self.keys = [k[:, :, :n_tokens] for k in self.keys]
         self.values = [v[:, :, :n_tokens] for v in self.values]
         if self.positions is not None:

@@ -49,7 +49,8 @@ def parse_base(owner: str, text: str) -> Eviction:
     if name.strip().lower() == owner:
         raise UsageError(f"{owner}: base cannot be {owner} itself")
     base = parse_one(name + (":" + rest.replace(BASE_KNOB_SEPARATOR, ",") if rest else ""))
-    if not isinstance(base, Eviction) or type(base).compress is not Eviction.compress or type(base).keep is not Eviction.keep:
+    if (not isinstance(base, Eviction) or type(base).compress is not Eviction.compress or type(base).keep is not Eviction.keep
+            or type(base).final_scores is not Eviction.final_scores):
         raise UsageError(
             f"{owner}: base must be an eviction scorer (snapkv, pyramidkv, tova, knorm, keydiff, streamingllm), got '{base.name}'"
         )

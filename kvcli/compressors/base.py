@@ -17,6 +17,9 @@ by :mod:`kvcli.pipeline` in this order:
     observers the method attaches to the final prefill pass (``prefill_observers``: per layer,
     ``fn(query, key)`` with the queries of the tokens run in that pass — at least the last
     ``query_window(lm)`` prompt tokens — and every key). Several may chain, in the order written.
+    A method whose layers are chosen independently also evicts each layer as soon as that pass has
+    run it (``compresses_by_layer``/``compress_layer``), so the uncompressed KV of every layer is
+    never held at once; ``compress`` then finishes.
 ``decode_step(engine, token, position, cache) -> logits``
     Own each greedy decoding step: run ``token`` at ``position`` on ``cache`` and return the next
     logits (vocab,) (LazyLLM's dynamic pruning, block-sparse retrieval). At most one per pipeline;
@@ -136,6 +139,15 @@ class Compressor:
     def compress(self, engine, cache):
         """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""
         raise NotImplementedError
+
+    def compresses_by_layer(self) -> bool:
+        """Whether :meth:`compress_layer` compresses each layer during the final prefill pass."""
+        return False
+
+    def compress_layer(self, engine, cache, layer: int) -> None:
+        """Called in the final prefill pass right after layer ``layer`` ran (when
+        :meth:`compresses_by_layer`): compress that layer now — the pass no longer reads its KV —
+        exactly as :meth:`compress` would; :meth:`compress` then does the rest."""
 
     def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
         """One decoding step: the logits (vocab,) after ``token`` (at ``position``) on ``cache``,

@@ -5,11 +5,13 @@ tokens receive most of the attention; the cache keeps those *heavy hitters* — 
 attention they have accumulated, the column sums of the attention matrix — and the most recent
 tokens, half of the budget each in the paper's experiments (``recent`` knob).
 
-kvcli applies it once, after the prefill (the setting NVIDIA kvpress evaluates): the accumulated
+kvcli applies it once, to the prompt (the setting NVIDIA kvpress evaluates): the accumulated
 score of each key is the sum of its attention weights over *every* prompt query, per query head,
-averaged over the GQA group of its KV head; each KV head keeps its own heavy hitters. The decoded
-tokens are then appended without further eviction (the paper's step-by-step greedy eviction
-during generation matters for long outputs, not for short answers).
+averaged over the GQA group of its KV head; each KV head keeps its own heavy hitters. Each layer
+is evicted as soon as the prefill has run it (the later layers never read it again), so the
+uncompressed KV of every layer is never held at once. The decoded tokens are then appended
+without further eviction (the paper's step-by-step greedy eviction during generation matters for
+long outputs, not for short answers).
 
 The score is the paper's *sum* (its code: ``attn_weights.sum(...)`` over the query rows), so a
 key seen by more queries — an early one — accumulates more. kvpress's ``ObservedAttentionPress``
@@ -94,10 +96,9 @@ class H2O(Eviction):
         self._scores[layer] = group_mean(sums)
         return out
 
-    def compress(self, engine, cache):
-        n = cache.n_tokens
-        n_recent = min(n, round(self.resolve(n) * self.recent)) if n else 0
-        if n_recent:
-            recent = torch.arange(n) >= n - n_recent  # always kept
-            self._scores = {l: s.masked_fill(recent.to(s.device), float("inf")) for l, s in self._scores.items()}
-        return super().compress(engine, cache)
+    def final_scores(self, scores: torch.Tensor, n: int) -> torch.Tensor:
+        n_recent = min(n, round(self.resolve(n) * self.recent))
+        if not n_recent:
+            return scores
+        recent = torch.arange(scores.shape[-1], device=scores.device) >= n - n_recent  # always kept
+        return scores.masked_fill(recent, float("inf"))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
+from ..measure import long_lived
 from .base import Compressor, knob, refuse_sliding_window  # noqa: F401  (re-exported for the eviction methods)
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
@@ -214,23 +215,40 @@ def require_kv_cache(method: str, cache) -> KVCache:
 
 def original_positions(cache: KVCache, layer: int, n_kv: int) -> torch.Tensor:
     """(n_kv, seq_len) original positions of the entries of ``layer`` (before this eviction)."""
-    if cache.kept is not None:
+    if cache.kept is not None and layer < len(cache.kept):
         return cache.kept[layer]
     n = cache.seq_len(layer)
     return torch.arange(n).expand(n_kv, n)
 
 
+def complete_kept(cache: KVCache) -> None:
+    """After layers were evicted one at a time during the prefill (:meth:`Eviction.compress_layer`),
+    ``cache.kept`` covers the layers up to the last one evicted: extend it to every layer (the
+    others kept every entry)."""
+    if cache.kept is not None and len(cache.kept) < cache.n_layers:
+        n_kv = cache.keys[0].shape[1]
+        cache.kept.extend(original_positions(cache, i, n_kv) for i in range(len(cache.kept), cache.n_layers))
+
+
 def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
     """Keep, in layer ``layer``, the entries ``keep`` (n_kv, m) — indices into its current entries,
-    the same count m for every KV head — in their original order."""
+    the same count m for every KV head — in their original order.
+
+    During the prefill (``compress_layer``) the layers after ``layer`` may not exist yet:
+    ``cache.kept`` then lists the layers up to this one (:func:`complete_kept` ends it). The kept
+    entries are long-lived: on CPU, while a prompt is read, they get their own mapping
+    (:func:`kvcli.measure.long_lived`), off the heap the pass's activations reuse."""
     keep = torch.sort(keep.to(torch.long), dim=-1).values
     n_kv = keep.shape[0]
     positions = original_positions(cache, layer, n_kv)
     if cache.kept is None:
-        cache.kept = [original_positions(cache, i, n_kv) for i in range(cache.n_layers)]
-    idx = keep.to(cache.keys[layer].device)[None, :, :, None].expand(-1, -1, -1, cache.keys[layer].shape[-1])
-    cache.keys[layer] = cache.keys[layer].gather(2, idx)
-    cache.values[layer] = cache.values[layer].gather(2, idx)
+        cache.kept = []
+    cache.kept.extend(original_positions(cache, i, n_kv) for i in range(len(cache.kept), layer + 1))
+    keys, values = cache.keys[layer], cache.values[layer]
+    idx = keep.to(keys.device)[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+    with long_lived(keys.device, idx.numel() * keys.element_size()):
+        cache.keys[layer] = keys.gather(2, idx)
+        cache.values[layer] = values.gather(2, idx)
     cache.kept[layer] = positions.gather(1, keep.cpu())
 
 
@@ -247,7 +265,7 @@ def keep_top(cache: KVCache, layer: int, scores: torch.Tensor, k: int) -> None:
 def entry_scores(cache: KVCache, layer: int, scores: torch.Tensor) -> torch.Tensor:
     """Scores (n_kv, n_prompt) indexed by original position -> scores of the layer's current
     entries (n_kv, seq_len) (after an earlier eviction in the same pipeline, only the kept ones)."""
-    if cache.kept is None:
+    if cache.kept is None or layer >= len(cache.kept):
         return scores
     return scores.gather(1, cache.kept[layer].to(scores.device))
 
@@ -258,15 +276,20 @@ def entry_scores(cache: KVCache, layer: int, scores: torch.Tensor) -> torch.Tens
 @dataclasses.dataclass
 class Eviction(Compressor):
     """What every eviction method shares: the ``budget`` knob, observers that score the keys of
-    every layer in the final prefill pass, and ``compress`` keeping the best entries per KV head.
+    every layer in the final prefill pass, and the eviction of the best entries per KV head —
+    layer by layer during that pass (:meth:`compress_layer`) where the method can, else all at
+    once in :meth:`compress`.
 
     Subclasses define :meth:`layer_scores` (None: the method needs no attention, scores come from
-    :meth:`static_scores`), :meth:`always_kept` and optionally :meth:`layer_budgets`. A method that
-    ranks with another method's scores (AdaKV) returns it as :attr:`scorer` and chooses the entries
-    its own way in :meth:`keep`; the observers and the checks of :meth:`compress` serve both."""
+    :meth:`static_scores`), :meth:`always_kept` and optionally :meth:`layer_budgets` and
+    :meth:`final_scores`. A method that ranks with another method's scores (AdaKV) returns it as
+    :attr:`scorer` and chooses the entries its own way in :meth:`keep`; the observers and the
+    checks of :meth:`compress` serve both."""
 
     budget: str | int | float = knob("1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)")
     _scores: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # the final pass in progress: its prompt length and the layers compress_layer already evicted
+    _pass: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     uses_attention: ClassVar[bool] = True
 
@@ -291,6 +314,11 @@ class Eviction(Compressor):
         """(n_kv, n) scores for methods that need no attention."""
         raise NotImplementedError
 
+    def final_scores(self, scores: torch.Tensor, n: int) -> torch.Tensor:
+        """The scores (n_kv, n) of one layer as the eviction ranks them, for a prompt of ``n``
+        tokens whose budget is :meth:`resolve` (H2O marks its recent tokens +inf here)."""
+        return scores
+
     def layer_budgets(self, lm, n: int, k: int) -> list[int]:
         """Entries kept in each layer for a prompt of ``n`` tokens and a budget of ``k``."""
         return [k] * lm.n_layers
@@ -300,11 +328,13 @@ class Eviction(Compressor):
         """The method whose scores rank the entries: the method itself (AdaKV: its base)."""
         return self
 
-    def keep(self, cache: KVCache, scores: list[torch.Tensor], budgets: list[int]):
+    def keep(self, cache: KVCache, scores: list[torch.Tensor | None], budgets: list[int]):
         """Keep, per layer, the ``budgets[l]`` best entries of each KV head by ``scores[l]``
-        (n_kv, n_prompt), indexed by original position; returns the cache."""
+        (n_kv, n_prompt), indexed by original position (None: a layer already evicted during the
+        prefill); returns the cache."""
         for layer, (layer_scores, k_layer) in enumerate(zip(scores, budgets)):
-            keep_top(cache, layer, layer_scores, k_layer)
+            if layer_scores is not None:
+                keep_top(cache, layer, layer_scores, k_layer)
         return cache
 
     # --- the hooks --------------------------------------------------------------------------------
@@ -313,6 +343,7 @@ class Eviction(Compressor):
 
     def prefill_observers(self, lm, n_tokens: int) -> dict:
         self._scores = {}
+        self._pass = {"n": n_tokens, "evicted": set()}
         if not self.scorer.uses_attention or self.resolve(n_tokens) >= n_tokens:
             return {}  # nothing to score (keep everything) or scores without attention
         return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
@@ -322,6 +353,28 @@ class Eviction(Compressor):
             raise UsageError(f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache")
         self._scores[layer] = self.scorer.layer_scores(query, key)
 
+    def compresses_by_layer(self) -> bool:
+        """Whether :meth:`compress_layer` evicts: a method whose layers are chosen independently
+        (the default :meth:`keep`); AdaKV builds one padded cache at the end."""
+        return type(self).keep is Eviction.keep
+
+    @torch.inference_mode()
+    def compress_layer(self, engine, cache, layer: int) -> None:
+        """Evict the entries of ``layer`` now, in the final prefill pass, right after the layer ran:
+        the pass no longer reads them, so the whole uncompressed KV is never held at once (the
+        selection is the one :meth:`compress` makes: same scores, same budgets)."""
+        n = self._pass.get("n")
+        if n is None or not self.compresses_by_layer() or not isinstance(cache, KVCache):
+            return
+        k = self.resolve(n)
+        if k >= n or (self.scorer.uses_attention and layer not in self._scores):
+            return  # keeps everything, or not scored (compress reports what is missing)
+        scores = self._scores.pop(layer) if self.scorer.uses_attention else self.scorer.static_scores(n, cache.keys[layer].shape[1])
+        if "budgets" not in self._pass:
+            self._pass["budgets"] = self.layer_budgets(engine.lm, n, k)
+        keep_top(cache, layer, self.final_scores(scores, n), self._pass["budgets"][layer])
+        self._pass["evicted"].add(layer)
+
     @torch.inference_mode()
     def compress(self, engine, cache):
         cache = require_kv_cache(self.name, cache)
@@ -329,10 +382,11 @@ class Eviction(Compressor):
         n = cache.n_tokens
         k = self.resolve(n)
         scores, self._scores = self._scores, {}
+        evicted, self._pass = self._pass.get("evicted", set()), {}
         if k >= n:
             return cache
         scorer = self.scorer
-        if scorer.uses_attention and len(scores) != cache.n_layers:
+        if scorer.uses_attention and len(scores) + len(evicted) != cache.n_layers:
             raise UsageError(
                 f"{self.name}: no attention scores were observed in the prefill "
                 "(another method ran the prefill itself); use it with the default prefill"
@@ -340,7 +394,11 @@ class Eviction(Compressor):
         if not scorer.uses_attention:
             static = scorer.static_scores(n, lm.n_kv_heads)
             scores = {layer: static for layer in range(cache.n_layers)}
-        return self.keep(cache, [scores[layer] for layer in range(cache.n_layers)], self.layer_budgets(lm, n, k))
+        ranked = [None if layer in evicted else self.final_scores(scores[layer], n) for layer in range(cache.n_layers)]
+        cache = self.keep(cache, ranked, self.layer_budgets(lm, n, k))
+        if isinstance(cache, KVCache):
+            complete_kept(cache)
+        return cache
 
 
 # --------------------------------------------------------------------------- head-adaptive budgets

@@ -17,7 +17,8 @@ from kvcli.compressors.scoring import attention_and_column_sums, column_sums, wi
 from kvcli.kernels import attend
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.caches import KVCache
+from kvcli.pipeline import Pipeline, default_prefill as scoring_default_prefill, run
 from tests.helpers.reference import causal_softmax, reference_qk
 from tests.helpers.runs import prompt_for, prefill_and_compress, assert_top_k
 
@@ -301,3 +302,66 @@ def test_h2o_keeps_no_prefix_state(tiny_lm, tmp_path):
     second = ask(session_for(lm, tmp_path), "h2o:budget=40")
     assert first.extra["cache"]["status"] == second.extra["cache"]["status"] == "off"
     assert first.answer_ids == second.answer_ids and entry_files(tmp_path) == []
+
+
+# --- evicting each layer during the prefill -----------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [
+    "snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "h2o:budget=40", "streamingllm:budget=40",
+    "snapkv:budget=60,window=8+h2o:budget=30", "snapkv:budget=60,window=8+adakv:budget=30,base=snapkv:window=8",
+])
+@pytest.mark.parametrize("prefix", [None, "computed here", "held by the store"])
+def test_layer_by_layer_eviction_equals_eviction_after_the_pass(tiny_lm, monkeypatch, spec, prefix):
+    """Each layer evicted as soon as the pass ran it (kvcli's default) keeps the very entries that
+    evicting after the whole pass keeps, and the pass never holds the uncompressed KV of every
+    layer: with the prefix state computed in the pass (no store), not even for an instant."""
+    from kvcli.compressors.base import Compressor
+    from kvcli.pipeline import make_prefix
+
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n = prompt.n_tokens
+
+    def prefill_and_compress(by_layer: bool):
+        pipeline = Pipeline.parse(spec)
+        pipeline.configure(lm)
+        peak = [0]
+        original = engine.layer
+
+        def layer(*args, **kwargs):  # the KV the cache holds after every layer of any part of the pass
+            out = original(*args, **kwargs)
+            peak[0] = max(peak[0], sum(c.nbytes() for c in caches))
+            return out
+
+        caches = []
+        state = None if prefix is None else make_prefix(engine, prompt, pipeline.reader(), None, {})
+        if prefix is not None and state is None:
+            pytest.skip(f"{spec} keeps no prefix state")
+        if prefix == "held by the store":
+            state.sole_owner = False
+        with monkeypatch.context() as m:
+            m.setattr(engine, "layer", layer)
+            m.setattr(KVCache, "__init__", lambda self, _init=KVCache.__init__: (_init(self), caches.append(self))[0])
+            if not by_layer:
+                m.setattr(Compressor, "compresses_by_layer", lambda self: False)
+                for cls in {type(s) for s in pipeline.stages}:
+                    m.setattr(cls, "compresses_by_layer", lambda self: False)
+            cache, logits = scoring_default_prefill(engine, prompt.ids, state, pipeline.compressors())
+            for stage in pipeline.compressors():
+                cache = stage.compress(engine, cache)
+        return cache, logits, peak[0]
+
+    after, after_logits, after_peak = prefill_and_compress(by_layer=False)
+    during, during_logits, during_peak = prefill_and_compress(by_layer=True)
+    assert torch.equal(during_logits, after_logits)
+    assert type(during) is type(after)
+    for l in range(lm.n_layers):
+        assert torch.equal(during.kept[l], after.kept[l])
+        assert torch.equal(during.keys[l], after.keys[l]) and torch.equal(during.values[l], after.values[l])
+    full_kv = lm.n_layers * 2 * lm.n_kv_heads * n * lm.head_dim * 4
+    assert after_peak >= full_kv
+    if prefix != "held by the store":
+        # at most the layer in progress uncompressed (plus the prefix part's copy of it) on top of the kept ones
+        assert during_peak <= full_kv * (2 + (lm.n_layers - 1) * 60 / n) / lm.n_layers
