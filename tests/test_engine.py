@@ -115,3 +115,40 @@ def test_prefill_on_prefix_is_the_two_pass_arithmetic(tiny_lm, family, n_prefix,
     assert cache.positions.tolist() == ref.positions.tolist() == list(range(40))
     for l in range(lm.n_layers):
         assert torch.equal(cache.keys[l], ref.keys[l]) and torch.equal(cache.values[l], ref.values[l])
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_appends_write_in_place_and_never_over_a_view_handed_out(inference):
+    """Decoding appends into a buffer with room (no copy of the layer per step); a copy of the
+    cache, a layer cut back or replaced gets its own buffer: what anyone else holds stays intact."""
+    with torch.inference_mode(inference):
+        _check_in_place_appends()
+
+
+def _check_in_place_appends():
+    def kv(n, fill):
+        return torch.full((1, 2, n, 4), float(fill)), torch.full((1, 2, n, 4), -float(fill))
+
+    a = KVCache()
+    a.update(*kv(10, 1), 0)
+    a.update(*kv(1, 2), 0)  # first append: a buffer with room
+    ptr = a.keys[0].data_ptr()
+    a.update(*kv(1, 3), 0)
+    assert a.keys[0].data_ptr() == ptr and a.keys[0].shape[2] == 12  # written in place
+    b = a.copy()
+    a.update(*kv(1, 4), 0)
+    b.update(*kv(1, 5), 0)  # b writes into a buffer of its own
+    assert b.keys[0].data_ptr() != ptr
+    assert a.keys[0][0, 0, :, 0].tolist() == [1] * 10 + [2, 3, 4]
+    assert b.keys[0][0, 0, :, 0].tolist() == [1] * 10 + [2, 3, 5]
+    held = a.keys[0]
+    a.truncate(11)
+    a.update(*kv(1, 6), 0)  # after a cut, a new buffer: the view held above keeps its entries
+    assert held[0, 0, :, 0].tolist() == [1] * 10 + [2, 3, 4]
+    assert a.keys[0][0, 0, :, 0].tolist() == [1] * 10 + [2, 6] and a.values[0][0, 1, -1, 0].item() == -6
+    a.keys[0], a.values[0] = a.keys[0][:, :, [0, 11]].clone(), a.values[0][:, :, [0, 11]].clone()  # an eviction
+    a.update(*kv(1, 7), 0)
+    assert a.keys[0][0, 0, :, 0].tolist() == [1, 6, 7]
+    for _ in range(200):  # the buffer grows as needed
+        a.update(*kv(1, 8), 0)
+    assert a.keys[0].shape[2] == 203 and a.keys[0][0, 1, -1, 0].item() == 8

@@ -81,11 +81,34 @@ class CacheBase:
         raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
 
 
+def _room(t: torch.Tensor, rows: int) -> bool:
+    """Whether ``t`` (1, heads, m, d), a view of the first m rows of a (1, heads, cap, d) buffer,
+    can be widened to ``rows`` rows inside its storage."""
+    d = t.shape[-1]
+    stride = t.stride()
+    if t.dim() != 4 or stride[-1] != 1 or stride[-2] != d or stride[-3] < rows * d or t.storage_offset() != 0:
+        return False
+    needed = ((t.shape[0] - 1) * stride[0] + (t.shape[1] - 1) * stride[1] + rows * d) * t.element_size()
+    return t.untyped_storage().nbytes() >= needed
+
+
+SPARE_SLOTS = 64  # room a layer's buffer leaves for later appends: at least this many slots ...
+SPARE_SHARE = 32  # ... or 1/32 of its entries
+
+
 class LayerKV(CacheBase):
     """Per-layer key and value tensors, appended as the layers run — the transformers contract
     shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):
 
         keys[l], values[l]: (1, n_kv_heads, seq_len_l, head_dim)
+
+    Appending to a layer writes in place: ``keys[l]`` is a view of the first entries of a buffer
+    with room to spare (1/32 of the layer, at least 64 slots), so a decoding step copies its own
+    row, not the whole layer (``torch.cat`` would copy all of it, every step, every layer). A
+    buffer has one writer, the cache that made it, and it writes only past every entry it ever
+    held: a copy of the cache (which shares the views), a layer cut back (``truncate``) or
+    replaced (eviction) gets a new buffer on its next append, so a view handed out is never
+    overwritten.
     """
 
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
@@ -101,12 +124,34 @@ class LayerKV(CacheBase):
                 self.keys.append(key.clone() if mapped else key)
                 self.values.append(value.clone() if mapped else value)
         elif layer_idx < len(self.keys):
-            with long_lived(key.device, _nbytes(self.keys[layer_idx]) + _nbytes(key)):
-                self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-                self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+            self._append(layer_idx, key, value)
         else:
             raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append in place into the layer's buffer; a new buffer (with room) when this cache did not
+        write the layer's current entries, or the buffer is full. Nothing but the layer's view
+        holds a buffer (the view is widened over its storage), so a layer replaced by an eviction
+        frees it at once."""
+        written = self.__dict__.setdefault("_written", {})  # layer -> (entries, key ptr, value ptr) this cache wrote
+        old_k, old_v = self.keys[layer], self.values[layer]
+        m, new = old_k.shape[-2], key.shape[-2]
+        shape = (*old_k.shape[:-2], m + new, old_k.shape[-1])
+        if written.get(layer) == (m, old_k.data_ptr(), old_v.data_ptr()) and _room(old_k, m + new) and _room(old_v, m + new):
+            kbuf, vbuf = old_k.as_strided(shape, old_k.stride()), old_v.as_strided(shape, old_v.stride())
+        else:
+            cap = m + new + max(SPARE_SLOTS, (m + new) // SPARE_SHARE)
+            full = (*old_k.shape[:-2], cap, old_k.shape[-1])
+            with long_lived(key.device, _nbytes(old_k) // max(m, 1) * cap):
+                kbuf, vbuf = old_k.new_empty(full), old_v.new_empty(full)
+            kbuf[..., :m, :].copy_(old_k)
+            vbuf[..., :m, :].copy_(old_v)
+            kbuf, vbuf = kbuf[..., : m + new, :], vbuf[..., : m + new, :]
+        kbuf[..., m:, :].copy_(key)
+        vbuf[..., m:, :].copy_(value)
+        self.keys[layer], self.values[layer] = kbuf, vbuf
+        written[layer] = (m + new, kbuf.data_ptr(), vbuf.data_ptr())
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0

@@ -10,10 +10,9 @@ layer the KV of the tokens computed there, plus the Aux Cache of hidden states.
     selection[L]:       (T',) bool                        S_L of the last step that selected (knob
                         ``reselect``: the decoding steps between selections reuse it)
 
-``keys[l]``/``values[l]`` are views of the first ``m_l`` slots of a per-layer buffer with room to
-spare, so that a decoding step appends its few rows in place instead of copying the whole layer
-(``torch.cat``) as :class:`~kvcli.caches.base.LayerKV` does. A buffer has one writer: ``copy()``
-shares the views, and the copy allocates its own buffer on its first append.
+``keys[l]``/``values[l]`` grow in place, in a buffer with room to spare
+(:class:`~kvcli.caches.base.LayerKV`): a decoding step appends its few rows without copying the
+layer; ``copy()`` shares the views, and the copy gets its own buffer on its first append.
 
 ``gather``: set by :func:`kvcli.compressors.lazyllm.run_tokens` for one layer pass: the slots
 (after this pass's append) that the layer's attention reads, in order; ``update`` then returns
@@ -44,7 +43,6 @@ class LazyCache(LayerKV):
         self.frontier = torch.zeros(0, dtype=torch.long)
         self.computed = torch.zeros(self.n_model_layers, 0, dtype=torch.int32)
         self.aux: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer, owned by this cache
         self.gather: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         # --- facts for stats() -------------------------------------------------------------------
@@ -63,31 +61,10 @@ class LazyCache(LayerKV):
 
     # --- the transformers contract ---------------------------------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx`` (in place
-        in its buffer when there is room); returns the layer's keys and values, or only the slots
-        of :attr:`gather` when it is set."""
-        if layer_idx == len(self.keys):
-            self.keys.append(key)  # a first append keeps the tensor itself (the prefill: no copy)
-            self.values.append(value)
-            self._buffers.append(None)
-        elif layer_idx < len(self.keys):
-            old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
-            m, new = old_k.shape[-2], key.shape[-2]
-            buf = self._buffers[layer_idx]
-            if buf is None or buf[0].shape[-2] < m + new:
-                # a new buffer with room for later steps (~3% of the layer, at least 64 slots)
-                cap = m + new + max(64, (m + new) // 32)
-                shape = (*old_k.shape[:-2], cap, old_k.shape[-1])
-                buf = (old_k.new_empty(shape), old_v.new_empty(shape))
-                buf[0][..., :m, :].copy_(old_k)
-                buf[1][..., :m, :].copy_(old_v)
-                self._buffers[layer_idx] = buf
-            buf[0][..., m : m + new, :].copy_(key)
-            buf[1][..., m : m + new, :].copy_(value)
-            self.keys[layer_idx], self.values[layer_idx] = buf[0][..., : m + new, :], buf[1][..., : m + new, :]
-        else:
-            raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
-        k, v = self.keys[layer_idx], self.values[layer_idx]
+        """Append ``key``/``value`` (1, n_kv_heads, new, head_dim) to layer ``layer_idx`` (in place,
+        :class:`~kvcli.caches.base.LayerKV`); returns the layer's keys and values, or only the
+        slots of :attr:`gather` when it is set."""
+        k, v = super().update(key, value, layer_idx)
         if self.gather is not None:
             idx = self.gather.to(k.device)
             return k.index_select(-2, idx), v.index_select(-2, idx)
@@ -186,7 +163,6 @@ class LazyCache(LayerKV):
         other.keys, other.values, other.slot_pos = list(self.keys), list(self.values), list(self.slot_pos)
         other.frontier, other.computed, other.revived = self.frontier.clone(), self.computed.clone(), self.revived.clone()
         other.aux = dict(self.aux)
-        other._buffers = [None] * len(other.keys)  # the copy writes into buffers of its own
         other.positions = self.positions
         other.schedule, other.n_prompt = list(self.schedule), self.n_prompt
         other.prefill_tokens, other.revivals, other.decode_steps = list(self.prefill_tokens), self.revivals, self.decode_steps
@@ -247,7 +223,6 @@ class LazyCache(LayerKV):
                 raise ValueError(f"layer {i} does not hold the tokens its frontier says")
             cache.keys.append(k.to(device))
             cache.values.append(v.to(device))
-            cache._buffers.append(None)
             cache.slot_pos.append(s)
         for layer in aux_layers:
             pos, hidden = tensors[f"aux_pos.{layer}"].to(torch.long), tensors[f"aux_hidden.{layer}"]
