@@ -81,13 +81,15 @@ def reading_prompt(device: torch.device | str = "cpu", low_memory: bool = False)
       the heap, which reuses its activation blocks layer after layer. Costs nothing measurable;
       saves ~30 MiB at 4k tokens on the embedded model.
     * ``low_memory`` (``kvcli ask --low-memory``): *every* allocation of 1 MiB or more gets its
-      own mapping, so a freed activation goes back to the OS at once: 150 MiB less at 4k and
-      ~250-400 MiB less at 8k, but each activation faults in fresh pages — +15-20% TTFT on this
+      own mapping, so a freed activation goes back to the OS at once: up to ~200 MiB less at 8k
+      (full attention; 0-90 MiB for methods that evict during the prefill, whose KV no longer
+      dominates), but each activation faults in fresh pages — +15-30% TTFT on this
       CPU (measured: benchmarks/peers, docs/bench/peers).
 
-    On leaving, the freed heap is handed back (``malloc_trim``), so decoding's first KV copies do
-    not land on resident activation blocks. Decoding itself runs with glibc's largest dynamic
-    threshold: its per-step KV copies reuse heap blocks."""
+    On leaving, the freed heap is handed back (``malloc_trim``), so decoding's allocations (a
+    layer's new KV buffer when its room runs out, the step's activations) do not land on resident
+    activation blocks. Decoding itself runs with glibc's largest dynamic threshold: its per-step
+    activations reuse heap blocks."""
     if torch.device(device).type != "cpu":
         yield
         return

@@ -199,6 +199,7 @@ def main() -> None:
                     record("llama.cpp", "full", "full", q2, run_worker(llama_py, "worker_llamacpp.py", q2, "full", ["--load-prefix", state]), "repeat q2 (from cache)")
     table = make_table(rows)
     (out / "peers_table.md").write_text(f"Peers, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table)
+    (out / "peers_compact.md").write_text(compact_table(rows))  # the README's table
     print(table)
 
 
@@ -271,5 +272,34 @@ def make_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_table(rows: list[dict], lengths: tuple[int, ...] = (4096, 8000)) -> str:
+    """The README's table: one row per (method, peer), TTFT, decode, total and peak side by side
+    for ``lengths`` (medians over repetitions); the repeat question's second question last."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["length"] in lengths and "error" not in r and r["scenario"] in ("cold", "repeat q2 (from cache)"):
+            groups.setdefault((r["scenario"], r["method"], r["peer"], r["length"]), []).append(r)
+    errors = {(r["scenario"], r["method"], r["peer"], r["length"]) for r in rows if "error" in r}
+    med = lambda rs, k: statistics.median([r[k] for r in rs])  # noqa: E731
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
+    keys = sorted({k[:3] for k in groups | dict.fromkeys(errors)}, key=lambda k: (k[0] != "cold", order.get(k[1], 99), k[2]))
+    head = " | ".join(f"{length // 1000}k {c}" for length in lengths for c in ("TTFT s", "decode tok/s", "total s", "peak MiB"))
+    lines = [f"| method | peer | {head} |", "|---|---|" + "---:|" * (4 * len(lengths))]
+    for scenario, method, peer in keys:
+        label = f"`{method}`" + (" (repeat question, from the cache)" if scenario != "cold" else "")
+        cells = []
+        for length in lengths:
+            rs = groups.get((scenario, method, peer, length))
+            if rs:
+                cells += [f"{med(rs, 'ttft_s'):.2f}", f"{med(rs, 'decode_tokens_per_s'):.1f}", f"{med(rs, 'total_s'):.1f}", f"{med(rs, 'peak_mib'):,.0f}"]
+            else:
+                cells += ["error" if (scenario, method, peer, length) in errors else "", "", "", ""]
+        lines.append(f"| {label} | {peer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--compact"]:  # the README table from a finished run: run.py --compact OUT/peers.json
+        print(compact_table(json.loads(Path(sys.argv[2]).read_text())["rows"]))
+    else:
+        main()

@@ -62,7 +62,7 @@ def ask(
     no_cache: bool = NoCacheOpt,
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
-    low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (~150 MiB less at 4k tokens on the embedded model), a slower first token (+15-20%)"),
+    low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
 ) -> None:
