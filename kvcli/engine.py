@@ -22,6 +22,11 @@ from .attention import AttentionContext, Observer, StopForward
 from .caches import KVCache
 
 
+def _stop(query: torch.Tensor, key: torch.Tensor) -> None:
+    """An observer that ends the pass in its layer once the layer's KV is cached (:class:`StopForward`)."""
+    raise StopForward
+
+
 class Engine:
     def __init__(self, lm) -> None:
         """``lm``: a :class:`kvcli.model.LoadedModel`."""
@@ -120,11 +125,7 @@ class Engine:
         if not 1 <= n_layers <= self.n_layers:
             raise ValueError(f"n_layers must be in 1..{self.n_layers}, got {n_layers}")
         cache = KVCache()
-
-        def stop(query: torch.Tensor, key: torch.Tensor) -> None:
-            raise StopForward
-
-        self.forward(ids, torch.arange(ids.numel()), cache, layers=range(n_layers), observers={n_layers - 1: [stop]})
+        self.forward(ids, torch.arange(ids.numel()), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
         return cache
 
     @torch.inference_mode()
@@ -170,31 +171,24 @@ class Engine:
         if not 0 <= start <= n_prefix <= n:
             raise ValueError(f"need 0 <= start <= n_prefix <= len(ids), got {start}, {n_prefix}, {n}")
         cache = KVCache() if cache is None else cache
-        last = self.n_layers - 1
-
-        def stop(query: torch.Tensor, key: torch.Tensor) -> None:
-            raise StopForward  # the prefix's last layer: only its KV is wanted (as in prefix_kv)
-
-        parts = []
-        for part_ids, positions in ((ids[:n_prefix], torch.arange(n_prefix)), (ids[start:], torch.arange(start, n))):
-            hidden = self.embed(part_ids)
-            parts.append([hidden, positions, self.position_embeddings(hidden, positions)])
-        prefix_ctx, rest_ctx = self.context({last: [stop]}), self.context(observers)
+        pos_prefix, pos_rest = torch.arange(n_prefix), torch.arange(start, n)
+        h_prefix, h_rest = self.embed(ids[:n_prefix]), self.embed(ids[start:])
+        rope_prefix, rope_rest = self.position_embeddings(h_prefix, pos_prefix), self.position_embeddings(h_rest, pos_rest)
+        # the prefix's last layer: only its KV is wanted (as in prefix_kv)
+        prefix_ctx, rest_ctx = self.context({self.n_layers - 1: [_stop]}), self.context(observers)
         for i in range(self.n_layers):
-            hidden, positions, rope = parts[0]
             with attention.attention_context(prefix_ctx):
                 try:
-                    parts[0][0] = self.layer(i, hidden, positions, cache, rope)
+                    h_prefix = self.layer(i, h_prefix, pos_prefix, cache, rope_prefix)
                 except StopForward:
-                    parts[0][0] = None
+                    h_prefix = None
             cache.truncate(start, layer=i)
-            hidden, positions, rope = parts[1]
             with attention.attention_context(rest_ctx):
-                parts[1][0] = self.layer(i, hidden, positions, cache, rope)
+                h_rest = self.layer(i, h_rest, pos_rest, cache, rope_rest)
             if after_layer is not None:
                 after_layer(i)
         cache.record_positions(torch.arange(n))
-        return cache, self.logits(parts[1][0][:, -1:])[-1]
+        return cache, self.logits(h_rest[:, -1:])[-1]
 
     @torch.inference_mode()
     def step(self, token: int, position: int, cache) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _set_mmap_threshold(nbytes: int) -> bool:
     """Set glibc's mmap threshold. Setting it turns glibc's dynamic adjustment off, which also
     leaves the trim threshold at its 128 KiB start: back at the dynamic maximum, the trim
     threshold is set where the adjustment would have put it (twice the mmap threshold), or every
-    freed top-of-heap KV copy of a decoding step would be handed back and faulted in again."""
+    freed top-of-heap block of a decoding step would be handed back and faulted in again."""
     libc = _libc()
     try:
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
@@ -111,7 +111,7 @@ def long_lived(device: torch.device, nbytes: int):
     with ``low_memory`` every large allocation is mapped already), on CPU, and ``nbytes`` of
     1 MiB or more — smaller ones stay on the heap whatever the threshold, so there is nothing to
     do (the KV a prefill keeps: the caller allocates it there — a copy of a tensor the model
-    made, or the concatenation it keeps)."""
+    made, the buffer a layer's appends go into, or the entries an eviction keeps)."""
     on = _READING.get() == "kv" and device.type == "cpu" and nbytes >= _MAPPED_MIN
     if not on or not _set_mmap_threshold(_MAPPED_MIN):
         yield False

@@ -129,8 +129,8 @@ class Prefix:
     _state: object | None = None
     # True when nothing but this object holds the state (no disk store, whose memo keeps it for the
     # next question): :meth:`cache` then hands the state itself over instead of a copy, so the
-    # prefix KV is not held twice while the question's tokens are appended (each layer's ``torch.cat``
-    # frees the tensor it replaces) and while a compressor evicts.
+    # prefix KV is not held twice while the question's tokens are appended (each layer's append
+    # into a new buffer frees the tensor it replaces) and while a compressor evicts.
     sole_owner: bool = False
 
     # the state is full attention's KV of every layer, computed by the default build_prefix
@@ -140,7 +140,7 @@ class Prefix:
     def n_tokens(self) -> int:
         return self.ids.numel()
 
-    def unbuilt_full_kv(self, lm) -> bool:
+    def unbuilt_full_kv(self) -> bool:
         """Whether the state is full attention's KV, not computed yet and held by nothing else:
         then the prefill may compute it itself, layer by layer with the rest of the prompt
         (:func:`default_prefill`), and nothing needs it afterwards."""
@@ -262,7 +262,7 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
         return engine.prefill(ids, cache=cache, observers=observers, after_layer=hook)
     window = max((stage.query_window(lm) for stage in compressors), default=0)
     start = max(0, min(prefix.n_tokens, n - window))
-    if hook is not None and prefix.unbuilt_full_kv(lm):
+    if hook is not None and prefix.unbuilt_full_kv():
         t0 = time.perf_counter()
         cache = KVCache()
         out = engine.prefill_on_prefix(ids, prefix.n_tokens, start, cache, observers, after_layer=hook)

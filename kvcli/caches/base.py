@@ -58,7 +58,7 @@ class CacheBase:
 
     def nbytes(self) -> int:
         """Bytes of tensor data actually held."""
-        return sum(t.numel() * t.element_size() for name in self.tensor_lists for t in getattr(self, name))
+        return sum(_nbytes(t) for name in self.tensor_lists for t in getattr(self, name))
 
     def record_positions(self, positions: torch.Tensor) -> None:
         """Note the original positions of tokens just appended to every layer."""

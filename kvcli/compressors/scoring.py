@@ -221,13 +221,14 @@ def original_positions(cache: KVCache, layer: int, n_kv: int) -> torch.Tensor:
     return torch.arange(n).expand(n_kv, n)
 
 
-def complete_kept(cache: KVCache) -> None:
+def complete_kept(cache: KVCache, n_layers: int | None = None) -> None:
     """After layers were evicted one at a time during the prefill (:meth:`Eviction.compress_layer`),
-    ``cache.kept`` covers the layers up to the last one evicted: extend it to every layer (the
-    others kept every entry)."""
-    if cache.kept is not None and len(cache.kept) < cache.n_layers:
+    ``cache.kept`` covers the layers up to the last one evicted: extend it to the first ``n_layers``
+    layers (default: every layer; the others kept every entry)."""
+    n_layers = cache.n_layers if n_layers is None else n_layers
+    if cache.kept is not None and len(cache.kept) < n_layers:
         n_kv = cache.keys[0].shape[1]
-        cache.kept.extend(original_positions(cache, i, n_kv) for i in range(len(cache.kept), cache.n_layers))
+        cache.kept.extend(original_positions(cache, i, n_kv) for i in range(len(cache.kept), n_layers))
 
 
 def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
@@ -243,7 +244,7 @@ def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
     positions = original_positions(cache, layer, n_kv)
     if cache.kept is None:
         cache.kept = []
-    cache.kept.extend(original_positions(cache, i, n_kv) for i in range(len(cache.kept), layer + 1))
+    complete_kept(cache, layer + 1)
     keys, values = cache.keys[layer], cache.values[layer]
     idx = keep.to(keys.device)[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
     with long_lived(keys.device, idx.numel() * keys.element_size()):
@@ -288,7 +289,7 @@ class Eviction(Compressor):
 
     budget: str | int | float = knob("1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)")
     _scores: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
-    # the final pass in progress: its prompt length and the layers compress_layer already evicted
+    # the final pass in progress: its prompt length, its layer budgets and the layers compress_layer evicted
     _pass: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     uses_attention: ClassVar[bool] = True
