@@ -64,12 +64,18 @@ def eager(query, key, value, mask, scaling):
 
 
 def flash(module, query, key, value, scaling, sliding_window):
-    from transformers.integrations.flash_attention import flash_attention_forward
+    """flash-attn's own ``flash_attn_func``, called directly (transformers' ``flash_attention_forward``
+    looks the implementation up by the config's name, which is ``"kvcli"``). Its causal mode is
+    aligned to the bottom right (query i sits at key ``kv_len - q_len + i``), as kvcli's queries
+    are, and it takes GQA as it is (fewer KV heads than query heads), so no mask is ever built.
+    Layout: (batch, seq, heads, head_dim) in, the same out — what the attention function returns."""
+    from flash_attn import flash_attn_func
 
-    out, _ = flash_attention_forward(
-        module, query, key, value, None, scaling=scaling, sliding_window=sliding_window, is_causal=True
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    return flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        softmax_scale=scaling, causal=True, window_size=window,
     )
-    return out
 
 
 KERNELS = {"sdpa": sdpa, "eager": eager, "flash": flash}

@@ -123,8 +123,10 @@ def echo_induction_scores(
     group = n_heads // n_kv
     q = query[0].to(torch.float32).reshape(n_kv, group, n, d)
     k = key[0].to(torch.float32)  # (n_kv, n, d)
-    echo = torch.zeros(n_heads, dtype=torch.float64)
-    induction = torch.zeros(n_heads, dtype=torch.float64)
+    # accumulated on the query's device (float64 where the device has it; MPS has not)
+    acc = torch.float32 if query.device.type == "mps" else torch.float64
+    echo = torch.zeros(n_heads, dtype=acc, device=query.device)
+    induction = torch.zeros(n_heads, dtype=acc, device=query.device)
     n_back = (n - 1) // period  # most previous occurrences any row has
     for start in range(period, n, _CHUNK_ROWS):
         stop = min(n, start + _CHUNK_ROWS)
@@ -142,7 +144,7 @@ def echo_induction_scores(
             valid = (back >= 0) & allowed.gather(1, idx.clamp(min=0))
             picked = scores.gather(-1, idx.clamp(min=0)[None, None].expand(n_kv, group, -1, -1))  # (n_kv, group, c, n_back)
             weights = torch.exp(picked - lse).masked_fill(~valid, 0.0)
-            total += weights.sum(dim=(-1, -2)).reshape(n_heads).to(torch.float64)
+            total += weights.sum(dim=(-1, -2)).reshape(n_heads).to(acc)
     n_rows = n - period
     return (echo / n_rows).to(torch.float32), (induction / n_rows).to(torch.float32)
 
