@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.tiny_models import FAMILIES, make_tiny_model
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="where the tiny test models and the embedded model run (default cpu: the GPU is hidden, "
+        "so every model a test loads is CPU float32; cuda: the same tests, float32 on the GPU)",
+    )
+
+
+def pytest_configure(config):
+    # On a GPU machine the models would load as bfloat16 on CUDA (device "auto"), and the tests are
+    # written for float32 numbers: hide the GPU unless --device cuda asks for it (before anything
+    # initialises CUDA, which reads CUDA_VISIBLE_DEVICES once).
+    if config.getoption("--device") == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture(scope="session")
+def test_device(pytestconfig) -> str:
+    """The device the tests' models run on: ``cpu`` unless ``pytest --device cuda``."""
+    device = pytestconfig.getoption("--device")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.exit("pytest --device cuda: no CUDA GPU on this machine", returncode=4)
+    return device
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,24 +68,26 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_lm(tiny_dir):
-    """``tiny_lm(family, attn="sdpa", **overrides)`` -> LoadedModel of a 4-layer tiny model."""
+def tiny_lm(tiny_dir, test_device):
+    """``tiny_lm(family, attn="sdpa", **overrides)`` -> LoadedModel of a 4-layer tiny model,
+    float32 on the test device (:func:`test_device`)."""
     from kvcli.model import load_model
 
     @functools.cache
     def load(family: str, attn: str = "sdpa", **overrides):
         overrides.setdefault("num_hidden_layers", 4)
-        return load_model(str(tiny_dir(family, **overrides)), attn=attn)
+        return load_model(str(tiny_dir(family, **overrides)), attn=attn, device=test_device, dtype="float32")
 
     return load
 
 
 @pytest.fixture(scope="session")
-def embedded_session():
-    """The embedded SmolLM2 ready to answer (loaded once for the whole test session)."""
+def embedded_session(test_device):
+    """The embedded SmolLM2 ready to answer (loaded once for the whole test session), float32 on
+    the test device."""
     from kvcli.api import AskOptions, Session
 
-    return Session.open(AskOptions(max_new_tokens=24))
+    return Session.open(AskOptions(max_new_tokens=24, device=test_device, dtype="float32"))
 
 
 @pytest.fixture

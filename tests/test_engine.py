@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ def hf_logits(lm, ids: torch.Tensor) -> torch.Tensor:
     model.config._attn_implementation = "sdpa"
     try:
         with torch.inference_mode():
-            return model(ids.view(1, -1)).logits[0].float()
+            return model(ids.view(1, -1).to(lm.device)).logits[0].float()
     finally:
         model.config._attn_implementation = saved
 
@@ -152,3 +154,12 @@ def _check_in_place_appends():
     for _ in range(200):  # the buffer grows as needed
         a.update(*kv(1, 8), 0)
     assert a.keys[0].shape[2] == 203 and a.keys[0][0, 1, -1, 0].item() == 8
+
+
+def test_models_are_float32_on_the_test_device(tiny_lm, embedded_session, test_device):
+    """The suite's numbers are float32 numbers: the models load on ``pytest --device`` (cpu unless
+    asked), float32, and on the default the GPU is hidden from every test (device auto is CPU)."""
+    for lm in (tiny_lm("llama"), embedded_session.lm):
+        assert lm.device.type == test_device and lm.model.dtype == torch.float32
+    if test_device == "cpu":
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
