@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -31,6 +32,20 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> 
     if sliding_window is not None:
         allowed &= cols > rows - sliding_window
     return allowed
+
+
+def causal(q_len: int, kv_len: int, sliding_window: int | None, device):
+    """What :func:`sdpa` is handed for causal attention of the last ``q_len`` of ``kv_len`` keys:
+    None (plain causal SDPA fits), the boolean :func:`causal_mask` on the CPU or with a window, or
+    else — a query block on top of a longer KV (a question on a stored prefix, a prefill chunk) —
+    PyTorch's lower-right :class:`CausalBias` (``causal_lower_right``), no dense mask: CUDA runs it
+    with its flash kernel (bottom-right causal, GQA as it is) where the dtype allows, instead of
+    the math backend (float32 scores, K/V repeated to every query head). On the CPU the boolean
+    mask stays: the CPU's fused kernel takes it, and a CausalBias would only materialise it."""
+    plain = sliding_window is None or sliding_window >= kv_len
+    if plain and 1 < q_len < kv_len and torch.device(device).type != "cpu":
+        return causal_lower_right(q_len, kv_len)
+    return causal_mask(q_len, kv_len, sliding_window, device)
 
 
 def sdpa(query, key, value, mask, scaling):
@@ -88,5 +103,7 @@ def attend(kernel: str, module, query, key, value, scaling: float, sliding_windo
     if mask is None:
         if kernel == "flash":
             return flash(module, query, key, value, scaling, sliding_window)
-        mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        if kernel == "eager":
+            return eager(query, key, value, causal_mask(query.shape[2], key.shape[2], sliding_window, query.device), scaling)
+        mask = causal(query.shape[2], key.shape[2], sliding_window, query.device)
     return (eager if kernel == "eager" else sdpa)(query, key, value, mask, scaling)
