@@ -13,6 +13,7 @@ Shapes:
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -25,6 +26,51 @@ from .caches import KVCache
 def _stop(query: torch.Tensor, key: torch.Tensor) -> None:
     """An observer that ends the pass in its layer once the layer's KV is cached (:class:`StopForward`)."""
     raise StopForward
+
+
+# --- chunked prefill ----------------------------------------------------------------------------
+# A layer's MLP is position-wise: run over the prompt ``chunk`` tokens at a time, its intermediates
+# (gate, up, act: 3 x intermediate_size per token, ~10 GiB per layer at 128k tokens on an 8B model)
+# are bounded by the chunk while attention still sees every query at once — so every observer
+# (SnapKV's window, H2O's column sums over all queries) scores exactly what it scored unchunked.
+ENV_PREFILL_CHUNK = "KVCLI_PREFILL_CHUNK"
+ACCELERATOR_PREFILL_CHUNK = 8192  # the default off the CPU; on the CPU: off (answers and speed as they were)
+
+
+def default_prefill_chunk(device: torch.device) -> int | None:
+    """``$KVCLI_PREFILL_CHUNK`` (tokens; 0: off), else off on the CPU and 8192 elsewhere."""
+    env = os.environ.get(ENV_PREFILL_CHUNK, "").strip()
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            from .errors import UsageError
+
+            raise UsageError(f"{ENV_PREFILL_CHUNK} must be a whole number of tokens (0: off), not '{env}'") from None
+        return value if value > 0 else None
+    return None if device.type == "cpu" else ACCELERATOR_PREFILL_CHUNK
+
+
+def _chunked_mlp(mlp: torch.nn.Module) -> None:
+    """Make ``mlp`` run over its tokens ``mlp.kvcli_chunk`` at a time (None: all at once); once per module."""
+    if getattr(mlp, "kvcli_chunk", False) is not False:
+        return
+    forward = mlp.forward
+    mlp.kvcli_chunk = None
+
+    def chunked(hidden: torch.Tensor, *args, **kwargs):
+        chunk, n = mlp.kvcli_chunk, hidden.shape[-2]
+        if chunk is None or n <= chunk:
+            return forward(hidden, *args, **kwargs)
+        out = None
+        for s in range(0, n, chunk):
+            part = forward(hidden[..., s : s + chunk, :], *args, **kwargs)
+            if out is None:
+                out = part.new_empty(*part.shape[:-2], n, part.shape[-1])
+            out[..., s : s + part.shape[-2], :] = part
+        return out
+
+    mlp.forward = chunked
 
 
 class Engine:
@@ -41,6 +87,21 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
+        for layer in self.layers:
+            _chunked_mlp(layer.mlp)  # every supported family's decoder layer has an ``mlp``
+        self.prefill_chunk = default_prefill_chunk(self.device)
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens a layer's MLP runs at once in a prefill (None: all): see :func:`default_prefill_chunk`."""
+        return self.layers[0].mlp.kvcli_chunk if len(self.layers) else None
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, chunk: int | None) -> None:
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
+        for layer in self.layers:
+            layer.mlp.kvcli_chunk = chunk
 
     @property
     def n_layers(self) -> int:
