@@ -155,26 +155,40 @@ class Engine:
         layers: Iterable[int] | None = None,
         observers: dict[int, list[Observer]] | None = None,
         after_layer: Callable[[int], None] | None = None,
+        recorded: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Run ``ids`` at ``positions`` through ``layers`` (default: all), appending to ``cache``.
 
         Returns the hidden states after the last layer run, before the final norm: (1, q_len, hidden);
         None when an observer ended the pass early with :class:`StopForward`. ``after_layer(i)``
-        is called as soon as layer i has run (compressors evict its KV there).
+        is called as soon as layer i has run (compressors evict its KV there). ``ids`` and
+        ``positions`` may be on the host or the model's device (moved once, not per layer);
+        ``recorded``: the same positions on the host, for the cache's record, when ``positions``
+        are on the device (a decoding step: no device -> host read).
         """
         hidden = self.embed(ids)
-        rope = self.position_embeddings(hidden, positions)
+        pos = positions.to(self.device)
+        rope = self.position_embeddings(hidden, pos)
         with attention.attention_context(self.context(observers)):
             try:
                 for i in range(self.n_layers) if layers is None else layers:
-                    hidden = self.layer(i, hidden, positions, cache, rope)
+                    hidden = self.layer(i, hidden, pos, cache, rope)
                     if after_layer is not None:
                         after_layer(i)
             except StopForward:
                 hidden = None
         if cache is not None and (layers is None or 0 in layers):
-            cache.record_positions(positions)
+            cache.record_positions(positions if recorded is None else recorded)
         return hidden
+
+    def device_positions(self, start: int, stop: int) -> torch.Tensor:
+        """``arange(start, stop)`` on the model's device, a view of one table made there (grown by
+        doubling): a decoding step's position costs no host -> device copy."""
+        table = self.__dict__.get("_positions")
+        if table is None or table.numel() < stop:
+            table = torch.arange(max(stop, 2 * (0 if table is None else table.numel()), 4096), device=self.device)
+            self._positions = table
+        return table[start:stop]
 
     def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None) -> KVCache:
         """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
@@ -252,9 +266,14 @@ class Engine:
         return cache, self.logits(h_rest[:, -1:])[-1]
 
     @torch.inference_mode()
-    def step(self, token: int, position: int, cache) -> torch.Tensor:
-        """One decoding step of full attention: the logits (vocab,) after ``token`` at ``position``."""
-        hidden = self.forward(torch.tensor([token]), torch.tensor([position]), cache)
+    def step(self, token: int | torch.Tensor, position: int, cache) -> torch.Tensor:
+        """One decoding step of full attention: the logits (vocab,) after ``token`` at ``position``.
+        ``token``: an id, or a (1,) tensor on the model's device (the argmax of the last step's
+        logits, never read back to the host here): then the step makes no host -> device copy and
+        no synchronisation."""
+        ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
+        hidden = self.forward(ids, self.device_positions(position, position + 1), cache,
+                              recorded=torch.tensor([position]))
         return self.logits(hidden)[-1]
 
     @torch.inference_mode()
@@ -276,11 +295,12 @@ class Engine:
         ``guard``: a :class:`kvcli.stopping.AnswerGuard` that may end the answer earlier (an
         invented next question, a repeated sentence) and trims it at the token limit.
         """
-        step = self.step if step is None else step
+        own = step is None
         out: list[int] = []
         logits = first_logits
         for i in range(max_new_tokens):
-            token = int(torch.argmax(logits))
+            chosen = torch.argmax(logits).view(1)
+            token = int(chosen)  # the step's one synchronisation: the host needs the token
             if token in stop_ids:
                 return out
             out.append(token)
@@ -292,5 +312,7 @@ class Engine:
                 on_token(token)
             if i + 1 == max_new_tokens:
                 break
-            logits = step(token, next_position + i, cache)
+            # the default step takes the token where it already is (on the device); a method's own
+            # step (decode_step) takes the id
+            logits = self.step(chosen, next_position + i, cache) if own else step(token, next_position + i, cache)
         return out if guard is None else out[: guard.finish(out)]

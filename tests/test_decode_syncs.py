@@ -1,0 +1,90 @@
+"""Decoding keeps to the device: no host -> device copy and no synchronisation inside a step
+(full attention and the eviction methods' plain cache); the decoding loop reads the token once a
+step. Counted with a TorchDispatchMode over an engine whose model lives on ``meta`` (any device
+but the CPU: a host tensor mixed in shows as a cross-device op)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvcli.caches import KVCache
+from kvcli.engine import Engine
+from tests.test_engine import random_ids
+
+# a host read of a tensor: ``aten.item`` shows itself under inference mode, its body otherwise
+SCALAR = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+class Traffic(TorchDispatchMode):
+    """Counts ``.item()``-style reads (``aten.item`` / ``aten._local_scalar_dense``) and ops whose tensors sit on
+    more than one device (host <-> device copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.crossings = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SCALAR:
+            self.syncs += 1
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors += [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        if len({t.device.type for t in tensors}) > 1:
+            self.crossings.append(str(func))
+        return out
+
+
+@pytest.fixture
+def meta_engine(tiny_dir):
+    from kvcli.model import load_model
+
+    lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")
+    lm.model.to("meta")
+    return Engine(lm)
+
+
+def evicted(cache: KVCache, keep: int) -> KVCache:
+    """What an eviction method leaves: per layer the same number of entries per KV head, their
+    original positions in ``kept`` (the decode path of SnapKV, H2O, PyramidKV, StreamingLLM, ...)."""
+    n_kv, n = cache.keys[0].shape[1], cache.seq_len()
+    idx = torch.arange(n - keep, n, device=cache.keys[0].device)
+    cache.keys = [k.index_select(2, idx) for k in cache.keys]
+    cache.values = [v.index_select(2, idx) for v in cache.values]
+    cache.kept = [torch.arange(n - keep, n).expand(n_kv, keep) for _ in cache.keys]
+    return cache
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_a_decoding_step_makes_no_copy_and_no_sync(meta_engine, evict):
+    engine = meta_engine
+    cache, _ = engine.prefill(random_ids(30, seed=7))
+    if evict:
+        cache = evicted(cache, 12)
+    token = torch.zeros(1, dtype=torch.long, device="meta")  # the last step's argmax, on the device
+    traffic = Traffic()
+    with traffic:
+        for i in range(3):
+            logits = engine.step(token, 30 + i, cache)
+            token = torch.argmax(logits).view(1)
+    assert traffic.syncs == 0 and traffic.crossings == []
+    assert cache.positions.tolist() == list(range(33)) and cache.seq_len() == (15 if evict else 33)
+
+
+def test_decode_reads_the_token_once_a_step(tiny_lm):
+    """The decoding loop (CPU): one ``.item()`` a step, the token; the same tokens as stepping by hand."""
+    engine = Engine(tiny_lm("llama"))
+    ids = random_ids(20, seed=8)
+    cache, logits = engine.prefill(ids)
+    ref_cache, ref = engine.prefill(ids)
+    traffic = Traffic()
+    with traffic:
+        out = engine.decode(logits, cache, 20, 6, set())
+    assert traffic.syncs == 6
+    by_hand = []
+    for i in range(6):
+        by_hand.append(int(torch.argmax(ref)))
+        ref = engine.step(by_hand[-1], 20 + i, ref_cache)
+    assert out == by_hand
