@@ -132,6 +132,9 @@ class Prefix:
     # prefix KV is not held twice while the question's tokens are appended (each layer's append
     # into a new buffer frees the tensor it replaces) and while a compressor evicts.
     sole_owner: bool = False
+    # True on an accelerator: the disk store keeps its memo on the host and hands out an upload
+    # nobody else holds, so :meth:`cache` hands it over too (the KV is never held twice there)
+    fresh: bool = False
 
     # the state is full attention's KV of every layer, computed by the default build_prefix
     full_kv: bool = False
@@ -152,7 +155,7 @@ class Prefix:
         With ``sole_owner`` the state itself, forgotten here (a later call builds it again)."""
         if self._state is None:
             self._state, self.fetched = self.build()
-        if self.sole_owner:
+        if self.sole_owner or self.fresh:
             state, self._state = self._state, None
             return state
         return self._state.copy()
@@ -178,7 +181,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
         return store.fetch(key, compute, meta, device=engine.device)
 
     full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
-    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv)
+    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=engine.device.type != "cpu")
 
 
 @dataclass

@@ -233,6 +233,23 @@ class Leftovers:
 # --------------------------------------------------------------------------- the store
 
 
+_HOST = torch.device("cpu")
+
+
+def _accelerator(device) -> bool:
+    return device is not None and torch.device(device).type != "cpu"
+
+
+def _on(cache, device):
+    """The memo (the last entry read or written, kept for the next question) lives on the host: on
+    an accelerator the question's copy of the prefix would otherwise hold its KV a second time
+    there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
+    the memo itself, as before."""
+    if not _accelerator(device):
+        return cache
+    return type(cache).from_tensors(*cache.to_tensors(), device=device)
+
+
 @dataclass
 class KVStore:
     root: Path  # <cache_dir>/kv
@@ -266,7 +283,7 @@ class KVStore:
                 return hit[0], self._hit(hit, t0)
             cache, fetched = self._compute(compute, "miss")
             if self.enabled:
-                fetched.entry_bytes = self._save(key, cache, meta, fetched.seconds)
+                fetched.entry_bytes = self._save(key, cache, meta, fetched.seconds, device)
                 fetched.key = key.digest
             if not self.enabled:  # the lock or the write failed: the store is off from now on
                 fetched.status, fetched.entry_bytes, fetched.key = "off", None, None
@@ -330,7 +347,7 @@ class KVStore:
             with contextlib.suppress(OSError):
                 cache, meta, size = self._memo[1]
                 if path.stat().st_size == size:  # still there: the memo is that file
-                    return cache, meta, size, path
+                    return _on(cache, device), meta, size, path
             self._memo = None
         path = self.path_of(key.digest)
         try:
@@ -338,7 +355,7 @@ class KVStore:
         except OSError:
             return None
         try:
-            cache, meta = self._read(path, key, device)
+            cache, meta = self._read(path, key, _HOST if _accelerator(device) else device)
         except DamagedEntry as e:
             notices.warn(f"cache entry {path.name} is damaged ({e}); recomputing it")
             with contextlib.suppress(OSError):
@@ -347,7 +364,7 @@ class KVStore:
         except OSError:
             return None  # vanished (pruned by another process) or unreadable: recompute
         self._memo = (key.digest, (cache, meta, size))
-        return cache, meta, size, path
+        return _on(cache, device), meta, size, path
 
     def _read(self, path: Path, key: StoreKey, device):
         from safetensors import safe_open
@@ -391,7 +408,7 @@ class KVStore:
         return cache, meta
 
     # --- save -----------------------------------------------------------------------------------
-    def _save(self, key: StoreKey, cache, meta: dict, compute_s: float) -> int | None:
+    def _save(self, key: StoreKey, cache, meta: dict, compute_s: float, device=None) -> int | None:
         """Write the entry atomically; returns its size, or None when the store had to turn off."""
         tensors, facts = cache.to_tensors()
         full_meta = {
@@ -419,7 +436,9 @@ class KVStore:
         except Exception as e:  # read-only, full disk, quota (safetensors wraps some I/O errors)
             self._disable(e)
             return None
-        self._memo = (key.digest, (cache, full_meta, size))
+        # the memo stays on the host (see _on): the tensors just written are host copies already
+        memo = type(cache).from_tensors(tensors, facts, device=_HOST) if _accelerator(device) else cache
+        self._memo = (key.digest, (memo, full_meta, size))
         return size
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------

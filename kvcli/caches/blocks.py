@@ -297,11 +297,13 @@ class BlockCache(CacheBase):
     @classmethod
     def from_kv(cls, kv: KVCache, *, local: int, votes: list[torch.Tensor] | None = None,
                 candidates: list[torch.Tensor | None] | None = None, representative_num: int = 1,
-                compute_device=None, **config) -> "BlockCache":
+                compute_device=None, consume: bool = False, **config) -> "BlockCache":
         """Split a full prompt cache ``kv`` (every layer, the same tokens) into Initial / Context
         blocks / Local, with representatives per block. ``local``: the Local window (the tokens
         left over by the blocks are added to it); ``votes[l]`` (n_kv, n) accumulated attention of
-        each prompt token (dynamic / infllm representatives); ``candidates[l]`` the preselected blocks."""
+        each prompt token (dynamic / infllm representatives); ``candidates[l]`` the preselected blocks.
+        ``consume``: the caller drops ``kv`` afterwards: each layer is released from it as soon as it
+        is laid out (the source and the layout are never held whole together); ``kv`` is unusable after."""
         n = kv.get_seq_length(0)
         block_size = int(config["block_size"])
         initial, n_blocks, ctx_end = partition(n, config.pop("initial"), local, block_size)
@@ -330,6 +332,9 @@ class BlockCache(CacheBase):
             cand = None if candidates is None else candidates[layer]
             cache.candidates.append(None if cand is None else cand.to(device))
             cache.layer_frac.append([0.0, 0])
+            if consume:
+                del k, v, ck, cv, blocks
+                kv.keys[layer] = kv.values[layer] = None
         return cache
 
     # --- the transformers contract ----------------------------------------------------------------

@@ -131,10 +131,12 @@ class RazorCache(CacheBase):
     # --- building it ------------------------------------------------------------------------------
     @classmethod
     def compress(cls, kv: KVCache, protected: torch.Tensor, n_heads: int, sinks: int, window: int,
-                 compensate: bool = True) -> "RazorCache":
+                 compensate: bool = True, consume: bool = False) -> "RazorCache":
         """Algorithm 1 of the paper on a full cache ``kv`` of N tokens (every layer): protected KV
         heads keep everything; the others keep the first ``sinks`` and the last ``window`` tokens,
-        and (``compensate``) one token whose key and value are the means of the dropped ones."""
+        and (``compensate``) one token whose key and value are the means of the dropped ones.
+        ``consume``: the caller drops ``kv`` afterwards: each layer is released from it as soon as
+        it is split (``kv`` is unusable after)."""
         n = kv.get_seq_length(0)
         if protected.shape != (kv.n_layers, kv.keys[0].shape[1]):
             raise ValueError(f"protected mask {tuple(protected.shape)} does not match the cache")
@@ -157,6 +159,9 @@ class RazorCache(CacheBase):
                 parts_v.insert(0, cv[:, :, sinks : n - window].to(torch.float32).mean(dim=2, keepdim=True).to(cv.dtype))
             cache.ck.append(torch.cat(parts_k, dim=2).contiguous())
             cache.cv.append(torch.cat(parts_v, dim=2).contiguous())
+            if consume:
+                del k, v, ck, cv, parts_k, parts_v
+                kv.keys[layer] = kv.values[layer] = None
         return cache
 
     def kv_heads(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:

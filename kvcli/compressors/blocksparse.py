@@ -367,6 +367,7 @@ class BlockSparse(Compressor):
             candidates=candidates,
             representative_num=self.representative_num,
             compute_device=engine.device,
+            consume=True,  # the pipeline keeps only the block cache
             initial=self.initial,
             block_size=self.block_size,
             representative=self.representative,

@@ -245,4 +245,4 @@ class DuoAttention(Compressor):
     def build_prefix(self, engine, prefix_ids: torch.Tensor) -> RazorCache:
         """Full KV of the prefix, then streaming heads cut to sinks + recent (no compensation)."""
         kv = engine.prefix_kv(prefix_ids)
-        return RazorCache.compress(kv, self.retrieval_heads(engine), engine.lm.n_heads, self.sinks, self.recent, compensate=False)
+        return RazorCache.compress(kv, self.retrieval_heads(engine), engine.lm.n_heads, self.sinks, self.recent, compensate=False, consume=True)

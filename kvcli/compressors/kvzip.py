@@ -172,6 +172,12 @@ class KVzip(PrefixEviction):
                     raise StopForward  # only the queries and keys are needed
 
             observers = {l: [lambda q, k, l=l: observe(l, q, k)] for l in range(lm.n_layers)}
-            # on a copy: the reconstruction's own KV is dropped after each chunk
-            engine.forward(ids, torch.arange(n, n + ids.numel()), kv.copy(), observers=observers)
+            # on a copy: the reconstruction's own KV is dropped after each chunk, and each layer's
+            # (the prefix + the chunk, a new buffer) as soon as the layer has run
+            work = kv.copy()
+
+            def drop(layer: int, work=work) -> None:
+                work.keys[layer], work.values[layer] = kv.keys[layer], kv.values[layer]
+
+            engine.forward(ids, torch.arange(n, n + ids.numel()), work, observers=observers, after_layer=drop)
         return kv, scores
