@@ -143,6 +143,7 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "total_s": round(result.total_s, 4),
         "decode_tokens_per_s": None if result.decode_tokens_per_s is None else round(result.decode_tokens_per_s, 2),
         "peak_mem_mb": round(result.peak_mem_mb, 1),
+        **({} if result.extra.get("peak_mem_reserved_mb") is None else {"peak_mem_reserved_mb": round(result.extra["peak_mem_reserved_mb"], 1)}),  # CUDA
         "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
         "n_answer_tokens": len(result.answer_ids),
         "device": str(session.engine.device),

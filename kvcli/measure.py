@@ -1,7 +1,9 @@
 """Wall time and peak memory of a piece of work, measured the same way for every method.
 
 Peak memory:
-* CUDA: ``torch.cuda.max_memory_allocated`` after a reset — memory held by tensors.
+* CUDA: ``torch.cuda.max_memory_allocated`` after a reset — memory held by tensors; beside it
+  ``max_memory_reserved`` (``peak_mem_reserved_mb``), what the caching allocator took from the GPU.
+  Times on CUDA are read after ``torch.cuda.synchronize`` (:meth:`Measurement.elapsed`).
 * CPU (Linux): the process's resident-set high-water mark (``VmHWM``), reset before the work by
   writing ``5`` to ``/proc/self/clear_refs``; freed heap is first handed back with ``malloc_trim``
   so earlier work doesn't hide this work's allocations. Elsewhere: a 2 ms RSS sampling thread.
@@ -27,6 +29,19 @@ import torch
 class Measurement:
     seconds: float = 0.0
     peak_mem_mb: float = 0.0
+    # CUDA: the caching allocator's peak reservation (what the process really took from the GPU:
+    # allocations plus the cache's slack and fragmentation); None elsewhere
+    peak_mem_reserved_mb: float | None = None
+    _start: float = 0.0
+    _device: torch.device | None = None
+
+    def elapsed(self, since: float | None = None) -> float:
+        """Seconds since the measurement started (or ``since``, a ``time.perf_counter()``), once
+        the device has finished the work queued so far (CUDA runs asynchronously: without the
+        synchronisation a time-to-first-token would be the time to *queue* the prompt's kernels)."""
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter() - (self._start if since is None else since)
 
 
 @functools.cache
@@ -156,7 +171,8 @@ class _Sampler(threading.Thread):
 
 @contextmanager
 def measure(device: torch.device | str = "cpu"):
-    """``with measure(device) as m: ...`` fills ``m.seconds`` and ``m.peak_mem_mb``."""
+    """``with measure(device) as m: ...`` fills ``m.seconds`` and ``m.peak_mem_mb`` (and on CUDA
+    ``m.peak_mem_reserved_mb``); ``m.elapsed()`` inside reads the time so far (TTFT)."""
     m = Measurement()
     device = torch.device(device)
     sampler = None
@@ -168,15 +184,14 @@ def measure(device: torch.device | str = "cpu"):
         if not _reset_hwm():
             sampler = _Sampler()
             sampler.start()
-    start = time.perf_counter()
+    m._start, m._device = time.perf_counter(), device
     try:
         yield m
     finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        m.seconds = time.perf_counter() - start
+        m.seconds = m.elapsed()
         if device.type == "cuda":
             m.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
+            m.peak_mem_reserved_mb = torch.cuda.max_memory_reserved(device) / 2**20
         elif sampler is not None:
             sampler.stop_event.set()
             sampler.join()

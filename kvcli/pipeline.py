@@ -364,12 +364,12 @@ def run(
             next_position = kept_ids.numel()
         for stage in compressors:
             cache = stage.compress(engine, cache)
-        ttft = time.perf_counter() - start
+        ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
         step = None if decoder is None else (lambda token, position, c: decoder.decode_step(engine, token, position, c))
         answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
-        total = time.perf_counter() - start
+        total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(
         answer=tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
@@ -383,6 +383,7 @@ def run(
         cache=cache,
         extra={
             "kv_cache_bytes": cache.nbytes(),
+            "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
             "cache": _cache_report(prefix, second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
