@@ -104,6 +104,7 @@ def document_from_text(text: str, source: str = "-", kind: str = "text") -> Docu
         text = _html_to_text(text)
     elif kind not in ("text", "markdown"):
         raise ValueError(f"document_from_text: kind must be text, markdown or html, not {kind!r}")
+    check_is_text(text, source)
     text = _normalise(text)
     if not text.strip():
         raise DocumentError(f"{_name(source)} is empty")
@@ -244,11 +245,44 @@ def _join_hyphenated(text: str) -> str:
 
 
 def _load_text(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
-    return _normalise(_decode(data)), (0,)
+    return _normalise(_text_of(data, source)), (0,)
 
 
 def _load_html(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
-    return _normalise(_html_to_text(_decode(data))), (0,)
+    return _normalise(_html_to_text(_text_of(data, source))), (0,)
+
+
+# Not text: more than this share of control characters (C0 but tab, line ends, form feed and ESC;
+# C1; U+FFFD) in the decoded text. Random bytes decode (as Latin-1) to about 25%; text, even with
+# the odd form feed or a mis-saved character, to well under 1%.
+MAX_CONTROL_SHARE = 0.05
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f-\x9f\ufffd]")
+
+
+def _text_of(data: bytes, source: str) -> str:
+    """The decoded text of a file that claims to be text; DocumentError when it is not text."""
+    text = _decode(data)
+    check_is_text(text, source)
+    return text
+
+
+def check_is_text(text: str, source: str) -> None:
+    """DocumentError (one line) for a 'text' that is binary data: a NUL character (never in text;
+    UTF-16 with a BOM is decoded before this), or more than ``MAX_CONTROL_SHARE`` control
+    characters."""
+    name = _name(source)
+    if "\x00" in text:
+        raise DocumentError(f"{name} is not text: it holds NUL bytes (a binary file?); kvcli reads {_KINDS_READ}")
+    sample = text[: 1 << 20]  # the first million characters tell
+    n_control = len(_CONTROL.findall(sample))
+    if sample and n_control > MAX_CONTROL_SHARE * len(sample):
+        raise DocumentError(
+            f"{name} is not text: {n_control / len(sample):.0%} of its characters are control characters "
+            f"(a binary file?); kvcli reads {_KINDS_READ}"
+        )
+
+
+_KINDS_READ = "PDF, plain text, Markdown and HTML"
 
 
 _LOADERS: dict[str, Callable[[bytes, str], tuple[str, tuple[int, ...]]]] = {

@@ -345,3 +345,34 @@ def test_unreadable_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_bytes", deny)  # works even when the tests run as root
     msg = error_of(path)
     assert "cannot be read" in msg and "permission denied" in msg
+
+
+# --- not text: binary data under a text name (issue 27, item 3) ------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".md", ".html"])
+def test_random_bytes_named_as_text_are_refused_in_one_line(tmp_path, capfd, suffix):
+    path = tmp_path / f"binary{suffix}"
+    path.write_bytes(os.urandom(20000))
+    msg = error_of(path, capfd)
+    assert "is not text" in msg and "binary" in msg
+
+
+def test_control_characters_without_nul_are_refused_but_text_with_a_few_is_read(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    noise = bytes(rng.choice([*range(1, 9), *range(14, 32), *range(0x80, 0xA0)]) for _ in range(3000))
+    (tmp_path / "noise.txt").write_bytes(noise + b" some words" * 10)
+    assert "control characters" in error_of(tmp_path / "noise.txt")
+    # a text with form feeds, an escape sequence and a stray control character is text
+    (tmp_path / "old.txt").write_bytes(b"Chapter 1\x0c\nThe keeper \x1b[1mwrote\x1b[0m.\x07\n" + b"More lines of text.\n" * 20)
+    assert "The keeper" in load_document(tmp_path / "old.txt").text
+    # UTF-16 with a BOM holds NUL bytes but is text
+    (tmp_path / "utf16.txt").write_bytes("Der Leuchtturm steht.".encode("utf-16"))
+    assert load_document(tmp_path / "utf16.txt").text == "Der Leuchtturm steht."
+
+
+def test_binary_text_on_stdin_is_refused():
+    with pytest.raises(DocumentError, match="stdin is not text"):
+        document_from_text("PK\x03\x04\x00\x00" + "x" * 100)
