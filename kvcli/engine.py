@@ -220,8 +220,8 @@ class Engine:
         logits = first_logits
         for i in range(max_new_tokens):
             token = int(torch.argmax(logits))
-            if token in stop_ids:
-                return out
+            if token in stop_ids:  # the guard may still drop a dangling end ("The answer is:")
+                return out if guard is None else out[: guard.finish(out, at_limit=False)]
             out.append(token)
             if guard is not None:
                 keep = guard.check(out)
