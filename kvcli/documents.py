@@ -99,7 +99,14 @@ class Document:
 
 
 def document_from_text(text: str, source: str = "-", kind: str = "text") -> Document:
-    """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text."""
+    """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text.
+    Bytes that were not UTF-8 (which Python's stdin keeps as lone surrogates) are decoded again as a
+    file's would be (cp1252, else Latin-1)."""
+    if _SURROGATE.search(text):
+        try:
+            text = _decode(text.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # surrogates no decoding made: unreadable characters
+            text = _SURROGATE.sub("\ufffd", text)
     if kind == "html":
         text = _html_to_text(text)
     elif kind not in ("text", "markdown"):
@@ -283,6 +290,7 @@ def check_is_text(text: str, source: str) -> None:
 
 
 _KINDS_READ = "PDF, plain text, Markdown and HTML"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 _LOADERS: dict[str, Callable[[bytes, str], tuple[str, tuple[int, ...]]]] = {

@@ -376,3 +376,14 @@ def test_control_characters_without_nul_are_refused_but_text_with_a_few_is_read(
 def test_binary_text_on_stdin_is_refused():
     with pytest.raises(DocumentError, match="stdin is not text"):
         document_from_text("PK\x03\x04\x00\x00" + "x" * 100)
+
+
+def test_stdin_bytes_that_were_not_utf8_are_decoded_as_a_file_would_be():
+    # Python's stdin keeps undecodable bytes as lone surrogates (surrogateescape)
+    cafe = "Le café du phare.".encode("cp1252").decode("utf-8", "surrogateescape")
+    assert document_from_text(cafe).text == "Le café du phare."
+    high = bytes(range(0x80, 0x100)) * 20  # no NUL, all high bytes: Latin-1's C1 controls
+    with pytest.raises(DocumentError, match="stdin is not text"):
+        document_from_text(high.decode("utf-8", "surrogateescape"))
+    with pytest.raises(DocumentError, match="stdin is not text"):
+        document_from_text("\ud800" * 100 + "a few words")
