@@ -290,6 +290,12 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
     limit = lm.max_context
     # --- the question (and the template around it) alone over the window: no method reads it ---
     fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens
+    if limit and fixed > limit and prompt.n_suffix <= max_new_tokens:  # the answer's room is the larger part
+        raise DocumentError(
+            f"--max-new-tokens {max_new_tokens:,} does not fit: with the prompt template and the question "
+            f"({fixed - max_new_tokens:,} tokens) it is over the {limit:,}-token window of {lm.name} by "
+            f"{fixed - limit:,} tokens before any of the document; lower --max-new-tokens"
+        )
     if limit and fixed > limit:
         raise DocumentError(
             f"the question is too long: with the prompt template and {max_new_tokens} tokens to generate it "

@@ -11,15 +11,6 @@ from kvcli.pipeline import Pipeline, check_window
 from kvcli.prompt import build_prompt
 
 
-@pytest.fixture(autouse=True)
-def fresh_notices():
-    notices.reset()
-    notices.set_sink(None)
-    yield
-    notices.reset()
-    notices.set_sink(None)
-
-
 @pytest.fixture(scope="module")
 def lm(tiny_lm):
     return tiny_lm("llama", max_position_embeddings=1024)
@@ -47,6 +38,15 @@ def test_a_question_too_long_for_the_window_is_named_with_by_how_much(lm, spec):
     assert "shorten the question" in msg and "-c finch" not in msg and "shorten the document" not in msg
 
 
+def test_too_many_tokens_to_generate_is_named_as_the_problem(lm):
+    prompt = build_prompt(lm.tokenizer, "A short note.", "Why?")
+    with pytest.raises(DocumentError) as info:
+        check_window(prompt, lm, 2000, configured(lm, "auto", prompt.n_tokens, 2000))
+    msg = str(info.value)
+    assert msg.startswith("--max-new-tokens 2,000 does not fit") and "lower --max-new-tokens" in msg, msg
+    assert "question is too long" not in msg
+
+
 def test_a_long_document_gets_the_document_advice_not_the_question_one(lm):
     prompt = build_prompt(lm.tokenizer, "word " * 3000, "Which word?")
     with pytest.raises(DocumentError) as info:
@@ -55,16 +55,21 @@ def test_a_long_document_gets_the_document_advice_not_the_question_one(lm):
 
 
 def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_finch_reads_it(lm):
-    said = []
-    notices.set_sink(said.append)
-    prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
-    check_window(prompt, lm, 4, configured(lm, "auto", prompt.n_tokens))  # Finch can: no error
-    [line] = said
-    assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
-    assert "1,024-token window" in line and "finch" in line
-    # within the window: nothing said
-    said.clear()
+    said: list[str] = []
     notices.reset()
-    short = build_prompt(lm.tokenizer, "word " * 100, "Which word?")
-    check_window(short, lm, 4, configured(lm, "auto", short.n_tokens))
-    assert said == []
+    notices.set_sink(said.append)
+    try:
+        prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
+        check_window(prompt, lm, 4, configured(lm, "auto", prompt.n_tokens))  # Finch can: no error
+        [line] = said
+        assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
+        assert "1,024-token window" in line and "finch" in line
+        # within the window: nothing said
+        said.clear()
+        notices.reset()
+        short = build_prompt(lm.tokenizer, "word " * 100, "Which word?")
+        check_window(short, lm, 4, configured(lm, "auto", short.n_tokens))
+        assert said == []
+    finally:
+        notices.reset()
+        notices.set_sink(None)
