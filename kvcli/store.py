@@ -29,7 +29,7 @@ Safety:
   only; where it silently locks per host only, the same holds without the warning, and a writer
   whose temporary file another host reclaimed just does not keep its entry;
 * nothing is left behind: an entry is serialised by kvcli itself straight into its temporary file
-  (:func:`write_safetensors`: no library writes a temporary file of its own beside it); opening the
+  (:func:`kvcli.files.write_safetensors`: no library writes a temporary file of its own beside it); opening the
   store (and ``kvcli cache prune`` / ``rm --all``) removes the temporary files of writers that died
   (their key's lock is free — a killed process holds no lock), any other file that is not an entry
   once nobody has written to it for a while, and the lock files nobody holds (:meth:`KVStore.reclaim`);
@@ -62,7 +62,7 @@ import torch
 from . import notices
 from .caches import CACHE_TYPES
 from .errors import one_line
-from .files import atomic_write
+from .files import save_safetensors_atomic
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
@@ -180,55 +180,6 @@ def _crc32(tensors: dict[str, torch.Tensor]) -> int:
         t = tensors[name].contiguous()
         crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"", crc)
     return crc
-
-
-def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
-    file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
-    the new one, never half of one; on failure the temporary file is removed and the error raised.
-
-    The bytes are written by :func:`write_safetensors` into that temporary file itself: the
-    safetensors library's own ``save_file`` writes through a temporary file of its own
-    (``.tmpXXXXXX``, beside it), which a killed run would leave under a name no kvcli process
-    could tell from someone else's file."""
-    atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
-
-
-# torch dtype -> safetensors dtype name (the format's spec)
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    **{getattr(torch, t): n for t, n in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                                           ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"))
-       if hasattr(torch, t)},
-}  # fmt: skip
-
-
-def write_safetensors(filename: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write the safetensors file ``filename`` as the format's spec has it (what ``safe_open``
-    reads): an 8-byte little-endian header length, the JSON header (padded with spaces to 8
-    bytes), then each tensor's bytes, largest element first (aligned), then by name; streamed
-    from the tensors, never a second copy of them in memory."""
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors name")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(filename, "wb") as fh:
-        fh.write(len(blob).to_bytes(8, "little"))
-        fh.write(blob)
-        for name in order:
-            t = tensors[name].detach().to("cpu").contiguous()
-            if t.numel():
-                fh.write(t.view(-1).view(torch.uint8).numpy().data)
 
 
 def _take_lock(path: Path, blocking: bool = True):

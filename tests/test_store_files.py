@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcli.store import _TEMP_NAME, KVStore, write_safetensors
+from kvcli.files import write_safetensors
+from kvcli.store import _TEMP_NAME, KVStore
 from tests.helpers.cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
