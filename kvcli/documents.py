@@ -319,13 +319,22 @@ def _short(e: Exception, limit: int = 120) -> str:
 
 
 def _decode(data: bytes) -> str:
-    """UTF-8 (BOM dropped), UTF-16 if it has a BOM, else cp1252, else latin-1 (never fails)."""
+    """UTF-8 (BOM dropped), UTF-16 if it has a BOM or the NUL bytes of one without (every other
+    byte of Latin-script text), else cp1252, else latin-1 (never fails)."""
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         try:
             return data.decode("utf-16")
         except UnicodeDecodeError:
             pass
-    for encoding in ("utf-8-sig", "cp1252"):
+    encodings = ["utf-8-sig", "cp1252"]
+    if b"\x00" in data and len(data) % 2 == 0:
+        even, odd = data[0::2].count(0), data[1::2].count(0)
+        pairs = len(data) // 2
+        if odd > pairs // 2 and even * 20 < pairs:
+            encodings.insert(0, "utf-16-le")
+        elif even > pairs // 2 and odd * 20 < pairs:
+            encodings.insert(0, "utf-16-be")
+    for encoding in encodings:
         try:
             return data.decode(encoding)
         except UnicodeDecodeError:

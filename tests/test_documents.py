@@ -368,9 +368,12 @@ def test_control_characters_without_nul_are_refused_but_text_with_a_few_is_read(
     # a text with form feeds, an escape sequence and a stray control character is text
     (tmp_path / "old.txt").write_bytes(b"Chapter 1\x0c\nThe keeper \x1b[1mwrote\x1b[0m.\x07\n" + b"More lines of text.\n" * 20)
     assert "The keeper" in load_document(tmp_path / "old.txt").text
-    # UTF-16 with a BOM holds NUL bytes but is text
+    # UTF-16 holds NUL bytes but is text: with a BOM, or without (every other byte NUL)
     (tmp_path / "utf16.txt").write_bytes("Der Leuchtturm steht.".encode("utf-16"))
     assert load_document(tmp_path / "utf16.txt").text == "Der Leuchtturm steht."
+    for codec in ("utf-16-le", "utf-16-be"):
+        (tmp_path / "utf16-no-bom.txt").write_bytes("Der Leuchtturm steht am Kap.".encode(codec))
+        assert load_document(tmp_path / "utf16-no-bom.txt").text == "Der Leuchtturm steht am Kap."
 
 
 def test_binary_text_on_stdin_is_refused():

@@ -133,7 +133,7 @@ def test_fuzzed_documents_are_read_cleanly_or_refused_in_one_line(tmp_path):
     # what must be refused, and what must be read
     for name in ("random-5000.txt", "random-5000.md", "random-5000.html", "high-bytes.txt", "high-bytes.html", "html-nul.html", "random-5000.pdf"):
         assert "error" in by_name[name], by_name[name]
-    for name in ("utf16-le-bom.txt", "utf16-be-bom.md", "utf8-bom.txt", "cp1252.txt", "crlf-cr.md", "one-long-line.txt", "html-broken.html", "refcard-prefixed.pdf"):
+    for name in ("utf16-le-bom.txt", "utf16-be-bom.md", "utf16-no-bom.txt", "utf8-bom.txt", "cp1252.txt", "crlf-cr.md", "one-long-line.txt", "html-broken.html", "refcard-prefixed.pdf"):
         assert "error" not in by_name[name], by_name[name]
     assert "is empty" in by_name["whitespace.txt"]["error"] and "is empty" in by_name["only-bom.txt"]["error"]
 
