@@ -108,7 +108,7 @@ class Session:
             stop_ids=stop,
             on_token=on_token,
             store=self.store if use_store else None,
-            guard=AnswerGuard(self.lm.tokenizer) if self.options.answer_guard and not force_tokens else None,
+            guard=AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None,
             low_memory=self.options.low_memory,
             meta={
                 "document": document.source if document.source == "-" else os.path.abspath(document.source),

@@ -130,6 +130,22 @@ def error_line(record: dict) -> str:
     return message if named in message else f"{named}: {message}"
 
 
+class ErrorLines:
+    """What a batch says on stderr about its error records: each document's error once (a
+    document that cannot be read fails every question, with one record per pair in the JSON)."""
+
+    def __init__(self) -> None:
+        self._said: set[tuple[str, str]] = set()
+
+    def line(self, record: dict) -> str | None:
+        """The record's one line (:func:`error_line`), or None when it was said already."""
+        key = (record["document"], record["error"])
+        if key in self._said:
+            return None
+        self._said.add(key)
+        return error_line(record)
+
+
 def read_input(item: Input, stdin_text: Callable[[], str]) -> Document:
     if item.problem is not None:
         raise DocumentError(item.problem)

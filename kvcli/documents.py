@@ -6,8 +6,9 @@ formats (text, Markdown, HTML) are a single page, ``page_starts == (0,)``.
 
 The page map for PDFs
 ---------------------
-Each page's text is extracted with pypdf and normalised on its own (line-end spaces
-stripped, runs of 3+ blank lines collapsed to 2, leading/trailing blank lines dropped),
+Each page's text is extracted with PDFium (pypdfium2; a space wherever two glyphs of a line
+stand apart, see ``WORD_GAP`` and docs/documents.md for why this extraction) and normalised on its
+own (line-end spaces stripped, runs of 3+ blank lines collapsed to 2, leading/trailing blank lines dropped),
 then the pages are joined with ``PAGE_SEPARATOR`` (``"\\n\\n"``). Offsets are recorded
 after normalisation, so they are exact::
 
@@ -31,12 +32,9 @@ from __future__ import annotations
 import bisect
 import codecs
 import hashlib
-import io
-import logging
 import os
 import re
 import stat
-import warnings
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -101,11 +99,19 @@ class Document:
 
 
 def document_from_text(text: str, source: str = "-", kind: str = "text") -> Document:
-    """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text."""
+    """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text.
+    Bytes that were not UTF-8 (which Python's stdin keeps as lone surrogates) are decoded again as a
+    file's would be (cp1252, else Latin-1)."""
+    if _SURROGATE.search(text):
+        try:
+            text = _decode(text.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # surrogates no decoding made: unreadable characters
+            text = _SURROGATE.sub("\ufffd", text)
     if kind == "html":
         text = _html_to_text(text)
     elif kind not in ("text", "markdown"):
         raise ValueError(f"document_from_text: kind must be text, markdown or html, not {kind!r}")
+    check_is_text(text, source)
     text = _normalise(text)
     if not text.strip():
         raise DocumentError(f"{_name(source)} is empty")
@@ -146,32 +152,35 @@ def load_document(path: str | os.PathLike) -> Document:
 
 
 def _load_pdf(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
-    import pypdf
-    from pypdf.errors import DependencyError
+    import pypdfium2
+    import pypdfium2.raw as pdfium_c
 
-    logging.getLogger("pypdf").setLevel(logging.ERROR)
     name = _name(source)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            reader = pypdf.PdfReader(io.BytesIO(data))
-            # encrypted PDFs that open without a password (an owner password only, as qpdf and
-            # many tools write them, RC4 or AES) are read; a user password cannot be guessed
-            if reader.is_encrypted and reader.decrypt("") == pypdf.PasswordType.NOT_DECRYPTED:
-                raise DocumentError(
-                    f"{name} is protected by a password; save a copy without it first "
-                    "(e.g. qpdf --password=PASSWORD --decrypt in.pdf out.pdf)"
-                )
-            pages = [page.extract_text() or "" for page in reader.pages]
-        except DocumentError:
-            raise
-        except DependencyError:  # AES needs 'cryptography', a kvcli dependency: a broken install
+    try:
+        pdf = pypdfium2.PdfDocument(data)
+    except pypdfium2.PdfiumError as e:
+        # an owner password only (as qpdf and many tools write them, RC4 or AES) opens; a user
+        # password cannot be guessed
+        if e.err_code == pdfium_c.FPDF_ERR_PASSWORD:
             raise DocumentError(
-                f"{name} uses AES encryption and the 'cryptography' package (a kvcli dependency) is "
-                "missing: reinstall kvcli or pip install cryptography"
+                f"{name} is protected by a password; save a copy without it first "
+                "(e.g. qpdf --password=PASSWORD --decrypt in.pdf out.pdf)"
             ) from None
-        except Exception as e:  # pypdf raises many kinds on malformed files
-            raise DocumentError(f"{name} is not a valid PDF: {_short(e)}") from None
+        raise DocumentError(f"{name} is not a valid PDF: {_short(e)}") from None
+    try:
+        pages = []
+        for i in range(len(pdf)):
+            try:
+                page = pdf[i]
+                textpage = page.get_textpage()
+            except pypdfium2.PdfiumError:
+                pages.append("")  # a damaged page: the others are still read
+                continue
+            pages.append(_page_text(textpage))
+    except Exception as e:  # noqa: BLE001 - a malformed file, whatever pdfium makes of it
+        raise DocumentError(f"{name} is not a valid PDF: {_short(e)}") from None
+    finally:
+        pdf.close()
 
     if not pages:
         raise DocumentError(f"{name} is empty (it has no pages)")
@@ -190,12 +199,98 @@ def _load_pdf(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
     return "".join(parts), tuple(starts)
 
 
+# A gap wider than this share of the font size between two glyphs on one line is a space. PDFium
+# inserts spaces where the PDF has none by its own rule, which misses the narrower word gaps of
+# kerned text (Ghostscript's "anyother") and of PDFs that place every word on its own
+# (debian-refcard's "aptupdate"); poppler's pdftotext uses 0.1 of the font size.
+WORD_GAP = 0.15
+_HYPHEN_BREAK = "\ufffe"  # PDFium's mark for a hyphen it takes for a soft one
+
+
+def _page_text(textpage) -> str:
+    """A page's text in PDFium's reading order, with a space wherever two glyphs of one line stand
+    apart by more than ``WORD_GAP`` of the font size, and hyphenated words joined again."""
+    import pypdfium2.raw as pdfium_c
+
+    raw = textpage.raw
+    n = pdfium_c.FPDFText_CountChars(raw)
+    if n <= 0:
+        return ""
+    text = textpage.get_text_range(0, n)
+    if len(text) != n:  # characters outside the BMP count twice in the range: no spacing pass
+        return _join_hyphenated(text)
+    out: list[str] = []
+    box = pdfium_c.FS_RECTF()
+    prev = None  # (right, bottom, top, font size) of the last glyph, None after a space or break
+    for i, ch in enumerate(text):
+        if ch.isspace() or ch == _HYPHEN_BREAK or pdfium_c.FPDFText_IsGenerated(raw, i) == 1:
+            prev = None
+            out.append(ch)
+            continue
+        if not pdfium_c.FPDFText_GetLooseCharBox(raw, i, box):
+            prev = None
+            out.append(ch)
+            continue
+        size = pdfium_c.FPDFText_GetFontSize(raw, i)
+        if prev is not None:
+            right, bottom, top, prev_size = prev
+            same_line = min(box.top, top) > max(box.bottom, bottom)
+            if same_line and box.left - right > WORD_GAP * max(size, prev_size):
+                out.append(" ")
+        prev = (box.right, box.bottom, box.top, size)
+        out.append(ch)
+    return _join_hyphenated("".join(out))
+
+
+_HYPHENATED = re.compile(_HYPHEN_BREAK + r"([ \t]*(?:\r\n|\r|\n))?")
+
+
+def _join_hyphenated(text: str) -> str:
+    """PDFium's hyphen mark: a word broken at the end of a line is joined again ("co-|ordinates"
+    -> "coordinates", as pdftotext does); inside a line it is the hyphen it shows ("hot-spot")."""
+    return _HYPHENATED.sub(lambda m: "" if m.group(1) else "-", text)
+
+
 def _load_text(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
-    return _normalise(_decode(data)), (0,)
+    return _normalise(_text_of(data, source)), (0,)
 
 
 def _load_html(data: bytes, source: str) -> tuple[str, tuple[int, ...]]:
-    return _normalise(_html_to_text(_decode(data))), (0,)
+    return _normalise(_html_to_text(_text_of(data, source))), (0,)
+
+
+# Not text: more than this share of control characters (C0 but tab, line ends, form feed and ESC;
+# C1; U+FFFD) in the decoded text. Random bytes decode (as Latin-1) to about 25%; text, even with
+# the odd form feed or a mis-saved character, to well under 1%.
+MAX_CONTROL_SHARE = 0.05
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f-\x9f\ufffd]")
+
+
+def _text_of(data: bytes, source: str) -> str:
+    """The decoded text of a file that claims to be text; DocumentError when it is not text."""
+    text = _decode(data)
+    check_is_text(text, source)
+    return text
+
+
+def check_is_text(text: str, source: str) -> None:
+    """DocumentError (one line) for a 'text' that is binary data: a NUL character (never in text;
+    UTF-16 with a BOM is decoded before this), or more than ``MAX_CONTROL_SHARE`` control
+    characters."""
+    name = _name(source)
+    if "\x00" in text:
+        raise DocumentError(f"{name} is not text: it holds NUL bytes (a binary file?); kvcli reads {_KINDS_READ}")
+    sample = text[: 1 << 20]  # the first million characters tell
+    n_control = len(_CONTROL.findall(sample))
+    if sample and n_control > MAX_CONTROL_SHARE * len(sample):
+        raise DocumentError(
+            f"{name} is not text: {n_control / len(sample):.0%} of its characters are control characters "
+            f"(a binary file?); kvcli reads {_KINDS_READ}"
+        )
+
+
+_KINDS_READ = "PDF, plain text, Markdown and HTML"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 _LOADERS: dict[str, Callable[[bytes, str], tuple[str, tuple[int, ...]]]] = {
@@ -224,13 +319,22 @@ def _short(e: Exception, limit: int = 120) -> str:
 
 
 def _decode(data: bytes) -> str:
-    """UTF-8 (BOM dropped), UTF-16 if it has a BOM, else cp1252, else latin-1 (never fails)."""
+    """UTF-8 (BOM dropped), UTF-16 if it has a BOM or the NUL bytes of one without (every other
+    byte of Latin-script text), else cp1252, else latin-1 (never fails)."""
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         try:
             return data.decode("utf-16")
         except UnicodeDecodeError:
             pass
-    for encoding in ("utf-8-sig", "cp1252"):
+    encodings = ["utf-8-sig", "cp1252"]
+    if b"\x00" in data and len(data) % 2 == 0:
+        even, odd = data[0::2].count(0), data[1::2].count(0)
+        pairs = len(data) // 2
+        if odd > pairs // 2 and even * 20 < pairs:
+            encodings.insert(0, "utf-16-le")
+        elif even > pairs // 2 and odd * 20 < pairs:
+            encodings.insert(0, "utf-16-be")
+    for encoding in encodings:
         try:
             return data.decode(encoding)
         except UnicodeDecodeError:

@@ -301,8 +301,8 @@ class Engine:
         for i in range(max_new_tokens):
             chosen = torch.argmax(logits).view(1)
             token = int(chosen)  # the step's one synchronisation: the host needs the token
-            if token in stop_ids:
-                return out
+            if token in stop_ids:  # the guard may still drop a dangling end ("The answer is:")
+                return out if guard is None else out[: guard.finish(out, at_limit=False)]
             out.append(token)
             if guard is not None:
                 keep = guard.check(out)

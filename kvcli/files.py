@@ -1,12 +1,17 @@
-"""Atomic file writes: the one way kvcli puts a file into a folder other processes read."""
+"""Atomic file writes: the one way kvcli puts a file into a folder other processes read (and the
+safetensors files it writes that way, byte by byte itself)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 
 def umask() -> int:
@@ -44,3 +49,52 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def save_safetensors_atomic(path: Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
+    file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
+    the new one, never half of one; on failure the temporary file is removed and the error raised.
+
+    The bytes are written by :func:`write_safetensors` into that temporary file itself: the
+    safetensors library's own ``save_file`` writes through a temporary file of its own
+    (``.tmpXXXXXX``, beside it), which a killed run would leave under a name no kvcli process
+    could tell from someone else's file."""
+    atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+# torch dtype name -> safetensors dtype name (the format's spec)
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
+    "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}  # fmt: skip
+
+
+def write_safetensors(filename: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
+    """Write the safetensors file ``filename`` as the format's spec has it (what ``safe_open``
+    reads): an 8-byte little-endian header length, the JSON header (padded with spaces to 8
+    bytes), then each tensor's bytes, largest element first (aligned), then by name; streamed
+    from the tensors, never a second copy of them in memory."""
+    import torch
+
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        dtype = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(filename, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        for name in order:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                fh.write(t.view(-1).view(torch.uint8).numpy().data)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import notices
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
@@ -287,8 +288,25 @@ def _cache_report(*prefixes: Prefix | None) -> dict:
 
 def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
-    says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents."""
+    says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
+    and says so before it starts (one warning with the token count: it takes a while)."""
     limit = lm.max_context
+    # --- the question (and the template around it) alone over the window: no method reads it ---
+    fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens
+    if limit and fixed > limit and prompt.n_suffix <= max_new_tokens:  # the answer's room is the larger part
+        raise DocumentError(
+            f"--max-new-tokens {max_new_tokens:,} does not fit: with the prompt template and the question "
+            f"({fixed - max_new_tokens:,} tokens) it is over the {limit:,}-token window of {lm.name} by "
+            f"{fixed - limit:,} tokens before any of the document; lower --max-new-tokens"
+        )
+    if limit and fixed > limit:
+        raise DocumentError(
+            f"the question is too long: with the prompt template and {max_new_tokens} tokens to generate it "
+            f"needs {fixed:,} positions ({prompt.n_suffix:,} of question), over the {limit:,}-token window of "
+            f"{lm.name} by {fixed - limit:,} tokens before any of the document; shorten the question by at "
+            f"least {fixed - limit:,} tokens"
+        )
+    over = limit and prompt.n_tokens + max_new_tokens > limit
     # --- Finch: the reader may read documents longer than the window chunk by chunk ---
     if limit and pipeline is not None:
         reader = pipeline.reader()
@@ -300,9 +318,15 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
+            if over:
+                notices.warn(
+                    f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
+                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {reader.name} reads "
+                    "it chunk by chunk, which takes a while (every token runs through the model)"
+                )
             return
     # ---
-    if limit and prompt.n_tokens + max_new_tokens > limit:
+    if over:
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "

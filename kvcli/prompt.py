@@ -13,6 +13,7 @@ text and page.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,14 +64,22 @@ class Prompt:
 
 
 def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
-    path = Path(name_or_path)
-    if not path.suffix:
+    """A template by name (``qa``: ``prompts/qa.txt``) or by path (any file, with or without an
+    extension: a name with a folder in it, or one that exists, is a path)."""
+    path = Path(name_or_path).expanduser()
+    is_name = not path.suffix and "/" not in name_or_path and os.sep not in name_or_path and not path.is_file()
+    if is_name:
         path = TEMPLATE_DIR / f"{name_or_path}.txt"
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError:
+    except FileNotFoundError:
         names = ", ".join(sorted(p.stem for p in TEMPLATE_DIR.glob("*.txt")))
-        raise UsageError(f"prompt template '{name_or_path}' not found; available: {names}") from None
+        what = f"prompt template '{name_or_path}'" if is_name else f"prompt template file {path}"
+        raise UsageError(f"{what} not found; templates by name: {names}, or give the path of a file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt template {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise UsageError(f"prompt template {path} cannot be read: {e.strerror or e}") from None
     if text.count("{document}") != 1 or text.count("{question}") != 1 or text.index("{document}") > text.index("{question}"):
         raise UsageError(f"prompt template {path}: needs one {{document}} followed by one {{question}}")
     return text

@@ -28,9 +28,12 @@ Safety:
   an entry twice and keep one (each write is atomic) — and temporary files are reclaimed by age
   only; where it silently locks per host only, the same holds without the warning, and a writer
   whose temporary file another host reclaimed just does not keep its entry;
-* nothing is left behind: opening the store (and ``kvcli cache prune`` / ``rm --all``) removes the
-  temporary files of writers that died (their key's lock is free — a killed process holds no
-  lock) and the lock files nobody holds (:meth:`KVStore.reclaim`); a lock file is only removed
+* nothing is left behind: an entry is serialised by kvcli itself straight into its temporary file
+  (:func:`kvcli.files.write_safetensors`: no library writes a temporary file of its own beside it); opening the
+  store (and ``kvcli cache prune`` / ``rm --all``) removes the temporary files of writers that died
+  (their key's lock is free — a killed process holds no lock), any other file that is not an entry
+  once nobody has written to it for a while, and the lock files nobody holds (:meth:`KVStore.reclaim`);
+  ``kvcli cache info`` counts every byte of them; a lock file is only removed
   by a process holding it, and a process that took the lock of a file since removed takes it again;
 * every load checks the JSON, the format version, the key, the tensor names, shapes, dtypes and
   CRC-32 and the cache's own consistency; anything wrong is a warning, the entry is dropped and the
@@ -59,12 +62,13 @@ import torch
 from . import notices
 from .caches import CACHE_TYPES
 from .errors import one_line
-from .files import atomic_write
+from .files import save_safetensors_atomic
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
 _META_KEY = "kvcli"
 _STALE_TEMP_S = 3600.0  # a temporary file not named after a key is removed after this long
+_IDLE_FOREIGN_S = 60.0  # ... and by ``kvcli cache prune`` / ``rm --all`` after this long unwritten
 # the temporary file of an entry: ``.<key>.safetensors.<random>.tmp`` (kvcli.files.atomic_write)
 _TEMP_NAME = re.compile(r"^\.([0-9a-f]{64})" + re.escape(SUFFIX) + r"\..+\.tmp$")
 
@@ -176,15 +180,6 @@ def _crc32(tensors: dict[str, torch.Tensor]) -> int:
         t = tensors[name].contiguous()
         crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"", crc)
     return crc
-
-
-def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
-    file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
-    the new one, never half of one; on failure the temporary file is removed and the error raised."""
-    from safetensors.torch import save_file
-
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _take_lock(path: Path, blocking: bool = True):
@@ -490,34 +485,40 @@ class KVStore:
             removed.append(e)
             total -= e.size
         self.remove(removed)
-        return removed, self.reclaim()
+        return removed, self.reclaim(explicit=True)
 
-    def reclaim(self) -> Leftovers:
-        """Remove the temporary files of writers that died and the lock files nobody holds.
+    def reclaim(self, explicit: bool = False) -> Leftovers:
+        """Remove the temporary files of writers that died, any other file of the store's folder
+        that is not an entry, and the lock files nobody holds.
 
         An entry's temporary file is written only while its key's lock is held, and the kernel
         releases the lock of a killed process: a temporary file whose lock can be taken has no
-        writer, whatever its age. Lock files nobody holds are removed (while holding them). Files
-        that cannot be removed (a read-only cache) are left. Returns what was removed."""
+        writer, whatever its age. Any other file directly under ``kv/`` that is not an entry (a
+        ``.tmpXXXXXX`` the safetensors library left when kvcli wrote through it, a stray copy) has
+        no lock to ask, so it goes by how long nobody wrote to it: an hour when a run opens the
+        store, a minute for ``explicit`` (``kvcli cache prune`` / ``rm --all``); a file being
+        written is never that idle. Lock files nobody holds are removed (while holding them).
+        Files that cannot be removed (a read-only cache) are left. Returns what was removed."""
         out = Leftovers()
         if not self.root.is_dir():
             return out
+        idle_limit = _IDLE_FOREIGN_S if explicit else _STALE_TEMP_S
         locks = set((self.root / "locks").glob("*.lock"))  # checking a temporary file may create its lock
-        for path in self.root.glob(".*.tmp"):
+        for path in _stray_files(self.root):
             try:
                 size, mtime = (st := path.stat()).st_size, st.st_mtime
             except OSError:
                 continue
             match = _TEMP_NAME.match(path.name)
-            stale = time.time() - mtime > _STALE_TEMP_S
+            idle = time.time() - mtime
             if match is None or fcntl is None:  # not an entry's temporary file (or no locks here): by age
-                if stale and _unlink(path):
+                if idle > (idle_limit if match is None else _STALE_TEMP_S) and _unlink(path):
                     out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
                 continue
             try:
                 handle = _take_lock(self.root / "locks" / f"{match.group(1)}.lock", blocking=False)
             except LocksUnsupported:  # no locks on this filesystem: by age
-                if stale and _unlink(path):
+                if idle > _STALE_TEMP_S and _unlink(path):
                     out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + size
                 continue
             except OSError:
@@ -540,11 +541,12 @@ class KVStore:
         return out
 
     def leftovers(self) -> Leftovers:
-        """Temporary files (writes in progress, or not yet reclaimed) and lock files now in the store."""
+        """Every file of the store that is not an entry: temporary files (writes in progress, or
+        not yet reclaimed, whatever their name) with their bytes, and lock files."""
         out = Leftovers()
         if not self.root.is_dir():
             return out
-        for path in self.root.glob(".*.tmp"):
+        for path in _stray_files(self.root):
             with contextlib.suppress(OSError):
                 out.temp_bytes += path.stat().st_size
                 out.temp_files += 1
@@ -553,6 +555,14 @@ class KVStore:
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries())
+
+
+def _stray_files(root: Path) -> Iterator[Path]:
+    """The files directly under ``root`` (the store's ``kv/``) that are not entries."""
+    with contextlib.suppress(OSError):
+        for path in root.iterdir():
+            if not path.name.endswith(SUFFIX) and path.is_file() and not path.is_symlink():
+                yield path
 
 
 def _unlink(path: Path) -> bool:

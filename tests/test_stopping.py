@@ -23,14 +23,20 @@ def ids(text: str) -> list[int]:
 
 def run_guard(guard, text: str, at_limit: bool = False) -> str:
     """Feed ``text`` token by token as decoding would; the text the guard lets through. The text
-    ends with a stop token, or with ``at_limit`` at the token limit."""
+    ends with a stop token, or with ``at_limit`` at the token limit. What it lets through is
+    always a prefix of ``text``, token for token."""
     out: list[int] = []
     for token in ids(text):
         out.append(token)
         keep = guard.check(out)
         if keep is not None:
-            return _tokenizer().decode(out[:keep])
-    return _tokenizer().decode(out[: guard.finish(out)] if at_limit else out)
+            return _prefix(text, out[:keep])
+    return _prefix(text, out[: guard.finish(out, at_limit=at_limit)])
+
+
+def _prefix(text: str, kept: list[int]) -> str:
+    assert kept == ids(text)[: len(kept)]
+    return _tokenizer().decode(kept)
 
 
 def test_stops_before_an_invented_next_question(guard):
@@ -67,6 +73,52 @@ def test_one_unfinished_sentence_is_kept_and_clean_answers_are_untouched(guard):
     assert guard.cut("Questions about the light remain open. ") is None
 
 
+# --- what the answers of issue 27 ended with ------------------------------------------------------
+
+QA_TEMPLATE = "{document}\n\nAnswer the question using only the document above. Be brief.\nQuestion: {question}\n"
+
+
+def test_an_echoed_template_line_is_cut():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    text = "The secret word is PELICAN.\n\nAnswer the question using only the document above."
+    assert run_guard(guard, text) == "The secret word is PELICAN."
+    # cut while it is being written, not only once whole; the rest never matters
+    assert run_guard(guard, text + " Be brief. The secret word is") == "The secret word is PELICAN."
+    # a template's line is an echo only after some answer, and only that template's lines
+    assert run_guard(guard, "Answer the question using only the document above.") == "Answer the question using only the document above."
+    assert run_guard(AnswerGuard(_tokenizer(), "{document}\n{question}"), text) == text
+    assert run_guard(AnswerGuard(_tokenizer()), text) == text
+    # an answer line that merely starts like it, but goes elsewhere, is kept
+    other = "PELICAN.\nAnswer the question with care, they said."
+    assert run_guard(guard, other) == other
+
+
+def test_a_dangling_lead_in_at_the_end_is_cut():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    assert run_guard(guard, "Ada Byron\n\nThe answer is:") == "Ada Byron"
+    assert run_guard(guard, "Ada Byron\n\nThe answer is:", at_limit=True) == "Ada Byron"
+    assert run_guard(guard, "It was Ada Byron. The answer is:") == "It was Ada Byron."
+    # a lead-in with what it leads to is an answer; a lead-in alone is all there is
+    listing = "The keepers were:\n- Angus Gray\n- Ada Byron"
+    assert run_guard(guard, listing) == listing
+    assert run_guard(guard, "The keepers were:") == "The keepers were:"
+
+
+def test_a_run_of_near_identical_items_is_stopped_after_its_first():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    run = "The book's chapters: Chapter 10: Chapter 11: Chapter 12: Chapter 13: Chapter 14: Chapter 15: Chapter 16:"
+    assert run_guard(guard, run, at_limit=True) == "The book's chapters: Chapter 10:"
+    lines = "Keepers:\n1. Keeper 1\n2. Keeper 2\n3. Keeper 3\n4. Keeper 4\n5. Keeper 5\n6. Keeper"
+    assert run_guard(guard, lines, at_limit=True) == "Keepers:\n1. Keeper 1"
+    # not runs: numbers alone (RULER's answers), three items, items that differ in words
+    numbers = "The special magic numbers are: 1851551, 2211442, 9982713, 4471123, 5512390, 7715432"
+    assert run_guard(guard, numbers, at_limit=True) == numbers
+    three = "Chapter 1: gulls. Chapter 2: seals. Chapter 3: puffins."
+    assert run_guard(guard, three) == three
+    named = "Rooms: the lamp room, the store room, the oil room, the watch room, the bed room"
+    assert run_guard(guard, named) == named
+
+
 def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     """The guard decides only where to stop: its tokens are a prefix of unguarded decoding."""
     lm = tiny_lm("llama")
@@ -77,7 +129,7 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
         def check(self, out):
             return 3 if len(out) == 5 else None
 
-        def finish(self, out):
+        def finish(self, out, at_limit=True):
             return len(out)
 
     def greedy(guard):
@@ -87,6 +139,18 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     plain = greedy(None)
     assert greedy(EveryFifth()) == plain[:3]
     assert greedy(AnswerGuard(lm.tokenizer)) == plain[: len(greedy(AnswerGuard(lm.tokenizer)))]
+
+    class DropsTheLastTwoAtAStop:  # as a dangling "The answer is:" at a stop token
+        def check(self, out):
+            return None
+
+        def finish(self, out, at_limit=True):
+            return len(out) if at_limit else len(out) - 2
+
+    cache, logits = engine.prefill(prompt_ids)
+    until = plain.index(plain[5])  # decoding stops at the first time it meets this token
+    got = engine.decode(logits, cache, prompt_ids.numel(), 12, {plain[5]}, guard=DropsTheLastTwoAtAStop())
+    assert until >= 3 and got == plain[: until - 2]
 
 
 def test_auto_policy_full_within_the_window_finch_beyond():

@@ -163,12 +163,12 @@ def test_unwritable_cache_dir_degrades_with_one_warning(tiny_lm, tmp_path):
 
 
 def test_full_disk_degrades_with_one_warning(tiny_lm, tmp_path, monkeypatch):
-    import safetensors.torch
+    import kvcli.files
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", no_space)
+    monkeypatch.setattr(kvcli.files, "write_safetensors", no_space)
     lm = tiny_lm("llama")
     session = session_for(lm, tmp_path)
     first, second = ask(session, "full"), ask(session, "full", Q2)

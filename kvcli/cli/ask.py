@@ -141,6 +141,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
     total = len(items) * len(questions)
     failed = done = 0
+    said = batch.ErrorLines()  # a document's error once, however many questions it fails
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -168,7 +169,9 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
                 done += 1
                 if "error" in record:
                     failed += 1
-                    progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False, highlight=False)
+                    line = said.line(record)
+                    if line is not None:
+                        progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
                 else:
                     spec = record["compressor"]  # every knob resolved for the model
                 progress.advance(task)

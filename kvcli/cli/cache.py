@@ -156,7 +156,7 @@ def cache_rm(
     if chosen or all_entries:
         line = f"removed {_plural(len(chosen), 'entry', 'entries')}, {render.human_bytes(freed)}"
         if all_entries:
-            left = store.reclaim()
+            left = store.reclaim(explicit=True)
             temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes
             if temps:
                 line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"

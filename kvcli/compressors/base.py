@@ -275,6 +275,8 @@ def parse_one(spec: str) -> Compressor:
         key = key.strip()
         if not eq:
             raise UsageError(f"{name}: expected knob=value, got '{item}'")
+        if not fields:
+            raise UsageError(f"{name} takes no knobs, got '{item}'; give it as '{name}'")
         if key not in fields:
             raise UsageError(f"{name}: unknown knob '{key}'; knobs: {describe_knobs(cls)}")
         if key in values:

@@ -158,12 +158,7 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
         probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
         probe.close()
     except OSError as e:
-        notices.warn(
-            f"cannot write to the cache directory {cache_dir} ({one_line(e)}); running without the "
-            "disk cache (the embedded model is converted again, ~20 s, on every run)",
-            key=("cache-dir", str(cache_dir)),
-        )
-        return _convert_to_temp(gguf)
+        return _convert_without_cache(gguf, cache_dir, e)
 
     tmp: Path | None = None
     try:
@@ -181,6 +176,8 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
         except (OSError, MemoryError):
             raise
         except Exception as e:  # a GGUF that transformers cannot read, a broken install...
+            if _is_write_failure(e):  # safetensors wraps the OSError of a full disk
+                raise OSError(one_line(e)) from e
             raise ModelError(
                 f"cannot convert the embedded model {gguf.name}: {one_line(e)}"
             ) from e
@@ -203,14 +200,34 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
             # another process finished first: use theirs, drop ours (finally)
     except MemoryError as e:
         raise ModelError("not enough memory to convert the embedded model") from e
-    except OSError as e:
-        raise ModelError(
-            f"cannot convert the embedded model into {models_dir}: {one_line(e)}"
-        ) from e
+    except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = None
+        return _convert_without_cache(gguf, cache_dir, e)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return target, sha
+
+
+_WRITE_FAILURES = ("No space left", "Disk quota", "Read-only file system", "Permission denied", "IoError")
+
+
+def _is_write_failure(e: BaseException) -> bool:
+    """An error of writing the converted files (raised as OSError, or wrapped by safetensors)."""
+    return isinstance(e, OSError) or any(s in str(e) for s in _WRITE_FAILURES)
+
+
+def _convert_without_cache(gguf: Path, cache_dir: Path, e: BaseException) -> tuple[Path, str]:
+    """The cache directory cannot take the conversion (read-only, full, over quota): say so once
+    and convert into a temporary folder instead, for this run."""
+    notices.warn(
+        f"cannot write to the cache directory {cache_dir} ({one_line(e)}); running without the "
+        "disk cache (the embedded model is converted again, ~20 s, on every run)",
+        key=("cache-dir", str(cache_dir)),
+    )
+    return _convert_to_temp(gguf)
 
 
 def _convert_to_temp(gguf: Path) -> tuple[Path, str]:

@@ -48,7 +48,7 @@ def selected_spans(console: Console, spans, document, n_kept: int, n_total: int,
 
     Spans whose context would overlap share one row (the text between them shown once, dim), so
     no part of the document is printed twice; highlights fall on word boundaries (:func:`word_spans`)."""
-    console.rule(f"[bold]kept {n_kept:,} of {n_total:,} prompt tokens ({n_kept / max(n_total, 1):.1%}) — {len(spans)} document spans")
+    console.rule(f"[bold]kept {n_kept:,} of {n_total:,} prompt tokens ({n_kept / max(n_total, 1):.1%}) — {len(spans)} document span{'' if len(spans) == 1 else 's'}")
     text = document.text
     rows: list[list[tuple[int, int, list[int]]]] = []
     for piece in word_spans(text, spans):

@@ -1,0 +1,75 @@
+"""Before the long work starts: a prompt over the window is said with its token count, and a
+question too long for any method is named as the problem (issue 27, items 3 and 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcli import notices
+from kvcli.errors import DocumentError
+from kvcli.pipeline import Pipeline, check_window
+from kvcli.prompt import build_prompt
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_lm):
+    return tiny_lm("llama", max_position_embeddings=1024)
+
+
+def configured(lm, spec: str, n_tokens: int, n_new: int = 4):
+    """``spec`` resolved (auto: by the policy) and configured, as Session.ask does."""
+    pipeline = Pipeline.parse(spec)
+    if pipeline.policy is not None:
+        pipeline = Pipeline.parse(pipeline.policy.choose(n_tokens, lm.max_context, n_new))
+    pipeline.configure(lm)
+    return pipeline
+
+
+@pytest.mark.parametrize("spec", ["auto", "full", "finch"])
+def test_a_question_too_long_for_the_window_is_named_with_by_how_much(lm, spec):
+    question = "Why " * 3000  # ~3,000 tokens, a 1,024-token window, a 3-word document
+    prompt = build_prompt(lm.tokenizer, "A short note.", question)
+    fixed = prompt.n_tokens - prompt.n_document_tokens + 4
+    assert fixed > lm.max_context
+    with pytest.raises(DocumentError) as info:
+        check_window(prompt, lm, 4, configured(lm, spec, prompt.n_tokens))
+    msg = str(info.value)
+    assert msg.startswith("the question is too long") and f"by {fixed - lm.max_context:,} tokens" in msg, msg
+    assert "shorten the question" in msg and "-c finch" not in msg and "shorten the document" not in msg
+
+
+def test_too_many_tokens_to_generate_is_named_as_the_problem(lm):
+    prompt = build_prompt(lm.tokenizer, "A short note.", "Why?")
+    with pytest.raises(DocumentError) as info:
+        check_window(prompt, lm, 2000, configured(lm, "auto", prompt.n_tokens, 2000))
+    msg = str(info.value)
+    assert msg.startswith("--max-new-tokens 2,000 does not fit") and "lower --max-new-tokens" in msg, msg
+    assert "question is too long" not in msg
+
+
+def test_a_long_document_gets_the_document_advice_not_the_question_one(lm):
+    prompt = build_prompt(lm.tokenizer, "word " * 3000, "Which word?")
+    with pytest.raises(DocumentError) as info:
+        check_window(prompt, lm, 4, configured(lm, "full", prompt.n_tokens))
+    assert "-c finch" in str(info.value) and "question is too long" not in str(info.value)
+
+
+def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_finch_reads_it(lm):
+    said: list[str] = []
+    notices.reset()
+    notices.set_sink(said.append)
+    try:
+        prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
+        check_window(prompt, lm, 4, configured(lm, "auto", prompt.n_tokens))  # Finch can: no error
+        [line] = said
+        assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
+        assert "1,024-token window" in line and "finch" in line
+        # within the window: nothing said
+        said.clear()
+        notices.reset()
+        short = build_prompt(lm.tokenizer, "word " * 100, "Which word?")
+        check_window(short, lm, 4, configured(lm, "auto", short.n_tokens))
+        assert said == []
+    finally:
+        notices.reset()
+        notices.set_sink(None)
