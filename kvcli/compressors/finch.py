@@ -64,13 +64,14 @@ from ..caches import KVCache
 from ..errors import DocumentError, UsageError
 from ..rope import rerotate_table, rope_cos_sin
 from .base import Compressor, knob, register
-from .scoring import parse_budget, resolve_budget
+from .scoring import parse_budget, pool, resolve_budget
 
 DEFAULT_TARGET = 1024
 # The paper runs chunks of 64-2,048 tokens (Table 9) and finds 1024 better than 256 for
 # single-document QA (smaller chunks help multi-document QA; larger ones are faster: fewer steps).
 # kvcli answers questions about one document, so 1024.
 DEFAULT_CHUNK = 1024
+DEFAULT_KERNEL = 1  # the paper's (no pool); see the module docstring and docs/finch.md
 QUESTION_ROOM = 512  # positions a small window keeps for the question and the answer when the default chunk shrinks
 
 
@@ -138,12 +139,18 @@ class Finch(Compressor):
         DEFAULT_CHUNK,
         "context tokens read per step (the paper: 64-2,048; 1024 for single-document QA); shrinks to fit a small window",
     )
+    kernel: int = knob(
+        DEFAULT_KERNEL,
+        "width of a max pool over the scores before the top-k, as SnapKV's (odd; 1 = the paper: none)",
+    )
 
     def __post_init__(self) -> None:
         if self.target is not None:
             self.target = parse_budget(self.name, self.target, "target")
         if self.chunk < 1:
             raise UsageError(f"finch: chunk must be at least 1, got {self.chunk}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise UsageError(f"finch: kernel must be odd and at least 1, got {self.kernel}")
 
     def configure(self, lm) -> None:
         window = lm.max_context
@@ -229,6 +236,7 @@ class Finch(Compressor):
                 m = n_candidates
                 continue
             scores: dict[int, torch.Tensor] = {}
+            kernel = self.kernel
 
             def observer(layer: int):
                 attn = engine.layers[layer].self_attn
@@ -236,7 +244,7 @@ class Finch(Compressor):
 
                 def fn(query: torch.Tensor, key: torch.Tensor) -> None:
                     s = scaling if scaling is not None else query.shape[-1] ** -0.5
-                    scores[layer] = question_scores(query, key, n_question, n_candidates, s)
+                    scores[layer] = pool(question_scores(query, key, n_question, n_candidates, s)[None], kernel, "max")[0]
                     if layer == n_layers - 1:
                         raise StopForward  # the last layer's output is never needed
 

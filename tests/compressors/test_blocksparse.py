@@ -30,7 +30,7 @@ from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
-from tests.helpers.reference import assert_same_logits, reference_qk
+from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -330,6 +330,67 @@ def test_preset_quest_selects_blocks_per_kv_head_by_the_upper_bound(tiny_lm):
             assert ub[chosen].min() >= ub[~chosen].max() - 1e-4
         differ += int(not torch.equal(blocks[0], blocks[1]))
     assert differ > 0  # KV heads really choose separately
+
+
+# --- the selection with few blocks, every representative, against a reference -------------------------
+
+
+def reference_representatives(keys: torch.Tensor, kind: str, num: int, votes: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """The article's representatives written out block by block: keys (n_blocks * block_size, d)
+    of one KV head's Context -> (n_blocks, num, d); ``votes`` (n_blocks * block_size,) for dynamic."""
+    out = []
+    for b in range(keys.shape[0] // block_size):
+        block = keys[b * block_size : (b + 1) * block_size]
+        piece = block_size // num
+        if kind == "max":
+            reps = [block[i * piece : (i + 1) * piece].max(dim=0).values for i in range(num)]
+        elif kind == "mean":
+            reps = [block[i * piece : (i + 1) * piece].mean(dim=0) for i in range(num)]
+        elif kind == "fixed":
+            reps = [block[i * piece] for i in range(num)]
+        else:  # dynamic: the num best-voted tokens of the block
+            v = votes[b * block_size : (b + 1) * block_size]
+            best = sorted(range(block_size), key=lambda t: -float(v[t]))[:num]
+            reps = [block[t] for t in sorted(best)]
+        out.append(torch.stack(reps))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("rep, heads", [("dynamic", "shared"), ("max", "shared"), ("mean", "separate"), ("fixed", "shared"), ("dynamic", "separate")])
+def test_few_blocks_are_the_best_scored_by_a_reference(tiny_lm, rep, heads):
+    """topk=2 of 25 blocks: at every decode step and layer, the two chosen blocks (per KV head, or
+    one pair for the layer when shared) are the two best by InfLLM's equation 2 — sum over the
+    representatives of q · r, summed over the query heads of each KV head (and over the KV heads
+    when shared) — with the representatives computed by hand from Hugging Face's own keys
+    (dynamic: the attention of the last ``window`` prompt queries, summed, mean over the group)."""
+    lm = tiny_lm("qwen2")  # GQA: 2 query heads per KV head
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    window = 16
+    spec = f"blocksparse:{SMALL},topk=2,representative={rep},representative_num=2,head_select={heads},window={window}"
+    _, cache = blocksparse_logits(engine, spec, ids, trace=True)
+    n_kv, group = lm.n_kv_heads, lm.n_heads // lm.n_kv_heads
+    assert cache.n_blocks == 25 and len(cache.trace) == 5 * lm.n_layers
+    reps = []
+    for q, k, attn in reference_qk(lm, ids):
+        ctx = k[0, ::group, 4 : 4 + 25 * 8].float()  # (n_kv, 200, d): one copy of each KV head
+        votes = causal_softmax(q, k, attn.scaling)[0, :, -window:, 4 : 4 + 25 * 8].sum(dim=1)  # (n_heads, 200)
+        votes = votes.view(n_kv, group, -1).mean(dim=1)
+        reps.append(torch.stack([reference_representatives(ctx[h], rep, 2, votes[h], 8) for h in range(n_kv)]))
+    for entry in cache.trace:
+        query = entry["query"].float().view(n_kv, group, -1)  # the step's query heads, by KV head
+        r = reps[entry["layer"]]  # (n_kv, 25, 2, d)
+        scores = torch.einsum("hgd,hbrd->hb", query, r)  # sum over the group's heads and the representatives
+        if heads == "shared":
+            scores = scores.sum(dim=0, keepdim=True)
+        blocks = entry["blocks"]
+        assert entry["computed"] and blocks.shape == (scores.shape[0], 2)
+        for h in range(scores.shape[0]):
+            chosen = torch.zeros(25, dtype=torch.bool)
+            chosen[blocks[h]] = True
+            assert float(scores[h][chosen].min()) >= float(scores[h][~chosen].max()) - 1e-4, (entry["step"], entry["layer"], h)
+    picked = {tuple(e["blocks"].flatten().tolist()) for e in cache.trace}
+    assert len(picked) > 1  # the choice changes with the layer or the step: it is not a fixed pair
 
 
 # --- dense layers, reuse across layers and tokens ------------------------------------------------------

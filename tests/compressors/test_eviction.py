@@ -68,6 +68,29 @@ def test_snapkv_keeps_the_papers_selection(tiny_lm, family):
             assert_top_k(cache.kept[l][h], votes[h], budget - w, tail=range(n - w, n))
 
 
+# PyramidKV (Cai et al. 2024, section 3) for 4 layers, budget 40, window 8 (the window kept in every
+# layer, a = 40 - 8 = 32 selected on average), beta 20: top layer a / beta = 1.6, bottom 2a - 1.6 =
+# 62.4, arithmetic in between (step 20.27): 62.4, 42.13, 21.87, 1.6 -> whole entries with the same
+# total (4 x 32 = 128; the two largest remainders round up: layers 2 and 3) 62, 42, 22, 2; + window.
+PYRAMID_4_LAYERS_40_8 = [70, 50, 30, 10]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pyramidkv_keeps_the_papers_selection_with_the_papers_budgets(tiny_lm, family):
+    lm = tiny_lm(family)
+    assert lm.n_layers == 4
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    n, w = prompt.n_tokens, 8
+    cache, _ = prefill_and_compress(engine, prompt.ids, f"pyramidkv:budget=40,window={w},kernel=7,pool=max,beta=20")
+    assert [cache.seq_len(l) for l in range(lm.n_layers)] == PYRAMID_4_LAYERS_40_8
+    for l, attn in enumerate(reference_attention(lm, prompt.ids)):
+        votes = per_kv_head(attn[:, -w:, :-w].sum(dim=-2), lm.n_kv_heads)
+        votes = F.max_pool1d(votes[None], kernel_size=7, padding=3, stride=1)[0]
+        for h in range(lm.n_kv_heads):
+            assert_top_k(cache.kept[l][h], votes[h], PYRAMID_4_LAYERS_40_8[l] - w, tail=range(n - w, n))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("rows", [None, 16])  # the default blocks (one, for this prompt), 16-row blocks
 def test_h2o_keeps_heavy_hitters_and_recent_tokens(tiny_lm, monkeypatch, family, rows):

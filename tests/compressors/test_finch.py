@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from kvcli.compressors import parse_one
-from kvcli.compressors.finch import DEFAULT_CHUNK, chunk_bounds, kept_counts, question_scores
+from kvcli.compressors.finch import DEFAULT_CHUNK, DEFAULT_KERNEL, chunk_bounds, kept_counts, question_scores
 from kvcli.engine import Engine
 from kvcli.errors import DocumentError, UsageError
 from kvcli.pipeline import Pipeline, check_window, run
 from kvcli.prompt import build_prompt
 from kvcli.rope import rerotate
-from tests.helpers.reference import causal_softmax, reference_qk
+from tests.helpers.reference import causal_softmax, finch_reference, reference_qk
 from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 TOL = 1e-4
@@ -98,6 +98,59 @@ def test_one_step_keeps_the_papers_top_positions(tiny_lm, family):
     assert len({tuple(k.tolist()) for k in cache.kept_positions}) > 1  # layers keep different tokens
 
 
+def finch_choices(monkeypatch, n_layers: int) -> list:
+    """Record Finch's choice at every compressing step: the candidate indices it hands to the
+    re-rotation, per layer in order -> a list (steps) of lists (layers)."""
+    from kvcli.compressors import finch as finch_module
+
+    calls: list[torch.Tensor] = []
+    real = finch_module.rerotate_table
+
+    def recording(key, old_index, new_index, cos, sin):
+        calls.append(old_index.cpu().clone())
+        return real(key, old_index, new_index, cos, sin)
+
+    monkeypatch.setattr(finch_module, "rerotate_table", recording)
+
+    class Steps(list):
+        def take(self):
+            assert len(calls) % n_layers == 0
+            self[:] = [calls[i : i + n_layers] for i in range(0, len(calls), n_layers)]
+            return self
+
+    return Steps()
+
+
+@pytest.mark.parametrize("family, chunk, kernel", [("llama", 64, 1), ("qwen3", 100, 1), ("llama", 64, 7)])
+def test_chunks_keep_the_papers_selection_and_rerotated_keys(tiny_lm, monkeypatch, family, chunk, kernel):
+    """Two or three chunks against :func:`finch_reference` (transformers' own forward on the kept
+    cache, the paper's normalised scores, top-k per layer): every step's kept set is a top-k of
+    the reference's scores, the final kept positions, each kept key equals the model's own key of
+    that token at its new slot (RoPE of its pre-RoPE key at the slot) and the values, and the
+    first answer logits."""
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls did the keeper count on line 7?")
+    n_question, n_context = prompt.n_after_document, prompt.doc_end
+    target = 40
+    assert 2 <= -(-n_context // chunk) <= 3
+    choices = finch_choices(monkeypatch, lm.n_layers)
+    f = finch(lm, f"finch:target={target},chunk={chunk},kernel={kernel}")
+    cache, logits, next_position = f.prefill(engine, prompt.ids, protected=n_question)
+    choices.take()
+    kept, keys, values, ref_logits, steps = finch_reference(lm, prompt.ids, n_question, chunk, target, kernel, follow=choices)
+    assert steps == len(choices) == -(-n_context // chunk)
+    assert next_position == target + n_question
+    for layer in range(lm.n_layers):
+        assert cache.kept_positions[layer].tolist() == kept[layer].tolist(), layer
+        torch.testing.assert_close(cache.keys[layer][:, :, :target], keys[layer], atol=TOL, rtol=0)
+        torch.testing.assert_close(cache.values[layer][:, :, :target], values[layer], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=0)
+    if kernel == 1:  # no pool: no plateaus, so the reference's own top-k is the same set
+        alone = finch_reference(lm, prompt.ids, n_question, chunk, target, kernel)[0]
+        assert [k.tolist() for k in alone] == [k.tolist() for k in cache.kept_positions]
+
+
 def test_question_scores_gqa_never_expands_and_normalises():
     torch.manual_seed(0)
     query = torch.randn(1, 6, 5, 8)  # 6 query heads, 2 KV heads, 3 question rows of 5 run
@@ -150,11 +203,11 @@ def test_default_chunk_is_in_the_papers_range_and_target_may_be_a_ratio(tiny_lm)
     lm = tiny_lm("llama")  # window 4096
     f = finch(lm, "finch")
     assert (f.target, f.chunk) == (1024, 1024)
-    assert f.spec() == "finch:target=1024,chunk=1024"
+    assert f.spec() == f"finch:target=1024,chunk=1024,kernel={DEFAULT_KERNEL}"
     small = finch(tiny_lm("llama", max_position_embeddings=1024), "finch:target=128")
     assert small.chunk == 1024 - 128 - 256  # a small window shrinks the default chunk, never an explicit one
     ratio = finch(lm, "finch:target=0.25,chunk=64")
-    assert ratio.spec() == "finch:target=0.25,chunk=64" and ratio.target_tokens(401) == 100
+    assert ratio.spec() == f"finch:target=0.25,chunk=64,kernel={DEFAULT_KERNEL}" and ratio.target_tokens(401) == 100
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, words(600, seed=2), "Which word?")
     cache, _, next_position = ratio.prefill(engine, prompt.ids, protected=prompt.n_after_document)
@@ -303,7 +356,7 @@ def test_compressed_cache_shapes(tiny_lm):
 
 def test_knob_errors(tiny_lm):
     lm = tiny_lm("llama")
-    for spec, needle in [("finch:target=0", "target"), ("finch:chunk=0", "chunk"), ("finch:target=x", "target")]:
+    for spec, needle in [("finch:target=0", "target"), ("finch:chunk=0", "chunk"), ("finch:target=x", "target"), ("finch:kernel=4", "kernel"), ("finch:kernel=0", "kernel")]:
         with pytest.raises(UsageError, match=needle):
             parse_one(spec)
     with pytest.raises(UsageError, match="window"):
