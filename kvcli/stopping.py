@@ -23,12 +23,25 @@ from __future__ import annotations
 import re
 
 MIN_REPEAT_CHARS = 12
-_TURN = re.compile(r"\n[ \t]*(?:question|q|user|human|document)[ \t]*:", re.IGNORECASE)
+_ROLES = ("question", "q", "user", "human", "document")
+_TURN = re.compile(r"\n[ \t]*(?:" + "|".join(_ROLES) + r")[ \t]*:", re.IGNORECASE)
+_FINISHED = ".!?\"')]"  # what a whole sentence ends with (``finish``)
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*(?=\s)|\n")
 
 
 def _norm(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+def _is_whole_sentence(kept: str) -> bool:
+    """Whether ``finish`` may end the answer after ``kept`` (cutting off what follows it)."""
+    return len(_norm(kept)) >= MIN_REPEAT_CHARS and kept[-1] in _FINISHED
+
+
+def _may_become_turn(tail: str) -> bool:
+    """Whether ``tail`` (starting at a new line) may still grow into an invented next turn."""
+    rest = tail[1:].lstrip(" \t").lower()
+    return any(role.startswith(rest) or (rest.startswith(role) and re.fullmatch(r"[ \t]*:?", rest[len(role):])) for role in _ROLES)
 
 
 class AnswerGuard:
@@ -82,13 +95,46 @@ class AnswerGuard:
         if at is not None:
             return self._tokens_within(ids, len(text[:at].rstrip()))
         body = text.rstrip()
-        if not body or body[-1] in ".!?\"')]" or "\n" in body[-1:]:
+        if not body or body[-1] in _FINISHED or "\n" in body[-1:]:
             return len(ids)
         last = None
         for m in _SENTENCE_END.finditer(body):
             last = m.end()
         kept = body[:last].rstrip() if last is not None else ""
-        if len(_norm(kept)) < MIN_REPEAT_CHARS or kept[-1] not in ".!?\"')]":
+        if not _is_whole_sentence(kept):
             # no whole sentence before the cut-off one (e.g. "The numbers are:\n* 1851551..."): keep it all
             return len(ids)
         return self._tokens_within(ids, len(kept))
+
+    def settled(self, ids: list[int]) -> str:
+        """The start of the answer no later token can take back, whatever tokens follow ``ids``
+        (the tokens generated so far): what an answer shown as it is decoded may print
+        (:class:`kvcli.streaming.AnswerStream`). The final answer (``check``'s cut, ``finish``'s, or
+        all of it at the stop token, then stripped) always starts with it.
+
+        Held back: trailing whitespace (stripped at the end) and an incomplete character; a new
+        line that may still become an invented turn (``\\nQuest``); the unfinished sentence when
+        it may still repeat an earlier one, or when ``finish`` would cut it off at the token limit
+        (an earlier whole sentence exists: from the second sentence on, a sentence is settled once
+        the next one starts)."""
+        text = self._text(ids).rstrip("\ufffd")  # bytes of a character still to come decode as U+FFFD
+        end = len(text)
+        for m in re.finditer(r"\n", text):
+            if _may_become_turn(text[m.start() :]) or _TURN.match(text, m.start()):
+                end = m.start()
+                break
+        seen: set[str] = set()
+        start = 0
+        for m in _SENTENCE_END.finditer(text, 0, end):
+            piece = _norm(text[start : m.end()])
+            if len(piece) >= MIN_REPEAT_CHARS:
+                if piece in seen:  # ``check`` cuts here once the next token is read
+                    return text[:start].strip()
+                seen.add(piece)
+            start = m.end()
+        tail = _norm(text[start:end])
+        if any(earlier.startswith(tail) for earlier in seen):
+            end = start  # the unfinished sentence may still become a repeat
+        elif start and _is_whole_sentence(text[:start].rstrip()):
+            end = start  # at the token limit ``finish`` would end the answer before it
+        return text[:end].strip()

@@ -16,6 +16,7 @@ from ..report import terminal as render
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
+from .live import Reading, stats_line
 from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 ASK_HELP = """Answer a question from documents.
@@ -102,30 +103,36 @@ def ask(
 
 
 def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
-    """One document, one question: the answer as text (or one JSON object); errors end the run."""
+    """One document, one question: the answer as text (or one JSON object); errors end the run.
+    On a terminal (not --json) the answer is printed as it is decoded."""
     document = batch.read_input(item, sys.stdin.read)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
-    with err.status(f"answering with {pipeline.spec()}…", spinner="dots"):
-        result = session.ask(document, question, pipeline)
+    stream = not as_json and stdout.is_terminal
+    reading = Reading(err)
+    try:
+        with reading:
+            result = session.ask(document, question, pipeline, **reading.callbacks(stream))
+    except KeyboardInterrupt:
+        if reading.wrote:
+            sys.stdout.write("\n")  # end the answer's line before "kvcli: interrupted"
+        raise
     if as_json:
         record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
         return
-    stdout.out(result.answer)
+    if stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        stdout.out(result.answer)
     if show_selected:
         spans = result.selection.spans(result.prompt, document)
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
         render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
-    cache = result.extra["cache"]
-    saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
-    err.print(
-        f"[dim]{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
-        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
-        f"cache {cache['status']}{saved}[/dim]"
-    )
+    err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
 def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None) -> None:
