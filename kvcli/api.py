@@ -23,6 +23,7 @@ from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
+from .capacity import resolve_cap
 from .store import KVStore
 
 
@@ -37,6 +38,7 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
+    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.capacity's default)
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
@@ -73,7 +75,8 @@ class Session:
         )
         store = None
         if options.use_cache:
-            store = KVStore.open(options.cache_dir if options.cache_dir is not None else default_cache_dir())
+            cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+            store = KVStore.open(cache_dir, max_bytes=resolve_cap(options.cache_max, cache_dir))
         return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store)
 
     def ask(

@@ -17,7 +17,7 @@ from ..model import default_cache_dir
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import Reading, stats_line
-from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .options import Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 CHAT_HELP = """Ask questions about one document, one after another.
 
@@ -64,11 +64,12 @@ def chat(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
     cache_dir: Optional[Path] = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
+    cache_max: Optional[str] = CacheMaxOpt,
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, answer_guard=answer_guard)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, answer_guard=answer_guard, cache_max=cache_max)
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")
     pipeline = api.parse_pipeline(compressor)
