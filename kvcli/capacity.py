@@ -5,7 +5,7 @@ fits under the cap (:func:`least_recently_used`). The cap (:func:`resolve_cap`) 
 ``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
 of
 
-* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~27 documents for SmolLM2-135M in
+* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~28 documents for SmolLM2-135M in
   float32 (46 KB per token, 377 MB a document) or ~10 for an 8B model in 16 bits (128 KiB per token),
   more than a day's documents, and
 * a quarter (:data:`DEFAULT_CAP_SHARE`) of the disk space the store may use (the free space where it

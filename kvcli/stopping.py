@@ -15,7 +15,7 @@ repeat the same sentence, write an invented next turn (``Question: ...``), or ru
 
 Greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an answer it
 does not touch is token-identical to one without it. Its effect on accuracy is measured by
-``kvcli bench ruler`` (README, "Accuracy").
+``kvcli bench ruler`` (docs/methods.md, "Where an answer ends").
 """
 
 from __future__ import annotations
