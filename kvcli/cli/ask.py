@@ -16,8 +16,8 @@ from ..report import terminal as render
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .live import Reading, stats_line
-from .options import Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .live import answer, stats_line
+from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 ASK_HELP = """Answer a question from documents.
 
@@ -45,9 +45,7 @@ def ask(
         ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
-    compressor: str = typer.Option(
-        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see docs/methods.md); `kvcli compressors` lists the methods"
-    ),
+    compressor: str = CompressorOpt,
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
@@ -63,7 +61,7 @@ def ask(
     no_cache: bool = NoCacheOpt,
     cache_max: Optional[str] = CacheMaxOpt,
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
-    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
+    answer_guard: bool = AnswerGuardOpt,
     low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
@@ -110,14 +108,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     stream = not as_json and stdout.is_terminal
-    reading = Reading(err)
-    try:
-        with reading:
-            result = session.ask(document, question, pipeline, **reading.callbacks(stream))
-    except KeyboardInterrupt:
-        if reading.wrote:
-            sys.stdout.write("\n")  # end the answer's line before "kvcli: interrupted"
-        raise
+    result = answer(err, session, document, question, pipeline, stream)
     if as_json:
         record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))

@@ -16,8 +16,8 @@ from ..errors import KvcliError, UsageError
 from ..model import default_cache_dir
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .live import Reading, stats_line
-from .options import Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .live import answer, stats_line
+from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 CHAT_HELP = """Ask questions about one document, one after another.
 
@@ -50,9 +50,7 @@ HISTORY_LENGTH = 1000
 @app.command(help=CHAT_HELP, short_help="Ask questions about one document at a prompt.", cls=usage("[OPTIONS] DOCUMENT"))
 def chat(
     document: str = typer.Argument(..., metavar="DOCUMENT", help="A .pdf, .txt, .md or .html file", show_default=False),
-    compressor: str = typer.Option(
-        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, as for kvcli ask (auto: full attention where the prompt fits the window, Finch past it)"
-    ),
+    compressor: str = CompressorOpt,
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
@@ -65,7 +63,7 @@ def chat(
     cache_dir: Optional[Path] = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
     cache_max: Optional[str] = CacheMaxOpt,
-    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
+    answer_guard: bool = AnswerGuardOpt,
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
@@ -107,8 +105,7 @@ def _over_a_pipe(err, session, doc, source, pipeline, as_json) -> bool:
         if not question:
             continue
         try:
-            with Reading(err) as reading:
-                result = session.ask(doc, question, pipeline, **reading.callbacks(stream=False))
+            result = answer(err, session, doc, question, pipeline, stream=False)
         except KvcliError as e:
             failed = True
             if as_json:
@@ -140,14 +137,9 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
                 continue
             if not question.strip():
                 continue
-            reading = Reading(err)
             try:
-                with reading:
-                    result = session.ask(doc, question, pipeline, **reading.callbacks(stream))
+                result = answer(err, session, doc, question, pipeline, stream)
             except KeyboardInterrupt:
-                if reading.wrote:
-                    sys.stdout.write("\n")
-                sys.stdout.flush()
                 err.print("(answer cancelled)", style="dim", markup=False, highlight=False)
                 continue
             except KvcliError as e:

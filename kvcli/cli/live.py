@@ -80,6 +80,20 @@ class Reading:
         sys.stdout.flush()
 
 
+def answer(err: Console, session, document, question: str, pipeline, stream: bool):
+    """``session.ask`` with the spinner, the bar and (``stream``) the answer on stdout as it is
+    decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up."""
+    reading = Reading(err)
+    try:
+        with reading:
+            return session.ask(document, question, pipeline, **reading.callbacks(stream))
+    except KeyboardInterrupt:
+        if reading.wrote:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+
+
 def stats_line(result, pipeline) -> str:
     """The dim line after an answer: the method, the KV kept, timings, memory, the disk cache."""
     cache = result.extra["cache"]

@@ -46,6 +46,14 @@ AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and f
 DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
 TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a path")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
+CompressorOpt = typer.Option(
+    "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR",
+    help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see docs/methods.md); `kvcli compressors` lists the methods",
+)
+AnswerGuardOpt = typer.Option(
+    True, "--answer-guard/--no-answer-guard",
+    help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit",
+)
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
 CacheMaxOpt = typer.Option(
     None, "--cache-max", envvar="KVCLI_CACHE_MAX",

@@ -11,12 +11,6 @@ from rich.console import Console
 
 import kvcli.cli.ask
 from kvcli.cli import live
-from tests.helpers.cli_runner import run_cli
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    return lambda *args: run_cli(args, capsys, monkeypatch)
 
 
 @pytest.fixture
@@ -45,11 +39,6 @@ def test_ask_on_a_terminal_streams_the_answer_piece_by_piece(cli, doc, model, mo
     assert len(pieces) >= 3, pieces  # token by token (no guard: every settled token at once)
     code, out, err = cli(*args, "--json")  # --json on a terminal: still one object
     assert json.loads(out)["answer"] == answer and "".join(pieces) == answer
-
-
-@pytest.fixture
-def model(tiny_dir) -> str:
-    return str(tiny_dir("llama", num_hidden_layers=4))
 
 
 def test_spinner_names_the_method_and_tokens_then_a_bar_for_a_long_prompt(monkeypatch):

@@ -16,14 +16,8 @@ from rich.console import Console
 
 from kvcli.report import terminal as render
 from kvcli.store import Entry
-from tests.helpers.cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    return lambda *args: run_cli(args, capsys, monkeypatch)
 
 
 # --- --version -------------------------------------------------------------------------------------
@@ -47,11 +41,6 @@ def test_version_through_the_real_entry_point(tmp_path):
 
 
 # --- layer numbers: 0-based, as kvcli heads, inspect --layers and gemfilter:layer= -----------------
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir) -> str:
-    return str(tiny_dir("llama", num_hidden_layers=4))
 
 
 def test_inspect_per_layer_table_and_json_number_layers_from_0(cli, model, tmp_path):
