@@ -1,7 +1,7 @@
 """The disk store: prefix states kept between runs, so a second question costs a fraction of the first.
 
 What is stored is a method's *prefix state* (:meth:`kvcli.compressors.base.Compressor.prefix_state`):
-the KV of the question-agnostic start of the prompt (all layers for full attention, layers 1..r for
+the KV of the question-agnostic start of the prompt (all layers for full attention, layers 0..r for
 GemFilter, a compressed cache for question-agnostic methods). A new question runs only its own
 tokens on top of it.
 
