@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import notices
 from .documents import Document, load_document
@@ -21,6 +22,8 @@ from .compressors.base import Runtime
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .stopping import AnswerGuard
+from .streaming import AnswerStream
+from .capacity import resolve_cap
 from .store import KVStore
 
 
@@ -35,6 +38,7 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
+    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.capacity's default)
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
@@ -71,7 +75,8 @@ class Session:
         )
         store = None
         if options.use_cache:
-            store = KVStore.open(options.cache_dir if options.cache_dir is not None else default_cache_dir())
+            cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+            store = KVStore.open(cache_dir, max_bytes=resolve_cap(options.cache_max, cache_dir))
         return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store)
 
     def ask(
@@ -85,13 +90,22 @@ class Session:
         force_tokens: bool = False,
         use_store: bool = True,
         answer_prefix: str = "",
+        on_text: Callable[[str], None] | None = None,
+        on_prompt: Callable[[str, int], None] | None = None,
+        on_progress: Callable[[float], None] | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
         ``max_new_tokens``: default the session's; ``force_tokens``: ignore the stop tokens and
         generate exactly that many (benchmarks of decoding speed); ``use_store=False``: neither
         read nor write the disk store for this question (cold runs); ``answer_prefix``: text the
-        answer starts with, after the generation prompt (benchmarks such as RULER)."""
+        answer starts with, after the generation prompt (benchmarks such as RULER).
+
+        While it runs: ``on_prompt(method, n_tokens)`` once the method is chosen (its name, e.g.
+        "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
+        while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`); ``on_text(piece)``
+        with the answer as it is decoded, the pieces adding up to ``Result.answer``
+        (:class:`kvcli.streaming.AnswerStream`)."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
@@ -99,28 +113,74 @@ class Session:
             notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
         pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
         check_window(prompt, self.lm, max_new_tokens, pipeline)
+        if on_prompt is not None:
+            on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
-        result = run(
-            self.engine,
-            prompt,
-            pipeline,
-            max_new_tokens=max_new_tokens,
-            stop_ids=stop,
-            on_token=on_token,
-            store=self.store if use_store else None,
-            guard=AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None,
-            low_memory=self.options.low_memory,
-            meta={
-                "document": document.source if document.source == "-" else os.path.abspath(document.source),
-                "document_sha256": document.sha256,
-                "model_name": self.lm.name,
-                "method": pipeline.spec(),
-                "template": self.options.template,
-            },
-        )
+        guard = AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None
+        stream = None if on_text is None else AnswerStream(self.lm.tokenizer, guard, on_text)
+        with prompt_progress(self.engine, prompt.n_tokens, on_progress) as reading:
+            callbacks = [f for f in (None if on_progress is None else reading.done, None if stream is None else stream.on_token, on_token) if f is not None]
+            result = run(
+                self.engine,
+                prompt,
+                pipeline,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop,
+                on_token=(lambda token: [f(token) for f in callbacks]) if callbacks else None,
+                store=self.store if use_store else None,
+                guard=guard,
+                low_memory=self.options.low_memory,
+                meta={
+                    "document": document.source if document.source == "-" else os.path.abspath(document.source),
+                    "document_sha256": document.sha256,
+                    "model_name": self.lm.name,
+                    "method": pipeline.spec(),
+                    "template": self.options.template,
+                },
+            )
+        if stream is not None:
+            stream.close(result.answer)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
+
+
+def method_label(pipeline: Pipeline) -> str:
+    """What a person calls the method(s) of a resolved pipeline: "full attention", "finch",
+    "gemfilter + snapkv" (the knobs: ``pipeline.spec()``)."""
+    return " + ".join("full attention" if s.name == "full" else s.name for s in pipeline.stages)
+
+
+class prompt_progress:
+    """While the prompt is read: ``on_progress(f)`` after each decoder layer a pass runs, ``f``
+    the (token, layer) pairs run over ``n_tokens`` x layers (capped at 1). A method that reads
+    fewer (a selector's second pass, a prefix from the disk store) ends below 1, one that reads
+    more (Finch's chunks) waits at 1. Counted by forward pre-hooks on the model's layers (the
+    engine is unchanged), removed at the first answer token (``done``) or on leaving."""
+
+    def __init__(self, engine, n_tokens: int, on_progress: Callable[[float], None] | None) -> None:
+        self.engine, self.on_progress = engine, on_progress
+        self.total = max(1, n_tokens * engine.n_layers)
+        self.count = 0
+        self.handles: list = []
+
+    def __enter__(self) -> "prompt_progress":
+        if self.on_progress is not None:
+            self.handles = [layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.engine.layers]
+        return self
+
+    def _hook(self, module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        self.count += int(hidden.shape[1]) if hidden is not None and hidden.dim() == 3 else 0
+        self.on_progress(min(1.0, self.count / self.total))
+
+    def done(self, token: int | None = None) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __exit__(self, *exc) -> None:
+        self.done()
 
 
 def result_record(result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:

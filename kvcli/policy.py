@@ -1,7 +1,7 @@
 """``-c auto``, the default: which method answers a prompt, chosen by what the benchmark measured.
 
 kvcli's promise is the same answer, faster, so the default compresses only where the accuracy
-benchmark (``kvcli bench ruler``, README "Accuracy") shows it keeps full attention's answers. On
+benchmark (``kvcli bench ruler``, docs/benchmarks.md "Accuracy") shows it keeps full attention's answers. On
 the embedded SmolLM2-135M it does not: at 4k tokens every compressing method measured at 4x
 (SnapKV with the paper's or a 63-token vote pool, GemFilter with kernel 5/31/63, PyramidKV,
 StreamingLLM, H2O, AdaKV, Finch) scores 17-50 points below full attention on RULER's needle tasks,

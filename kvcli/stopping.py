@@ -21,7 +21,7 @@ repeat the same sentence, write an invented next turn (``Question: ...``), or ru
 
 Greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an answer it
 does not touch is token-identical to one without it. Its effect on accuracy is measured by
-``kvcli bench ruler`` (README, "Accuracy").
+``kvcli bench ruler`` (docs/methods.md, "Where an answer ends").
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ MIN_REPEAT_CHARS = 12
 MIN_ECHO_CHARS = 16  # a template sentence this long, at the start of an answer's line, is an echo
 MIN_RUN_ITEMS = 4  # this many near-identical items in a row are a loop, not a list
 MAX_LEAD_IN_CHARS = 60
-_TURN = re.compile(r"\n[ \t]*(?:question|q|user|human|document)[ \t]*:", re.IGNORECASE)
+_ROLES = ("question", "q", "user", "human", "document")
+_TURN = re.compile(r"\n[ \t]*(?:" + "|".join(_ROLES) + r")[ \t]*:", re.IGNORECASE)
+_FINISHED = ".!?\"')]"  # what a whole sentence ends with (``finish``)
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*(?=\s)|\n")
 _SKELETON = re.compile(r"\d+|.", re.DOTALL)  # digit runs are one "#": items differing only in numbers match
 _PLACEHOLDER = re.compile(r"\{(?:document|question)\}")
@@ -40,6 +42,17 @@ _PLACEHOLDER = re.compile(r"\{(?:document|question)\}")
 
 def _norm(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+def _is_whole_sentence(kept: str) -> bool:
+    """Whether ``finish`` may end the answer after ``kept`` (cutting off what follows it)."""
+    return len(_norm(kept)) >= MIN_REPEAT_CHARS and kept[-1] in _FINISHED
+
+
+def _may_become_turn(tail: str) -> bool:
+    """Whether ``tail`` (starting at a new line) may still grow into an invented next turn."""
+    rest = tail[1:].lstrip(" \t").lower()
+    return any(role.startswith(rest) or (rest.startswith(role) and re.fullmatch(r"[ \t]*:?", rest[len(role):])) for role in _ROLES)
 
 
 def template_sentences(template: str | None) -> tuple[str, ...]:
@@ -141,16 +154,127 @@ class AnswerGuard:
         if at is not None:
             return self._tokens_within(ids, len(text.rstrip()))
         body = text.rstrip()
-        if not at_limit or not body or body[-1] in ".!?\"')]" or "\n" in body[-1:]:
+        if not at_limit or not body or body[-1] in _FINISHED or "\n" in body[-1:]:
             return len(ids)
         last = None
         for m in _SENTENCE_END.finditer(body):
             last = m.end()
         kept = body[:last].rstrip() if last is not None else ""
-        if len(_norm(kept)) < MIN_REPEAT_CHARS or kept[-1] not in ".!?\"')]":
+        if not _is_whole_sentence(kept):
             # no whole sentence before the cut-off one (e.g. "The numbers are:\n* 1851551..."): keep it all
             return len(ids)
         return self._tokens_within(ids, len(kept))
+
+    def settled(self, ids: list[int]) -> str:
+        """The start of the answer no later token can take back, whatever tokens follow ``ids``
+        (the tokens generated so far): what an answer shown as it is decoded may print
+        (:class:`kvcli.streaming.AnswerStream`). The final answer (``check``'s cut, ``finish``'s, or
+        all of it at the stop token, then stripped) always starts with it.
+
+        Held back: trailing whitespace (stripped at the end) and an incomplete character; a new
+        line that may still become an invented turn (``\\nQuest``) or an echo of the template's
+        instructions; the unfinished sentence when it may still repeat an earlier one, when
+        ``finish`` would cut it off at the token limit (an earlier whole sentence exists: from the
+        second sentence on, a sentence is settled once the next one starts) or when it may still
+        end as a dangling lead-in ("The answer is:"); and the end of the text from where it may
+        still grow into a run of near-identical items (the text repeating itself, numbers aside,
+        at some period: usually a few characters)."""
+        text = self._text(ids).rstrip("\ufffd")  # bytes of a character still to come decode as U+FFFD
+        end = len(text)
+        for m in re.finditer(r"\n", text):
+            if _may_become_turn(text[m.start() :]) or _TURN.match(text, m.start()):
+                end = m.start()
+                break
+        seen: set[str] = set()
+        start = 0
+        starts = [0]  # where each sentence before ``end`` starts
+        for m in _SENTENCE_END.finditer(text, 0, end):
+            piece = _norm(text[start : m.end()])
+            if len(piece) >= MIN_REPEAT_CHARS:
+                if piece in seen:  # ``check`` cuts here once the next token is read
+                    return text[:start].strip()
+                seen.add(piece)
+            start = m.end()
+            starts.append(start)
+        tail = _norm(text[start:end])
+        if any(earlier.startswith(tail) for earlier in seen):
+            end = start  # the unfinished sentence may still become a repeat
+        elif start and _is_whole_sentence(text[:start].rstrip()):
+            end = start  # at the token limit ``finish`` would end the answer before it
+        end = min(end, self._echo_may_start(text, end), _lead_in_may_start(text, end, starts), _run_may_start(text[:end]))
+        return text[:end].strip()
+
+    def _echo_may_start(self, text: str, end: int) -> int:
+        """Start of the last line before ``end`` when, after some answer, it may still become (or
+        is) an echo of one of the template's sentences; else ``end``."""
+        line_start = text.rfind("\n", 0, end) + 1
+        if not self.echoes or not text[:line_start].strip():
+            return end
+        norm = _norm(text[line_start:end])
+        if any(t.startswith(norm) or norm.startswith(t) for t in self.echoes):
+            return line_start
+        return end
+
+
+def _lead_in_may_start(text: str, end: int, starts: list[int]) -> int:
+    """Where the answer's end may still be dropped as a dangling lead-in (``finish``): the last
+    sentences before ``end``, after some answer, that are short enough and end in a colon or may
+    still do so (the unfinished last one). Else ``end``."""
+    i = len(starts) - 1
+    while i > 0:
+        start = starts[i]
+        piece = text[start:end].rstrip()
+        unfinished = i == len(starts) - 1
+        if not text[:start].strip() or len(piece) > MAX_LEAD_IN_CHARS or not (unfinished or piece.endswith(":")):
+            break
+        end = start
+        i -= 1
+    return end
+
+
+def _skeleton(text: str) -> tuple[str, list[int]]:
+    """``text`` with every digit run as one ``#`` (items differing only in numbers look alike),
+    and the end offset in ``text`` of each skeleton character."""
+    pieces = _SKELETON.findall(text)
+    ends = []
+    offset = 0
+    for p in pieces:
+        offset += len(p)
+        ends.append(offset)
+    return "".join("#" if p[0].isdigit() else p for p in pieces), ends
+
+
+def _item_start(skeleton: str, start: int) -> int:
+    """An item starts with its first word or number ("Chapter", not ": Chapter")."""
+    while start < len(skeleton) and not (skeleton[start].isalnum() or skeleton[start] == "#"):
+        start += 1
+    return start
+
+
+def _run_may_start(text: str) -> int:
+    """The earliest offset from which ``_run_of_items`` could cut ``text`` once more text follows:
+    for every period whose item has letters, the end of the first item of the periodic stretch at
+    the end of ``text``, when at least one character of a next item follows it."""
+    skeleton, ends = _skeleton(text)
+    n = len(skeleton)
+    alpha = [0]
+    for c in skeleton:
+        alpha.append(alpha[-1] + c.isalpha())
+    hold = len(text)
+    for period in range(3, n):
+        if alpha[n] - alpha[n - period] < 3 or skeleton[n - 1] != skeleton[n - 1 - period]:
+            continue  # a periodic stretch's last ``period`` characters are a rotation of its item
+        lo, hi = 1, n - period  # the longest L with skeleton[n-L:] == skeleton[n-period-L:n-period]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if skeleton[n - mid :] == skeleton[n - period - mid : n - period]:
+                lo = mid
+            else:
+                hi = mid - 1
+        first = _item_start(skeleton, n - period - lo) + period - 1
+        if first < n - 1:
+            hold = min(hold, ends[first])
+    return hold
 
 
 def _trailing_lead_in(text: str) -> int | None:
@@ -172,13 +296,7 @@ def _run_of_items(text: str) -> int | None:
     the end of ``text`` ("Chapter 10: Chapter 11: Chapter 12: ..."): a piece with letters that
     repeats, numbers aside, back to back. None when there is none. A list of numbers alone is
     never a run (RULER's answers are such lists)."""
-    pieces = _SKELETON.findall(text)
-    skeleton = "".join("#" if p[0].isdigit() else p for p in pieces)
-    ends = []  # end offset in ``text`` of each skeleton character
-    offset = 0
-    for p in pieces:
-        offset += len(p)
-        ends.append(offset)
+    skeleton, ends = _skeleton(text)
     n = len(skeleton)
     for period in range(3, n // MIN_RUN_ITEMS + 1):
         unit = skeleton[n - period :]
@@ -189,7 +307,5 @@ def _run_of_items(text: str) -> int | None:
         start = n - MIN_RUN_ITEMS * period
         while start > 0 and skeleton[start - 1] == skeleton[start - 1 + period]:
             start -= 1
-        while not (skeleton[start].isalnum() or skeleton[start] == "#"):
-            start += 1  # an item starts with its first word or number ("Chapter", not ": Chapter")
-        return ends[start + period - 1]
+        return ends[_item_start(skeleton, start) + period - 1]
     return None

@@ -1,7 +1,7 @@
 """The disk store: prefix states kept between runs, so a second question costs a fraction of the first.
 
 What is stored is a method's *prefix state* (:meth:`kvcli.compressors.base.Compressor.prefix_state`):
-the KV of the question-agnostic start of the prompt (all layers for full attention, layers 1..r for
+the KV of the question-agnostic start of the prompt (all layers for full attention, layers 0..r for
 GemFilter, a compressed cache for question-agnostic methods). A new question runs only its own
 tokens on top of it.
 
@@ -40,6 +40,11 @@ Safety:
   state recomputed — never a crash or a wrong answer;
 * a cache directory that cannot be created or written (read-only, full disk) turns the store off
   for the rest of the run, with one warning.
+
+Size: the store is capped (:func:`resolve_cap`; ``KVCLI_CACHE_MAX`` / ``--cache-max``). After each
+write the least recently used entries are removed until the store fits (:meth:`KVStore._enforce_cap`);
+the default cap and why: :mod:`kvcli.capacity`. The KV is stored in the
+dtype the model computes in: 16 bits on a GPU (bfloat16/float16), float32 on CPU.
 """
 
 from __future__ import annotations
@@ -62,10 +67,10 @@ import torch
 from . import notices
 from .caches import CACHE_TYPES
 from .errors import one_line
+from .capacity import CAP_ENV, SUFFIX, least_recently_used, parse_size  # noqa: F401  (kvcli.store.parse_size)
 from .files import save_safetensors_atomic
 
 FORMAT_VERSION = 1
-SUFFIX = ".safetensors"
 _META_KEY = "kvcli"
 _STALE_TEMP_S = 3600.0  # a temporary file not named after a key is removed after this long
 _IDLE_FOREIGN_S = 60.0  # ... and by ``kvcli cache prune`` / ``rm --all`` after this long unwritten
@@ -251,11 +256,13 @@ class KVStore:
     enabled: bool = True
     _memo: tuple[str, object] | None = field(default=None, repr=False)
     reclaimed: Leftovers = field(default_factory=Leftovers)  # what opening removed (kvcli cache info)
+    max_bytes: int | None = None  # the cap enforced after each write (None: none)
 
     @classmethod
-    def open(cls, cache_dir: Path) -> "KVStore":
-        """The store under ``cache_dir``, after removing what killed runs left in it (:meth:`reclaim`)."""
-        store = cls(Path(cache_dir).expanduser() / "kv")
+    def open(cls, cache_dir: Path, max_bytes: int | None = None) -> "KVStore":
+        """The store under ``cache_dir``, after removing what killed runs left in it (:meth:`reclaim`).
+        ``max_bytes``: its cap (:func:`resolve_cap`; None: no cap)."""
+        store = cls(Path(cache_dir).expanduser() / "kv", max_bytes=max_bytes)
         store.reclaimed = store.reclaim()
         return store
 
@@ -434,7 +441,29 @@ class KVStore:
         # the memo stays on the host (see _on): the tensors just written are host copies already
         memo = type(cache).from_tensors(tensors, facts, device=_HOST) if _accelerator(device) else cache
         self._memo = (key.digest, (memo, full_meta, size))
+        self._enforce_cap(path)
         return size
+
+    def _enforce_cap(self, written: Path) -> None:
+        """Remove least recently used entries until the store fits in ``max_bytes``; the entry just
+        ``written`` goes last, and only when it alone is over the cap (one warning)."""
+        if self.max_bytes is None:
+            return
+        files = []
+        for path in self.root.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                # the new entry counts as the most recently used whatever the clock granularity
+                files.append((path, st.st_size, math.inf if path == written else st.st_mtime))
+        over = least_recently_used(files, self.max_bytes, size=lambda f: f[1], last_use=lambda f: f[2])
+        self.remove([Entry(path, size, 0.0, None) for path, size, _ in over])
+        size = next((size for path, size, _ in over if path == written), None)
+        if size is not None:
+            notices.warn(
+                f"a {size / 2**20:,.0f} MiB cache entry is over the cache cap ({self.max_bytes / 2**20:,.0f} MiB) and was not kept; "
+                f"raise it with --cache-max or {CAP_ENV} (e.g. 20G, or none)",
+                key=("cache-cap", self.max_bytes),
+            )
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -477,13 +506,7 @@ class KVStore:
         ``max_bytes``, and what killed runs left behind; returns (entries removed, leftovers removed)."""
         entries = self.entries()
         removed = [e for e in entries if e.error]
-        kept = [e for e in entries if not e.error]
-        total = sum(e.size for e in kept)
-        for e in reversed(kept):  # oldest last use first
-            if total <= max_bytes:
-                break
-            removed.append(e)
-            total -= e.size
+        removed += least_recently_used([e for e in entries if not e.error], max_bytes, size=lambda e: e.size, last_use=lambda e: e.last_use)
         self.remove(removed)
         return removed, self.reclaim(explicit=True)
 
@@ -571,22 +594,3 @@ def _unlink(path: Path) -> bool:
         return True
     except OSError:
         return False
-
-
-def parse_size(text: str) -> int:
-    """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
-    from .errors import UsageError
-
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    scale = units.get(s[-1:], 1)
-    number = s[:-1] if s[-1:] in units else s
-    try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value * scale):  # nan, inf, 1e400
-        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'")
-    if value < 0:
-        raise UsageError(f"size must not be negative, got '{text}'")
-    return int(value * scale)

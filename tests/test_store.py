@@ -526,3 +526,123 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
     assert {p.name: mode(p) for p in folder.iterdir()} == {"model.safetensors": 0o664, "config.json": 0o664, "kvcli-source.json": 0o664}
     assert mode(tmp_path / "shared" / "kv" / f"{entry_key}.safetensors") == 0o664
     assert mode(tmp_path / "shared" / "gguf-sha256.json") == 0o664
+
+
+# --- the cap: least recently used entries go after each write ------------------------------------
+
+
+def test_the_cap_removes_the_least_recently_used_entries_after_each_write(tiny_lm, tmp_path):
+    import time
+
+    from kvcli.capacity import least_recently_used
+
+    lm = tiny_lm("llama")
+    session = session_for(lm, tmp_path)
+    docs = [DOC.replace("ships", word) for word in ("ships", "boats", "rafts")]
+    ask(session, "full", doc=docs[0])
+    size = entry_files(tmp_path)[0].stat().st_size
+    session.store.max_bytes = 2 * size + size // 2  # room for two entries
+    ask(session, "full", doc=docs[1])
+    first, second = sorted(entry_files(tmp_path), key=lambda p: p.stat().st_mtime)
+    time.sleep(0.02)
+    session.store._memo = None
+    assert ask(session, "full", doc=docs[0]).extra["cache"]["status"] == "hit"  # doc 0 used again: now doc 1 is the oldest
+    time.sleep(0.02)
+    ask(session, "full", doc=docs[2])
+    left = entry_files(tmp_path)
+    assert len(left) == 2 and second not in left and first in left
+    assert sum(p.stat().st_size for p in left) <= session.store.max_bytes
+    # the evicted document is computed again (and stored, evicting the next oldest)
+    assert ask(session, "full", doc=docs[1]).extra["cache"]["status"] == "miss"
+    assert first not in entry_files(tmp_path) and len(entry_files(tmp_path)) == 2
+    # the selection itself, against a hand count
+    items = [("a", 5, 1.0), ("b", 5, 3.0), ("c", 5, 2.0)]
+    assert least_recently_used(items, 10, size=lambda i: i[1], last_use=lambda i: i[2]) == [items[0]]
+    assert least_recently_used(items, 4, size=lambda i: i[1], last_use=lambda i: i[2]) == [items[0], items[2], items[1]]
+    assert least_recently_used(items, 15, size=lambda i: i[1], last_use=lambda i: i[2]) == []
+
+
+def test_an_entry_over_the_cap_is_not_kept_and_said_once(tiny_lm, tmp_path):
+    warnings = []
+    notices.set_sink(warnings.append)
+    lm = tiny_lm("llama")
+    session = session_for(lm, tmp_path)
+    session.store.max_bytes = 1000
+    cold = ask(session, "full")
+    assert entry_files(tmp_path) == [] and len(warnings) == 1 and "over the cache cap" in warnings[0] and "--cache-max" in warnings[0]
+    again = ask(session, "full", Q2)
+    assert again.extra["cache"]["status"] == "miss" and len(warnings) == 1
+    assert cold.answer_ids == ask(session_for(lm, None, use_cache=False), "full").answer_ids
+
+
+def test_resolve_cap(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from kvcli.capacity import DEFAULT_CAP_BYTES, resolve_cap
+    from kvcli.errors import UsageError
+
+    monkeypatch.delenv("KVCLI_CACHE_MAX", raising=False)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 100 << 30))
+    assert resolve_cap(None, tmp_path) == DEFAULT_CAP_BYTES  # a big disk: 10 GiB
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 8 << 30))
+    assert resolve_cap(None, tmp_path) == 2 << 30  # a quarter of 8 GiB free
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / f"{'a' * 64}.safetensors").write_bytes(b"x" * (4 << 20))
+    assert resolve_cap(None, tmp_path) == (2 << 30) + (1 << 20)  # what the store holds counts as its room
+    assert resolve_cap(None, tmp_path / "not" / "yet") == 2 << 30  # the disk of the nearest existing folder
+    assert resolve_cap("500M", tmp_path) == 500 << 20
+    assert resolve_cap("None", tmp_path) is None
+    monkeypatch.setenv("KVCLI_CACHE_MAX", "3G")
+    assert resolve_cap(None, tmp_path) == 3 << 30
+    assert resolve_cap("1G", tmp_path) == 1 << 30  # the option before the variable
+    with pytest.raises(UsageError):
+        resolve_cap("lots", tmp_path)
+
+
+def test_cache_max_on_the_command_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    model = str(tiny_dir("llama", num_hidden_layers=4))
+    doc, cache = tmp_path / "doc.txt", tmp_path / "cache"
+    doc.write_text(DOC)
+    args = ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q", "--max-new-tokens", "2"]
+    code, out, err = _cli([*args, "--cache-max", "lots"], capsys, monkeypatch)
+    assert code == 2 and out == "" and err.startswith("kvcli: error: size must look like") and len(err.splitlines()) == 1
+    code, out, err = _cli([*args, "--cache-max", "1K"], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["cache"] == "miss" and entry_files(cache) == []
+    monkeypatch.setenv("KVCLI_CACHE_MAX", "1K")
+    code, out, err = _cli(args, capsys, monkeypatch)
+    assert code == 0 and entry_files(cache) == []
+    monkeypatch.setenv("KVCLI_CACHE_MAX", "none")
+    code, out, err = _cli(args, capsys, monkeypatch)
+    assert code == 0 and len(entry_files(cache)) == 1
+    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
+    assert json.loads(out)["max_bytes"] is None
+    monkeypatch.setenv("KVCLI_CACHE_MAX", "2G")
+    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
+    assert json.loads(out)["max_bytes"] == 2 << 30
+
+
+# --- 16 bits where the model computes in 16 bits --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_model_stores_its_kv_in_16_bits_and_answers_the_same(tiny_dir, tmp_path, dtype):
+    from safetensors import safe_open
+
+    from kvcli.model import load_model
+
+    folder = str(tiny_dir("llama", num_hidden_layers=4))
+    lm16, lm32 = load_model(folder, dtype=dtype), load_model(folder, dtype="float32")
+    cold = ask(session_for(lm16, tmp_path / "16"), "full")
+    warm = ask(session_for(lm16, tmp_path / "16"), "full")  # from disk
+    off = ask(session_for(lm16, None, use_cache=False), "full")
+    assert (cold.extra["cache"]["status"], warm.extra["cache"]["status"]) == ("miss", "hit")
+    assert cold.answer_ids == warm.answer_ids == off.answer_ids
+    [entry] = entry_files(tmp_path / "16")
+    with safe_open(str(entry), framework="pt") as f:
+        kv = {name: f.get_tensor(name).dtype for name in f.keys() if name[:2] in ("k.", "v.")}
+    assert kv and set(kv.values()) == {getattr(torch, dtype)}
+    ask(session_for(lm32, tmp_path / "32"), "full")
+    [entry32] = entry_files(tmp_path / "32")
+    assert entry.stat().st_size < 0.55 * entry32.stat().st_size  # half the bytes of float32's

@@ -1,5 +1,5 @@
 """The kvcli command line: thin Typer commands over the library, one module per command
-(:mod:`.ask`, :mod:`.methods` — ``compressors`` and ``heads`` —, :mod:`.inspect`, :mod:`.cache`,
+(:mod:`.ask`, :mod:`.chat`, :mod:`.methods` — ``compressors`` and ``heads`` —, :mod:`.inspect`, :mod:`.cache`,
 :mod:`.bench`), the shared option declarations (:mod:`.options`) and the console (:mod:`.console`:
 stdout/stderr, warnings, errors as one line).
 
@@ -9,7 +9,7 @@ Answers and JSON go to stdout; progress and errors go to stderr. A user error is
 
 from __future__ import annotations
 
-from . import ask, methods, inspect, cache, bench  # noqa: F401  (each registers its commands, in help order)
+from . import ask, chat, methods, inspect, cache, bench  # noqa: F401  (each registers its commands, in help order)
 from .app import app
 from .console import run
 

@@ -16,7 +16,8 @@ from ..report import terminal as render
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .live import answer, stats_line
+from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 ASK_HELP = """Answer a question from documents.
 
@@ -44,9 +45,7 @@ def ask(
         ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
     ),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
-    compressor: str = typer.Option(
-        "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see README, The default); `kvcli compressors` lists the methods"
-    ),
+    compressor: str = CompressorOpt,
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
@@ -60,15 +59,16 @@ def ask(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
     cache_dir: Optional[Path] = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
+    cache_max: Optional[str] = CacheMaxOpt,
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
-    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit"),
+    answer_guard: bool = AnswerGuardOpt,
     low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard, low_memory)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard, low_memory, cache_max)
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:
@@ -102,30 +102,29 @@ def ask(
 
 
 def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
-    """One document, one question: the answer as text (or one JSON object); errors end the run."""
+    """One document, one question: the answer as text (or one JSON object); errors end the run.
+    On a terminal (not --json) the answer is printed as it is decoded."""
     document = batch.read_input(item, sys.stdin.read)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
-    with err.status(f"answering with {pipeline.spec()}…", spinner="dots"):
-        result = session.ask(document, question, pipeline)
+    stream = not as_json and stdout.is_terminal
+    result = answer(err, session, document, question, pipeline, stream)
     if as_json:
         record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
         return
-    stdout.out(result.answer)
+    if stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        stdout.out(result.answer)
     if show_selected:
         spans = result.selection.spans(result.prompt, document)
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
         render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
-    cache = result.extra["cache"]
-    saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
-    err.print(
-        f"[dim]{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
-        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
-        f"cache {cache['status']}{saved}[/dim]"
-    )
+    err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
 def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None) -> None:

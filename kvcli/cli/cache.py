@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from .. import api
+from ..capacity import resolve_cap
 from ..report import terminal as render
 from ..errors import KvcliError, UsageError
 from .app import app
@@ -110,6 +111,7 @@ def cache_info(
             "in_progress_bytes": left.temp_bytes,
             "lock_files": left.lock_files,
             "disk_bytes": size + left.temp_bytes,
+            "max_bytes": resolve_cap(None, store.root.parent),  # the cap kvcli ask/chat enforce (null: none)
             "reclaimed_temp_files": store.reclaimed.temp_files,
             "reclaimed_bytes": store.reclaimed.temp_bytes,
             "reclaimed_lock_files": store.reclaimed.lock_files,

@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperCommand
 
 from .. import api
+from ..capacity import NO_CAP, parse_size
 
 
 class Device(str, Enum):
@@ -45,7 +46,19 @@ AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and f
 DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
 TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a path")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
+CompressorOpt = typer.Option(
+    "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR",
+    help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see docs/methods.md); `kvcli compressors` lists the methods",
+)
+AnswerGuardOpt = typer.Option(
+    True, "--answer-guard/--no-answer-guard",
+    help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit",
+)
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
+CacheMaxOpt = typer.Option(
+    None, "--cache-max", envvar="KVCLI_CACHE_MAX",
+    help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write (default: 10 GiB or a quarter of the free disk, whichever is smaller)",
+)
 
 
 def cache_dir_option(what: str = "converted models and the disk KV cache are kept"):
@@ -62,8 +75,10 @@ CacheDirOpt = cache_dir_option()
 
 def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
                  cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
-                low_memory: bool = False) -> api.AskOptions:
-    """The library options of the commands that answer (ask, inspect) from their CLI values."""
+                low_memory: bool = False, cache_max: Optional[str] = None) -> api.AskOptions:
+    """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
+    if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
+        parse_size(cache_max)  # a usage error now, not after loading the model
     return api.AskOptions(
         model=model,
         device=device.value,
@@ -77,6 +92,7 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         kv_offload=kv_offload.value,
         answer_guard=answer_guard,
         low_memory=low_memory,
+        cache_max=cache_max,
     )
 
 
@@ -143,6 +159,7 @@ METAVARS = {
     "plot": "FILE",
     "key": "KEY",
     "max_size": "SIZE",
+    "cache_max": "SIZE",
     "ray_address": "ADDRESS",
     "workers": "N",
 }

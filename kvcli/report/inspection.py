@@ -26,7 +26,7 @@ from ..selection import Selection, Span
 class LayerKept:
     """Prompt tokens one layer holds, over its KV heads."""
 
-    layer: int  # 1-based
+    layer: int  # 0-based, as kvcli heads, inspect --layers and gemfilter:layer= number layers
     kept_min: int
     kept_mean: float
     kept_max: int
@@ -129,7 +129,7 @@ def inspect_kept(session, document: Document, question: str, pipeline: Pipeline,
     if mask is not None and mask.numel():
         per_head = mask.sum(dim=-1)  # (n_layers, n_kv)
         layers = [
-            LayerKept(i + 1, int(row.min()), float(row.float().mean()), int(row.max())) for i, row in enumerate(per_head)
+            LayerKept(i, int(row.min()), float(row.float().mean()), int(row.max())) for i, row in enumerate(per_head)
         ]
     scores, score_kind = None, None
     if mask is None or not mask.numel() or _uniform(mask):

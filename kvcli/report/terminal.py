@@ -97,25 +97,70 @@ def _cache_state(state) -> str:
     return f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
 
 
-def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> None:
-    """``kvcli cache ls`` on a terminal: one row per store entry, most recently used first, and a
-    line of totals (with the writes in progress and what opening the store reclaimed)."""
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
-    for col in ("key", "document", "model", "method", "state", "tokens", "size", "last use"):
-        right = col in ("tokens", "size")
-        table.add_column(col, justify="right" if right else "left", overflow="fold", no_wrap=col in ("key", "size"))
+CACHE_COLUMNS = ("key", "document", "model", "method", "state", "tokens", "size", "last use")
+_FLEX = ("document", "model")  # shortened to fit the terminal; the others keep their width
+_FLEX_MIN = 10
+_DROP_ORDER = ("state", "tokens", "last use", "method", "size")  # left out first on a narrow terminal
+
+
+def _cache_rows(entries) -> list[dict[str, Text]]:
+    rows = []
     for e in entries:
         j = e.to_json()
-        table.add_row(
-            j["key"][:12],
-            Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
-            Text(Path(j["model"]).name if j["model"] else "-"),
-            Text((j["method"] or "-").split(":")[0]),
-            _cache_state(j["state"]),
-            f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-",
-            human_bytes(j["size_bytes"]),
-            j["last_use"][5:16].replace("T", " "),  # MM-DD HH:MM
-        )
+        rows.append({
+            "key": Text(j["key"][:12]),
+            "document": Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
+            "model": Text(Path(j["model"]).name if j["model"] else "-"),
+            "method": Text((j["method"] or "-").split(":")[0]),
+            "state": Text(_cache_state(j["state"])),
+            "tokens": Text(f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-"),
+            "size": Text(human_bytes(j["size_bytes"])),
+            "last use": Text(j["last_use"][5:16].replace("T", " ")),  # MM-DD HH:MM
+        })
+    return rows
+
+
+def _cache_layout(rows, width: int) -> dict[str, int]:
+    """Column -> width for a ``width``-cell terminal: every row on one line. The document and the
+    model share what the other columns leave; below ``_FLEX_MIN`` each, columns of ``_DROP_ORDER``
+    are left out until they fit (the key, document and model always stay)."""
+    natural = {c: max([len(c)] + [r[c].cell_len for r in rows]) for c in CACHE_COLUMNS}
+    cols = list(CACHE_COLUMNS)
+
+    def fixed(cs) -> int:
+        return sum(natural[c] for c in cs if c not in _FLEX) + 2 * len(cs)  # padding: 1 cell each side
+
+    for col in _DROP_ORDER:
+        if fixed(cols) + sum(min(natural[c], _FLEX_MIN) for c in _FLEX) <= width:
+            break
+        cols.remove(col)
+    room = max(width - fixed(cols), 2 * _FLEX_MIN)
+    doc, model = natural["document"], natural["model"]
+    if doc + model > room:  # each gets half, and what the other does not need
+        half = room // 2
+        doc, model = (min(doc, max(half, room - model)), min(model, max(room - half, room - doc)))
+    return {c: doc if c == "document" else model if c == "model" else natural[c] for c in cols}
+
+
+def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> None:
+    """``kvcli cache ls`` on a terminal: one row per store entry, most recently used first, and a
+    line of totals (with the writes in progress and what opening the store reclaimed).
+
+    Each entry on one line: a cell too wide ends in "…" (never cut mid-word onto a second line);
+    on a narrow terminal the least useful columns are left out (:func:`_cache_layout`). The whole
+    of every cell: piped (TSV) or ``--json``."""
+    rows = _cache_rows(entries)
+    widths = _cache_layout(rows, console.width)
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+    for col, w in widths.items():
+        table.add_column(col, justify="right" if col in ("tokens", "size") else "left", width=w, no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        cells = []
+        for col, w in widths.items():
+            cell = row[col].copy()
+            cell.truncate(w, overflow="ellipsis")
+            cells.append(cell)
+        table.add_row(*cells)
     if entries:
         console.print(table)
     total = f"{_plural(len(entries), 'entry', 'entries')}, {human_bytes(sum(e.size for e in entries))}"
@@ -202,7 +247,7 @@ def inspect_summary(console: Console, ins) -> None:
 
 def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
     """Per layer: prompt tokens its KV heads hold (min / mean / max over heads)."""
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), title="kept per layer (over KV heads)", title_justify="left")
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), title="kept per layer (0-based), over KV heads", title_justify="left")
     for col in ("layer", "min", "mean", "max", "share"):
         table.add_column(col, justify="right")
     table.add_column("", justify="left")

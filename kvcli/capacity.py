@@ -1,0 +1,90 @@
+"""How big the disk KV store may grow: its cap, and which entries go when it is over.
+
+The store (:mod:`kvcli.store`) removes its least recently used entries after each write until it
+fits under the cap (:func:`least_recently_used`). The cap (:func:`resolve_cap`) is
+``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
+of
+
+* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~28 documents for SmolLM2-135M in
+  float32 (46 KB per token, 377 MB a document) or ~10 for an 8B model in 16 bits (128 KiB per token),
+  more than a day's documents, and
+* a quarter (:data:`DEFAULT_CAP_SHARE`) of the disk space the store may use (the free space where it
+  lives plus what it holds already), so on a nearly full disk kvcli never takes the last of it.
+
+A fixed size alone would fill a small disk; a share alone would let the cache take hundreds of GiB
+of a big one for entries that are rarely reused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
+DEFAULT_CAP_BYTES = 10 << 30
+DEFAULT_CAP_SHARE = 0.25
+CAP_ENV = "KVCLI_CACHE_MAX"
+NO_CAP = ("none", "off", "unlimited")
+
+
+def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: Callable) -> list:
+    """The items to remove, least recently used first, for the rest to fit in ``max_bytes``."""
+    total = sum(size(i) for i in items)
+    out = []
+    for item in sorted(items, key=last_use):
+        if total <= max_bytes:
+            break
+        out.append(item)
+        total -= size(item)
+    return out
+
+
+def resolve_cap(spec: str | int | None, root: Path) -> int | None:
+    """The store's cap in bytes (None: no cap) from ``spec``: a size (``500M``, ``2G``, bytes), or
+    ``none``/``off``/``unlimited``; unset: ``$KVCLI_CACHE_MAX``, else the default, the smaller of
+    ``DEFAULT_CAP_BYTES`` and ``DEFAULT_CAP_SHARE`` of the free space where the store lives plus
+    what the store holds (:data:`DEFAULT_CAP_BYTES`)."""
+    if spec is None:
+        spec = os.environ.get(CAP_ENV) or None
+    if isinstance(spec, int):
+        return spec
+    if spec is not None:
+        if spec.strip().lower() in NO_CAP:
+            return None
+        return parse_size(spec)
+    folder = Path(root).expanduser()
+    while not folder.exists() and folder != folder.parent:  # not created yet: the disk it will be on
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return DEFAULT_CAP_BYTES
+    held = 0
+    for path in Path(root).expanduser().glob(f"kv/*{SUFFIX}"):
+        try:
+            held += path.stat().st_size
+        except OSError:  # removed meanwhile
+            pass
+    return min(DEFAULT_CAP_BYTES, int(DEFAULT_CAP_SHARE * (free + held)))
+
+
+def parse_size(text: str) -> int:
+    """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
+    from .errors import UsageError
+
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(s[-1:], 1)
+    number = s[:-1] if s[-1:] in units else s
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value * scale):  # nan, inf, 1e400
+        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'")
+    if value < 0:
+        raise UsageError(f"size must not be negative, got '{text}'")
+    return int(value * scale)

@@ -1,0 +1,169 @@
+"""``kvcli chat``: one document, many questions — the model and the document loaded once, each
+question answered from the document's stored KV; a prompt with history on a terminal, one question
+per line over a pipe."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import api, batch
+from ..errors import KvcliError, UsageError
+from ..model import default_cache_dir
+from .app import app
+from .console import route_warnings, stderr, stdout
+from .live import answer, stats_line
+from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+
+CHAT_HELP = """Ask questions about one document, one after another.
+
+The model and the document are loaded once. Each question is answered from the document's KV,
+stored after the first question, like a repeat kvcli ask (with --no-cache every question reads
+the whole document again).
+
+On a terminal: a prompt with line editing and history (Up and Down; kept in the cache folder),
+answers printed as they are decoded, then a line of figures. Ctrl-C cancels the answer being
+written, not the chat; Ctrl-D on an empty prompt leaves.
+
+Over a pipe (stdin not a terminal): one question per line, one answer per question on stdout
+(--json: one JSON object per line, as kvcli ask's batches write them, errors as error records).
+
+Exit code: 0; 1 when a question over a pipe failed (the others are answered); 2 usage error.
+
+Examples:
+
+\b
+  kvcli chat book.pdf
+  kvcli chat book.pdf -c snapkv:budget=0.25
+  printf 'Who wrote it?\\nWhen?\\n' | kvcli chat book.pdf --json
+"""
+
+PROMPT = "> "
+HISTORY_FILE = "chat_history"
+HISTORY_LENGTH = 1000
+
+
+@app.command(help=CHAT_HELP, short_help="Ask questions about one document at a prompt.", cls=usage("[OPTIONS] DOCUMENT"))
+def chat(
+    document: str = typer.Argument(..., metavar="DOCUMENT", help="A .pdf, .txt, .md or .html file", show_default=False),
+    compressor: str = CompressorOpt,
+    model: Optional[str] = ModelOpt,
+    device: Device = DeviceOpt,
+    quant: Quant = QuantOpt,
+    attn: Attn = AttnOpt,
+    dtype: str = DtypeOpt,
+    max_new_tokens: int = max_new_tokens_option(),
+    template: str = TemplateOpt,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per answer (JSON Lines), as kvcli ask's batches"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
+    cache_dir: Optional[Path] = CacheDirOpt,
+    no_cache: bool = NoCacheOpt,
+    cache_max: Optional[str] = CacheMaxOpt,
+    answer_guard: bool = AnswerGuardOpt,
+) -> None:
+    err = stderr(quiet)
+    route_warnings(quiet)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, answer_guard=answer_guard, cache_max=cache_max)
+    if document == batch.STDIN:
+        raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")
+    pipeline = api.parse_pipeline(compressor)
+    items = batch.expand_inputs([document])
+    if len(items) != 1:
+        raise UsageError(f"kvcli chat answers about one document; {document} holds {len(items):,} (kvcli ask answers about many)")
+    doc = batch.read_input(items[0], sys.stdin.read)
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    if sys.stdin.isatty():
+        history = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / HISTORY_FILE
+        _at_the_prompt(err, session, doc, pipeline, as_json, history)
+    elif _over_a_pipe(err, session, doc, items[0].source, pipeline, as_json):
+        raise typer.Exit(1)
+
+
+def _output(err, session, doc, source, pipeline, question, result, as_json, streamed) -> None:
+    if as_json:
+        record = {"document": source, "question": question, **api.result_record(result, session, pipeline, doc)}
+        record["document"] = source
+        stdout.out(json.dumps(record, ensure_ascii=False))
+    elif streamed:
+        sys.stdout.write("\n")
+    else:
+        stdout.out(result.answer)
+    sys.stdout.flush()
+    err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
+
+
+def _over_a_pipe(err, session, doc, source, pipeline, as_json) -> bool:
+    """One question per line of stdin; returns whether any failed."""
+    failed = False
+    for line in sys.stdin:
+        question = line.strip()
+        if not question:
+            continue
+        try:
+            result = answer(err, session, doc, question, pipeline, stream=False)
+        except KvcliError as e:
+            failed = True
+            if as_json:
+                stdout.out(json.dumps(batch.error_record(source, question, e), ensure_ascii=False))
+                sys.stdout.flush()
+            print(f"kvcli: error: {e}", file=sys.stderr)
+            continue
+        _output(err, session, doc, source, pipeline, question, result, as_json, streamed=False)
+    return failed
+
+
+def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
+    """The interactive loop: read a question (readline: editing, history), answer it, again."""
+    readline = _readline(history)
+    err.print(
+        f"{doc.source} · {doc.n_pages:,} page(s) · {session.lm.name} · ask a question (Ctrl-C cancels an answer, Ctrl-D leaves)",
+        style="dim", markup=False, highlight=False,
+    )
+    stream = not as_json and stdout.is_terminal
+    try:
+        while True:
+            try:
+                question = input(PROMPT)
+            except EOFError:  # Ctrl-D
+                sys.stdout.write("\n")
+                return
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as a shell does
+                sys.stdout.write("\n")
+                continue
+            if not question.strip():
+                continue
+            try:
+                result = answer(err, session, doc, question, pipeline, stream)
+            except KeyboardInterrupt:
+                err.print("(answer cancelled)", style="dim", markup=False, highlight=False)
+                continue
+            except KvcliError as e:
+                print(f"kvcli: error: {e}", file=sys.stderr)
+                continue
+            _output(err, session, doc, doc.source, pipeline, question, result, as_json, streamed=stream)
+    finally:
+        if readline is not None:
+            try:
+                history.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(str(history))
+            except OSError:
+                pass  # a read-only cache folder: no history next time
+
+
+def _readline(history: Path):
+    """The readline module with the chat's history loaded (None where Python has none)."""
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        readline.read_history_file(str(history))
+    except OSError:
+        pass  # none yet
+    return readline

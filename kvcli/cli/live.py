@@ -1,0 +1,105 @@
+"""What the answering commands (``ask``, ``chat``) show while a question is answered: on stderr a
+spinner naming the method and the prompt's length ("full attention · 6,529 tokens"), a progress
+bar when reading the prompt takes long, gone at the answer's first text; on stdout the answer as it
+is decoded (:class:`Reading`); after it, one dim line of figures (:func:`stats_line`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+
+BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
+
+
+class Reading:
+    """``with Reading(err) as reading: session.ask(..., **reading.callbacks(stream))``.
+
+    ``stream``: write the answer to stdout as it is decoded (a terminal, not --json). Everything
+    on stderr is transient: nothing of it is left once the answer starts."""
+
+    def __init__(self, err: Console, label: str = "reading the prompt…") -> None:
+        self.err = err
+        self.label = label
+        self.status = None
+        self.progress = None
+        self.task = None
+        self.t0 = time.perf_counter()
+        self.wrote = False  # some of the answer is on stdout (a line to end on Ctrl-C)
+
+    def __enter__(self) -> "Reading":
+        self.status = self.err.status(self.label, spinner="dots")
+        self.status.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def callbacks(self, stream: bool) -> dict:
+        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress, "on_text": self.write if stream else None}
+
+    def on_prompt(self, method: str, n_tokens: int) -> None:
+        self.label = f"{method} · {n_tokens:,} tokens"
+        self.t0 = time.perf_counter()
+        if self.status is not None:
+            self.status.update(self.label)
+
+    def on_progress(self, fraction: float) -> None:
+        if self.progress is None:
+            if self.status is None or not self.err.is_terminal or self.err.quiet:
+                return  # in a pipe a bar is noise (and leaves a blank line)
+            if fraction >= 0.5 or time.perf_counter() - self.t0 < BAR_AFTER_S:
+                return  # short (or nearly done): the spinner is enough
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+            self.status.stop()
+            self.status = None
+            self.progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                console=self.err, transient=True,
+            )
+            self.task = self.progress.add_task(self.label, total=1.0)
+            self.progress.start()
+        self.progress.update(self.task, completed=fraction)
+
+    def write(self, piece: str) -> None:
+        """A piece of the answer on stdout, at once (the first one clears stderr's line)."""
+        if not self.wrote:
+            self.stop()
+            self.wrote = True
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+
+def answer(err: Console, session, document, question: str, pipeline, stream: bool):
+    """``session.ask`` with the spinner, the bar and (``stream``) the answer on stdout as it is
+    decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up."""
+    reading = Reading(err)
+    try:
+        with reading:
+            return session.ask(document, question, pipeline, **reading.callbacks(stream))
+    except KeyboardInterrupt:
+        if reading.wrote:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+
+
+def stats_line(result, pipeline) -> str:
+    """The dim line after an answer: the method, the KV kept, timings, memory, the disk cache."""
+    cache = result.extra["cache"]
+    saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    return (
+        f"{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
+        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
+        f"cache {cache['status']}{saved}"
+    )
