@@ -130,3 +130,16 @@ def test_sdpa_math_fallback_allocates_the_score_matrix_and_flash_does_not():
         assert out.shape == q.shape and list(mode.calls) == [("setup", name)]
         sizes[name] = [a.nbytes for a in t.allocations]
     assert scores in sizes["math"] and max(sizes["flash"]) < scores
+
+
+def test_cpu_and_device_tensors_in_one_op_follow_cudas_rule():
+    t = Tracker("meta")
+    dev = torch.zeros(4, device="meta", dtype=torch.float64)
+    with t:
+        ok = dev + torch.tensor(2.0, dtype=torch.float64)  # a 0-dim CPU tensor is a scalar
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.zeros(4, dtype=torch.float64).add_(dev)  # meta lets this through; CUDA does not
+        with pytest.raises(RuntimeError, match="same device"):
+            dev.index_select(0, torch.tensor([1, 2]))  # only advanced indexing moves CPU indices
+    assert t.phases["setup"].h2d == 0
+    del ok

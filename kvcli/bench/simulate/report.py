@@ -27,8 +27,8 @@ def _n(v) -> str:
 def memory_table(rows: list[dict]) -> str:
     """Markdown: one line per row; sizes in GiB (2^30 bytes)."""
     head = ("| config | weights | method | tokens | offload | peak GiB | weights GiB | KV GiB | held after prefill GiB "
-            "| syncs / decode step | h2d / decode step | syncs / prefill layer | SDPA math calls (prefill) | error |")
-    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| syncs / decode step | h2d / decode step | syncs / prefill layer | SDPA math calls (prefill) | reads answered | error |")
+    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         math = (r.get("sdpa_backends") or {}).get("prefill", {}).get("math", 0)
         error = (r.get("error") or "").replace("|", "\\|")
@@ -36,7 +36,7 @@ def memory_table(rows: list[dict]) -> str:
             f"| {r['config']} | {r['weights']} | `{r['method']}` | {length_label(r['tokens'])} | {r.get('kv_offload', 'none')} "
             f"| {_gib(r.get('peak_bytes')) if not error else '—'} | {_gib(r.get('weights_bytes'))} | {_gib(r.get('kv_bytes'))} "
             f"| {_gib(r.get('held_after_prefill_bytes'))} | {_n(r.get('syncs_per_decode_step'))} "
-            f"| {_n(r.get('h2d_copies_per_decode_step'))} | {_n(r.get('syncs_per_prefill_layer'))} | {math} | {error} |"
+            f"| {_n(r.get('h2d_copies_per_decode_step'))} | {_n(r.get('syncs_per_prefill_layer'))} | {math} | {r.get('reads_answered', 0)} | {error} |"
         )
     return "\n".join(lines)
 

@@ -31,6 +31,7 @@ from .tracker import Tracker, kvcli_line
 
 QUESTION = "What is the special magic number mentioned in the document?"
 DEFAULT_STEPS = 8
+HOST_LIMIT = 4 * 2**30  # real CPU memory a simulated run may hold (Tracker.host_limit)
 MEMORY_KEY = ("config", "weights", "method", "tokens", "kv_offload")
 
 
@@ -151,7 +152,7 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     session, engine = sim.session, sim.engine
     lm = session.lm
     device = engine.device.type
-    tracker = Tracker(device, fixed_value=fixed_token)
+    tracker = Tracker(device, fixed_value=fixed_token, host_limit=HOST_LIMIT)
     engine.tracker = tracker
     engine.at_decode = {}
     weights_bytes = tracker.adopt(sim.weights_list)
@@ -182,6 +183,8 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     if any("--kv-offload cpu has no effect" in w for w in warned) and row["error"] is None:
         row["error"] = "--kv-offload cpu is ignored on the simulated device: kvcli/compressors/blocksparse.py offloads only when engine.device.type == 'cuda'"
     row.update(_measures(tracker, engine, lm.n_layers, weights_bytes, mode, steps))
+    if row["error"]:  # the peak up to the failure only: not the method's
+        row["peak_bytes_before_error"], row["peak_bytes"] = row["peak_bytes"], None
     row["warnings"] = warned
     engine.tracker = tracker  # kept for the caller (the fidelity test reads its events)
     return row
@@ -217,4 +220,7 @@ def _measures(tracker: Tracker, engine: SimEngine, n_layers: int, weights_bytes:
         "prefill_sync_sites": dict(prefill.sync_sites.most_common(8)),
         "sdpa_backends": backends,
         "answered": dict(tracker.answered),
+        # values the simulation made up besides the token read of each step: sizes that depend
+        # on them (per-head counts, selected indices) are the fixed value's, not the method's
+        "reads_answered": max(0, sum(tracker.answered.values()) - steps),
     }

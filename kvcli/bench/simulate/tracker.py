@@ -47,6 +47,9 @@ DATA_DEPENDENT = {
     "nonzero", "nonzero_static", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
     "bincount", "histc", "repeat_interleave",
 }
+# ops that take CPU indices into a device tensor on CUDA (copied over implicitly); any other op
+# mixing a CPU tensor (but a 0-dim one, read as a scalar) with device tensors raises on CUDA
+CPU_INDICES_OK = {"index", "index_put_", "index_put", "_index_put_impl_"}
 ZERO_LIMIT = 1 << 20  # a device->host answer up to this size is zeros; larger ones are left uninitialised
 PACKAGE = Path(__file__).resolve().parents[2]  # kvcli/
 SIM_DIR = Path(__file__).resolve().parent
@@ -112,8 +115,11 @@ class Tracker(TorchDispatchMode):
     ``host``: also keep live/peak bytes of CPU tensors (the fidelity test compares a CPU run with a
     meta run that way). ``phase`` (settable at any time) is where events are attributed."""
 
-    def __init__(self, device: str = "meta", *, fixed_value: int = 0, sites: bool = True) -> None:
+    def __init__(self, device: str = "meta", *, fixed_value: int = 0, sites: bool = True, host_limit: int | None = None) -> None:
         super().__init__()
+        # CPU tensors of a simulated run are real: past this many live bytes the run stops
+        # (--kv-offload cpu at 128k would hold 16 GiB of KV in this machine's memory)
+        self.host_limit = host_limit
         self.device = torch.device(device).type
         self.fixed_value = fixed_value
         self.sites = sites  # find the kvcli line of each sync / copy (a stack walk each)
@@ -181,6 +187,11 @@ class Tracker(TorchDispatchMode):
 
     def _book(self, dev: str, booked: int, nbytes: int, record: bool, op: str) -> Allocation | None:
         self.live[dev] += booked
+        if dev == "cpu" and self.host_limit is not None and self.device != "cpu" and self.live[dev] > self.host_limit:
+            raise MemoryError(
+                f"the simulation would hold more than {self.host_limit / 2**30:.1f} GiB of real host memory "
+                f"(host tensors are real; this run keeps {self.live[dev] / 2**30:.1f} GiB on the CPU)"
+            )
         if self.live[dev] > self.peak[dev]:
             self.peak[dev] = self.live[dev]
             self.peak_phase[dev] = self.phase
@@ -242,14 +253,31 @@ class Tracker(TorchDispatchMode):
         elif on_device:
             if name in DATA_DEPENDENT or (name.startswith("index") and any(t.dtype == torch.bool for t in tensors[1:])):
                 self._sync(f"{name} (data-dependent shape)")
-            if any(t.device.type == "cpu" and t.numel() > 1 for t in tensors):
-                self._h2d(f"{name} (implicit: a CPU tensor into a device op)")
+            self._check_devices(name, args, tensors)
 
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._register(t, op=label)
         return out
+
+    def _check_devices(self, name: str, args, tensors) -> None:
+        """CUDA's rule for one op over CPU and device tensors: CPU indices of advanced indexing are
+        copied over (an implicit host->device copy); a 0-dim CPU tensor is read as a scalar, unless
+        it is the output of an in-place op; anything else raises on CUDA, so it raises here."""
+        cpu = [t for t in tensors if t.device.type == "cpu"]
+        if not cpu:
+            return
+        inplace_on_cpu = name.endswith("_") and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+        if name in CPU_INDICES_OK and not inplace_on_cpu:
+            if any(t.dim() > 0 for t in cpu):
+                self._h2d(f"{name} (implicit: CPU indices into a device op)")
+            return
+        if inplace_on_cpu or any(t.dim() > 0 for t in cpu):
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device: aten.{name} mixes a CPU tensor "
+                f"{tuple(cpu[0].shape)} {cpu[0].dtype} with tensors on the accelerator (raises on CUDA)"
+            )
 
     @staticmethod
     def _copy_ends(name: str, args, kwargs) -> tuple[str, str]:
