@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 
@@ -53,6 +52,17 @@ CPU_INDICES_OK = {"index", "index_put_", "index_put", "_index_put_impl_"}
 ZERO_LIMIT = 1 << 20  # a device->host answer up to this size is zeros; larger ones are left uninitialised
 PACKAGE = Path(__file__).resolve().parents[2]  # kvcli/
 SIM_DIR = Path(__file__).resolve().parent
+
+
+def _tensors(values, out: list) -> list:
+    """The tensors in an op's arguments or outputs (tensors, lists/tuples of them, a dict of
+    keyword arguments): pytree's flatten, without its cost on every op."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, out)
+    return out
 
 
 def cuda_block(nbytes: int) -> int:
@@ -229,8 +239,7 @@ class Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name.removeprefix("aten::")
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tensors = _tensors(kwargs.values(), _tensors(args, []))
         for t in tensors:  # storages made outside any op (literals on the device)
             self._register(t, op="(literal)")
         on_device = any(self._accelerated(t) for t in tensors)
@@ -256,9 +265,8 @@ class Tracker(TorchDispatchMode):
             self._check_devices(name, args, tensors)
 
         out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._register(t, op=label)
+        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), []):
+            self._register(t, op=label)
         return out
 
     def _check_devices(self, name: str, args, tensors) -> None:
