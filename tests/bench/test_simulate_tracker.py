@@ -143,3 +143,15 @@ def test_cpu_and_device_tensors_in_one_op_follow_cudas_rule():
             dev.index_select(0, torch.tensor([1, 2]))  # only advanced indexing moves CPU indices
     assert t.phases["setup"].h2d == 0
     del ok
+
+
+def test_ops_are_counted_per_phase_and_capped():
+    t = Tracker("meta", max_ops=5)
+    x = torch.empty(4, device="meta")
+    with t:
+        with phase(t, "decode:0"):
+            y = (x + 1) * 2  # two ops
+        with pytest.raises(RuntimeError, match="over 5 ATen ops"):
+            for _ in range(10):
+                y = y + 1
+    assert t.phases["decode:0"].ops == 2 and t.ops == 6

@@ -32,6 +32,7 @@ from .tracker import Tracker, kvcli_line
 QUESTION = "What is the special magic number mentioned in the document?"
 DEFAULT_STEPS = 8
 HOST_LIMIT = 4 * 2**30  # real CPU memory a simulated run may hold (Tracker.host_limit)
+MAX_OPS = 1_500_000  # ATen ops a cell may dispatch (Tracker.max_ops): minutes of this CPU
 MEMORY_KEY = ("config", "weights", "method", "tokens", "kv_offload")
 
 
@@ -152,7 +153,7 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     session, engine = sim.session, sim.engine
     lm = session.lm
     device = engine.device.type
-    tracker = Tracker(device, fixed_value=fixed_token, host_limit=HOST_LIMIT)
+    tracker = Tracker(device, fixed_value=fixed_token, host_limit=HOST_LIMIT, max_ops=MAX_OPS)
     engine.tracker = tracker
     engine.at_decode = {}
     weights_bytes = tracker.adopt(sim.weights_list)
@@ -211,6 +212,8 @@ def _measures(tracker: Tracker, engine: SimEngine, n_layers: int, weights_bytes:
         "syncs_per_decode_step": max((c.syncs for c in decode), default=None),
         "h2d_copies_per_decode_step": max((c.h2d for c in decode), default=None),
         "decode_steps_measured": len(decode),
+        "ops_per_decode_step": max((c.ops for c in decode), default=None),
+        "ops_prefill": prefill.ops,
         "syncs_per_prefill_layer": round(prefill.syncs / n_layers, 3),
         "h2d_copies_per_prefill_layer": round(prefill.h2d / n_layers, 3),
         "syncs_prefill": prefill.syncs,

@@ -113,6 +113,7 @@ class Allocation:
 class PhaseCounts:
     syncs: int = 0
     h2d: int = 0
+    ops: int = 0
     d2h: int = 0
     allocations: int = 0
     sync_sites: Counter = field(default_factory=Counter)  # "op at kvcli/x.py:N" -> count
@@ -125,8 +126,11 @@ class Tracker(TorchDispatchMode):
     ``host``: also keep live/peak bytes of CPU tensors (the fidelity test compares a CPU run with a
     meta run that way). ``phase`` (settable at any time) is where events are attributed."""
 
-    def __init__(self, device: str = "meta", *, fixed_value: int = 0, sites: bool = True, host_limit: int | None = None) -> None:
+    def __init__(self, device: str = "meta", *, fixed_value: int = 0, sites: bool = True, host_limit: int | None = None,
+                 max_ops: int | None = None) -> None:
         super().__init__()
+        # ATen ops dispatched (each a kernel launch on a GPU, views aside); past max_ops the run stops
+        self.ops, self.max_ops = 0, max_ops
         # CPU tensors of a simulated run are real: past this many live bytes the run stops
         # (--kv-offload cpu at 128k would hold 16 GiB of KV in this machine's memory)
         self.host_limit = host_limit
@@ -239,6 +243,10 @@ class Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name.removeprefix("aten::")
+        self.ops += 1
+        self.phases[self.phase].ops += 1
+        if self.max_ops is not None and self.ops > self.max_ops:
+            raise RuntimeError(f"over {self.max_ops:,} ATen ops dispatched: too many to simulate here (each is a kernel launch on a GPU)")
         tensors = _tensors(kwargs.values(), _tensors(args, []))
         for t in tensors:  # storages made outside any op (literals on the device)
             self._register(t, op="(literal)")
@@ -332,6 +340,7 @@ class Tracker(TorchDispatchMode):
                 total.h2d += c.h2d
                 total.d2h += c.d2h
                 total.allocations += c.allocations
+                total.ops += c.ops
                 total.sync_sites.update(c.sync_sites)
                 total.h2d_sites.update(c.h2d_sites)
         return total
