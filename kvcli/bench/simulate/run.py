@@ -165,7 +165,7 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
         "weights_bytes": weights_bytes, "error": None,
     }
     handles = _layer_hooks(engine)
-    notices.drain()
+    notices.reset()  # each cell is a run of its own: warnings said once per run, not per process
     try:
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
