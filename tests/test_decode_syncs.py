@@ -37,15 +37,6 @@ class Traffic(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def meta_engine(tiny_dir):
-    from kvcli.model import load_model
-
-    lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")
-    lm.model.to("meta")
-    return Engine(lm)
-
-
 def evicted(cache: KVCache, keep: int) -> KVCache:
     """What an eviction method leaves: per layer the same number of entries per KV head, their
     original positions in ``kept`` (the decode path of SnapKV, H2O, PyramidKV, StreamingLLM, ...)."""

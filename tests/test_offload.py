@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.caches import KVCache
 from kvcli.caches import blocks
 from kvcli.compressors.base import Runtime
 from kvcli.compressors.blocksparse import BlockSparse

@@ -3,7 +3,6 @@ GPU's bfloat16); float32 keys (the CPU's) as before; H2O's blocks large off the 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
