@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from .caches.base import LayerView
-from .kernels import KERNELS, attend, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
+from .kernels import KERNELS, attend, by_keys, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
 
 
 # observer(query, key) is called with the tensors documented above, before attention is computed.
@@ -103,8 +103,8 @@ def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | N
     b, n_heads, _, d = query.shape
     n_kv = key.shape[1]
     q_last = query[:, :, -1, :].reshape(b, n_kv, n_heads // n_kv, d).to(torch.float32)
-    # (b, n_kv, group, d) x (b, n_kv, d, kv_len) -> (b, n_kv, group, kv_len)
-    scores = torch.matmul(q_last, key.to(torch.float32).transpose(-1, -2))
+    # (b, n_kv, group, d) x (b, n_kv, d, kv_len) -> (b, n_kv, group, kv_len); keys upcast a chunk at a time
+    scores = by_keys(key, lambda k: torch.matmul(q_last, k.transpose(-1, -2)))
     scores = scores.sum(dim=(1, 2))
     return scores * scaling if scaling is not None else scores
 

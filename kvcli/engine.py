@@ -227,6 +227,40 @@ class Engine:
         return cache, self.logits(hidden[:, -1:])[-1]
 
     @torch.inference_mode()
+    def prefill_by_layer(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        chunk: int,
+        observers: dict[int, list[Observer]] | None = None,
+        before_layer: Callable[[int], None] | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[object, torch.Tensor]:
+        """:meth:`prefill` of ``ids`` at ``positions`` on top of ``cache`` in chunks of ``chunk``
+        tokens, run layer by layer: layer i over every chunk (each attending to the chunks before
+        it), then layer i + 1 — the same arithmetic as running each chunk through every layer in
+        turn (bit for bit), but only one layer's KV is being written at a time:
+        ``before_layer(i)`` / ``after_layer(i)`` bracket it (``--kv-offload cpu`` keeps the layer
+        on the GPU during its prefill and moves it to host memory once). The prompt's hidden states
+        (n x hidden) are held between layers. Returns (cache, logits of the last position)."""
+        n = ids.numel()
+        hidden = self.embed(ids)
+        pos = positions.to(self.device)
+        cos, sin = self.position_embeddings(hidden, pos)
+        with attention.attention_context(self.context(observers)):
+            for i in range(self.n_layers):
+                if before_layer is not None:
+                    before_layer(i)
+                for s in range(0, n, chunk):
+                    e = min(n, s + chunk)
+                    hidden[:, s:e] = self.layer(i, hidden[:, s:e], pos[s:e], cache, (cos[:, s:e], sin[:, s:e]))
+                if after_layer is not None:
+                    after_layer(i)
+        cache.record_positions(positions)
+        return cache, self.logits(hidden[:, -1:])[-1]
+
+    @torch.inference_mode()
     def prefill_on_prefix(
         self,
         ids: torch.Tensor,

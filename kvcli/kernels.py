@@ -34,6 +34,26 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> 
     return allowed
 
 
+KEY_CHUNK = 8192  # keys upcast to float32 at a time by the scorers, where they are not float32 already
+
+
+def by_keys(keys: torch.Tensor, fn):
+    """``fn(keys in float32)`` -> (..., n_keys) scores, for the scorers: float32 keys (the CPU) in
+    one call, as always; keys of another dtype (bfloat16 / float16 on a GPU) upcast and scored
+    :data:`KEY_CHUNK` at a time (``keys``: (..., n_keys, d)), so no float32 copy of a whole layer
+    is made. ``fn`` must score each key independently of the others (a q·k, a norm)."""
+    n = keys.shape[-2]
+    if keys.dtype == torch.float32 or n <= KEY_CHUNK:
+        return fn(keys.to(torch.float32))
+    out = None
+    for a in range(0, n, KEY_CHUNK):
+        part = fn(keys[..., a : a + KEY_CHUNK, :].to(torch.float32))
+        if out is None:
+            out = part.new_empty(*part.shape[:-1], n)
+        out[..., a : a + part.shape[-1]] = part
+    return out
+
+
 def causal(q_len: int, kv_len: int, sliding_window: int | None, device):
     """What :func:`sdpa` is handed for causal attention of the last ``q_len`` of ``kv_len`` keys:
     None (plain causal SDPA fits), the boolean :func:`causal_mask` on the CPU or with a window, or

@@ -37,15 +37,6 @@ class Traffic(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def meta_engine(tiny_dir):
-    from kvcli.model import load_model
-
-    lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")
-    lm.model.to("meta")
-    return Engine(lm)
-
-
 def evicted(cache: KVCache, keep: int) -> KVCache:
     """What an eviction method leaves: per layer the same number of entries per KV head, their
     original positions in ``kept`` (the decode path of SnapKV, H2O, PyramidKV, StreamingLLM, ...)."""
@@ -88,3 +79,39 @@ def test_decode_reads_the_token_once_a_step(tiny_lm):
         by_hand.append(int(torch.argmax(ref)))
         ref = engine.step(by_hand[-1], 20 + i, ref_cache)
     assert out == by_hand
+
+
+def _razor(cache):
+    from kvcli.caches.razor import RazorCache
+
+    return RazorCache.compress(cache, torch.tensor([[True, False], [False, True]]), 4, sinks=4, window=8, consume=True)
+
+
+def _ragged(cache):
+    from kvcli.caches import RaggedCache
+
+    g = torch.Generator().manual_seed(0)
+    return RaggedCache.from_selection(cache, [torch.rand(2, 30, generator=g) < 0.5 for _ in range(2)], consume=True)
+
+
+def _blocks(cache):
+    from kvcli.caches.blocks import BlockCache
+
+    return BlockCache.from_kv(cache, local=8, initial=4, block_size=4, representative="max", topk=2, consume=True)
+
+
+@pytest.mark.parametrize("layout", [_razor, _ragged, _blocks], ids=["razor", "ragged", "blocks"])
+def test_grouped_ragged_and_block_caches_decode_without_copies(meta_engine, layout):
+    """RazorAttention's head groups, padded ragged heads (AdaKV, KVzip, ExpectedAttention) and
+    block retrieval held on the device: after a first step (per-layer index tables go to the
+    device once), a step makes no copy and no synchronisation either."""
+    engine = meta_engine
+    cache, _ = engine.prefill(random_ids(30, seed=9))
+    cache = layout(cache)
+    token = torch.zeros(1, dtype=torch.long, device="meta")
+    engine.step(token, 30, cache)
+    traffic = Traffic()
+    with traffic:
+        for i in range(3):
+            engine.step(token, 31 + i, cache)
+    assert traffic.syncs == 0 and traffic.crossings == []

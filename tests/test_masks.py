@@ -12,7 +12,6 @@ from torch.nn.attention.bias import CausalBias
 
 from kvcli import kernels
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
 from tests.test_engine import random_ids
 
 
@@ -33,16 +32,6 @@ def sdpa_masks(monkeypatch):
 
     monkeypatch.setattr(kernels, "F", Recording())
     yield seen
-
-
-@pytest.fixture
-def meta_engine(tiny_dir):
-    """An engine over a tiny llama whose weights live on ``meta`` (shapes only: any device but the CPU)."""
-    from kvcli.model import load_model
-
-    lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")
-    lm.model.to("meta")
-    return Engine(lm)
 
 
 def test_query_block_on_a_longer_kv_gets_no_dense_mask_off_the_cpu(meta_engine, monkeypatch):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvcli import engine as engine_mod
-from kvcli.caches import KVCache
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for

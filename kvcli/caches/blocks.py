@@ -230,13 +230,20 @@ class ScoredKVCache(KVCache):
 
 
 class OffloadKVCache(KVCache):
-    """A :class:`KVCache` whose tensors live on the CPU while the model runs on a GPU: each layer's
-    KV is brought to the GPU only while that layer attends (the article's chunked prefill,
-    "loading only one layer of KVCache into GPU memory at a time")."""
+    """A :class:`KVCache` whose layers live in host memory while the model runs on a GPU, but for
+    the one layer being prefilled (the article's chunked prefill, "loading only one layer of
+    KVCache into GPU memory at a time"): :meth:`kvcli.engine.Engine.prefill_by_layer` calls
+    :meth:`onload` before a layer's chunks (a prefix's entries go up once) and :meth:`offload`
+    after them (the layer goes down once, into pinned memory); in between the layer grows on the
+    GPU like any KV."""
 
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        super().update(key.to("cpu"), value.to("cpu"), layer_idx)
-        return self.keys[layer_idx].to(key.device, non_blocking=True), self.values[layer_idx].to(value.device, non_blocking=True)
+    def onload(self, layer: int, device) -> None:
+        if layer < len(self.keys):
+            self.keys[layer] = self.keys[layer].to(device, non_blocking=True)
+            self.values[layer] = self.values[layer].to(device, non_blocking=True)
+
+    def offload(self, layer: int) -> None:
+        self.keys[layer], self.values[layer] = _to_storage(self.keys[layer]), _to_storage(self.values[layer])
 
     def copy(self) -> "OffloadKVCache":
         other = OffloadKVCache()
@@ -428,18 +435,34 @@ class BlockCache(CacheBase):
         bs = self.block_size
         store = self.keys[layer].device
         tok = (top.to(store)[..., None] * bs + torch.arange(bs, device=store)).flatten(-2)  # (H, k*bs)
+        src_k, src_v = self.keys[layer], self.values[layer]
+        # offloaded: gathered straight into the layer's pinned staging buffers, so the uploads
+        # below are asynchronous (reused every step: the step's token read orders them)
+        ck, cv = self._staging(layer, (1, src_k.shape[1], tok.shape[-1], src_k.shape[-1]), src_k.dtype)
         if top.shape[0] == 1:
-            ck = self.keys[layer].index_select(2, tok[0])
-            cv = self.values[layer].index_select(2, tok[0])
+            ck = torch.index_select(src_k, 2, tok[0], **({} if ck is None else {"out": ck}))
+            cv = torch.index_select(src_v, 2, tok[0], **({} if cv is None else {"out": cv}))
         else:
-            idx = tok[None, :, :, None].expand(1, -1, -1, self.keys[layer].shape[-1])
-            ck, cv = self.keys[layer].gather(2, idx), self.values[layer].gather(2, idx)
+            idx = tok[None, :, :, None].expand(1, -1, -1, src_k.shape[-1])
+            ck = torch.gather(src_k, 2, idx, **({} if ck is None else {"out": ck}))
+            cv = torch.gather(src_v, 2, idx, **({} if cv is None else {"out": cv}))
         i = self.initial
         fk, fv = self.fkeys[layer], self.fvalues[layer]
         k = torch.cat([fk[:, :, :i].to(device), ck.to(device, non_blocking=True), fk[:, :, i:].to(device)], dim=2)
         v = torch.cat([fv[:, :, :i].to(device), cv.to(device, non_blocking=True), fv[:, :, i:].to(device)], dim=2)
         self._count(layer, [k.shape[2] / total] * n_kv)
         return k, v
+
+    def _staging(self, layer: int, shape, dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Offloaded: the layer's (key, value) host staging buffers of ``shape`` (made once, pinned
+        where CUDA is); otherwise (None, None)."""
+        if not self.offload or self.keys[layer].device.type != "cpu":
+            return None, None
+        stages = self.__dict__.setdefault("_stages", {})
+        held = stages.get(layer)
+        if held is None or held[0].shape != torch.Size(shape) or held[0].dtype != dtype:
+            held = stages[layer] = (_host_empty(shape, dtype), _host_empty(shape, dtype))
+        return held
 
     def _count(self, layer: int, fracs: list[float]) -> None:
         self.frac_sum += sum(fracs)
@@ -484,6 +507,7 @@ class BlockCache(CacheBase):
         """A shallow copy: new lists and counters, same tensors (``update`` never writes in place)."""
         other = BlockCache.__new__(BlockCache)
         other.__dict__.update(self.__dict__)
+        other.__dict__.pop("_stages", None)  # staging buffers: one writer each
         for name in ("keys", "values", "fkeys", "fvalues", "reps", "candidates"):
             setattr(other, name, list(getattr(self, name)))
         other.history = dict(self.history)
@@ -492,12 +516,18 @@ class BlockCache(CacheBase):
         return other
 
 
-def _to_storage(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``t``, pinned when CUDA is there (faster, asynchronous copies to the GPU)."""
-    t = t.detach().to("cpu").contiguous()
+def _host_empty(shape, dtype) -> torch.Tensor:
+    """An empty CPU tensor, pinned when CUDA is there (asynchronous copies to the GPU; a
+    ``non_blocking`` upload from pageable memory is a synchronous one)."""
     if torch.cuda.is_available():
         try:
-            t = t.pin_memory()
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError:  # pinning can fail (limits); unpinned memory still works
             pass
-    return t
+    return torch.empty(shape, dtype=dtype)
+
+
+def _to_storage(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``, pinned when CUDA is there: copied straight into it (one copy)."""
+    t = t.detach()
+    return _host_empty(t.shape, t.dtype).copy_(t)

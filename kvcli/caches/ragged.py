@@ -132,13 +132,14 @@ class RaggedCache(LayerKV):
     def valid_slots(self, layer: int, device) -> torch.Tensor:
         """(n_kv_heads, seq_len) bool: False on padding."""
         n = self.keys[layer].shape[2]
-        key = (layer, n, str(device))
+        # the compressed slots' validity goes to the device once per layer; a decoding step only
+        # appends valid columns there (no host -> device copy per step)
+        key = (layer, str(device))
         if key not in self._valid:
             slots = self.kept[layer].shape[1]
-            head = torch.arange(slots)[None, :] < self.lengths[layer][:, None]
-            new = torch.ones(head.shape[0], n - slots, dtype=torch.bool)
-            self._valid = {key: torch.cat([head, new], dim=1).to(device)}  # one entry: the current length
-        return self._valid[key]
+            self._valid[key] = (torch.arange(slots)[None, :] < self.lengths[layer][:, None]).to(device)
+        head = self._valid[key]
+        return torch.cat([head, head.new_ones(head.shape[0], n - head.shape[1])], dim=1)
 
     # --- kvcli's own use ---------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:

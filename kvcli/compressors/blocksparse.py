@@ -305,6 +305,11 @@ class BlockSparse(Compressor):
             for layer in range(lm.n_layers):
                 self._rep_sums.setdefault(layer, torch.zeros(lm.n_kv_heads, n, dtype=torch.float32, device=engine.device))
                 observers.setdefault(layer, []).append(functools.partial(self._observe_infllm, layer))
+        if offload:  # layer by layer: each layer on the GPU during its chunks, offloaded once
+            cache, logits = engine.prefill_by_layer(ids[start:], torch.arange(start, n), cache, self.chunk, observers,
+                                                    before_layer=lambda i: cache.onload(i, engine.device),
+                                                    after_layer=cache.offload)
+            return cache, logits, n
         logits = None
         for s in range(start, n, self.chunk):
             e = min(n, s + self.chunk)

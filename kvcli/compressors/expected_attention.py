@@ -46,6 +46,7 @@ import torch
 from ..attention import StopForward
 from ..caches import KVCache
 from ..errors import UsageError
+from ..kernels import by_keys
 from ..rope import rope_cos_sin
 from .base import knob, register
 from .scoring import PrefixEviction, prerope
@@ -75,18 +76,23 @@ def expected_scores(mu: torch.Tensor, cov: torch.Tensor | None, rot: torch.Tenso
     """Scores (n_kv, n) of one layer's keys/values (1, n_kv, n, d) for future queries ~ N(mu, cov)
     (n_heads, d[, d]) rotated by ``rot`` (d, d), ``(expected attention + epsilon) · ‖v‖`` with
     ``vnorm``; the first ``sinks`` entries +inf."""
-    k = key[0].to(torch.float32)  # (n_kv, n, d)
-    n_kv, n, d = k.shape
+    n_kv, n, d = key[0].shape
     group = mu.shape[0] // n_kv
     mu_r = (mu @ rot.T).view(n_kv, group, d)  # R̄ μ for every head
-    logits = torch.einsum("knd,kgd->kgn", k[:, sinks:], mu_r) / math.sqrt(d)
-    if cov is not None:
-        cov_r = (rot @ cov @ rot.T).view(n_kv, group, d, d)  # R̄ Σ R̄ᵀ
-        ks = k[:, None, sinks:]  # (n_kv, 1, n - sinks, d)
-        logits = logits + ((ks @ cov_r) * ks).sum(dim=-1) / (2 * d)
+    cov_r = None if cov is None else (rot @ cov @ rot.T).view(n_kv, group, d, d)  # R̄ Σ R̄ᵀ
+
+    def logits_of(k: torch.Tensor) -> torch.Tensor:  # k (n_kv, m, d) float32 -> (n_kv, group, m)
+        logits = torch.einsum("knd,kgd->kgn", k, mu_r) / math.sqrt(d)
+        if cov_r is not None:
+            ks = k[:, None]  # (n_kv, 1, m, d)
+            logits = logits + ((ks @ cov_r) * ks).sum(dim=-1) / (2 * d)
+        return logits
+
+    # keys (and values) sliced past the sinks, then upcast a chunk at a time where not float32
+    logits = by_keys(key[0, :, sinks:], logits_of)
     scores = torch.softmax(logits, dim=-1).mean(dim=1)  # (n_kv, n - sinks)
     if vnorm:
-        scores = (scores + epsilon) * value[0, :, sinks:].to(torch.float32).norm(dim=-1)
+        scores = (scores + epsilon) * by_keys(value[0, :, sinks:], lambda v: v.norm(dim=-1))
     return torch.cat([scores.new_full((n_kv, sinks), float("inf")), scores], dim=-1)
 
 

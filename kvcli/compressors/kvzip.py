@@ -88,8 +88,8 @@ def chunk_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, start: int,
     query: (1, n_heads, r, d) — the reconstruction tokens, the last r of ``key`` (1, n_kv, n + r, d)."""
     _, n_heads, r, d = query.shape
     n_kv = key.shape[1]
-    k = key[0].to(torch.float32)
-    sub = torch.cat([k[:, :sinks], k[:, start:end], k[:, -r:]], dim=1)  # (n_kv, m, d)
+    k = key[0]
+    sub = torch.cat([k[:, :sinks], k[:, start:end], k[:, -r:]], dim=1).to(torch.float32)  # (n_kv, m, d): sliced, then upcast
     ctx = slice(sinks, sinks + end - start)
     q = query[0].to(torch.float32).reshape(n_kv, n_heads // n_kv, r, d)
     best = torch.zeros(n_kv, end - start, dtype=torch.float32, device=key.device)

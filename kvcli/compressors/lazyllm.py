@@ -75,6 +75,7 @@ import torch
 from .. import attention
 from ..caches.lazy import LazyCache
 from ..errors import UsageError
+from ..kernels import by_keys
 from .base import Compressor, knob, register
 
 DEFAULT_FRACTIONS = "1/4, 1/2, 3/4"
@@ -114,7 +115,7 @@ def last_token_attention(query: torch.Tensor, key: torch.Tensor, visible: torch.
     _, n_heads, _, d = query.shape
     n_kv = key.shape[1]
     q_last = query[0, :, -1, :].reshape(n_kv, n_heads // n_kv, d).to(torch.float32)
-    logits = torch.matmul(q_last, key[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)  # (n_kv, group, kv)
+    logits = by_keys(key[0], lambda k: torch.matmul(q_last, k.transpose(-1, -2))) / math.sqrt(d)  # (n_kv, group, kv)
     if visible is not None:
         logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
     return torch.softmax(logits, dim=-1).mean(dim=(0, 1))

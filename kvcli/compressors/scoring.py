@@ -33,11 +33,13 @@ import torch.nn.functional as F
 
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
+from ..kernels import by_keys
 from ..measure import long_lived
 from .base import Compressor, knob, refuse_sliding_window  # noqa: F401  (re-exported for the eviction methods)
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
 BLOCK_WEIGHTS = 2**21  # most attention weights per block of query rows in column_sums (8 MiB in float32)
+BLOCK_WEIGHTS_ACCELERATOR = 2**26  # the same off the CPU (256 MiB in float32): large blocks, few launches
 
 
 # --------------------------------------------------------------------------- budgets
@@ -99,9 +101,10 @@ def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Causal softmax of q (n_kv, g, r, d) against k (n_kv, kv, d); ``rows`` (r,) are the key
-    indices of the query rows (each sees keys up to and including its own). -> (n_kv, g, r, kv)."""
-    logits = torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) / math.sqrt(q.shape[-1])
+    """Causal softmax of q (n_kv, g, r, d) against k (n_kv, kv, d) (any dtype: upcast a chunk of
+    keys at a time, :func:`kvcli.kernels.by_keys`); ``rows`` (r,) are the key indices of the query
+    rows (each sees keys up to and including its own). -> (n_kv, g, r, kv) float32."""
+    logits = by_keys(k, lambda kc: torch.matmul(q, kc.transpose(-1, -2).unsqueeze(1))) / math.sqrt(q.shape[-1])
     cols = torch.arange(k.shape[-2], device=k.device)
     logits = logits.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
     return torch.softmax(logits, dim=-1)
@@ -114,8 +117,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, window: int) -> tor
     """
     kv_len, q_len = key.shape[-2], query.shape[-2]
     window = min(window, q_len)
-    k = key[0].to(torch.float32)
-    q = _grouped(query[:, :, q_len - window :], key.shape[1])
+    k = key[0]
+    q = _grouped(query[:, :, q_len - window :], key.shape[1])  # the window sliced before the upcast
     rows = torch.arange(kv_len - window, kv_len, device=key.device)
     return _probs(q, k, rows)
 
@@ -145,6 +148,13 @@ def block_rows(group: int, kv_len: int) -> int:
     return max(16, min(64, BLOCK_WEIGHTS // max(1, group * kv_len)))
 
 
+def accelerator_block_rows(group: int, kv_len: int) -> int:
+    """:func:`block_rows` off the CPU (a GPU: each block is a few kernel launches): about
+    :data:`BLOCK_WEIGHTS_ACCELERATOR` weights, 16 to 4096 rows — ~512 rows at 32k keys in groups
+    of 4 (256 MiB of float32 weights), not 16: 32x fewer launches."""
+    return max(16, min(4096, BLOCK_WEIGHTS_ACCELERATOR // max(1, group * kv_len)))
+
+
 def _column_sums(query, key, value, scaling, chunk):
     """One KV head at a time, blocks of query rows of its query heads together: logits of the keys
     the block can see (columns past its last row are never computed; only the block's own diagonal
@@ -153,28 +163,28 @@ def _column_sums(query, key, value, scaling, chunk):
     kv_len, q_len = key.shape[-2], query.shape[-2]
     n_kv, n_heads, d = key.shape[1], query.shape[1], query.shape[-1]
     group = n_heads // n_kv
-    rows = chunk or block_rows(group, kv_len)
-    k = key[0].to(torch.float32)
-    v = None if value is None else value[0].to(torch.float32)
+    rows = chunk or (block_rows if key.device.type == "cpu" else accelerator_block_rows)(group, kv_len)
     q_all = _grouped(query, n_kv) * scaling  # (n_kv, group, q_len, d)
     total = torch.zeros(n_kv, group, kv_len, dtype=torch.float32, device=key.device)
-    out = None if v is None else torch.empty(n_kv, group, q_len, v.shape[-1], dtype=torch.float32, device=key.device)
+    out = None if value is None else torch.empty(n_kv, group, q_len, value.shape[-1], dtype=torch.float32, device=key.device)
     # one buffer for every block's weights (the softmax runs in place, row by row)
     work = torch.empty(group * min(rows, q_len) * kv_len, dtype=torch.float32, device=key.device)
     future = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu(1)
     offset = kv_len - q_len
     for h in range(n_kv):
+        # one KV head upcast at a time (a no-op for float32 keys, the CPU's)
+        k, v = key[0, h].to(torch.float32), None if value is None else value[0, h].to(torch.float32)
         for start in range(0, q_len, rows):
             end = min(q_len, start + rows)
             r, visible = end - start, offset + end  # keys the last row of this block can see
             q = q_all[h, :, start:end].reshape(group * r, d)
-            weights = torch.mm(q, k[h, :visible].t(), out=work[: group * r * visible].view(group * r, visible))
+            weights = torch.mm(q, k[:visible].t(), out=work[: group * r * visible].view(group * r, visible))
             # row i of the block sees keys up to offset + start + i: mask the rest of the diagonal square
             weights.view(group, r, visible)[..., offset + start :].masked_fill_(future[:r, :r], float("-inf"))
             torch.softmax(weights, dim=-1, out=weights)
             total[h, :, :visible] += weights.view(group, r, visible).sum(dim=1)
             if v is not None:
-                out[h, :, start:end] = torch.mm(weights, v[h, :visible]).view(group, r, -1)
+                out[h, :, start:end] = torch.mm(weights, v[:visible]).view(group, r, -1)
     if out is not None:
         out = out.view(n_heads, q_len, -1).transpose(0, 1).unsqueeze(0).contiguous().to(query.dtype)
     return out, total

@@ -1,0 +1,74 @@
+"""--kv-offload cpu's prefill runs layer by layer (each layer on the accelerator during its chunks,
+moved to host memory once) with the chunk-by-chunk arithmetic bit for bit; decoding gathers the
+selected blocks into per-layer staging buffers (pinned where CUDA is). Forced on the CPU here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.caches import blocks
+from kvcli.compressors.base import Runtime
+from kvcli.compressors.blocksparse import BlockSparse
+from kvcli.engine import Engine
+from kvcli.pipeline import Pipeline, run
+from tests.helpers.runs import prompt_for
+from tests.helpers.tiny_models import FAMILIES
+from tests.test_engine import random_ids
+
+SMALL = "block_size=8,initial=4,local_window=8,topk=2,chunk=8"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_by_layer_is_the_chunked_prefill_bit_for_bit(tiny_lm, family):
+    engine = Engine(tiny_lm(family))
+    ids = random_ids(70, seed=10)
+    prefix = engine.prefix_kv(ids[:20])
+    ref = prefix.copy()
+    for s in range(20, 70, 16):
+        ref, ref_logits = engine.prefill(ids[s : min(70, s + 16)], positions=torch.arange(s, min(70, s + 16)), cache=ref)
+    order = []
+    cache, logits = engine.prefill_by_layer(ids[20:], torch.arange(20, 70), prefix.copy(), 16,
+                                            before_layer=lambda i: order.append(("start", i)),
+                                            after_layer=lambda i: order.append(("end", i)))
+    assert torch.equal(logits, ref_logits)
+    assert cache.positions.tolist() == ref.positions.tolist() == list(range(70))
+    for l in range(engine.n_layers):
+        assert torch.equal(cache.keys[l], ref.keys[l]) and torch.equal(cache.values[l], ref.values[l])
+    assert order == [(e, i) for i in range(engine.n_layers) for e in ("start", "end")]
+
+
+def test_offloaded_blocksparse_moves_each_layer_once_and_stages_its_gathers(tiny_lm, monkeypatch):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    plain = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL}"), max_new_tokens=6, stop_ids=set())
+    events = []
+    real_update, real_offload = blocks.OffloadKVCache.update, blocks.OffloadKVCache.offload
+    monkeypatch.setattr(blocks.OffloadKVCache, "update",
+                        lambda self, k, v, layer, *a, **kw: events.append(("update", layer)) or real_update(self, k, v, layer))
+    monkeypatch.setattr(blocks.OffloadKVCache, "offload",
+                        lambda self, layer: events.append(("offload", layer)) or real_offload(self, layer))
+    monkeypatch.setattr(BlockSparse, "offloaded", lambda self, engine: True)  # as on a CUDA model
+    pipeline = Pipeline.parse(f"blocksparse:{SMALL}")
+    pipeline.stages[0].runtime = Runtime(kv_offload="cpu")
+    stages = []
+    real_gather = blocks.BlockCache.gather
+
+    def gather(self, layer, query):
+        out = real_gather(self, layer, query)
+        stages.append(self._stages[layer][0].data_ptr())
+        return out
+
+    monkeypatch.setattr(blocks.BlockCache, "gather", gather)
+    offloaded = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set())
+    assert offloaded.answer_ids == plain.answer_ids
+    assert offloaded.extra["method_stats"]["kv_offload"] == "cpu"
+    chunks = events.index(("offload", 0))
+    assert chunks > 1  # the question's tokens (on top of the prefix) in chunks of 8
+    # every chunk of layer 0, then layer 0 goes to host memory once; then layer 1 ...
+    assert events == [e for l in range(lm.n_layers) for e in [("update", l)] * chunks + [("offload", l)]]
+    per_layer = {}
+    for i, ptr in enumerate(stages):
+        per_layer.setdefault(i % lm.n_layers, set()).add(ptr)
+    assert len(stages) == 5 * lm.n_layers and all(len(p) == 1 for p in per_layer.values())  # one buffer a layer, reused
