@@ -257,35 +257,42 @@ def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:
 
 def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     """``memory.png``: the simulated accelerator's peak memory (GiB, weights included) vs sequence
-    length, one line per method, one panel per (config, weights, offload); failed rows are left out."""
+    length, one line per method (the same colour and marker in every panel), one panel per
+    (config, weights, offload), three panels a row; failed rows are left out."""
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [r for r in rows if not r.get("error") and r.get("peak_bytes") is not None]
-    panels = list(dict.fromkeys((r["config"], r["weights"], r.get("kv_offload", "none")) for r in rows))
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.0), squeeze=False)
+    panels = list(dict.fromkeys((r["config"], r["weights"], r.get("kv_offload", "none")) for r in rows)) or [("", "", "none")]
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.8 * nrows + 0.6), squeeze=False)
     markers = "osD^vP*Xh<>"
+    colours = plt.get_cmap("tab20").colors
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    for ax, (config, weights, offload) in zip(axes[0], panels):
-        for i, method in enumerate(methods):
-            points = sorted((r["tokens"], r["peak_bytes"] / 2**30) for r in rows
-                            if r["method"] == method and (r["config"], r["weights"], r.get("kv_offload", "none")) == (config, weights, offload))
+    style = {m: dict(marker=markers[i % len(markers)], color=colours[i % len(colours)]) for i, m in enumerate(methods)}
+    flat = [ax for line in axes for ax in line]
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    for ax, (config, weights, offload) in zip(flat, panels):
+        mine = [r for r in rows if (r["config"], r["weights"], r.get("kv_offload", "none")) == (config, weights, offload)]
+        for method in methods:
+            points = sorted((r["tokens"], r["peak_bytes"] / 2**30) for r in mine if r["method"] == method)
             if points:
-                ax.plot(*zip(*points), marker=markers[i % len(markers)], label=method)
-        weights_gib = next(r["weights_bytes"] for r in rows if (r["config"], r["weights"]) == (config, weights)) / 2**30
-        ax.axhline(weights_gib, color="grey", linestyle=":", linewidth=1, label="weights")
-        ticks = sorted({r["tokens"] for r in rows if (r["config"], r["weights"]) == (config, weights)})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [length_label(t) for t in ticks])
+                ax.plot(*zip(*points), label=method, **style[method])
+        if mine:
+            ax.axhline(mine[0]["weights_bytes"] / 2**30, color="grey", linestyle=":", linewidth=1, label="weights")
+        ticks = sorted({r["tokens"] for r in mine})
+        ax.set_xticks(ticks, [length_label(t) for t in ticks], rotation=45)
         ax.set_xlabel("tokens (prompt + generated)")
         ax.set_ylabel("simulated peak (GiB)")
         ax.set_title(f"{config} · {weights}" + (" · offload cpu" if offload != "none" else ""), fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
     labels: dict = {}
-    for ax in axes[0]:
+    for ax in flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             labels.setdefault(label, h)
     if labels:
         fig.legend(list(labels.values()), list(labels), loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
-    return _save(fig, path, "Simulated accelerator memory vs length", model, list(labels), (0.08, 0.05))
+    return _save(fig, path, "Simulated accelerator memory vs length", model, list(labels), (0.06 / nrows, 0.04 / nrows))

@@ -11,6 +11,7 @@ cells already there), the table to stdout (Markdown), the PNGs to ``OUT``; progr
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -443,9 +444,9 @@ def memory(
     err = stderr(quiet)
     route_warnings(quiet)
     path = out / "memory.json"
-    if plot_only:
-        results = ResultsFile.read(path, MEMORY_KEY)
-        _memory_report(results.rows, out, memory_plot, report)
+    if plot_only:  # every row, failed ones too: a method that cannot run there is a result
+        ResultsFile.read(path, MEMORY_KEY)  # a missing or unreadable file: one line
+        _memory_report(json.loads(path.read_text()).get("rows", []), out, memory_plot, report)
         return
     if not simulate:
         raise UsageError("kvcli bench memory needs --simulate (peak memory on a real device: kvcli bench speed)")
@@ -462,6 +463,9 @@ def memory(
     results.meta = {"simulated": "meta device, kvcli.bench.simulate", "steps": steps, "fixed_token": 0,
                     "sdpa": "CUDA selection (flash > efficient > math), efficient without GQA"}
     cells = report.memory_cells(configs, weight_kinds, specs, grid, kv_offload.value)
+    if resume and path.exists():  # failed rows of other grids stay in the file (ResultsFile drops them to re-run)
+        ours = {runner.cell_key(c, MEMORY_KEY) for c in cells}
+        results.rows += [r for r in json.loads(path.read_text()).get("rows", []) if r.get("error") and runner.cell_key(r, MEMORY_KEY) not in ours]
     done = results.done()
     pending = [c for c in cells if runner.cell_key(c, MEMORY_KEY) not in done]
     failed = 0

@@ -18,6 +18,7 @@ decodes the same number of steps; each step's token is the fixed value the track
 from __future__ import annotations
 
 import functools
+import inspect
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,11 @@ class SimEngine(Engine):
     tracker: Tracker
     at_decode: dict
 
-    def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
-        inner = self.step if step is None else step
+    def decode(self, *args, **kwargs):
+        # bound by name, so a change of Engine.decode's signature elsewhere keeps this working
+        bound = inspect.signature(Engine.decode).bind(self, *args, **kwargs)
+        call = {k: v for k, v in bound.arguments.items() if k != "self"}
+        cache, inner = call.get("cache"), call.get("step") or self.step
         tracker = self.tracker
         self.at_decode = {
             "kv_bytes": int(cache.nbytes()) if hasattr(cache, "nbytes") else None,
@@ -54,13 +58,15 @@ class SimEngine(Engine):
         tracker.phase = "decode:first-token"
         count = 0
 
-        def counted(token, position, c):
+        def counted(*step_args, **step_kwargs):
             nonlocal count
             tracker.phase = f"decode:{count}"
             count += 1
-            return inner(token, position, c)
+            return inner(*step_args, **step_kwargs)
 
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=counted, guard=guard)
+        if "step" in inspect.signature(Engine.decode).parameters:
+            call["step"] = counted
+        return super().decode(**call)
 
 
 @functools.lru_cache(maxsize=2)
