@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import attention
+from . import accelerator, attention
 from .attention import AttentionContext, Observer, StopForward
 from .caches import KVCache
 
@@ -48,7 +48,7 @@ def default_prefill_chunk(device: torch.device) -> int | None:
 
             raise UsageError(f"{ENV_PREFILL_CHUNK} must be a whole number of tokens (0: off), not '{env}'") from None
         return value if value > 0 else None
-    return None if device.type == "cpu" else ACCELERATOR_PREFILL_CHUNK
+    return ACCELERATOR_PREFILL_CHUNK if accelerator.on_accelerator(device) else None
 
 
 def _chunked_mlp(mlp: torch.nn.Module) -> None:

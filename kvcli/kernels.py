@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from . import accelerator
+
 
 def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
     """Boolean (q_len, kv_len) mask, True where attending is allowed; None when plain causal SDPA fits.
@@ -63,7 +65,7 @@ def causal(q_len: int, kv_len: int, sliding_window: int | None, device):
     the math backend (float32 scores, K/V repeated to every query head). On the CPU the boolean
     mask stays: the CPU's fused kernel takes it, and a CausalBias would only materialise it."""
     plain = sliding_window is None or sliding_window >= kv_len
-    if plain and 1 < q_len < kv_len and torch.device(device).type != "cpu":
+    if plain and 1 < q_len < kv_len and accelerator.on_accelerator(device):
         return causal_lower_right(q_len, kv_len)
     return causal_mask(q_len, kv_len, sliding_window, device)
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import notices
+from . import accelerator, notices
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
@@ -182,7 +182,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
         return store.fetch(key, compute, meta, device=engine.device)
 
     full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
-    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=engine.device.type != "cpu")
+    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=accelerator.on_accelerator(engine.device))
 
 
 @dataclass

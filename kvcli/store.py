@@ -64,7 +64,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import notices
+from . import accelerator, notices
 from .caches import CACHE_TYPES
 from .errors import one_line
 from .capacity import CAP_ENV, SUFFIX, least_recently_used, parse_size  # noqa: F401  (kvcli.store.parse_size)
@@ -237,7 +237,7 @@ _HOST = torch.device("cpu")
 
 
 def _accelerator(device) -> bool:
-    return device is not None and torch.device(device).type != "cpu"
+    return accelerator.on_accelerator(device)
 
 
 def _on(cache, device):

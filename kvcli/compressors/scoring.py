@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .. import accelerator
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
 from ..kernels import by_keys
@@ -163,7 +164,7 @@ def _column_sums(query, key, value, scaling, chunk):
     kv_len, q_len = key.shape[-2], query.shape[-2]
     n_kv, n_heads, d = key.shape[1], query.shape[1], query.shape[-1]
     group = n_heads // n_kv
-    rows = chunk or (block_rows if key.device.type == "cpu" else accelerator_block_rows)(group, kv_len)
+    rows = chunk or (accelerator_block_rows if accelerator.on_accelerator(key.device) else block_rows)(group, kv_len)
     q_all = _grouped(query, n_kv) * scaling  # (n_kv, group, q_len, d)
     total = torch.zeros(n_kv, group, kv_len, dtype=torch.float32, device=key.device)
     out = None if value is None else torch.empty(n_kv, group, q_len, value.shape[-1], dtype=torch.float32, device=key.device)

@@ -66,11 +66,12 @@ def test_targets_read_the_rows():
 
 def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):
     base = ("bench", "memory", "--simulate", "--config", "phi-3.5-mini", "--lengths", "1024", "--steps", "2", "--out", tmp_path, "-q")
-    code, out, _ = cli(*base, "--methods", "razor")  # RazorAttention's head probe mixes CPU and device tensors
-    assert code == 0 and "razor_heads.py" in out
+    # block-sparse offloads only to/from CUDA: with --kv-offload cpu the simulated device says so in the row
+    code, out, _ = cli(*base, "--methods", "blocksparse", "--kv-offload", "cpu")
+    assert code == 0 and "blocksparse.py" in out
     assert cli(*base, "--methods", "full", "--resume")[0] == 0
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
     by = {r["method"]: r for r in rows}
-    assert sorted(by) == ["full", "razor"] and by["razor"]["error"] and by["razor"]["peak_bytes"] is None and not by["full"]["error"]
+    assert sorted(by) == ["blocksparse", "full"] and by["blocksparse"]["error"] and by["blocksparse"]["peak_bytes"] is None and not by["full"]["error"]
     code, out, _ = cli("bench", "memory", "--plot-only", "--out", tmp_path, "-q")
-    assert code == 0 and "| `razor` |" in out and "same device" in out
+    assert code == 0 and "| `blocksparse` |" in out

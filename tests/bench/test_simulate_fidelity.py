@@ -2,7 +2,9 @@
 llama and over the meta run of the same model, through kvcli's own session, pipeline, engine and
 caches, sees the same allocations in the same order and the same peak.
 
-Both runs force SDPA's math path (the same decomposition on every device; the CUDA backend model
+Both runs make the CPU's choices (kvcli.accelerator.on_accelerator is False for meta here: a
+boolean mask for a query block on a longer KV, no chunked MLP, ...; the accelerator's choices are
+checked in tests/test_masks.py and tests/test_decode_syncs.py) and force SDPA's math path (the same decomposition on every device; the CUDA backend model
 is checked in test_simulate_tracker). The comparison counts host and device tensors together and
 leaves out what only crosses devices in the meta run (the host->device copies a one-device CPU
 run does not make, and the answers to device->host reads)."""
@@ -40,7 +42,10 @@ def _trace(tracker):
 
 
 @pytest.mark.parametrize("method", ["full", "snapkv:budget=64"])
-def test_meta_run_allocates_as_the_real_cpu_run(method):
+def test_meta_run_allocates_as_the_real_cpu_run(method, monkeypatch):
+    from kvcli import accelerator
+
+    monkeypatch.setattr(accelerator, "on_accelerator", lambda device: False)
     runs = {}
     for device in ("cpu", "meta"):
         sim = open_loaded(_model(device), "tiny-llama", "fp32", "tiny-llama")

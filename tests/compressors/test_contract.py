@@ -14,7 +14,7 @@
 (d) ``Result.kept_mask`` is (layers, KV heads, prompt) bool and ``n_kept_tokens`` its mean, the
     cache's ``stats()`` (``method_stats``) are JSON-able and agree with both;
 (e) its ``kvcli ask --json`` record (:func:`kvcli.api.result_record`, what the CLI prints) has
-    every field the README documents, with its type.
+    every field docs/usage.md documents, with its type.
 
 Everything is memoised per session, on tiny random models and a ~210-token prompt: one
 keep-everything run per (method, family), three store runs per method (whose third, without the
@@ -52,13 +52,13 @@ STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
 TOL = 1e-4
-README = Path(__file__).resolve().parents[2] / "README.md"
+USAGE = Path(__file__).resolve().parents[2] / "docs" / "usage.md"  # the --json fields, documented
 
 # (method, family) -> why it does not reproduce full attention when told to keep everything
 # (each one an xfail(strict=True): fixing the method turns the test red until the entry goes)
 KNOWN_DIFFERENT: dict[tuple[str, str], str] = {}
 
-# the fields of `kvcli ask --json` the README documents (its "`--json` prints" paragraph)
+# the fields of `kvcli ask --json` docs/usage.md documents (its "`--json` prints" paragraph)
 DOCUMENTED_FIELDS = (
     "answer", "compressor", "model", "n_context_tokens", "n_document_tokens", "n_kept_tokens",
     "compression_ratio", "n_selected_tokens", "prompt_computed_frac", "kv_attended_frac", "ttft_s",
@@ -327,8 +327,8 @@ def check_record(record: dict) -> None:
     assert json.loads(json.dumps(record)) == record
 
 
-def test_the_documented_json_fields_are_the_readmes():
-    paragraph = README.read_text(encoding="utf-8").split("`--json` prints", 1)[1].split("\n\n", 1)[0]
+def test_the_documented_json_fields_are_the_docs():
+    paragraph = USAGE.read_text(encoding="utf-8").split("`--json` prints", 1)[1].split("\n\n", 1)[0]
     assert set(re.findall(r"`([a-z_]+)`", paragraph)) >= set(DOCUMENTED_FIELDS)
 
 

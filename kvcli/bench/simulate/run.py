@@ -17,6 +17,7 @@ decodes the same number of steps; each step's token is the fixed value the track
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import tempfile
@@ -149,6 +150,29 @@ def _layer_hooks(engine: SimEngine):
     return handles
 
 
+@contextlib.contextmanager
+def _bias_outside_modes():
+    """PyTorch cannot make a tensor subclass under a ``TorchDispatchMode`` ("the raw Tensor object
+    is already associated to a python object"), and off the CPU :func:`kvcli.kernels.causal` hands
+    SDPA one: the lower-right ``CausalBias``. It holds no data, so the simulation makes it outside
+    the tracker (:class:`~.sdpa.CudaSdpa` then runs it as CUDA would)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from ... import kernels
+
+    made = kernels.causal_lower_right
+
+    def outside(*args):
+        with _disable_current_modes():
+            return made(*args)
+
+    kernels.causal_lower_right = outside
+    try:
+        yield
+    finally:
+        kernels.causal_lower_right = made
+
+
 def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS, *, sdpa: str | None = None,
              efficient_gqa: bool = False, fixed_token: int = 0) -> dict:
     """Run ``method`` on a ``tokens``-long sequence (prompt + ``steps`` generated) of ``sim``;
@@ -175,7 +199,7 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     try:
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
-        with mode, tracker:
+        with _bias_outside_modes(), mode, tracker:
             result = session.ask(document, QUESTION, Pipeline.parse(method), max_new_tokens=steps, force_tokens=True, use_store=False)
         row["method_spec"] = result.extra.get("compressor")
         row["n_prompt_tokens"] = result.prompt.n_tokens
