@@ -85,3 +85,26 @@ def test_razor_groups_are_built_while_consuming_their_source(monkeypatch):
     assert held == [3, 2, 1] and all(k is None for k in kv.keys)
     for name in ("pk", "pv", "ck", "cv"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(got, name), getattr(ref, name)))
+
+
+def test_a_value_that_is_a_view_of_a_fused_projection_is_stored_on_its_own():
+    """Phi-3's fused qkv_proj hands the cache its values as a slice of the whole q|k|v output: the
+    cache keeps a copy of the slice, not the projection (else every layer's projection stays alive)."""
+    qkv = torch.randn(1, 10, 3 * 2 * 8)  # (batch, tokens, q|k|v of 2 heads x 8)
+    value = qkv[..., 2 * 16 :].view(1, 10, 2, 8).transpose(1, 2)
+    key = torch.randn(1, 2, 10, 8)
+    kv = KVCache()
+    kv.update(key, value, 0)
+    assert kv.values[0].untyped_storage().nbytes() == value.numel() * value.element_size()
+    assert torch.equal(kv.values[0], value)
+    assert kv.keys[0] is key  # a tensor of its own is kept as it is (no copy)
+
+
+def test_phi3_prefill_holds_no_projection(tiny_lm):
+    lm = tiny_lm("phi3")
+    engine = Engine(lm)
+    ids = prompt_for(lm).ids
+    cache, _ = engine.prefill(ids)
+    assert len(cache.values) == lm.n_layers
+    for k, v in zip(cache.keys, cache.values):
+        assert v.untyped_storage().nbytes() <= 2 * v.numel() * v.element_size()  # its own buffer (room to spare at most)

@@ -32,6 +32,13 @@ from ..measure import long_lived
 CACHE_TYPES: dict[str, type] = {}
 
 
+def _shares_more(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view into a larger storage: Phi-3's fused ``qkv_proj`` hands its values as
+    a slice of the whole q|k|v projection, which the cache would otherwise keep alive for every
+    layer (+12 GiB at 32k tokens on Phi-3.5-mini, simulated)."""
+    return t.untyped_storage().nbytes() > _nbytes(t)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -121,8 +128,8 @@ class LayerKV(CacheBase):
         # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.measure.reading_prompt)
         if layer_idx == len(self.keys):
             with long_lived(key.device, _nbytes(key)) as mapped:
-                self.keys.append(key.clone() if mapped else key)
-                self.values.append(value.clone() if mapped else value)
+                self.keys.append(key.clone() if mapped or _shares_more(key) else key)
+                self.values.append(value.clone() if mapped or _shares_more(value) else value)
         elif layer_idx < len(self.keys):
             self._append(layer_idx, key, value)
         else:
