@@ -127,3 +127,42 @@ def make_tiny_model(family: str, tmp_path: Path, seed: int = 0, **overrides: Any
     _tokenizer().save_pretrained(str(tmp))
     tmp.rename(folder)
     return folder
+
+
+def make_parrot_model(tmp_path: Path, text: str) -> Path:
+    """A tiny llama that, greedily, writes ``text`` over and over whatever the prompt: its layers
+    add nothing (zero output projections), so the last hidden state is the current token's
+    embedding, and its LM head maps it to the next token of the cycle (a bigram table). Every token
+    outside the cycle leads to the first one. ``text``'s tokens must be distinct (at most 63)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = _tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert len(set(ids)) == len(ids) <= 63, ids
+    folder = Path(tmp_path) / f"parrot-{abs(hash(tuple(ids))) % 10**8}"
+    if (folder / "config.json").is_file():
+        return folder
+    config = tiny_config("llama", num_hidden_layers=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hidden, other = config.hidden_size, config.hidden_size - 1
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, other] = 1.0  # every token outside the cycle: direction `other`
+        head = model.lm_head.weight
+        head.zero_()
+        head[ids[0], other] = 10.0
+        for i, t in enumerate(ids):
+            embed[t].zero_()
+            embed[t, i] = 1.0
+            head[ids[(i + 1) % len(ids)], i] = 10.0
+    assert hidden > len(ids)
+    tmp = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(str(tmp))
+    _tokenizer().save_pretrained(str(tmp))
+    tmp.rename(folder)
+    return folder
