@@ -32,8 +32,8 @@ the question and the chat template's closing tokens (``Prompt.n_after_document``
      token next to a relevant one comes with it. The paper, the authors' code and kvpress's
      ``FinchPress`` do not pool (``kernel=1``). Without it the question's attention picks single
      tokens — the first digit of a number and not the rest — and on RULER's needle tasks at 4×
-     (1k tokens, embedded model) ``kernel=21`` scored 66.7 against 16.7 (``kernel=1``) and 8.3
-     (``7``), full attention 81.2; on one 4.7k-token passkey document ``kernel=1`` answered at
+     (embedded model, 1k / 2k tokens) ``kernel=21`` scored 66.7 / 64.6 against 16.7 / 12.5
+     (``kernel=1``) and 8.3 / 16.7 (``7``), full attention 81.2 / 72.9; on one 4.7k-token passkey document ``kernel=1`` answered at
      once where 21 needed a wrong start first and 7 failed: the tables, the commands and the
      caveats are in ``docs/finch.md``;
 3. the kept keys are re-rotated (:mod:`kvcli.rope`) from their position to their slot, so the
