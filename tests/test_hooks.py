@@ -129,7 +129,6 @@ def test_explicit_mask_lets_a_late_query_see_only_earlier_keys(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     ids = build_prompt(lm.tokenizer, DOC, "How many gulls?").ids[:20]
-    natural = engine.forward(ids, torch.arange(20), KVCache())
     # run tokens 0..9 and 11..19 first, then token 10 alone, at position 10, in layer 0 only
     order = torch.cat([torch.arange(10), torch.arange(11, 20)])
     with torch.inference_mode():
@@ -138,6 +137,7 @@ def test_explicit_mask_lets_a_late_query_see_only_earlier_keys(tiny_lm):
         mask = torch.ones(19, 19, dtype=torch.bool).tril()
         with attention.attention_context(engine.context(mask=mask)):
             engine.layer(0, hidden, order, cache)
+        before = cache.copy()
         late = engine.embed(ids[10:11])
         allowed = torch.zeros(1, 20, dtype=torch.bool)
         allowed[0, :10] = True  # the keys of positions 0..9
@@ -145,8 +145,11 @@ def test_explicit_mask_lets_a_late_query_see_only_earlier_keys(tiny_lm):
         with attention.attention_context(engine.context(mask=allowed)):
             out = engine.layer(0, late, torch.tensor([10]), cache)
         want = engine.layer(0, engine.embed(ids), torch.arange(20), KVCache())
+        every_slot = torch.ones(1, 20, dtype=torch.bool)  # what slot order alone would let it see
+        with attention.attention_context(engine.context(mask=every_slot)):
+            unmasked = engine.layer(0, late, torch.tensor([10]), before)
     torch.testing.assert_close(out[0, 0], want[0, 10], atol=TOL, rtol=0)
-    assert natural is not None
+    assert not torch.allclose(unmasked[0, 0], want[0, 10], atol=1e-3)  # so the mask, not the slots, decided
 
 
 @pytest.mark.parametrize("spec", ["lazyllm+snapkv", "finch+h2o", "blocksparse+streamingllm", "snapkv+blocksparse"])
@@ -157,7 +160,8 @@ def test_compressing_after_a_method_that_owns_the_prefill_is_refused(spec):
 
 def test_chains_that_work_are_accepted():
     for spec in ("gemfilter:k=64+snapkv:budget=32", "gemfilter:k=64+blocksparse", "gemfilter:k=64+lazyllm", "snapkv+h2o"):
-        Pipeline.parse(spec)
+        stages = Pipeline.parse(spec).stages
+        assert [s.name for s in stages] == [part.split(":")[0] for part in spec.split("+")], spec
 
 
 @pytest.mark.parametrize("second", ["lazyllm", "blocksparse:block_size=4,initial=4,local_window=8,topk=2"])

@@ -67,12 +67,18 @@ def test_memory_layouts_change_no_number(tiny_lm, spec, low_memory, monkeypatch)
     engine = Engine(lm)
     prompt = prompt_for(lm)
 
-    def answer(**kw):
-        pipeline = Pipeline.parse(spec)
-        pipeline.configure(lm)
-        return run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set(), **kw)
+    def answer(maps: bool, **kw):
+        calls: list[int] = []
+        real = measure._set_mmap_threshold
+        with monkeypatch.context() as m:  # maps=False: glibc's threshold is never changed, nothing is mapped
+            m.setattr(measure, "_set_mmap_threshold", (lambda n: calls.append(n) or real(n)) if maps else (lambda n: False))
+            pipeline = Pipeline.parse(spec)
+            pipeline.configure(lm)
+            result = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set(), **kw)
+        assert (measure._MAPPED_MIN in calls) == maps  # the layout under test did map allocations
+        return result
 
-    base, other = answer(), answer(low_memory=low_memory)
+    base, other = answer(False, low_memory=low_memory), answer(True, low_memory=low_memory)
     assert other.answer_ids == base.answer_ids
     for a, b in zip(base.cache.keys, other.cache.keys):
         assert torch.equal(a, b)

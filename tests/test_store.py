@@ -239,6 +239,9 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     doc_b.write_text(DOC.replace("ships", "boats"))
     cache = tmp_path / "cache"
     model = str(tiny_dir("llama", num_hidden_layers=4))
+    # every entry says it took 1000 s to compute: a hit then saves 1000 s less its load time
+    real_save = KVStore._save
+    monkeypatch.setattr(KVStore, "_save", lambda self, key, c, meta, compute_s: real_save(self, key, c, meta, 1000.0))
     for doc in (doc_a, doc_b):
         code, out, err = _cli(["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch)
         assert code == 0, err
@@ -246,7 +249,7 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
         assert record["cache"] == "miss" and record["cache_entry_bytes"] > 0
     code, out, err = _cli(["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch)
     record = json.loads(out)
-    assert record["cache"] == "hit" and record["cache_saved_s"] >= 0 and err == ""
+    assert record["cache"] == "hit" and 900 < record["cache_saved_s"] < 1000 and err == ""
     code, out, _ = _cli(["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "--no-cache"], capsys, monkeypatch)
     assert json.loads(out)["cache"] == "off"
 

@@ -18,9 +18,9 @@ DOC = "The keeper lit the lamp at dusk and put it out at dawn. " * 20
     [
         ("The light is on.\n", "The light is on."),  # a repeated line
         # an invented next turn: the prompt ends in "\n", which leads to "Question" here, so the
-        # answer starts "Question:The light is on.\nQuestion:..." and is cut at the new line's
-        # turn, before the sentence could repeat
-        ("The light is on.\nQuestion:", "Question:The light is on."),
+        # answer is "Question:No\nQuestion:No\n..." (each line under the 12 characters a repeat
+        # needs: only the turn can cut it)
+        ("No\nQuestion:", "Question:No"),
     ],
 )
 def test_ask_cuts_the_answer_and_no_answer_guard_does_not(cli, tmp_path_factory, tmp_path, loop, cut):
@@ -36,7 +36,7 @@ def test_ask_cuts_the_answer_and_no_answer_guard_does_not(cli, tmp_path_factory,
     unguarded = json.loads(out)["answer"]
     assert guarded == cut
     assert unguarded.startswith(guarded) and len(unguarded) > len(guarded) + len(loop)
-    assert unguarded.count("The light is on.") >= 3  # it really went on: the loop, again and again
+    assert unguarded.count(cut) >= 3  # it really went on: the loop, again and again
     # and the plain answer on stdout is the cut one
     code, out, err = cli(*common[:-2], "--no-cache")
     assert code == 0, err

@@ -484,6 +484,37 @@ def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
     notices.reset()
 
 
+def test_offloaded_block_cache_holds_the_context_in_storage_and_gathers_the_chosen_blocks(tiny_lm):
+    """The --kv-offload cpu layout, built on CPU (storage and compute on the same device here, so
+    the copies can be checked, not the transfer): the Context blocks are storage copies (their
+    own memory, not views of the prefill's KV), Initial + Local stay with the compute device, and
+    a decode step gathers exactly Initial + the selected blocks' tokens + Local, per KV head."""
+    lm = tiny_lm("qwen2")
+    engine = Engine(lm)
+    kv = engine.prefix_kv(prompt_for(lm).ids)
+    n = kv.get_seq_length(0)
+    cache = BlockCache.from_kv(kv, local=8, initial=4, block_size=8, representative="max", topk=2,
+                               head_select="separate", offload=True)
+    assert cache.offload and cache.stats()["kv_offload"] == "cpu" and cache.n_blocks == 25
+    for layer in range(lm.n_layers):
+        k = kv.keys[layer]
+        assert cache.keys[layer].untyped_storage().data_ptr() != k.untyped_storage().data_ptr()  # a copy
+        assert torch.equal(cache.keys[layer], k[:, :, 4:204]) and torch.equal(cache.values[layer], kv.values[layer][:, :, 4:204])
+        assert torch.equal(cache.fkeys[layer], torch.cat([k[:, :, :4], k[:, :, 204:]], dim=2))
+    cache.trace = []
+    cache.step = 0
+    torch.manual_seed(0)
+    for layer in range(lm.n_layers):
+        query = torch.randn(1, lm.n_heads, 1, lm.head_dim)
+        keys, values = cache.gather(layer, query)
+        blocks = cache.trace[-1]["blocks"]  # (n_kv, 2): each KV head's chosen blocks
+        assert blocks.shape == (lm.n_kv_heads, 2)
+        for h in range(lm.n_kv_heads):
+            tokens = list(range(4)) + [4 + 8 * int(b) + i for b in blocks[h] for i in range(8)] + list(range(204, n))
+            assert torch.equal(keys[0, h], kv.keys[layer][0, h, tokens]), (layer, h)
+            assert torch.equal(values[0, h], kv.values[layer][0, h, tokens]), (layer, h)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kv_offload_on_cuda_keeps_the_kv_in_cpu_memory(tiny_dir):
     from kvcli.model import load_model

@@ -80,9 +80,12 @@ def test_knorm_keeps_the_lowest_norms_of_the_grown_cache(tiny_lm):
     n, budget, window = prompt.n_tokens, 50, 2
     method = decoding_for(lm, f"decoding:base=knorm:window={window},budget={budget},interval=3")
     cache, _, tokens = steps(engine, method, prompt, 2)  # not yet compressed
-    before = [k.clone() for k in cache.keys]
     assert cache.kept is None and cache.seq_len(0) == n + 2
     method.decode_step(engine, 7, n + 2, cache)  # third step: appends, then compresses
+    # the keys of prompt + the 3 fed tokens, from HF's own forward (one copy of each KV head)
+    group = lm.n_heads // lm.n_kv_heads
+    ids = torch.cat([prompt.ids, torch.tensor(tokens + [7])])
+    before = [k[:, ::group] for _, k, _ in reference_qk(lm, ids)]
     for l in range(lm.n_layers):
         assert cache.seq_len(l) == budget
         for h in range(lm.n_kv_heads):

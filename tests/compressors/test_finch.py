@@ -81,7 +81,7 @@ def test_one_step_keeps_the_papers_top_positions(tiny_lm, family):
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls did the keeper count on line 7?")
     keep = 40
-    f = finch(lm, f"finch:target={keep},chunk=4000")  # one chunk: one selection over the whole context
+    f = finch(lm, f"finch:target={keep},chunk=4000,kernel=1")  # one chunk, no pool: the paper's scores alone
     cache, _, next_position = f.prefill(engine, prompt.ids, protected=prompt.n_after_document)
     ref = reference_scores(lm, prompt.ids, prompt.n_after_document)
     for layer, kept in enumerate(cache.kept_positions):
