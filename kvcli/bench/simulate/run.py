@@ -50,7 +50,7 @@ class SimEngine(Engine):
         # bound by name, so a change of Engine.decode's signature elsewhere keeps this working
         bound = inspect.signature(Engine.decode).bind(self, *args, **kwargs)
         call = {k: v for k, v in bound.arguments.items() if k != "self"}
-        cache, inner = call.get("cache"), call.get("step") or self.step
+        cache, inner = call.get("cache"), call.get("step")
         tracker = self.tracker
         self.at_decode = {
             "kv_bytes": int(cache.nbytes()) if hasattr(cache, "nbytes") else None,
@@ -59,15 +59,26 @@ class SimEngine(Engine):
         tracker.phase = "decode:first-token"
         count = 0
 
-        def counted(*step_args, **step_kwargs):
-            nonlocal count
-            tracker.phase = f"decode:{count}"
-            count += 1
-            return inner(*step_args, **step_kwargs)
+        def counted(run):
+            def step(*step_args, **step_kwargs):
+                nonlocal count
+                tracker.phase = f"decode:{count}"
+                count += 1
+                return run(*step_args, **step_kwargs)
 
-        if "step" in inspect.signature(Engine.decode).parameters:
-            call["step"] = counted
-        return super().decode(**call)
+            return step
+
+        # a method's own step is wrapped where it is passed; the engine's own step (which takes the
+        # last token as a device tensor, no host copy) is wrapped where the engine calls it, so the
+        # engine still sees no ``step`` and takes its own path
+        if inner is not None:
+            call["step"] = counted(inner)
+        else:
+            self.step = counted(Engine.step.__get__(self))
+        try:
+            return super().decode(**call)
+        finally:
+            self.__dict__.pop("step", None)
 
 
 @functools.lru_cache(maxsize=2)
