@@ -241,7 +241,7 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     model = str(tiny_dir("llama", num_hidden_layers=4))
     # every entry says it took 1000 s to compute: a hit then saves 1000 s less its load time
     real_save = KVStore._save
-    monkeypatch.setattr(KVStore, "_save", lambda self, key, c, meta, compute_s: real_save(self, key, c, meta, 1000.0))
+    monkeypatch.setattr(KVStore, "_save", lambda self, key, c, meta, compute_s, *rest, **kw: real_save(self, key, c, meta, 1000.0, *rest, **kw))
     for doc in (doc_a, doc_b):
         code, out, err = _cli(["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch)
         assert code == 0, err
