@@ -255,6 +255,74 @@ def test_an_interrupted_ray_batch_kills_its_busy_workers_and_leaves_no_partial_c
     assert all(e.error is None for e in KVStore(kv).entries())
 
 
+def _slow_entry_writes():
+    """Ray worker setup hook (one test's instance only): an entry's bytes go to its temporary file,
+    then the writer says so in the marker file and waits before the rename — a write in flight."""
+    import os
+    import time as _time
+
+    from kvcli import files
+
+    real = files.write_safetensors
+
+    def slow(filename, *args, **kwargs):
+        real(filename, *args, **kwargs)
+        with open(os.environ["KVCLI_TEST_WRITE_MARKER"], "a", encoding="utf-8") as f:
+            f.write(f"{filename}\n")
+        _time.sleep(120)
+
+    files.write_safetensors = slow
+
+
+@pytest.mark.ray
+@needs_ray
+def test_ctrl_c_while_a_worker_writes_an_entry_leaves_no_torn_entry(ray_cluster, model, folder, tmp_path):
+    """The Ctrl-C above comes at a dispatch, with no write proven in flight. Here a worker has
+    written an entry's bytes to its temporary file and not yet renamed it when Ctrl-C comes: the
+    worker is killed mid-write, the temporary file is all it leaves (no entry, torn or whole), and
+    the next run's store reclaims it."""
+    from kvcli.store import KVStore
+
+    marker = tmp_path / "writing"
+    ray_cluster.shutdown()  # this test's workers write slowly: an instance of its own
+    ray_cluster.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                     runtime_env={"env_vars": {"KVCLI_TEST_WRITE_MARKER": str(marker), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},  # the hook's module
+                                  "worker_process_setup_hook": _slow_entry_writes})  # fmt: skip
+    try:
+        cache = tmp_path / "cache"
+        executor = RayExecutor(_options(model, cache), "local", 2)
+        dispatched: list[str] = []
+
+        def on_dispatch(index: int, worker_id: str) -> None:
+            dispatched.append(worker_id)
+            if len(dispatched) == 2:  # both workers busy: Ctrl-C once one of them is writing its entry
+                deadline = time.monotonic() + 100
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise KeyboardInterrupt
+
+        executor.on_dispatch = on_dispatch
+        with executor:
+            with pytest.raises(KeyboardInterrupt):
+                list(run_batch(executor, expand_inputs([str(folder)]), QUESTIONS, parse_pipeline("full")))
+        in_flight = [Path(line) for line in marker.read_text(encoding="utf-8").split()]
+        assert in_flight and all(p.exists() for p in in_flight)  # killed between the bytes and the rename
+        kv = cache / "kv"
+        assert not list(kv.glob("*.safetensors"))  # no entry was completed, so none can be torn
+        # the next run: once a killed writer's process is gone (Ray stops it asynchronously) its
+        # lock is free and its temporary file goes; a live writer's file is never touched
+        reclaimed, deadline = 0, time.monotonic() + 60
+        while any(p.exists() for p in in_flight) and time.monotonic() < deadline:
+            store = KVStore.open(cache)
+            reclaimed += store.reclaimed.temp_files
+            time.sleep(0.5)
+        assert reclaimed == len(in_flight) and not list(kv.glob(".*.tmp"))
+        assert store.entries() == []
+    finally:
+        ray_cluster.shutdown()
+        ray_cluster.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+
+
 # --- scheduling ---------------------------------------------------------------------------------
 
 
