@@ -236,16 +236,12 @@ class Leftovers:
 _HOST = torch.device("cpu")
 
 
-def _accelerator(device) -> bool:
-    return accelerator.on_accelerator(device)
-
-
 def _on(cache, device):
     """The memo (the last entry read or written, kept for the next question) lives on the host: on
     an accelerator the question's copy of the prefix would otherwise hold its KV a second time
     there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
     the memo itself, as before."""
-    if not _accelerator(device):
+    if not accelerator.on_accelerator(device):
         return cache
     return type(cache).from_tensors(*cache.to_tensors(), device=device)
 
@@ -357,7 +353,7 @@ class KVStore:
         except OSError:
             return None
         try:
-            cache, meta = self._read(path, key, _HOST if _accelerator(device) else device)
+            cache, meta = self._read(path, key, _HOST if accelerator.on_accelerator(device) else device)
         except DamagedEntry as e:
             notices.warn(f"cache entry {path.name} is damaged ({e}); recomputing it")
             with contextlib.suppress(OSError):
@@ -439,7 +435,7 @@ class KVStore:
             self._disable(e)
             return None
         # the memo stays on the host (see _on): the tensors just written are host copies already
-        memo = type(cache).from_tensors(tensors, facts, device=_HOST) if _accelerator(device) else cache
+        memo = type(cache).from_tensors(tensors, facts, device=_HOST) if accelerator.on_accelerator(device) else cache
         self._memo = (key.digest, (memo, full_meta, size))
         self._enforce_cap(path)
         return size
