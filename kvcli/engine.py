@@ -13,6 +13,7 @@ Shapes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Iterable
 
@@ -195,13 +196,42 @@ class Engine:
 
         Only the KV is wanted, so the pass stops inside the last of those layers as soon as its
         keys and values are cached (its attention output and MLP are never computed).
+
+        With a :attr:`prefill_chunk` shorter than ``ids`` (off the CPU by default) the prompt runs
+        ``chunk`` tokens at a time through every layer, each chunk's queries attending to the
+        chunks before it (lower-right causal): no one observes those queries, so nothing needs
+        them all at once, and every activation — attention's too — is bounded by the chunk; the
+        KV goes into buffers reserved at the prompt's length plus :meth:`reserving`'s room. The
+        same arithmetic as :meth:`prefill_by_layer` (bit for bit); within rounding of one pass.
         """
         n_layers = self.n_layers if n_layers is None else n_layers
         if not 1 <= n_layers <= self.n_layers:
             raise ValueError(f"n_layers must be in 1..{self.n_layers}, got {n_layers}")
         cache = KVCache()
-        self.forward(ids, torch.arange(ids.numel()), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
+        n, chunk = ids.numel(), self.prefill_chunk
+        if chunk is None or n <= chunk:
+            self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
+            return cache
+        cache.reserve(n + self.kv_room)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
+        cache.reserve(None)  # later layers (none here) and copies: as usual
         return cache
+
+    # entries a prefix's KV buffers leave for what follows it (the question and the answer):
+    # set for the duration of a run by :meth:`reserving`
+    kv_room: int = 0
+
+    @contextlib.contextmanager
+    def reserving(self, room: int):
+        """Within the block, a chunked :meth:`prefix_kv` reserves ``room`` more entries per layer
+        (the rest of the prompt and the answer: they append in place)."""
+        before, self.kv_room = self.kv_room, max(0, int(room))
+        try:
+            yield
+        finally:
+            self.kv_room = before
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

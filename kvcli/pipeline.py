@@ -358,6 +358,8 @@ def run(
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
+        # a chunked prefix pass reserves the KV for the question and the answer behind it
+        reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
         prefix = make_prefix(engine, prompt, pipeline.reader(), store, meta or {})
         selection = Selection(torch.arange(prompt.n_tokens))

@@ -82,3 +82,58 @@ def test_default_chunk_is_off_on_the_cpu(monkeypatch):
     assert engine_mod.default_prefill_chunk(torch.device("cpu")) == 512
     monkeypatch.setenv(engine_mod.ENV_PREFILL_CHUNK, "0")
     assert engine_mod.default_prefill_chunk(torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefix_pass_is_the_chunk_by_chunk_arithmetic(chunked, family):
+    """A prefix pass longer than the chunk runs chunk by chunk through every layer (attention too):
+    bit for bit the layer-by-layer chunked prefill, within rounding of one pass, and its KV in
+    buffers reserved for the prompt plus the room asked for."""
+    ids = random_ids(45, seed=7)
+    whole = chunked(family, None).prefix_kv(ids)
+    engine = chunked(family, 8)
+    rows = []
+    hook = engine.layers[1].self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: rows.append(kwargs["hidden_states"].shape[-2] if "hidden_states" in kwargs else args[0].shape[-2]),
+        with_kwargs=True)
+    try:
+        with engine.reserving(5):
+            cache = engine.prefix_kv(ids)
+    finally:
+        hook.remove()
+    assert rows == [8, 8, 8, 8, 8, 5]  # attention sees one chunk of queries at a time
+    engine.prefill_chunk = None
+    first = engine.prefix_kv(ids[:8])
+    ref, _ = engine.prefill_by_layer(ids[8:], torch.arange(8, 45), first, 8)
+    assert cache.positions.tolist() == list(range(45))
+    # the layer-by-layer pass computes the last layer's attention output too; its KV is the same
+    for l in range(engine.n_layers):
+        assert torch.equal(cache.keys[l], ref.keys[l]) and torch.equal(cache.values[l], ref.values[l])
+        assert torch.allclose(cache.keys[l], whole.keys[l], atol=1e-5, rtol=0)
+        assert torch.allclose(cache.values[l], whole.values[l], atol=1e-5, rtol=0)
+        assert cache.keys[l].untyped_storage().nbytes() == cache.keys[l].element_size() * cache.keys[l][0, :, :1].numel() * 50
+
+
+def test_question_and_answer_append_in_the_reserved_buffers(chunked):
+    """The default path (full attention on a prefix): the question and the answer land in the
+    buffers the chunked prefix pass reserved — no layer is copied to a larger buffer."""
+    engine = chunked("llama", 16)
+    prompt = prompt_for(engine.lm)
+    assert prompt.prefix_len > 16
+    made = []
+    real = engine.prefix_kv
+
+    def spy(ids, n_layers=None):
+        cache = real(ids, n_layers)
+        made.append([(k.data_ptr(), k.untyped_storage().nbytes()) for k in cache.keys])
+        return cache
+
+    engine.prefix_kv = spy
+    got = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    engine.prefix_kv = real
+    assert len(made) == 1
+    assert [(k.data_ptr(), k.untyped_storage().nbytes()) for k in got.cache.keys] == made[0]
+    assert got.cache.keys[0].shape[-2] == prompt.n_tokens + 4  # 5 tokens generated, 4 of them fed back
+    engine.prefill_chunk = None
+    ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
+    assert got.answer_ids == ref.answer_ids

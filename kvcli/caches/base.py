@@ -121,12 +121,23 @@ class LayerKV(CacheBase):
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # slots a new layer's buffer is made with (:meth:`reserve`); None: the first append's own size
+    capacity: int | None = None
+
+    def reserve(self, capacity: int | None) -> None:
+        """Give each layer begun from now on a buffer of ``capacity`` entries (None: as many as its
+        first append brings), so a prompt appended chunk by chunk, then the question and the answer,
+        all land in place: no layer is copied to a larger buffer (a copy holds the layer twice, and
+        leaves 1/32 of room behind) while the KV grows to that length."""
+        self.capacity = capacity
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx`` (a
         new layer only right after the last). Returns that layer's whole key and value tensors."""
         # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.measure.reading_prompt)
-        if layer_idx == len(self.keys):
+        if layer_idx == len(self.keys) and self.capacity is not None and self.capacity > key.shape[-2]:
+            self._begin_reserved(key, value)
+        elif layer_idx == len(self.keys):
             with long_lived(key.device, _nbytes(key)) as mapped:
                 self.keys.append(key.clone() if mapped or _shares_more(key) else key)
                 self.values.append(value.clone() if mapped or _shares_more(value) else value)
@@ -135,6 +146,19 @@ class LayerKV(CacheBase):
         else:
             raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def _begin_reserved(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A new layer in a buffer of :attr:`capacity` entries, holding ``key``/``value`` first."""
+        new = key.shape[-2]
+        full = (*key.shape[:-2], self.capacity, key.shape[-1])
+        with long_lived(key.device, _nbytes(key) // max(new, 1) * self.capacity):
+            kbuf, vbuf = key.new_empty(full), value.new_empty(full)
+        kbuf[..., :new, :].copy_(key)
+        vbuf[..., :new, :].copy_(value)
+        kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]
+        self.keys.append(kbuf)
+        self.values.append(vbuf)
+        self.__dict__.setdefault("_written", {})[len(self.keys) - 1] = (new, kbuf.data_ptr(), vbuf.data_ptr())
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append in place into the layer's buffer; a new buffer (with room) when this cache did not
