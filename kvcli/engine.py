@@ -191,11 +191,15 @@ class Engine:
             self._positions = table
         return table[start:stop]
 
-    def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None) -> KVCache:
+    def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None,
+                  observers: dict[int, list[Observer]] | None = None) -> KVCache:
         """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
 
         Only the KV is wanted, so the pass stops inside the last of those layers as soon as its
         keys and values are cached (its attention output and MLP are never computed).
+        ``observers`` (per layer) see the pass's queries and keys: all at once, or chunk by chunk
+        (below) — a chunk's query rows are the last ``q_len`` of the ``kv_len`` keys, at
+        positions ``kv_len - q_len .. kv_len - 1``.
 
         With a :attr:`prefill_chunk` shorter than ``ids`` (off the CPU by default) the prompt runs
         ``chunk`` tokens at a time through every layer, each chunk's queries attending to the
@@ -208,14 +212,16 @@ class Engine:
         if not 1 <= n_layers <= self.n_layers:
             raise ValueError(f"n_layers must be in 1..{self.n_layers}, got {n_layers}")
         cache = KVCache()
+        observers = {layer: list(fns) for layer, fns in (observers or {}).items()}
+        observers.setdefault(n_layers - 1, []).append(_stop)
         n, chunk = ids.numel(), self.prefill_chunk
         if chunk is None or n <= chunk:
-            self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
+            self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers=observers)
             return cache
         cache.reserve(n + self.kv_room)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers={n_layers - 1: [_stop]})
+            self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers)
         cache.reserve(None)  # later layers (none here) and copies: as usual
         return cache
 

@@ -149,6 +149,7 @@ class RazorCache(CacheBase):
             if k.shape[2] != n:
                 raise ValueError("every layer of the cache must hold the same tokens")
             p_idx, c_idx = cache.kv_heads(layer, k.device)
+            cache.query_heads(layer, n_heads, k.device)  # uploaded now: decoding makes no host -> device copy
             cache.pk.append(k.index_select(1, p_idx))
             cache.pv.append(v.index_select(1, p_idx))
             ck, cv = k.index_select(1, c_idx), v.index_select(1, c_idx)
@@ -341,4 +342,7 @@ class RazorCache(CacheBase):
                     raise ValueError(f"{name}.{i} differs in head_dim or dtype")
                 ref = (t.shape[3], t.dtype)
                 getattr(cache, name).append(t.to(device))
+            # the head tables go to the device with the tensors: decoding makes no host -> device copy
+            cache.kv_heads(i, cache.pk[i].device)
+            cache.query_heads(i, n_heads, cache.pk[i].device)
         return cache

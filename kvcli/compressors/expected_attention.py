@@ -43,7 +43,6 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import StopForward
 from ..caches import KVCache
 from ..errors import UsageError
 from ..kernels import by_keys
@@ -59,6 +58,20 @@ def query_statistics(query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     mu = q.mean(dim=1)
     centred = q - mu[:, None]
     return mu, centred.transpose(1, 2) @ centred / q.shape[1]
+
+
+def merge_statistics(a: tuple | None, b: tuple) -> tuple:
+    """(count, mean, covariance) of two sets of rows from each set's own (Chan et al.'s pairwise
+    update): the statistics of a prefix read chunk by chunk, each chunk's computed as one pass's."""
+    if a is None:
+        return b
+    na, mu_a, cov_a = a
+    nb, mu_b, cov_b = b
+    n = na + nb
+    delta = mu_b - mu_a
+    mu = mu_a + delta * (nb / n)
+    cov = (cov_a * na + cov_b * nb + delta[:, :, None] * delta[:, None, :] * (na * nb / n)) / n
+    return n, mu, cov
 
 
 def mean_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -142,15 +155,19 @@ class ExpectedAttention(PrefixEviction):
         stats: dict[int, tuple] = {}
 
         def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-            stats[layer] = query_statistics(query, cos, sin, first)
-            if layer == lm.n_layers - 1:
-                raise StopForward  # the last layer's KV is cached; its output is not needed
+            # the pass's query rows are positions start..kv_len-1 (the whole prefix, or a chunk of it)
+            q_len, kv_len = query.shape[-2], key.shape[-2]
+            start = kv_len - q_len
+            skip = max(0, first - start)
+            if skip < q_len:
+                mu, cov = query_statistics(query, cos[start:kv_len], sin[start:kv_len], skip)
+                stats[layer] = merge_statistics(stats.get(layer), (q_len - skip, mu, cov))
 
         observers = {layer: [lambda q, k, layer=layer: observe(layer, q, k)] for layer in range(lm.n_layers)}
-        kv = KVCache()
-        engine.forward(prefix_ids, torch.arange(n), kv, observers=observers)
+        # chunk by chunk off the CPU (Engine.prefill_chunk): the statistics merge across chunks
+        kv = engine.prefix_kv(prefix_ids, observers=observers)
         scores = []
         for layer in range(lm.n_layers):
-            mu, cov = stats.pop(layer)
+            _, mu, cov = stats.pop(layer)
             scores.append(expected_scores(mu, cov if self.covariance else None, rot, kv.keys[layer], kv.values[layer], sinks, self.vnorm, self.epsilon))
         return kv, scores

@@ -61,9 +61,10 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
 # --- the paper's scores, naively --------------------------------------------------------------------
 
 
-def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, epsilon=0.0):
+def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, epsilon=0.0, queries=None):
     """Per layer (n_kv, n) scores, from the HF model: pre-RoPE queries from q_proj, keys after RoPE,
-    mean/covariance by definition, one explicit rotation matrix per future position, loops."""
+    mean/covariance by definition (of the query rows after the sinks, or the last ``queries``),
+    one explicit rotation matrix per future position, loops."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model, n, d = lm.model, ids.numel(), lm.head_dim
@@ -89,7 +90,7 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
             scores = torch.zeros(lm.n_kv_heads, n, dtype=torch.float64)
             for head in range(lm.n_heads):
                 g = head // group
-                rows = q[head, sinks:]
+                rows = q[head, sinks if queries is None else max(sinks, n - queries):]
                 mu = rows.mean(dim=0)
                 cov = (rows - mu).T @ (rows - mu) / rows.shape[0]
                 mu_f, cov_f = R @ mu, R @ cov @ R.T
@@ -105,10 +106,13 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
     return out
 
 
-@pytest.mark.parametrize("family, knobs", [("llama", ""), ("qwen2", ""), ("qwen2", ",covariance=false,vnorm=false"), ("llama", ",epsilon=0.01")])
-def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
+@pytest.mark.parametrize("family, knobs, chunk", [("llama", "", None), ("qwen2", "", None), ("qwen2", ",covariance=false,vnorm=false", None),
+                                                  ("llama", ",epsilon=0.01", None), ("llama", "", 8), ("qwen2", ",queries=20", 7)])
+def test_selection_is_the_expected_attention(tiny_lm, family, knobs, chunk):
+    """``chunk``: the prefix read chunk by chunk (as off the CPU), the query statistics merged across chunks."""
     lm = tiny_lm(family)
     engine = Engine(lm)
+    engine.prefill_chunk = chunk
     prompt = prompt_for(lm)
     ids = prompt.ids[: prompt.prefix_len]
     n, budget, sinks, future = ids.numel(), 40, 3, 32
@@ -116,7 +120,8 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
     cache = method.build_prefix(engine, ids)
     assert isinstance(cache, RaggedCache) and all(int(l.min()) == int(l.max()) == budget for l in cache.lengths)
     epsilon = 0.01 if "epsilon" in knobs else 0.0
-    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs, epsilon=epsilon)
+    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs,
+                                 epsilon=epsilon, queries=20 if "queries=20" in knobs else None)
     # the method's own scores equal the naive ones (float32 vs float64)
     _, got_scores = method.prefix_scores(engine, ids)
     for g, w in zip(got_scores, want):
@@ -128,6 +133,7 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs):
             chosen = torch.zeros(n, dtype=torch.bool)
             chosen[kept] = True
             assert scores[h][chosen].min() >= scores[h][~chosen].max() * (1 - 1e-4)
+    engine.prefill_chunk = None
 
 
 def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
@@ -230,3 +236,27 @@ def test_chaining_an_eviction_after_it_is_refused(tiny_lm):
         run(engine, prompt_for(lm), Pipeline.parse("expectedattention:budget=40+snapkv:budget=30,window=8"), max_new_tokens=2, stop_ids=set())
     with pytest.raises(UsageError, match="selects tokens before expectedattention"):
         Pipeline.parse("gemfilter+expectedattention")
+
+
+def test_statistics_merged_across_chunks_are_those_of_all_rows():
+    """The query mean and covariance of a prefix read in chunks (each chunk's own statistics,
+    merged pairwise) are those of all its rows at once."""
+    from kvcli.compressors.expected_attention import merge_statistics, query_statistics
+    from kvcli.rope import rope_cos_sin
+
+    g = torch.Generator().manual_seed(3)
+    n, heads, d, first = 50, 3, 8, 4
+    query = torch.randn(1, heads, n, d, generator=g) * 2 + torch.randn(1, heads, 1, d, generator=g) * 3
+    angles = torch.arange(n, dtype=torch.float32)[:, None] * torch.rand(1, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    mu, cov = query_statistics(query, cos, sin, first)
+    merged = None
+    for s, e in [(0, 3), (3, 11), (11, 12), (12, 40), (40, 50)]:
+        skip = max(0, first - s)
+        if skip < e - s:
+            m, c = query_statistics(query[:, :, s:e], cos[s:e], sin[s:e], skip)
+            merged = merge_statistics(merged, (e - s - skip, m, c))
+    count, m, c = merged
+    assert count == n - first
+    torch.testing.assert_close(m, mu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c, cov, rtol=1e-4, atol=1e-4)
