@@ -102,9 +102,11 @@ def open_model(config: str, weights: str, kv_offload: str = "none", cache_dir: P
     return open_loaded(_model(config, weights), config, weights, CONFIGS[config][0], kv_offload, cache_dir)
 
 
-def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "none", cache_dir: Path | None = None) -> SimModel:
-    """A session on ``model`` (any device: meta for the simulation, the CPU for the fidelity test),
-    with the simulator's tokenizer and no disk store."""
+def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "none", cache_dir: Path | None = None,
+                engine_cls: type = SimEngine) -> SimModel:
+    """A session on ``model`` (any device: meta for the simulation, the CPU for the fidelity test,
+    a GPU for ``benchmarks/gpu_measure.py`` with ``engine_cls=Engine``: no tracker), with the
+    simulator's tokenizer and no disk store."""
     from ...api import AskOptions, Session
     from ...model import LoadedModel
     from ...prompt import load_template
@@ -124,7 +126,7 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
         attn="sdpa",
         source=f"simulated {config}",
     )
-    engine = SimEngine(lm)
+    engine = engine_cls(lm)
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="kvcli-sim-"))
     options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir)
     session = Session(lm=lm, engine=engine, options=options, template=load_template(options.template), store=None)
