@@ -179,10 +179,11 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             cache = compute()
             return cache, Fetched("off", time.perf_counter() - t0)
         key = make_key(lm, ids, state)
-        return store.fetch(key, compute, meta, device=engine.device)
+        return store.fetch(key, compute, meta, device=device)
 
+    device = reader.prefix_device(engine)  # the host for an offloaded KV
     full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
-    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=accelerator.on_accelerator(engine.device))
+    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=accelerator.on_accelerator(device))
 
 
 @dataclass

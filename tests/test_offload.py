@@ -64,11 +64,43 @@ def test_offloaded_blocksparse_moves_each_layer_once_and_stages_its_gathers(tiny
     offloaded = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set())
     assert offloaded.answer_ids == plain.answer_ids
     assert offloaded.extra["method_stats"]["kv_offload"] == "cpu"
-    chunks = events.index(("offload", 0))
-    assert chunks > 1  # the question's tokens (on top of the prefix) in chunks of 8
-    # every chunk of layer 0, then layer 0 goes to host memory once; then layer 1 ...
-    assert events == [e for l in range(lm.n_layers) for e in [("update", l)] * chunks + [("offload", l)]]
+    # two passes, each layer by layer: the prefix (the document, read offloaded too: its KV is
+    # never whole on the accelerator), then the question on top of it; in each, every chunk of
+    # layer 0, then layer 0 goes to host memory once; then layer 1 ...
+    first = events.index(("offload", 0))
+    second = (first + 1) * lm.n_layers
+    rest = events.index(("offload", 0), second) - second
+    assert first == -(-prompt.prefix_len // 8) and rest > 1  # chunks of 8
+    per_pass = lambda chunks: [e for l in range(lm.n_layers) for e in [("update", l)] * chunks + [("offload", l)]]
+    assert events == per_pass(first) + per_pass(rest)
     per_layer = {}
     for i, ptr in enumerate(stages):
         per_layer.setdefault(i % lm.n_layers, set()).add(ptr)
     assert len(stages) == 5 * lm.n_layers and all(len(p) == 1 for p in per_layer.values())  # one buffer a layer, reused
+
+
+def test_offloaded_prefix_comes_from_the_store_to_the_host_and_leaves_its_memo_intact(tiny_lm, tmp_path, monkeypatch):
+    """--kv-offload cpu with the disk store: the stored prefix is handed to the method in host
+    memory (not uploaded whole to the accelerator), as a copy, so the question's run (which cuts it
+    back and extends it) leaves the store's memo as it was: every later question answers the same."""
+    from kvcli.store import KVStore
+
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = prompt_for(lm)
+    monkeypatch.setattr(BlockSparse, "offloaded", lambda self, engine: True)  # as on a CUDA model
+
+    def pipeline():
+        p = Pipeline.parse(f"blocksparse:{SMALL}")
+        p.stages[0].runtime = Runtime(kv_offload="cpu")
+        return p
+
+    assert pipeline().stages[0].prefix_device(engine).type == "cpu"
+    store = KVStore(tmp_path / "kv")
+    cold = run(engine, prompt, pipeline(), max_new_tokens=6, stop_ids=set(), store=store)
+    memo = store._memo[1][0]
+    held = [(k.data_ptr(), k.shape) for k in memo.keys]
+    warm = [run(engine, prompt, pipeline(), max_new_tokens=6, stop_ids=set(), store=store) for _ in range(2)]
+    assert cold.extra["cache"]["status"] == "miss" and [w.extra["cache"]["status"] for w in warm] == ["hit", "hit"]
+    assert [w.answer_ids for w in warm] == [cold.answer_ids] * 2
+    assert store._memo[1][0] is memo and [(k.data_ptr(), k.shape) for k in memo.keys] == held

@@ -323,7 +323,7 @@ class BlockCache(CacheBase):
                 raise ValueError("every layer of the cache must hold the same tokens")
             device = compute_device if compute_device is not None else k.device
             ck, cv = k[:, :, initial:ctx_end], v[:, :, initial:ctx_end]
-            if storage is not None:
+            if storage is not None and ck.device.type != "cpu":  # views of host memory stay as they are (no copy)
                 ck, cv = _to_storage(ck), _to_storage(cv)
             cache.keys.append(ck.contiguous() if storage is None else ck)
             cache.values.append(cv.contiguous() if storage is None else cv)

@@ -169,6 +169,11 @@ class Compressor:
         """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on."""
         return {"kind": "kv", "layers": lm.n_layers}
 
+    def prefix_device(self, engine) -> torch.device:
+        """Where the prefix state is handed to this method (and loaded from the disk store): the
+        model's device; the host for a method that keeps its KV there (``--kv-offload cpu``)."""
+        return engine.device
+
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
         """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache)."""
         return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"])

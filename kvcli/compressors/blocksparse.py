@@ -94,7 +94,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import notices
+from .. import accelerator, notices
 from ..caches.blocks import (
     HEAD_SELECT,
     REPRESENTATIVES,
@@ -233,16 +233,20 @@ class BlockSparse(Compressor):
         return self.window if self.needs_queries() else 0
 
     def offloaded(self, engine) -> bool:
-        """``--kv-offload cpu`` on a CUDA model; on the CPU a no-op, said once."""
+        """``--kv-offload cpu`` on an accelerator (CUDA, and the simulator's ``meta``); on the CPU
+        a no-op, said once."""
         if self.runtime.kv_offload != "cpu":
             return False
-        if engine.device.type == "cuda":
+        if accelerator.on_accelerator(engine.device):
             return True
         notices.warn(
             f"--kv-offload cpu has no effect: the model runs on the {engine.device.type}, where the whole KV already is",
             key="kv-offload-cpu",
         )
         return False
+
+    def prefix_device(self, engine) -> torch.device:
+        return torch.device("cpu") if self.offloaded(engine) else engine.device
 
     # --- the prefix state: full attention's KV (infllm: plus the representative-score sums) ------------
     def prefix_state(self, lm) -> dict:
@@ -255,9 +259,14 @@ class BlockSparse(Compressor):
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
         """Full attention's KV of ``prefix_ids`` (n,); with infllm representatives its chunked
         prefill also sums the representative scores the prefix's own queries give its tokens."""
-        if self.representative != "infllm":
+        if self.representative != "infllm" and not self.offloaded(engine):
             return super().build_prefix(engine, prefix_ids)
+        # --kv-offload cpu: the prefix too is read layer by layer, each layer offloaded once
+        # (full attention's KV, in host memory: never the whole of it on the accelerator)
         cache, _, n = self.prefill(engine, prefix_ids)
+        if self.representative != "infllm":
+            self._rep_sums = {}
+            return KVCache.copy(cache)
         sums = [self._rep_sums[layer] for layer in range(cache.n_layers)]
         self._rep_sums = {}
         return ScoredKVCache.of(cache, sums, rows_scored=n, local=self.local_window)

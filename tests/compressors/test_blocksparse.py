@@ -486,9 +486,10 @@ def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
 
 def test_offloaded_block_cache_holds_the_context_in_storage_and_gathers_the_chosen_blocks(tiny_lm):
     """The --kv-offload cpu layout, built on CPU (storage and compute on the same device here, so
-    the copies can be checked, not the transfer): the Context blocks are storage copies (their
-    own memory, not views of the prefill's KV), Initial + Local stay with the compute device, and
-    a decode step gathers exactly Initial + the selected blocks' tokens + Local, per KV head."""
+    the copies can be checked, not the transfer): the Context blocks of a KV already in host
+    memory (the offloaded prefill's) are views of it, not copies (a host copy of the whole KV
+    would hold it twice); Initial + Local stay with the compute device, and a decode step
+    gathers exactly Initial + the selected blocks' tokens + Local, per KV head."""
     lm = tiny_lm("qwen2")
     engine = Engine(lm)
     kv = engine.prefix_kv(prompt_for(lm).ids)
@@ -498,7 +499,7 @@ def test_offloaded_block_cache_holds_the_context_in_storage_and_gathers_the_chos
     assert cache.offload and cache.stats()["kv_offload"] == "cpu" and cache.n_blocks == 25
     for layer in range(lm.n_layers):
         k = kv.keys[layer]
-        assert cache.keys[layer].untyped_storage().data_ptr() != k.untyped_storage().data_ptr()  # a copy
+        assert cache.keys[layer].untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # a view, no copy
         assert torch.equal(cache.keys[layer], k[:, :, 4:204]) and torch.equal(cache.values[layer], kv.values[layer][:, :, 4:204])
         assert torch.equal(cache.fkeys[layer], torch.cat([k[:, :, :4], k[:, :, 204:]], dim=2))
     cache.trace = []

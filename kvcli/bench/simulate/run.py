@@ -196,7 +196,10 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     session, engine = sim.session, sim.engine
     lm = session.lm
     device = engine.device.type
-    tracker = Tracker(device, fixed_value=fixed_token, host_limit=HOST_LIMIT, max_ops=MAX_OPS)
+    # --kv-offload cpu: the offloaded KV is host memory the simulation never writes (a copy from
+    # meta leaves its target as it was), so it is address space, not resident: no host limit
+    offload = session.options.kv_offload == "cpu"
+    tracker = Tracker(device, fixed_value=fixed_token, host_limit=None if offload else HOST_LIMIT, max_ops=MAX_OPS)
     engine.tracker = tracker
     engine.at_decode = {}
     weights_bytes = tracker.adopt(sim.weights_list)
