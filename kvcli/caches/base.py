@@ -103,19 +103,51 @@ SPARE_SLOTS = 64  # room a layer's buffer leaves for later appends: at least thi
 SPARE_SHARE = 32  # ... or 1/32 of its entries
 
 
+def _written(owner) -> dict:
+    """(list names, layer) -> (entries, data pointers) of the buffers ``owner`` itself wrote last."""
+    return owner.__dict__.setdefault("_written", {})
+
+
+def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Tensor, ...]) -> None:
+    """Append ``news`` (1, heads, new, d) — one tensor per list of ``owner`` named in ``names`` —
+    to ``layer`` of those lists, in place: each list's entry is a view of the first entries of a
+    buffer with room to spare (1/32 of the entries, at least 64 slots), widened over its storage,
+    so an append copies its own rows, not the layer (``torch.cat`` would copy all of it, every
+    decoding step). A new buffer (with room) when ``owner`` did not write the layer's current
+    entries itself, or a buffer is full: a buffer has one writer, the cache that made it, and it
+    writes only past every entry it ever held, so a view handed out (a copy of the cache shares
+    the views; a layer cut back or replaced) is never overwritten. Nothing but the layer's view
+    holds a buffer, so a layer replaced by an eviction frees it at once."""
+    written = _written(owner)
+    olds = [getattr(owner, name)[layer] for name in names]
+    m, new = olds[0].shape[-2], news[0].shape[-2]
+    mine = written.get((names, layer)) == (m, *(t.data_ptr() for t in olds))
+    if mine and all(_room(t, m + new) for t in olds):
+        bufs = [t.as_strided((*t.shape[:-2], m + new, t.shape[-1]), t.stride()) for t in olds]
+    else:
+        cap = m + new + max(SPARE_SLOTS, (m + new) // SPARE_SHARE)
+        bufs = []
+        for t in olds:
+            with long_lived(news[0].device, _nbytes(t) // max(m, 1) * cap):
+                buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
+            buf[..., :m, :].copy_(t)
+            bufs.append(buf[..., : m + new, :])
+    for buf, rows in zip(bufs, news):
+        buf[..., m:, :].copy_(rows)
+    for name, buf in zip(names, bufs):
+        getattr(owner, name)[layer] = buf
+    written[(names, layer)] = (m + new, *(buf.data_ptr() for buf in bufs))
+
+
 class LayerKV(CacheBase):
     """Per-layer key and value tensors, appended as the layers run — the transformers contract
     shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):
 
         keys[l], values[l]: (1, n_kv_heads, seq_len_l, head_dim)
 
-    Appending to a layer writes in place: ``keys[l]`` is a view of the first entries of a buffer
-    with room to spare (1/32 of the layer, at least 64 slots), so a decoding step copies its own
-    row, not the whole layer (``torch.cat`` would copy all of it, every step, every layer). A
-    buffer has one writer, the cache that made it, and it writes only past every entry it ever
-    held: a copy of the cache (which shares the views), a layer cut back (``truncate``) or
-    replaced (eviction) gets a new buffer on its next append, so a view handed out is never
-    overwritten.
+    Appending to a layer writes in place (:func:`append_rows`): a decoding step copies its own row,
+    not the whole layer; a copy of the cache, a layer cut back (``truncate``) or replaced
+    (eviction) gets a new buffer on its next append, so a view handed out is never overwritten.
     """
 
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values")
@@ -158,31 +190,10 @@ class LayerKV(CacheBase):
         kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]
         self.keys.append(kbuf)
         self.values.append(vbuf)
-        self.__dict__.setdefault("_written", {})[len(self.keys) - 1] = (new, kbuf.data_ptr(), vbuf.data_ptr())
+        _written(self)[(("keys", "values"), len(self.keys) - 1)] = (new, kbuf.data_ptr(), vbuf.data_ptr())
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append in place into the layer's buffer; a new buffer (with room) when this cache did not
-        write the layer's current entries, or the buffer is full. Nothing but the layer's view
-        holds a buffer (the view is widened over its storage), so a layer replaced by an eviction
-        frees it at once."""
-        written = self.__dict__.setdefault("_written", {})  # layer -> (entries, key ptr, value ptr) this cache wrote
-        old_k, old_v = self.keys[layer], self.values[layer]
-        m, new = old_k.shape[-2], key.shape[-2]
-        shape = (*old_k.shape[:-2], m + new, old_k.shape[-1])
-        if written.get(layer) == (m, old_k.data_ptr(), old_v.data_ptr()) and _room(old_k, m + new) and _room(old_v, m + new):
-            kbuf, vbuf = old_k.as_strided(shape, old_k.stride()), old_v.as_strided(shape, old_v.stride())
-        else:
-            cap = m + new + max(SPARE_SLOTS, (m + new) // SPARE_SHARE)
-            full = (*old_k.shape[:-2], cap, old_k.shape[-1])
-            with long_lived(key.device, _nbytes(old_k) // max(m, 1) * cap):
-                kbuf, vbuf = old_k.new_empty(full), old_v.new_empty(full)
-            kbuf[..., :m, :].copy_(old_k)
-            vbuf[..., :m, :].copy_(old_v)
-            kbuf, vbuf = kbuf[..., : m + new, :], vbuf[..., : m + new, :]
-        kbuf[..., m:, :].copy_(key)
-        vbuf[..., m:, :].copy_(value)
-        self.keys[layer], self.values[layer] = kbuf, vbuf
-        written[layer] = (m + new, kbuf.data_ptr(), vbuf.data_ptr())
+        append_rows(self, ("keys", "values"), layer, (key, value))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.keys[layer_idx].shape[-2] if layer_idx < len(self.keys) else 0

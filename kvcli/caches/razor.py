@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .base import CacheBase, LayerView, cache_type
+from .base import CacheBase, LayerView, append_rows, cache_type
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .kv import KVCache
@@ -208,10 +208,9 @@ class RazorCache(CacheBase):
         if not 0 <= layer_idx < len(self.pk):
             raise IndexError(f"layer {layer_idx} is not in this cache ({len(self.pk)} layers)")
         p_idx, c_idx = self.kv_heads(layer_idx, key.device)
-        self.pk[layer_idx] = torch.cat([self.pk[layer_idx], key.index_select(1, p_idx)], dim=-2)
-        self.pv[layer_idx] = torch.cat([self.pv[layer_idx], value.index_select(1, p_idx)], dim=-2)
-        self.ck[layer_idx] = torch.cat([self.ck[layer_idx], key.index_select(1, c_idx)], dim=-2)
-        self.cv[layer_idx] = torch.cat([self.cv[layer_idx], value.index_select(1, c_idx)], dim=-2)
+        # in place, as LayerKV: a decoding step copies its own row, not the layer's groups
+        append_rows(self, ("pk", "pv"), layer_idx, (key.index_select(1, p_idx), value.index_select(1, p_idx)))
+        append_rows(self, ("ck", "cv"), layer_idx, (key.index_select(1, c_idx), value.index_select(1, c_idx)))
         view = RazorLayer(self, layer_idx)
         return view, view
 
@@ -278,7 +277,8 @@ class RazorCache(CacheBase):
         return {"before": before, "after": after, "ratio": before / after if after else float("inf")}
 
     def copy(self) -> "RazorCache":
-        """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
+        """A shallow copy: new lists, same tensors (``update`` appends in place only into buffers
+        the cache itself made: the copy makes its own on its first append)."""
         other = RazorCache(self.protected, self.n_heads, self.n_dropped, self.compensated, self.sinks, self.window)
         other.pk, other.pv, other.ck, other.cv = list(self.pk), list(self.pv), list(self.ck), list(self.cv)
         other.positions = self.positions

@@ -545,3 +545,33 @@ def test_a_selector_before_razor_is_refused():
 
     with pytest.raises(UsageError, match="selects tokens before razor"):
         Pipeline.parse("gemfilter+razor")
+
+
+def test_decoding_appends_in_place_and_never_over_a_copy():
+    """A decoding step appends its row into each group's buffer (no copy of the layer's groups);
+    a copy of the cache gets buffers of its own on its first append, so the original's entries
+    (and the views it handed out) stay as they were."""
+    from kvcli.caches import KVCache
+    from kvcli.caches.razor import RazorCache
+
+    g = torch.Generator().manual_seed(1)
+    kv = KVCache()
+    for layer in range(2):
+        kv.update(torch.randn(1, 2, 30, 4, generator=g), torch.randn(1, 2, 30, 4, generator=g), layer)
+    kv.positions = torch.arange(30)
+    cache = RazorCache.compress(kv, torch.tensor([[True, False], [False, True]]), 4, sinks=2, window=5)
+    rows = [(torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g)) for _ in range(4)]
+    cache.update(*rows[0], 0)
+    ptrs = (cache.pk[0].data_ptr(), cache.ck[0].data_ptr())
+    before = cache.copy()
+    held = [t.clone() for t in (cache.pk[0], cache.pv[0], cache.ck[0], cache.cv[0])]
+    for k, v in rows[1:3]:
+        cache.update(k, v, 0)
+    assert (cache.pk[0].data_ptr(), cache.ck[0].data_ptr()) == ptrs  # in place
+    assert cache.pk[0].shape[-2] == 33 and cache.ck[0].shape[-2] == 2 + 5 + 1 + 3
+    assert torch.equal(cache.pk[0][:, :, 31:], torch.cat([k[:, :1] for k, _ in rows[1:3]], dim=2))
+    assert torch.equal(cache.cv[0][:, :, -2:], torch.cat([v[:, 1:] for _, v in rows[1:3]], dim=2))
+    before.update(*rows[3], 0)  # the copy writes elsewhere
+    assert before.pk[0].data_ptr() != ptrs[0]
+    assert all(torch.equal(a[:, :, : b.shape[2]], b) for a, b in zip((cache.pk[0], cache.pv[0], cache.ck[0], cache.cv[0]), held))
+    assert torch.equal(before.pk[0][:, :, -1:], rows[3][0][:, :1])
