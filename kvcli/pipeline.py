@@ -179,7 +179,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             cache = compute()
             return cache, Fetched("off", time.perf_counter() - t0)
         key = make_key(lm, ids, state)
-        return store.fetch(key, compute, meta, device=device)
+        return store.fetch(key, compute, meta, device=device, room=engine.kv_room)
 
     device = reader.prefix_device(engine)  # the host for an offloaded KV
     full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix

@@ -65,7 +65,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import accelerator, notices
-from .caches import CACHE_TYPES
+from .caches import CACHE_TYPES, KVCache
 from .errors import one_line
 from .capacity import CAP_ENV, SUFFIX, least_recently_used, parse_size  # noqa: F401  (kvcli.store.parse_size)
 from .files import save_safetensors_atomic
@@ -236,13 +236,16 @@ class Leftovers:
 _HOST = torch.device("cpu")
 
 
-def _on(cache, device):
+def _on(cache, device, room: int = 0):
     """The memo (the last entry read or written, kept for the next question) lives on the host: on
     an accelerator the question's copy of the prefix would otherwise hold its KV a second time
     there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
-    the memo itself, as before."""
+    the memo itself, as before. A plain KV is uploaded into buffers with ``room`` more entries
+    per layer (the question and the answer append in place, :meth:`KVCache.upload`)."""
     if not accelerator.on_accelerator(device):
         return cache
+    if type(cache) is KVCache and cache.kept is None:
+        return cache.upload(device, room)
     return type(cache).from_tensors(*cache.to_tensors(), device=device)
 
 
@@ -263,8 +266,9 @@ class KVStore:
         return store
 
     # --- the one call the pipeline makes ------------------------------------------------------
-    def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu") -> tuple[object, Fetched]:
+    def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu", room: int = 0) -> tuple[object, Fetched]:
         """The state under ``key``: loaded when a valid entry exists, else ``compute()`` d and saved.
+        ``room``: entries a plain KV uploaded to an accelerator leaves per layer for what follows it.
 
         ``meta``: facts about the entry for ``cache ls`` (document, method, ...). Never raises
         because of the store itself: a broken or unwritable store only costs the recomputation.
@@ -272,11 +276,11 @@ class KVStore:
         if not self.enabled:
             return self._compute(compute, "off")
         t0 = time.perf_counter()
-        hit = self._try_load(key, device)
+        hit = self._try_load(key, device, room)
         if hit is not None:
             return hit[0], self._hit(hit, t0)
         with self._lock(key.digest):
-            hit = self._try_load(key, device)  # another process may have written it meanwhile
+            hit = self._try_load(key, device, room)  # another process may have written it meanwhile
             if hit is not None:
                 return hit[0], self._hit(hit, t0)
             cache, fetched = self._compute(compute, "miss")
@@ -338,14 +342,14 @@ class KVStore:
                 handle.close()  # releases the flock
 
     # --- load -----------------------------------------------------------------------------------
-    def _try_load(self, key: StoreKey, device):
+    def _try_load(self, key: StoreKey, device, room: int = 0):
         """(cache, meta, size, path) of a valid entry; None when absent or damaged (then removed)."""
         if self._memo is not None and self._memo[0] == key.digest:
             path = self.path_of(key.digest)
             with contextlib.suppress(OSError):
                 cache, meta, size = self._memo[1]
                 if path.stat().st_size == size:  # still there: the memo is that file
-                    return _on(cache, device), meta, size, path
+                    return _on(cache, device, room), meta, size, path
             self._memo = None
         path = self.path_of(key.digest)
         try:
@@ -362,7 +366,7 @@ class KVStore:
         except OSError:
             return None  # vanished (pruned by another process) or unreadable: recompute
         self._memo = (key.digest, (cache, meta, size))
-        return _on(cache, device), meta, size, path
+        return _on(cache, device, room), meta, size, path
 
     def _read(self, path: Path, key: StoreKey, device):
         from safetensors import safe_open

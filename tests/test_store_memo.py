@@ -37,3 +37,24 @@ def test_memo_stays_on_the_host_for_an_accelerator(tiny_lm, tmp_path):
     # on the CPU the memo itself, as before
     cpu, _ = fresh.fetch(key, lambda: None, {}, device="cpu")
     assert cpu is fresh._memo[1][0] and torch.equal(cpu.keys[1], computed.keys[1])
+
+
+def test_an_upload_leaves_room_for_what_follows_the_prefix(tiny_lm, tmp_path):
+    """A plain KV uploaded from the memo to an accelerator sits in buffers with ``room`` more
+    entries: the question and the answer append in place (no layer moved to a larger buffer)."""
+    lm = tiny_lm("llama")
+    key = make_key(lm, torch.arange(5), {"kind": "kv", "layers": 2})
+    computed = _kv()
+    store = KVStore(tmp_path / "kv")
+    store.fetch(key, lambda: computed, {}, device="meta", room=7)
+    got, fetched = store.fetch(key, lambda: None, {}, device="meta", room=7)
+    assert fetched.status == "hit" and got.positions.tolist() == list(range(5))
+    row_bytes = 2 * 4 * 4  # heads x head_dim x float32
+    assert [k.untyped_storage().nbytes() for k in got.keys + got.values] == [12 * row_bytes] * 4
+    for step in range(7):
+        for layer in range(2):
+            got.update(torch.zeros(1, 2, 1, 4, device="meta"), torch.zeros(1, 2, 1, 4, device="meta"), layer)
+    assert [k.shape[-2] for k in got.keys] == [12, 12]
+    assert [k.untyped_storage().nbytes() for k in got.keys + got.values] == [12 * row_bytes] * 4  # in place
+    cpu, _ = store.fetch(key, lambda: None, {}, device="cpu", room=7)  # on the CPU: the memo itself, as before
+    assert cpu is store._memo[1][0]

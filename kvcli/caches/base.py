@@ -179,12 +179,15 @@ class LayerKV(CacheBase):
             raise IndexError(f"layer {layer_idx} updated before layer {len(self.keys)}")
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def _begin_reserved(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """A new layer in a buffer of :attr:`capacity` entries, holding ``key``/``value`` first."""
+    def _begin_reserved(self, key: torch.Tensor, value: torch.Tensor, device=None) -> None:
+        """A new layer in a buffer of :attr:`capacity` entries on ``device`` (default: the key's),
+        holding ``key``/``value`` first."""
         new = key.shape[-2]
+        device = key.device if device is None else torch.device(device)
         full = (*key.shape[:-2], self.capacity, key.shape[-1])
-        with long_lived(key.device, _nbytes(key) // max(new, 1) * self.capacity):
-            kbuf, vbuf = key.new_empty(full), value.new_empty(full)
+        with long_lived(device, _nbytes(key) // max(new, 1) * self.capacity):
+            kbuf = torch.empty(full, dtype=key.dtype, device=device)
+            vbuf = torch.empty(full, dtype=value.dtype, device=device)
         kbuf[..., :new, :].copy_(key)
         vbuf[..., :new, :].copy_(value)
         kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]

@@ -92,6 +92,18 @@ class KVCache(LayerKV):
         if self.positions is not None:
             self.positions = self.positions[:n_tokens]
 
+    def upload(self, device, room: int = 0) -> "KVCache":
+        """A copy on ``device``, each layer in a buffer with ``room`` more entries: what follows the
+        prefix (the question, the answer) appends in place, no layer is moved to a larger buffer
+        (which would hold it twice, and leave 1/32 of room behind)."""
+        out = KVCache()
+        out.positions = self.positions
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            out.reserve(k.shape[-2] + max(1, room))
+            out._begin_reserved(k, v, device)
+        out.reserve(None)
+        return out
+
     def copy(self) -> "KVCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
         other = KVCache()
