@@ -383,6 +383,9 @@ class Engine:
             if i + 1 == max_new_tokens:
                 break
             # the default step takes the token where it already is (on the device); a method's own
-            # step (decode_step) takes the id
-            logits = self.step(chosen, next_position + i, cache) if own else step(token, next_position + i, cache)
+            # step (decode_step) too when it says so (``step.device_token``), else the id
+            if own:
+                logits = self.step(chosen, next_position + i, cache)
+            else:
+                logits = step(chosen if getattr(step, "device_token", False) else token, next_position + i, cache)
         return out if guard is None else out[: guard.finish(out)]

@@ -394,7 +394,10 @@ def run(
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
-        step = None if decoder is None else (lambda token, position, c: decoder.decode_step(engine, token, position, c))
+        step = None
+        if decoder is not None:
+            step = lambda token, position, c: decoder.decode_step(engine, token, position, c)  # noqa: E731
+            step.device_token = decoder.device_token  # the token as the device tensor (no upload)
         answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft

@@ -120,3 +120,46 @@ def test_grouped_ragged_and_block_caches_decode_without_copies(meta_engine, layo
     assert traffic.syncs == 0 and traffic.crossings == []
     if layout is _razor:  # its head tables went to the device when the cache was built
         assert first.syncs == 0 and first.crossings == []
+
+
+@pytest.mark.parametrize("spec, layout", [("blocksparse", _blocks), ("decoding:interval=100,budget=40", None)],
+                         ids=["blocksparse", "decoding"])
+def test_methods_that_own_decoding_take_the_token_where_it_is(meta_engine, spec, layout):
+    """Block-sparse retrieval and DecodingPress run their own decoding step on the token the last
+    argmax left on the device (``device_token``): no upload of the id, no synchronisation."""
+    from kvcli.pipeline import Pipeline
+
+    engine = meta_engine
+    method = Pipeline.parse(spec).stages[0]
+    method.configure(engine.lm)
+    assert method.device_token
+    cache, _ = engine.prefill(random_ids(30, seed=9))
+    if layout is not None:
+        cache = layout(cache)
+    token = torch.zeros(1, dtype=torch.long, device="meta")
+    traffic = Traffic()
+    with traffic:
+        for i in range(3):
+            method.decode_step(engine, token, 30 + i, cache)
+    assert traffic.syncs == 0 and traffic.crossings == []
+
+
+def test_decode_hands_a_methods_step_the_token_as_it_asks(tiny_lm):
+    """A method's own step gets the id, or with ``device_token`` the (1,) tensor the argmax left
+    on the model's device; the tokens are the same either way."""
+    engine = Engine(tiny_lm("llama"))
+    ids = random_ids(20, seed=8)
+    runs = {}
+    for device_token in (False, True):
+        seen = []
+
+        def step(token, position, cache):
+            seen.append(token)
+            return engine.step(token, position, cache)
+
+        step.device_token = device_token
+        cache, logits = engine.prefill(ids)
+        runs[device_token] = (engine.decode(logits, cache, 20, 4, set(), step=step), seen)
+    assert all(isinstance(t, int) for t in runs[False][1])
+    assert all(isinstance(t, torch.Tensor) and t.shape == (1,) for t in runs[True][1])
+    assert runs[True][0] == runs[False][0] and [int(t) for t in runs[True][1]] == runs[False][1]

@@ -149,9 +149,14 @@ class Compressor:
         :meth:`compresses_by_layer`): compress that layer now — the pass no longer reads its KV —
         exactly as :meth:`compress` would; :meth:`compress` then does the rest."""
 
-    def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
+    # decode_step takes the token as the (1,) tensor on the model's device that the last step's
+    # argmax left there (no host -> device copy), not as an id
+    device_token: ClassVar[bool] = False
+
+    def decode_step(self, engine, token: int | torch.Tensor, position: int, cache) -> torch.Tensor:
         """One decoding step: the logits (vocab,) after ``token`` (at ``position``) on ``cache``,
-        the cache this pipeline's prefill (and compressors) produced."""
+        the cache this pipeline's prefill (and compressors) produced. ``token``: an id, or with
+        :attr:`device_token` a (1,) tensor on the model's device."""
         raise NotImplementedError
 
     def prefill_observers(self, lm, n_tokens: int) -> dict:

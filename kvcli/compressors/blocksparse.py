@@ -409,8 +409,10 @@ class BlockSparse(Compressor):
         return torch.sort(torch.topk(block_votes, p, dim=-1).indices, dim=-1).values
 
     # --- decoding ----------------------------------------------------------------------------------
+    device_token: ClassVar[bool] = True  # engine.step takes it where it is
+
     @torch.inference_mode()
-    def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
+    def decode_step(self, engine, token, position: int, cache) -> torch.Tensor:
         """One step: the block cache's layers attend to Initial + selected blocks + Local."""
         if not isinstance(cache, BlockCache):
             raise UsageError(f"blocksparse: decodes on its block cache, not a {type(cache).__name__}")

@@ -113,13 +113,17 @@ class Decoding(Compressor):
         q = query if held is None else torch.cat([held, query], dim=2)
         run["queries"][layer] = q[:, :, -self.buffer :]
 
+    device_token: ClassVar[bool] = True  # the token and its position stay on the device
+
     @torch.inference_mode()
-    def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
+    def decode_step(self, engine, token, position: int, cache) -> torch.Tensor:
         run = self._state(cache)
         observers = {}
         if self._base.uses_attention:
             observers = {layer: [functools.partial(self._record, run, layer)] for layer in range(engine.n_layers)}
-        hidden = engine.forward(torch.tensor([token]), torch.tensor([position]), cache, observers=observers)
+        ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
+        hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache, observers=observers,
+                                recorded=torch.tensor([position]))
         run["steps"] += 1
         if run["steps"] >= self.interval:
             self.compress_now(engine, cache, run)

@@ -65,13 +65,13 @@ def test_targets_read_the_rows():
 
 
 def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):
-    base = ("bench", "memory", "--simulate", "--config", "phi-3.5-mini", "--lengths", "1024", "--steps", "2", "--out", tmp_path, "-q")
-    # block-sparse offloads only to/from CUDA: with --kv-offload cpu the simulated device says so in the row
-    code, out, _ = cli(*base, "--methods", "blocksparse", "--kv-offload", "cpu")
-    assert code == 0 and "blocksparse.py" in out
-    assert cli(*base, "--methods", "full", "--resume")[0] == 0
+    base = ("bench", "memory", "--simulate", "--config", "phi-3.5-mini", "--steps", "2", "--out", tmp_path, "-q")
+    # a prompt over the model's window cannot run: the row says why (and holds no peak)
+    code, out, _ = cli(*base, "--methods", "full", "--lengths", "140000")
+    assert code == 0 and "window" in out
+    assert cli(*base, "--methods", "full", "--lengths", "1024", "--resume")[0] == 0
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
-    by = {r["method"]: r for r in rows}
-    assert sorted(by) == ["blocksparse", "full"] and by["blocksparse"]["error"] and by["blocksparse"]["peak_bytes"] is None and not by["full"]["error"]
+    by = {r["tokens"]: r for r in rows}
+    assert sorted(by) == [1024, 140000] and by[140000]["error"] and by[140000]["peak_bytes"] is None and not by[1024]["error"]
     code, out, _ = cli("bench", "memory", "--plot-only", "--out", tmp_path, "-q")
-    assert code == 0 and "| `blocksparse` |" in out
+    assert code == 0 and "check_window" in out and "| 1k | none | " in out

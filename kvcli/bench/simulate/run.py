@@ -60,6 +60,7 @@ class SimEngine(Engine):
         count = 0
 
         def counted(run):
+            @functools.wraps(run)  # keeps ``device_token``
             def step(*step_args, **step_kwargs):
                 nonlocal count
                 tracker.phase = f"decode:{count}"
