@@ -487,14 +487,16 @@ def memory(
                                        f"syncs/step {row['syncs_per_decode_step']}  h2d/step {row['h2d_copies_per_decode_step']}[/dim]")
             progress.advance(task)
     rows = runner.select_rows(results.rows, config=configs, weights=weight_kinds, method=specs, tokens=grid, kv_offload=[kv_offload.value])
-    paths = _memory_report(rows, out, memory_plot, report)
+    paths = _memory_report(rows, out, memory_plot, report, every_row=results.rows)
     for p in [path, *paths]:
         err.print(f"[dim]wrote {p}[/dim]")
     if failed:
         err.print(f"[yellow]kvcli: {failed} of {len(pending)} cells could not run on the simulated device (their rows say why)[/yellow]")
 
 
-def _memory_report(rows, out: Path, draw, report) -> list[Path]:
+def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
+    """The table and plot of ``rows`` (this grid), and issue 25's targets over ``every_row`` in the
+    file (default: ``rows``), so a run of one grid does not report the others' targets as not run."""
     if not rows:
         raise UsageError(f"no memory results to show in {out / 'memory.json'}")
     from ..files import atomic_write
@@ -504,8 +506,9 @@ def _memory_report(rows, out: Path, draw, report) -> list[Path]:
     md = out / "memory_table.md"
     atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
     paths = [md, draw(rows, out / "memory.png")]
-    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in rows):  # issue 25's targets
-        checks = report.targets_table(report.targets(rows))
+    every_row = rows if every_row is None else every_row
+    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row):  # issue 25's targets
+        checks = report.targets_table(report.targets(every_row))
         paths.append(out / "targets.md")
         atomic_write(paths[-1], lambda tmp: Path(tmp).write_text(checks + "\n", encoding="utf-8"))
     return paths

@@ -75,3 +75,15 @@ def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):
     assert sorted(by) == [1024, 140000] and by[140000]["error"] and by[140000]["peak_bytes"] is None and not by[1024]["error"]
     code, out, _ = cli("bench", "memory", "--plot-only", "--out", tmp_path, "-q")
     assert code == 0 and "check_window" in out and "| 1k | none | " in out
+
+
+def test_a_run_of_one_grid_reports_the_targets_of_every_row(cli, tmp_path):
+    """targets.md covers the whole file: a later run of another grid does not report the targets
+    an earlier run measured as not run."""
+    base = ("bench", "memory", "--simulate", "--config", "llama-3.1-8b", "--lengths", "1024", "--steps", "2", "--out", tmp_path, "-q")
+    assert cli(*base, "--methods", "full")[0] == 0
+    assert cli(*base, "--methods", "snapkv", "--resume")[0] == 0
+    targets_md = (tmp_path / "targets.md").read_text()
+    full = next(line for line in targets_md.splitlines() if line.startswith("| full: decode"))
+    snapkv = next(line for line in targets_md.splitlines() if line.startswith("| snapkv: decode"))
+    assert "not run" not in full and "not run" not in snapkv and "(1k)" in full
