@@ -104,3 +104,23 @@ def test_offloaded_prefix_comes_from_the_store_to_the_host_and_leaves_its_memo_i
     assert cold.extra["cache"]["status"] == "miss" and [w.extra["cache"]["status"] for w in warm] == ["hit", "hit"]
     assert [w.answer_ids for w in warm] == [cold.answer_ids] * 2
     assert store._memo[1][0] is memo and [(k.data_ptr(), k.shape) for k in memo.keys] == held
+
+
+def test_an_offloaded_prefix_has_its_own_store_key(meta_engine, tiny_lm):
+    """Read offloaded in blocksparse's chunks, the prefix KV is not -c full's pass bit for bit: its
+    prefix state (hashed into the store key) differs on an accelerator; on the CPU (no offload)
+    it is full attention's, shared."""
+    from kvcli.compressors.full import FullAttention
+
+    def state(lm, offload):
+        method = Pipeline.parse(f"blocksparse:{SMALL}").stages[0]
+        method.runtime = Runtime(kv_offload=offload)
+        method.configure(lm)
+        return method.prefix_state(lm)
+
+    import dataclasses
+
+    on_gpu = dataclasses.replace(meta_engine.lm, device=torch.device("meta"))  # any device but the CPU
+    assert state(on_gpu, "cpu") != FullAttention().prefix_state(on_gpu) == state(on_gpu, "none")
+    cpu = tiny_lm("llama")
+    assert state(cpu, "cpu") == FullAttention().prefix_state(cpu)

@@ -251,8 +251,11 @@ class BlockSparse(Compressor):
     # --- the prefix state: full attention's KV (infllm: plus the representative-score sums) ------------
     def prefix_state(self, lm) -> dict:
         state = super().prefix_state(lm)
+        if self.runtime.kv_offload == "cpu" and accelerator.on_accelerator(lm.device):
+            # read offloaded in this method's chunks (build_prefix): not -c full's pass, bit for bit
+            state = {**state, "read": f"offloaded in chunks of {self.chunk}"}
         if self.representative != "infllm":
-            return state  # shared with -c full
+            return state  # without offload: shared with -c full
         self.configure(lm)
         return {**state, "kind": "kv+infllm", "local_window": self.local_window}
 
