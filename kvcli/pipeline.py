@@ -162,6 +162,14 @@ class Prefix:
         return self._state.copy()
 
 
+def chunked_state(engine, ids: torch.Tensor, state: dict) -> dict:
+    """``state`` as the store key hashes it: with the prefill chunk when the prefix pass runs chunk
+    by chunk (off the CPU, or ``KVCLI_PREFILL_CHUNK``): another chunk rounds differently. Unchunked
+    (the CPU's default): ``state`` itself, so the keys of existing entries stay."""
+    chunk = engine.prefill_chunk
+    return state if chunk is None or ids.numel() <= chunk else {**state, "prefill_chunk": chunk}
+
+
 def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> Prefix | None:
     """The :class:`Prefix` of ``prompt`` for ``reader``; None when the method keeps no prefix state."""
     lm = engine.lm
@@ -178,7 +186,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             t0 = time.perf_counter()
             cache = compute()
             return cache, Fetched("off", time.perf_counter() - t0)
-        key = make_key(lm, ids, state)
+        key = make_key(lm, ids, chunked_state(engine, ids, state))
         return store.fetch(key, compute, meta, device=device, room=engine.kv_room)
 
     device = reader.prefix_device(engine)  # the host for an offloaded KV

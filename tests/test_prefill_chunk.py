@@ -137,3 +137,17 @@ def test_question_and_answer_append_in_the_reserved_buffers(chunked):
     engine.prefill_chunk = None
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
     assert got.answer_ids == ref.answer_ids
+
+
+def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
+    """Another chunk rounds differently: a prefix read chunk by chunk is stored under a key of its
+    own chunk; unchunked (the CPU's default), the key is the one entries always had."""
+    from kvcli.pipeline import chunked_state
+
+    engine = chunked("llama", None)
+    ids, state = random_ids(45, seed=3), {"kind": "kv", "layers": 4}
+    assert chunked_state(engine, ids, state) is state
+    engine.prefill_chunk = 64  # longer than the prefix: one pass, as unchunked
+    assert chunked_state(engine, ids, state) is state
+    engine.prefill_chunk = 16
+    assert chunked_state(engine, ids, state) == {**state, "prefill_chunk": 16} != chunked_state(chunked("llama", 8), ids, state)
