@@ -180,6 +180,8 @@ class ScoredKVCache(KVCache):
         local:       l_L, the successors each token listens to
     """
 
+    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+
     kind: ClassVar[str] = "kv+infllm"
 
     def __init__(self) -> None:
@@ -236,6 +238,8 @@ class OffloadKVCache(KVCache):
     :meth:`onload` before a layer's chunks (a prefix's entries go up once) and :meth:`offload`
     after them (the layer goes down once, into pinned memory); in between the layer grows on the
     GPU like any KV."""
+
+    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
 
     def onload(self, layer: int, device) -> None:
         if layer < len(self.keys):

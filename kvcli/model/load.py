@@ -127,6 +127,11 @@ def load_model(
                 "attn_implementation": attn_impl,
                 "trust_remote_code": trust_remote_code,
             }
+            model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+            if attn_impl == "sdpa" and model_cls is not None and getattr(model_cls, "_supports_sdpa", True) is False:
+                # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
+                # (kvcli.attention.install), which soft-caps, so load it with eager
+                kwargs["attn_implementation"] = "eager"
             qc = quant_config(quant, torch_dtype)
             if qc is not None:
                 kwargs["quantization_config"] = qc
