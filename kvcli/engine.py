@@ -108,9 +108,7 @@ class Engine:
         if self._rope_by_type and self.layer_types is None:
             raise ValueError(f"{type(self.rotary_emb).__name__} takes a layer type, but the config lists none")
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.windows = [lm.sliding_window(i) for i in range(len(self.layers))]
-        # a window counts where it is shorter than the context (qwen2 lists one it does not use)
-        self.windows = [w if w is not None and (not lm.max_context or w < lm.max_context) else None for w in self.windows]
+        self.windows = [lm.window(i) for i in range(len(self.layers))]
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
         for layer in self.layers:

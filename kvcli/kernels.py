@@ -107,7 +107,8 @@ def softcapped(query, key, value, mask, scaling, softcap: float):
     """Attention with soft-capped scores, ``softcap · tanh(q·k · scaling / softcap)`` before the
     softmax (Gemma 2's ``attn_logit_softcapping``), which no fused kernel computes: the scores of
     :data:`SOFTCAP_ROWS` query rows at a time, GQA as it is (query heads grouped over their KV head,
-    the KV never repeated). ``mask``: boolean (q_len, kv_len), True where allowed; None: causal
+    the KV never repeated). ``mask``: boolean (q_len, kv_len) or per head (1 or 1, n_heads, q_len,
+    kv_len), True where allowed; None: causal
     (the last q_len keys are the queries)."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
@@ -116,6 +117,8 @@ def softcapped(query, key, value, mask, scaling, softcap: float):
         mask = causal_mask(q_len, kv_len, None, query.device)
         if mask is None and q_len > 1:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+    if mask is not None and mask.dim() == 4:  # per head (1 or n_heads, q_len, kv_len): grouped as the queries
+        mask = mask.expand(b, n_heads, q_len, kv_len).reshape(b, n_kv, group, q_len, kv_len)
     q = query.reshape(b, n_kv, group, q_len, d)
     out = query.new_empty(b, n_kv, group, q_len, value.shape[-1])
     for a in range(0, q_len, SOFTCAP_ROWS):
@@ -123,7 +126,7 @@ def softcapped(query, key, value, mask, scaling, softcap: float):
         s = torch.matmul(q[:, :, :, a:e].to(torch.float32), key.to(torch.float32).unsqueeze(2).transpose(-1, -2)) * scaling
         s = torch.tanh(s / softcap) * softcap
         if mask is not None:
-            s = s.masked_fill(~mask[a:e], float("-inf"))
+            s = s.masked_fill(~(mask[..., a:e, :]), float("-inf"))
         w = torch.softmax(s, dim=-1)
         out[:, :, :, a:e] = torch.matmul(w, value.to(torch.float32).unsqueeze(2)).to(out.dtype)
     return out.reshape(b, n_heads, q_len, -1).transpose(1, 2).contiguous()

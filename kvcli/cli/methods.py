@@ -22,6 +22,23 @@ def compressors() -> None:
     render.compressor_table(stdout)
 
 
+@app.command(cls=KvcliCommand)
+def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list")) -> None:
+    """List the embedded models (-m NAME) with their windows, and what else -m takes."""
+    from ..model.ggufs import EMBEDDED_MODELS, SUPPORTED_GGUF
+
+    if as_json:
+        stdout.out(json.dumps({"embedded": [{"name": n, "about": a, "window": w, "install": i} for n, (a, w, i) in EMBEDDED_MODELS.items()],
+                               "gguf_architectures": list(SUPPORTED_GGUF)}))
+        return
+    for name, (about, window, install) in EMBEDDED_MODELS.items():
+        stdout.out(f"{name}\n    {about}\n    window: {window}\n    install: {install}")
+    stdout.out(
+        "Also: -m a Hugging Face id or model folder, or -m path/to/model.gguf "
+        f"({', '.join(SUPPORTED_GGUF)}; converted once into the cache directory)."
+    )
+
+
 @app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
 def heads(
     model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
