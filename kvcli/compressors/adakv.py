@@ -97,6 +97,7 @@ class AdaKV(Eviction):
         return self._base.always_kept()
 
     def configure(self, lm) -> None:
+        super().configure(lm)
         self._base.configure(lm)
         self._lm = lm
 

@@ -187,6 +187,17 @@ class Compressor:
         return {f.name: getattr(self, f.name) for f in self.knobs()}
 
 
+def require_full_layers(lm, method: str) -> None:
+    """A method that compresses full-attention layers (the others keep their window) cannot apply
+    to a model whose every layer slides over a window (Mistral v0.1-style): say so in one line."""
+    if not lm.full_layers():
+        w = min(lm.limiting_windows())
+        raise UsageError(
+            f"{method}: every layer of {lm.name} uses sliding-window attention ({w} tokens): there is no "
+            "full-attention layer to compress, the window already bounds the KV (use -c full)"
+        )
+
+
 def window_mask(lm, layer: int, n: int, device=None) -> torch.Tensor | None:
     """On a hybrid model (Gemma 2 / 3), what a sliding layer ``layer`` holds of ``n`` prompt tokens
     once the prompt is read: its last ``w - 1`` (all the next token's window reaches), as an (n,)

@@ -45,6 +45,7 @@ from ..attention import StopForward
 from ..caches import RazorCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
+from .base import require_full_layers
 from .scoring import prerope
 
 FORMAT = 1
@@ -219,6 +220,7 @@ class DuoAttention(Compressor):
         from .razor_heads import check_rope_model
 
         check_rope_model(lm, "duo")
+        require_full_layers(lm, "duo")
         if self.tokens is None:
             self.tokens = min(2048, lm.max_context or 2048)
         if lm.max_context and self.length > lm.max_context:

@@ -55,7 +55,7 @@ import torch
 
 from ..caches import KVCache, RazorCache
 from ..errors import UsageError
-from .base import Compressor, knob, register
+from .base import Compressor, knob, register, require_full_layers
 
 ORDERS = ("paper", "prefix")
 PAPER_WINDOW = 4000  # S_0 of Table 2, for models with 32k-token windows (Qwen1.5-7B)
@@ -121,6 +121,7 @@ class Razor(Compressor):
         from .razor_heads import check_rope_model, default_tokens
 
         check_rope_model(lm, "razor")
+        require_full_layers(lm, "razor")
         if self.window is None:
             self.window = default_window(lm.max_context)
         if self.tokens is None:

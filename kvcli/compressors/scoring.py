@@ -36,7 +36,7 @@ from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
 from ..kernels import by_keys
 from ..measure import long_lived
-from .base import Compressor, knob, window_mask
+from .base import Compressor, knob, require_full_layers, window_mask
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
 BLOCK_WEIGHTS = 2**21  # most attention weights per block of query rows in column_sums (8 MiB in float32)
@@ -350,6 +350,9 @@ class Eviction(Compressor):
         return cache
 
     # --- the hooks --------------------------------------------------------------------------------
+    def configure(self, lm) -> None:
+        require_full_layers(lm, self.name)
+
     def resolve(self, n: int) -> int:
         return resolve_budget(self.name, self.budget, n, "budget" in self.explicit_knobs, min(n, self.always_kept()))
 
@@ -514,6 +517,9 @@ class PrefixEviction(Compressor):
 
     def always_kept(self) -> int:
         return 1
+
+    def configure(self, lm) -> None:
+        require_full_layers(lm, self.name)
 
     def resolve(self, n: int) -> int:
         """Entries per KV head for a prefix of ``n`` tokens (the question is not counted)."""
