@@ -71,3 +71,27 @@ def test_gemfilter_refuses_a_sliding_filter_layer_and_defaults_to_a_full_one(tin
     auto = Pipeline.parse("gemfilter:k=30")
     auto.configure(lm)
     assert auto.stages[0].layer in lm.full_layers()
+
+
+def test_decoding_time_eviction_leaves_the_sliding_layers_to_their_window(tiny_lm, isolated_cache_dir):
+    """``decoding`` evicts while the answer is written: the full layers go back to its budget, the
+    sliding layers are never evicted (only cut back to their window), so their entries stay the
+    latest tokens in order, which their window mask counts on."""
+    lm = tiny_lm("gemma3")
+    prompt = prompt_for(lm)
+    engine = Engine(lm)
+    spec = "snapkv:budget=0.25,window=8+decoding:budget=0.25,interval=4"
+    result = run(engine, prompt, configured(spec, lm, isolated_cache_dir), max_new_tokens=80, stop_ids=set())
+    cache = result.cache
+    assert len(result.answer_ids) == 80
+    seen = cache.n_tokens
+    for layer in (0, 2):
+        assert HYBRID_WINDOW - 1 <= cache.seq_len(layer) <= HYBRID_WINDOW - 1 + 64
+    for layer in (1, 3):
+        assert cache.seq_len(layer) < seen - HYBRID_WINDOW
+    # layer 0's keys depend on the token and its position only: its entries are the latest tokens'
+    fed = torch.cat([prompt.ids, torch.tensor(result.answer_ids[:-1])])
+    assert fed.numel() == seen
+    m = cache.seq_len(0)
+    ref = engine.prefix_kv(fed, n_layers=1).keys[0][:, :, -m:]
+    assert torch.allclose(cache.keys[0], ref, atol=1e-5)
