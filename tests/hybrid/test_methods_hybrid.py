@@ -18,9 +18,9 @@ from tests.helpers.specs import COMPRESSING
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 
 # layouts that hold a sliding layer's KV under its window mask without dropping what the window
-# passed (RazorAttention / DuoAttention's head groups, block retrieval, LazyLLM's per-layer tokens,
-# Finch's compacted slots): the window is exact in attention, the memory is not trimmed
-UNTRIMMED = {"razor", "duo", "blocksparse", "lazyllm", "finch", "gemfilter"}
+# passed (block retrieval, LazyLLM's per-layer tokens; GemFilter and Finch, whose positions are
+# their selection's): the window is exact in attention, the memory is not trimmed
+UNTRIMMED = {"blocksparse", "lazyllm", "finch", "gemfilter"}
 # the question-agnostic prefix evictions (a RaggedCache): a sliding layer holds the prefix's last
 # w - 1 tokens and, on top, every question token (not trimmed after the question ran)
 PREFIX_WINDOW = {"kvzip", "expectedattention"}
