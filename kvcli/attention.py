@@ -125,7 +125,8 @@ def kvcli_attention(
         scaling = 1.0 / math.sqrt(query.shape[-1])
     out = None
     for fn in ctx.observers.get(module.layer_idx, ()):
-        if out is None and isinstance(fn, Attending) and _plain_causal(ctx, query, key, sliding_window):
+        if out is None and isinstance(fn, Attending) and _plain_causal(ctx, query, key, sliding_window) \
+                and getattr(module, "kvcli_softcap", None) is None:
             out = fn.attend(query, key, value, scaling)
         else:
             fn(query, key)
@@ -156,6 +157,13 @@ def install(model) -> None:
 
     AttentionInterface.register("kvcli", kvcli_attention)
     model.config._attn_implementation = "kvcli"
+    # Gemma 2 soft-caps its attention scores (``softcap`` in the call, from the config): the kernels
+    # read it off the module, so caches that attend themselves apply it too
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(text, "attn_logit_softcapping", None) if str(getattr(text, "model_type", "")).startswith("gemma2") else None
+    for sub in model.modules():
+        if hasattr(sub, "layer_idx") and hasattr(sub, "scaling"):  # an attention module
+            sub.kvcli_softcap = softcap
     for sub in model.modules():
         cfg = getattr(sub, "config", None)
         if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):

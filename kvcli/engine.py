@@ -14,6 +14,7 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from typing import Callable, Iterable
 
@@ -74,6 +75,19 @@ def _chunked_mlp(mlp: torch.nn.Module) -> None:
     mlp.forward = chunked
 
 
+def slice_rope(rope, start: int, stop: int):
+    """Positions ``start:stop`` of what :meth:`Engine.position_embeddings` returned."""
+    if isinstance(rope, dict):
+        return {t: slice_rope(r, start, stop) for t, r in rope.items()}
+    cos, sin = rope
+    return cos[:, start:stop], sin[:, start:stop]
+
+
+# A sliding layer's cache is cut back to its window once it holds this many entries more (decoding
+# trims every WINDOW_SLACK steps: a cut makes the next append copy the window into a new buffer)
+WINDOW_SLACK = 64
+
+
 class Engine:
     def __init__(self, lm) -> None:
         """``lm``: a :class:`kvcli.model.LoadedModel`."""
@@ -86,6 +100,16 @@ class Engine:
         self.norm = base.norm
         self.rotary_emb = base.rotary_emb
         self.lm_head = model.get_output_embeddings()
+        # --- hybrid sliding-window families (Gemma 2 / 3): per-layer RoPE and window, soft-capped logits
+        cfg = lm._config
+        # Gemma 3's rotary embedding takes the layer type (local / global RoPE base); its layers get
+        # the (cos, sin) of their type. The embedding scale (sqrt(hidden)) is in Gemma's embed_tokens.
+        self.layer_types = list(getattr(cfg, "layer_types", None) or []) or None
+        self._rope_by_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        if self._rope_by_type and self.layer_types is None:
+            raise ValueError(f"{type(self.rotary_emb).__name__} takes a layer type, but the config lists none")
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.windows = [lm.window(i) for i in range(len(self.layers))]
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
         for layer in self.layers:
@@ -114,8 +138,59 @@ class Engine:
         return self.embed_tokens(ids.to(self.device).view(1, -1))
 
     def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """The model's RoPE (cos, sin) for ``positions`` (q_len,), as its layers take them."""
-        return self.rotary_emb(hidden, positions.to(self.device).view(1, -1))
+        """The model's RoPE (cos, sin) for ``positions`` (q_len,), as its layers take them; for a
+        model whose layers differ (Gemma 3: local and global bases) a dict layer type -> (cos, sin),
+        which :meth:`layer` resolves. Slice either with :func:`slice_rope`."""
+        pos = positions.to(self.device).view(1, -1)
+        if self._rope_by_type:
+            return {t: self.rotary_emb(hidden, pos, t) for t in sorted(set(self.layer_types))}
+        return self.rotary_emb(hidden, pos)
+
+    def rotary(self, layer: int):
+        """The rotary embedding of decoder layer ``layer`` as ``fn(x, position_ids) -> (cos, sin)``
+        (what :mod:`kvcli.rope` takes): the model's own, or Gemma 3's for the layer's type."""
+        if not self._rope_by_type:
+            return self.rotary_emb
+        kind = self.layer_types[layer]
+        return lambda x, pos: self.rotary_emb(x, pos, kind)
+
+    def rope_groups(self) -> dict[int, list[int]]:
+        """Layers grouped by the rotary embedding they use: {first layer of the group: layers}."""
+        if not self._rope_by_type:
+            return {0: list(range(self.n_layers))}
+        groups: dict[str, list[int]] = {}
+        for i, t in enumerate(self.layer_types):
+            groups.setdefault(t, []).append(i)
+        return {g[0]: g for g in groups.values()}
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens (None: it attends to the whole context)."""
+        return self.windows[layer]
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers attend only to a sliding window (Gemma 2 / 3, Mistral-style windows)."""
+        return any(w is not None for w in self.windows)
+
+    def full_layers(self) -> list[int]:
+        """The layers that attend to the whole context (every layer of a model without windows)."""
+        return [i for i, w in enumerate(self.windows) if w is None]
+
+    def trim_windows(self, cache, slack: int = 0) -> None:
+        """Drop from each sliding layer of ``cache`` what its window no longer reaches: a layer of
+        window w needs only its last w - 1 entries for the next token. Done once the layer holds
+        more than w - 1 + ``slack`` (decoding trims every ``slack`` steps, not every step). Caches
+        that cannot drop entries from the front of a layer (``drop_front``) keep them; their masks
+        still apply the window."""
+        drop = getattr(cache, "drop_front", None)
+        if drop is None:
+            return
+        for i, w in enumerate(self.windows):
+            if w is None or i >= cache.n_layers:
+                continue
+            n = cache.get_seq_length(i)
+            if n > w - 1 + slack:
+                drop(i, n - (w - 1))
 
     def layer(
         self,
@@ -131,7 +206,9 @@ class Engine:
         (methods that run different tokens in different layers, LazyLLM)."""
         pos = positions.to(self.device).view(1, -1)
         if rope is None:
-            rope = self.rotary_emb(hidden, pos)
+            rope = self.position_embeddings(hidden, pos)
+        if isinstance(rope, dict):
+            rope = rope[self.layer_types[i]]
         out = self.layers[i](
             hidden,
             attention_mask=None,
@@ -241,8 +318,12 @@ class Engine:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: (1, q, hidden) -> (q, vocab) float32."""
-        return self.lm_head(self.norm(hidden))[0].float()
+        """Final norm + LM head: (1, q, hidden) -> (q, vocab) float32 (soft-capped where the family
+        does it: Gemma 2's ``final_logit_softcapping``)."""
+        logits = self.lm_head(self.norm(hidden))[0].float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     # --- the two phases -------------------------------------------------------------------------
     def prefill(
@@ -283,14 +364,14 @@ class Engine:
         n = ids.numel()
         hidden = self.embed(ids)
         pos = positions.to(self.device)
-        cos, sin = self.position_embeddings(hidden, pos)
+        rope = self.position_embeddings(hidden, pos)
         with attention.attention_context(self.context(observers)):
             for i in range(self.n_layers):
                 if before_layer is not None:
                     before_layer(i)
                 for s in range(0, n, chunk):
                     e = min(n, s + chunk)
-                    hidden[:, s:e] = self.layer(i, hidden[:, s:e], pos[s:e], cache, (cos[:, s:e], sin[:, s:e]))
+                    hidden[:, s:e] = self.layer(i, hidden[:, s:e], pos[s:e], cache, slice_rope(rope, s, e))
                 if after_layer is not None:
                     after_layer(i)
         cache.record_positions(positions)
@@ -344,6 +425,7 @@ class Engine:
         ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
         hidden = self.forward(ids, self.device_positions(position, position + 1), cache,
                               recorded=torch.tensor([position]))
+        self.trim_windows(cache, slack=WINDOW_SLACK)
         return self.logits(hidden)[-1]
 
     @torch.inference_mode()

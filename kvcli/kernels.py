@@ -100,6 +100,38 @@ def eager(query, key, value, mask, scaling):
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
+SOFTCAP_ROWS = 1024  # query rows whose soft-capped scores are materialised at once (Gemma 2)
+
+
+def softcapped(query, key, value, mask, scaling, softcap: float):
+    """Attention with soft-capped scores, ``softcap · tanh(q·k · scaling / softcap)`` before the
+    softmax (Gemma 2's ``attn_logit_softcapping``), which no fused kernel computes: the scores of
+    :data:`SOFTCAP_ROWS` query rows at a time, GQA as it is (query heads grouped over their KV head,
+    the KV never repeated). ``mask``: boolean (q_len, kv_len) or per head (1 or 1, n_heads, q_len,
+    kv_len), True where allowed; None: causal
+    (the last q_len keys are the queries)."""
+    b, n_heads, q_len, d = query.shape
+    n_kv, kv_len = key.shape[1], key.shape[2]
+    group = n_heads // n_kv
+    if mask is None:
+        mask = causal_mask(q_len, kv_len, None, query.device)
+        if mask is None and q_len > 1:
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+    if mask is not None and mask.dim() == 4:  # per head (1 or n_heads, q_len, kv_len): grouped as the queries
+        mask = mask.expand(b, n_heads, q_len, kv_len).reshape(b, n_kv, group, q_len, kv_len)
+    q = query.reshape(b, n_kv, group, q_len, d)
+    out = query.new_empty(b, n_kv, group, q_len, value.shape[-1])
+    for a in range(0, q_len, SOFTCAP_ROWS):
+        e = min(q_len, a + SOFTCAP_ROWS)
+        s = torch.matmul(q[:, :, :, a:e].to(torch.float32), key.to(torch.float32).unsqueeze(2).transpose(-1, -2)) * scaling
+        s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            s = s.masked_fill(~(mask[..., a:e, :]), float("-inf"))
+        w = torch.softmax(s, dim=-1)
+        out[:, :, :, a:e] = torch.matmul(w, value.to(torch.float32).unsqueeze(2)).to(out.dtype)
+    return out.reshape(b, n_heads, q_len, -1).transpose(1, 2).contiguous()
+
+
 def flash(module, query, key, value, scaling, sliding_window):
     """flash-attn's own ``flash_attn_func``, called directly (transformers' ``flash_attention_forward``
     looks the implementation up by the config's name, which is ``"kvcli"``). Its causal mode is
@@ -121,7 +153,14 @@ KERNELS = {"sdpa": sdpa, "eager": eager, "flash": flash}
 def attend(kernel: str, module, query, key, value, scaling: float, sliding_window: int | None = None,
            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (sliding-window) attention with ``kernel``; ``mask``: an explicit boolean mask,
-    True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then."""
+    True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then.
+    A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.attention.install`
+    for Gemma 2) runs :func:`softcapped` whatever the kernel."""
+    softcap = getattr(module, "kvcli_softcap", None)
+    if softcap is not None:
+        if mask is None:
+            mask = causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        return softcapped(query, key, value, mask, scaling, softcap)
     if mask is None:
         if kernel == "flash":
             return flash(module, query, key, value, scaling, sliding_window)

@@ -207,6 +207,9 @@ class Result:
     extra: dict = field(default_factory=dict)
     # the cache after decoding (what the layers and heads held: ``cache.kept_mask``; inspect reads it)
     cache: object | None = field(default=None, repr=False)
+    # each layer's sliding window (None: full attention), the model's (Engine.windows); a model
+    # without windows: empty
+    windows: tuple = ()
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -235,8 +238,14 @@ class Result:
 
     @property
     def compression_ratio(self) -> float:
-        """Prompt tokens / KV entries held per layer and KV head (1.0: nothing evicted)."""
-        return self.prompt.n_tokens / max(self.n_kept_tokens, 1e-9)
+        """What full attention holds of the prompt / what was held, per layer and KV head (1.0:
+        nothing evicted). Without sliding windows that is prompt tokens / :attr:`n_kept_tokens`. On
+        a hybrid model (Gemma 2 / 3) full attention's own sliding layers hold only their window
+        (the last ``w - 1`` prompt tokens once decoding starts): both sides count them, so full
+        attention is 1.0 there too and a method is credited only for what it evicted."""
+        n = self.prompt.n_tokens
+        full = n if not self.windows else sum(n if w is None else min(n, w - 1) for w in self.windows) / len(self.windows)
+        return full / max(self.n_kept_tokens, 1e-9)
 
 
 def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):
@@ -399,6 +408,7 @@ def run(
             next_position = kept_ids.numel()
         for stage in compressors:
             cache = stage.compress(engine, cache)
+        engine.trim_windows(cache)  # sliding layers keep only what their window still reaches
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
@@ -419,6 +429,7 @@ def run(
         peak_mem_mb=m.peak_mem_mb,
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
         cache=cache,
+        windows=tuple(engine.windows) if getattr(engine, "hybrid", False) else (),
         extra={
             "kv_cache_bytes": cache.nbytes(),
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)

@@ -16,10 +16,11 @@ TOL = 1e-4
 
 
 def hf_logits(lm, ids: torch.Tensor) -> torch.Tensor:
-    """Reference: transformers' own forward with its own sdpa kernel (no kvcli attention)."""
+    """Reference: transformers' own forward with its own sdpa kernel (no kvcli attention; eager
+    for a family that refuses sdpa, Gemma 2)."""
     model = lm.model
     saved = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", True) is not False else "eager"
     try:
         with torch.inference_mode():
             return model(ids.view(1, -1).to(lm.device)).logits[0].float()

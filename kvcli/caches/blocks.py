@@ -180,6 +180,8 @@ class ScoredKVCache(KVCache):
         local:       l_L, the successors each token listens to
     """
 
+    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+
     kind: ClassVar[str] = "kv+infllm"
 
     def __init__(self) -> None:
@@ -237,6 +239,8 @@ class OffloadKVCache(KVCache):
     after them (the layer goes down once, into pinned memory); in between the layer grows on the
     GPU like any KV."""
 
+    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+
     def onload(self, layer: int, device) -> None:
         if layer < len(self.keys):
             self.keys[layer] = self.keys[layer].to(device, non_blocking=True)
@@ -260,10 +264,17 @@ class BlockLayer(LayerView):
     cache: "BlockCache"
 
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
-        """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim)."""
-        key, value = self.cache.gather(self.layer_idx, query)
-        fn = kernels.eager if kernel == "eager" else kernels.sdpa  # one query row: no mask, any kernel is exact
-        return fn(query, key.to(query.dtype), value.to(query.dtype), None, scaling)
+        """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim). A hybrid's sliding
+        layer (Gemma 2 / 3) retrieves nothing: it attends to its window, as full attention does."""
+        cache, layer = self.cache, self.layer_idx
+        if sliding_window is not None and sliding_window < cache.get_seq_length(layer):
+            key, value = cache.full(layer, query.device)
+            key, value = key[:, :, -sliding_window:], value[:, :, -sliding_window:]
+            cache._count(layer, [key.shape[2] / cache.get_seq_length(layer)] * key.shape[1])
+        else:
+            key, value = cache.gather(layer, query)
+        # one query row: no mask, any kernel is exact (kernels.attend: Gemma 2's soft-capping too)
+        return kernels.attend("eager" if kernel == "eager" else "sdpa", module, query, key.to(query.dtype), value.to(query.dtype), scaling)
 
 
 class BlockCache(CacheBase):

@@ -26,6 +26,9 @@ class KVCache(LayerKV):
         # after them). ``positions`` keeps every prompt position seen, so ``positions[-1] + 1`` is
         # still the next position. An evicted cache is never written to the disk store.
         self.kept: list[torch.Tensor] | None = None
+        # --- sliding-window layers (Gemma 2 / 3): layer -> entries dropped from its front, the
+        # oldest, which the layer's window no longer reaches (Engine.trim_windows)
+        self.dropped: dict[int, int] = {}
 
     # --- kvcli's own use ------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
@@ -34,6 +37,7 @@ class KVCache(LayerKV):
         layer, the document slots, then the question's), ``positions``."""
         n_kv = self.keys[0].shape[1] if self.keys else 0
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        dropped = getattr(self, "dropped", {})
         for layer in range(self.n_layers):
             if self.kept is not None:
                 pos = self.kept[layer]  # (n_kv, kept_l)
@@ -41,7 +45,7 @@ class KVCache(LayerKV):
                 pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
             else:
                 pos = self.positions.view(1, -1).expand(n_kv, -1)
-            pos = pos.to("cpu", torch.long)
+            pos = pos.to("cpu", torch.long)[:, dropped.get(layer, 0):]  # the entries the window dropped: the first
             inside = pos < n_prompt
             rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
             mask[layer][rows[inside], pos[inside]] = True
@@ -104,6 +108,14 @@ class KVCache(LayerKV):
         out.reserve(None)
         return out
 
+    def drop_front(self, layer: int, n: int) -> None:
+        """Drop the ``n`` oldest entries of ``layer`` (a sliding-window layer whose window has
+        passed them; :meth:`kvcli.engine.Engine.trim_windows`). The positions stay: they are every
+        token's, and the layer's entries are their last ones."""
+        self.keys[layer] = self.keys[layer][:, :, n:]
+        self.values[layer] = self.values[layer][:, :, n:]
+        self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
+
     def copy(self) -> "KVCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
         other = KVCache()
@@ -111,4 +123,5 @@ class KVCache(LayerKV):
         other.values = list(self.values)
         other.positions = self.positions
         other.kept = None if self.kept is None else list(self.kept)  # eviction (see __init__)
+        other.dropped = dict(getattr(self, "dropped", {}))
         return other

@@ -214,6 +214,17 @@ class RazorCache(CacheBase):
         view = RazorLayer(self, layer_idx)
         return view, view
 
+    def drop_front(self, layer: int, n: int) -> None:
+        """Drop the ``n`` oldest entries of ``layer`` where every KV head is protected: a hybrid's
+        sliding layer (Gemma 2 / 3) whose window has passed them (:meth:`Engine.trim_windows`).
+        A layer with compressed heads keeps its entries (its sinks and window are the method's).
+        Only the pipeline's run trims; the prefix state the store keeps is never trimmed."""
+        if self.ck[layer].shape[1] or n <= 0:
+            return
+        self.pk[layer] = self.pk[layer][:, :, n:]
+        self.pv[layer] = self.pv[layer][:, :, n:]
+        self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by ``layer_idx`` (what the protected heads hold)."""
         return self.pk[layer_idx].shape[-2] if layer_idx < len(self.pk) else 0
@@ -239,9 +250,10 @@ class RazorCache(CacheBase):
         seen = self.positions  # also the tokens appended after compression (question, answer)
         kept = torch.cat([seen[: self.sinks], seen[n - self.window :]])
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
+        dropped = getattr(self, "dropped", {})
         for layer in range(self.n_layers):
             for head in range(n_kv):
-                pos = seen if self.protected[layer, head] else kept
+                pos = seen[dropped.get(layer, 0):] if self.protected[layer, head] else kept
                 mask[layer, head, pos[pos < n_prompt]] = True
         return mask
 
@@ -284,11 +296,14 @@ class RazorCache(CacheBase):
         other.positions = self.positions
         other.order = self.order
         other._index = self._index  # read-only lookups, safe to share
+        other.dropped = dict(getattr(self, "dropped", {}))
         return other
 
     # --- the disk store's contract -----------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """``positions``, ``protected`` (uint8), ``pk.<l>``, ``pv.<l>``, ``ck.<l>``, ``cv.<l>`` and facts."""
+        if getattr(self, "dropped", None):
+            raise ValueError("a cache cut back to its sliding windows is a run's, not a prefix state to store")
         tensors = {"positions": self.positions.contiguous(), "protected": self.protected.to(torch.uint8).contiguous()}
         for i in range(self.n_layers):
             for name, t in (("pk", self.pk[i]), ("pv", self.pv[i]), ("ck", self.ck[i]), ("cv", self.cv[i])):

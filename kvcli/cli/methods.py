@@ -14,7 +14,7 @@ from ..report import terminal as render
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Device, DeviceOpt, DtypeOpt, KvcliCommand, QuietOpt, cache_dir_option
+from .options import MODEL_HELP, Device, DeviceOpt, DtypeOpt, KvcliCommand, QuietOpt, cache_dir_option
 
 @app.command(cls=KvcliCommand)
 def compressors() -> None:
@@ -22,9 +22,26 @@ def compressors() -> None:
     render.compressor_table(stdout)
 
 
+@app.command(cls=KvcliCommand)
+def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list")) -> None:
+    """List the embedded models (-m NAME) with their windows, and what else -m takes."""
+    from ..model.ggufs import EMBEDDED_MODELS, SUPPORTED_GGUF
+
+    if as_json:
+        stdout.out(json.dumps({"embedded": [{"name": n, "about": a, "window": w, "install": i} for n, (a, w, i) in EMBEDDED_MODELS.items()],
+                               "gguf_architectures": list(SUPPORTED_GGUF)}))
+        return
+    for name, (about, window, install) in EMBEDDED_MODELS.items():
+        stdout.out(f"{name}\n    {about}\n    window: {window}\n    install: {install}")
+    stdout.out(
+        "Also: -m a Hugging Face id or model folder, or -m path/to/model.gguf "
+        f"({', '.join(SUPPORTED_GGUF)}; converted once into the cache directory)."
+    )
+
+
 @app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
 def heads(
-    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id or local path (default: embedded SmolLM2-135M-Instruct)", show_default=False),
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help=MODEL_HELP, show_default=False),
     tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
     seed: int = typer.Option(0, help="Seed of the random probe tokens"),
     induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),

@@ -38,7 +38,7 @@ class Attn(str, Enum):
 
 
 # --- options several commands declare alike ---------------------------------------------------
-MODEL_HELP = "HF id or local path (default: embedded SmolLM2-135M-Instruct)"
+MODEL_HELP = "smollm2-135m-instruct (the default) or gemma3-270m (embedded; see `kvcli models`), an HF id, a model folder or a .gguf file"
 ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help=MODEL_HELP)
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
 QuantOpt = typer.Option(Quant.none, help="Weight quantisation with bitsandbytes")

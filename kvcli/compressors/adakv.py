@@ -37,7 +37,8 @@ import torch
 from ..caches import KVCache, RaggedCache
 from ..errors import UsageError
 from .base import _format, knob, parse_one, register
-from .scoring import Eviction, adaptive_mask, entry_scores, refuse_sliding_window
+from .base import window_mask
+from .scoring import Eviction, adaptive_mask, entry_scores
 
 BASE_KNOB_SEPARATOR = ";"
 
@@ -80,6 +81,7 @@ class AdaKV(Eviction):
     safeguard: float = knob(0.2, "every KV head keeps at least this fraction of the per-head budget (its own best entries)")
 
     _base: Eviction | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _lm: object = dataclasses.field(default=None, init=False, repr=False, compare=False)  # configure's model (its windows)
 
     def check_knobs(self) -> None:
         self._base = parse_base(self.name, self.base)
@@ -95,8 +97,9 @@ class AdaKV(Eviction):
         return self._base.always_kept()
 
     def configure(self, lm) -> None:
-        refuse_sliding_window(lm, self.name)
+        super().configure(lm)
         self._base.configure(lm)
+        self._lm = lm
 
     def query_window(self, lm) -> int:
         return self._base.query_window(lm)
@@ -109,5 +112,11 @@ class AdaKV(Eviction):
 
     def keep(self, cache: KVCache, scores: list[torch.Tensor], budgets: list[int]) -> RaggedCache:
         """The base's scores, chosen per layer across its KV heads (:func:`adaptive_mask`)."""
-        masks = [adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard) for layer, (s, k_layer) in enumerate(zip(scores, budgets))]
+        n = cache.n_tokens
+        masks = [
+            # a hybrid's sliding layer (no scores): its window, as full attention holds it
+            window_mask(self._lm, layer, n, cache.keys[layer].device).expand(cache.keys[layer].shape[1], -1)
+            if s is None else adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard)
+            for layer, (s, k_layer) in enumerate(zip(scores, budgets))
+        ]
         return RaggedCache.from_selection(cache, masks, consume=True)  # the pipeline keeps only the result

@@ -197,13 +197,28 @@ class Compressor:
         return {f.name: getattr(self, f.name) for f in self.knobs()}
 
 
-def refuse_sliding_window(lm, method: str, what: str = "per-head eviction", hint: str = " (use -c full or gemfilter)") -> None:
-    """Refuse, in one line, a model with sliding-window layers for a method whose cache indexes
-    slots, not positions (per-head eviction, head groups, blocks): a window counted in positions
-    cannot apply to it."""
-    windows = lm.limiting_windows()
-    if windows:
-        raise UsageError(f"{method}: {lm.name} uses sliding-window attention ({min(windows)} tokens); {what} needs full-attention layers{hint}")
+def require_full_layers(lm, method: str) -> None:
+    """A method that compresses full-attention layers (the others keep their window) cannot apply
+    to a model whose every layer slides over a window (Mistral v0.1-style): say so in one line."""
+    if not lm.full_layers():
+        w = min(lm.limiting_windows())
+        raise UsageError(
+            f"{method}: every layer of {lm.name} uses sliding-window attention ({w} tokens): there is no "
+            "full-attention layer to compress, the window already bounds the KV (use -c full)"
+        )
+
+
+def window_mask(lm, layer: int, n: int, device=None) -> torch.Tensor | None:
+    """On a hybrid model (Gemma 2 / 3), what a sliding layer ``layer`` holds of ``n`` prompt tokens
+    once the prompt is read: its last ``w - 1`` (all the next token's window reaches), as an (n,)
+    bool; None for a full-attention layer, where the compression methods act. Methods never
+    score or evict a sliding layer: it keeps its window, as under full attention."""
+    w = lm.window(layer)
+    if w is None:
+        return None
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[max(0, n - (w - 1)):] = True
+    return mask
 
 
 def owned_phases(cls: type[Compressor]) -> set[str]:

@@ -107,7 +107,7 @@ from ..caches.blocks import (
 )
 from ..caches import KVCache
 from ..errors import UsageError
-from .base import Compressor, knob, refuse_sliding_window, register
+from .base import Compressor, knob, register, require_full_layers
 from .scoring import group_mean, window_attention
 
 ARTICLE_CONTEXT = 131072  # the article's 128K experiments
@@ -221,9 +221,9 @@ class BlockSparse(Compressor):
             raise UsageError(f"blocksparse: representative_num={self.representative_num} exceeds block_size={self.block_size}")
         if self.representative == "infllm" and self.local_window < 1:
             raise UsageError("blocksparse: infllm representatives are scored by each token's local_window successors; local_window must be at least 1")
+        require_full_layers(lm, "blocksparse")
         if self.dense_layers > lm.n_layers:
             raise UsageError(f"blocksparse: dense_layers={self.dense_layers} exceeds the model's {lm.n_layers} layers")
-        refuse_sliding_window(lm, "blocksparse", "block retrieval", hint="")
 
     def needs_queries(self) -> bool:
         """Whether the last ``window`` prompt queries are needed (preselection, dynamic representatives)."""

@@ -45,7 +45,8 @@ from ..attention import StopForward
 from ..caches import RazorCache
 from ..errors import UsageError
 from .base import Compressor, knob, register
-from .scoring import prerope, refuse_sliding_window
+from .base import require_full_layers
+from .scoring import prerope
 
 FORMAT = 1
 _META_KEY = "kvcli_duo"
@@ -81,11 +82,16 @@ def compute_scores(engine, tokens: int, length: int) -> torch.Tensor:
     ids = calibration_ids(lm, tokens)
     n = ids.numel()
     like = torch.empty(0, device=engine.device)
-    cos, sin = rope_cos_sin(engine.rotary_emb, torch.arange(n), like)
-    l_cos, l_sin = rope_cos_sin(engine.rotary_emb, torch.arange(length), like)
+    # each layer's own RoPE (Gemma 3: local / global bases), one table per group of layers
+    tables = {}
+    for first, layers in engine.rope_groups().items():
+        rotary = engine.rotary(first)
+        t = (*rope_cos_sin(rotary, torch.arange(n), like), *rope_cos_sin(rotary, torch.arange(length), like))
+        tables.update({layer: t for layer in layers})
     scores = torch.zeros(lm.n_layers, lm.n_kv_heads)
 
     def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        cos, sin, l_cos, l_sin = tables[layer]
         mean_q = prerope(query[0], cos, sin).mean(dim=1)  # (n_heads, d)
         mean_k = prerope(key[0], cos, sin).mean(dim=1)  # (n_kv, d)
         scores[layer] = head_scores(mean_q, mean_k, l_cos, l_sin).cpu()
@@ -112,13 +118,19 @@ class DuoProfile:
         digest = hashlib.sha256(self.scores.contiguous().numpy().tobytes()).hexdigest()[:16]
         return {"tokens": self.tokens, "length": self.length, "scores": digest}
 
-    def streaming_heads(self, fraction: float) -> torch.Tensor:
-        """(n_layers, n_kv) bool: the ``round(fraction × heads)`` lowest scores (stable ties)."""
-        flat = self.scores.flatten()
+    def streaming_heads(self, fraction: float, full_layers: list[int] | None = None) -> torch.Tensor:
+        """(n_layers, n_kv) bool: the ``round(fraction × heads)`` lowest scores (stable ties).
+        ``full_layers``: on a hybrid model (Gemma 2 / 3), the heads are chosen among those layers'
+        only; a sliding layer's heads are never streaming heads (they keep their KV under their
+        own window, as full attention does)."""
+        rows = list(range(self.scores.shape[0])) if full_layers is None else list(full_layers)
+        flat = self.scores[rows].flatten()
         count = round(fraction * flat.numel())
         mask = torch.zeros(flat.numel(), dtype=torch.bool)
         mask[torch.argsort(flat, stable=True)[:count]] = True
-        return mask.view(self.scores.shape)
+        out = torch.zeros(self.scores.shape, dtype=torch.bool)
+        out[rows] = mask.view(len(rows), -1)
+        return out
 
     def save(self, path: Path) -> None:
         from ..store import save_safetensors_atomic
@@ -208,7 +220,7 @@ class DuoAttention(Compressor):
         from .razor_heads import check_rope_model
 
         check_rope_model(lm, "duo")
-        refuse_sliding_window(lm, "duo")
+        require_full_layers(lm, "duo")
         if self.tokens is None:
             self.tokens = min(2048, lm.max_context or 2048)
         if lm.max_context and self.length > lm.max_context:
@@ -225,7 +237,7 @@ class DuoAttention(Compressor):
 
     def retrieval_heads(self, engine) -> torch.Tensor:
         """(n_layers, n_kv_heads) bool: the KV heads that keep everything."""
-        return ~self.profile(engine).streaming_heads(self.streaming)
+        return ~self.profile(engine).streaming_heads(self.streaming, engine.lm.full_layers())
 
     def prefix_state(self, lm) -> dict:
         from ..engine import Engine

@@ -149,9 +149,15 @@ class ExpectedAttention(PrefixEviction):
         first = sinks if self.queries is None else max(sinks, n - self.queries)
         device = engine.device
         like = torch.empty(0, device=device)
-        cos, sin = rope_cos_sin(engine.rotary_emb, torch.arange(n), like)
-        f_cos, f_sin = rope_cos_sin(engine.rotary_emb, torch.arange(n, n + self.future), like)
-        rot = mean_rotation(f_cos, f_sin, lm.head_dim)
+        # each layer's own RoPE (Gemma 3: local / global bases): one table per group of layers
+        tables, rots = {}, {}
+        for first_layer, layers in engine.rope_groups().items():
+            rotary = engine.rotary(first_layer)
+            cos, sin = rope_cos_sin(rotary, torch.arange(n), like)
+            f_cos, f_sin = rope_cos_sin(rotary, torch.arange(n, n + self.future), like)
+            rot = mean_rotation(f_cos, f_sin, lm.head_dim)
+            tables.update({layer: (cos, sin) for layer in layers})
+            rots.update({layer: rot for layer in layers})
         stats: dict[int, tuple] = {}
 
         def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -160,6 +166,7 @@ class ExpectedAttention(PrefixEviction):
             start = kv_len - q_len
             skip = max(0, first - start)
             if skip < q_len:
+                cos, sin = tables[layer]  # the layer's own RoPE
                 mu, cov = query_statistics(query, cos[start:kv_len], sin[start:kv_len], skip)
                 stats[layer] = merge_statistics(stats.get(layer), (q_len - skip, mu, cov))
 
@@ -169,5 +176,5 @@ class ExpectedAttention(PrefixEviction):
         scores = []
         for layer in range(lm.n_layers):
             _, mu, cov = stats.pop(layer)
-            scores.append(expected_scores(mu, cov if self.covariance else None, rot, kv.keys[layer], kv.values[layer], sinks, self.vnorm, self.epsilon))
+            scores.append(expected_scores(mu, cov if self.covariance else None, rots[layer], kv.keys[layer], kv.values[layer], sinks, self.vnorm, self.epsilon))
         return kv, scores

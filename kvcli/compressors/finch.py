@@ -263,12 +263,18 @@ class Finch(Compressor):
             observers = {layer: [observer(layer)] for layer in range(n_layers)}
             step_ids = torch.cat([context[start:end], question])
             engine.forward(step_ids, torch.arange(m, n_candidates + n_question), cache, observers=observers)
-            cos, sin = rope_cos_sin(engine.rotary_emb, torch.arange(n_candidates + n_question), cache.keys[0])
-            slots = torch.arange(keep, device=cos.device)
+            # each layer's own RoPE (Gemma 3: local / global bases). On a hybrid, a sliding layer
+            # selects like the others: its window then covers its last w - 1 kept slots
+            tables = {}
+            for first_layer, layers in engine.rope_groups().items():
+                t = rope_cos_sin(engine.rotary(first_layer), torch.arange(n_candidates + n_question), cache.keys[0])
+                tables.update({layer: t for layer in layers})
+            slots = torch.arange(keep, device=cache.keys[0].device)
             for layer in range(n_layers):
+                cos, sin = tables[layer]
                 idx = torch.topk(scores[layer], keep).indices.sort().values
                 k_all, v_all = cache.keys[layer], cache.values[layer]
-                cache.keys[layer] = rerotate_table(k_all.index_select(2, idx), idx.to(cos.device), slots, cos, sin)
+                cache.keys[layer] = rerotate_table(k_all.index_select(2, idx), idx.to(cos.device), slots.to(cos.device), cos, sin)
                 cache.values[layer] = v_all.index_select(2, idx)
                 kept_positions[layer] = torch.cat([kept_positions[layer], chunk_pos])[idx.cpu()]
             cache.positions = torch.arange(keep)

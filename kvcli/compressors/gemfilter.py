@@ -136,14 +136,24 @@ class GemFilter(Compressor):
             raise UsageError(f"gemfilter: layer is a 0-based layer index, got {self.layer}")
 
     def configure(self, lm) -> None:
+        full = lm.full_layers()
         if self.layer is None:
             self.layer = default_filter_layer(lm.n_layers, lm.name, lm.family)
+            if full and self.layer not in full:
+                # a hybrid (Gemma 2 / 3): the filter's last query must see the whole prompt, so the
+                # filter layer is the full-attention layer nearest the default depth (the earlier on a tie)
+                self.layer = min(full, key=lambda layer: (abs(layer - self.layer), layer))
         if self.k is None:
             self.k = MEASURED_DEFAULTS.get(lm.name, {}).get("k", PAPER_K)
         if self.layer >= lm.n_layers:
             raise UsageError(
                 f"gemfilter: layer={self.layer} but the model has {lm.n_layers} layers "
                 f"(layer is a 0-based index: 0..{lm.n_layers - 1})"
+            )
+        if full and self.layer not in full:
+            raise UsageError(
+                f"gemfilter: layer {self.layer} of {lm.name} is a sliding-window layer ({lm.window(self.layer)} tokens): its last "
+                f"query cannot see the whole prompt; choose a full-attention layer: {', '.join(map(str, full))}"
             )
 
     def filter_scores(self, engine, ids: torch.Tensor, cache=None) -> torch.Tensor:

@@ -66,4 +66,10 @@ class PyramidKV(SnapKV):
             raise UsageError(f"{self.name}: beta must be at least 1, got {self.beta}")
 
     def layer_budgets(self, lm, n: int, k: int) -> list[int]:
-        return pyramid_budgets(lm.n_layers, n, k, self.window, self.beta)
+        """The pyramid over the layers that attend to the whole context (all of them but a hybrid's
+        sliding layers, which keep their window and are not evicted): its top is the last full layer."""
+        full = lm.full_layers()
+        budgets = [n] * lm.n_layers
+        for layer, b in zip(full, pyramid_budgets(len(full), n, k, self.window, self.beta)):
+            budgets[layer] = b
+        return budgets

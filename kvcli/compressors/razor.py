@@ -55,7 +55,7 @@ import torch
 
 from ..caches import KVCache, RazorCache
 from ..errors import UsageError
-from .base import Compressor, knob, refuse_sliding_window, register
+from .base import Compressor, knob, register, require_full_layers
 
 ORDERS = ("paper", "prefix")
 PAPER_WINDOW = 4000  # S_0 of Table 2, for models with 32k-token windows (Qwen1.5-7B)
@@ -121,7 +121,7 @@ class Razor(Compressor):
         from .razor_heads import check_rope_model, default_tokens
 
         check_rope_model(lm, "razor")
-        refuse_sliding_window(lm, "razor", "RazorAttention")
+        require_full_layers(lm, "razor")
         if self.window is None:
             self.window = default_window(lm.max_context)
         if self.tokens is None:
@@ -139,7 +139,8 @@ class Razor(Compressor):
             return
         engine = engine if engine is not None and engine.lm is lm else Engine(lm)
         self._profile = load_or_compute(engine, self.tokens, self.seed, self.runtime.cache_dir)
-        self._protected = self._profile.protected_kv_heads(self.induction, self.echo)
+        # a hybrid's sliding layers: every head keeps its KV under its window mask (full attention's)
+        self._protected = self._profile.protected_kv_heads(self.induction, self.echo, lm.full_layers())
         self._fingerprint = lm.fingerprint
 
     @property

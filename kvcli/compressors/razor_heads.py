@@ -222,10 +222,21 @@ class HeadProfile:
         """(by_induction, by_echo): boolean (n_layers, n_heads) masks of the protected query heads."""
         return top_fraction(self.induction, induction), top_fraction(self.echo, echo)
 
-    def protected_kv_heads(self, induction: float, echo: float) -> torch.Tensor:
-        """Boolean (n_layers, n_kv_heads): a KV head is protected if any of its query heads is."""
-        by_ind, by_echo = self.protected_query_heads(induction, echo)
-        q = by_ind | by_echo
+    def protected_kv_heads(self, induction: float, echo: float, full_layers: list[int] | None = None) -> torch.Tensor:
+        """Boolean (n_layers, n_kv_heads): a KV head is protected if any of its query heads is.
+
+        ``full_layers``: on a hybrid model (Gemma 2 / 3), the layers that attend to the whole
+        context: the retrieval heads are the top fractions of *their* heads (a sliding layer cannot
+        retrieve past its window), and every head of a sliding layer is "protected": it keeps its
+        KV under its own window mask, exactly as full attention does (never counted as compressed
+        by RazorAttention)."""
+        if full_layers is None or len(full_layers) == self.n_layers:
+            by_ind, by_echo = self.protected_query_heads(induction, echo)
+            q = by_ind | by_echo
+            return q.view(self.n_layers, self.n_kv_heads, -1).any(dim=-1)
+        rows = torch.tensor(full_layers, dtype=torch.long)
+        q = torch.ones(self.n_layers, self.induction.shape[1], dtype=torch.bool)
+        q[rows] = top_fraction(self.induction[rows], induction) | top_fraction(self.echo[rows], echo)
         return q.view(self.n_layers, self.n_kv_heads, -1).any(dim=-1)
 
     def identity(self) -> dict:

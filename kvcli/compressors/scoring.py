@@ -36,7 +36,7 @@ from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
 from ..kernels import by_keys
 from ..measure import long_lived
-from .base import Compressor, knob, refuse_sliding_window  # noqa: F401  (re-exported for the eviction methods)
+from .base import Compressor, knob, require_full_layers, window_mask
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
 BLOCK_WEIGHTS = 2**21  # most attention weights per block of query rows in column_sums (8 MiB in float32)
@@ -350,6 +350,9 @@ class Eviction(Compressor):
         return cache
 
     # --- the hooks --------------------------------------------------------------------------------
+    def configure(self, lm) -> None:
+        require_full_layers(lm, self.name)
+
     def resolve(self, n: int) -> int:
         return resolve_budget(self.name, self.budget, n, "budget" in self.explicit_knobs, min(n, self.always_kept()))
 
@@ -358,7 +361,8 @@ class Eviction(Compressor):
         self._pass = {"n": n_tokens, "evicted": set()}
         if not self.scorer.uses_attention or self.resolve(n_tokens) >= n_tokens:
             return {}  # nothing to score (keep everything) or scores without attention
-        return {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
+        # a hybrid's sliding layers keep their window (Engine.trim_windows): scored nowhere
+        return {layer: [functools.partial(self._observe, layer)] for layer in lm.full_layers()}
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if isinstance(key, LayerView):
@@ -379,8 +383,8 @@ class Eviction(Compressor):
         if n is None or not self.compresses_by_layer() or not isinstance(cache, KVCache):
             return
         k = self.resolve(n)
-        if k >= n or (self.scorer.uses_attention and layer not in self._scores):
-            return  # keeps everything, or not scored (compress reports what is missing)
+        if k >= n or (self.scorer.uses_attention and layer not in self._scores) or engine.lm.window(layer) is not None:
+            return  # keeps everything, or not scored (compress reports what is missing), or a sliding layer
         scores = self._scores.pop(layer) if self.scorer.uses_attention else self.scorer.static_scores(n, cache.keys[layer].shape[1])
         if "budgets" not in self._pass:
             self._pass["budgets"] = self.layer_budgets(engine.lm, n, k)
@@ -398,15 +402,16 @@ class Eviction(Compressor):
         if k >= n:
             return cache
         scorer = self.scorer
-        if scorer.uses_attention and len(scores) + len(evicted) != cache.n_layers:
+        full = lm.full_layers()  # a hybrid's sliding layers keep their window: never evicted here
+        if scorer.uses_attention and len(scores) + len(evicted) != len(full):
             raise UsageError(
                 f"{self.name}: no attention scores were observed in the prefill "
                 "(another method ran the prefill itself); use it with the default prefill"
             )
         if not scorer.uses_attention:
             static = scorer.static_scores(n, lm.n_kv_heads)
-            scores = {layer: static for layer in range(cache.n_layers)}
-        ranked = [None if layer in evicted else self.final_scores(scores[layer], n) for layer in range(cache.n_layers)]
+            scores = {layer: static for layer in full}
+        ranked = [None if layer in evicted or layer not in scores else self.final_scores(scores[layer], n) for layer in range(cache.n_layers)]
         cache = self.keep(cache, ranked, self.layer_budgets(lm, n, k))
         if isinstance(cache, KVCache):
             complete_kept(cache)
@@ -514,7 +519,7 @@ class PrefixEviction(Compressor):
         return 1
 
     def configure(self, lm) -> None:
-        refuse_sliding_window(lm, self.name)
+        require_full_layers(lm, self.name)
 
     def resolve(self, n: int) -> int:
         """Entries per KV head for a prefix of ``n`` tokens (the question is not counted)."""
@@ -543,4 +548,13 @@ class PrefixEviction(Compressor):
         if k >= n:
             return engine.prefix_kv(prefix_ids)
         kv, scores = self.prefix_scores(engine, prefix_ids)
-        return RaggedCache.from_selection(kv, allocate(scores, k, self.allocation, self.safeguard), consume=True)
+        # a hybrid's sliding layers keep their window (the last w - 1 tokens, all the question's
+        # first token reaches), outside the allocation (KVzip's global pool is the full layers')
+        lm = engine.lm
+        full = lm.full_layers()
+        chosen = dict(zip(full, allocate([scores[layer] for layer in full], k, self.allocation, self.safeguard)))
+        masks = [
+            chosen[layer] if layer in chosen else window_mask(lm, layer, n, scores[layer].device).expand_as(scores[layer])
+            for layer in range(len(scores))
+        ]
+        return RaggedCache.from_selection(kv, masks, consume=True)

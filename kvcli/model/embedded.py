@@ -160,6 +160,21 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
     except OSError as e:
         return _convert_without_cache(gguf, cache_dir, e)
 
+    try:
+        convert_once(target, f"the embedded model {EMBEDDED_MODEL}", lambda folder: gguf, {"gguf_file": str(gguf), "gguf_sha256": sha, "name": EMBEDDED_MODEL}, "~30 s")
+    except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
+        return _convert_without_cache(gguf, cache_dir, e)
+    return target, sha
+
+
+def convert_once(target: Path, label: str, gguf_in: Callable[[Path], Path], facts: dict, takes: str) -> Path:
+    """Convert a GGUF into the folder ``target`` (under ``<cache>/models``) once: into a temporary
+    folder next to it, renamed into place (atomic; if two processes convert at once, the first
+    rename wins and the other uses it). ``gguf_in(tmp)``: the GGUF file to convert (it may be
+    written into the temporary folder ``tmp``, e.g. assembled from chunks: it is removed with
+    it). ``facts`` go into the marker file written last. Raises OSError when the cache cannot take
+    it, :class:`ModelError` when the GGUF cannot be converted."""
+    models_dir = target.parent
     tmp: Path | None = None
     try:
         models_dir.mkdir(parents=True, exist_ok=True)
@@ -170,45 +185,39 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
         _remove_stale_temp_dirs(models_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
         t0 = time.monotonic()
-        _progress(f"converting the embedded model {EMBEDDED_MODEL} for its first use (once, ~30 s) into {models_dir}")
+        work = tmp / "converted"
+        work.mkdir()
+        gguf = gguf_in(tmp)
+        _progress(f"converting {label} for its first use (once, {takes}) into {models_dir}")
         try:
-            _convert_gguf(gguf, tmp)
+            _convert_gguf(gguf, work)
         except (OSError, MemoryError):
             raise
         except Exception as e:  # a GGUF that transformers cannot read, a broken install...
             if _is_write_failure(e):  # safetensors wraps the OSError of a full disk
                 raise OSError(one_line(e)) from e
-            raise ModelError(
-                f"cannot convert the embedded model {gguf.name}: {one_line(e)}"
-            ) from e
+            raise ModelError(f"cannot convert {label.rsplit(' ', 1)[0]} {gguf.name}: {one_line(e)}") from e
         marker = {
-            "gguf_file": str(gguf),
-            "gguf_sha256": sha,
-            "name": EMBEDDED_MODEL,
+            "name": label,
+            **facts,
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "conversion_seconds": round(time.monotonic() - t0, 2),
             "transformers_version": _transformers_version(),
         }
-        (tmp / _SOURCE_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-        _share_like_umask(tmp)
+        (work / _SOURCE_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
+        _share_like_umask(work)
         try:
-            os.rename(tmp, target)
-            tmp = None
+            os.rename(work, target)
         except OSError:
             if not _is_converted(target):  # not a lost race: a real failure
                 raise
             # another process finished first: use theirs, drop ours (finally)
     except MemoryError as e:
-        raise ModelError("not enough memory to convert the embedded model") from e
-    except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp = None
-        return _convert_without_cache(gguf, cache_dir, e)
+        raise ModelError(f"not enough memory to convert {label}") from e
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target, sha
+    return target
 
 
 _WRITE_FAILURES = ("No space left", "Disk quota", "Read-only file system", "Permission denied", "IoError")

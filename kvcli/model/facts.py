@@ -81,6 +81,17 @@ class LoadedModel:
             return attn.sliding_window
         return getattr(self._config, "sliding_window", None)
 
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window where it is shorter than the model's context, else None
+        (the layer attends to the whole context; qwen2 lists a window it does not use)."""
+        w = self.sliding_window(layer)
+        return w if w is not None and (not self.max_context or w < self.max_context) else None
+
+    def full_layers(self) -> list[int]:
+        """The layers that attend to the whole context: where compression acts on a hybrid model
+        (Gemma 2 / 3: its sliding layers hold only their window anyway); every layer elsewhere."""
+        return [i for i in range(self.n_layers) if self.window(i) is None]
+
     def limiting_windows(self) -> set[int]:
         """The sliding windows of the layers that are shorter than the model's context (empty: every
         layer attends to the whole context)."""

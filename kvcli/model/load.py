@@ -19,6 +19,7 @@ from .device import (
 from .embedded import EMBEDDED_MODEL, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel
 from .fingerprint import compute_fingerprint, weights_identity
+from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
 
@@ -83,13 +84,20 @@ def load_model(
     # --- where from
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     hub = False
-    if name.lower() == EMBEDDED_MODEL:
-        folder, gguf_sha = ensure_converted(Path(cache_dir) if cache_dir is not None else None)
+    cache = Path(cache_dir) if cache_dir is not None else None
+    if name.lower() in (EMBEDDED_MODEL, GEMMA_MODEL):
+        convert = ensure_converted if name.lower() == EMBEDDED_MODEL else ensure_gemma_converted
+        folder, gguf_sha = convert(cache)
         source = str(folder)
         weights_id: Any = {"gguf_sha256": gguf_sha}
     else:
         local = Path(name).expanduser()
-        if local.exists():
+        if local.is_file() and local.suffix.lower() == ".gguf":
+            # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
+            folder, gguf_sha = ensure_gguf_converted(local, cache)
+            source = str(folder)
+            weights_id = {"gguf_sha256": gguf_sha}
+        elif local.exists():
             check_local_folder(name, local)
             source = str(local.resolve())
             weights_id = None  # computed below from the folder
@@ -127,6 +135,11 @@ def load_model(
                 "attn_implementation": attn_impl,
                 "trust_remote_code": trust_remote_code,
             }
+            model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+            if attn_impl == "sdpa" and model_cls is not None and getattr(model_cls, "_supports_sdpa", True) is False:
+                # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
+                # (kvcli.attention.install), which soft-caps, so load it with eager
+                kwargs["attn_implementation"] = "eager"
             qc = quant_config(quant, torch_dtype)
             if qc is not None:
                 kwargs["quantization_config"] = qc

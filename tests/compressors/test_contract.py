@@ -45,7 +45,7 @@ from tests.helpers.specs import COMPRESSING
 from tests.helpers.runs import DOC, prompt_for
 from tests.helpers.runs import full_reference
 from tests.helpers.stores import session_for
-from tests.helpers.tiny_models import FAMILIES  # every family kvcli supports (b) runs on
+from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 
 METHODS = sorted(REGISTRY)
 # the methods whose state depends on the question (nothing to keep on disk), written out: every
@@ -254,6 +254,13 @@ def test_warm_cold_and_no_store_give_the_same_answer(name, stored, tiny_lm, prof
 # --------------------------------------------------------------------------- (d) kept_mask, stats
 
 
+def full_held(n: int, lm) -> float:
+    """What full attention holds of an n-token prompt per layer and KV head: n, but on a hybrid
+    (Gemma 2 / 3) a sliding layer of window w only its last w - 1 tokens."""
+    windows = [lm.window(layer) for layer in range(lm.n_layers)]
+    return sum(n if w is None else min(n, w - 1) for w in windows) / len(windows)
+
+
 def check_kept(result, lm) -> None:
     """kept_mask: (layers, KV heads, prompt tokens) bool, nothing a selector dropped; n_kept_tokens
     its mean over layers and heads; compression_ratio the prompt over it; stats JSON-able and in
@@ -267,7 +274,7 @@ def check_kept(result, lm) -> None:
     assert not mask[:, :, dropped].any()
     held = float(mask.sum()) / (lm.n_layers * lm.n_kv_heads)
     assert result.n_kept_tokens == pytest.approx(held) and 0 < held <= result.selection.n_kept
-    assert result.compression_ratio == pytest.approx(n / held)
+    assert result.compression_ratio == pytest.approx(full_held(n, lm) / held)
     stats = result.extra["method_stats"]
     assert isinstance(stats, dict) and all(isinstance(k, str) for k in stats)
     assert json.loads(json.dumps(stats)) == stats  # JSON-able as it is (the --json record carries it)
@@ -282,7 +289,9 @@ def check_kept(result, lm) -> None:
     if "kv_heads" in stats:  # grouped caches: protected (retrieval) heads hold all, the others lose dropped_tokens
         assert stats["kv_heads"] == lm.n_layers * lm.n_kv_heads
         cut = (stats["kv_heads"] - stats["protected_kv_heads"]) / stats["kv_heads"]
-        assert held == pytest.approx(n - cut * stats["dropped_tokens"])
+        # a hybrid's sliding layers (every head protected) hold their window only
+        window_cut = sum(n - min(n, w - 1) for w in (lm.window(layer) for layer in range(lm.n_layers)) if w is not None) / lm.n_layers
+        assert held == pytest.approx(n - cut * stats["dropped_tokens"] - window_cut)
     if "kv_entries" in stats:  # ragged caches: entries held (prompt and later tokens) within the padded slots
         assert held * lm.n_layers * lm.n_kv_heads <= stats["kv_entries"] <= stats["kv_slots"]
 
@@ -291,11 +300,22 @@ def check_kept(result, lm) -> None:
 def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, tiny_lm):
     for family in FAMILIES:
         everything, _ = kept_all(name, family)
-        check_kept(everything, tiny_lm(family))
+        lm = tiny_lm(family)
+        check_kept(everything, lm)
         # keeping everything: every layer and head held every prompt token, computed and attended all of it
-        assert everything.kept_mask().all(), family
-        assert everything.n_kept_tokens == everything.prompt.n_tokens and everything.compression_ratio == 1.0
+        # (a hybrid's sliding layers: at least their window; a layout that does not trim them, more)
+        n, mask = everything.prompt.n_tokens, everything.kept_mask()
+        if family in HYBRID_FAMILIES:
+            for layer in range(lm.n_layers):
+                w = lm.window(layer)
+                assert mask[layer, :, n - (n if w is None else w - 1):].all(), (family, layer)
+            assert everything.n_kept_tokens >= full_held(n, lm) and everything.compression_ratio <= 1.0 + 1e-9
+        else:
+            assert mask.all(), family
+            assert everything.n_kept_tokens == n and everything.compression_ratio == 1.0
         for key, value in compute_fractions(everything.extra["method_stats"]).items():
+            if family in HYBRID_FAMILIES and key == "kv_attended_frac":
+                continue  # a hybrid's sliding layers attend to their window only, as full attention does
             assert value is None or value == pytest.approx(1.0), (family, key, value)
     cold, warm, off = (stored(name)[k] for k in ("cold", "warm", "off"))
     for result in (cold, warm, off):

@@ -254,7 +254,7 @@ def check_rerotation(lm):
     # layer 0's key of a token depends on the token and its position only
     at_p, at_q = layer0_keys(engine, ids, p), layer0_keys(engine, ids, q)
     assert not torch.allclose(at_p, at_q, atol=1e-3)
-    moved = rerotate(at_p, p, q, engine.rotary_emb)
+    moved = rerotate(at_p, p, q, engine.rotary(0))
     assert moved.shape == at_p.shape
     assert torch.allclose(moved, at_q, atol=1e-5), (moved - at_q).abs().max()
     # every layer: shifting the whole sequence changes no hidden state, only the rotation
@@ -264,7 +264,7 @@ def check_rerotation(lm):
     shifted = KVCache()
     engine.forward(ids, torch.arange(n) + 517, shifted)
     for layer in range(engine.n_layers):
-        moved = rerotate(a.keys[layer], torch.arange(n), torch.arange(n) + 517, engine.rotary_emb)
+        moved = rerotate(a.keys[layer], torch.arange(n), torch.arange(n) + 517, engine.rotary(layer))  # each layer its own RoPE (Gemma 3: local / global bases)
         assert torch.allclose(moved, shifted.keys[layer], atol=1e-4), layer
         assert torch.allclose(a.values[layer], shifted.values[layer], atol=1e-4), layer  # values carry no position
 
@@ -281,7 +281,7 @@ def test_rerotated_key_equals_the_key_computed_at_the_new_position(tiny_lm, fami
 def engine_rot_dim(lm) -> int:
     from kvcli.rope import rope_cos_sin
 
-    cos, _ = rope_cos_sin(Engine(lm).rotary_emb, torch.arange(3), torch.zeros(1))
+    cos, _ = rope_cos_sin(Engine(lm).rotary(0), torch.arange(3), torch.zeros(1))
     return cos.shape[-1]
 
 

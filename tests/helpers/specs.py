@@ -4,7 +4,7 @@ from __future__ import annotations
 
 COMPRESSING = {
     "full": "full",
-    "gemfilter": "gemfilter:k=60,layer=2",
+    "gemfilter": "gemfilter:k=60,layer=1",  # layer 1: a full-attention layer of the tiny hybrids too
     "snapkv": "snapkv:budget=0.25,window=8",
     "pyramidkv": "pyramidkv:budget=0.25,window=8",
     "h2o": "h2o:budget=0.25",

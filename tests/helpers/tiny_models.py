@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# the hybrids: sliding-window layers (window HYBRID_WINDOW) interleaved with full-attention ones
+HYBRID_FAMILIES = ("gemma2", "gemma3")
+HYBRID_WINDOW = 16
 
 VOCAB = 49152  # SmolLM2's tokenizer
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 2  # <|im_start|>, <|im_end|>, <|im_end|>
@@ -48,6 +51,14 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3": dict(head_dim=16, use_sliding_window=False, sliding_window=None),
     # phi3: head_dim = 64 / 4; defaults pad/eos 32000 (a Phi-3 id): use SmolLM2's.
     "phi3": dict(original_max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0),
+    # Gemma 2: sandwich norms, sqrt(hidden) embedding scale, soft-capped attention and final logits,
+    # query_pre_attn_scalar != head_dim, sliding layers alternating with full ones (tiny_config)
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=HYBRID_WINDOW,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 3: q/k norms, local / global RoPE bases per layer type
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=HYBRID_WINDOW,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
 }
 
 
@@ -60,6 +71,8 @@ def _config_class(family: str):
         "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
         "phi3": "Phi3Config",
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
     }
     if family not in names:
         raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
@@ -69,7 +82,13 @@ def _config_class(family: str):
 def tiny_config(family: str, **overrides: Any):
     """The Config object of a tiny ``family`` model; ``overrides`` replace any field."""
     cls = _config_class(family)  # raises for an unknown family
-    return cls(**{**_COMMON, **_FAMILY[family], **overrides})
+    fields = {**_COMMON, **_FAMILY[family], **overrides}
+    if family in HYBRID_FAMILIES and "layer_types" not in fields:
+        # sliding, full, sliding, full...: every model has both kinds, the last layer full
+        fields["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(fields["num_hidden_layers"])
+        ]
+    return cls(**fields)
 
 
 _tokenizer_dir: Path | None = None
