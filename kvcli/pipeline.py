@@ -179,6 +179,11 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             cache = compute()
             return cache, Fetched("off", time.perf_counter() - t0)
         key = make_key(lm, ids, state)
+        if hasattr(reader, "stored_bytes"):  # a book: its entry is written while it is read
+            from .bookstore import fetch_book
+
+            what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
+            return fetch_book(store, key, lambda path: reader.read(engine, ids, path), reader.stored_bytes(lm, ids.numel()), meta, what)
         return store.fetch(key, compute, meta, device=engine.device)
 
     full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
