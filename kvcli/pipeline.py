@@ -324,10 +324,11 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
             if over:
+                how = (reader.reading_note(lm, prompt.n_tokens) if hasattr(reader, "reading_note") else
+                       f"{reader.name} reads it chunk by chunk, which takes a while (every token runs through the model)")
                 notices.warn(
                     f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
-                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {reader.name} reads "
-                    "it chunk by chunk, which takes a while (every token runs through the model)"
+                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {how}"
                 )
             return
     # ---
