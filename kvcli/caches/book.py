@@ -26,7 +26,7 @@ right one of the two products, and one softmax spans all the keys (the scale sta
 A block leaves Local for Memory once ``local_window`` tokens follow it (checked after each
 chunk); then its representatives are the ``repr_topk`` tokens with the highest representative
 score, InfLLM's equation 1 ``r_m = 1/l_L sum_j q_{m+j} · k_m`` over its ``local_window``
-successors' queries (:func:`kvcli.caches.blocks.infllm_accumulate`). Only their sum is kept
+successors' queries, read off the reading pass's own attention logits. Only their sum is kept
 (``repsum``): equation 2, ``sum_i sum_r q_i · r``, needs no more. The first block to leave also
 moves Initial out of Local.
 
@@ -47,7 +47,7 @@ import torch
 from .. import kernels
 from ..rope import rerotate
 from .base import CacheBase, LayerView, cache_type
-from .blocks import infllm_accumulate, partition
+from .blocks import partition
 
 
 class BookLayer(LayerView):
@@ -129,19 +129,48 @@ class BookCache(CacheBase):
         old = rerotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L), self.rotary)
         k_loc = torch.cat([old.to(query.device), key], dim=2)
         v_loc = torch.cat([self.tail_v[layer].to(device=query.device, dtype=value.dtype), value], dim=2)
-        if self.init_k is None:  # nothing has left Local yet: causal attention over it
+        if self.reading:  # one pass of the document: its Local logits also give equation 1's terms
+            out = self._read_pass(layer, query, k_loc, v_loc, pos, scaling)
+        elif self.init_k is None:  # nothing has left Local yet: causal attention over it
             out = kernels.attend(kernel, module, query, k_loc, v_loc, scaling)
-            if not self.reading and c == 1:
+            if c == 1:
                 self.attended += 1.0 / self.n_layers_
         else:
             out = self._attend_memory(layer, query, k_loc, v_loc, pos, scaling)
-        if self.reading:
-            score = torch.cat([self.tail_score[layer], torch.zeros(self.n_kv, c)], dim=1)
-            infllm_accumulate(score, query, k_loc, self.local, 0, L + c)
-            self.tail_score[layer] = score
         self.tail_k[layer] = torch.cat([self.tail_k[layer], raw.to("cpu")], dim=2)
         self.tail_v[layer] = torch.cat([self.tail_v[layer], value.to("cpu", self.dtype)], dim=2)
         return out
+
+    def _read_pass(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
+        """A reading pass: the attention of its ``c`` queries computed from the logits per KV head
+        (``c x span`` per head: bounded by the pass, GQA never expanded), whose Local part also
+        holds the ``q_g · k_m`` terms of InfLLM's equation 1 — each token's sum over the queries of
+        its ``local`` successors (:func:`kvcli.caches.blocks.infllm_accumulate`'s arithmetic, with
+        no second product)."""
+        _, n_heads, c, d = query.shape
+        g = n_heads // self.n_kv
+        L = k_loc.shape[2] - c
+        q = query[0].reshape(self.n_kv, g, c, d)
+        loc = torch.matmul(q, k_loc[0].unsqueeze(1).transpose(-1, -2))  # (n_kv, g, c, L + c)
+        rows = torch.arange(L, L + c)[:, None]
+        cols = torch.arange(L + c)[None, :]
+        band = (cols < rows) & (cols >= rows - self.local)  # successors within local of each key
+        score = torch.cat([self.tail_score[layer], torch.zeros(self.n_kv, c)], dim=1)
+        score += (loc.float() * band.to(loc.device)).sum(dim=2).mean(dim=1).cpu()
+        self.tail_score[layer] = score
+        logits = loc.masked_fill(~(cols <= rows).to(loc.device), float("-inf"))
+        values = v_loc[0]
+        if self.init_k is not None:
+            q_mem = rerotate(query, pos, torch.full((c,), self.local, dtype=torch.long), self.rotary)
+            k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
+            k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
+            v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
+            mem = torch.matmul(q_mem[0].reshape(self.n_kv, g, c, d), k_mem[0].unsqueeze(1).transpose(-1, -2))
+            logits = torch.cat([mem, logits], dim=-1)
+            values = torch.cat([v_mem[0], values], dim=1)
+        weights = torch.softmax(logits.float() * scaling, dim=-1).to(values.dtype)
+        out = torch.matmul(weights, values.unsqueeze(1))  # (n_kv, g, c, d)
+        return out.reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
 
     def _attend_memory(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
         c, d = query.shape[2], query.shape[3]
