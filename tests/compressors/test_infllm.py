@@ -304,3 +304,29 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
 def test_knob_errors_are_one_line(tiny_lm, spec, needle):
     with pytest.raises(UsageError, match=needle):
         stage(tiny_lm("llama"), spec)
+
+
+def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tiny_lm, tmp_path, monkeypatch):
+    """Local never exceeds local_window + block_size after a pass (+ chunk during one), whatever
+    the length; with a file storage the document's KV is on disk, not in memory."""
+    from kvcli.caches.bookfile import FileStorage
+
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    s = stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2")
+    seen = []
+    original = BookCache.end_chunk
+
+    def watched(self):
+        seen.append(self.local_len)
+        original(self)
+        seen.append(self.local_len)
+
+    monkeypatch.setattr(BookCache, "end_chunk", watched)
+    ids = torch.randint(5, 200, (900,))
+    book = s.read(engine, ids, path=tmp_path / "book")
+    assert isinstance(book.storage, FileStorage) and book.n_blocks == partition(900, 4, 16, 8)[1]
+    assert max(seen) <= 16 + 8 + 12 and max(seen[1::2]) < 16 + 8 + 4  # before / after each move to Memory
+    per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
+    held = sum(t.numel() * t.element_size() for t in (*book.tail_k, *book.tail_v, *book.init_k, *book.init_v))
+    assert held < 40 * per_token  # Local + Initial, not the 900 tokens
