@@ -132,7 +132,7 @@ class InfLLM(Compressor):
 
     def reading_note(self, lm, n_prompt: int) -> str:
         return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
-                f"attending to {self.span()} (a few minutes on a CPU for 100 pages; later questions reuse it)")
+                f"attending to {self.span()}; later questions reuse it")
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()
