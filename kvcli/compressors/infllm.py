@@ -44,7 +44,7 @@ import torch
 
 from ..caches.blocks import partition
 from ..caches.book import BookCache
-from ..caches.bookfile import FileStorage, MemoryStorage, nbytes_of, tensor_specs
+from ..caches.bookfile import HEADER_ROOM, FileStorage, MemoryStorage, nbytes_of, tensor_specs
 from ..errors import UsageError
 from .base import Compressor, knob, refuse_sliding_window, register
 
@@ -115,9 +115,9 @@ class InfLLM(Compressor):
         return tensor_specs(lm.n_layers, lm.n_kv_heads, n, lm.head_dim, n_blocks, self.storage_dtype(lm))
 
     def stored_bytes(self, lm, n: int) -> int:
-        """Bytes of the stored book of an ``n``-token prefix (known before reading it)."""
+        """Bytes of the stored book's file for an ``n``-token prefix (known before reading it)."""
         self.configure(lm)
-        return nbytes_of(self.specs(lm, n))
+        return 8 + HEADER_ROOM + nbytes_of(self.specs(lm, n))
 
     def span(self) -> str:
         return f"{self.initial} initial + {self.topk} retrieved blocks of {self.block_size} + a {self.local_window:,}-token local window"

@@ -16,6 +16,7 @@ import torch
 from kvcli import notices
 from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
+from kvcli.caches.bookfile import HEADER_ROOM
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
@@ -228,7 +229,7 @@ def test_stored_book_is_16_bit_opened_in_place_and_answers_the_same(tiny_lm, tmp
     assert any("storing the document's KV" in m and "KiB" in m for m in said)
     files = list((tmp_path / "kv").glob("*.safetensors"))
     assert len(files) == 1 and cold.extra["cache"]["status"] == "miss"
-    assert files[0].stat().st_size == cold.extra["cache"]["entry_bytes"]
+    assert files[0].stat().st_size == cold.extra["cache"]["entry_bytes"] == stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2").stored_bytes(lm, cold.prompt.prefix_len)
     from safetensors import safe_open
 
     with safe_open(str(files[0]), framework="pt") as f:  # an ordinary safetensors file
@@ -285,7 +286,7 @@ def test_the_stored_size_is_known_before_reading(tiny_lm, tmp_path):
     for n in (10, 200, 1000):
         _, n_blocks, _ = partition(n, 4, 16, 8)
         per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
-        assert s.stored_bytes(lm, n) == n * per_token + lm.n_layers * lm.n_kv_heads * n_blocks * lm.head_dim * 4
+        assert s.stored_bytes(lm, n) == 8 + HEADER_ROOM + n * per_token + lm.n_layers * lm.n_kv_heads * n_blocks * lm.head_dim * 4
 
 
 def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
