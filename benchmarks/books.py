@@ -41,6 +41,7 @@ from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.model import default_cache_dir  # noqa: E402
 from kvcli.prompt import build_prompt  # noqa: E402
+from kvcli.store import KVStore  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
 METHODS = ("oracle", "full", "finch", "infllm")
@@ -113,7 +114,7 @@ def run_documents(args) -> list[dict]:
                 rows.append({"method": "finch", "document": doc["name"], "skipped": f"{n:,} tokens: over --finch-max-tokens"})
                 continue
             if method == "infllm":
-                rows += run_infllm(args, doc, pdf, document)
+                rows += run_infllm(args, session, doc, pdf, document)
                 continue
             for q in doc["questions"]:
                 source = document_from_text(page_text(document, q["page"])) if method == "oracle" else document
@@ -123,11 +124,12 @@ def run_documents(args) -> list[dict]:
     return rows
 
 
-def run_infllm(args, doc, pdf, document) -> list[dict]:
+def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
     """A fresh store: the first question reads the book (timed), the rest answer from it; one more
-    question in a new process (cold process, warm store)."""
+    question in a new process (cold process, warm store). The model is ``base``'s (loaded once)."""
     cache_dir = fresh_cache_dir()
-    session = Session.open(AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none"))
+    options = AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none")
+    session = Session(lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir))
     rows = []
     for i, q in enumerate(doc["questions"]):
         result = session.ask(document, q["q"], parse_pipeline(args.infllm))
@@ -167,6 +169,15 @@ def run_memory(args) -> list[dict]:
     return rows
 
 
+def rows_from_log(path: Path) -> list[dict]:
+    """The rows a run printed on stderr (one JSON object a line), for a run stopped before its end."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     """Per document and method: accuracy, first-question time, repeat-question time, peak memory."""
     lines = ["| document | method | right | first question (s) | repeat question (s) | peak memory (MB) |", "|---|---|---|---|---|---|"]
@@ -203,7 +214,11 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--memory", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "books" / "results.json")
+    p.add_argument("--table-from", type=Path, nargs="+", default=None, help="print the table of the rows in these stderr logs")
     args = p.parse_args()
+    if args.table_from:
+        print(table([r for path in args.table_from for r in rows_from_log(path)]))
+        return
     started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = run_memory(args) if args.memory else run_documents(args)
     out = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
