@@ -86,6 +86,7 @@ class BookCache(CacheBase):
         self.positions = None
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # retrieval=question: the blocks the question chose, per layer
+        self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
 
@@ -126,8 +127,13 @@ class BookCache(CacheBase):
         c, L = key.shape[2], self.tail_k[layer].shape[2]
         pos = torch.arange(L, L + c)
         raw = rerotate(key, pos, torch.zeros(c, dtype=torch.long), self.rotary).to(self.dtype)
-        old = rerotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L), self.rotary)
+        old = self._rotated.get(layer)
+        if old is None or old.shape[2] != L or old.dtype != query.dtype:
+            old = rerotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L), self.rotary)
         k_loc = torch.cat([old.to(query.device), key], dim=2)
+        if not self.reading:  # answering: Local only grows, its keys keep their positions
+            again = rerotate(raw.to(query.dtype), torch.zeros(c, dtype=torch.long), pos, self.rotary)  # as the next pass would
+            self._rotated[layer] = torch.cat([old.to(query.device), again.to(query.device)], dim=2)
         v_loc = torch.cat([self.tail_v[layer].to(device=query.device, dtype=value.dtype), value], dim=2)
         if self.reading:  # one pass of the document: its Local logits also give equation 1's terms
             out = self._read_pass(layer, query, k_loc, v_loc, pos, scaling)
@@ -322,7 +328,7 @@ class BookCache(CacheBase):
         the read); its own Local (appending makes new tensors) and choices."""
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
-        out._pending, out._chosen = {}, {}
+        out._pending, out._chosen, out._rotated = {}, {}, {}
         out.attended, out.steps = 0.0, 0
         return out
 
