@@ -20,7 +20,7 @@ def reading_figures(fraction: float, n_tokens: int, elapsed: float) -> str:
     done = min(1.0, max(0.0, fraction)) * n_tokens
     rate = done / elapsed if elapsed > 0 else 0.0
     text = f"{done:,.0f}/{n_tokens:,} tokens ({100 * min(1.0, fraction):.0f}%)"
-    if rate > 0:
+    if rate > 0 and fraction >= 0.01:  # a prompt mostly stored (a warm book) reads few tokens: no ETA from them
         left = (n_tokens - done) / rate
         text += f" · {rate:,.0f} tok/s · {int(left) // 60}m {int(left) % 60:02d}s left"
     return text
