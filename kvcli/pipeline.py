@@ -187,6 +187,11 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             cache = compute()
             return cache, Fetched("off", time.perf_counter() - t0)
         key = make_key(lm, ids, chunked_state(engine, ids, state))
+        if hasattr(reader, "stored_bytes"):  # a book: its entry is written while it is read
+            from .bookstore import fetch_book
+
+            what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
+            return fetch_book(store, key, lambda path: reader.read(engine, ids, path), reader.stored_bytes(lm, ids.numel()), meta, what)
         return store.fetch(key, compute, meta, device=device, room=engine.kv_room)
 
     device = reader.prefix_device(engine)  # the host for an offloaded KV
@@ -337,10 +342,11 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
             if over:
+                how = (reader.reading_note(lm, prompt.n_tokens) if hasattr(reader, "reading_note") else
+                       f"{reader.name} reads it chunk by chunk, which takes a while (every token runs through the model)")
                 notices.warn(
                     f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
-                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {reader.name} reads "
-                    "it chunk by chunk, which takes a while (every token runs through the model)"
+                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {how}"
                 )
             return
     # ---

@@ -241,8 +241,9 @@ def _on(cache, device, room: int = 0):
     an accelerator the question's copy of the prefix would otherwise hold its KV a second time
     there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
     the memo itself, as before. A plain KV is uploaded into buffers with ``room`` more entries
-    per layer (the question and the answer append in place, :meth:`KVCache.upload`)."""
-    if not accelerator.on_accelerator(device):
+    per layer (the question and the answer append in place, :meth:`KVCache.upload`); a stored
+    book moves per use (its own entry, opened in place)."""
+    if not accelerator.on_accelerator(device) or hasattr(cache, "open_entry"):
         return cache
     if type(cache) is KVCache and cache.kept is None:
         return cache.upload(device, room)
@@ -381,8 +382,11 @@ class KVStore:
                     raise DamagedEntry(f"store format {meta.get('format')}, expected {FORMAT_VERSION}")
                 if meta.get("key") != key.digest or meta.get("fields") != key.fields:
                     raise DamagedEntry("it belongs to another key (model, document or method)")
+                lazy = getattr(CACHE_TYPES.get(meta.get("cache_kind")), "open_entry", None)
                 expected = meta.get("tensors")
-                if not isinstance(expected, dict) or set(expected) != set(f.keys()):
+                if lazy is not None:  # read in place, as needed (a stored book: kvcli.bookstore)
+                    expected = {}
+                elif not isinstance(expected, dict) or set(expected) != set(f.keys()):
                     raise DamagedEntry("tensor names differ from its metadata")
                 tensors = {}
                 for name, (dtype, shape) in expected.items():
@@ -396,6 +400,14 @@ class KVStore:
             raise
         except Exception as e:  # safetensors' own errors (torn header, truncated data), bad JSON
             raise DamagedEntry(one_line(e)) from e
+        if lazy is not None:
+            try:
+                cache = lazy(path, meta)
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                raise DamagedEntry(one_line(e)) from e
+            if cache.n_tokens != key.fields["n_tokens"]:
+                raise DamagedEntry(f"{cache.n_tokens} tokens, expected {key.fields['n_tokens']}")
+            return cache, meta
         if _crc32(tensors) != meta.get("crc32"):
             raise DamagedEntry("checksum mismatch")
         cls = CACHE_TYPES.get(meta.get("cache_kind"))

@@ -83,4 +83,4 @@ def test_cycle_finder_finds_a_cycle():
 def test_importing_caches_registers_every_layout():
     code = "import kvcli.caches as c; print(sorted(c.CACHE_TYPES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["kv", "kv+infllm", "lazyllm", "ragged", "razor"]
+    assert eval(out) == ["book", "kv", "kv+infllm", "lazyllm", "ragged", "razor"]

@@ -13,6 +13,7 @@ from .lazyllm import LazyLLM
 from .razor import Razor
 from .blocksparse import BlockSparse
 from .duo import DuoAttention
+from .infllm import InfLLM
 
 # --- KV eviction after the prefill (kvcli.compressors.scoring)
 from .snapkv import SnapKV
@@ -31,7 +32,7 @@ from .decoding import Decoding
 
 __all__ = [
     "REGISTRY", "Compressor", "describe_knobs", "owned_phases", "parse_one", "register",
-    "FullAttention", "Finch", "GemFilter", "LazyLLM", "Razor", "BlockSparse", "DuoAttention",
+    "FullAttention", "Finch", "GemFilter", "LazyLLM", "Razor", "BlockSparse", "DuoAttention", "InfLLM",
     "SnapKV", "PyramidKV", "H2O", "StreamingLLM", "TOVA", "KNorm", "KeyDiff", "AdaKV",
     "ExpectedAttention", "KVzip", "Decoding",
 ]

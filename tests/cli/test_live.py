@@ -57,11 +57,40 @@ def test_spinner_names_the_method_and_tokens_then_a_bar_for_a_long_prompt(monkey
         assert reading.progress is None and reading.status is None
 
 
-def test_no_bar_in_a_pipe(monkeypatch):
+def test_a_pipe_gets_a_line_every_tenth_or_30_s_and_no_bar(monkeypatch):
     err = Console(file=StringIO(), width=100)  # not a terminal
     with live.Reading(err) as reading:
-        reading.on_prompt("finch", 20000)
+        reading.on_prompt("infllm", 20000)
+        reading.on_progress(0.15)
+        assert err.file.getvalue() == ""  # short so far: nothing
         reading.t0 -= 10
-        reading.on_progress(0.1)
+        reading.on_progress(0.16)
+        reading.on_progress(0.18)  # the same tenth, within 30 s: no second line
+        reading.last_line -= live.LINE_EVERY_S
+        reading.on_progress(0.19)  # 30 s later: a line
+        reading.on_progress(0.31)  # the next tenth: a line
         assert reading.progress is None
+    lines = err.file.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("kvcli: infllm · 20,000 tokens: 3,200/20,000 tokens (16%) · ")
+    assert "tok/s" in lines[0] and "left" in lines[0]
+    assert "6,200/20,000 tokens (31%)" in lines[2]
+
+
+def test_the_bar_shows_tokens_rate_and_time_left():
+    err = Console(file=StringIO(), force_terminal=True, width=160)
+    with live.Reading(err) as reading:
+        reading.on_prompt("infllm", 72580)
+        reading.t0 -= 100
+        reading.on_progress(0.25)
+        figures = reading.progress.tasks[0].fields["figures"]
+    assert figures.startswith("18,145/72,580 tokens (25%) · 181 tok/s · 5m 0") and figures.endswith("s left")
+
+
+def test_quiet_prints_no_progress():
+    err = Console(file=StringIO(), width=100, quiet=True)
+    with live.Reading(err) as reading:
+        reading.on_prompt("finch", 20000)
+        reading.t0 -= 100
+        reading.on_progress(0.5)
     assert err.file.getvalue() == ""

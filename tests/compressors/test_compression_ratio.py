@@ -59,6 +59,11 @@ def test_compression_ratio_counts_the_kv_actually_held(tiny_lm, tmp_path, name):
     if name == "blocksparse":  # BlockCache keeps Initial + blocks + Local: every prompt token
         held = float(n)
         assert result.cache.n_prompt == n
+    elif name == "infllm":  # the stored book (every document token's rows) + the question's Local rows
+        book = result.cache
+        stored = book.storage.specs["k.0"][1][1]
+        assert stored == book.n_doc and book.n_blocks > 0  # the spec moved blocks to Memory
+        held = float(stored + book.local_len - (book.n_doc - book.origin))
     else:
         held = held_per_layer_head(result.cache)
     assert result.n_kept_tokens == pytest.approx(held, abs=1e-6)

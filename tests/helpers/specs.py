@@ -20,9 +20,10 @@ COMPRESSING = {
     "expectedattention": "expectedattention:budget=0.25",
     "kvzip": "kvzip:budget=0.25",
     "duo": "duo:streaming=0.5,sinks=4,recent=16",
+    "infllm": "infllm:block_size=8,initial=8,local_window=16,topk=2,chunk=16,repr_topk=2",
     # decoding-time compression: the prefill's method compresses, decoding keeps it under budget
     "decoding": "snapkv:budget=0.25,window=8+decoding:budget=0.25",
 }
 
 
-HOLDS_EVERYTHING = {"full", "blocksparse"}  # blocksparse keeps all, attends a few blocks per step
+HOLDS_EVERYTHING = {"full", "blocksparse", "infllm"}  # blocksparse and infllm keep all, attend a few blocks per step

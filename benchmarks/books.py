@@ -1,0 +1,233 @@
+"""Books: real Debian manuals, factual questions from the first page to the last (issue 28).
+
+    python benchmarks/books.py                         # every document and method (hours on 2 cores)
+    python benchmarks/books.py --docs camlidl --methods oracle,infllm
+    python benchmarks/books.py --memory 8000,20000,70000,150000   # infllm's peak memory by length
+
+The questions, their pages and accepted answers: docs/bench/books/questions.json (each checked
+with ``pdftotext`` on its page). The PDFs come from Debian packages (``apt-get download`` +
+``dpkg -x`` into --pdf-dir, sha256 checked), never committed. Methods, on the embedded model:
+
+* ``oracle`` — full attention on the text of the answer's page alone (the ceiling of any reading
+  of the book with this model);
+* ``full`` — full attention on the whole document, where it fits the model's window;
+* ``finch`` — Finch (the question read with every chunk; nothing can be stored);
+* ``infllm`` — the document read once into the disk store (a fresh one per document), then
+  every question answered from it; the first question's time includes the reading, and one
+  more question is asked in a new process (``python -m kvcli ask``, cold process, warm store).
+
+An answer is right when it contains one of the accepted strings (case-insensitive). Writes
+docs/bench/books/results.json (every answer, times, peak memory, the machine's load) and prints
+the Markdown table of docs/bench/books/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
+from kvcli.documents import document_from_text, load_document  # noqa: E402
+from kvcli.model import default_cache_dir  # noqa: E402
+from kvcli.prompt import build_prompt  # noqa: E402
+from kvcli.store import KVStore  # noqa: E402
+
+QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
+METHODS = ("oracle", "full", "finch", "infllm")
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def fetch_pdf(doc: dict, pdf_dir: Path) -> Path:
+    """The document's PDF under ``pdf_dir`` (downloaded from Debian once), sha256 checked."""
+    target = pdf_dir / Path(doc["path"]).name
+    if not target.exists():
+        pdf_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(["apt-get", "download", f"{doc['package']}={doc['version']}"], cwd=tmp, check=True, capture_output=True)
+            deb = next(Path(tmp).glob("*.deb"))
+            subprocess.run(["dpkg", "-x", str(deb), str(Path(tmp) / "x")], check=True)
+            (Path(tmp) / "x" / doc["path"]).replace(target)
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    if digest != doc["sha256"]:
+        raise SystemExit(f"{target}: sha256 {digest}, expected {doc['sha256']}")
+    return target
+
+
+def page_text(document, page: int) -> str:
+    starts = list(document.page_starts) + [len(document.text)]
+    return document.text[starts[page - 1] : starts[page]]
+
+
+def right(answer: str, accept: list[str]) -> bool:
+    low = answer.lower()
+    return any(a in low for a in accept)
+
+
+def fresh_cache_dir() -> Path:
+    """A cache folder with an empty disk store whose models/ is the user's (no reconversion)."""
+    root = Path(tempfile.mkdtemp(prefix="kvcli-books-"))
+    (root / "models").symlink_to(default_cache_dir() / "models", target_is_directory=True)
+    return root
+
+
+def record(method, doc, q, result, extra=None) -> dict:
+    return {
+        "method": method, "document": doc["name"], "page": q["page"], "question": q["q"], "answer": result.answer,
+        "right": right(result.answer, q["accept"]), "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
+        "total_s": round(result.total_s, 2), "peak_mem_mb": round(result.peak_mem_mb, 1),
+        "cache": result.extra["cache"]["status"], "compressor": result.extra.get("compressor"), "load": round(load(), 2),
+        **(extra or {}),
+    }
+
+
+def run_documents(args) -> list[dict]:
+    spec = json.loads(QUESTIONS.read_text())
+    rows = []
+    session = Session.open(AskOptions(use_cache=False, max_new_tokens=args.max_new_tokens))
+    window = session.lm.max_context
+    for doc in spec["documents"]:
+        if args.docs and doc["name"] not in args.docs:
+            continue
+        pdf = fetch_pdf(doc, args.pdf_dir)
+        document = load_document(pdf)
+        n = build_prompt(session.lm.tokenizer, document.text, doc["questions"][0]["q"], session.template).n_tokens
+        print(f"# {doc['name']}: {document.n_pages} pages, {n:,} tokens (load {load():.1f})", file=sys.stderr, flush=True)
+        for method in args.methods:
+            if method == "full" and n + args.max_new_tokens > window:
+                rows.append({"method": "full", "document": doc["name"], "skipped": f"{n:,} tokens: over the {window:,}-token window"})
+                continue
+            if method == "finch" and n > args.finch_max_tokens:
+                rows.append({"method": "finch", "document": doc["name"], "skipped": f"{n:,} tokens: over --finch-max-tokens"})
+                continue
+            if method == "infllm":
+                rows += run_infllm(args, session, doc, pdf, document)
+                continue
+            for q in doc["questions"]:
+                source = document_from_text(page_text(document, q["page"])) if method == "oracle" else document
+                result = session.ask(source, q["q"], parse_pipeline("full" if method == "oracle" else method))
+                rows.append(record(method, doc, q, result))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
+    """A fresh store: the first question reads the book (timed), the rest answer from it; one more
+    question in a new process (cold process, warm store). The model is ``base``'s (loaded once)."""
+    cache_dir = fresh_cache_dir()
+    options = AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none")
+    session = Session(lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir))
+    rows = []
+    for i, q in enumerate(doc["questions"]):
+        result = session.ask(document, q["q"], parse_pipeline(args.infllm))
+        rows.append(record("infllm", doc, q, result, {"first": i == 0, "entry_bytes": result.extra["cache"]["entry_bytes"]}))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    q = doc["questions"][-1]
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), q["q"], "-c", args.infllm, "--cache-dir", str(cache_dir),
+                          "--json", "--max-new-tokens", str(args.max_new_tokens)], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    rec = json.loads(out.stdout) if out.returncode == 0 else {}
+    rows.append({"method": "infllm", "document": doc["name"], "repeat_process": True, "wall_s": round(wall, 2),
+                 "total_s": rec.get("total_s"), "peak_mem_mb": rec.get("peak_mem_mb"), "cache": rec.get("cache"),
+                 "answer": rec.get("answer"), "right": right(rec.get("answer") or "", q["accept"]), "load": round(load(), 2),
+                 "error": None if out.returncode == 0 else out.stderr.strip()[-300:]})
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def run_memory(args) -> list[dict]:
+    """infllm's first question (the whole read) on documents of the given token counts, made of
+    R-intro's text repeated: peak memory and time by length."""
+    spec = json.loads(QUESTIONS.read_text())
+    doc = next(d for d in spec["documents"] if d["name"] == "R-intro")
+    text = load_document(fetch_pdf(doc, args.pdf_dir)).text
+    session = Session.open(AskOptions(cache_dir=fresh_cache_dir(), max_new_tokens=8, cache_max="none"))
+    tok = session.lm.tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    rows = []
+    for n in args.memory:
+        piece = (ids * (n // len(ids) + 1))[:n]
+        result = session.ask(document_from_text(tok.decode(piece)), "Which version of R is described?", parse_pipeline(args.infllm))
+        rows.append({"method": "infllm", "memory_tokens": n, "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
+                     "peak_mem_mb": round(result.peak_mem_mb, 1), "entry_bytes": result.extra["cache"]["entry_bytes"], "load": round(load(), 2)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def rows_from_log(path: Path) -> list[dict]:
+    """The rows a run printed on stderr (one JSON object a line), for a run stopped before its end."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Per document and method: accuracy, first-question time, repeat-question time, peak memory."""
+    lines = ["| document | method | right | first question (s) | repeat question (s) | peak memory (MB) |", "|---|---|---|---|---|---|"]
+    docs = list(dict.fromkeys(r["document"] for r in rows if "document" in r))
+    for d in docs:
+        for m in METHODS:
+            rs = [r for r in rows if r.get("document") == d and r.get("method") == m]
+            if not rs:
+                continue
+            skipped = [r for r in rs if "skipped" in r]
+            if skipped:
+                lines.append(f"| {d} | {m} | — | — | — | {skipped[0]['skipped']} |")
+                continue
+            qs = [r for r in rs if not r.get("repeat_process")]
+            rep = [r for r in rs if r.get("repeat_process")]
+            first = qs[0]["total_s"]
+            if m == "infllm":
+                repeat = f"{rep[0]['wall_s']} (new process; {rep[0]['total_s']} answering)" if rep else "—"
+            elif m == "oracle":
+                repeat = "—"
+            else:
+                repeat = f"{sum(r['total_s'] for r in qs[1:]) / max(1, len(qs) - 1):.1f} (mean)"
+            lines.append(f"| {d} | {m} | {sum(r['right'] for r in qs)}/{len(qs)} | {first} | {repeat} | {max(r['peak_mem_mb'] for r in qs)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--docs", type=lambda s: s.split(","), default=None)
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    p.add_argument("--infllm", default="infllm", help="the infllm spec (knobs)")
+    p.add_argument("--finch-max-tokens", type=int, default=40000, help="skip Finch on longer documents (it reads every token per question)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+    p.add_argument("--memory", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "books" / "results.json")
+    p.add_argument("--table-from", type=Path, nargs="+", default=None, help="print the table of the rows in these stderr logs")
+    args = p.parse_args()
+    if args.table_from:
+        print(table([r for path in args.table_from for r in rows_from_log(path)]))
+        return
+    started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rows = run_memory(args) if args.memory else run_documents(args)
+    out = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
+           "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    if not args.memory:
+        print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A stored book in the disk store: an entry written while the document is read, not after.
+
+:meth:`kvcli.store.KVStore.fetch` computes a state in memory, then writes it. A book (InfLLM's
+memory of a whole document, :mod:`kvcli.caches.book`) is larger than the memory a bounded read
+may hold, so its entry is written as it is read: :func:`fetch_book` sizes it first (the layout is
+fixed by the document's length), refuses it when it alone is over the store's cap or the disk's
+free space (then the book is read into memory and not stored, with one line saying so), and
+otherwise has the read write into a temporary file of the store, under the key's lock, which
+becomes the entry by ``os.replace`` once the CRC-32 and the header are written. A read that fails
+or is interrupted removes its temporary file (a killed one leaves it to the store's reclaim, like
+any dead writer's): no partial entry is ever visible. A hit opens the entry in place
+(:meth:`kvcli.caches.book.BookCache.open_entry`: CRC checked by reading it back, blocks read as
+needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+from . import notices
+from .files import file_mode
+from .store import FORMAT_VERSION, _META_KEY, Fetched, KVStore, StoreKey
+
+DISK_MARGIN = 256 << 20  # free disk space left to everything else
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def no_room(store: KVStore, size: int) -> str | None:
+    """Why an entry of ``size`` bytes cannot be stored (None: it can)."""
+    if store.max_bytes is not None and size > store.max_bytes:
+        return f"over the cache cap ({human(store.max_bytes)}; --cache-max or KVCLI_CACHE_MAX)"
+    where = store.root if store.root.exists() else store.root.parent
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(where).free
+        if size > free - DISK_MARGIN:
+            return f"more than the free disk space ({human(max(0, free))})"
+    return None
+
+
+def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: dict, what: str) -> tuple[object, Fetched]:
+    """The book under ``key``: opened when stored, else ``read(path)`` into a new entry (or
+    ``read(None)``: into memory, not stored). ``size``: the entry's bytes; ``what``: the book in
+    words for the lines said to the user."""
+    if not store.enabled:
+        return _in_memory(read)
+    t0 = time.perf_counter()
+    hit = store._try_load(key, "cpu")
+    if hit is not None:
+        return hit[0], store._hit(hit, t0)
+    with store._lock(key.digest):
+        hit = store._try_load(key, "cpu")  # another process may have stored it meanwhile
+        if hit is not None:
+            return hit[0], store._hit(hit, t0)
+        if not store.enabled:
+            return _in_memory(read)
+        why = no_room(store, size)
+        if why is not None:
+            notices.warn(f"storing {what} would take {human(size)}, {why}: answering without storing it "
+                         "(every question reads the document again)", key=("book-no-room", key.digest))
+            return _in_memory(read)
+        path = store.path_of(key.digest)
+        try:
+            store.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=store.root)
+            os.close(fd)
+        except OSError as e:
+            store._disable(e)
+            return _in_memory(read)
+        notices.warn(f"storing {what} in the disk store for later questions: {human(size)}", key=("book-store", key.digest))
+        t1 = time.perf_counter()
+        try:
+            book = read(tmp)
+            seconds = time.perf_counter() - t1
+            storage = book.storage
+            full_meta = {
+                **meta, "format": FORMAT_VERSION, "key": key.digest, "fields": key.fields, "cache_kind": book.kind,
+                "facts": book.facts(),
+                "tensors": {n: [str(dt), list(shape)] for n, (dt, shape) in storage.specs.items()},
+                "crc32": storage.crc32(), "compute_s": round(seconds, 4), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            storage.finish({_META_KEY: json.dumps(full_meta, sort_keys=True)})
+            os.chmod(tmp, file_mode())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        storage.path = str(path)
+        entry_bytes = path.stat().st_size
+        store._memo = (key.digest, (book, full_meta, entry_bytes))
+        store._enforce_cap(path)
+    return book, Fetched("miss", seconds, entry_bytes=entry_bytes, key=key.digest)
+
+
+def _in_memory(read: Callable) -> tuple[object, Fetched]:
+    t0 = time.perf_counter()
+    book = read(None)
+    return book, Fetched("off", time.perf_counter() - t0)

@@ -1,0 +1,370 @@
+"""The stored book: InfLLM's memory of a whole document (:mod:`kvcli.compressors.infllm`).
+
+InfLLM (Xiao et al. 2024, arXiv:2402.04617) reads a sequence of any length in chunks; every query
+attends to three parts of what came before it, and nothing else:
+
+    Initial  tokens [0, initial)                      — always attended ("attention sinks")
+    Memory   blocks of ``block_size`` tokens after    — the ``topk`` blocks whose representative
+             Initial, each out of the local window       keys score highest against the chunk's
+                                                         queries (InfLLM's equation 2)
+    Local    every token after the last memory block  — at least ``local_window`` tokens, under
+             (the local window), the chunk itself        ``local_window + block_size`` before the
+                                                         chunk; causal within the chunk
+
+Positions, as InfLLM assigns them: the Local tokens keep their order — the first Local token is
+position 0, a query at local index ``i`` is position ``i`` — and every Initial and Memory token
+sits at the *same* distance ``local_window`` from every query ("the same position for all tokens
+beyond the local window"): their keys are kept before RoPE, and the query that scores them is
+rotated to position ``local_window`` (InfLLM's ``apply_rotary_pos_emb_one_angle(q, n_local)``).
+No relative distance ever exceeds ``local_window + block_size + chunk`` (reading) or
+``local_window + block_size + question + answer`` (answering), whatever the document's length.
+
+One attention call covers both kinds of positions: the queries are ``[q_local | q_memory]`` (2d
+dims), the Local keys ``[k | 0]`` and the Initial/Memory keys ``[0 | k_raw]``, so each score is the
+right one of the two products, and one softmax spans all the keys (the scale stays 1/sqrt(d)).
+
+A block leaves Local for Memory once ``local_window`` tokens follow it (checked after each
+chunk); then its representatives are the ``repr_topk`` tokens with the highest representative
+score, InfLLM's equation 1 ``r_m = 1/l_L sum_j q_{m+j} · k_m`` over its ``local_window``
+successors' queries, read off the reading pass's own attention logits. Only their sum is kept
+(``repsum``): equation 2, ``sum_i sum_r q_i · r``, needs no more. The first block to leave also
+moves Initial out of Local.
+
+Everything a token ever needs is written to the storage (:mod:`kvcli.caches.bookfile`) when it
+leaves Local: the keys before RoPE and the values in 16 bits (``kv_dtype``). After the document,
+the tail still in Local is written too: the storage then holds the whole document, and a question
+runs on top of it (:meth:`BookCache.copy`: Local grows with the question and the answer, and
+every step retrieves its own blocks — or, ``retrieval=question``, the blocks the question chose).
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from typing import ClassVar
+
+import torch
+
+from .. import kernels
+from ..rope import rerotate
+from .base import CacheBase, LayerView, cache_type
+from .blocks import partition
+
+
+class BookLayer(LayerView):
+    """What :meth:`BookCache.update` returns for one layer of a pass: it attends itself."""
+
+    cache: "BookCache"
+
+    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+        return self.cache.attend(self.layer_idx, module, query, scaling, kernel)
+
+
+@cache_type
+class BookCache(CacheBase):
+    kind: ClassVar[str] = "book"
+    tensor_lists: ClassVar[tuple[str, ...]] = ("tail_k", "tail_v")
+
+    def __init__(self, storage, n_doc: int, n_layers: int, n_kv: int, head_dim: int, *, initial: int, block_size: int,
+                 local: int, topk: int, repr_topk: int, retrieval: str = "step") -> None:
+        self.storage = storage
+        self.n_doc = int(n_doc)  # tokens of the document the storage is laid out for
+        self.n_layers_, self.n_kv, self.d = n_layers, n_kv, head_dim
+        self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
+        self.retrieval = retrieval
+        self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
+        self.origin = 0  # absolute position of the first Local token
+        self.n_blocks = 0  # blocks in Memory
+        _, self.max_blocks, _ = partition(self.n_doc, initial, local, block_size)
+        empty = torch.zeros(1, n_kv, 0, head_dim, dtype=self.dtype)
+        self.tail_k = [empty] * n_layers
+        self.tail_v = [empty] * n_layers
+        self.tail_score = [torch.zeros(n_kv, 0)] * n_layers
+        self.init_k = self.init_v = None  # per layer (1, n_kv, initial, d), once Initial left Local
+        self.repsum = [torch.zeros(n_kv, self.max_blocks, head_dim) for _ in range(n_layers)]
+        self.reading = False  # True while the document is read: score tokens, move blocks to Memory
+        self.rotary = None  # the model's rotary embedding (:meth:`bind`)
+        self.positions = None
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._chosen: dict[int, torch.Tensor] = {}  # retrieval=question: the blocks the question chose, per layer
+        self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
+        self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
+        self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
+
+    # --- the transformers contract ----------------------------------------------------------------
+    def bind(self, engine) -> "BookCache":
+        self.rotary = engine.rotary_emb
+        return self
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_layers_
+
+    @property
+    def local_len(self) -> int:
+        return self.tail_k[0].shape[2] if self.n_layers_ else 0
+
+    def next_positions(self, n: int) -> torch.Tensor:
+        """The positions of the next ``n`` tokens of a pass: their indices in Local."""
+        return torch.arange(self.local_len, self.local_len + n)
+
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """The tokens of a pass, at their absolute positions (the pass ran at Local positions)."""
+        super().record_positions(torch.arange(self.n_tokens, self.n_tokens + positions.numel()))
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._pending[layer_idx] = (key, value)
+        view = BookLayer(self, layer_idx)
+        return view, view
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.origin + (self.tail_k[layer_idx].shape[2] if layer_idx < self.n_layers_ else 0)
+
+    # --- attention ---------------------------------------------------------------------------------
+    def attend(self, layer: int, module, query: torch.Tensor, scaling: float, kernel: str) -> torch.Tensor:
+        """The pass's queries (1, n_heads, c, d), rotated at their Local positions, attend to
+        Initial + retrieved Memory blocks (at distance ``local``) + Local (causal)."""
+        key, value = self._pending.pop(layer)
+        c, L = key.shape[2], self.tail_k[layer].shape[2]
+        pos = torch.arange(L, L + c)
+        raw = rerotate(key, pos, torch.zeros(c, dtype=torch.long), self.rotary).to(self.dtype)
+        old = self._rotated.get(layer)
+        if old is None or old.shape[2] != L or old.dtype != query.dtype:
+            old = rerotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L), self.rotary)
+        k_loc = torch.cat([old.to(query.device), key], dim=2)
+        if not self.reading:  # answering: Local only grows, its keys keep their positions
+            again = rerotate(raw.to(query.dtype), torch.zeros(c, dtype=torch.long), pos, self.rotary)  # as the next pass would
+            self._rotated[layer] = torch.cat([old.to(query.device), again.to(query.device)], dim=2)
+        v_loc = torch.cat([self.tail_v[layer].to(device=query.device, dtype=value.dtype), value], dim=2)
+        if self.reading:  # one pass of the document: its Local logits also give equation 1's terms
+            out = self._read_pass(layer, query, k_loc, v_loc, pos, scaling)
+        elif self.init_k is None:  # nothing has left Local yet: causal attention over it
+            out = kernels.attend(kernel, module, query, k_loc, v_loc, scaling)
+            if c == 1:
+                self.attended += 1.0 / self.n_layers_
+        else:
+            out = self._attend_memory(layer, query, k_loc, v_loc, pos, scaling)
+        self.tail_k[layer] = torch.cat([self.tail_k[layer], raw.to("cpu")], dim=2)
+        self.tail_v[layer] = torch.cat([self.tail_v[layer], value.to("cpu", self.dtype)], dim=2)
+        return out
+
+    def _read_pass(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
+        """A reading pass: the attention of its ``c`` queries computed from the logits per KV head
+        (``c x span`` per head: bounded by the pass, GQA never expanded), whose Local part also
+        holds the ``q_g · k_m`` terms of InfLLM's equation 1 — each token's sum over the queries of
+        its ``local`` successors (:func:`kvcli.caches.blocks.infllm_accumulate`'s arithmetic, with
+        no second product)."""
+        _, n_heads, c, d = query.shape
+        g = n_heads // self.n_kv
+        L = k_loc.shape[2] - c
+        q = query[0].reshape(self.n_kv, g, c, d)
+        loc = torch.matmul(q, k_loc[0].unsqueeze(1).transpose(-1, -2))  # (n_kv, g, c, L + c)
+        rows = torch.arange(L, L + c)[:, None]
+        cols = torch.arange(L + c)[None, :]
+        band = (cols < rows) & (cols >= rows - self.local)  # successors within local of each key
+        score = torch.cat([self.tail_score[layer], torch.zeros(self.n_kv, c)], dim=1)
+        score += (loc.float() * band.to(loc.device)).sum(dim=2).mean(dim=1).cpu()
+        self.tail_score[layer] = score
+        logits = loc.masked_fill(~(cols <= rows).to(loc.device), float("-inf"))
+        values = v_loc[0]
+        if self.init_k is not None:
+            q_mem = rerotate(query, pos, torch.full((c,), self.local, dtype=torch.long), self.rotary)
+            k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
+            k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
+            v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
+            mem = torch.matmul(q_mem[0].reshape(self.n_kv, g, c, d), k_mem[0].unsqueeze(1).transpose(-1, -2))
+            logits = torch.cat([mem, logits], dim=-1)
+            values = torch.cat([v_mem[0], values], dim=1)
+        weights = torch.softmax(logits.float() * scaling, dim=-1).to(values.dtype)
+        out = torch.matmul(weights, values.unsqueeze(1))  # (n_kv, g, c, d)
+        return out.reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
+
+    def _attend_memory(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
+        c, d = query.shape[2], query.shape[3]
+        q_mem = rerotate(query, pos, torch.full((c,), self.local, dtype=torch.long), self.rotary)
+        blocks = self.choose(layer, q_mem)  # (n_kv, k)
+        k_mem, v_mem = self.gather(layer, blocks)
+        k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
+        v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
+        q2 = torch.cat([query, q_mem], dim=-1)
+        k2 = torch.cat([torch.cat([torch.zeros_like(k_mem), k_mem], dim=-1), torch.cat([k_loc, torch.zeros_like(k_loc)], dim=-1)], dim=2)
+        v2 = torch.cat([v_mem, v_loc], dim=2)
+        n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
+        mask = torch.ones(c, n_mem + n_loc, dtype=torch.bool, device=query.device)
+        mask[:, n_mem:] = torch.ones(c, n_loc, dtype=torch.bool, device=query.device).tril(n_loc - c)
+        if not self.reading and c == 1:
+            self.attended += (n_mem + n_loc) / max(1, self.get_seq_length(layer)) / self.n_layers_
+        return kernels.sdpa(q2, k2, v2, mask, scaling)
+
+    def choose(self, layer: int, q_mem: torch.Tensor) -> torch.Tensor:
+        """InfLLM's equation 2: block b scores ``sum_i sum_r q_i · r_b`` (i over the pass's queries,
+        r over its representatives) per query head, summed over each KV head's GQA group; the
+        ``topk`` best per KV head, in block order. (n_kv, min(topk, n_blocks)) long."""
+        if not self.reading and self.retrieval == "question" and layer in self._chosen and q_mem.shape[2] == 1:
+            return self._chosen[layer]
+        nb = self.n_blocks
+        k = min(self.topk, nb)
+        if k == 0:
+            return torch.zeros(self.n_kv, 0, dtype=torch.long)
+        q = q_mem[0].to(torch.float32).sum(dim=1)  # (n_heads, d): the sum over the pass's queries
+        q = q.reshape(self.n_kv, -1, q.shape[-1]).sum(dim=1).cpu()  # per KV head (no GQA expansion)
+        scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
+        chosen = torch.sort(torch.topk(scores, k, dim=-1).indices, dim=-1).values
+        if self.trace is not None:
+            self.trace.append((self.origin + self.tail_k[layer].shape[2], layer, chosen.tolist()))
+        if not self.reading:
+            self._chosen.setdefault(layer, chosen)
+        return chosen
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""
+        bs, ks, vs = self.block_size, [], []
+        for h in range(self.n_kv):
+            hk, hv = [], []
+            for b in blocks[h].tolist():
+                lo = self.initial + b * bs
+                hk.append(self.storage.read(f"k.{layer}", h, lo, lo + bs))
+                hv.append(self.storage.read(f"v.{layer}", h, lo, lo + bs))
+            ks.append(torch.cat(hk) if hk else torch.zeros(0, self.d, dtype=self.dtype))
+            vs.append(torch.cat(hv) if hv else torch.zeros(0, self.d, dtype=self.dtype))
+        return torch.stack(ks)[None], torch.stack(vs)[None]
+
+    # --- reading: Local -> Memory -------------------------------------------------------------------
+    def end_chunk(self) -> None:
+        """After a chunk ran through every layer: move each block followed by ``local`` tokens
+        from Local to Memory (its KV to the storage, its representatives' sum to ``repsum``)."""
+        end = self.origin + self.local_len
+        first = self.initial if self.n_blocks == 0 else self.origin  # the next block's start
+        moved = []
+        while self.n_blocks + len(moved) < self.max_blocks and end - (first + self.block_size) >= self.local:
+            moved.append(first)
+            first += self.block_size
+        if not moved:
+            return
+        cut = first - self.origin  # Local tokens leaving
+        for layer in range(self.n_layers_):
+            k, v, score = self.tail_k[layer], self.tail_v[layer], self.tail_score[layer]
+            if self.n_blocks == 0:
+                self._write(layer, 0, k[:, :, : self.initial], v[:, :, : self.initial])
+            for i, a in enumerate(moved):
+                lo = a - self.origin
+                bk = k[0, :, lo : lo + self.block_size]
+                self._write(layer, a, k[:, :, lo : lo + self.block_size], v[:, :, lo : lo + self.block_size])
+                top = torch.topk(score[:, lo : lo + self.block_size], min(self.repr_topk, self.block_size), dim=-1).indices
+                reps = bk.gather(1, top[..., None].expand(-1, -1, self.d)).to(torch.float32)
+                self.repsum[layer][:, self.n_blocks + i] = reps.sum(dim=1)
+            self.tail_k[layer], self.tail_v[layer] = k[:, :, cut:].clone(), v[:, :, cut:].clone()
+            self.tail_score[layer] = score[:, cut:].clone()
+        if self.n_blocks == 0:
+            self.init_k = [self.storage_rows("k", layer, 0, self.initial) for layer in range(self.n_layers_)]
+            self.init_v = [self.storage_rows("v", layer, 0, self.initial) for layer in range(self.n_layers_)]
+        self.n_blocks += len(moved)
+        self.origin = first
+
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for h in range(self.n_kv):
+            self.storage.write(f"k.{layer}", (h, start, start + k.shape[2]), k[0, h])
+            self.storage.write(f"v.{layer}", (h, start, start + v.shape[2]), v[0, h])
+
+    def storage_rows(self, t: str, layer: int, lo: int, hi: int) -> torch.Tensor:
+        return torch.stack([self.storage.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
+
+    def finish_read(self) -> None:
+        """The document is read: write the tail still in Local and the representatives."""
+        if self.origin + self.local_len != self.n_doc:
+            raise ValueError(f"read {self.origin + self.local_len} tokens of a {self.n_doc}-token book")
+        for layer in range(self.n_layers_):
+            self._write(layer, self.origin, self.tail_k[layer], self.tail_v[layer])
+            for h in range(self.n_kv):
+                self.storage.write(f"repsum.{layer}", (h, 0, self.max_blocks), self.repsum[layer][h])
+        self.tail_score = [torch.zeros(self.n_kv, 0)] * self.n_layers_
+        self.reading = False
+
+    # --- the store ---------------------------------------------------------------------------------
+    def facts(self) -> dict:
+        return {"n_doc": self.n_doc, "n_layers": self.n_layers_, "n_kv": self.n_kv, "head_dim": self.d,
+                "initial": self.initial, "block_size": self.block_size, "local": self.local, "topk": self.topk,
+                "repr_topk": self.repr_topk, "origin": self.origin, "n_blocks": self.n_blocks}
+
+    @classmethod
+    def from_storage(cls, storage, facts: dict, retrieval: str = "step") -> "BookCache":
+        """The book a finished storage holds (a file of the disk store, or memory)."""
+        f = {k: int(facts[k]) for k in ("n_doc", "n_layers", "n_kv", "head_dim", "initial", "block_size", "local", "topk", "repr_topk", "origin", "n_blocks")}
+        book = cls(storage, f["n_doc"], f["n_layers"], f["n_kv"], f["head_dim"], initial=f["initial"], block_size=f["block_size"],
+                   local=f["local"], topk=f["topk"], repr_topk=f["repr_topk"], retrieval=retrieval)
+        if f["n_blocks"] != book.max_blocks or not 0 <= f["origin"] <= f["n_doc"]:
+            raise ValueError(f"{f['n_blocks']} blocks, expected {book.max_blocks}")
+        book.origin, book.n_blocks = f["origin"], f["n_blocks"]
+        n = book.n_doc
+        book.tail_k = [book.storage_rows("k", layer, book.origin, n) for layer in range(book.n_layers_)]
+        book.tail_v = [book.storage_rows("v", layer, book.origin, n) for layer in range(book.n_layers_)]
+        if book.n_blocks:
+            book.init_k = [book.storage_rows("k", layer, 0, book.initial) for layer in range(book.n_layers_)]
+            book.init_v = [book.storage_rows("v", layer, 0, book.initial) for layer in range(book.n_layers_)]
+        book.repsum = [storage.whole(f"repsum.{layer}").to(torch.float32) for layer in range(book.n_layers_)]
+        book.positions = torch.arange(n)
+        return book
+
+    @classmethod
+    def open_entry(cls, path, meta: dict) -> "BookCache":
+        """The book a disk-store entry holds (:mod:`kvcli.bookstore`), read in place: its layout
+        checked against the entry's metadata and its CRC-32 against the bytes (read back in
+        pieces, never held); ValueError when anything differs."""
+        from .bookfile import FileStorage
+
+        storage, _ = FileStorage.open(path)
+        try:
+            got = {n: [str(dt), list(shape)] for n, (dt, shape) in storage.specs.items()}
+            if meta.get("tensors") != got:
+                raise ValueError("tensors differ from its metadata")
+            if storage.crc32() != meta.get("crc32"):
+                raise ValueError("checksum mismatch")
+            return cls.from_storage(storage, meta.get("facts") or {})
+        except BaseException:
+            storage.close()
+            raise
+
+    def copy(self) -> "BookCache":
+        """A question's copy: shares the storage, Memory and representatives (never written after
+        the read); its own Local (appending makes new tensors) and choices."""
+        out = _copy.copy(self)
+        out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
+        out._pending, out._chosen, out._rotated = {}, {}, {}
+        out.attended, out.steps = 0.0, 0
+        return out
+
+    def to_tensors(self):
+        raise NotImplementedError("a book is written to its storage as it is read (kvcli.caches.bookfile)")
+
+    # --- reports -------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the KV kept: the whole stored book (on disk or in memory: it is all kept) plus
+        the question's and the answer's Local entries."""
+        extra = max(0, self.local_len - (self.n_doc - self.origin))
+        per_token = sum(t[:, :, :1].numel() * t.element_size() for t in (*self.tail_k, *self.tail_v))
+        return self.stored_bytes() + extra * per_token
+
+    def stored_bytes(self) -> int:
+        from .bookfile import nbytes_of
+
+        return nbytes_of(self.storage.specs)
+
+    def kept_mask(self, n_prompt: int) -> torch.Tensor:
+        """Nothing is thrown away: every layer and KV head holds every prompt position (in memory
+        or in the storage)."""
+        mask = torch.zeros(self.n_layers_, self.n_kv, n_prompt, dtype=torch.bool)
+        if self.positions is not None:
+            mask[:, :, self.positions[self.positions < n_prompt]] = True
+        return mask
+
+    def stats(self) -> dict:
+        """JSON-able counters: the share of the KV each decoding step attended, the partition."""
+        return {
+            "kv_attended_frac": self.attended / self.steps if self.steps else None,
+            "decode_steps": self.steps,
+            "memory_blocks": self.n_blocks,
+            "block_size": self.block_size,
+            "initial_tokens": self.initial if self.n_blocks else 0,
+            "local_tokens": self.local_len,
+            "stored_bytes": self.stored_bytes(),
+        }
+

@@ -1,0 +1,191 @@
+"""InfLLM: read a document of any length once, store its KV, answer every question from it.
+
+Xiao et al. 2024, "InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient
+Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
+(``papers/ktransformers-long-context.md``) frames it: "compute once, use many".
+
+1. Reading (the question-agnostic prefix: the document and the template before it): the prompt
+   runs in chunks of ``chunk`` tokens (InfLLM's ``exc_block_size``); each chunk's queries attend
+   to Initial (the first ``initial`` tokens), the ``topk`` Memory blocks of ``block_size`` tokens
+   that score highest against the chunk's queries, and Local (every token after the last Memory
+   block: the ``local_window`` before the chunk, up to ``block_size`` more, and the chunk, causal).
+   Positions as InfLLM assigns them (:mod:`kvcli.caches.book`): Local tokens by their order
+   in Local, every Initial and Memory token at distance ``local_window`` from every query. So the
+   attention span, the positions and the memory a chunk needs are bounded whatever the length.
+2. A block joins Memory once ``local_window`` tokens follow it; its representatives are its
+   ``repr_topk`` tokens with the highest representative score (InfLLM's equation 1, the mean
+   q·k of a token's ``local_window`` successors), scored during this same read.
+3. The KV of every token (keys before RoPE, values; ``kv_dtype``, 16 bits by default) and the
+   blocks' representatives go to the disk store as they leave Local (:mod:`kvcli.caches.bookfile`):
+   the entry depends on the document only, so every later question reuses it.
+4. A question: its tokens run on top of the stored book as one more chunk (its queries retrieve
+   the blocks); each decoding step retrieves its own blocks (InfLLM; ``retrieval=question``
+   keeps the question's choice for the whole answer, as the KTransformers article does after
+   finding per-token re-selection unstable).
+
+Settings (docs/books.md has the table): InfLLM's released configurations for 8K-window models
+(Llama-3-8B-Instruct: ``n_init=128, n_local=4096, block_size=128, topk=16, repr_topk=4,
+exc_block_size=512``) are the defaults where the model's window allows them; ``local_window``
+and ``topk`` auto-scale to a smaller window (half of it for Local, a quarter for Memory). The
+article's own runs (128K-1M contexts) use ``local_windows_len=4096``, ``block_size=128``,
+``second_block_count=96``. kvcli departs from InfLLM in three documented ways: representatives
+are chosen per KV head (InfLLM: per query head; kvcli sums each GQA group, never expanding the
+cache), the representative score is the paper's equation 1 (its code sums softmax weights), and
+Local runs from the last Memory block (InfLLM's code slides it token by token): a query's Local
+is ``local_window`` to ``local_window + block_size + chunk`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..caches.blocks import partition
+from ..caches.book import BookCache
+from ..caches.bookfile import HEADER_ROOM, FileStorage, MemoryStorage, nbytes_of, tensor_specs
+from ..errors import UsageError
+from .base import Compressor, knob, register
+
+INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
+INFLLM_LOCAL = 4096  # n_local
+INFLLM_TOPK = 16  # topk (blocks of 128)
+KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
+RETRIEVALS = ("step", "question")
+
+
+@register
+@dataclass
+class InfLLM(Compressor):
+    """InfLLM (Xiao et al. 2024, arXiv:2402.04617): the whole document read once in chunks with a
+    bounded attention span (Initial + retrieved Memory blocks + Local), its KV stored question-free;
+    each question retrieves the blocks its queries score highest."""
+
+    name: ClassVar[str] = "infllm"
+    paper: ClassVar[str] = "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory (arXiv:2402.04617)"
+    holds_whole_kv: ClassVar[bool] = False
+    # a Local window as long as the prompt: no block ever leaves it, every query attends to every
+    # token before it at its own position — full attention (and the KV stored in the model's dtype)
+    keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
+
+    block_size: int = knob(128, "tokens per Memory block (InfLLM: 128)")
+    initial: int = knob(128, "Initial tokens, always attended (InfLLM: n_init 128)")
+    local_window: int | None = knob(None, "Local window in tokens (InfLLM: n_local 4096); auto = 4096, at most half the model's window")
+    topk: int | None = knob(None, "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = 16, at most a quarter of the window")
+    repr_topk: int = knob(4, "representative tokens per block (InfLLM: repr_topk 4)")
+    chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
+    kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
+    retrieval: str = knob("step", "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers)")
+
+    def __post_init__(self) -> None:
+        self.kv_dtype = str(self.kv_dtype).strip().lower()
+        if self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"infllm: kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{self.kv_dtype}'")
+        self.retrieval = str(self.retrieval).strip().lower()
+        if self.retrieval not in RETRIEVALS:
+            raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
+        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("repr_topk", 1), ("chunk", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
+
+    def configure(self, lm) -> None:
+        windows = lm.limiting_windows()
+        if windows:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own in the book
+            raise UsageError(
+                f"infllm: {lm.name} has sliding-window layers ({min(windows)} tokens); kvcli's InfLLM reads every "
+                "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
+            )
+        window = lm.max_context or INFLLM_WINDOW
+        if self.local_window is None:
+            self.local_window = max(16, min(INFLLM_LOCAL, window // 2))
+        if self.topk is None:
+            self.topk = max(1, min(INFLLM_TOPK, window // (4 * self.block_size)))
+        if self.repr_topk > self.block_size:
+            raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
+
+    # --- what is stored -----------------------------------------------------------------------------
+    def storage_dtype(self, lm) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype] or next(lm.model.parameters()).dtype
+
+    def prefix_state(self, lm) -> dict:
+        self.configure(lm)
+        return {"kind": "book", "layers": lm.n_layers, "block_size": self.block_size, "initial": self.initial,
+                "local_window": self.local_window, "topk": self.topk, "repr_topk": self.repr_topk, "chunk": self.chunk,
+                "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch.")}
+
+    def specs(self, lm, n: int) -> dict:
+        _, n_blocks, _ = partition(n, self.initial, self.local_window, self.block_size)
+        return tensor_specs(lm.n_layers, lm.n_kv_heads, n, lm.head_dim, n_blocks, self.storage_dtype(lm))
+
+    def stored_bytes(self, lm, n: int) -> int:
+        """Bytes of the stored book's file for an ``n``-token prefix (known before reading it)."""
+        self.configure(lm)
+        return 8 + HEADER_ROOM + nbytes_of(self.specs(lm, n))
+
+    def span(self) -> str:
+        return f"{self.initial} initial + {self.topk} retrieved blocks of {self.block_size} + a {self.local_window:,}-token local window"
+
+    def window_needed(self, lm, n_prompt: int, n_suffix: int, max_new_tokens: int) -> int:
+        """The largest distance a query sees: Local (before the question) plus the question and
+        the answer; Initial and Memory sit at ``local_window``. Documents within the window: all."""
+        self.configure(lm)
+        if not lm.max_context or n_prompt + max_new_tokens <= lm.max_context:
+            return n_prompt + max_new_tokens
+        return self.local_window + self.block_size + max(self.chunk, n_suffix + max_new_tokens)
+
+    def reading_note(self, lm, n_prompt: int) -> str:
+        return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
+                f"attending to {self.span()}; later questions reuse it")
+
+    # --- reading -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def read(self, engine, ids: torch.Tensor, path=None) -> BookCache:
+        """Read ``ids`` (the prefix) into a book: in memory, or into the file at ``path`` (a
+        temporary file of the disk store, which finishes and renames it)."""
+        lm = engine.lm
+        self.configure(lm)
+        specs = self.specs(lm, ids.numel())
+        storage = MemoryStorage(specs) if path is None else FileStorage.create(path, specs)
+        try:
+            book = BookCache(storage, ids.numel(), lm.n_layers, lm.n_kv_heads, lm.head_dim, initial=self.initial,
+                             block_size=self.block_size, local=self.local_window, topk=self.topk,
+                             repr_topk=self.repr_topk, retrieval=self.retrieval).bind(engine)
+            book.reading = True
+            for s in range(0, ids.numel(), self.chunk):
+                part = ids[s : s + self.chunk]
+                engine.forward(part, book.next_positions(part.numel()), book)
+                book.end_chunk()
+            book.finish_read()
+        except BaseException:
+            storage.close()
+            raise
+        return book
+
+    def build_prefix(self, engine, prefix_ids: torch.Tensor):
+        return self.read(engine, prefix_ids)
+
+    # --- a question -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
+        """The question's tokens (everything after the prefix) on top of the stored book."""
+        n = ids.numel()
+        if prefix is not None and prefix.n_tokens > 0:
+            book, start = prefix.cache(), prefix.n_tokens
+        else:
+            book, start = self.read(engine, ids[:0]), 0
+        book = book.bind(engine)
+        book.retrieval = self.retrieval
+        if start >= n:
+            raise UsageError("infllm: the prompt has no tokens after the document to answer from")
+        # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)
+        hidden = engine.forward(ids[start:], book.next_positions(n - start), book)
+        return book, engine.logits(hidden[:, -1:])[-1], n
+
+    @torch.inference_mode()
+    def decode_step(self, engine, token: int, position: int, cache) -> torch.Tensor:
+        if not isinstance(cache, BookCache):
+            raise UsageError(f"infllm: decodes on its book, not a {type(cache).__name__}")
+        cache.steps += 1
+        return engine.step(token, position - cache.origin, cache)

@@ -1,0 +1,333 @@
+"""InfLLM's stored book (kvcli.compressors.infllm, kvcli.caches.book, kvcli.caches.bookfile,
+kvcli.bookstore): the reading and the question checked against InfLLM written out plainly on
+transformers' own layers (positions, memory blocks, representatives, retrieval, one softmax);
+the stored entry (16-bit, opened in place, CRC-checked) answers as the in-memory book does; an
+entry over the cap answers without storing and says so; an interrupted read leaves no entry;
+knob errors are one line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcli import notices
+from kvcli.caches.blocks import partition
+from kvcli.caches.book import BookCache
+from kvcli.caches.bookfile import HEADER_ROOM
+from kvcli.compressors import parse_one
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.pipeline import Pipeline, run
+from kvcli.prompt import build_prompt
+from kvcli.store import KVStore
+
+DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(10))
+SPEC = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,kv_dtype=model"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny models' operations are far too small to share (as test_contract)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def stage(lm, spec=SPEC):
+    s = parse_one(spec)
+    s.configure(lm)
+    return s
+
+
+class _Prefix:
+    """The pipeline's Prefix, reduced to what InfLLM.prefill reads."""
+
+    def __init__(self, book, n):
+        self.book, self.n_tokens = book, n
+
+    def cache(self):
+        return self.book.copy()
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5):
+    """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
+
+    The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
+    j (tokens initial + j*bs ...) whose end is at most s - local (at most those the whole document
+    will have); Local starts after the last of them (at 0 while there is none). Each block's
+    representatives: its repr_topk tokens with the highest mean q·k from their ``local`` successors
+    (the group's query heads averaged; RoPE at true positions). A chunk's blocks: the topk by
+    (sum of the chunk's queries rotated to position ``local``) · (sum of the representatives' keys
+    before RoPE), per KV head (its group's query heads summed). A query at p attends, in one
+    softmax, to Initial and the chosen blocks (keys before RoPE, query at ``local``) and to Local
+    tokens t in [origin, p] (query at p - origin, key at t - origin). The question is one more
+    chunk, with every block in Memory. Returns (logits of the last question token, the blocks
+    the question chose per layer).
+
+    ``follow``: {(pass start, layer): blocks per KV head} the method chose; each must be a top-k of
+    the reference's own scores (a near-tie, within ``tol``, may break either way) and the reference
+    continues with it, so one near-tie cannot make the two diverge."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = lm.model.model
+    n_doc = doc_ids.numel()
+    _, max_blocks, _ = partition(n_doc, initial, local, block_size)
+    ids = torch.cat([doc_ids, question_ids])
+    n = ids.numel()
+    n_kv = model.layers[0].self_attn.config.num_key_value_heads
+    d = model.layers[0].self_attn.head_dim
+    group = model.layers[0].self_attn.config.num_attention_heads // n_kv
+    pre_q = [torch.zeros(1, n_kv * group, n, d) for _ in model.layers]
+    pre_k = [torch.zeros(1, n_kv, n, d) for _ in model.layers]
+    vals = [torch.zeros(1, n_kv, n, d) for _ in model.layers]
+
+    def rot(x, positions):
+        cos, sin = model.rotary_emb(x, torch.as_tensor(positions).view(1, -1))
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    def repsum(layer, j):
+        lo = initial + j * block_size
+        out = torch.zeros(n_kv, d)
+        for h in range(n_kv):
+            scores = []
+            for t in range(lo, lo + block_size):
+                kt = rot(pre_k[layer][:, h : h + 1, t : t + 1], [t])[0, 0, 0]
+                qs = [rot(pre_q[layer][:, h * group + g : h * group + g + 1, u : u + 1], [u])[0, 0, 0]
+                      for u in range(t + 1, t + local + 1) for g in range(group)]
+                scores.append(float((torch.stack(qs) @ kt).sum()) / len(qs))
+            top = sorted(range(block_size), key=lambda i: -scores[i])[:repr_topk]
+            out[h] = sum(pre_k[layer][0, h, lo + i] for i in top)
+        return out
+
+    chosen_by_question = []
+    edges = list(range(0, n_doc, chunk)) + [n_doc]
+    passes = list(zip(edges[:-1], edges[1:])) + [(n_doc, n)]
+    reps: list[dict] = [dict() for _ in model.layers]
+    logits = None
+    with torch.inference_mode():
+        for s, e in passes:
+            blocks = [j for j in range(max_blocks) if initial + (j + 1) * block_size <= s - local]
+            origin = initial + len(blocks) * block_size if blocks else 0
+            hidden = model.embed_tokens(ids[s:e].view(1, -1))
+            for layer_i, layer in enumerate(model.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(hidden)
+                c = e - s
+                q = attn.q_proj(h).view(1, c, -1, d).transpose(1, 2)
+                k = attn.k_proj(h).view(1, c, -1, d).transpose(1, 2)
+                v = attn.v_proj(h).view(1, c, -1, d).transpose(1, 2)
+                pre_q[layer_i][:, :, s:e], pre_k[layer_i][:, :, s:e], vals[layer_i][:, :, s:e] = q, k, v
+                for j in blocks:
+                    if j not in reps[layer_i]:
+                        reps[layer_i][j] = repsum(layer_i, j)
+                picks = []
+                if blocks:
+                    q_mem = rot(q, [local] * c)
+                    qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
+                    for hh in range(n_kv):
+                        sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
+                        top = torch.topk(sc, min(topk, len(blocks))).indices
+                        pick = sorted(blocks[int(i)] for i in top)
+                        if follow is not None:
+                            theirs = follow[(s, layer_i)][hh]
+                            kth = float(sc[top].min())
+                            assert all(float(sc[blocks.index(j)]) >= kth - tol * (1 + abs(kth)) for j in theirs), (s, layer_i, hh, theirs, pick, [float(sc[blocks.index(j)]) for j in theirs + pick])
+                            pick = theirs
+                        picks.append(pick)
+                if e > n_doc:
+                    chosen_by_question.append(picks)
+                out = torch.zeros(1, c, n_kv * group, d)
+                for i in range(c):
+                    p = s + i
+                    for hh in range(n_kv):
+                        mem = []
+                        if blocks:
+                            mem = list(range(initial)) + [t for j in picks[hh] for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                        loc = list(range(origin, p + 1))
+                        k_mem = pre_k[layer_i][0, hh, mem]
+                        k_loc = rot(pre_k[layer_i][:, hh : hh + 1, loc], [t - origin for t in loc])[0, 0]
+                        v_all = torch.cat([vals[layer_i][0, hh, mem], vals[layer_i][0, hh, loc]])
+                        for g in range(group):
+                            qh = pre_q[layer_i][:, hh * group + g : hh * group + g + 1, p : p + 1]
+                            q_loc = rot(qh, [p - origin])[0, 0, 0]
+                            q_m = rot(qh, [local])[0, 0, 0]
+                            w = torch.cat([k_mem @ q_m, k_loc @ q_loc]) * attn.scaling
+                            out[0, i, hh * group + g] = w.softmax(-1) @ v_all
+                hidden = hidden + attn.o_proj(out.reshape(1, c, -1))
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            logits = lm.model.lm_head(model.norm(hidden))[0, -1].float()
+    return logits, chosen_by_question
+
+
+def test_reading_and_question_match_infllm_written_out(tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
+    ids, n_doc = prompt.ids, prompt.prefix_len
+    s = stage(lm)
+    trace = []
+    original = BookCache.__init__
+
+    def traced(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.trace = trace
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BookCache, "__init__", traced)
+        book = s.read(engine, ids[:n_doc])
+    assert book.n_blocks > 3 and book.n_blocks == partition(n_doc, 4, 16, 8)[1]
+    cache, logits, _ = s.prefill(engine, ids, prefix=_Prefix(book, n_doc))
+    follow = {(start, layer): chosen for start, layer, chosen in trace}
+    assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
+    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow)
+    for layer, picks in enumerate(chosen):
+        assert cache._chosen[layer].tolist() == picks
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+
+
+def test_a_local_window_over_the_prompt_is_full_attention(tiny_lm):
+    from tests.helpers.runs import full_reference
+
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls?")
+    want = full_reference(engine, prompt, 3)
+    s = stage(lm, f"infllm:local_window={prompt.n_tokens},kv_dtype=model,chunk=50")
+    book = s.read(engine, prompt.ids[: prompt.prefix_len])
+    assert book.n_blocks == 0
+    cache, logits, pos = s.prefill(engine, prompt.ids, prefix=_Prefix(book, prompt.prefix_len))
+    got = [logits]
+    for i in range(3):
+        got.append(s.decode_step(engine, int(got[-1].argmax()), pos + i, cache))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _answer(lm, store, spec="infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2"):
+    pipeline = Pipeline.parse(spec)
+    pipeline.configure(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
+    return run(Engine(lm), prompt, pipeline, max_new_tokens=4, stop_ids=set(), store=store, meta={"document": "doc"})
+
+
+def test_stored_book_is_16_bit_opened_in_place_and_answers_the_same(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    notices.reset()
+    store = KVStore.open(tmp_path)
+    cold = _answer(lm, store)
+    said = notices.drain()
+    assert any("storing the document's KV" in m and "KiB" in m for m in said)
+    files = list((tmp_path / "kv").glob("*.safetensors"))
+    assert len(files) == 1 and cold.extra["cache"]["status"] == "miss"
+    assert files[0].stat().st_size == cold.extra["cache"]["entry_bytes"] == stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2").stored_bytes(lm, cold.prompt.prefix_len)
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), framework="pt") as f:  # an ordinary safetensors file
+        assert f.get_tensor("k.0").dtype == torch.float16
+    warm = _answer(lm, KVStore.open(tmp_path))  # a new process: opened from the file
+    assert warm.extra["cache"]["status"] == "hit"
+    assert warm.answer_ids == cold.answer_ids
+    off = _answer(lm, None)
+    assert off.answer_ids == cold.answer_ids
+    # a damaged entry is dropped with a warning and read again
+    data = bytearray(files[0].read_bytes())
+    data[-5] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    notices.reset()
+    again = _answer(lm, KVStore.open(tmp_path))
+    assert again.extra["cache"]["status"] == "miss" and again.answer_ids == cold.answer_ids
+    assert any("damaged" in m for m in notices.drain())
+
+
+def test_a_book_over_the_cap_answers_without_storing_and_says_so(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    notices.reset()
+    store = KVStore.open(tmp_path, max_bytes=10_000)
+    result = _answer(lm, store)
+    assert result.extra["cache"]["status"] == "off" and result.answer_ids
+    said = notices.drain()
+    assert any("over the cache cap" in m and "without storing" in m for m in said)
+    assert not list((tmp_path / "kv").glob("*.safetensors"))
+    assert not [p for p in (tmp_path / "kv").glob(".*.tmp")]
+
+
+def test_an_interrupted_read_leaves_no_entry(tiny_lm, tmp_path, monkeypatch):
+    lm = tiny_lm("llama")
+    calls = {"n": 0}
+    original = BookCache.end_chunk
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(BookCache, "end_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _answer(lm, KVStore.open(tmp_path))
+    assert [p.name for p in (tmp_path / "kv").iterdir() if p.name != "locks"] == []
+    monkeypatch.setattr(BookCache, "end_chunk", original)
+    assert _answer(lm, KVStore.open(tmp_path)).extra["cache"]["status"] == "miss"
+
+
+def test_the_stored_size_is_known_before_reading(tiny_lm, tmp_path):
+    lm = tiny_lm("llama")
+    s = stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12")
+    for n in (10, 200, 1000):
+        _, n_blocks, _ = partition(n, 4, 16, 8)
+        per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
+        assert s.stored_bytes(lm, n) == 8 + HEADER_ROOM + n * per_token + lm.n_layers * lm.n_kv_heads * n_blocks * lm.head_dim * 4
+
+
+def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
+    lm = tiny_lm("llama")
+    s = stage(lm, "infllm:local_window=64,chunk=32")
+    assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 64 + 128 + 36
+    assert s.window_needed(lm, 100, 20, 16) == 116
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
+    ("infllm:retrieval=sometimes", "retrieval must be step or question"),
+    ("infllm:block_size=0", "block_size must be at least 1"),
+    ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
+])
+def test_knob_errors_are_one_line(tiny_lm, spec, needle):
+    with pytest.raises(UsageError, match=needle):
+        stage(tiny_lm("llama"), spec)
+
+
+def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tiny_lm, tmp_path, monkeypatch):
+    """Local never exceeds local_window + block_size after a pass (+ chunk during one), whatever
+    the length; with a file storage the document's KV is on disk, not in memory."""
+    from kvcli.caches.bookfile import FileStorage
+
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    s = stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2")
+    seen = []
+    original = BookCache.end_chunk
+
+    def watched(self):
+        seen.append(self.local_len)
+        original(self)
+        seen.append(self.local_len)
+
+    monkeypatch.setattr(BookCache, "end_chunk", watched)
+    ids = torch.randint(5, 200, (900,))
+    book = s.read(engine, ids, path=tmp_path / "book")
+    assert isinstance(book.storage, FileStorage) and book.n_blocks == partition(900, 4, 16, 8)[1]
+    assert max(seen) <= 16 + 8 + 12 and max(seen[1::2]) < 16 + 8 + 4  # before / after each move to Memory
+    per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
+    held = sum(t.numel() * t.element_size() for t in (*book.tail_k, *book.tail_v, *book.init_k, *book.init_v))
+    assert held < 40 * per_token  # Local + Initial, not the 900 tokens
