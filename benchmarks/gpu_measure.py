@@ -37,9 +37,9 @@ def nf4_swap(model) -> int:
     """Every ``nn.Linear`` but ``lm_head`` -> bitsandbytes ``Linear4bit`` (nf4), quantised on the GPU."""
     import bitsandbytes as bnb
 
-    head = model.get_output_embeddings()
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, torch.nn.Linear) and child is not head]
+    from kvcli.bench.simulate.models import linears_but_head
+
+    swaps = linears_but_head(model)
     for parent, name, child in swaps:
         q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                               compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")

@@ -42,11 +42,12 @@ from kvcli.pipeline import Pipeline, run
 from kvcli.store import KVStore
 from kvcli.errors import UsageError
 from tests.helpers.reference import assert_same_logits
-from tests.helpers.specs import COMPRESSING
+from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.runs import DOC, prompt_for
 from tests.helpers.runs import full_reference
 from tests.helpers.stores import session_for
 from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 METHODS = sorted(REGISTRY)
 # the methods whose state depends on the question (nothing to keep on disk), written out: every
@@ -57,9 +58,6 @@ QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
 TOL = 1e-4
 USAGE = Path(__file__).resolve().parents[2] / "docs" / "usage.md"  # the --json fields, documented
-
-# methods that refuse hybrid (sliding-window) models, in one line: the contract checks the refusal
-NOT_ON_HYBRIDS = {"infllm": "its block memory reads every layer; sliding layers are not built in yet"}
 
 # (method, family) -> why it does not reproduce full attention when told to keep everything
 # (each one an xfail(strict=True): fixing the method turns the test red until the entry goes)
@@ -106,16 +104,6 @@ def keep_all_for(name: str, prompt) -> str:
 def known(name: str, family: str) -> list:
     reason = KNOWN_DIFFERENT.get((name, family))
     return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models' operations are far too small to share, and on a loaded
-    machine every parallel region waits for a second thread to be scheduled (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

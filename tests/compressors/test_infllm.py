@@ -23,18 +23,10 @@ from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(10))
 SPEC = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,kv_dtype=model"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models' operations are far too small to share (as test_contract)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def stage(lm, spec=SPEC):

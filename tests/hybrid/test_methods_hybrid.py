@@ -14,9 +14,9 @@ from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
 from tests.compressors.test_contract import configured
 from tests.helpers.runs import prompt_for
-from tests.compressors.test_contract import NOT_ON_HYBRIDS  # refused in one line: checked there
-from tests.helpers.specs import COMPRESSING
+from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS  # the latter refused in one line: test_contract checks it
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 # layouts that hold a sliding layer's KV under its window mask without dropping what the window
 # passed (block retrieval, LazyLLM's per-layer tokens; GemFilter and Finch, whose positions are
@@ -25,14 +25,6 @@ UNTRIMMED = {"blocksparse", "lazyllm", "finch", "gemfilter"}
 # the question-agnostic prefix evictions (a RaggedCache): a sliding layer holds the prefix's last
 # w - 1 tokens and, on top, every question token (not trimmed after the question ran)
 PREFIX_WINDOW = {"kvzip", "expectedattention"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

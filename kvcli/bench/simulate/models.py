@@ -134,11 +134,17 @@ class SimLinear4bit(nn.Module):
         return nn.functional.linear(x, dequantized, self.bias)
 
 
+def linears_but_head(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, module) of every ``nn.Linear`` but the output embedding: what 4-bit
+    weights replace (bitsandbytes keeps ``lm_head`` in 16 bits)."""
+    head = model.get_output_embeddings()
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear) and child is not head]
+
+
 def quantize_nf4(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` but the output embedding by :class:`SimLinear4bit`; returns how many."""
-    head = model.get_output_embeddings()
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, nn.Linear) and child is not head]
+    swaps = linears_but_head(model)
     for parent, name, child in swaps:
         setattr(parent, name, SimLinear4bit(child))
     return len(swaps)
