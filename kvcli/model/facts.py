@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 
 
-QUANTS = ("none", "4bit", "8bit")
+QUANTS = ("auto", "none", "4bit", "8bit")
 
 
 ATTNS = ("sdpa", "eager", "flash")
@@ -43,7 +43,7 @@ class LoadedModel:
     fingerprint: str  # hex sha256 of weights + config + tokenizer + dtype + quant
     device: torch.device
     dtype: torch.dtype
-    quant: str  # "none" | "4bit" | "8bit"
+    quant: str  # "none" | "4bit" | "8bit" (what ran: "auto" resolved)
     attn: str  # "sdpa" | "eager" | "flash" (the kernel asked for)
     source: str = ""  # what was actually loaded: the local folder, or the hub id
 

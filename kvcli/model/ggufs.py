@@ -111,6 +111,18 @@ def gguf_architecture(path: Path) -> str:
         raise ModelError(f"cannot load model '{path}': not a readable GGUF file ({one_line(e)})") from e
 
 
+def gguf_linear_types(path: Path) -> set[str]:
+    """The storage types of a GGUF file's decoder-layer matrices (``blk.*`` 2-D weights), e.g.
+    {"Q4_1"}; empty when the file cannot be read."""
+    try:
+        from gguf import GGUFReader
+
+        return {t.tensor_type.name for t in GGUFReader(str(path)).tensors
+                if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    except Exception:
+        return set()
+
+
 def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str]:
     """(converted folder, sha256) of a user's GGUF file of a supported family, converted once into
     ``<cache>/models/gguf-<sha12>`` (keyed by the file's content: a renamed or moved copy is found

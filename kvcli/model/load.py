@@ -11,6 +11,7 @@ import torch
 from ..errors import ModelError, UsageError, one_line
 from .device import (
     check_attn,
+    check_cpu_quant,
     quant_config,
     require_bitsandbytes,
     resolve_device,
@@ -19,9 +20,11 @@ from .device import (
 from .embedded import EMBEDDED_MODEL, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel
 from .fingerprint import compute_fingerprint, weights_identity
-from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted
+from .embedded import _embedded_gguf_file
+from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
+from .cpu_quant import quantize_model
 
 
 def check_structure(model: Any, name: str, config: Any) -> None:
@@ -46,7 +49,7 @@ def load_model(
     spec: str | None = None,
     *,
     device: str = "auto",
-    quant: str = "none",
+    quant: str = "auto",
     attn: str = "sdpa",
     dtype: str | torch.dtype = "auto",
     cache_dir: Path | str | None = None,
@@ -58,31 +61,37 @@ def load_model(
     once into ``cache_dir``, see :func:`embedded_model_path`); an existing local folder; or a
     Hugging Face hub id (loaded from the local HF cache, else downloaded).
 
-    ``device``: see :func:`resolve_device`. ``quant``: "none", "4bit" (bitsandbytes nf4) or
-    "8bit" (bitsandbytes int8); both work on CPU too. ``attn``: "sdpa", "eager", or "flash"
-    (CUDA + flash-attn only). ``dtype``: "auto" (float32 on CPU; bfloat16 on CUDA when
+    ``device``: see :func:`resolve_device`. ``quant``: "none"; "4bit" / "8bit": on the CPU
+    PyTorch's int4 / int8 CPU kernels with bfloat16 activations (:mod:`.cpu_quant`), on CUDA
+    bitsandbytes (nf4 / int8); "auto" (the default): "4bit" on the CPU for a GGUF whose layers are
+    Q4_1 blocks — the embedded model's: 4bit runs exactly those weights — when ``dtype`` is auto or
+    bfloat16, else "none". ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
+    ``dtype``: "auto" (float32 on CPU, bfloat16 with --quant there; bfloat16 on CUDA when
     supported, else float16), "float32", "bfloat16" or "float16".
 
     Every failure a user can cause raises :class:`ModelError` (or :class:`UsageError` for a bad
     option value) with a one-line message.
     """
     # --- options
-    quant = (quant or "none").strip().lower()
+    quant = (quant or "auto").strip().lower()
     if quant not in QUANTS:
-        raise UsageError(f"--quant must be none, 4bit or 8bit, not '{quant}'")
+        raise UsageError(f"--quant must be auto, none, 4bit or 8bit, not '{quant}'")
     attn = (attn or "sdpa").strip().lower()
     if attn not in ATTNS:
         raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
+    if quant == "auto":
+        quant = auto_quant(name, dev, dtype)
+    cpu_quant = quant != "none" and dev.type == "cpu"
+    torch_dtype = check_cpu_quant(quant, dtype) if cpu_quant else resolve_dtype(dtype, dev)
     attn_impl = check_attn(attn, dev, torch_dtype)
-    if quant != "none":
-        if dev.type not in ("cpu", "cuda"):
+    if quant != "none" and not cpu_quant:
+        if dev.type != "cuda":
             raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
         require_bitsandbytes(quant)
 
     # --- where from
-    name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     hub = False
     cache = Path(cache_dir) if cache_dir is not None else None
     if name.lower() in (EMBEDDED_MODEL, GEMMA_MODEL):
@@ -131,7 +140,8 @@ def load_model(
                 )
             kwargs: dict[str, Any] = {
                 "config": config,
-                "dtype": torch_dtype,
+                # 4/8-bit on the CPU: quantised from the float32 weights (the GGUF's exact values)
+                "dtype": torch.float32 if cpu_quant else torch_dtype,
                 "attn_implementation": attn_impl,
                 "trust_remote_code": trust_remote_code,
             }
@@ -140,7 +150,7 @@ def load_model(
                 # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
                 # (kvcli.attention.install), which soft-caps, so load it with eager
                 kwargs["attn_implementation"] = "eager"
-            qc = quant_config(quant, torch_dtype)
+            qc = None if cpu_quant else quant_config(quant, torch_dtype)
             if qc is not None:
                 kwargs["quantization_config"] = qc
             if dev.type != "cpu":
@@ -160,6 +170,8 @@ def load_model(
         raise ModelError(f"cannot load model '{name}': {msg}") from e
 
     check_structure(model, name, config)
+    if cpu_quant:
+        quantize_model(model, 4 if quant == "4bit" else 8, torch_dtype)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -182,3 +194,21 @@ def load_model(
         attn=attn,
         source=source,
     )
+
+
+def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None) -> str:
+    """What ``--quant auto`` runs: "4bit" on the CPU for a GGUF whose decoder matrices are all Q4_1
+    (the embedded SmolLM2's; :mod:`.cpu_quant` quantises their dequantised values back to exactly
+    those blocks) when the dtype is auto or bfloat16; "none" everywhere else."""
+    if device.type != "cpu" or str(dtype or "auto").strip().lower() not in ("auto", "bfloat16", "bf16", "torch.bfloat16"):
+        return "none"
+    if name.lower() == EMBEDDED_MODEL:
+        try:
+            gguf = _embedded_gguf_file()
+        except ModelError:
+            return "none"  # the load says what is missing
+    elif name.lower().endswith(".gguf") and Path(name).expanduser().is_file():
+        gguf = Path(name).expanduser()
+    else:
+        return "none"
+    return "4bit" if gguf_linear_types(gguf) == {"Q4_1"} else "none"

@@ -44,7 +44,7 @@ from kvcli.errors import UsageError
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.runs import DOC, prompt_for
-from tests.helpers.runs import full_reference
+from tests.helpers.runs import RecordingEngine, full_reference
 from tests.helpers.stores import session_for
 from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
@@ -73,22 +73,6 @@ DOCUMENTED_FIELDS = (
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class RecordingEngine(Engine):
-    """The engine of one pipeline run that keeps the logits every answer token was chosen from: the
-    prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
-
-    def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
-        inner = self.step if step is None else step
-        self.seen = [first_logits]
-
-        def recording(token, position, c):
-            logits = inner(token, position, c)
-            self.seen.append(logits)
-            return logits
-
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording, guard=guard)
 
 
 def configured(spec: str, lm, profiles: Path) -> Pipeline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvcli.caches import KVCache
+from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, default_prefill
 from kvcli.prompt import build_prompt
 
@@ -61,3 +62,19 @@ def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
 
 def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
     return greedy_logits(engine, KVCache(), prompt.ids, steps)
+
+
+class RecordingEngine(Engine):
+    """The engine of one pipeline run that keeps the logits every answer token was chosen from: the
+    prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
+
+    def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
+        inner = self.step if step is None else step
+        self.seen = [first_logits]
+
+        def recording(token, position, c):
+            logits = inner(token, position, c)
+            self.seen.append(logits)
+            return logits
+
+        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording, guard=guard)

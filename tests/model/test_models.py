@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcli.model import embedded, hub
+from kvcli.model.device import require_bitsandbytes
 from kvcli.errors import ModelError, UsageError
 from kvcli.model import (
     EMBEDDED_MODEL,
@@ -240,12 +241,16 @@ def test_bad_option_values():
         _one_line(e.value)
 
 
-def test_quant_without_bitsandbytes(monkeypatch):
+def test_quant_without_bitsandbytes(monkeypatch, tiny_root):
+    """On the CPU, 4/8-bit weights run PyTorch's own kernels: no bitsandbytes needed; on CUDA it is,
+    and its absence is one line with the install command."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
+    path = str(make_tiny_model("llama", tiny_root))
     for quant in ("4bit", "8bit"):
+        assert load_model(path, quant=quant).quant == quant
         with pytest.raises(ModelError) as e:
-            load_model(None, quant=quant)
+            require_bitsandbytes(quant)
         assert "pip install bitsandbytes" in _one_line(e.value)
 
 
@@ -260,26 +265,19 @@ def test_embedded_package_missing(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- quantization
 
 
-def _bnb_or_skip():
-    if importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("bitsandbytes is not installed")
-
-
 @pytest.mark.parametrize("quant", ["4bit", "8bit"])
 def test_quant_tiny_llama_on_cpu(quant, tiny_root):
-    _bnb_or_skip()
     path = str(make_tiny_model("llama", tiny_root))
     plain = load_model(path)
-    try:
-        lm = load_model(path, quant=quant)
-    except ModelError as e:  # pragma: no cover - depends on the bitsandbytes build
-        pytest.skip(f"bitsandbytes cannot run {quant} here: {e}")
-    assert lm.quant == quant and lm.fingerprint != plain.fingerprint
-    assert lm.model.get_memory_footprint() < plain.model.get_memory_footprint()
+    lm = load_model(path, quant=quant)
+    assert lm.quant == quant and lm.dtype == torch.bfloat16 and lm.fingerprint != plain.fingerprint
+    assert lm.model.get_memory_footprint() < plain.model.get_memory_footprint() / 2
     ids = torch.tensor([[1, 5, 9, 200, 2]])
     with torch.inference_mode():
-        logits = lm.model(ids).logits
+        logits, want = lm.model(ids).logits.float(), plain.model(ids).logits
     assert logits.shape == (1, 5, 49152) and torch.isfinite(logits).all()
+    # random weights quantised: close, not equal (4 bits of a Gaussian: ~10% of the spread)
+    assert float((logits - want).abs().max()) < (0.5 if quant == "4bit" else 0.1) * float(want.abs().max())
 
 
 # --------------------------------------------------------------------------- the embedded model
@@ -352,13 +350,11 @@ def test_embedded_model_answers(embedded_cache):
 
 @pytest.mark.slow
 def test_embedded_model_4bit(embedded_cache):
-    _bnb_or_skip()
+    """The default on the CPU: the GGUF's own 4-bit weights through PyTorch's int4 CPU kernel."""
     cache, _, _ = embedded_cache
-    try:
-        lm = load_model(None, cache_dir=cache, quant="4bit")
-    except ModelError as e:  # pragma: no cover - depends on the bitsandbytes build
-        pytest.skip(f"bitsandbytes cannot run 4bit here: {e}")
-    assert lm.model.get_memory_footprint() < 200 * 2**20  # ~159 MiB vs ~513 MiB in float32
+    lm = load_model(None, cache_dir=cache)
+    assert (lm.quant, lm.dtype) == ("4bit", torch.bfloat16)
+    assert lm.model.get_memory_footprint() < 100 * 2**20  # ~90 MiB vs ~513 MiB in float32
     assert "Paris" in _answer(lm, "What is the capital of France?", max_new_tokens=12)
 
 

@@ -1,0 +1,190 @@
+"""4- and 8-bit weights on the CPU, through PyTorch's own CPU kernels (no kernel of kvcli's).
+
+``--quant 4bit`` / ``8bit`` on the CPU replace every ``nn.Linear`` of the decoder layers:
+
+* **4bit** — :class:`Int4Linear`: groups of :data:`GROUP` weights along the input dimension, each
+  ``scale · q + min`` with q in 0..15 (asymmetric, as llama.cpp's Q4_1), run by
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (weights packed once by
+  ``_convert_weight_to_int4pack_for_cpu``). The embedded model's GGUF stores its linear layers as
+  Q4_1 blocks of 32 along that same dimension, so its dequantised float32 weights are quantised back
+  to exactly those blocks (:func:`quantize_int4`: a block's smallest and largest values are codes 0
+  and 15): 4bit runs the GGUF's own weights, not a second rounding of them.
+* **8bit** — :class:`Int8Linear`: one scale per output row (symmetric), run by
+  ``torch.ops.aten._weight_int8pack_mm``.
+* The token embedding and the LM head (one table when tied) are int8 per row in both modes
+  (:class:`Int8Embedding` gathers and scales rows; the head runs ``_weight_int8pack_mm``): the GGUF
+  stores that table as Q8_0, and the head is the one matrix every decoding step reads whole.
+
+Both kernels are fast only with bfloat16 activations on this CPU (measured: float32 activations run
+them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_quant`), its KV too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+GROUP = 32  # weights per 4-bit group along the input dimension (the GGUF's Q4_1 block)
+INNER_K_TILES = 2  # the int4 packing's tile parameter on the CPU
+N_MULTIPLE = 16  # the int4 packing needs the output size a multiple of this
+DTYPE = torch.bfloat16  # the activations' dtype of a quantised model on the CPU
+
+
+# --- the quantisers -----------------------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (int8 codes (out, in), float32 scale per row): ``w ≈ scale · q``, |q| ≤ 127."""
+    w = weight.detach().to(torch.float32)
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (codes 0..15 as int32 (out, in), scale, minimum: float32 (out, in/group)):
+    ``w ≈ scale · q + minimum`` per group of ``group`` inputs, the group's smallest value code 0 and
+    its largest code 15 (what llama.cpp's Q4_1 stores; Q4_1-dequantised weights come back exact)."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.float32).reshape(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: code 0 is its value
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, low
+
+
+# --- the layers ---------------------------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with int8 weights, one scale per output row: ``_weight_int8pack_mm``."""
+
+    bits = 8
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
+        return cls(*quantize_int8(linear.weight), linear.bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights it multiplies by, (out, in) float32."""
+        return self.codes.to(torch.float32) * self.scale.to(torch.float32)[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with 4-bit weights in groups of :data:`GROUP`: ``_weight_int4pack_mm_for_cpu``."""
+
+    bits = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = GROUP) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group = group
+        q, scale, low = quantize_int4(weight, group)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
+        # the kernel computes (q - 8) · scale + zero: zero = minimum + 8 · scale; (in/group, out, 2)
+        self.register_buffer("scale_zero", torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
+        return cls(linear.weight, linear.bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale_zero.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights it multiplies by, (out, in) float32 (the kernel run on the identity)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        sz = self.scale_zero.to(torch.float32)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, sz).T.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding table in int8 per row, gathered and scaled to ``dtype`` on lookup; a
+    scaled embedding (Gemma's ``embed_scale``) keeps its scale. Tied to an LM head, it shares its
+    codes with that head's :class:`Int8Linear` (one table in memory, as before)."""
+
+    def __init__(self, head: Int8Linear, embed_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.head = [head]  # not a submodule: the head is the model's own
+        self.num_embeddings, self.embedding_dim = head.codes.shape
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        rows = head.codes[ids].to(head.scale.dtype) * head.scale[ids].unsqueeze(-1)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
+
+
+# --- the model ----------------------------------------------------------------------------------
+def kernel_error(bits: int) -> str | None:
+    """None if this PyTorch runs the ``bits``-bit CPU kernel here, else why not (one line)."""
+    try:
+        w = torch.randn(N_MULTIPLE, GROUP * 2)
+        layer = Int4Linear(w, None, DTYPE) if bits == 4 else Int8Linear(*quantize_int8(w), None, DTYPE)
+        layer(torch.randn(2, GROUP * 2, dtype=DTYPE))
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        from ..errors import one_line
+
+        return one_line(e)
+    return None
+
+
+def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> dict:
+    """Replace, in place, the decoder layers' ``nn.Linear`` modules by :class:`Int4Linear` (4: a layer
+    whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, is int8) or :class:`Int8Linear` (8), and the
+    embedding + LM head by int8 rows; everything else (norms) goes to ``dtype``. Returns what was
+    done: {"int4": n, "int8": n, "bytes": weight bytes held}."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
+    counts = {"int4": 0, "int8": 0}
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        for name, child in list(layer.named_modules()):
+            if not isinstance(child, nn.Linear):
+                continue
+            parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+            if bits == 4 and child.in_features % GROUP == 0 and child.out_features % N_MULTIPLE == 0:
+                new: nn.Module = Int4Linear.of(child, dtype)
+                counts["int4"] += 1
+            else:
+                new = Int8Linear.of(child, dtype)
+                counts["int8"] += 1
+            setattr(parent, name.rpartition(".")[2], new)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight.data_ptr() == embed.weight.data_ptr()
+    q_head = Int8Linear.of(head, dtype)
+    model.set_output_embeddings(q_head)
+    # the embedding: the head's codes when tied (one table, as before), else a table of its own
+    table = q_head if tied else Int8Linear(*quantize_int8(embed.weight), None, dtype)
+    decoder.embed_tokens = Int8Embedding(table, getattr(embed, "embed_scale", None))
+    counts["int8"] += 1 if tied else 2
+    # what stays float (norms, biases) runs in the activations' dtype; buffers keep theirs (the
+    # rotary tables' inverse frequencies stay float32, as transformers makes them)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    counts["bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) + sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )
+    return counts

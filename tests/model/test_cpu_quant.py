@@ -1,0 +1,165 @@
+"""4/8-bit weights on the CPU (kvcli.model.cpu_quant) and the 16-bit decoding kernel
+(kvcli.kernels.grouped), each against an independent reference written out here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcli import kernels
+from kvcli.errors import ModelError, UsageError
+from kvcli.model import load_model
+from kvcli.model.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
+from kvcli.model.load import auto_quant
+
+
+def q4_1_weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights as llama.cpp's Q4_1 stores them: per block of 32 inputs, d · q + m with codes 0..15
+    where each block uses code 0 and code 15 (its smallest and largest value); and their codes."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = torch.rand(n, k // 32, 1, generator=g).half().float() * 0.01 + 1e-4
+    m = (torch.rand(n, k // 32, 1, generator=g) - 1).half().float() * 0.08
+    return (codes * d + m).reshape(n, k), codes.reshape(n, k)
+
+
+def test_int4_quantiser_gives_back_q4_1_blocks_exactly():
+    w, codes = q4_1_weights(48, 128)
+    q, scale, low = quantize_int4(w)
+    assert torch.equal(q, codes.to(torch.int32))
+    back = (q.view(48, -1, GROUP).float() * scale[..., None] + low[..., None]).view_as(w)
+    assert float((back - w).abs().max()) <= 1e-7
+
+
+def test_int4_quantiser_rounds_to_the_nearest_code():
+    w = torch.randn(16, 64)
+    q, scale, low = quantize_int4(w)
+    groups = w.view(16, 2, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    step = (hi - lo) / 15
+    want = torch.round((groups - lo[..., None]) / step[..., None]).view(16, 64)
+    assert torch.equal(q.float(), want)
+    assert torch.allclose(scale, step) and torch.equal(low, lo)
+    assert int(q.min()) == 0 and int(q.max()) == 15
+
+
+def test_int8_quantiser_per_row():
+    w = torch.randn(8, 64) * torch.arange(1, 9).float()[:, None]  # rows of different ranges
+    q, scale = quantize_int8(w)
+    assert torch.allclose(scale, w.abs().amax(1) / 127)
+    assert torch.equal(q, torch.round(w / scale[:, None]).to(torch.int8))
+    assert float(((q.float() * scale[:, None]) - w).abs().max() / scale.max()) <= 0.5 + 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_int4_linear_multiplies_by_its_weights(rows):
+    w, _ = q4_1_weights(32, 96, seed=rows)
+    bias = torch.randn(32)
+    layer = Int4Linear(w, bias, torch.bfloat16)
+    x = torch.randn(2, rows, 96)
+    got = layer(x).float()
+    # reference: the kernel's own formula with the bfloat16 scale and zero, in float64
+    q, scale, low = quantize_int4(w)
+    s = scale.bfloat16().double()
+    z = (low + 8 * scale).bfloat16().double()
+    deq = ((q.view(32, -1, GROUP).double() - 8) * s[..., None] + z[..., None]).view(32, 96)
+    want = x.bfloat16().double() @ deq.T + bias.bfloat16().double()
+    assert got.shape == (2, rows, 32)
+    assert float((got.double() - want).abs().max()) <= 0.02 * float(want.abs().max())
+    assert torch.allclose(layer.dequantized().double(), deq, atol=1e-6)
+
+
+def test_int8_linear_multiplies_by_its_weights():
+    w = torch.randn(24, 64)
+    layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
+    x = torch.randn(5, 64)
+    q, scale = quantize_int8(w)
+    want = x.bfloat16().double() @ (q.double() * scale.bfloat16().double()[:, None]).T
+    assert float((layer(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())
+
+
+def test_quantized_tiny_model_shares_a_tied_table(tiny_dir):
+    from kvcli.model.cpu_quant import Int8Embedding
+
+    lm = load_model(str(tiny_dir("llama", tie_word_embeddings=True)), dtype="float32")
+    table = lm.model.get_input_embeddings().weight.detach().clone()
+    counts = quantize_model(lm.model, 4)
+    embed, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
+    assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear) and embed.head[0] is head
+    assert counts["int4"] == 2 * 7 and counts["int8"] == 1  # 7 projections per layer, one table
+    ids = torch.tensor([3, 17, 4000])
+    q, scale = quantize_int8(table)
+    want = q[ids].double() * scale.bfloat16().double()[ids, None]
+    assert torch.allclose(embed(ids).double(), want, rtol=1e-2, atol=1e-6)
+    assert lm.model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE's table stays exact
+
+
+def test_grouped_kernel_is_attention():
+    """The 16-bit decoding kernel against a float64 softmax written out, GQA by repeating heads,
+    with the keys a view of a larger buffer (as caches hold them) and each kind of mask."""
+    torch.manual_seed(0)
+    b, h, kvh, d, n = 1, 6, 2, 16, 40
+    buf_k, buf_v = torch.randn(1, kvh, n + 9, d), torch.randn(1, kvh, n + 9, d)
+    key, value = buf_k[:, :, :n].bfloat16(), buf_v[:, :, :n].bfloat16()
+    key_view = buf_k.bfloat16()[:, :, :n]
+    value_view = buf_v.bfloat16()[:, :, :n]
+    assert not key_view.is_contiguous()
+
+    def reference(q, k, v, allowed):
+        k = k.double().repeat_interleave(h // kvh, dim=1)
+        v = v.double().repeat_interleave(h // kvh, dim=1)
+        s = q.double() @ k.transpose(-1, -2) / math.sqrt(d)
+        s = s.masked_fill(~allowed, float("-inf"))
+        return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+    for q_len in (1, 4):
+        q = torch.randn(b, h, q_len, d).bfloat16()
+        causal = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+        per_head = torch.rand(1, h, q_len, n) > 0.3
+        per_head[..., -1] = True
+        for mask, allowed in ((None, causal), (causal, causal), (per_head, per_head)):
+            want = reference(q, key, value, allowed)
+            for k, v in ((key, value), (key_view, value_view)):
+                got = kernels.grouped(q, k, v, mask, 1 / math.sqrt(d))
+                assert got.shape == (b, q_len, h, d)
+                assert float((got.double() - want).abs().max()) < 0.03, (q_len, mask is None)
+        # SDPA routes small 16-bit queries on the CPU here: the same numbers
+        assert torch.equal(kernels.sdpa(q, key_view, value_view, None, 1 / math.sqrt(d)),
+                           kernels.grouped(q, key_view, value_view, None, 1 / math.sqrt(d)))
+    # float32 keeps PyTorch's fused kernel (the float32 path is unchanged)
+    q32 = torch.randn(1, h, 1, d)
+    assert torch.equal(kernels.sdpa(q32, buf_k[:, :, :n], buf_v[:, :, :n], None, 0.25),
+                       F.scaled_dot_product_attention(q32, buf_k[:, :, :n], buf_v[:, :, :n], scale=0.25, enable_gqa=True).transpose(1, 2).contiguous())
+
+
+def test_auto_quant_rules(tiny_dir):
+    cpu = torch.device("cpu")
+    assert auto_quant("smollm2-135m-instruct", cpu, "auto") == "4bit"  # its GGUF is Q4_1 throughout
+    assert auto_quant("smollm2-135m-instruct", cpu, "bfloat16") == "4bit"
+    assert auto_quant("smollm2-135m-instruct", cpu, "float32") == "none"  # asked for float32: float32
+    assert auto_quant("smollm2-135m-instruct", torch.device("cuda"), "auto") == "none"
+    assert auto_quant(str(tiny_dir("llama")), cpu, "auto") == "none"  # float weights stay
+
+
+def test_cpu_quant_refuses_other_dtypes_in_one_line(tiny_dir):
+    path = str(tiny_dir("llama"))
+    for dtype in ("float32", "float16"):
+        with pytest.raises(UsageError) as e:
+            load_model(path, quant="4bit", dtype=dtype)
+        msg = str(e.value)
+        assert "\n" not in msg and "bfloat16" in msg and "--quant none" in msg
+
+
+def test_missing_kernel_names_the_other_options(tiny_dir, monkeypatch):
+    def no_kernel(*a, **k):
+        raise RuntimeError("int4 CPU kernel not compiled in")
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", no_kernel)
+    with pytest.raises(ModelError) as e:
+        load_model(str(tiny_dir("llama")), quant="4bit")
+    msg = str(e.value)
+    assert "\n" not in msg and "--quant 8bit or --quant none" in msg
