@@ -323,3 +323,20 @@ def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tin
     per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
     held = sum(t.numel() * t.element_size() for t in (*book.tail_k, *book.tail_v, *book.init_k, *book.init_v))
     assert held < 40 * per_token  # Local + Initial, not the 900 tokens
+
+
+def test_attention_parts_merge_into_one_softmax():
+    """attention_lse (fused on the CPU, written out elsewhere) + merge_lse = one softmax over the
+    union of the keys, a causal bias included; checked against the scores written out."""
+    from kvcli.caches.book import attention_lse, merge_lse
+
+    torch.manual_seed(0)
+    q, q2 = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    k1, v1, k2, v2 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    allowed = torch.ones(6, 9, dtype=torch.bool).tril(3)
+    bias = torch.zeros(6, 9).masked_fill(~allowed, float("-inf"))
+    scores = torch.cat([q2 @ k1.transpose(-1, -2), (q @ k2.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))], dim=-1) * 0.3
+    want = scores.softmax(-1) @ torch.cat([v1, v2], dim=2)
+    for fused in (True, False):
+        got = merge_lse(attention_lse(q, k2, v2, bias, 0.3, fused=fused), attention_lse(q2, k1, v1, None, 0.3, fused=fused))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
