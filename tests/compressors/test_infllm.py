@@ -291,6 +291,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
 @pytest.mark.parametrize("spec, needle", [
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
+    ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
 ])
@@ -340,3 +341,24 @@ def test_attention_parts_merge_into_one_softmax():
     for fused in (True, False):
         got = merge_lse(attention_lse(q, k2, v2, bias, 0.3, fused=fused), attention_lse(q2, k1, v1, None, 0.3, fused=fused))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device, spec, want", [
+    ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
+    ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
+    ("cpu", "infllm:preset=paper", (4096, 16, "step")),
+    ("meta", "infllm:preset=cpu", (1024, 8, "question")),
+    ("cpu", "infllm:preset=paper,topk=3,retrieval=question", (4096, 3, "question")),  # a knob given wins
+    ("cpu", "infllm:local_window=64", (64, 8, "question")),
+])
+def test_the_preset_fills_the_knobs_not_given(device, spec, want):
+    from types import SimpleNamespace
+
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", limiting_windows=lambda: [])
+    s = parse_one(spec)
+    s.configure(lm)
+    assert (s.local_window, s.topk, s.retrieval) == want
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", limiting_windows=lambda: [])
+    s = parse_one("infllm:preset=paper")
+    s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
+    assert (s.local_window, s.topk) == (1024, 4)
