@@ -19,14 +19,17 @@ rotated to position ``local_window`` (InfLLM's ``apply_rotary_pos_emb_one_angle(
 No relative distance ever exceeds ``local_window + block_size + chunk`` (reading) or
 ``local_window + block_size + question + answer`` (answering), whatever the document's length.
 
-One attention call covers both kinds of positions: the queries are ``[q_local | q_memory]`` (2d
-dims), the Local keys ``[k | 0]`` and the Initial/Memory keys ``[0 | k_raw]``, so each score is the
-right one of the two products, and one softmax spans all the keys (the scale stays 1/sqrt(d)).
+One softmax spans both kinds of positions: Local (the queries at their Local positions, causal)
+and Initial + Memory (the queries rotated to ``local_window``, the keys before RoPE) are each
+attended by PyTorch's fused kernel, which also gives each row's log-sum-exp, and the two results
+are merged into the softmax over all the keys (:func:`attention_lse`, :func:`merge_lse`); the
+query heads of a GQA group are rows of their KV head, the cache is never expanded.
 
 A block leaves Local for Memory once ``local_window`` tokens follow it (checked after each
 chunk); then its representatives are the ``repr_topk`` tokens with the highest representative
 score, InfLLM's equation 1 ``r_m = 1/l_L sum_j q_{m+j} · k_m`` over its ``local_window``
-successors' queries, read off the reading pass's own attention logits. Only their sum is kept
+successors' queries: a key's successors in a pass are consecutive queries, so its terms are
+``k_m`` times a difference of prefix sums of the pass's queries (no logits). Only their sum is kept
 (``repsum``): equation 2, ``sum_i sum_r q_i · r``, needs no more. The first block to leave also
 moves Initial out of Local.
 
