@@ -103,6 +103,7 @@ class BookCache(CacheBase):
         self.n_layers_, self.n_kv, self.d = n_layers, n_kv, head_dim
         self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
         self.retrieval = retrieval
+        self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -247,7 +248,7 @@ class BookCache(CacheBase):
         if not self.reading and self.retrieval == "question" and layer in self._chosen and q_mem.shape[2] == 1:
             return self._chosen[layer]
         nb = self.n_blocks
-        k = min(self.topk, nb)
+        k = min(self.topk if self.reading else self.answer_topk, nb)
         if k == 0:
             return torch.zeros(self.n_kv, 0, dtype=torch.long)
         q = q_mem[0].to(torch.float32).sum(dim=1)  # (n_heads, d): the sum over the pass's queries

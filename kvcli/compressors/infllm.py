@@ -82,6 +82,7 @@ class InfLLM(Compressor):
     initial: int = knob(128, "Initial tokens, always attended (InfLLM: n_init 128)")
     local_window: int | None = knob(None, "Local window in tokens (InfLLM: n_local 4096); auto = the preset's (cpu 1024, paper 4096), at most half the model's window")
     topk: int | None = knob(None, "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = the preset's (cpu 8, paper 16), at most a quarter of the window")
+    answer_topk: int | None = knob(None, "Memory blocks a question (and a decoding step) retrieves; auto = topk (InfLLM: the same)")
     repr_topk: int = knob(4, "representative tokens per block (InfLLM: repr_topk 4)")
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
@@ -98,7 +99,7 @@ class InfLLM(Compressor):
             self.retrieval = str(self.retrieval).strip().lower()
         if self.retrieval not in (None, *RETRIEVALS):
             raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
-        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("repr_topk", 1), ("chunk", 1)):
+        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
@@ -118,6 +119,8 @@ class InfLLM(Compressor):
             self.topk = max(1, min(preset["topk"], window // (4 * self.block_size)))
         if self.retrieval is None:
             self.retrieval = preset["retrieval"]
+        if self.answer_topk is None:
+            self.answer_topk = self.topk
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
 
@@ -198,7 +201,7 @@ class InfLLM(Compressor):
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
-        book.retrieval = self.retrieval
+        book.retrieval, book.answer_topk = self.retrieval, self.answer_topk
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)

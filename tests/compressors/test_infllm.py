@@ -48,7 +48,8 @@ class _Prefix:
 # --------------------------------------------------------------------------- the reference
 
 
-def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5):
+def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
+                     answer_topk=None):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -125,7 +126,8 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
                         sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
-                        top = torch.topk(sc, min(topk, len(blocks))).indices
+                        k_pass = answer_topk if e > n_doc and answer_topk else topk  # the question's own budget
+                        top = torch.topk(sc, min(k_pass, len(blocks))).indices
                         pick = sorted(blocks[int(i)] for i in top)
                         if follow is not None:
                             theirs = follow[(s, layer_i)][hh]
@@ -158,12 +160,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-def test_reading_and_question_match_infllm_written_out(tiny_lm):
+@pytest.mark.parametrize("answer_topk", [None, 6])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm)
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else ""))
     trace = []
     original = BookCache.__init__
 
@@ -178,9 +181,11 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm):
     cache, logits, _ = s.prefill(engine, ids, prefix=_Prefix(book, n_doc))
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
-    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow)
+    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
+                                    answer_topk=answer_topk)
     for layer, picks in enumerate(chosen):
         assert cache._chosen[layer].tolist() == picks
+        assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
 
