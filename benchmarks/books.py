@@ -3,6 +3,7 @@
     python benchmarks/books.py                         # every document and method (hours on 2 cores)
     python benchmarks/books.py --docs camlidl --methods oracle,infllm
     python benchmarks/books.py --memory 8000,20000,70000,150000   # infllm's peak memory by length
+    python benchmarks/books.py --read-speed 8192 --infllm infllm:preset=cpu  # the reading pass alone
 
 The questions, their pages and accepted answers: docs/bench/books/questions.json (each checked
 with ``pdftotext`` on its page). The PDFs come from Debian packages (``apt-get download`` +
@@ -16,7 +17,9 @@ with ``pdftotext`` on its page). The PDFs come from Debian packages (``apt-get d
   every question answered from it; the first question's time includes the reading, and one
   more question is asked in a new process (``python -m kvcli ask``, cold process, warm store).
 
-An answer is right when it contains one of the accepted strings (case-insensitive). Writes
+An answer is right when it contains one of the accepted strings as a word of its own
+more often than the question holds it (case-insensitive; ``par`` is not found in "parameters", an
+echo of the question is no answer); ``--table-from`` rescores old logs so. Writes
 docs/bench/books/results.json (every answer, times, peak memory, the machine's load) and prints
 the Markdown table of docs/bench/books/README.md.
 """
@@ -28,6 +31,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,9 +76,29 @@ def page_text(document, page: int) -> str:
     return document.text[starts[page - 1] : starts[page]]
 
 
-def right(answer: str, accept: list[str]) -> bool:
-    low = answer.lower()
-    return any(a in low for a in accept)
+def right(answer: str, accept: list[str], question: str = "") -> bool:
+    """The answer holds an accepted string as a word of its own (a plural -s/-es allowed), more
+    often than the question does: ``par`` counts in "use par()" but not in "parameters", ``-e``
+    in "Rscript -e" but not in "re-enter", and an echo of the question ("write.table double
+    quotes" for "which qmethod makes write.table double quotes?") is not an answer."""
+    def count(text: str, a: str) -> int:
+        return len(re.findall(r"(?<![a-z0-9])" + re.escape(a.lower()) + r"(?:s|es)?(?![a-z0-9])", text.lower()))
+
+    return any(count(answer, a) > count(question, a) for a in accept)
+
+
+def rescored(rows: list[dict]) -> list[dict]:
+    """``right`` recomputed with :func:`right` from each row's answer (logs of earlier runs)."""
+    spec = json.loads(QUESTIONS.read_text())
+    accept = {(d["name"], q["q"]): q["accept"] for d in spec["documents"] for q in d["questions"]}
+    last = {d["name"]: d["questions"][-1]["q"] for d in spec["documents"]}
+    out = []
+    for r in rows:
+        key = (r.get("document"), r.get("question") or (last.get(r.get("document")) if r.get("repeat_process") else None))
+        if key in accept and "answer" in r:
+            r = {**r, "right": right(r.get("answer") or "", accept[key], key[1])}
+        out.append(r)
+    return out
 
 
 def fresh_cache_dir() -> Path:
@@ -87,7 +111,7 @@ def fresh_cache_dir() -> Path:
 def record(method, doc, q, result, extra=None) -> dict:
     return {
         "method": method, "document": doc["name"], "page": q["page"], "question": q["q"], "answer": result.answer,
-        "right": right(result.answer, q["accept"]), "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
+        "right": right(result.answer, q["accept"], q["q"]), "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
         "total_s": round(result.total_s, 2), "peak_mem_mb": round(result.peak_mem_mb, 1),
         "cache": result.extra["cache"]["status"], "compressor": result.extra.get("compressor"), "load": round(load(), 2),
         **(extra or {}),
@@ -114,13 +138,43 @@ def run_documents(args) -> list[dict]:
                 rows.append({"method": "finch", "document": doc["name"], "skipped": f"{n:,} tokens: over --finch-max-tokens"})
                 continue
             if method == "infllm":
-                rows += run_infllm(args, session, doc, pdf, document)
+                rows += run_infllm_processes(args, doc, pdf) if args.processes else run_infllm(args, session, doc, pdf, document)
                 continue
             for q in doc["questions"]:
+                if args.pages and q["page"] not in args.pages:
+                    continue
                 source = document_from_text(page_text(document, q["page"])) if method == "oracle" else document
                 result = session.ask(source, q["q"], parse_pipeline("full" if method == "oracle" else method))
                 rows.append(record(method, doc, q, result))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def cli_ask(args, pdf: Path, question: str, cache_dir: Path) -> tuple[dict, float, str | None]:
+    """``python -m kvcli ask PDF QUESTION -c <infllm spec> --json`` in a new process: its JSON,
+    its wall time (model load and PDF extraction included), its error."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), question, "-c", args.infllm, "--cache-dir", str(cache_dir),
+                          "--cache-max", "none", "--json", "--max-new-tokens", str(args.max_new_tokens)], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    return (json.loads(out.stdout) if out.returncode == 0 else {}), wall, (None if out.returncode == 0 else out.stderr.strip()[-300:])
+
+
+def run_infllm_processes(args, doc, pdf) -> list[dict]:
+    """``--processes``: every question a new ``kvcli ask`` process on one fresh store, as a user
+    would run them: the first reads the book (its wall time is the first answer's), every later
+    one starts cold from the stored book."""
+    cache_dir = fresh_cache_dir()
+    rows = []
+    for i, q in enumerate(doc["questions"]):
+        rec, wall, error = cli_ask(args, pdf, q["q"], cache_dir)
+        rows.append({"method": "infllm", "document": doc["name"], "page": q["page"], "question": q["q"], "answer": rec.get("answer"),
+                     "right": right(rec.get("answer") or "", q["accept"], q["q"]), "n_tokens": rec.get("n_tokens"), "ttft_s": rec.get("ttft_s"),
+                     "total_s": rec.get("total_s"), "wall_s": round(wall, 2), "peak_mem_mb": rec.get("peak_mem_mb"),
+                     "cache": (rec.get("cache") or {}).get("status") if isinstance(rec.get("cache"), dict) else rec.get("cache"),
+                     "compressor": rec.get("compressor"), "first": i == 0, "process": True, "load": round(load(), 2), "error": error})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -136,16 +190,11 @@ def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
         rows.append(record("infllm", doc, q, result, {"first": i == 0, "entry_bytes": result.extra["cache"]["entry_bytes"]}))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     q = doc["questions"][-1]
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), q["q"], "-c", args.infllm, "--cache-dir", str(cache_dir),
-                          "--json", "--max-new-tokens", str(args.max_new_tokens)], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - t0
-    rec = json.loads(out.stdout) if out.returncode == 0 else {}
+    rec, wall, error = cli_ask(args, pdf, q["q"], cache_dir)
     rows.append({"method": "infllm", "document": doc["name"], "repeat_process": True, "wall_s": round(wall, 2),
                  "total_s": rec.get("total_s"), "peak_mem_mb": rec.get("peak_mem_mb"), "cache": rec.get("cache"),
-                 "answer": rec.get("answer"), "right": right(rec.get("answer") or "", q["accept"]), "load": round(load(), 2),
-                 "error": None if out.returncode == 0 else out.stderr.strip()[-300:]})
+                 "answer": rec.get("answer"), "right": right(rec.get("answer") or "", q["accept"], q["q"]), "load": round(load(), 2),
+                 "error": error})
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -167,6 +216,26 @@ def run_memory(args) -> list[dict]:
                      "peak_mem_mb": round(result.peak_mem_mb, 1), "entry_bytes": result.extra["cache"]["entry_bytes"], "load": round(load(), 2)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def run_read_speed(args) -> list[dict]:
+    """``--read-speed N``: the reading pass alone, ``N`` random token ids read into memory (no disk
+    store, no question), tokens per second; run it alone on the machine to compare code."""
+    import torch
+
+    from kvcli.compressors import parse_one
+
+    session = Session.open(AskOptions(use_cache=False))
+    method = parse_one(args.infllm)
+    method.configure(session.lm)
+    ids = torch.randint(100, 20000, (args.read_speed,), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    method.read(session.engine, ids)
+    dt = time.perf_counter() - t0
+    row = {"method": args.infllm, "read_tokens": args.read_speed, "seconds": round(dt, 2), "tok_s": round(args.read_speed / dt, 1),
+           "threads": torch.get_num_threads(), "load": round(load(), 2)}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return [row]
 
 
 def rows_from_log(path: Path) -> list[dict]:
@@ -194,13 +263,17 @@ def table(rows: list[dict]) -> str:
             qs = [r for r in rs if not r.get("repeat_process")]
             rep = [r for r in rs if r.get("repeat_process")]
             first = qs[0]["total_s"]
-            if m == "infllm":
+            if m == "infllm" and qs[0].get("process"):  # every question a new process: wall times
+                first = f"{qs[0]['wall_s']} wall ({qs[0]['ttft_s']} to the first token)"
+                walls = [r["wall_s"] for r in qs[1:]]
+                repeat = f"{sum(walls) / max(1, len(walls)):.1f} wall (mean of {len(walls)} new processes, max {max(walls, default=0)})"
+            elif m == "infllm":
                 repeat = f"{rep[0]['wall_s']} (new process; {rep[0]['total_s']} answering)" if rep else "—"
             elif m == "oracle":
                 repeat = "—"
             else:
                 repeat = f"{sum(r['total_s'] for r in qs[1:]) / max(1, len(qs) - 1):.1f} (mean)"
-            lines.append(f"| {d} | {m} | {sum(r['right'] for r in qs)}/{len(qs)} | {first} | {repeat} | {max(r['peak_mem_mb'] for r in qs)} |")
+            lines.append(f"| {d} | {m} | {sum(r['right'] for r in qs)}/{len(qs)} | {first} | {repeat} | {max(r['peak_mem_mb'] or 0 for r in qs)} |")
     return "\n".join(lines)
 
 
@@ -208,24 +281,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=lambda s: s.split(","), default=None)
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    p.add_argument("--pages", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="oracle/full/finch: only the questions on these pages (to split a long run)")
     p.add_argument("--infllm", default="infllm", help="the infllm spec (knobs)")
+    p.add_argument("--processes", action="store_true", help="infllm: every question a new `kvcli ask` process on one store (the first reads)")
     p.add_argument("--finch-max-tokens", type=int, default=40000, help="skip Finch on longer documents (it reads every token per question)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--memory", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--read-speed", type=int, default=None, metavar="N", help="time infllm's reading pass alone on N random tokens")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "books" / "results.json")
     p.add_argument("--table-from", type=Path, nargs="+", default=None, help="print the table of the rows in these stderr logs")
     args = p.parse_args()
     if args.table_from:
-        print(table([r for path in args.table_from for r in rows_from_log(path)]))
+        print(table(rescored([r for path in args.table_from for r in rows_from_log(path)])))
         return
     started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    rows = run_memory(args) if args.memory else run_documents(args)
+    rows = run_read_speed(args) if args.read_speed else run_memory(args) if args.memory else run_documents(args)
     out = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
            "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    if not args.memory:
+    if not args.memory and not args.read_speed:
         print(table(rows))
 
 

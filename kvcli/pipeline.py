@@ -28,7 +28,7 @@ from .compressors.base import Runtime
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
-from .policy import AutoPolicy
+from .policy import AutoPolicy, reads
 from .prompt import Prompt
 from .selection import Selection
 from .store import Fetched, KVStore, make_key
@@ -90,7 +90,8 @@ class Pipeline:
         """The pipeline that answers ``prompt``: itself, or for ``auto`` the policy's choice."""
         if self.policy is None:
             return self
-        chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens))
+        chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens,
+                                                   reads=lambda spec: reads(spec, lm, prompt, max_new_tokens)))
         return Pipeline(chosen.stages, chosen_by=AUTO)
 
     def configure(self, lm, runtime: Runtime | None = None) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline
-from kvcli.policy import BEYOND_WINDOW, AutoPolicy
+from kvcli.policy import BEYOND_WINDOW, FALLBACK, AutoPolicy
 from kvcli.stopping import AnswerGuard
 from tests.helpers.tiny_models import _tokenizer
 
@@ -153,11 +153,12 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     assert until >= 3 and got == plain[: until - 2]
 
 
-def test_auto_policy_full_within_the_window_finch_beyond():
+def test_auto_policy_full_within_the_window_infllm_beyond_finch_where_infllm_cannot_read():
     policy = AutoPolicy()
     assert policy.choose(1000, 8192, 64) == "full"
     assert policy.choose(8192 - 64, 8192, 64) == "full"
-    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW == "finch"
+    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW == "infllm"
+    assert policy.choose(8192 - 63, 8192, 64, reads=lambda spec: False) == FALLBACK == "finch"
     assert policy.choose(100_000, None, 64) == "full"  # no known window
     # the hook for a model where compression measured lossless
     measured = AutoPolicy(compress_from=4096, long="snapkv:budget=0.25")
@@ -174,3 +175,18 @@ def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
     chosen = auto.resolve(short, lm, 8)
     assert chosen.spec() == "full" and chosen.chosen_by == "auto"
     assert Pipeline.parse("full").resolve(short, lm, 8).chosen_by is None
+
+
+@pytest.mark.parametrize("model, knobs, want", [
+    ("llama", {"max_position_embeddings": 2048}, "infllm"),  # its span (512 + 128 + 512) fits: the stored book
+    ("llama", {"max_position_embeddings": 1024}, "finch"),  # 512 + 128 + 512 > 1,024: Finch reads it
+    ("gemma3", {"max_position_embeddings": 2048}, "finch"),  # a sliding-window hybrid: infllm refuses, Finch reads it
+])
+def test_auto_beyond_the_window_reads_with_infllm_where_it_can(tiny_lm, model, knobs, want):
+    from kvcli.prompt import build_prompt
+
+    lm = tiny_lm(model, **knobs)
+    long = build_prompt(lm.tokenizer, "gull " * (lm.max_context + 200), "How many?")
+    assert long.n_tokens > lm.max_context
+    chosen = Pipeline.parse("auto").resolve(long, lm, 8)
+    assert chosen.stages[0].name == want and chosen.chosen_by == "auto"

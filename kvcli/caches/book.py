@@ -19,14 +19,17 @@ rotated to position ``local_window`` (InfLLM's ``apply_rotary_pos_emb_one_angle(
 No relative distance ever exceeds ``local_window + block_size + chunk`` (reading) or
 ``local_window + block_size + question + answer`` (answering), whatever the document's length.
 
-One attention call covers both kinds of positions: the queries are ``[q_local | q_memory]`` (2d
-dims), the Local keys ``[k | 0]`` and the Initial/Memory keys ``[0 | k_raw]``, so each score is the
-right one of the two products, and one softmax spans all the keys (the scale stays 1/sqrt(d)).
+One softmax spans both kinds of positions: Local (the queries at their Local positions, causal)
+and Initial + Memory (the queries rotated to ``local_window``, the keys before RoPE) are each
+attended by PyTorch's fused kernel, which also gives each row's log-sum-exp, and the two results
+are merged into the softmax over all the keys (:func:`attention_lse`, :func:`merge_lse`); the
+query heads of a GQA group are rows of their KV head, the cache is never expanded.
 
 A block leaves Local for Memory once ``local_window`` tokens follow it (checked after each
 chunk); then its representatives are the ``repr_topk`` tokens with the highest representative
 score, InfLLM's equation 1 ``r_m = 1/l_L sum_j q_{m+j} · k_m`` over its ``local_window``
-successors' queries, read off the reading pass's own attention logits. Only their sum is kept
+successors' queries: a key's successors in a pass are consecutive queries, so its terms are
+``k_m`` times a difference of prefix sums of the pass's queries (no logits). Only their sum is kept
 (``repsum``): equation 2, ``sum_i sum_r q_i · r``, needs no more. The first block to leave also
 moves Initial out of Local.
 
@@ -45,9 +48,38 @@ from typing import ClassVar
 import torch
 
 from .. import kernels
-from ..rope import rerotate
+from ..rope import rerotate_table, rope_cos_sin
 from .base import CacheBase, LayerView, cache_type
 from .blocks import partition
+
+
+try:  # PyTorch's fused CPU attention, which also returns each row's log-sum-exp
+    _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):  # pragma: no cover - older PyTorch
+    _FLASH_CPU = None
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+                  fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` (1, n_kv, rows, d) over ``k``, ``v`` (1, n_kv, keys, d), with an
+    additive ``bias`` (rows, keys) or None: (output (1, n_kv, rows, d), log-sum-exp of each row's
+    scaled scores (1, n_kv, rows) float32), so that attentions over disjoint key sets merge into
+    one softmax (:func:`merge_lse`). On the CPU PyTorch's fused kernel (no score matrix held);
+    elsewhere, or ``fused=False``, the scores of the rows (bounded by a pass) written out."""
+    if fused and _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=bias, scale=scaling)
+        return out, lse.to(torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(torch.float32) * scaling
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def merge_lse(*parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One softmax over the union of the parts' keys, from each part's (output, log-sum-exp)."""
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    return sum(out * torch.exp(lse - total)[..., None].to(out.dtype) for out, lse in parts)
 
 
 class BookLayer(LayerView):
@@ -71,6 +103,7 @@ class BookCache(CacheBase):
         self.n_layers_, self.n_kv, self.d = n_layers, n_kv, head_dim
         self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
         self.retrieval = retrieval
+        self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -83,6 +116,8 @@ class BookCache(CacheBase):
         self.repsum = [torch.zeros(n_kv, self.max_blocks, head_dim) for _ in range(n_layers)]
         self.reading = False  # True while the document is read: score tokens, move blocks to Memory
         self.rotary = None  # the model's rotary embedding (:meth:`bind`)
+        self._table = None  # (cos, sin) of the rotary embedding at positions 0.. (:meth:`rotate`)
+        self._bias = None  # the causal mask of the pass in progress (:meth:`_causal_bias`)
         self.positions = None
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # retrieval=question: the blocks the question chose, per layer
@@ -92,7 +127,8 @@ class BookCache(CacheBase):
 
     # --- the transformers contract ----------------------------------------------------------------
     def bind(self, engine) -> "BookCache":
-        self.rotary = engine.rotary_emb
+        if self.rotary is not engine.rotary_emb:
+            self.rotary, self._table = engine.rotary_emb, None
         return self
 
     @property
@@ -126,20 +162,20 @@ class BookCache(CacheBase):
         key, value = self._pending.pop(layer)
         c, L = key.shape[2], self.tail_k[layer].shape[2]
         pos = torch.arange(L, L + c)
-        raw = rerotate(key, pos, torch.zeros(c, dtype=torch.long), self.rotary).to(self.dtype)
+        raw = self.rotate(key, pos, torch.zeros(c, dtype=torch.long)).to(self.dtype)
         old = self._rotated.get(layer)
         if old is None or old.shape[2] != L or old.dtype != query.dtype:
-            old = rerotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L), self.rotary)
+            old = self.rotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L))
         k_loc = torch.cat([old.to(query.device), key], dim=2)
         if not self.reading:  # answering: Local only grows, its keys keep their positions
-            again = rerotate(raw.to(query.dtype), torch.zeros(c, dtype=torch.long), pos, self.rotary)  # as the next pass would
+            again = self.rotate(raw.to(query.dtype), torch.zeros(c, dtype=torch.long), pos)  # as the next pass would
             self._rotated[layer] = torch.cat([old.to(query.device), again.to(query.device)], dim=2)
         v_loc = torch.cat([self.tail_v[layer].to(device=query.device, dtype=value.dtype), value], dim=2)
-        if self.reading:  # one pass of the document: its Local logits also give equation 1's terms
-            out = self._read_pass(layer, query, k_loc, v_loc, pos, scaling)
-        elif self.init_k is None:  # nothing has left Local yet: causal attention over it
+        if self.reading:  # one pass of the document: equation 1's terms for every Local key
+            self._score(layer, query, k_loc)
+        if self.init_k is None:  # nothing has left Local yet: causal attention over it
             out = kernels.attend(kernel, module, query, k_loc, v_loc, scaling)
-            if c == 1:
+            if not self.reading and c == 1:
                 self.attended += 1.0 / self.n_layers_
         else:
             out = self._attend_memory(layer, query, k_loc, v_loc, pos, scaling)
@@ -147,53 +183,63 @@ class BookCache(CacheBase):
         self.tail_v[layer] = torch.cat([self.tail_v[layer], value.to("cpu", self.dtype)], dim=2)
         return out
 
-    def _read_pass(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
-        """A reading pass: the attention of its ``c`` queries computed from the logits per KV head
-        (``c x span`` per head: bounded by the pass, GQA never expanded), whose Local part also
-        holds the ``q_g · k_m`` terms of InfLLM's equation 1 — each token's sum over the queries of
-        its ``local`` successors (:func:`kvcli.caches.blocks.infllm_accumulate`'s arithmetic, with
-        no second product)."""
+    def _score(self, layer: int, query: torch.Tensor, k_loc: torch.Tensor) -> None:
+        """Add a reading pass's terms of InfLLM's equation 1 to ``tail_score``: each Local key
+        ``k_m`` gains ``q_i · k_m`` from every query ``i`` of the pass among its ``local``
+        successors (``m < i <= m + local``; the query heads of its GQA group averaged). The
+        successors of a key are a run of consecutive queries, so the sum is ``k_m`` times a
+        difference of prefix sums of the pass's queries: (c + L) x d products, no logits."""
         _, n_heads, c, d = query.shape
-        g = n_heads // self.n_kv
         L = k_loc.shape[2] - c
-        q = query[0].reshape(self.n_kv, g, c, d)
-        loc = torch.matmul(q, k_loc[0].unsqueeze(1).transpose(-1, -2))  # (n_kv, g, c, L + c)
-        rows = torch.arange(L, L + c)[:, None]
-        cols = torch.arange(L + c)[None, :]
-        band = (cols < rows) & (cols >= rows - self.local)  # successors within local of each key
+        q = query[0].reshape(self.n_kv, n_heads // self.n_kv, c, d).to(torch.float64).mean(dim=1)  # (n_kv, c, d)
+        prefix = torch.cat([q.new_zeros(self.n_kv, 1, d), q.cumsum(dim=1)], dim=1)  # prefix[:, r] = sum of rows < r
+        m = torch.arange(L + c, device=q.device)
+        lo = (m + 1).clamp(min=L) - L  # the first successor in this pass (row index)
+        hi = torch.maximum((m + self.local).clamp(max=L + c - 1) - L + 1, lo)  # one past the last
+        terms = ((prefix[:, hi] - prefix[:, lo]) * k_loc[0].to(torch.float64)).sum(dim=-1)
         score = torch.cat([self.tail_score[layer], torch.zeros(self.n_kv, c)], dim=1)
-        score += (loc.float() * band.to(loc.device)).sum(dim=2).mean(dim=1).cpu()
-        self.tail_score[layer] = score
-        logits = loc.masked_fill(~(cols <= rows).to(loc.device), float("-inf"))
-        values = v_loc[0]
-        if self.init_k is not None:
-            q_mem = rerotate(query, pos, torch.full((c,), self.local, dtype=torch.long), self.rotary)
-            k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
-            k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
-            v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
-            mem = torch.matmul(q_mem[0].reshape(self.n_kv, g, c, d), k_mem[0].unsqueeze(1).transpose(-1, -2))
-            logits = torch.cat([mem, logits], dim=-1)
-            values = torch.cat([v_mem[0], values], dim=1)
-        weights = torch.softmax(logits.float() * scaling, dim=-1).to(values.dtype)
-        out = torch.matmul(weights, values.unsqueeze(1))  # (n_kv, g, c, d)
-        return out.reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
+        self.tail_score[layer] = score + terms.to(torch.float32).cpu()
 
     def _attend_memory(self, layer: int, query, k_loc, v_loc, pos, scaling: float) -> torch.Tensor:
-        c, d = query.shape[2], query.shape[3]
-        q_mem = rerotate(query, pos, torch.full((c,), self.local, dtype=torch.long), self.rotary)
-        blocks = self.choose(layer, q_mem)  # (n_kv, k)
-        k_mem, v_mem = self.gather(layer, blocks)
+        """Initial + the retrieved Memory blocks (keys before RoPE, the queries rotated to
+        ``local``) and Local (causal, at Local positions) in one softmax: each part's attention
+        and log-sum-exp (fused, :func:`attention_lse`), merged. The query heads of a GQA group
+        are rows of their KV head (never expanded)."""
+        _, n_heads, c, d = query.shape
+        g = n_heads // self.n_kv
+        q_mem = self.rotate(query, pos, torch.full((c,), self.local, dtype=torch.long))
+        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
-        q2 = torch.cat([query, q_mem], dim=-1)
-        k2 = torch.cat([torch.cat([torch.zeros_like(k_mem), k_mem], dim=-1), torch.cat([k_loc, torch.zeros_like(k_loc)], dim=-1)], dim=2)
-        v2 = torch.cat([v_mem, v_loc], dim=2)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
-        mask = torch.ones(c, n_mem + n_loc, dtype=torch.bool, device=query.device)
-        mask[:, n_mem:] = torch.ones(c, n_loc, dtype=torch.bool, device=query.device).tril(n_loc - c)
+        bias = None if c == 1 else self._causal_bias(c, n_loc, g, query)
+        loc = attention_lse(query.reshape(1, self.n_kv, g * c, d), k_loc, v_loc.to(query.dtype), bias, scaling)
+        mem = attention_lse(q_mem.reshape(1, self.n_kv, g * c, d), k_mem, v_mem, None, scaling)
         if not self.reading and c == 1:
             self.attended += (n_mem + n_loc) / max(1, self.get_seq_length(layer)) / self.n_layers_
-        return kernels.sdpa(q2, k2, v2, mask, scaling)
+        return merge_lse(loc, mem).reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
+
+    def _causal_bias(self, c: int, n_loc: int, g: int, like: torch.Tensor) -> torch.Tensor:
+        """(g*c, n_loc) additive mask: query row i (any head of a group) sees Local keys up to
+        its own position ``n_loc - c + i``. The same for every layer of a pass: built once."""
+        key = (c, n_loc, g, like.dtype, like.device)
+        if self._bias is None or self._bias[0] != key:
+            allowed = torch.ones(c, n_loc, dtype=torch.bool, device=like.device).tril(n_loc - c)
+            bias = torch.zeros(c, n_loc, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
+            self._bias = (key, bias.repeat(g, 1))
+        return self._bias[1]
+
+    def rotate(self, x: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Keys or queries (..., n, d) at positions ``old`` (n,) -> at ``new`` (n,), from one table
+        of the model's rotary embedding over Local's positions (grown as Local grows)."""
+        if x.shape[-2] == 0:
+            return x
+        need = int(max(old.max(), new.max())) + 1
+        table = self._table
+        if table is None or table[0].shape[0] < need or table[0].device != x.device:
+            size = max(need, 2 * table[0].shape[0] if table is not None else 0, self.local + self.block_size + 1)
+            table = self._table = rope_cos_sin(self.rotary, torch.arange(size), x)
+        return rerotate_table(x, old.to(x.device), new.to(x.device), *table)
 
     def choose(self, layer: int, q_mem: torch.Tensor) -> torch.Tensor:
         """InfLLM's equation 2: block b scores ``sum_i sum_r q_i · r_b`` (i over the pass's queries,
@@ -202,7 +248,7 @@ class BookCache(CacheBase):
         if not self.reading and self.retrieval == "question" and layer in self._chosen and q_mem.shape[2] == 1:
             return self._chosen[layer]
         nb = self.n_blocks
-        k = min(self.topk, nb)
+        k = min(self.topk if self.reading else self.answer_topk, nb)
         if k == 0:
             return torch.zeros(self.n_kv, 0, dtype=torch.long)
         q = q_mem[0].to(torch.float32).sum(dim=1)  # (n_heads, d): the sum over the pass's queries

@@ -23,10 +23,13 @@ Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
    keeps the question's choice for the whole answer, as the KTransformers article does after
    finding per-token re-selection unstable).
 
-Settings (docs/books.md has the table): InfLLM's released configurations for 8K-window models
-(Llama-3-8B-Instruct: ``n_init=128, n_local=4096, block_size=128, topk=16, repr_topk=4,
-exc_block_size=512``) are the defaults where the model's window allows them; ``local_window``
-and ``topk`` auto-scale to a smaller window (half of it for Local, a quarter for Memory). The
+Settings (docs/books.md has the table): ``preset`` fills the knobs not given. ``paper``: InfLLM's
+released configuration for 8K-window models (Llama-3-8B-Instruct: ``n_init=128, n_local=4096,
+block_size=128, topk=16, repr_topk=4, exc_block_size=512``), each decoding step retrieving,
+``local_window`` and ``topk`` scaled down to a smaller window (half of it for Local, a quarter for
+Memory). ``cpu``: the span measured on a 2-core CPU (``local_window=1024, topk=8``, the question's
+blocks for the whole answer): ~2,300 keys per query instead of ~6,900, so a 100-page book reads
+within minutes. ``auto`` (the default): ``cpu`` on the CPU, ``paper`` on an accelerator. The
 article's own runs (128K-1M contexts) use ``local_windows_len=4096``, ``block_size=128``,
 ``second_block_count=96``. kvcli departs from InfLLM in three documented ways: representatives
 are chosen per KV head (InfLLM: per query head; kvcli sums each GQA group, never expanding the
@@ -42,6 +45,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import accelerator
 from ..caches.blocks import partition
 from ..caches.book import BookCache
 from ..caches.bookfile import HEADER_ROOM, FileStorage, MemoryStorage, nbytes_of, tensor_specs
@@ -49,8 +53,12 @@ from ..errors import UsageError
 from .base import Compressor, knob, register
 
 INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
-INFLLM_LOCAL = 4096  # n_local
-INFLLM_TOPK = 16  # topk (blocks of 128)
+# knobs a preset fills when not given: local_window (at most half the window), topk (blocks, at
+# most a quarter of the window), retrieval
+PRESETS = {
+    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step"},  # InfLLM's n_local, topk; per-step retrieval
+    "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question"},  # measured on a 2-core CPU (docs/books.md)
+}
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
 
@@ -69,23 +77,29 @@ class InfLLM(Compressor):
     # token before it at its own position — full attention (and the KV stored in the model's dtype)
     keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
 
+    preset: str = knob("auto", "auto (cpu on the CPU, paper on an accelerator), cpu (local_window=1024, topk=8, retrieval=question) or paper (InfLLM's 4096, 16, step); fills the knobs not given")
     block_size: int = knob(128, "tokens per Memory block (InfLLM: 128)")
     initial: int = knob(128, "Initial tokens, always attended (InfLLM: n_init 128)")
-    local_window: int | None = knob(None, "Local window in tokens (InfLLM: n_local 4096); auto = 4096, at most half the model's window")
-    topk: int | None = knob(None, "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = 16, at most a quarter of the window")
+    local_window: int | None = knob(None, "Local window in tokens (InfLLM: n_local 4096); auto = the preset's (cpu 1024, paper 4096), at most half the model's window")
+    topk: int | None = knob(None, "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = the preset's (cpu 8, paper 16), at most a quarter of the window")
+    answer_topk: int | None = knob(None, "Memory blocks a question (and a decoding step) retrieves; auto = topk (InfLLM: the same)")
     repr_topk: int = knob(4, "representative tokens per block (InfLLM: repr_topk 4)")
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
-    retrieval: str = knob("step", "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers)")
+    retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
 
     def __post_init__(self) -> None:
+        self.preset = str(self.preset).strip().lower()
+        if self.preset not in ("auto", *PRESETS):
+            raise UsageError(f"infllm: preset must be one of auto, {', '.join(PRESETS)}, got '{self.preset}'")
         self.kv_dtype = str(self.kv_dtype).strip().lower()
         if self.kv_dtype not in KV_DTYPES:
             raise UsageError(f"infllm: kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{self.kv_dtype}'")
-        self.retrieval = str(self.retrieval).strip().lower()
-        if self.retrieval not in RETRIEVALS:
+        if self.retrieval is not None:
+            self.retrieval = str(self.retrieval).strip().lower()
+        if self.retrieval not in (None, *RETRIEVALS):
             raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
-        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("repr_topk", 1), ("chunk", 1)):
+        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
@@ -98,12 +112,22 @@ class InfLLM(Compressor):
                 "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
             )
         window = lm.max_context or INFLLM_WINDOW
+        preset = PRESETS[self.resolved_preset(lm)]
         if self.local_window is None:
-            self.local_window = max(16, min(INFLLM_LOCAL, window // 2))
+            self.local_window = max(16, min(preset["local_window"], window // 2))
         if self.topk is None:
-            self.topk = max(1, min(INFLLM_TOPK, window // (4 * self.block_size)))
+            self.topk = max(1, min(preset["topk"], window // (4 * self.block_size)))
+        if self.retrieval is None:
+            self.retrieval = preset["retrieval"]
+        if self.answer_topk is None:
+            self.answer_topk = self.topk
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
+
+    def resolved_preset(self, lm) -> str:
+        if self.preset != "auto":
+            return self.preset
+        return "paper" if accelerator.on_accelerator(lm.device) else "cpu"
 
     # --- what is stored -----------------------------------------------------------------------------
     def storage_dtype(self, lm) -> torch.dtype:
@@ -170,13 +194,14 @@ class InfLLM(Compressor):
     @torch.inference_mode()
     def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):
         """The question's tokens (everything after the prefix) on top of the stored book."""
+        self.configure(engine.lm)
         n = ids.numel()
         if prefix is not None and prefix.n_tokens > 0:
             book, start = prefix.cache(), prefix.n_tokens
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
-        book.retrieval = self.retrieval
+        book.retrieval, book.answer_topk = self.retrieval, self.answer_topk
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)

@@ -48,7 +48,8 @@ class _Prefix:
 # --------------------------------------------------------------------------- the reference
 
 
-def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5):
+def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
+                     answer_topk=None):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -125,7 +126,8 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
                         sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
-                        top = torch.topk(sc, min(topk, len(blocks))).indices
+                        k_pass = answer_topk if e > n_doc and answer_topk else topk  # the question's own budget
+                        top = torch.topk(sc, min(k_pass, len(blocks))).indices
                         pick = sorted(blocks[int(i)] for i in top)
                         if follow is not None:
                             theirs = follow[(s, layer_i)][hh]
@@ -158,12 +160,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-def test_reading_and_question_match_infllm_written_out(tiny_lm):
+@pytest.mark.parametrize("answer_topk", [None, 6])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm)
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else ""))
     trace = []
     original = BookCache.__init__
 
@@ -178,9 +181,11 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm):
     cache, logits, _ = s.prefill(engine, ids, prefix=_Prefix(book, n_doc))
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
-    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow)
+    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
+                                    answer_topk=answer_topk)
     for layer, picks in enumerate(chosen):
         assert cache._chosen[layer].tolist() == picks
+        assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
 
@@ -291,6 +296,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
 @pytest.mark.parametrize("spec, needle", [
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
+    ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
 ])
@@ -323,3 +329,41 @@ def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tin
     per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
     held = sum(t.numel() * t.element_size() for t in (*book.tail_k, *book.tail_v, *book.init_k, *book.init_v))
     assert held < 40 * per_token  # Local + Initial, not the 900 tokens
+
+
+def test_attention_parts_merge_into_one_softmax():
+    """attention_lse (fused on the CPU, written out elsewhere) + merge_lse = one softmax over the
+    union of the keys, a causal bias included; checked against the scores written out."""
+    from kvcli.caches.book import attention_lse, merge_lse
+
+    torch.manual_seed(0)
+    q, q2 = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    k1, v1, k2, v2 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    allowed = torch.ones(6, 9, dtype=torch.bool).tril(3)
+    bias = torch.zeros(6, 9).masked_fill(~allowed, float("-inf"))
+    scores = torch.cat([q2 @ k1.transpose(-1, -2), (q @ k2.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))], dim=-1) * 0.3
+    want = scores.softmax(-1) @ torch.cat([v1, v2], dim=2)
+    for fused in (True, False):
+        got = merge_lse(attention_lse(q, k2, v2, bias, 0.3, fused=fused), attention_lse(q2, k1, v1, None, 0.3, fused=fused))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device, spec, want", [
+    ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
+    ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
+    ("cpu", "infllm:preset=paper", (4096, 16, "step")),
+    ("meta", "infllm:preset=cpu", (1024, 8, "question")),
+    ("cpu", "infllm:preset=paper,topk=3,retrieval=question", (4096, 3, "question")),  # a knob given wins
+    ("cpu", "infllm:local_window=64", (64, 8, "question")),
+])
+def test_the_preset_fills_the_knobs_not_given(device, spec, want):
+    from types import SimpleNamespace
+
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", limiting_windows=lambda: [])
+    s = parse_one(spec)
+    s.configure(lm)
+    assert (s.local_window, s.topk, s.retrieval) == want
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", limiting_windows=lambda: [])
+    s = parse_one("infllm:preset=paper")
+    s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
+    assert (s.local_window, s.topk) == (1024, 4)
