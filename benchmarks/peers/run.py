@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--before", default=None, help="git revision: its kvcli rows too, as 'kvcli@REV'")
     ap.add_argument("--low-memory", action="store_true", help="also the kvcli rows with --low-memory, as 'kvcli --low-memory'")
+    ap.add_argument("--quants", default="", help="also the kvcli rows with --quant Q for each Q (e.g. none,8bit), as 'kvcli --quant Q'")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--no-kvpress", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "peers"))
@@ -150,6 +151,8 @@ def main() -> None:
     kvclis = [("kvcli", {})]
     if args.low_memory:
         kvclis.append(("kvcli --low-memory", {"KVCLI_LOW_MEMORY": "1"}))
+    for quant in [q for q in args.quants.split(",") if q]:
+        kvclis.append((f"kvcli --quant {quant}", {"KVCLI_QUANT": quant}))
     if args.before:
         kvclis.append((f"kvcli@{args.before}", {"KVCLI_SRC": str(checkout(args.before))}))
     shared = [m for m in args.methods.split(",") if m]
@@ -199,7 +202,7 @@ def main() -> None:
                     record("llama.cpp", "full", "full", q2, run_worker(llama_py, "worker_llamacpp.py", q2, "full", ["--load-prefix", state]), "repeat q2 (from cache)")
     table = make_table(rows)
     (out / "peers_table.md").write_text(f"Peers, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table)
-    (out / "peers_compact.md").write_text(compact_table(rows))  # the README's table
+    (out / "peers_compact.md").write_text(compact_table(rows, tuple(lengths)))  # the README's table
     print(table)
 
 

@@ -5,7 +5,7 @@ disk KV store in DIR (the repeat-question rows: a first process fills it, a seco
 without it the store is off (cold runs). The answer is forced to the case's ``new_tokens`` tokens
 (``force_tokens``: decode speed over a fixed length); the answer compared is the part before the
 first stop token. The environment variable ``KVCLI_SRC`` selects which kvcli tree is measured (run.py's
-``--before``); ``KVCLI_LOW_MEMORY=1`` runs with ``--low-memory``."""
+``--before``); ``KVCLI_LOW_MEMORY=1`` runs with ``--low-memory``, ``KVCLI_QUANT=Q`` with ``--quant Q``."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ from kvcli.store import KVStore  # noqa: E402
 def main() -> None:
     case, spec, extra = read_case()
     store = Path(extra[extra.index("--store") + 1]) if "--store" in extra else None
-    session = Session.open(AskOptions(use_cache=False, **({"low_memory": True} if os.environ.get("KVCLI_LOW_MEMORY") else {})))
+    options = {"low_memory": True} if os.environ.get("KVCLI_LOW_MEMORY") else {}
+    if os.environ.get("KVCLI_QUANT"):  # run.py --quants: a precision other than the default
+        options["quant"] = os.environ["KVCLI_QUANT"]
+    session = Session.open(AskOptions(use_cache=False, **options))
     if store is not None:
         session = dataclasses.replace(session, store=KVStore.open(store))
     doc = document_from_text(case["document"])

@@ -31,12 +31,19 @@ DTYPE = torch.bfloat16  # the activations' dtype of a quantised model on the CPU
 
 
 # --- the quantisers -----------------------------------------------------------------------------
+ROWS = 2048  # rows quantised at a time: temporaries bounded (the 49,152-row token table: ~20 MB, not ~450)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) float -> (int8 codes (out, in), float32 scale per row): ``w ≈ scale · q``, |q| ≤ 127."""
-    w = weight.detach().to(torch.float32)
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for a in range(0, weight.shape[0], ROWS):
+        w = weight.detach()[a : a + ROWS].to(torch.float32)
+        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        codes[a : a + ROWS] = torch.round(w / s[:, None]).clamp(-127, 127)
+        scale[a : a + ROWS] = s
+    return codes, scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,12 +51,33 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
     ``w ≈ scale · q + minimum`` per group of ``group`` inputs, the group's smallest value code 0 and
     its largest code 15 (what llama.cpp's Q4_1 stores; Q4_1-dequantised weights come back exact)."""
     n, k = weight.shape
-    w = weight.detach().to(torch.float32).reshape(n, k // group, group)
-    low, high = w.amin(dim=-1), w.amax(dim=-1)
-    scale = (high - low) / 15
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: code 0 is its value
-    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return q.reshape(n, k), scale, low
+    codes = torch.empty(n, k, dtype=torch.int32)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    low = torch.empty(n, k // group, dtype=torch.float32)
+    for a in range(0, n, ROWS):
+        w = weight.detach()[a : a + ROWS].to(torch.float32).reshape(-1, k // group, group)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        s = (hi - lo) / 15
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: code 0 is its value
+        codes[a : a + ROWS] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).reshape(-1, k)
+        scale[a : a + ROWS], low[a : a + ROWS] = s, lo
+    return codes, scale, low
+
+
+def release_freed_memory() -> None:
+    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``; elsewhere nothing):
+    the float32 weights a quantised model was made from are freed in pieces glibc keeps, ~250 MB
+    of resident memory on the embedded model otherwise."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # --- the layers ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .embedded import _embedded_gguf_file
 from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
-from .cpu_quant import quantize_model
+from .cpu_quant import quantize_model, release_freed_memory
 
 
 def check_structure(model: Any, name: str, config: Any) -> None:
@@ -172,6 +172,7 @@ def load_model(
     check_structure(model, name, config)
     if cpu_quant:
         quantize_model(model, 4 if quant == "4bit" else 8, torch_dtype)
+        release_freed_memory()
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

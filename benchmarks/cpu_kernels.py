@@ -1,0 +1,76 @@
+"""The CPU kernel measurements behind docs/cpu.md's choices (one run; read ratios):
+
+    .venv/bin/python benchmarks/cpu_kernels.py
+
+1. matrix products of the embedded model's shapes, for decoding (1 row) and prefill (512, 2,048
+   rows): float32 and bfloat16 ``F.linear``, PyTorch's int8 (``_weight_int8pack_mm``) and int4
+   (``_weight_int4pack_mm_for_cpu``) CPU kernels with float32 and with bfloat16 activations;
+2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
+   float32 and bfloat16, and ``kvcli.kernels.grouped``, on buffer views as kvcli's caches hold them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvcli import kernels
+from kvcli.model.cpu_quant import Int4Linear, Int8Linear, quantize_int8
+
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out), SmolLM2-135M
+LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
+
+
+def bench(fn) -> float:
+    """Milliseconds per call: one warm-up, then as many calls as fit in 0.3 s."""
+    fn()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.3:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def products() -> None:
+    torch.manual_seed(0)
+    for rows in (1, 512, 2048):
+        for k, n in SHAPES:
+            w = torch.randn(n, k) * 0.05
+            x = torch.randn(rows, k)
+            xb, wb = x.bfloat16(), w.bfloat16()
+            i8 = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
+            i4 = Int4Linear(w, None, torch.bfloat16)
+            i8_32 = Int8Linear(*quantize_int8(w), None, torch.float32)
+            i4_32 = Int4Linear(w, None, torch.float32)
+            cells = {
+                "float32": bench(lambda: F.linear(x, w)),
+                "bfloat16": bench(lambda: F.linear(xb, wb)),
+                "int8/f32": bench(lambda: i8_32(x)),
+                "int8/bf16": bench(lambda: i8(xb)),
+                "int4/f32": bench(lambda: i4_32(x)),
+                "int4/bf16": bench(lambda: i4(xb)),
+            }
+            print(f"rows {rows:5d} {k:5d}x{n:<6d} " + "  ".join(f"{c} {v:8.3f}" for c, v in cells.items()), flush=True)
+
+
+def attention() -> None:
+    torch.manual_seed(0)
+    for n in (1024, 4096, 8192):
+        for dtype in (torch.float32, torch.bfloat16):
+            # each layer's KV a view of the first n entries of a buffer with room, as caches hold it
+            kv = [(torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
+                   torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n]) for _ in range(LAYERS)]
+            q = torch.randn(1, HEADS, 1, HEAD_DIM).to(dtype)
+            scale = 1 / math.sqrt(HEAD_DIM)
+            sdpa = bench(lambda: [F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in kv])
+            grouped = bench(lambda: [kernels.grouped(q, k, v, None, scale) for k, v in kv])
+            print(f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  ms per {LAYERS} layers", flush=True)
+
+
+if __name__ == "__main__":
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    products()
+    attention()
