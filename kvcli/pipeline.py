@@ -25,6 +25,7 @@ from . import accelerator, notices
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
+from .engine import WINDOW_SLACK
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
@@ -247,11 +248,29 @@ class Result:
         """What full attention holds of the prompt / what was held, per layer and KV head (1.0:
         nothing evicted). Without sliding windows that is prompt tokens / :attr:`n_kept_tokens`. On
         a hybrid model (Gemma 2 / 3) full attention's own sliding layers hold only their window
-        (the last ``w - 1`` prompt tokens once decoding starts): both sides count them, so full
-        attention is 1.0 there too and a method is credited only for what it evicted."""
+        (the last ``w - 1`` prompt tokens once decoding starts, fewer as the answer's tokens push
+        them out: :func:`window_holding`, after as many decoding steps as this run took): both
+        sides count them, so full attention is 1.0 there too and a method is credited only for
+        what it evicted."""
         n = self.prompt.n_tokens
-        full = n if not self.windows else sum(n if w is None else min(n, w - 1) for w in self.windows) / len(self.windows)
+        if not self.windows:
+            return n / max(self.n_kept_tokens, 1e-9)
+        fed = 0 if self.cache is None else max(0, self.cache.n_tokens - self.selection.n_kept)
+        full = sum(n if w is None else window_holding(n, w, fed) for w in self.windows) / len(self.windows)
         return full / max(self.n_kept_tokens, 1e-9)
+
+
+def window_holding(n_prompt: int, window: int, fed: int) -> int:
+    """Prompt entries full attention's sliding layer of ``window`` holds after ``fed`` decoding
+    steps: its last ``w - 1`` once the prompt is read, then one more per step, cut back to
+    ``w - 1`` once it holds more than ``w - 1 + WINDOW_SLACK`` (:meth:`Engine.trim_windows`);
+    the answer's tokens take the place of the oldest prompt ones."""
+    held = min(n_prompt, window - 1)
+    for _ in range(fed):
+        held += 1
+        if held > window - 1 + WINDOW_SLACK:
+            held = window - 1
+    return max(0, min(n_prompt, held - fed))
 
 
 def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):

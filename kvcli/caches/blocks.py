@@ -265,9 +265,10 @@ class BlockLayer(LayerView):
 
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim). A hybrid's sliding
-        layer (Gemma 2 / 3) retrieves nothing: it attends to its window, as full attention does."""
+        layer (Gemma 2 / 3) retrieves nothing: it attends to its window, as full attention does
+        (once cut back to its window, :meth:`BlockCache.drop_front`, it holds no blocks)."""
         cache, layer = self.cache, self.layer_idx
-        if sliding_window is not None and sliding_window < cache.get_seq_length(layer):
+        if sliding_window is not None and (sliding_window < cache.get_seq_length(layer) or layer in cache.dropped):
             key, value = cache.full(layer, query.device)
             key, value = key[:, :, -sliding_window:], value[:, :, -sliding_window:]
             cache._count(layer, [key.shape[2] / cache.get_seq_length(layer)] * key.shape[1])
@@ -310,6 +311,9 @@ class BlockCache(CacheBase):
         self.frac_count = 0
         self.layer_frac: list[list[float]] = []  # per layer: [sum, count]
         self.trace: list | None = None  # tests: set to [] to record (step, layer, query, blocks, computed)
+        # a hybrid's sliding layers cut back to their window (drop_front): layer -> entries dropped
+        # from its front; such a layer holds no blocks, only its last entries (in ``fkeys``)
+        self.dropped: dict[int, int] = {}
 
     # --- building it ----------------------------------------------------------------------------
     @classmethod
@@ -481,14 +485,29 @@ class BlockCache(CacheBase):
         self.layer_frac[layer][0] += sum(fracs)
         self.layer_frac[layer][1] += len(fracs)
 
+    def drop_front(self, layer: int, n: int) -> None:
+        """Drop the ``n`` oldest entries of ``layer``, a hybrid's sliding layer (Gemma 2 / 3) whose
+        window has passed them (:meth:`kvcli.engine.Engine.trim_windows`). The layer then holds
+        no blocks (a sliding layer never retrieves): its remaining entries, in token order, are its
+        always-attended part (``fkeys``, on the compute device: a window is small), and
+        ``full(layer)`` is just them."""
+        k, v = self.full(layer, self.fkeys[layer].device)
+        self.fkeys[layer], self.fvalues[layer] = k[:, :, n:].clone(), v[:, :, n:].clone()
+        self.keys[layer], self.values[layer] = self.keys[layer][:, :, :0], self.values[layer][:, :, :0]
+        self.reps[layer] = self.reps[layer][:, :0]
+        self.candidates[layer] = None
+        self.dropped = {**self.dropped, layer: self.dropped.get(layer, 0) + n}
+
     # --- kvcli's own use --------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
-        """Nothing is thrown away: every layer and KV head holds every prompt position."""
+        """Every layer and KV head holds every prompt position, but a sliding layer cut back to its
+        window (:meth:`drop_front`): its last entries."""
         n_kv = self.fkeys[0].shape[1] if self.fkeys else 0
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
         if self.positions is not None:
-            pos = self.positions[self.positions < n_prompt]
-            mask[:, :, pos] = True
+            for layer in range(self.n_layers):
+                pos = self.positions[self.dropped.get(layer, 0) :]
+                mask[layer, :, pos[pos < n_prompt]] = True
         return mask
 
     def stats(self) -> dict:
@@ -522,6 +541,7 @@ class BlockCache(CacheBase):
         for name in ("keys", "values", "fkeys", "fvalues", "reps", "candidates"):
             setattr(other, name, list(getattr(self, name)))
         other.history = dict(self.history)
+        other.dropped = dict(self.dropped)
         other.layer_frac = [list(x) for x in self.layer_frac]
         other.trace = None if self.trace is None else list(self.trace)
         return other

@@ -17,6 +17,12 @@ layer; ``copy()`` shares the views, and the copy gets its own buffer on its firs
 ``gather``: set by :func:`kvcli.compressors.lazyllm.run_tokens` for one layer pass: the slots
 (after this pass's append) that the layer's attention reads, in order; ``update`` then returns
 just those rows (the step's token set ``S_l``), so the attention needs no membership mask.
+
+A hybrid's sliding layer (Gemma 2 / 3) is cut back to its window (:meth:`LazyCache.drop_front`,
+called by :meth:`kvcli.engine.Engine.trim_windows`) as far as nothing can read the dropped slots
+again: a token still in the Aux Cache may be revived into the layer and attend its own window
+there, and the layer before a pruning layer is scored over all its slots. ``window_from[l]``: the
+positions below it were dropped from layer ``l``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class LazyCache(LayerKV):
         self.selection: dict[int, torch.Tensor] = {}
         # set to a list to record, per step, [(pruning layer, S_layer (T,) bool), ...] (tests, debugging)
         self.trace: list | None = None
+        # a hybrid's sliding layers cut back to their window (drop_front): layer -> the position
+        # below which its slots were dropped
+        self.window_from: dict[int, int] = {}
 
     # --- the transformers contract ---------------------------------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -117,15 +126,52 @@ class LazyCache(LayerKV):
         idx = torch.nonzero(pick).flatten()
         return pos[idx], hidden.index_select(1, idx.to(hidden.device))
 
+    # --- a hybrid's sliding layers: their window ----------------------------------------------------
+    def reach(self, layer: int) -> int | None:
+        """The lowest position a later computation in ``layer`` can have (its window reaches back
+        from there), or None when every held slot may still be read: the layer before a pruning
+        layer while selections go on (knob ``reselect`` not 0) scores the query token's attention
+        over all its slots. Otherwise the next token's position, or, while selections go on, the
+        lowest position of a token without KV here (frontier <= layer, in an Aux Cache), which a
+        later step may revive into this layer."""
+        selecting = self.reselect != 0 and bool(self.schedule)
+        if selecting and any(l == layer + 1 for l, _ in self.schedule):
+            return None
+        total = self.frontier.numel()
+        if selecting:
+            pending = torch.nonzero(self.frontier <= layer).flatten()
+            if pending.numel():
+                return min(total, int(pending[0]))
+        return total
+
+    def drop_front(self, layer: int, n: int) -> None:
+        """Cut ``layer``, a sliding layer, back to its window (:meth:`kvcli.engine.Engine.trim_windows`
+        asks for its ``n`` oldest entries, so that ``get_seq_length(layer) - n`` = w - 1 stay):
+        drop the slots at positions below :meth:`reach` - (w - 1), which no computation can read
+        again, and no other. Exact: what a query at or after :meth:`reach` attends is all held."""
+        reach = self.reach(layer)
+        if reach is None:
+            return
+        slots = self.slot_pos[layer]
+        start = reach - (slots.numel() - n)
+        keep = torch.nonzero(slots >= start).flatten()
+        if keep.numel() == slots.numel():
+            return
+        idx = keep.to(self.keys[layer].device)
+        self.keys[layer] = self.keys[layer].index_select(2, idx)
+        self.values[layer] = self.values[layer].index_select(2, idx)
+        self.slot_pos[layer] = slots[keep]
+        self.window_from = {**self.window_from, layer: max(start, self.window_from.get(layer, 0))}
+
     # --- kvcli's own use ---------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
         """(n_layers, n_kv_heads, n_prompt) bool: layer ``l`` holds the KV of the prompt tokens
-        computed there (in the prefill or revived later); the same for every KV head."""
+        computed there (in the prefill or revived later) that its window did not drop; the same
+        for every KV head."""
         n_kv = self.keys[0].shape[1] if self.keys else 0
-        n = min(n_prompt, self.frontier.numel())
         mask = torch.zeros(self.n_model_layers, n_kv, n_prompt, dtype=torch.bool)
-        layers = torch.arange(self.n_model_layers).view(-1, 1)
-        mask[:, :, :n] = (self.frontier[:n].view(1, -1) > layers).unsqueeze(1)
+        for layer, pos in enumerate(self.slot_pos):
+            mask[layer, :, pos[pos < n_prompt]] = True
         return mask
 
     def aux_tokens(self) -> int:
@@ -140,14 +186,14 @@ class LazyCache(LayerKV):
         """The paper's "% of prompt tokens computed" and the counters behind it (JSON-able)."""
         n, layers = self.n_prompt, self.n_model_layers
         prompt_computed = self.computed[:, :n]
-        per_layer_kv = [int((self.frontier[:n] > l).sum()) for l in range(layers)]
+        per_layer_kv = [int((self.slots(l) < n).sum()) for l in range(layers)]
         return {
             "prompt_tokens": n,
             # sum over layers of prompt tokens computed in that layer (prefill + revivals) / (layers · n)
             "prompt_tokens_computed_frac": float(prompt_computed.sum()) / (layers * n) if n else 0.0,
             "prefill_tokens_computed_frac": sum(self.prefill_tokens) / (layers * n) if n else 0.0,
             "per_layer_prefill_tokens": list(self.prefill_tokens),
-            "per_layer_kv_tokens": per_layer_kv,  # prompt tokens holding KV per layer now
+            "per_layer_kv_tokens": per_layer_kv,  # prompt tokens holding KV per layer now (sliding layers: their window)
             "revived": self.revivals,  # (token, pruning layer) pairs taken from the Aux Cache
             "revived_tokens": int(self.revived[:n].sum()),
             "aux_cache_tokens": self.aux_tokens(),
@@ -167,6 +213,7 @@ class LazyCache(LayerKV):
         other.schedule, other.n_prompt = list(self.schedule), self.n_prompt
         other.prefill_tokens, other.revivals, other.decode_steps = list(self.prefill_tokens), self.revivals, self.decode_steps
         other.selecting_steps, other.reselect, other.selection = self.selecting_steps, self.reselect, dict(self.selection)
+        other.window_from = dict(self.window_from)
         return other
 
     # --- the disk store's contract (prefix states) -------------------------------------------------
@@ -191,6 +238,8 @@ class LazyCache(LayerKV):
             "n_tokens": self.n_tokens,
             "aux_layers": sorted(self.aux),
         }
+        if self.window_from:
+            facts["window_from"] = {str(l): p for l, p in self.window_from.items()}
         return tensors, facts
 
     @classmethod
@@ -199,6 +248,7 @@ class LazyCache(LayerKV):
         try:
             n_model, n_layers, n_tokens = int(facts["n_model_layers"]), int(facts["n_layers"]), int(facts["n_tokens"])
             aux_layers = [int(x) for x in facts["aux_layers"]]
+            window_from = {int(l): int(p) for l, p in facts.get("window_from", {}).items()}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"lazyllm cache facts are incomplete: {e}") from None
         expected = {"positions", "frontier", "computed"}
@@ -219,7 +269,8 @@ class LazyCache(LayerKV):
             k, v, s = tensors[f"k.{i}"], tensors[f"v.{i}"], tensors[f"slots.{i}"].to(torch.long)
             if k.dim() != 4 or k.shape != v.shape or s.shape != (k.shape[2],):
                 raise ValueError(f"layer {i} has inconsistent shapes")
-            if s.numel() != int((cache.frontier > i).sum()):
+            held = (cache.frontier > i) & (torch.arange(n_tokens) >= window_from.get(i, 0))
+            if s.numel() != int(held.sum()) or bool(((s < 0) | (s >= n_tokens)).any()) or not bool(held[s.clamp(0, max(n_tokens - 1, 0))].all()):
                 raise ValueError(f"layer {i} does not hold the tokens its frontier says")
             cache.keys.append(k.to(device))
             cache.values.append(v.to(device))
@@ -229,4 +280,5 @@ class LazyCache(LayerKV):
             if hidden.dim() != 3 or hidden.shape[1] != pos.numel() or bool((cache.frontier[pos] != layer).any()):
                 raise ValueError(f"the Aux Cache of layer {layer} does not match the frontier")
             cache.aux[layer] = (pos, hidden.to(device))
+        cache.window_from = window_from
         return cache

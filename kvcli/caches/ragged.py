@@ -59,6 +59,10 @@ class RaggedCache(LayerKV):
     first ``n_compressed`` of them before the compression. A layer without padding attends with the
     plain kernels; one with padding returns a :class:`RaggedLayer` view that masks it.
 
+    A hybrid's sliding layer (Gemma 2 / 3) is cut back to its window (:meth:`drop_front`, called
+    by :meth:`kvcli.engine.Engine.trim_windows`): its first slots go, then, once no compressed
+    slot is left, the oldest appended tokens (``after_dropped[l]`` of them).
+
     There is no ``truncate`` (a compressed prefix cannot be cut back for a query window), and no
     eviction method accepts it as input (:func:`kvcli.compressors.scoring.require_kv_cache`).
     """
@@ -73,6 +77,8 @@ class RaggedCache(LayerKV):
         self.positions: torch.Tensor | None = None
         self.n_compressed = 0
         self._valid: dict = {}
+        # layer -> appended tokens (the question's, the answer's) dropped from its front (drop_front)
+        self.after_dropped: dict[int, int] = {}
 
     # --- building it ------------------------------------------------------------------------------
     @classmethod
@@ -141,19 +147,34 @@ class RaggedCache(LayerKV):
         head = self._valid[key]
         return torch.cat([head, head.new_ones(head.shape[0], n - head.shape[1])], dim=1)
 
+    def drop_front(self, layer: int, n: int) -> None:
+        """Drop the ``n`` first slots of ``layer``: a sliding layer (Gemma 2 / 3) whose window has
+        passed them (:meth:`kvcli.engine.Engine.trim_windows`). Its compressed slots go first (in
+        every head: the slots are in original order; a head left with none holds only padding
+        there), then the oldest appended tokens. A sliding layer is never padded (every head keeps
+        the same window), so its entries stay the latest tokens in order, as its window mask counts."""
+        slots = self.kept[layer].shape[1]
+        d = min(n, slots)
+        self.keys[layer] = self.keys[layer][:, :, n:]
+        self.values[layer] = self.values[layer][:, :, n:]
+        self.kept[layer] = self.kept[layer][:, d:]
+        self.lengths[layer] = (self.lengths[layer] - d).clamp(min=0)
+        if n > d:
+            self.after_dropped = {**self.after_dropped, layer: self.after_dropped.get(layer, 0) + n - d}
+        self._valid = {key: v for key, v in self._valid.items() if key[0] != layer}
+
     # --- kvcli's own use ---------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
         """(n_layers, n_kv_heads, n_prompt) bool (:meth:`CacheBase.kept_mask`): each head's kept
         prompt entries, plus every token appended after the compression."""
         n_kv = self.kept[0].shape[0] if self.kept else 0
-        after = self.positions[self.n_compressed :]
-        after = after[after < n_prompt]
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
         for layer, pos in enumerate(self.kept):
             inside = (pos >= 0) & (pos < n_prompt)
             rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
             mask[layer][rows[inside], pos[inside]] = True
-            mask[layer][:, after] = True
+            after = self.positions[self.n_compressed + self.after_dropped.get(layer, 0) :]
+            mask[layer][:, after[after < n_prompt]] = True
         return mask
 
     def stats(self) -> dict:
@@ -177,6 +198,7 @@ class RaggedCache(LayerKV):
         other.lengths, other.kept = list(self.lengths), list(self.kept)
         other.positions = self.positions
         other.n_compressed = self.n_compressed
+        other.after_dropped = dict(self.after_dropped)
         return other
 
     # --- the disk store's contract -----------------------------------------------------------------
@@ -188,13 +210,17 @@ class RaggedCache(LayerKV):
             tensors[f"v.{i}"] = self.values[i].detach().to("cpu").contiguous()
             tensors[f"kept.{i}"] = self.kept[i].contiguous()
             tensors[f"lengths.{i}"] = self.lengths[i].contiguous()
-        return tensors, {"n_layers": self.n_layers, "n_tokens": self.n_tokens, "n_compressed": self.n_compressed}
+        facts = {"n_layers": self.n_layers, "n_tokens": self.n_tokens, "n_compressed": self.n_compressed}
+        if self.after_dropped:
+            facts["after_dropped"] = [self.after_dropped.get(i, 0) for i in range(self.n_layers)]
+        return tensors, facts
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "RaggedCache":
         """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
         try:
             n_layers, n_tokens, n_compressed = int(facts["n_layers"]), int(facts["n_tokens"]), int(facts["n_compressed"])
+            after_dropped = [int(x) for x in facts.get("after_dropped", [0] * n_layers)]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"ragged cache facts are incomplete: {e}") from None
         expected = {"positions", *(f"{t}.{i}" for i in range(n_layers) for t in ("k", "v", "kept", "lengths"))}
@@ -204,13 +230,15 @@ class RaggedCache(LayerKV):
         cache.positions = tensors["positions"].to(torch.long)
         if cache.positions.shape != (n_tokens,) or not 0 <= n_compressed <= n_tokens:
             raise ValueError("positions do not match the token count")
+        if len(after_dropped) != n_layers or any(not 0 <= a <= n_tokens - n_compressed for a in after_dropped):
+            raise ValueError("dropped token counts do not match the layers")
         ref = None
         for i in range(n_layers):
             k, v, kept, lengths = (tensors[f"{t}.{i}"] for t in ("k", "v", "kept", "lengths"))
             if kept.dim() != 2 or kept.dtype != torch.long or lengths.dtype != torch.long or lengths.shape != kept.shape[:1]:
                 raise ValueError(f"layer {i}: kept {tuple(kept.shape)} / lengths {tuple(lengths.shape)}")
             n_kv, slots = kept.shape
-            want = (1, n_kv, slots + n_tokens - n_compressed)
+            want = (1, n_kv, slots + n_tokens - n_compressed - after_dropped[i])
             if k.dim() != 4 or tuple(k.shape[:3]) != want or k.shape != v.shape:
                 raise ValueError(f"layer {i} has shape {tuple(k.shape)}, expected {want} + (head_dim,)")
             if ref is not None and (k.shape[1], k.shape[3], k.dtype) != ref:
@@ -226,4 +254,5 @@ class RaggedCache(LayerKV):
             cache.kept.append(kept)
             cache.lengths.append(lengths)
         cache.n_compressed = n_compressed
+        cache.after_dropped = {i: a for i, a in enumerate(after_dropped) if a}
         return cache

@@ -74,6 +74,7 @@ import torch
 
 from .. import attention
 from ..caches.lazy import LazyCache
+from ..engine import WINDOW_SLACK
 from ..errors import UsageError
 from ..kernels import by_keys
 from .base import Compressor, knob, register
@@ -411,4 +412,5 @@ class LazyLLM(Compressor):
         hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select)
         cache.decode_steps = step
         cache.selecting_steps += select
+        engine.trim_windows(cache, slack=WINDOW_SLACK)  # a hybrid's sliding layers: their window (LazyCache.drop_front)
         return engine.logits(hidden)[-1]
