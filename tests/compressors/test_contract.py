@@ -36,7 +36,6 @@ import torch
 from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
-from kvcli.engine import Engine
 from kvcli.compressors.base import Runtime
 from kvcli.pipeline import Pipeline, run
 from kvcli.store import KVStore
@@ -44,7 +43,7 @@ from kvcli.errors import UsageError
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.runs import DOC, prompt_for
-from tests.helpers.runs import RecordingEngine, full_reference
+from tests.helpers.runs import RecordingEngine, full_references
 from tests.helpers.stores import session_for
 from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
@@ -117,13 +116,7 @@ def kept_all(tiny_lm, profiles):
 @pytest.fixture(scope="session")
 def full_logits(tiny_lm):
     """``full_logits(family)``: full attention's logits, computed the plain way (one prefill)."""
-
-    @functools.cache
-    def get(family: str):
-        lm = tiny_lm(family)
-        return full_reference(Engine(lm), prompt_for(lm), steps=STEPS)
-
-    return get
+    return full_references(tiny_lm, STEPS)
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from kvcli.compressors.base import REGISTRY, Runtime, keep_all_spec
-from kvcli.engine import Engine
 from kvcli.model import load_model
 from kvcli.pipeline import Pipeline, run
-from tests.helpers.runs import RecordingEngine, full_reference, prompt_for
+from tests.helpers.runs import RecordingEngine, full_references, prompt_for
 from tests.helpers.specs import COMPRESSING
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
@@ -50,12 +49,7 @@ def lm_in(tiny_dir):
 
 @pytest.fixture(scope="module")
 def full_in(lm_in):
-    @functools.cache
-    def get(precision: str):
-        lm = lm_in(precision)
-        return full_reference(Engine(lm), prompt_for(lm), steps=STEPS)
-
-    return get
+    return full_references(lm_in, STEPS)
 
 
 def _run(lm, spec: str, cache_dir):

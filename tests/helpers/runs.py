@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcli.caches import KVCache
@@ -62,6 +64,18 @@ def greedy_logits(engine, cache, ids, steps: int) -> list[torch.Tensor]:
 
 def full_reference(engine, prompt, steps: int) -> list[torch.Tensor]:
     return greedy_logits(engine, KVCache(), prompt.ids, steps)
+
+
+def full_references(load, steps: int):
+    """``get(key)`` -> :func:`full_reference` of the model ``load(key)`` on :func:`prompt_for`'s
+    prompt, computed once per key (the plain way: one prefill, then greedy steps)."""
+
+    @functools.cache
+    def get(key):
+        lm = load(key)
+        return full_reference(Engine(lm), prompt_for(lm), steps=steps)
+
+    return get
 
 
 class RecordingEngine(Engine):
