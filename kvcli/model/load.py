@@ -49,7 +49,7 @@ def load_model(
     spec: str | None = None,
     *,
     device: str = "auto",
-    quant: str = "auto",
+    quant: str = "none",
     attn: str = "sdpa",
     dtype: str | torch.dtype = "auto",
     cache_dir: Path | str | None = None,
@@ -63,9 +63,10 @@ def load_model(
 
     ``device``: see :func:`resolve_device`. ``quant``: "none"; "4bit" / "8bit": on the CPU
     PyTorch's int4 / int8 CPU kernels with bfloat16 activations (:mod:`.cpu_quant`), on CUDA
-    bitsandbytes (nf4 / int8); "auto" (the default): "4bit" on the CPU for a GGUF whose layers are
-    Q4_1 blocks — the embedded model's: 4bit runs exactly those weights — when ``dtype`` is auto or
-    bfloat16, else "none". ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
+    bitsandbytes (nf4 / int8); "auto": "4bit" on the CPU for a GGUF whose layers are Q4_1 blocks —
+    the embedded model's: 4bit runs exactly those weights — when ``dtype`` is auto or bfloat16, else
+    "none". The default is "none": 4bit measured 2.1 points below float32 on the RULER slice
+    (docs/cpu.md), over the 2 points a default may lose. ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
     ``dtype``: "auto" (float32 on CPU, bfloat16 with --quant there; bfloat16 on CUDA when
     supported, else float16), "float32", "bfloat16" or "float16".
 
