@@ -31,7 +31,7 @@ from .store import KVStore
 class AskOptions:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "auto"
-    quant: str = "none"
+    quant: str = "auto"
     attn: str = "sdpa"
     dtype: str = "auto"
     max_new_tokens: int = 64

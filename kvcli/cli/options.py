@@ -43,8 +43,8 @@ MODEL_HELP = "smollm2-135m-instruct (the default) or gemma3-270m (embedded; see 
 ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help=MODEL_HELP)
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
 QuantOpt = typer.Option(
-    Quant.none,
-    help="Weights in 4 or 8 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV (2.3x faster decoding, 2 RULER points lost), on CUDA bitsandbytes (nf4 / int8); auto: 4bit on the CPU for the embedded model (its GGUF's own 4-bit weights), none elsewhere (see docs/cpu.md)",
+    Quant.auto,
+    help="Weights in 4 or 8 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV (2.2x faster decoding), on CUDA bitsandbytes (nf4 / int8); auto: 8bit on the CPU for the embedded model (within 1 RULER point of float32; 4bit: 2.1 below), none elsewhere (see docs/cpu.md)",
 )
 AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
 DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")

@@ -49,7 +49,7 @@ def load_model(
     spec: str | None = None,
     *,
     device: str = "auto",
-    quant: str = "none",
+    quant: str = "auto",
     attn: str = "sdpa",
     dtype: str | torch.dtype = "auto",
     cache_dir: Path | str | None = None,
@@ -63,10 +63,10 @@ def load_model(
 
     ``device``: see :func:`resolve_device`. ``quant``: "none"; "4bit" / "8bit": on the CPU
     PyTorch's int4 / int8 CPU kernels with bfloat16 activations (:mod:`.cpu_quant`), on CUDA
-    bitsandbytes (nf4 / int8); "auto": "4bit" on the CPU for a GGUF whose layers are Q4_1 blocks —
-    the embedded model's: 4bit runs exactly those weights — when ``dtype`` is auto or bfloat16, else
-    "none". The default is "none": 4bit measured 2.1 points below float32 on the RULER slice
-    (docs/cpu.md), over the 2 points a default may lose. ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
+    bitsandbytes (nf4 / int8); "auto" (the default): "8bit" on the CPU for a GGUF whose layers are
+    Q4_1 blocks — the embedded model's — when ``dtype`` is auto or bfloat16, else "none": on the RULER
+    slice 8bit measured 0.7 points below float32, 4bit 2.1 (docs/cpu.md), and a default may lose
+    at most 2. ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
     ``dtype``: "auto" (float32 on CPU, bfloat16 with --quant there; bfloat16 on CUDA when
     supported, else float16), "float32", "bfloat16" or "float16".
 
@@ -199,9 +199,9 @@ def load_model(
 
 
 def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None) -> str:
-    """What ``--quant auto`` runs: "4bit" on the CPU for a GGUF whose decoder matrices are all Q4_1
-    (the embedded SmolLM2's; :mod:`.cpu_quant` quantises their dequantised values back to exactly
-    those blocks) when the dtype is auto or bfloat16; "none" everywhere else."""
+    """What ``--quant auto`` runs: "8bit" on the CPU for a GGUF whose decoder matrices are all Q4_1
+    (the embedded SmolLM2's: measured within 2 RULER points of float32, 4bit was 2.1 below) when the
+    dtype is auto or bfloat16; "none" everywhere else (a model measured in no lower precision)."""
     if device.type != "cpu" or str(dtype or "auto").strip().lower() not in ("auto", "bfloat16", "bf16", "torch.bfloat16"):
         return "none"
     if name.lower() == EMBEDDED_MODEL:
@@ -213,4 +213,4 @@ def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None)
         gguf = Path(name).expanduser()
     else:
         return "none"
-    return "4bit" if gguf_linear_types(gguf) == {"Q4_1"} else "none"
+    return "8bit" if gguf_linear_types(gguf) == {"Q4_1"} else "none"
