@@ -98,7 +98,7 @@ def grouped(query, key, value, mask, scaling):
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, kv_len, None, query.device)
     if mask is not None:
-        allowed = mask.expand(b, n_heads, q_len, kv_len) if mask.dim() == 4 else mask.expand(b, n_heads, q_len, kv_len)
+        allowed = mask.expand(b, n_heads, q_len, kv_len)  # (q_len, kv_len) or per head
         scores = scores.masked_fill(~allowed.reshape(b, n_kv, group * q_len, kv_len), float("-inf"))
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(weights, value)  # (b, n_kv, group * q_len, dv)

@@ -81,62 +81,63 @@ def release_freed_memory() -> None:
 
 
 # --- the layers ---------------------------------------------------------------------------------
-class Int8Linear(nn.Module):
+class QuantLinear(nn.Module):
+    """What the quantised ``nn.Linear`` layers share: rows in, the kernel's product (:meth:`product`,
+    on (rows, in) in the activations' dtype), the bias, the input's shape back."""
+
+    dtype: torch.dtype  # the activations' dtype
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.in_features).to(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(QuantLinear):
     """``nn.Linear`` with int8 weights, one scale per output row: ``_weight_int8pack_mm``."""
 
-    bits = 8
-
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.out_features, self.in_features = codes.shape
+        super().__init__(*codes.shape, bias, dtype)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     @classmethod
     def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
         return cls(*quantize_int8(linear.weight), linear.bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        """The weights it multiplies by, (out, in) float32."""
-        return self.codes.to(torch.float32) * self.scale.to(torch.float32)[:, None]
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantLinear):
     """``nn.Linear`` with 4-bit weights in groups of :data:`GROUP`: ``_weight_int4pack_mm_for_cpu``."""
 
-    bits = 4
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = GROUP) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias, dtype)
         self.group = group
         q, scale, low = quantize_int4(weight, group)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
         # the kernel computes (q - 8) · scale + zero: zero = minimum + 8 · scale; (in/group, out, 2)
         self.register_buffer("scale_zero", torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     @classmethod
     def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
         return cls(linear.weight, linear.bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale_zero.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
 
     def dequantized(self) -> torch.Tensor:
         """The weights it multiplies by, (out, in) float32 (the kernel run on the identity)."""
@@ -161,7 +162,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        rows = head.codes[ids].to(head.scale.dtype) * head.scale[ids].unsqueeze(-1)
+        rows = head.codes[ids].to(head.dtype) * head.scale[ids].unsqueeze(-1)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
 
 
@@ -183,7 +184,7 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
     """Replace, in place, the decoder layers' ``nn.Linear`` modules by :class:`Int4Linear` (4: a layer
     whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, is int8) or :class:`Int8Linear` (8), and the
     embedding + LM head by int8 rows; everything else (norms) goes to ``dtype``. Returns what was
-    done: {"int4": n, "int8": n, "bytes": weight bytes held}."""
+    done: {"int4": n, "int8": n} (matrices of each kind)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     counts = {"int4": 0, "int8": 0}
@@ -212,7 +213,4 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
     # rotary tables' inverse frequencies stay float32, as transformers makes them)
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    counts["bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) + sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    )
     return counts

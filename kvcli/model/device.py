@@ -55,13 +55,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return torch.float32
 
 
+def requested_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype ``--dtype`` asks for, checked as :func:`resolve_dtype` checks it; None for auto
+    (the device decides)."""
+    if not isinstance(dtype, torch.dtype) and (dtype or "auto").strip().lower() == "auto":
+        return None
+    return resolve_dtype(dtype, torch.device("cpu"))  # an explicit dtype does not depend on the device
+
+
 def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
     """The activations' dtype of ``--quant 4bit|8bit`` on the CPU (bfloat16: PyTorch's int4/int8
     CPU kernels run 10-40x slower with float32 activations), or a one-line error: a dtype it cannot
     run with, or a PyTorch without the kernel on this CPU."""
     from .cpu_quant import DTYPE, kernel_error
 
-    asked = resolve_dtype(dtype, torch.device("cpu")) if (str(dtype or "auto").strip().lower() != "auto") else DTYPE
+    asked = requested_dtype(dtype) or DTYPE
     if asked != DTYPE:
         raise UsageError(
             f"--quant {quant} on the CPU runs with bfloat16 activations (its int4/int8 kernels); "

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .. import notices
 from ..errors import ModelError, one_line
@@ -67,8 +67,10 @@ def _embedded_gguf_file() -> Path:
     )
 
 
-def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
-    """sha256 of a GGUF file, memoised in ``cache_dir/gguf-sha256.json`` by path+size+mtime."""
+def gguf_fact(gguf: Path, cache_dir: Path, name: str, kind: type, compute: Callable[[Path], Any]) -> Any:
+    """A fact about a GGUF file (a JSON value of type ``kind``: its sha256, its matrices' storage
+    types), computed once and memoised in ``cache_dir/gguf-sha256.json`` by path+size+mtime (a read-only or missing cache
+    only costs computing it again next time)."""
     st = gguf.stat()
     key = str(gguf.resolve())
     sidecar = cache_dir / _GGUF_SHA_SIDECAR
@@ -79,18 +81,20 @@ def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
     except (OSError, ValueError):
         memo = {}
     entry = memo.get(key)
-    if (
-        isinstance(entry, dict)
-        and entry.get("size") == st.st_size
-        and entry.get("mtime_ns") == st.st_mtime_ns
-        and isinstance(entry.get("sha256"), str)
-    ):
-        return entry["sha256"]
-    sha = file_sha256(gguf)
-    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-    with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
+    if not (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
+        entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    elif isinstance(entry.get(name), kind):
+        return entry[name]
+    entry[name] = value = compute(gguf)
+    memo[key] = entry
+    with contextlib.suppress(OSError):
         atomic_write(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8"))
-    return sha
+    return value
+
+
+def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
+    """sha256 of a GGUF file, memoised (:func:`gguf_fact`)."""
+    return gguf_fact(gguf, cache_dir, "sha256", str, file_sha256)
 
 
 # Long steps worth a line on stderr (the one-time conversion of the embedded model): the library

@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import ModelError, one_line
-from .embedded import _gguf_sha256, _is_converted, convert_once, default_cache_dir
+from .embedded import _gguf_sha256, _is_converted, convert_once, default_cache_dir, gguf_fact
 
 GEMMA_MODEL = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -111,16 +111,22 @@ def gguf_architecture(path: Path) -> str:
         raise ModelError(f"cannot load model '{path}': not a readable GGUF file ({one_line(e)})") from e
 
 
-def gguf_linear_types(path: Path) -> set[str]:
+def gguf_linear_types(path: Path, cache_dir: Path | None = None) -> set[str]:
     """The storage types of a GGUF file's decoder-layer matrices (``blk.*`` 2-D weights), e.g.
-    {"Q4_1"}; empty when the file cannot be read."""
-    try:
-        from gguf import GGUFReader
+    {"Q4_1"}; empty when the file cannot be read. Reading them takes ~2 s (the whole tensor index):
+    memoised per file in ``cache_dir`` (:func:`gguf_fact`)."""
 
-        return {t.tensor_type.name for t in GGUFReader(str(path)).tensors
-                if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    except Exception:
-        return set()
+    def read(gguf: Path) -> list[str]:
+        try:
+            from gguf import GGUFReader
+
+            return sorted({t.tensor_type.name for t in GGUFReader(str(gguf)).tensors
+                           if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2})
+        except Exception:
+            return []
+
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return set(gguf_fact(Path(path), cache_dir, "linear_types", list, read))
 
 
 def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str]:

@@ -12,6 +12,7 @@ from ..errors import ModelError, UsageError, one_line
 from .device import (
     check_attn,
     check_cpu_quant,
+    requested_dtype,
     quant_config,
     require_bitsandbytes,
     resolve_device,
@@ -82,8 +83,9 @@ def load_model(
         raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
     dev = resolve_device(device)
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
+    cache = Path(cache_dir) if cache_dir is not None else None
     if quant == "auto":
-        quant = auto_quant(name, dev, dtype)
+        quant = auto_quant(name, dev, dtype, cache)
     cpu_quant = quant != "none" and dev.type == "cpu"
     torch_dtype = check_cpu_quant(quant, dtype) if cpu_quant else resolve_dtype(dtype, dev)
     attn_impl = check_attn(attn, dev, torch_dtype)
@@ -94,7 +96,6 @@ def load_model(
 
     # --- where from
     hub = False
-    cache = Path(cache_dir) if cache_dir is not None else None
     if name.lower() in (EMBEDDED_MODEL, GEMMA_MODEL):
         convert = ensure_converted if name.lower() == EMBEDDED_MODEL else ensure_gemma_converted
         folder, gguf_sha = convert(cache)
@@ -198,11 +199,12 @@ def load_model(
     )
 
 
-def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None) -> str:
+def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None, cache_dir: Path | None = None) -> str:
     """What ``--quant auto`` runs: "8bit" on the CPU for a GGUF whose decoder matrices are all Q4_1
     (the embedded SmolLM2's: measured within 2 RULER points of float32, 4bit was 2.1 below) when the
-    dtype is auto or bfloat16; "none" everywhere else (a model measured in no lower precision)."""
-    if device.type != "cpu" or str(dtype or "auto").strip().lower() not in ("auto", "bfloat16", "bf16", "torch.bfloat16"):
+    dtype is auto or bfloat16; "none" everywhere else (a model measured in no lower precision). The
+    GGUF's matrix types are read once per file (memoised in ``cache_dir``)."""
+    if device.type != "cpu" or requested_dtype(dtype) not in (None, torch.bfloat16):
         return "none"
     if name.lower() == EMBEDDED_MODEL:
         try:
@@ -213,4 +215,4 @@ def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None)
         gguf = Path(name).expanduser()
     else:
         return "none"
-    return "8bit" if gguf_linear_types(gguf) == {"Q4_1"} else "none"
+    return "8bit" if gguf_linear_types(gguf, cache_dir) == {"Q4_1"} else "none"
