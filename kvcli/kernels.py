@@ -76,6 +76,27 @@ def causal(q_len: int, kv_len: int, sliding_window: int | None, device):
 GROUPED_ROWS = 16
 
 
+KEY_BUCKET = 64  # a decoding step's key count rounded up to this, where the cache's buffer has the room
+
+
+def _bucketed(key, value, mask, q_len: int):
+    """``key``/``value`` widened to the next multiple of :data:`KEY_BUCKET` rows where a cache's
+    buffer holds finite rows there (:func:`kvcli.caches.base.finite_room`), for one query row
+    without a mask; else as they are. oneDNN makes (JIT-compiles) and caches one primitive per
+    matrix shape: a key count that grows by one every step made two new ones per step, ~0.6 MB each,
+    kept in its cache of 1,024 (measured: +380 MB of resident memory over 300 steps of 30 layers,
+    and the compilation's time in every step). Rounded up, the shapes change every 64 steps."""
+    from .caches.base import finite_room
+
+    kv_len = key.shape[2]
+    padded = -(-kv_len // KEY_BUCKET) * KEY_BUCKET
+    if q_len != 1 or mask is not None or key.shape[0] != 1 or padded == kv_len \
+            or not (finite_room(key, padded) and finite_room(value, padded)):
+        return key, value
+    widen = lambda t: t.as_strided((*t.shape[:2], padded, t.shape[3]), t.stride())  # noqa: E731
+    return widen(key), widen(value)
+
+
 def grouped(query, key, value, mask, scaling):
     """Attention as two batched matmuls per KV head over the query heads of its GQA group (the KV
     never repeated): q·kᵀ in the KV's dtype (float32 accumulation, the product rounded to it), the
@@ -83,18 +104,21 @@ def grouped(query, key, value, mask, scaling):
     queries the last keys), boolean (q_len, kv_len) or per head (1 or n_heads, q_len, kv_len)."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
+    key, value = _bucketed(key, value, mask, q_len)  # rows past kv_len: weighed by zero below
     group = n_heads // n_kv
     q = (query * scaling).to(key.dtype).reshape(b, n_kv, group * q_len, d)
     if b == 1 and not key.is_contiguous():
         # a cache's view of the first entries of a buffer with room (caches.base.append_rows): the
         # batched matmul would copy the whole layer's keys first (3.5x slower at 8k, measured); one
         # matrix product per KV head reads them in place
-        scores = q.new_empty(1, n_kv, group * q_len, kv_len)
+        scores = q.new_empty(1, n_kv, group * q_len, key.shape[2])
         for h in range(n_kv):
             torch.mm(q[0, h], key[0, h].transpose(0, 1), out=scores[0, h])
     else:
         scores = torch.matmul(q, key.transpose(-1, -2))
     scores = scores.to(torch.float32)
+    if key.shape[2] > kv_len:
+        scores[..., kv_len:] = float("-inf")
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, kv_len, None, query.device)
     if mask is not None:
@@ -187,12 +211,40 @@ def flash(module, query, key, value, scaling, sliding_window):
 KERNELS = {"sdpa": sdpa, "eager": eager, "flash": flash}
 
 
+def window_block(sliding_window: int) -> int:
+    """Query rows a sliding-window layer attends at a time in a long pass (:func:`_by_query_blocks`)."""
+    return max(1024, sliding_window)
+
+
+def _by_query_blocks(kernel: str, module, query, key, value, scaling: float, sliding_window: int) -> torch.Tensor:
+    """A sliding-window layer's attention over many queries, :func:`window_block` query rows at a
+    time, each block against the keys its window reaches: the block's keys and the ``w - 1``
+    before them. One mask of all queries × all keys would be q_len × kv_len (a 32k-token prompt:
+    1 GiB of booleans, and the kernel's float copy of it), nearly all of it False, and its product
+    computed for nothing; per block it is block × (block + w - 1). The same softmax over the same
+    keys for every query."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = kv_len - q_len  # query i is key offset + i
+    block = window_block(sliding_window)
+    out = query.new_empty(query.shape[0], q_len, query.shape[1], value.shape[-1])
+    for a in range(0, q_len, block):
+        e = min(q_len, a + block)
+        first = max(0, offset + a - sliding_window + 1)  # the earliest key the block's first query sees
+        out[:, a:e] = attend(kernel, module, query[:, :, a:e], key[:, :, first : offset + e],
+                             value[:, :, first : offset + e], scaling, sliding_window)
+    return out
+
+
 def attend(kernel: str, module, query, key, value, scaling: float, sliding_window: int | None = None,
            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (sliding-window) attention with ``kernel``; ``mask``: an explicit boolean mask,
     True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then.
     A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.attention.install`
     for Gemma 2) runs :func:`softcapped` whatever the kernel."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mask is None and sliding_window is not None and kernel != "flash" and q_len > 2 * window_block(sliding_window) \
+            and sliding_window < kv_len:
+        return _by_query_blocks(kernel, module, query, key, value, scaling, sliding_window)
     softcap = getattr(module, "kvcli_softcap", None)
     if softcap is not None:
         if mask is None:

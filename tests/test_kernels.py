@@ -98,3 +98,41 @@ def test_razor_head_probe_stays_on_the_query_device():
     assert echo.device.type == induction.device.type == "meta" and echo.shape == (4,)
     cpu = echo_induction_scores(q, k, 6, 0.3)
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in cpu)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("q_len, kv_len", [(100, 100), (70, 90)])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_sliding_window_attention_by_query_blocks(monkeypatch, kernel, q_len, kv_len, softcap):
+    """A long pass of a sliding-window layer attends block by block (kernels._by_query_blocks):
+    each query sees exactly its window, against a float64 softmax written out here, with the
+    queries the whole sequence or the last q_len keys (a chunk on a prefix), GQA as it is, and
+    Gemma 2's soft-capped scores. No block or mask of the whole pass is made."""
+    from kvcli import kernels
+
+    window, block = 8, 16
+    monkeypatch.setattr(kernels, "window_block", lambda w: block)
+    widths = []
+    real_attend = kernels.attend
+
+    def spy(kernel, module, query, key, *args, **kwargs):
+        widths.append(key.shape[2])
+        return real_attend(kernel, module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attend", spy)
+    torch.manual_seed(0)
+    h, kvh, d = 4, 2, 8
+    q = torch.randn(1, h, q_len, d, dtype=torch.float64)
+    k, v = torch.randn(1, kvh, kv_len, d, dtype=torch.float64), torch.randn(1, kvh, kv_len, d, dtype=torch.float64)
+    module = types.SimpleNamespace(kvcli_softcap=softcap)
+    got = kernels.attend(kernel, module, q, k, v, 0.3, window)
+    s = q @ k.repeat_interleave(h // kvh, 1).transpose(-1, -2) * 0.3
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    rows = torch.arange(q_len)[:, None] + kv_len - q_len
+    cols = torch.arange(kv_len)[None, :]
+    s = s.masked_fill(~((cols <= rows) & (cols > rows - window)), float("-inf"))
+    want = (torch.softmax(s, -1) @ v.repeat_interleave(h // kvh, 1)).transpose(1, 2)
+    # eager's softmax and the soft-capped kernel run in float32, SDPA in the inputs' float64
+    assert torch.allclose(got, want, atol=1e-10 if kernel == "sdpa" and softcap is None else 1e-6)
+    assert max(widths[1:]) <= block + window - 1 and len(widths) == 1 + -(-q_len // block)

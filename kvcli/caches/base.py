@@ -99,6 +99,22 @@ def _room(t: torch.Tensor, rows: int) -> bool:
     return t.untyped_storage().nbytes() >= needed
 
 
+def finite_room(t: torch.Tensor, rows: int) -> bool:
+    """Whether ``t`` can be widened to ``rows`` rows (:func:`_room`) over entries that are all finite:
+    ``t`` is a view of a buffer a cache made here (:func:`_made`), whose room was zero when made and
+    is only ever written with entries. A kernel may then read past ``t`` and weigh those rows by
+    exactly zero (:func:`kvcli.kernels.grouped` keeps its shapes that way)."""
+    return getattr(t.untyped_storage(), "kvcli_finite", False) and _room(t, rows)
+
+
+def _made(buf: torch.Tensor, filled: int) -> torch.Tensor:
+    """A new layer buffer (…, cap, d) whose first ``filled`` rows are written: its room zeroed and
+    its storage marked for :func:`finite_room`."""
+    buf[..., filled:, :].zero_()
+    buf.untyped_storage().kvcli_finite = True
+    return buf
+
+
 SPARE_SLOTS = 64  # room a layer's buffer leaves for later appends: at least this many slots ...
 SPARE_SHARE = 32  # ... or 1/32 of its entries
 
@@ -128,10 +144,10 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
         cap = m + new + max(SPARE_SLOTS, (m + new) // SPARE_SHARE)
         bufs = []
         for t in olds:
-            with long_lived(news[0].device, _nbytes(t) // max(m, 1) * cap):
+            with long_lived(news[0].device, _nbytes(t) // max(m, 1) * cap, always=True):
                 buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
             buf[..., :m, :].copy_(t)
-            bufs.append(buf[..., : m + new, :])
+            bufs.append(_made(buf, m + new)[..., : m + new, :])
     for buf, rows in zip(bufs, news):
         buf[..., m:, :].copy_(rows)
     for name, buf in zip(names, bufs):
@@ -190,6 +206,7 @@ class LayerKV(CacheBase):
             vbuf = torch.empty(full, dtype=value.dtype, device=device)
         kbuf[..., :new, :].copy_(key)
         vbuf[..., :new, :].copy_(value)
+        _made(kbuf, new), _made(vbuf, new)
         kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]
         self.keys.append(kbuf)
         self.values.append(vbuf)
