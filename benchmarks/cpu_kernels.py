@@ -5,8 +5,13 @@
 1. matrix products of the embedded model's shapes, for decoding (1 row) and prefill (512, 2,048
    rows): float32 and bfloat16 ``F.linear``, PyTorch's int8 (``_weight_int8pack_mm``) and int4
    (``_weight_int4pack_mm_for_cpu``) CPU kernels with float32 and with bfloat16 activations;
+   The int8 layer runs its kernel below ``Int8Linear.dense_rows`` rows and its weights made dense
+   from there (``int8 layer``); ``int8 kernel`` is the kernel at every row count;
 2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
-   float32 and bfloat16, and ``kvcli.kernels.grouped``, on buffer views as kvcli's caches hold them.
+   float32 and bfloat16, and ``kvcli.kernels.grouped``, on buffer views as kvcli's caches hold them;
+3. decoding steps whose key count grows by one a step (as an answer's): resident memory and time
+   per step of ``kernels.grouped`` on buffers a cache made (key counts bucketed) and on buffers it
+   did not (every step a new matrix shape for oneDNN, which compiles and keeps a primitive for each).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def products() -> None:
                 "float32": bench(lambda: F.linear(x, w)),
                 "bfloat16": bench(lambda: F.linear(xb, wb)),
                 "int8/f32": bench(lambda: i8_32(x)),
-                "int8/bf16": bench(lambda: i8(xb)),
+                "int8 kernel/bf16": bench(lambda: i8.product(xb)),
+                "int8 layer/bf16": bench(lambda: i8(xb)),
                 "int4/f32": bench(lambda: i4_32(x)),
                 "int4/bf16": bench(lambda: i4(xb)),
             }
@@ -70,7 +76,40 @@ def attention() -> None:
             print(f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  ms per {LAYERS} layers", flush=True)
 
 
+def _growing(n: int, made: bool, steps: int) -> str:
+    import psutil
+
+    from kvcli.caches.base import _made
+
+    torch.manual_seed(0)
+    bufs = [(torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16(),
+             torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16()) for _ in range(LAYERS)]
+    if made:
+        bufs = [(_made(k, n + steps), _made(v, n + steps)) for k, v in bufs]
+    q = torch.randn(1, HEADS, 1, HEAD_DIM).bfloat16()
+    rss0, t0 = psutil.Process().memory_info().rss, time.perf_counter()
+    for step in range(steps):
+        for k, v in bufs:
+            kernels.grouped(q, k[:, :, : n + step], v[:, :, : n + step], None, 0.125)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    grown = (psutil.Process().memory_info().rss - rss0) / 2**20
+    label = "a cache's buffers (bucketed)" if made else "other buffers (a shape a step)"
+    return f"keys {n:5d}+{steps} {label:31s} {ms:6.2f} ms/step  resident +{grown:5.0f} MiB"
+
+
+def growing_steps(steps: int = 300) -> None:
+    """Each case in a fresh process: oneDNN's primitive cache and the heap start empty."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for n in (1024, 4096):
+        for made in (True, False):
+            with ctx.Pool(1) as pool:
+                print(pool.apply(_growing, (n, made, steps)), flush=True)
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     products()
     attention()
+    growing_steps()

@@ -73,13 +73,22 @@ def test_int4_linear_multiplies_by_its_weights(rows):
     assert torch.allclose(layer.dequantized().double(), deq, atol=1e-6)
 
 
-def test_int8_linear_multiplies_by_its_weights():
+@pytest.mark.parametrize("rows", [5, 70])
+def test_int8_linear_multiplies_by_its_weights(rows, monkeypatch):
+    """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights."""
     w = torch.randn(24, 64)
     layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
-    x = torch.randn(5, 64)
+    x = torch.randn(rows, 64)
     q, scale = quantize_int8(w)
     want = x.bfloat16().double() @ (q.double() * scale.bfloat16().double()[:, None]).T
     assert float((layer(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())
+    assert torch.equal(layer.dense(), (q.bfloat16() * scale.bfloat16()[:, None]).t())
+    # which path ran: the kernel for fewer rows than dense_rows, the dense product from there on
+    ran = []
+    monkeypatch.setattr(Int8Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 24, dtype=r.dtype))
+    monkeypatch.setattr(Int8Linear, "dense", lambda self: ran.append("dense") or torch.zeros(64, 24, dtype=torch.bfloat16))
+    layer(x)
+    assert ran == (["kernel"] if rows < layer.dense_rows else ["dense"])
 
 
 def test_quantized_tiny_model_shares_a_tied_table(tiny_dir):
@@ -90,6 +99,7 @@ def test_quantized_tiny_model_shares_a_tied_table(tiny_dir):
     counts = quantize_model(lm.model, 4)
     embed, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
     assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear) and embed.head[0] is head
+    assert head.dense_rows is None  # the head never goes dense (its copy would be ~56 MB on the real model)
     assert counts["int4"] == 2 * 7 and counts["int8"] == 1  # 7 projections per layer, one table
     ids = torch.tensor([3, 17, 4000])
     q, scale = quantize_int8(table)
@@ -134,6 +144,42 @@ def test_grouped_kernel_is_attention():
     q32 = torch.randn(1, h, 1, d)
     assert torch.equal(kernels.sdpa(q32, buf_k[:, :, :n], buf_v[:, :, :n], None, 0.25),
                        F.scaled_dot_product_attention(q32, buf_k[:, :, :n], buf_v[:, :, :n], scale=0.25, enable_gqa=True).transpose(1, 2).contiguous())
+
+
+def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
+    """A decoding step's keys are widened to a multiple of KEY_BUCKET over a cache buffer's room
+    (zeroed when the cache made it), the widened rows weighed by exactly zero: the same attention as
+    the float64 reference. A buffer kvcli did not make (its room may hold anything, NaN here) is
+    read as it is."""
+    from kvcli.caches import KVCache
+    from kvcli.kernels import KEY_BUCKET, _bucketed
+
+    torch.manual_seed(1)
+    h, kvh, d, n = 6, 2, 16, 100
+    cache = KVCache()
+    cache.update(torch.randn(1, kvh, n, d).bfloat16(), torch.randn(1, kvh, n, d).bfloat16(), 0)
+    key, value = cache.update(torch.randn(1, kvh, 1, d).bfloat16(), torch.randn(1, kvh, 1, d).bfloat16(), 0)
+    assert key.shape[2] == n + 1 and not key.is_contiguous()
+    wide_k, wide_v = _bucketed(key, value, None, 1)
+    assert wide_k.shape[2] == wide_v.shape[2] == -(-(n + 1) // KEY_BUCKET) * KEY_BUCKET > n + 1
+    assert torch.equal(wide_v[:, :, n + 1 :], torch.zeros_like(wide_v[:, :, n + 1 :]))  # the room: zeros
+    q = torch.randn(1, h, 1, d).bfloat16()
+
+    def reference(k, v):
+        k = k.double().repeat_interleave(h // kvh, dim=1)
+        v = v.double().repeat_interleave(h // kvh, dim=1)
+        return (torch.softmax(q.double() @ k.transpose(-1, -2) / math.sqrt(d), -1) @ v).transpose(1, 2)
+
+    got = kernels.grouped(q, key, value, None, 1 / math.sqrt(d))
+    assert got.shape == (1, 1, h, d)
+    assert torch.allclose(got.double(), reference(key, value), atol=2e-2)
+    # a buffer made elsewhere: room full of NaN, not widened, the answer finite and right
+    foreign_k = torch.full((1, kvh, 200, d), float("nan")).bfloat16()
+    foreign_v = foreign_k.clone()
+    foreign_k[:, :, : n + 1], foreign_v[:, :, : n + 1] = key, value
+    fk, fv = foreign_k[:, :, : n + 1], foreign_v[:, :, : n + 1]
+    assert _bucketed(fk, fv, None, 1)[0].shape[2] == n + 1
+    assert torch.allclose(kernels.grouped(q, fk, fv, None, 1 / math.sqrt(d)).double(), reference(key, value), atol=2e-2)
 
 
 def test_auto_quant_rules(tiny_dir):
