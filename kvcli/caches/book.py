@@ -104,6 +104,7 @@ class BookCache(CacheBase):
         self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
         self.retrieval = retrieval
         self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
+        self.answer_positions = "same"  # answering: "same" (InfLLM) or "ordered" (:meth:`_attend_memory`)
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -212,6 +213,11 @@ class BookCache(CacheBase):
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
+        if not self.reading and self.answer_positions == "ordered":
+            # answering within the model's window: Initial, the retrieved blocks in document order
+            # and Local at consecutive positions 0, 1, ... (the query at n_mem + its Local index)
+            k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
+            q_mem = self.rotate(query, pos, pos + n_mem)
         bias = None if c == 1 else self._causal_bias(c, n_loc, g, query)
         loc = attention_lse(query.reshape(1, self.n_kv, g * c, d), k_loc, v_loc.to(query.dtype), bias, scaling)
         mem = attention_lse(q_mem.reshape(1, self.n_kv, g * c, d), k_mem, v_mem, None, scaling)
@@ -260,6 +266,10 @@ class BookCache(CacheBase):
         if not self.reading:
             self._chosen.setdefault(layer, chosen)
         return chosen
+
+    def question_blocks(self) -> dict[int, torch.Tensor]:
+        """The blocks the question's pass retrieved: {layer: (n_kv, answer_topk) block indices}."""
+        return dict(self._chosen)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""

@@ -61,6 +61,7 @@ PRESETS = {
 }
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
+ANSWER_POSITIONS = ("same", "ordered")
 
 
 @register
@@ -87,6 +88,7 @@ class InfLLM(Compressor):
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
+    answer_positions: str = knob("same", "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window)")
 
     def __post_init__(self) -> None:
         self.preset = str(self.preset).strip().lower()
@@ -99,6 +101,9 @@ class InfLLM(Compressor):
             self.retrieval = str(self.retrieval).strip().lower()
         if self.retrieval not in (None, *RETRIEVALS):
             raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
+        self.answer_positions = str(self.answer_positions).strip().lower()
+        if self.answer_positions not in ANSWER_POSITIONS:
+            raise UsageError(f"infllm: answer_positions must be same or ordered, got '{self.answer_positions}'")
         for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -157,7 +162,11 @@ class InfLLM(Compressor):
         self.configure(lm)
         if not lm.max_context or n_prompt + max_new_tokens <= lm.max_context:
             return n_prompt + max_new_tokens
-        return self.local_window + self.block_size + max(self.chunk, n_suffix + max_new_tokens)
+        reading = self.local_window + self.block_size + self.chunk
+        answering = self.local_window + self.block_size + n_suffix + max_new_tokens
+        if self.answer_positions == "ordered":  # Initial and the retrieved blocks before Local
+            answering += self.initial + self.answer_topk * self.block_size
+        return max(reading, answering)
 
     def reading_note(self, lm, n_prompt: int) -> str:
         return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
@@ -201,7 +210,7 @@ class InfLLM(Compressor):
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
-        book.retrieval, book.answer_topk = self.retrieval, self.answer_topk
+        book.retrieval, book.answer_topk, book.answer_positions = self.retrieval, self.answer_topk, self.answer_positions
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)

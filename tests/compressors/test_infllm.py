@@ -49,7 +49,7 @@ class _Prefix:
 
 
 def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None):
+                     answer_topk=None, ordered=False):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -66,7 +66,11 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     ``follow``: {(pass start, layer): blocks per KV head} the method chose; each must be a top-k of
     the reference's own scores (a near-tie, within ``tol``, may break either way) and the reference
-    continues with it, so one near-tie cannot make the two diverge."""
+    continues with it, so one near-tie cannot make the two diverge.
+
+    ``ordered`` (``answer_positions=ordered``): in the question's pass, Initial and the chosen
+    blocks' tokens, in document order, are positions 0, 1, ..., and a query at p is position
+    (their count) + p - origin, as if Local followed them."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
@@ -145,13 +149,16 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                         if blocks:
                             mem = list(range(initial)) + [t for j in picks[hh] for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
                         loc = list(range(origin, p + 1))
+                        in_order = ordered and e > n_doc and mem
                         k_mem = pre_k[layer_i][0, hh, mem]
+                        if in_order:
+                            k_mem = rot(pre_k[layer_i][:, hh : hh + 1, mem], list(range(len(mem))))[0, 0]
                         k_loc = rot(pre_k[layer_i][:, hh : hh + 1, loc], [t - origin for t in loc])[0, 0]
                         v_all = torch.cat([vals[layer_i][0, hh, mem], vals[layer_i][0, hh, loc]])
                         for g in range(group):
                             qh = pre_q[layer_i][:, hh * group + g : hh * group + g + 1, p : p + 1]
                             q_loc = rot(qh, [p - origin])[0, 0, 0]
-                            q_m = rot(qh, [local])[0, 0, 0]
+                            q_m = rot(qh, [len(mem) + p - origin if in_order else local])[0, 0, 0]
                             w = torch.cat([k_mem @ q_m, k_loc @ q_loc]) * attn.scaling
                             out[0, i, hh * group + g] = w.softmax(-1) @ v_all
                 hidden = hidden + attn.o_proj(out.reshape(1, c, -1))
@@ -160,13 +167,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize("answer_topk", [None, 6])
-def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
+@pytest.mark.parametrize("answer_topk, positions", [(None, "same"), (6, "same"), (6, "ordered")])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else ""))
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions}")
     trace = []
     original = BookCache.__init__
 
@@ -182,9 +189,9 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
     want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
-                                    answer_topk=answer_topk)
+                                    answer_topk=answer_topk, ordered=positions == "ordered")
     for layer, picks in enumerate(chosen):
-        assert cache._chosen[layer].tolist() == picks
+        assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
@@ -291,11 +298,15 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     s = stage(lm, "infllm:local_window=64,chunk=32")
     assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 64 + 128 + 36
     assert s.window_needed(lm, 100, 20, 16) == 116
+    # answer_positions=ordered: Initial and the question's blocks sit before Local, in the window
+    s = stage(lm, "infllm:local_window=64,chunk=32,answer_topk=2,answer_positions=ordered")
+    assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 128 + 2 * 128 + 64 + 128 + 36
 
 
 @pytest.mark.parametrize("spec, needle", [
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
+    ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
