@@ -105,6 +105,7 @@ class BookCache(CacheBase):
         self.retrieval = retrieval
         self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
         self.answer_positions = "same"  # answering: "same" (InfLLM) or "ordered" (:meth:`_attend_memory`)
+        self.answer_scores = "representatives"  # the question's pass: "representatives" (InfLLM) or "tokens" (:meth:`choose`)
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -259,13 +260,27 @@ class BookCache(CacheBase):
             return torch.zeros(self.n_kv, 0, dtype=torch.long)
         q = q_mem[0].to(torch.float32).sum(dim=1)  # (n_heads, d): the sum over the pass's queries
         q = q.reshape(self.n_kv, -1, q.shape[-1]).sum(dim=1).cpu()  # per KV head (no GQA expansion)
-        scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
+        if not self.reading and self.answer_scores == "tokens" and q_mem.shape[2] > 1:
+            scores = self._token_scores(layer, q, nb)
+        else:
+            scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
         chosen = torch.sort(torch.topk(scores, k, dim=-1).indices, dim=-1).values
         if self.trace is not None:
             self.trace.append((self.origin + self.tail_k[layer].shape[2], layer, chosen.tolist()))
         if not self.reading:
             self._chosen.setdefault(layer, chosen)
         return chosen
+
+    def _token_scores(self, layer: int, q: torch.Tensor, nb: int) -> torch.Tensor:
+        """The question's pass, ``answer_scores=tokens``: block b scores the best of its tokens,
+        ``max_t sum_i q_i · k_t`` (keys before RoPE, read from the storage one KV head at a time):
+        equation 2 with every token a representative, the max instead of the sum. (n_kv, nb)."""
+        lo, bs = self.initial, self.block_size
+        out = torch.empty(self.n_kv, nb)
+        for h in range(self.n_kv):
+            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            out[h] = (keys @ q[h]).view(nb, bs).amax(dim=1)
+        return out
 
     def question_blocks(self) -> dict[int, torch.Tensor]:
         """The blocks the question's pass retrieved: {layer: (n_kv, answer_topk) block indices}."""

@@ -62,6 +62,7 @@ PRESETS = {
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
 ANSWER_POSITIONS = ("same", "ordered")
+ANSWER_SCORES = ("representatives", "tokens")
 
 
 @register
@@ -88,6 +89,7 @@ class InfLLM(Compressor):
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
+    answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2) or tokens (its best token against the question's summed queries, every stored key read)")
     answer_positions: str = knob("same", "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window)")
 
     def __post_init__(self) -> None:
@@ -101,6 +103,9 @@ class InfLLM(Compressor):
             self.retrieval = str(self.retrieval).strip().lower()
         if self.retrieval not in (None, *RETRIEVALS):
             raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
+        self.answer_scores = str(self.answer_scores).strip().lower()
+        if self.answer_scores not in ANSWER_SCORES:
+            raise UsageError(f"infllm: answer_scores must be representatives or tokens, got '{self.answer_scores}'")
         self.answer_positions = str(self.answer_positions).strip().lower()
         if self.answer_positions not in ANSWER_POSITIONS:
             raise UsageError(f"infllm: answer_positions must be same or ordered, got '{self.answer_positions}'")
@@ -211,6 +216,7 @@ class InfLLM(Compressor):
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
         book.retrieval, book.answer_topk, book.answer_positions = self.retrieval, self.answer_topk, self.answer_positions
+        book.answer_scores = self.answer_scores
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)

@@ -49,7 +49,7 @@ class _Prefix:
 
 
 def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None, ordered=False):
+                     answer_topk=None, ordered=False, token_scores=False):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -70,7 +70,9 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     ``ordered`` (``answer_positions=ordered``): in the question's pass, Initial and the chosen
     blocks' tokens, in document order, are positions 0, 1, ..., and a query at p is position
-    (their count) + p - origin, as if Local followed them."""
+    (their count) + p - origin, as if Local followed them. ``token_scores``
+    (``answer_scores=tokens``): the question scores block j by the best of its tokens' keys (before
+    RoPE) against the summed queries."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
@@ -129,7 +131,11 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     q_mem = rot(q, [local] * c)
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
-                        sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
+                        if token_scores and e > n_doc:
+                            sc = torch.tensor([max(float(qsum[hh] @ pre_k[layer_i][0, hh, t]) for t in range(initial + j * block_size, initial + (j + 1) * block_size))
+                                              for j in blocks])
+                        else:
+                            sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
                         k_pass = answer_topk if e > n_doc and answer_topk else topk  # the question's own budget
                         top = torch.topk(sc, min(k_pass, len(blocks))).indices
                         pick = sorted(blocks[int(i)] for i in top)
@@ -167,13 +173,14 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize("answer_topk, positions", [(None, "same"), (6, "same"), (6, "ordered")])
-def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions):
+@pytest.mark.parametrize("answer_topk, positions, scores", [(None, "same", "representatives"), (6, "same", "representatives"),
+                                                       (6, "ordered", "representatives"), (3, "same", "tokens")])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions}")
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions},answer_scores={scores}")
     trace = []
     original = BookCache.__init__
 
@@ -189,7 +196,7 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, pos
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
     want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
-                                    answer_topk=answer_topk, ordered=positions == "ordered")
+                                    answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens")
     for layer, picks in enumerate(chosen):
         assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
@@ -307,6 +314,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
     ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
+    ("infllm:answer_scores=mean", "answer_scores must be representatives or tokens"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
