@@ -210,7 +210,7 @@ class BookCache(CacheBase):
         _, n_heads, c, d = query.shape
         g = n_heads // self.n_kv
         q_mem = self.rotate(query, pos, torch.full((c,), self.local, dtype=torch.long))
-        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
+        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem, scaling))
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
@@ -248,7 +248,7 @@ class BookCache(CacheBase):
             table = self._table = rope_cos_sin(self.rotary, torch.arange(size), x)
         return rerotate_table(x, old.to(x.device), new.to(x.device), *table)
 
-    def choose(self, layer: int, q_mem: torch.Tensor) -> torch.Tensor:
+    def choose(self, layer: int, q_mem: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """InfLLM's equation 2: block b scores ``sum_i sum_r q_i · r_b`` (i over the pass's queries,
         r over its representatives) per query head, summed over each KV head's GQA group; the
         ``topk`` best per KV head, in block order. (n_kv, min(topk, n_blocks)) long."""
@@ -262,6 +262,8 @@ class BookCache(CacheBase):
         q = q.reshape(self.n_kv, -1, q.shape[-1]).sum(dim=1).cpu()  # per KV head (no GQA expansion)
         if not self.reading and self.answer_scores == "tokens" and q_mem.shape[2] > 1:
             scores = self._token_scores(layer, q, nb)
+        elif not self.reading and self.answer_scores == "attention" and q_mem.shape[2] > 1:
+            scores = self._attention_scores(layer, q_mem, nb, scaling)
         else:
             scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
         chosen = torch.sort(torch.topk(scores, k, dim=-1).indices, dim=-1).values
@@ -280,6 +282,26 @@ class BookCache(CacheBase):
         for h in range(self.n_kv):
             keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
             out[h] = (keys @ q[h]).view(nb, bs).amax(dim=1)
+        return out
+
+    def _attention_scores(self, layer: int, q_mem: torch.Tensor, nb: int, scaling: float | None) -> torch.Tensor:
+        """The question's pass, ``answer_scores=attention`` (the KTransformers article's
+        preselection, SnapKV's vote): each query of the pass (rotated to ``local``, as for
+        equation 2) attends over every Memory key of its KV head, read from the storage; block b
+        scores the attention its tokens receive, summed over the queries and the group's heads.
+        Rows in slices (never more than 32 x the Memory's length at once). (n_kv, nb)."""
+        lo, bs = self.initial, self.block_size
+        _, n_heads, c, d = q_mem.shape
+        g = n_heads // self.n_kv
+        scale = d ** -0.5 if scaling is None else scaling
+        out = torch.empty(self.n_kv, nb)
+        for h in range(self.n_kv):
+            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            rows = q_mem[0, h * g : (h + 1) * g].reshape(g * c, d).to(torch.float32).cpu()
+            votes = torch.zeros(nb * bs)
+            for r in range(0, rows.shape[0], 32):
+                votes += torch.softmax(rows[r : r + 32] @ keys.T * scale, dim=-1).sum(dim=0)
+            out[h] = votes.view(nb, bs).sum(dim=1)
         return out
 
     def question_blocks(self) -> dict[int, torch.Tensor]:

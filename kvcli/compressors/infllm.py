@@ -62,7 +62,7 @@ PRESETS = {
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
 ANSWER_POSITIONS = ("same", "ordered")
-ANSWER_SCORES = ("representatives", "tokens")
+ANSWER_SCORES = ("representatives", "tokens", "attention")
 
 
 @register
@@ -89,7 +89,7 @@ class InfLLM(Compressor):
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
-    answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2) or tokens (its best token against the question's summed queries, every stored key read)")
+    answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key")
     answer_positions: str = knob("same", "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window)")
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ class InfLLM(Compressor):
             raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
         self.answer_scores = str(self.answer_scores).strip().lower()
         if self.answer_scores not in ANSWER_SCORES:
-            raise UsageError(f"infllm: answer_scores must be representatives or tokens, got '{self.answer_scores}'")
+            raise UsageError(f"infllm: answer_scores must be one of {', '.join(ANSWER_SCORES)}, got '{self.answer_scores}'")
         self.answer_positions = str(self.answer_positions).strip().lower()
         if self.answer_positions not in ANSWER_POSITIONS:
             raise UsageError(f"infllm: answer_positions must be same or ordered, got '{self.answer_positions}'")

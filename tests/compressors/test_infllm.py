@@ -49,7 +49,7 @@ class _Prefix:
 
 
 def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None, ordered=False, token_scores=False):
+                     answer_topk=None, ordered=False, token_scores=False, attention_scores=False):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -72,7 +72,10 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     blocks' tokens, in document order, are positions 0, 1, ..., and a query at p is position
     (their count) + p - origin, as if Local followed them. ``token_scores``
     (``answer_scores=tokens``): the question scores block j by the best of its tokens' keys (before
-    RoPE) against the summed queries."""
+    RoPE) against the summed queries. ``attention_scores`` (``answer_scores=attention``): each
+    question query (rotated to ``local``) takes a softmax over every Memory key (before RoPE) of
+    its KV head, scaled as the model's attention; block j scores the weight its tokens get,
+    summed over the queries and the group's heads."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
@@ -131,7 +134,14 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     q_mem = rot(q, [local] * c)
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
-                        if token_scores and e > n_doc:
+                        if attention_scores and e > n_doc:
+                            mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                            w = torch.zeros(len(mem_t))
+                            for gg in range(group):
+                                for i in range(c):
+                                    w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                            sc = w.view(len(blocks), block_size).sum(dim=1)
+                        elif token_scores and e > n_doc:
                             sc = torch.tensor([max(float(qsum[hh] @ pre_k[layer_i][0, hh, t]) for t in range(initial + j * block_size, initial + (j + 1) * block_size))
                                               for j in blocks])
                         else:
@@ -174,7 +184,8 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
 
 @pytest.mark.parametrize("answer_topk, positions, scores", [(None, "same", "representatives"), (6, "same", "representatives"),
-                                                       (6, "ordered", "representatives"), (3, "same", "tokens")])
+                                                       (6, "ordered", "representatives"), (3, "same", "tokens"),
+                                                       (3, "ordered", "attention")])
 def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores):
     lm = tiny_lm("llama")
     engine = Engine(lm)
@@ -196,7 +207,8 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, pos
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
     want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
-                                    answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens")
+                                    answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens",
+                                    attention_scores=scores == "attention")
     for layer, picks in enumerate(chosen):
         assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
@@ -314,7 +326,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
     ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
-    ("infllm:answer_scores=mean", "answer_scores must be representatives or tokens"),
+    ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
@@ -386,3 +398,25 @@ def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
+
+
+def test_attention_scores_are_the_questions_softmax_weight_per_block():
+    """answer_scores=attention: block b scores the softmax weight its keys get from each question
+    query, summed over the queries and the GQA group's heads (a peaked block beats a block of
+    many middling keys that a sum of raw logits would prefer; a block of many middling keys beats
+    a single peak that a max would prefer)."""
+    from kvcli.caches.bookfile import MemoryStorage, tensor_specs
+
+    bs, d = 4, 2
+    book = BookCache(MemoryStorage(tensor_specs(1, 1, 3 * bs, d, 3, torch.float32)), 3 * bs, 1, 1, d, initial=0, block_size=bs,
+                     local=0, topk=1, repr_topk=1)
+    logits = torch.tensor([10.0, -10, -10, -10,  # one key far above the rest
+                           1.5, 1.5, 1.5, 1.5,  # many middling keys
+                           2.5, -10, -10, -10])  # one key a little above them
+    book.storage.write("k.0", (0, 0, 3 * bs), torch.stack([logits, torch.zeros(3 * bs)], dim=1))
+    book.n_blocks = 3
+    q_mem = torch.tensor([1.0, 0.0]).expand(1, 2, 2, d)  # two query heads of one KV head, two queries each
+    got = book._attention_scores(0, q_mem, 3, scaling=0.5)
+    want = 4 * torch.softmax(logits * 0.5, dim=0).view(3, bs).sum(dim=1)
+    torch.testing.assert_close(got, want[None])
+    assert got[0].argsort(descending=True).tolist() == [0, 1, 2]
