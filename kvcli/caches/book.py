@@ -123,6 +123,8 @@ class BookCache(CacheBase):
         self.positions = None
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # retrieval=question: the blocks the question chose, per layer
+        self.filter_layer: int | None = None  # a probe pass (:meth:`select_shared`): the layer that selects
+        self.shared: torch.Tensor | None = None  # (n_kv, k) blocks every layer attends while answering
         self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
@@ -252,8 +254,13 @@ class BookCache(CacheBase):
         """InfLLM's equation 2: block b scores ``sum_i sum_r q_i · r_b`` (i over the pass's queries,
         r over its representatives) per query head, summed over each KV head's GQA group; the
         ``topk`` best per KV head, in block order. (n_kv, min(topk, n_blocks)) long."""
+        if not self.reading and self.shared is not None:  # one selection for every layer and step
+            self._chosen.setdefault(layer, self.shared)
+            return self.shared
         if not self.reading and self.retrieval == "question" and layer in self._chosen and q_mem.shape[2] == 1:
             return self._chosen[layer]
+        if not self.reading and layer == self.filter_layer and q_mem.shape[2] > 1:
+            return self._select_shared(layer, q_mem, scaling)
         nb = self.n_blocks
         k = min(self.topk if self.reading else self.answer_topk, nb)
         if k == 0:
@@ -303,6 +310,17 @@ class BookCache(CacheBase):
                 votes += torch.softmax(rows[r : r + 32] @ keys.T * scale, dim=-1).sum(dim=0)
             out[h] = votes.view(nb, bs).sum(dim=1)
         return out
+
+    def _select_shared(self, layer: int, q_mem: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """The probe pass at ``filter_layer``: the ``answer_topk`` blocks whose tokens get the most
+        of the question's attention (:meth:`_attention_scores`) summed over every head of the
+        layer — one index set, as GemFilter's — kept in ``shared`` for every KV head."""
+        k = min(self.answer_topk, self.n_blocks)
+        scores = self._attention_scores(layer, q_mem, self.n_blocks, scaling).sum(dim=0)
+        chosen = torch.sort(torch.topk(scores, k).indices).values.expand(self.n_kv, k).contiguous()
+        self.shared = chosen
+        self._chosen.setdefault(layer, chosen)
+        return chosen
 
     def question_blocks(self) -> dict[int, torch.Tensor]:
         """The blocks the question's pass retrieved: {layer: (n_kv, answer_topk) block indices}."""
@@ -422,6 +440,7 @@ class BookCache(CacheBase):
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
         out._pending, out._chosen, out._rotated = {}, {}, {}
+        out.filter_layer, out.shared = None, None
         out.attended, out.steps = 0.0, 0
         return out
 

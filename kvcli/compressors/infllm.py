@@ -90,6 +90,7 @@ class InfLLM(Compressor):
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
     answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key")
+    filter_layer: int | None = knob(None, "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; none = each layer retrieves its own (InfLLM)")
     answer_positions: str = knob("same", "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window)")
 
     def __post_init__(self) -> None:
@@ -131,6 +132,8 @@ class InfLLM(Compressor):
             self.retrieval = preset["retrieval"]
         if self.answer_topk is None:
             self.answer_topk = self.topk
+        if self.filter_layer is not None and not 0 <= self.filter_layer < lm.n_layers:
+            raise UsageError(f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1}, got {self.filter_layer}")
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
 
@@ -219,6 +222,11 @@ class InfLLM(Compressor):
         book.answer_scores = self.answer_scores
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
+        if self.filter_layer is not None:  # a probe pass selects one set of blocks for every layer
+            probe = book.copy()
+            probe.filter_layer = self.filter_layer
+            engine.forward(ids[start:], probe.next_positions(n - start), probe, layers=range(self.filter_layer + 1))
+            book.shared = probe.shared
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)
         hidden = engine.forward(ids[start:], book.next_positions(n - start), book)
         return book, engine.logits(hidden[:, -1:])[-1], n

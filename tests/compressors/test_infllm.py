@@ -49,7 +49,7 @@ class _Prefix:
 
 
 def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None, ordered=False, token_scores=False, attention_scores=False):
+                     answer_topk=None, ordered=False, token_scores=False, attention_scores=False, filter_layer=None):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -75,7 +75,10 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     RoPE) against the summed queries. ``attention_scores`` (``answer_scores=attention``): each
     question query (rotated to ``local``) takes a softmax over every Memory key (before RoPE) of
     its KV head, scaled as the model's attention; block j scores the weight its tokens get,
-    summed over the queries and the group's heads."""
+    summed over the queries and the group's heads. ``filter_layer`` r: the question runs first as
+    a probe up to layer r, whose queries' softmax weights over every Memory key, summed over all
+    the layer's heads and the block's tokens, choose ``answer_topk`` blocks; then the question's
+    pass attends to those blocks at every layer and KV head."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
@@ -110,11 +113,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     chosen_by_question = []
     edges = list(range(0, n_doc, chunk)) + [n_doc]
-    passes = list(zip(edges[:-1], edges[1:])) + [(n_doc, n)]
+    passes = list(zip(edges[:-1], edges[1:])) + ([("probe", n_doc, n)] if filter_layer is not None else []) + [(n_doc, n)]
+    shared = None
     reps: list[dict] = [dict() for _ in model.layers]
     logits = None
     with torch.inference_mode():
-        for s, e in passes:
+        for item in passes:
+            probe, (s, e) = item[0] == "probe", item[-2:]
             blocks = [j for j in range(max_blocks) if initial + (j + 1) * block_size <= s - local]
             origin = initial + len(blocks) * block_size if blocks else 0
             hidden = model.embed_tokens(ids[s:e].view(1, -1))
@@ -130,7 +135,20 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     if j not in reps[layer_i]:
                         reps[layer_i][j] = repsum(layer_i, j)
                 picks = []
-                if blocks:
+                if blocks and shared is not None and not probe:
+                    picks = [shared] * n_kv
+                elif blocks and probe and layer_i == filter_layer:
+                    q_mem = rot(q, [local] * c)
+                    mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                    w = torch.zeros(len(mem_t))
+                    for hh in range(n_kv):
+                        for gg in range(group):
+                            for i in range(c):
+                                w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                    top = torch.topk(w.view(len(blocks), block_size).sum(dim=1), min(answer_topk, len(blocks))).indices
+                    shared = sorted(blocks[int(i)] for i in top)
+                    break
+                elif blocks:
                     q_mem = rot(q, [local] * c)
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
@@ -155,7 +173,7 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                             assert all(float(sc[blocks.index(j)]) >= kth - tol * (1 + abs(kth)) for j in theirs), (s, layer_i, hh, theirs, pick, [float(sc[blocks.index(j)]) for j in theirs + pick])
                             pick = theirs
                         picks.append(pick)
-                if e > n_doc:
+                if e > n_doc and not probe:
                     chosen_by_question.append(picks)
                 out = torch.zeros(1, c, n_kv * group, d)
                 for i in range(c):
@@ -183,15 +201,17 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize("answer_topk, positions, scores", [(None, "same", "representatives"), (6, "same", "representatives"),
-                                                       (6, "ordered", "representatives"), (3, "same", "tokens"),
-                                                       (3, "ordered", "attention")])
-def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores):
+@pytest.mark.parametrize("answer_topk, positions, scores, filter_layer", [
+    (None, "same", "representatives", None), (6, "same", "representatives", None), (6, "ordered", "representatives", None),
+    (3, "same", "tokens", None), (3, "ordered", "attention", None), (3, "ordered", "representatives", 1),
+])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores, filter_layer):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions},answer_scores={scores}")
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions},answer_scores={scores}"
+              + (f",filter_layer={filter_layer}" if filter_layer is not None else ""))
     trace = []
     original = BookCache.__init__
 
@@ -208,7 +228,7 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, pos
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
     want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
                                     answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens",
-                                    attention_scores=scores == "attention")
+                                    attention_scores=scores == "attention", filter_layer=filter_layer)
     for layer, picks in enumerate(chosen):
         assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
@@ -326,6 +346,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
     ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
+    ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3"),
     ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
