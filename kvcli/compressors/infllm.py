@@ -56,9 +56,16 @@ INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
 # knobs a preset fills when not given: local_window (at most half the window), topk (blocks, at
 # most a quarter of the window), retrieval
 PRESETS = {
-    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step"},  # InfLLM's n_local, topk; per-step retrieval
-    "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question"},  # measured on a 2-core CPU (docs/books.md)
+    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step", "filter": False},  # InfLLM's n_local, topk; per-step retrieval
+    # measured on a 2-core CPU (docs/books.md); the question's blocks chosen once by the model's
+    # filter layer (FILTER_LAYERS) where one is measured
+    "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question", "filter": True},
 }
+# The layer whose question attention over the stored keys finds a needle's block (GemFilter's
+# criterion for its filter layer: "the first layer that accurately identifies the needle's
+# position"), measured per model on passkey needles in Paul Graham's essays (12k tokens, depths
+# 0.2-0.8), never on the books benchmark: docs/books.md, "Which blocks a question reads".
+FILTER_LAYERS = {"smollm2-135m-instruct": 17}
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
 ANSWER_POSITIONS = ("same", "ordered")
@@ -90,8 +97,8 @@ class InfLLM(Compressor):
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
     answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key")
-    filter_layer: int | None = knob(None, "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; none = each layer retrieves its own (InfLLM)")
-    answer_positions: str = knob("same", "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window)")
+    filter_layer: int | None = knob(None, "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; -1 = each layer retrieves its own (InfLLM); auto = the preset's (cpu: the model's measured filter layer, else -1; paper: -1)")
+    answer_positions: str | None = knob(None, "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window); auto = ordered with a filter layer (one set of blocks, as GemFilter re-positions its selection), else same")
 
     def __post_init__(self) -> None:
         self.preset = str(self.preset).strip().lower()
@@ -107,8 +114,9 @@ class InfLLM(Compressor):
         self.answer_scores = str(self.answer_scores).strip().lower()
         if self.answer_scores not in ANSWER_SCORES:
             raise UsageError(f"infllm: answer_scores must be one of {', '.join(ANSWER_SCORES)}, got '{self.answer_scores}'")
-        self.answer_positions = str(self.answer_positions).strip().lower()
-        if self.answer_positions not in ANSWER_POSITIONS:
+        if self.answer_positions is not None:
+            self.answer_positions = str(self.answer_positions).strip().lower()
+        if self.answer_positions not in (None, *ANSWER_POSITIONS):
             raise UsageError(f"infllm: answer_positions must be same or ordered, got '{self.answer_positions}'")
         for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
@@ -132,8 +140,12 @@ class InfLLM(Compressor):
             self.retrieval = preset["retrieval"]
         if self.answer_topk is None:
             self.answer_topk = self.topk
-        if self.filter_layer is not None and not 0 <= self.filter_layer < lm.n_layers:
-            raise UsageError(f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1}, got {self.filter_layer}")
+        if self.filter_layer is None:
+            self.filter_layer = FILTER_LAYERS.get(lm.name, -1) if preset["filter"] else -1
+        if self.answer_positions is None:
+            self.answer_positions = "ordered" if self.filter_layer >= 0 else "same"
+        if not -1 <= self.filter_layer < lm.n_layers:
+            raise UsageError(f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1} (or -1: none), got {self.filter_layer}")
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
 
@@ -222,7 +234,7 @@ class InfLLM(Compressor):
         book.answer_scores = self.answer_scores
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
-        if self.filter_layer is not None:  # a probe pass selects one set of blocks for every layer
+        if self.filter_layer >= 0:  # a probe pass selects one set of blocks for every layer
             probe = book.copy()
             probe.filter_layer = self.filter_layer
             engine.forward(ids[start:], probe.next_positions(n - start), probe, layers=range(self.filter_layer + 1))

@@ -346,7 +346,7 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
     ("infllm:retrieval=sometimes", "retrieval must be step or question"),
     ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
-    ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3"),
+    ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3 \\(or -1: none\\)"),
     ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
@@ -411,11 +411,12 @@ def test_attention_parts_merge_into_one_softmax():
 def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", limiting_windows=lambda: [])
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, limiting_windows=lambda: [])
     s = parse_one(spec)
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
-    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", limiting_windows=lambda: [])
+    assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30, limiting_windows=lambda: [])
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
@@ -441,3 +442,21 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
     want = 4 * torch.softmax(logits * 0.5, dim=0).view(3, bs).sum(dim=1)
     torch.testing.assert_close(got, want[None])
     assert got[0].argsort(descending=True).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("device, spec, want", [
+    ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
+    ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
+    ("cpu", "infllm:preset=paper", (-1, "same")),
+    ("cpu", "infllm:filter_layer=-1", (-1, "same")),  # off: InfLLM's retrieval and positions
+    ("cpu", "infllm:filter_layer=-1,answer_positions=ordered", (-1, "ordered")),
+    ("cpu", "infllm:answer_positions=same", (17, "same")),
+    ("meta", "infllm:filter_layer=5", (5, "ordered")),
+])
+def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
+    from types import SimpleNamespace
+
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30, limiting_windows=lambda: [])
+    s = parse_one(spec)
+    s.configure(lm)
+    assert (s.filter_layer, s.answer_positions) == want
