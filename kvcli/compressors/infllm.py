@@ -190,7 +190,9 @@ class InfLLM(Compressor):
 
     def reading_note(self, lm, n_prompt: int) -> str:
         return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
-                f"attending to {self.span()}; later questions reuse it")
+                f"attending to {self.span()}; later questions reuse it"
+                + (f", each answered from the {self.answer_topk} blocks its layer-{self.filter_layer} attention selects, in document order"
+                   if self.filter_layer >= 0 else ""))
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()

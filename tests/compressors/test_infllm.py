@@ -460,3 +460,5 @@ def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, wa
     s = parse_one(spec)
     s.configure(lm)
     assert (s.filter_layer, s.answer_positions) == want
+    note = s.reading_note(lm, 100_000)  # the over-window line says how a question is answered
+    assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (want[0] >= 0)
