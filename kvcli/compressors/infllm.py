@@ -101,23 +101,15 @@ class InfLLM(Compressor):
     answer_positions: str | None = knob(None, "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window); auto = ordered with a filter layer (one set of blocks, as GemFilter re-positions its selection), else same")
 
     def __post_init__(self) -> None:
-        self.preset = str(self.preset).strip().lower()
-        if self.preset not in ("auto", *PRESETS):
-            raise UsageError(f"infllm: preset must be one of auto, {', '.join(PRESETS)}, got '{self.preset}'")
-        self.kv_dtype = str(self.kv_dtype).strip().lower()
-        if self.kv_dtype not in KV_DTYPES:
-            raise UsageError(f"infllm: kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{self.kv_dtype}'")
-        if self.retrieval is not None:
-            self.retrieval = str(self.retrieval).strip().lower()
-        if self.retrieval not in (None, *RETRIEVALS):
-            raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
-        self.answer_scores = str(self.answer_scores).strip().lower()
-        if self.answer_scores not in ANSWER_SCORES:
-            raise UsageError(f"infllm: answer_scores must be one of {', '.join(ANSWER_SCORES)}, got '{self.answer_scores}'")
-        if self.answer_positions is not None:
-            self.answer_positions = str(self.answer_positions).strip().lower()
-        if self.answer_positions not in (None, *ANSWER_POSITIONS):
-            raise UsageError(f"infllm: answer_positions must be same or ordered, got '{self.answer_positions}'")
+        choices = {"preset": ("auto", *PRESETS), "kv_dtype": tuple(KV_DTYPES), "retrieval": RETRIEVALS,
+                   "answer_scores": ANSWER_SCORES, "answer_positions": ANSWER_POSITIONS}
+        for name, allowed in choices.items():  # None: auto, filled by configure()
+            value = getattr(self, name)
+            if value is not None:
+                value = str(value).strip().lower()
+                setattr(self, name, value)
+                if value not in allowed:
+                    raise UsageError(f"infllm: {name} must be one of {', '.join(allowed)}, got '{value}'")
         for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
             if value is not None and value < low:

@@ -344,8 +344,8 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
 
 @pytest.mark.parametrize("spec, needle", [
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
-    ("infllm:retrieval=sometimes", "retrieval must be step or question"),
-    ("infllm:answer_positions=shuffled", "answer_positions must be same or ordered"),
+    ("infllm:retrieval=sometimes", "retrieval must be one of step, question"),
+    ("infllm:answer_positions=shuffled", "answer_positions must be one of same, ordered"),
     ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3 \\(or -1: none\\)"),
     ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
