@@ -21,7 +21,12 @@ Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
 4. A question: its tokens run on top of the stored book as one more chunk (its queries retrieve
    the blocks); each decoding step retrieves its own blocks (InfLLM; ``retrieval=question``
    keeps the question's choice for the whole answer, as the KTransformers article does after
-   finding per-token re-selection unstable).
+   finding per-token re-selection unstable). With ``filter_layer`` (the ``cpu`` preset's, where
+   the model has a measured one: :data:`FILTER_LAYERS`) a probe pass of the question up to that
+   layer chooses ``answer_topk`` blocks once, by that layer's attention over every stored key
+   (GemFilter's filter layer, the KTransformers article's preselection), for every layer and
+   step; ``answer_positions=ordered`` then lays Initial, those blocks and Local out in document
+   order within the model's window (:meth:`kvcli.caches.book.BookCache._attend_memory`).
 
 Settings (docs/books.md has the table): ``preset`` fills the knobs not given. ``paper``: InfLLM's
 released configuration for 8K-window models (Llama-3-8B-Instruct: ``n_init=128, n_local=4096,
@@ -29,7 +34,8 @@ block_size=128, topk=16, repr_topk=4, exc_block_size=512``), each decoding step 
 ``local_window`` and ``topk`` scaled down to a smaller window (half of it for Local, a quarter for
 Memory). ``cpu``: the span measured on a 2-core CPU (``local_window=1024, topk=8``, the question's
 blocks for the whole answer): ~2,300 keys per query instead of ~6,900, so a 100-page book reads
-within minutes. ``auto`` (the default): ``cpu`` on the CPU, ``paper`` on an accelerator. The
+within minutes; the question's blocks chosen by the model's filter layer, in document order
+(InfLLM's representatives found the answer's block about as often as chance: docs/books.md). ``auto`` (the default): ``cpu`` on the CPU, ``paper`` on an accelerator. The
 article's own runs (128K-1M contexts) use ``local_windows_len=4096``, ``block_size=128``,
 ``second_block_count=96``. kvcli departs from InfLLM in three documented ways: representatives
 are chosen per KV head (InfLLM: per query head; kvcli sums each GQA group, never expanding the
