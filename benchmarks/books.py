@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -103,8 +105,14 @@ def rescored(rows: list[dict]) -> list[dict]:
 
 def fresh_cache_dir() -> Path:
     """A cache folder with an empty disk store whose models/ is the user's (no reconversion)."""
-    root = Path(tempfile.mkdtemp(prefix="kvcli-books-"))
-    (root / "models").symlink_to(default_cache_dir() / "models", target_is_directory=True)
+    return store_dir(Path(tempfile.mkdtemp(prefix="kvcli-books-")))
+
+
+def store_dir(root: Path) -> Path:
+    """``root`` as a cache folder whose models/ is the user's: its disk store kept between runs."""
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "models").exists():
+        (root / "models").symlink_to(default_cache_dir() / "models", target_is_directory=True)
     return root
 
 
@@ -154,7 +162,7 @@ def cli_ask(args, pdf: Path, question: str, cache_dir: Path) -> tuple[dict, floa
     """``python -m kvcli ask PDF QUESTION -c <infllm spec> --json`` in a new process: its JSON,
     its wall time (model load and PDF extraction included), its error."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), question, "-c", args.infllm, "--cache-dir", str(cache_dir),
+    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), question, "-c", args.infllm[0], "--cache-dir", str(cache_dir),
                           "--cache-max", "none", "--json", "--max-new-tokens", str(args.max_new_tokens)], capture_output=True,
                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - t0
@@ -178,17 +186,45 @@ def run_infllm_processes(args, doc, pdf) -> list[dict]:
     return rows
 
 
+def answer_retrieved(result, document, q) -> dict:
+    """Where the accepted answer stands on its page, in the stored book, and whether the question
+    retrieved it: ``answer_blocks`` (the Memory blocks holding an occurrence; ``answer_in`` says
+    "initial" or "local" when one lies there, always attended), ``retrieved`` (the share of the
+    (layer, KV head) pairs whose question pass chose one of those blocks)."""
+    book, prompt = result.cache, result.prompt
+    if not hasattr(book, "question_blocks"):
+        return {}
+    lo = list(document.page_starts)[q["page"] - 1]
+    text = page_text(document, q["page"]).lower()
+    chars = [lo + m.start() for a in q["accept"] for m in re.finditer(r"(?<![a-z0-9])" + re.escape(a.lower()), text)]
+    positions = {prompt.doc_start + next(i for i, (_, e) in enumerate(prompt.doc_offsets) if e > c) for c in chars}
+    blocks = sorted({(p - book.initial) // book.block_size for p in positions if book.initial <= p < book.origin})
+    parts = ["initial"] * any(p < book.initial for p in positions) + ["local"] * any(p >= book.origin for p in positions)
+    chosen = book.question_blocks()
+    share = None
+    if blocks and chosen:
+        want = torch.tensor(blocks)
+        share = sum(float(torch.isin(c, want).any(dim=-1).float().mean()) for c in chosen.values()) / len(chosen)
+    return {"answer_blocks": blocks, "answer_in": parts, "retrieved": None if share is None else round(share, 3)}
+
+
 def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
-    """A fresh store: the first question reads the book (timed), the rest answer from it; one more
-    question in a new process (cold process, warm store). The model is ``base``'s (loaded once)."""
-    cache_dir = fresh_cache_dir()
+    """A store (``--store``, else a fresh one): the first question reads the book (timed), the rest
+    answer from it, for each ``--infllm`` spec in turn (a spec that reads the same way reuses the
+    stored book); one more question in a new process (cold process, warm store) unless
+    ``--no-repeat``. The model is ``base``'s (loaded once)."""
+    cache_dir = store_dir(args.store) if args.store else fresh_cache_dir()
     options = AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none")
     session = Session(lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir))
     rows = []
-    for i, q in enumerate(doc["questions"]):
-        result = session.ask(document, q["q"], parse_pipeline(args.infllm))
-        rows.append(record("infllm", doc, q, result, {"first": i == 0, "entry_bytes": result.extra["cache"]["entry_bytes"]}))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for spec in args.infllm:
+        for i, q in enumerate(doc["questions"]):
+            result = session.ask(document, q["q"], parse_pipeline(spec))
+            rows.append(record("infllm", doc, q, result, {"first": i == 0, "entry_bytes": result.extra["cache"]["entry_bytes"],
+                                                          "spec": spec, **answer_retrieved(result, document, q)}))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if args.no_repeat:
+        return rows
     q = doc["questions"][-1]
     rec, wall, error = cli_ask(args, pdf, q["q"], cache_dir)
     rows.append({"method": "infllm", "document": doc["name"], "repeat_process": True, "wall_s": round(wall, 2),
@@ -211,7 +247,7 @@ def run_memory(args) -> list[dict]:
     rows = []
     for n in args.memory:
         piece = (ids * (n // len(ids) + 1))[:n]
-        result = session.ask(document_from_text(tok.decode(piece)), "Which version of R is described?", parse_pipeline(args.infllm))
+        result = session.ask(document_from_text(tok.decode(piece)), "Which version of R is described?", parse_pipeline(args.infllm[0]))
         rows.append({"method": "infllm", "memory_tokens": n, "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
                      "peak_mem_mb": round(result.peak_mem_mb, 1), "entry_bytes": result.extra["cache"]["entry_bytes"], "load": round(load(), 2)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -221,18 +257,16 @@ def run_memory(args) -> list[dict]:
 def run_read_speed(args) -> list[dict]:
     """``--read-speed N``: the reading pass alone, ``N`` random token ids read into memory (no disk
     store, no question), tokens per second; run it alone on the machine to compare code."""
-    import torch
-
     from kvcli.compressors import parse_one
 
     session = Session.open(AskOptions(use_cache=False))
-    method = parse_one(args.infllm)
+    method = parse_one(args.infllm[0])
     method.configure(session.lm)
     ids = torch.randint(100, 20000, (args.read_speed,), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     method.read(session.engine, ids)
     dt = time.perf_counter() - t0
-    row = {"method": args.infllm, "read_tokens": args.read_speed, "seconds": round(dt, 2), "tok_s": round(args.read_speed / dt, 1),
+    row = {"method": args.infllm[0], "read_tokens": args.read_speed, "seconds": round(dt, 2), "tok_s": round(args.read_speed / dt, 1),
            "threads": torch.get_num_threads(), "load": round(load(), 2)}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return [row]
@@ -283,7 +317,9 @@ def main() -> None:
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
     p.add_argument("--pages", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="oracle/full/finch: only the questions on these pages (to split a long run)")
-    p.add_argument("--infllm", default="infllm", help="the infllm spec (knobs)")
+    p.add_argument("--infllm", nargs="+", default=["infllm"], help="the infllm spec(s) (knobs); several: each on every question, in turn")
+    p.add_argument("--store", type=Path, default=None, help="infllm: this cache folder's disk store, kept between runs (default: a fresh one)")
+    p.add_argument("--no-repeat", action="store_true", help="infllm: no extra question in a new process")
     p.add_argument("--processes", action="store_true", help="infllm: every question a new `kvcli ask` process on one store (the first reads)")
     p.add_argument("--finch-max-tokens", type=int, default=40000, help="skip Finch on longer documents (it reads every token per question)")
     p.add_argument("--max-new-tokens", type=int, default=32)

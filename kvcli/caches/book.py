@@ -104,6 +104,8 @@ class BookCache(CacheBase):
         self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
         self.retrieval = retrieval
         self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
+        self.answer_positions = "same"  # answering: "same" (InfLLM) or "ordered" (:meth:`_attend_memory`)
+        self.answer_scores = "representatives"  # the question's pass: "representatives" (InfLLM) or "tokens" (:meth:`choose`)
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -121,6 +123,8 @@ class BookCache(CacheBase):
         self.positions = None
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # retrieval=question: the blocks the question chose, per layer
+        self.filter_layer: int | None = None  # a probe pass (:meth:`select_shared`): the layer that selects
+        self.shared: torch.Tensor | None = None  # (n_kv, k) blocks every layer attends while answering
         self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
@@ -208,10 +212,15 @@ class BookCache(CacheBase):
         _, n_heads, c, d = query.shape
         g = n_heads // self.n_kv
         q_mem = self.rotate(query, pos, torch.full((c,), self.local, dtype=torch.long))
-        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem))
+        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem, scaling))
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
+        if not self.reading and self.answer_positions == "ordered":
+            # answering within the model's window: Initial, the retrieved blocks in document order
+            # and Local at consecutive positions 0, 1, ... (the query at n_mem + its Local index)
+            k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
+            q_mem = self.rotate(query, pos, pos + n_mem)
         bias = None if c == 1 else self._causal_bias(c, n_loc, g, query)
         loc = attention_lse(query.reshape(1, self.n_kv, g * c, d), k_loc, v_loc.to(query.dtype), bias, scaling)
         mem = attention_lse(q_mem.reshape(1, self.n_kv, g * c, d), k_mem, v_mem, None, scaling)
@@ -241,25 +250,81 @@ class BookCache(CacheBase):
             table = self._table = rope_cos_sin(self.rotary, torch.arange(size), x)
         return rerotate_table(x, old.to(x.device), new.to(x.device), *table)
 
-    def choose(self, layer: int, q_mem: torch.Tensor) -> torch.Tensor:
+    def choose(self, layer: int, q_mem: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """InfLLM's equation 2: block b scores ``sum_i sum_r q_i · r_b`` (i over the pass's queries,
         r over its representatives) per query head, summed over each KV head's GQA group; the
         ``topk`` best per KV head, in block order. (n_kv, min(topk, n_blocks)) long."""
+        if not self.reading and self.shared is not None:  # one selection for every layer and step
+            self._chosen.setdefault(layer, self.shared)
+            return self.shared
         if not self.reading and self.retrieval == "question" and layer in self._chosen and q_mem.shape[2] == 1:
             return self._chosen[layer]
+        if not self.reading and layer == self.filter_layer and q_mem.shape[2] > 1:
+            return self._select_shared(layer, q_mem, scaling)
         nb = self.n_blocks
         k = min(self.topk if self.reading else self.answer_topk, nb)
         if k == 0:
             return torch.zeros(self.n_kv, 0, dtype=torch.long)
         q = q_mem[0].to(torch.float32).sum(dim=1)  # (n_heads, d): the sum over the pass's queries
         q = q.reshape(self.n_kv, -1, q.shape[-1]).sum(dim=1).cpu()  # per KV head (no GQA expansion)
-        scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
+        if not self.reading and self.answer_scores == "tokens" and q_mem.shape[2] > 1:
+            scores = self._token_scores(layer, q, nb)
+        elif not self.reading and self.answer_scores == "attention" and q_mem.shape[2] > 1:
+            scores = self._attention_scores(layer, q_mem, nb, scaling)
+        else:
+            scores = torch.einsum("hd,hbd->hb", q, self.repsum[layer][:, :nb])
         chosen = torch.sort(torch.topk(scores, k, dim=-1).indices, dim=-1).values
         if self.trace is not None:
             self.trace.append((self.origin + self.tail_k[layer].shape[2], layer, chosen.tolist()))
         if not self.reading:
             self._chosen.setdefault(layer, chosen)
         return chosen
+
+    def _token_scores(self, layer: int, q: torch.Tensor, nb: int) -> torch.Tensor:
+        """The question's pass, ``answer_scores=tokens``: block b scores the best of its tokens,
+        ``max_t sum_i q_i · k_t`` (keys before RoPE, read from the storage one KV head at a time):
+        equation 2 with every token a representative, the max instead of the sum. (n_kv, nb)."""
+        lo, bs = self.initial, self.block_size
+        out = torch.empty(self.n_kv, nb)
+        for h in range(self.n_kv):
+            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            out[h] = (keys @ q[h]).view(nb, bs).amax(dim=1)
+        return out
+
+    def _attention_scores(self, layer: int, q_mem: torch.Tensor, nb: int, scaling: float | None) -> torch.Tensor:
+        """The question's pass, ``answer_scores=attention`` (the KTransformers article's
+        preselection, SnapKV's vote): each query of the pass (rotated to ``local``, as for
+        equation 2) attends over every Memory key of its KV head, read from the storage; block b
+        scores the attention its tokens receive, summed over the queries and the group's heads.
+        Rows in slices (never more than 32 x the Memory's length at once). (n_kv, nb)."""
+        lo, bs = self.initial, self.block_size
+        _, n_heads, c, d = q_mem.shape
+        g = n_heads // self.n_kv
+        scale = d ** -0.5 if scaling is None else scaling
+        out = torch.empty(self.n_kv, nb)
+        for h in range(self.n_kv):
+            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            rows = q_mem[0, h * g : (h + 1) * g].reshape(g * c, d).to(torch.float32).cpu()
+            votes = torch.zeros(nb * bs)
+            for r in range(0, rows.shape[0], 32):
+                votes += torch.softmax(rows[r : r + 32] @ keys.T * scale, dim=-1).sum(dim=0)
+            out[h] = votes.view(nb, bs).sum(dim=1)
+        return out
+
+    def _select_shared(self, layer: int, q_mem: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """The probe pass at ``filter_layer``: the ``answer_topk`` blocks whose tokens get the most
+        of the question's attention (:meth:`_attention_scores`) summed over every head of the
+        layer — one index set, as GemFilter's — kept in ``shared`` for every KV head."""
+        k = min(self.answer_topk, self.n_blocks)
+        scores = self._attention_scores(layer, q_mem, self.n_blocks, scaling).sum(dim=0)
+        chosen = torch.sort(torch.topk(scores, k).indices).values.expand(self.n_kv, k).contiguous()
+        self.shared = chosen
+        self._chosen.setdefault(layer, chosen)
+        return chosen
+
+    def question_blocks(self) -> dict[int, torch.Tensor]:
+        """The blocks the question's pass retrieved: {layer: (n_kv, answer_topk) block indices}."""
+        return dict(self._chosen)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""
@@ -375,6 +440,7 @@ class BookCache(CacheBase):
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
         out._pending, out._chosen, out._rotated = {}, {}, {}
+        out.filter_layer, out.shared = None, None
         out.attended, out.steps = 0.0, 0
         return out
 

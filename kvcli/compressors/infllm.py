@@ -21,7 +21,12 @@ Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
 4. A question: its tokens run on top of the stored book as one more chunk (its queries retrieve
    the blocks); each decoding step retrieves its own blocks (InfLLM; ``retrieval=question``
    keeps the question's choice for the whole answer, as the KTransformers article does after
-   finding per-token re-selection unstable).
+   finding per-token re-selection unstable). With ``filter_layer`` (the ``cpu`` preset's, where
+   the model has a measured one: :data:`FILTER_LAYERS`) a probe pass of the question up to that
+   layer chooses ``answer_topk`` blocks once, by that layer's attention over every stored key
+   (GemFilter's filter layer, the KTransformers article's preselection), for every layer and
+   step; ``answer_positions=ordered`` then lays Initial, those blocks and Local out in document
+   order within the model's window (:meth:`kvcli.caches.book.BookCache._attend_memory`).
 
 Settings (docs/books.md has the table): ``preset`` fills the knobs not given. ``paper``: InfLLM's
 released configuration for 8K-window models (Llama-3-8B-Instruct: ``n_init=128, n_local=4096,
@@ -29,7 +34,8 @@ block_size=128, topk=16, repr_topk=4, exc_block_size=512``), each decoding step 
 ``local_window`` and ``topk`` scaled down to a smaller window (half of it for Local, a quarter for
 Memory). ``cpu``: the span measured on a 2-core CPU (``local_window=1024, topk=8``, the question's
 blocks for the whole answer): ~2,300 keys per query instead of ~6,900, so a 100-page book reads
-within minutes. ``auto`` (the default): ``cpu`` on the CPU, ``paper`` on an accelerator. The
+within minutes; the question's blocks chosen by the model's filter layer, in document order
+(InfLLM's representatives found the answer's block about as often as chance: docs/books.md). ``auto`` (the default): ``cpu`` on the CPU, ``paper`` on an accelerator. The
 article's own runs (128K-1M contexts) use ``local_windows_len=4096``, ``block_size=128``,
 ``second_block_count=96``. kvcli departs from InfLLM in three documented ways: representatives
 are chosen per KV head (InfLLM: per query head; kvcli sums each GQA group, never expanding the
@@ -56,11 +62,20 @@ INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
 # knobs a preset fills when not given: local_window (at most half the window), topk (blocks, at
 # most a quarter of the window), retrieval
 PRESETS = {
-    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step"},  # InfLLM's n_local, topk; per-step retrieval
-    "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question"},  # measured on a 2-core CPU (docs/books.md)
+    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step", "filter": False},  # InfLLM's n_local, topk; per-step retrieval
+    # measured on a 2-core CPU (docs/books.md); the question's blocks chosen once by the model's
+    # filter layer (FILTER_LAYERS) where one is measured
+    "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question", "filter": True},
 }
+# The layer whose question attention over the stored keys finds a needle's block (GemFilter's
+# criterion for its filter layer: "the first layer that accurately identifies the needle's
+# position"), measured per model on passkey needles in Paul Graham's essays (12k tokens, depths
+# 0.2-0.8), never on the books benchmark: docs/books.md, "Which blocks a question reads".
+FILTER_LAYERS = {"smollm2-135m-instruct": 17}
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "model": None}
 RETRIEVALS = ("step", "question")
+ANSWER_POSITIONS = ("same", "ordered")
+ANSWER_SCORES = ("representatives", "tokens", "attention")
 
 
 @register
@@ -87,18 +102,20 @@ class InfLLM(Compressor):
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
     retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
+    answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key")
+    filter_layer: int | None = knob(None, "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; -1 = each layer retrieves its own (InfLLM); auto = the preset's (cpu: the model's measured filter layer, else -1; paper: -1)")
+    answer_positions: str | None = knob(None, "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window); auto = ordered with a filter layer (one set of blocks, as GemFilter re-positions its selection), else same")
 
     def __post_init__(self) -> None:
-        self.preset = str(self.preset).strip().lower()
-        if self.preset not in ("auto", *PRESETS):
-            raise UsageError(f"infllm: preset must be one of auto, {', '.join(PRESETS)}, got '{self.preset}'")
-        self.kv_dtype = str(self.kv_dtype).strip().lower()
-        if self.kv_dtype not in KV_DTYPES:
-            raise UsageError(f"infllm: kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{self.kv_dtype}'")
-        if self.retrieval is not None:
-            self.retrieval = str(self.retrieval).strip().lower()
-        if self.retrieval not in (None, *RETRIEVALS):
-            raise UsageError(f"infllm: retrieval must be step or question, got '{self.retrieval}'")
+        choices = {"preset": ("auto", *PRESETS), "kv_dtype": tuple(KV_DTYPES), "retrieval": RETRIEVALS,
+                   "answer_scores": ANSWER_SCORES, "answer_positions": ANSWER_POSITIONS}
+        for name, allowed in choices.items():  # None: auto, filled by configure()
+            value = getattr(self, name)
+            if value is not None:
+                value = str(value).strip().lower()
+                setattr(self, name, value)
+                if value not in allowed:
+                    raise UsageError(f"infllm: {name} must be one of {', '.join(allowed)}, got '{value}'")
         for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -121,6 +138,12 @@ class InfLLM(Compressor):
             self.retrieval = preset["retrieval"]
         if self.answer_topk is None:
             self.answer_topk = self.topk
+        if self.filter_layer is None:
+            self.filter_layer = FILTER_LAYERS.get(lm.name, -1) if preset["filter"] else -1
+        if self.answer_positions is None:
+            self.answer_positions = "ordered" if self.filter_layer >= 0 else "same"
+        if not -1 <= self.filter_layer < lm.n_layers:
+            raise UsageError(f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1} (or -1: none), got {self.filter_layer}")
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
 
@@ -157,11 +180,17 @@ class InfLLM(Compressor):
         self.configure(lm)
         if not lm.max_context or n_prompt + max_new_tokens <= lm.max_context:
             return n_prompt + max_new_tokens
-        return self.local_window + self.block_size + max(self.chunk, n_suffix + max_new_tokens)
+        reading = self.local_window + self.block_size + self.chunk
+        answering = self.local_window + self.block_size + n_suffix + max_new_tokens
+        if self.answer_positions == "ordered":  # Initial and the retrieved blocks before Local
+            answering += self.initial + self.answer_topk * self.block_size
+        return max(reading, answering)
 
     def reading_note(self, lm, n_prompt: int) -> str:
         return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
-                f"attending to {self.span()}; later questions reuse it")
+                f"attending to {self.span()}; later questions reuse it"
+                + (f", each answered from the {self.answer_topk} blocks its layer-{self.filter_layer} attention selects, in document order"
+                   if self.filter_layer >= 0 else ""))
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,9 +230,15 @@ class InfLLM(Compressor):
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
-        book.retrieval, book.answer_topk = self.retrieval, self.answer_topk
+        book.retrieval, book.answer_topk, book.answer_positions = self.retrieval, self.answer_topk, self.answer_positions
+        book.answer_scores = self.answer_scores
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")
+        if self.filter_layer >= 0:  # a probe pass selects one set of blocks for every layer
+            probe = book.copy()
+            probe.filter_layer = self.filter_layer
+            engine.forward(ids[start:], probe.next_positions(n - start), probe, layers=range(self.filter_layer + 1))
+            book.shared = probe.shared
         # one pass, as one more chunk: its queries together retrieve the blocks (equation 2)
         hidden = engine.forward(ids[start:], book.next_positions(n - start), book)
         return book, engine.logits(hidden[:, -1:])[-1], n

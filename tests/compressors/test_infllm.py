@@ -49,7 +49,7 @@ class _Prefix:
 
 
 def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None):
+                     answer_topk=None, ordered=False, token_scores=False, attention_scores=False, filter_layer=None):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -66,7 +66,19 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     ``follow``: {(pass start, layer): blocks per KV head} the method chose; each must be a top-k of
     the reference's own scores (a near-tie, within ``tol``, may break either way) and the reference
-    continues with it, so one near-tie cannot make the two diverge."""
+    continues with it, so one near-tie cannot make the two diverge.
+
+    ``ordered`` (``answer_positions=ordered``): in the question's pass, Initial and the chosen
+    blocks' tokens, in document order, are positions 0, 1, ..., and a query at p is position
+    (their count) + p - origin, as if Local followed them. ``token_scores``
+    (``answer_scores=tokens``): the question scores block j by the best of its tokens' keys (before
+    RoPE) against the summed queries. ``attention_scores`` (``answer_scores=attention``): each
+    question query (rotated to ``local``) takes a softmax over every Memory key (before RoPE) of
+    its KV head, scaled as the model's attention; block j scores the weight its tokens get,
+    summed over the queries and the group's heads. ``filter_layer`` r: the question runs first as
+    a probe up to layer r, whose queries' softmax weights over every Memory key, summed over all
+    the layer's heads and the block's tokens, choose ``answer_topk`` blocks; then the question's
+    pass attends to those blocks at every layer and KV head."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
@@ -101,11 +113,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     chosen_by_question = []
     edges = list(range(0, n_doc, chunk)) + [n_doc]
-    passes = list(zip(edges[:-1], edges[1:])) + [(n_doc, n)]
+    passes = list(zip(edges[:-1], edges[1:])) + ([("probe", n_doc, n)] if filter_layer is not None else []) + [(n_doc, n)]
+    shared = None
     reps: list[dict] = [dict() for _ in model.layers]
     logits = None
     with torch.inference_mode():
-        for s, e in passes:
+        for item in passes:
+            probe, (s, e) = item[0] == "probe", item[-2:]
             blocks = [j for j in range(max_blocks) if initial + (j + 1) * block_size <= s - local]
             origin = initial + len(blocks) * block_size if blocks else 0
             hidden = model.embed_tokens(ids[s:e].view(1, -1))
@@ -121,11 +135,35 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     if j not in reps[layer_i]:
                         reps[layer_i][j] = repsum(layer_i, j)
                 picks = []
-                if blocks:
+                if blocks and shared is not None and not probe:
+                    picks = [shared] * n_kv
+                elif blocks and probe and layer_i == filter_layer:
+                    q_mem = rot(q, [local] * c)
+                    mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                    w = torch.zeros(len(mem_t))
+                    for hh in range(n_kv):
+                        for gg in range(group):
+                            for i in range(c):
+                                w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                    top = torch.topk(w.view(len(blocks), block_size).sum(dim=1), min(answer_topk, len(blocks))).indices
+                    shared = sorted(blocks[int(i)] for i in top)
+                    break
+                elif blocks:
                     q_mem = rot(q, [local] * c)
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
-                        sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
+                        if attention_scores and e > n_doc:
+                            mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                            w = torch.zeros(len(mem_t))
+                            for gg in range(group):
+                                for i in range(c):
+                                    w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                            sc = w.view(len(blocks), block_size).sum(dim=1)
+                        elif token_scores and e > n_doc:
+                            sc = torch.tensor([max(float(qsum[hh] @ pre_k[layer_i][0, hh, t]) for t in range(initial + j * block_size, initial + (j + 1) * block_size))
+                                              for j in blocks])
+                        else:
+                            sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
                         k_pass = answer_topk if e > n_doc and answer_topk else topk  # the question's own budget
                         top = torch.topk(sc, min(k_pass, len(blocks))).indices
                         pick = sorted(blocks[int(i)] for i in top)
@@ -135,7 +173,7 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                             assert all(float(sc[blocks.index(j)]) >= kth - tol * (1 + abs(kth)) for j in theirs), (s, layer_i, hh, theirs, pick, [float(sc[blocks.index(j)]) for j in theirs + pick])
                             pick = theirs
                         picks.append(pick)
-                if e > n_doc:
+                if e > n_doc and not probe:
                     chosen_by_question.append(picks)
                 out = torch.zeros(1, c, n_kv * group, d)
                 for i in range(c):
@@ -145,13 +183,16 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                         if blocks:
                             mem = list(range(initial)) + [t for j in picks[hh] for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
                         loc = list(range(origin, p + 1))
+                        in_order = ordered and e > n_doc and mem
                         k_mem = pre_k[layer_i][0, hh, mem]
+                        if in_order:
+                            k_mem = rot(pre_k[layer_i][:, hh : hh + 1, mem], list(range(len(mem))))[0, 0]
                         k_loc = rot(pre_k[layer_i][:, hh : hh + 1, loc], [t - origin for t in loc])[0, 0]
                         v_all = torch.cat([vals[layer_i][0, hh, mem], vals[layer_i][0, hh, loc]])
                         for g in range(group):
                             qh = pre_q[layer_i][:, hh * group + g : hh * group + g + 1, p : p + 1]
                             q_loc = rot(qh, [p - origin])[0, 0, 0]
-                            q_m = rot(qh, [local])[0, 0, 0]
+                            q_m = rot(qh, [len(mem) + p - origin if in_order else local])[0, 0, 0]
                             w = torch.cat([k_mem @ q_m, k_loc @ q_loc]) * attn.scaling
                             out[0, i, hh * group + g] = w.softmax(-1) @ v_all
                 hidden = hidden + attn.o_proj(out.reshape(1, c, -1))
@@ -160,13 +201,17 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize("answer_topk", [None, 6])
-def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
+@pytest.mark.parametrize("answer_topk, positions, scores, filter_layer", [
+    (None, "same", "representatives", None), (6, "same", "representatives", None), (6, "ordered", "representatives", None),
+    (3, "same", "tokens", None), (3, "ordered", "attention", None), (3, "ordered", "representatives", 1),
+])
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores, filter_layer):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else ""))
+    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions},answer_scores={scores}"
+              + (f",filter_layer={filter_layer}" if filter_layer is not None else ""))
     trace = []
     original = BookCache.__init__
 
@@ -182,9 +227,10 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk):
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
     want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
-                                    answer_topk=answer_topk)
+                                    answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens",
+                                    attention_scores=scores == "attention", filter_layer=filter_layer)
     for layer, picks in enumerate(chosen):
-        assert cache._chosen[layer].tolist() == picks
+        assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
@@ -291,11 +337,17 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     s = stage(lm, "infllm:local_window=64,chunk=32")
     assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 64 + 128 + 36
     assert s.window_needed(lm, 100, 20, 16) == 116
+    # answer_positions=ordered: Initial and the question's blocks sit before Local, in the window
+    s = stage(lm, "infllm:local_window=64,chunk=32,answer_topk=2,answer_positions=ordered")
+    assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 128 + 2 * 128 + 64 + 128 + 36
 
 
 @pytest.mark.parametrize("spec, needle", [
     ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
-    ("infllm:retrieval=sometimes", "retrieval must be step or question"),
+    ("infllm:retrieval=sometimes", "retrieval must be one of step, question"),
+    ("infllm:answer_positions=shuffled", "answer_positions must be one of same, ordered"),
+    ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3 \\(or -1: none\\)"),
+    ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
     ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
     ("infllm:block_size=0", "block_size must be at least 1"),
     ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
@@ -359,11 +411,54 @@ def test_attention_parts_merge_into_one_softmax():
 def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", limiting_windows=lambda: [])
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, limiting_windows=lambda: [])
     s = parse_one(spec)
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
-    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", limiting_windows=lambda: [])
+    assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30, limiting_windows=lambda: [])
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
+
+
+def test_attention_scores_are_the_questions_softmax_weight_per_block():
+    """answer_scores=attention: block b scores the softmax weight its keys get from each question
+    query, summed over the queries and the GQA group's heads (a peaked block beats a block of
+    many middling keys that a sum of raw logits would prefer; a block of many middling keys beats
+    a single peak that a max would prefer)."""
+    from kvcli.caches.bookfile import MemoryStorage, tensor_specs
+
+    bs, d = 4, 2
+    book = BookCache(MemoryStorage(tensor_specs(1, 1, 3 * bs, d, 3, torch.float32)), 3 * bs, 1, 1, d, initial=0, block_size=bs,
+                     local=0, topk=1, repr_topk=1)
+    logits = torch.tensor([10.0, -10, -10, -10,  # one key far above the rest
+                           1.5, 1.5, 1.5, 1.5,  # many middling keys
+                           2.5, -10, -10, -10])  # one key a little above them
+    book.storage.write("k.0", (0, 0, 3 * bs), torch.stack([logits, torch.zeros(3 * bs)], dim=1))
+    book.n_blocks = 3
+    q_mem = torch.tensor([1.0, 0.0]).expand(1, 2, 2, d)  # two query heads of one KV head, two queries each
+    got = book._attention_scores(0, q_mem, 3, scaling=0.5)
+    want = 4 * torch.softmax(logits * 0.5, dim=0).view(3, bs).sum(dim=1)
+    torch.testing.assert_close(got, want[None])
+    assert got[0].argsort(descending=True).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("device, spec, want", [
+    ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
+    ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
+    ("cpu", "infllm:preset=paper", (-1, "same")),
+    ("cpu", "infllm:filter_layer=-1", (-1, "same")),  # off: InfLLM's retrieval and positions
+    ("cpu", "infllm:filter_layer=-1,answer_positions=ordered", (-1, "ordered")),
+    ("cpu", "infllm:answer_positions=same", (17, "same")),
+    ("meta", "infllm:filter_layer=5", (5, "ordered")),
+])
+def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
+    from types import SimpleNamespace
+
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30, limiting_windows=lambda: [])
+    s = parse_one(spec)
+    s.configure(lm)
+    assert (s.filter_layer, s.answer_positions) == want
+    note = s.reading_note(lm, 100_000)  # the over-window line says how a question is answered
+    assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (want[0] >= 0)
