@@ -91,9 +91,8 @@ class Pipeline:
         """The pipeline that answers ``prompt``: itself, or for ``auto`` the policy's choice."""
         if self.policy is None:
             return self
-        policy = self.policy.for_model(lm.name)
-        chosen = Pipeline.parse(policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens,
-                                              reads=lambda spec: reads(spec, lm, prompt, max_new_tokens)))
+        chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens,
+                                                   reads=lambda spec: reads(spec, lm, prompt, max_new_tokens)))
         return Pipeline(chosen.stages, chosen_by=AUTO)
 
     def configure(self, lm, runtime: Runtime | None = None) -> None:

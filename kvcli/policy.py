@@ -18,17 +18,7 @@ and at 2x only GemFilter matches it, without saving time to first token. So the 
 
 The choice is reported: ``kvcli ask --json``'s ``compressor`` is the resolved spec and ``policy``
 says ``auto``. Any explicit ``-c`` overrides it. ``AutoPolicy(compress_from=N, long=SPEC)`` is the
-hook for a model where compression measures lossless: prompts of N tokens or more then use SPEC.
-:data:`MEASURED` holds such a policy per model name (:func:`policy_for`); a model not in it gets
-the default above.
-
-Gemma 3 270M (``-m gemma3-270m``, docs/hybrid.md "Decision") is in it: Finch at 4x
-(``finch:target=0.25``) answered every RULER needle instance full attention answered at 4k, 8k
-and 16k, and reads a 16k prompt with about half full attention's peak memory and a shorter time to
-first token (full attention's prefill is 2 minutes at 16k, 7 at 32k on two cores). So prompts from
-16,000 tokens (RULER's 16k instances are ~16,250) to the 32,768-token window are read with Finch,
-as are longer ones; shorter ones, where full attention is cheap, by full attention. The cost: Finch's cache depends on the question, so a second question on the
-same document reads it again, where full attention's prefix comes back from the disk store.
+hook for a model where compression measures lossless: prompts over N tokens then use SPEC.
 """
 
 from __future__ import annotations
@@ -56,21 +46,6 @@ class AutoPolicy:
         if self.compress_from is not None and n_prompt >= self.compress_from:
             return self.long
         return "full"
-
-    def for_model(self, name: str) -> "AutoPolicy":
-        """The policy measured for the model called ``name`` (:data:`MEASURED`) where this one is
-        the default; a policy given explicitly stays as it is."""
-        return MEASURED.get(name.lower(), self) if self == AutoPolicy() else self
-
-
-# Policies measured per model (lm.name); every other model: AutoPolicy()
-MEASURED: dict[str, AutoPolicy] = {
-    "gemma3-270m": AutoPolicy(compress_from=16000, long="finch:target=0.25"),
-}
-
-
-def policy_for(name: str) -> AutoPolicy:
-    return AutoPolicy().for_model(name)
 
 
 def reads(spec: str, lm, prompt, max_new_tokens: int) -> bool:

@@ -52,7 +52,7 @@ TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a pat
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
 CompressorOpt = typer.Option(
     "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR",
-    help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window (gemma3-270m: Finch from 16,000 tokens), InfLLM or Finch past it (see docs/methods.md, docs/hybrid.md); `kvcli compressors` lists the methods",
+    help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see docs/methods.md); `kvcli compressors` lists the methods",
 )
 AnswerGuardOpt = typer.Option(
     True, "--answer-guard/--no-answer-guard",
