@@ -53,7 +53,8 @@ def _libc():
         return None
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
+    """Give glibc's freed heap pages back to the system (elsewhere: nothing)."""
     try:
         _libc().malloc_trim(0)
     except AttributeError:
@@ -116,7 +117,7 @@ def reading_prompt(device: torch.device | str = "cpu", low_memory: bool = False)
         _READING.reset(token)
         if whole:
             _set_mmap_threshold(_DYNAMIC_MAX)
-        _malloc_trim()
+        malloc_trim()
 
 
 @contextmanager
@@ -183,7 +184,7 @@ def measure(device: torch.device | str = "cpu"):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        _malloc_trim()
+        malloc_trim()
         if not _reset_hwm():
             sampler = _Sampler()
             sampler.start()

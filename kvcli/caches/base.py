@@ -206,7 +206,8 @@ class LayerKV(CacheBase):
             vbuf = torch.empty(full, dtype=value.dtype, device=device)
         kbuf[..., :new, :].copy_(key)
         vbuf[..., :new, :].copy_(value)
-        _made(kbuf, new), _made(vbuf, new)
+        _made(kbuf, new)
+        _made(vbuf, new)
         kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]
         self.keys.append(kbuf)
         self.values.append(vbuf)

@@ -64,22 +64,6 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
     return codes, scale, low
 
 
-def release_freed_memory() -> None:
-    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``; elsewhere nothing):
-    the float32 weights a quantised model was made from are freed in pieces glibc keeps, ~250 MB
-    of resident memory on the embedded model otherwise."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 # --- the layers ---------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
     """What the quantised ``nn.Linear`` layers share: rows in, the kernel's product (:meth:`product`,

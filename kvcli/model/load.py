@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError, UsageError, one_line
+from ..measure import malloc_trim
 from .device import (
     check_attn,
     check_cpu_quant,
@@ -25,7 +26,7 @@ from .embedded import _embedded_gguf_file
 from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
-from .cpu_quant import quantize_model, release_freed_memory
+from .cpu_quant import quantize_model
 
 
 def check_structure(model: Any, name: str, config: Any) -> None:
@@ -174,7 +175,7 @@ def load_model(
     check_structure(model, name, config)
     if cpu_quant:
         quantize_model(model, 4 if quant == "4bit" else 8, torch_dtype)
-        release_freed_memory()
+        malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
