@@ -91,6 +91,47 @@ def test_int8_linear_multiplies_by_its_weights(rows, monkeypatch):
     assert ran == (["kernel"] if rows < layer.dense_rows else ["dense"])
 
 
+@pytest.mark.parametrize("rows", [5, 130])
+def test_int4_linear_unpacks_its_weights_for_a_prefill(rows, monkeypatch):
+    """``Int4Linear.dense`` reads the CPU packing back: the same weights as the kernel's formula
+    written out in float64 (two blocks of 64 output rows, three groups along the input), rounded
+    to bfloat16 once; fewer rows than ``dense_rows`` run the kernel, more the unpacked weights."""
+    w, _ = q4_1_weights(128, 96, seed=7)
+    layer = Int4Linear(w, None, torch.bfloat16)
+    assert layer.dense_rows == 128
+    q, scale, low = quantize_int4(w)
+    s = scale.bfloat16().double()
+    z = (low + 8 * scale).bfloat16().double()
+    deq = ((q.view(128, -1, GROUP).double() - 8) * s[..., None] + z[..., None]).view(128, 96)
+    dense = layer.dense()
+    assert dense.shape == (96, 128) and dense.dtype == torch.bfloat16
+    # bfloat16 rounding of the weight and of low = zero - 8 * scale: within 2 ulps of the largest
+    assert float((dense.double().t() - deq).abs().max()) <= 2 ** -6 * float(deq.abs().max())
+    x = torch.randn(rows, 96)
+    want = x.bfloat16().double() @ deq.T
+    assert float((layer(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())
+    ran = []
+    monkeypatch.setattr(Int4Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 128, dtype=r.dtype))
+    monkeypatch.setattr(Int4Linear, "dense", lambda self: ran.append("dense") or torch.zeros(96, 128, dtype=torch.bfloat16))
+    layer(x)
+    assert ran == (["kernel"] if rows < 128 else ["dense"])
+
+
+def test_int4_layers_keep_the_kernel_where_the_packing_is_not_read(monkeypatch):
+    """An output size that is not whole packing blocks, or a packing whose layout the once-per-
+    process check finds changed (a later PyTorch), leaves every call on the kernel."""
+    from kvcli.model import cpu_quant
+
+    assert Int4Linear(torch.randn(32, 64), None, torch.bfloat16).dense_rows is None  # 32 rows: half a block
+    monkeypatch.setattr(cpu_quant, "_PACKING_READ", None)
+    real = Int4Linear.dense
+    monkeypatch.setattr(Int4Linear, "dense", lambda self: real(self).flip(0))  # a layout read wrong
+    assert Int4Linear(torch.randn(64, 64), None, torch.bfloat16).dense_rows is None
+    monkeypatch.setattr(cpu_quant, "_PACKING_READ", None)
+    monkeypatch.setattr(Int4Linear, "dense", real)
+    assert Int4Linear(torch.randn(64, 64), None, torch.bfloat16).dense_rows == 128
+
+
 def test_quantized_tiny_model_shares_a_tied_table(tiny_dir):
     from kvcli.model.cpu_quant import Int8Embedding
 
