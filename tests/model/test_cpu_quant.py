@@ -225,8 +225,8 @@ def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
 
 def test_auto_quant_rules(tiny_dir):
     cpu = torch.device("cpu")
-    assert auto_quant("smollm2-135m-instruct", cpu, "auto") == "4bit"  # its GGUF is Q4_1 throughout
-    assert auto_quant("smollm2-135m-instruct", cpu, "bfloat16") == "4bit"
+    assert auto_quant("smollm2-135m-instruct", cpu, "auto") == "8bit"  # its GGUF is Q4_1 throughout
+    assert auto_quant("smollm2-135m-instruct", cpu, "bfloat16") == "8bit"
     assert auto_quant("smollm2-135m-instruct", cpu, "float32") == "none"  # asked for float32: float32
     assert auto_quant("smollm2-135m-instruct", torch.device("cuda"), "auto") == "none"
     assert auto_quant(str(tiny_dir("llama")), cpu, "auto") == "none"  # float weights stay
