@@ -1,0 +1,84 @@
+"""What bounds a decoding step on the CPU (docs/cpu.md, "Decoding: what bounds it").
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_decode_bounds.py      # one thread
+    .venv/bin/python benchmarks/cpu_decode_bounds.py                        # all threads
+
+1. Memory read speed (a float32 sum over 64 MB) against oneDNN's bfloat16 matrix-vector products
+   of a decoding query over keys: q·Kᵀ with the queries as rows, K·qᵀ with the keys as rows.
+2. One decoding query's attention per layer (the embedded model's shape: 9 query heads over 3 KV
+   heads of 64), the KV of 30 different layers read in turn (cold, as in a step), for the layouts
+   tried: ``kernels.grouped`` on a cache's view with room (what runs), the same on buffers with no
+   room between heads (contiguous), a bare batched product on those, and K·qᵀ per head.
+
+Time it alone on the machine: the figures are bandwidth and call overheads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvcli import kernels
+from kvcli.caches.base import _made
+
+DT = torch.bfloat16
+H, G, D, LAYERS = 3, 3, 64, 30  # KV heads, query heads per KV head, head size, layers
+
+
+def per_call(f, n: int) -> float:
+    for _ in range(3):
+        f()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n
+
+
+def bandwidth() -> None:
+    x = torch.randn(16 * 2**20)  # 64 MB of float32
+    keys = x.to(DT).view(-1, D)  # 32 MB of bfloat16 keys
+    q = torch.randn(3, D, dtype=DT)
+    gb = lambda nbytes, s: f"{nbytes / s / 1e9:.1f} GB/s"  # noqa: E731
+    print("read (float32 sum)", gb(x.numel() * 4, per_call(x.sum, 5)))
+    print("q·Kᵀ  (3 x 64)·(64 x n) bf16", gb(keys.numel() * 2, per_call(lambda: torch.mm(q, keys.t()), 5)))
+    print("K·qᵀ  (n x 64)·(64 x 3) bf16", gb(keys.numel() * 2, per_call(lambda: torch.mm(keys, q.t()), 5)))
+
+
+def attention(n_keys: int) -> dict[str, float]:
+    pad = -(-n_keys // kernels.KEY_BUCKET) * kernels.KEY_BUCKET
+    room = [(_made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys), _made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys)) for _ in range(LAYERS)]
+    tight = [(_made(torch.randn(1, H, pad, D).to(DT), n_keys), _made(torch.randn(1, H, pad, D).to(DT), n_keys)) for _ in range(LAYERS)]
+    q = torch.randn(1, H * G, 1, D).to(DT)
+
+    def grouped(bufs):
+        for k, v in bufs:
+            kernels.grouped(q, k[:, :, :n_keys], v[:, :, :n_keys], None, 0.125)
+
+    def bare():
+        for k, v in tight:
+            s = torch.matmul((q * 0.125).view(1, H, G, D), k.transpose(-1, -2)).float()
+            s[..., n_keys:] = float("-inf")
+            torch.matmul(torch.softmax(s, -1).to(DT), v)
+
+    def keys_as_rows():
+        for k, v in room:
+            s = q.new_empty(H, n_keys, G)
+            qs = (q * 0.125).view(H, G, D)
+            for h in range(H):
+                torch.mm(k[0, h, :n_keys], qs[h].t(), out=s[h])
+            torch.matmul(torch.softmax(s.transpose(1, 2).float(), -1).to(DT), v[0, :, :n_keys])
+
+    us = lambda f: round(per_call(f, 20) / LAYERS * 1e6, 1)  # noqa: E731
+    return {"grouped, cache view with room": us(lambda: grouped(room)),
+            "grouped, heads contiguous": us(lambda: grouped(tight)),
+            "bare batched product, heads contiguous": us(bare),
+            "K·qᵀ per head": us(keys_as_rows)}
+
+
+if __name__ == "__main__":
+    print(f"threads: {torch.get_num_threads()}")
+    bandwidth()
+    print("attention of one decoding query, µs per layer (30 layers' KV read in turn):")
+    for n in (1000, 4000, 8000):
+        print(f"  {n:>5} keys", attention(n))
