@@ -213,11 +213,21 @@ class Engine:
             hidden,
             attention_mask=None,
             position_ids=pos,
-            past_key_values=cache,
             use_cache=cache is not None,
             position_embeddings=rope,
+            **{self._cache_kwarg: cache},
         )
         return out[0] if isinstance(out, tuple) else out
+
+    @property
+    def _cache_kwarg(self) -> str:
+        """The name a decoder layer takes its cache by: ``cache`` from transformers 5.24 on (where
+        ``past_key_values`` still works with a FutureWarning), ``past_key_values`` before."""
+        name = self.__dict__.get("_cache_kw")
+        if name is None:
+            params = inspect.signature(self.layers[0].forward).parameters
+            name = self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        return name
 
     def context(self, observers: dict[int, list[Observer]] | None = None, mask=None) -> AttentionContext:
         """The attention context of a pass: this engine's kernel, plus observers / explicit mask."""

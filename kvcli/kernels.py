@@ -242,8 +242,11 @@ def attend(kernel: str, module, query, key, value, scaling: float, sliding_windo
     A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.attention.install`
     for Gemma 2) runs :func:`softcapped` whatever the kernel."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mask is None and sliding_window is not None and kernel != "flash" and q_len > 2 * window_block(sliding_window) \
-            and sliding_window < kv_len:
+    if mask is None and sliding_window is not None and kernel != "flash" and sliding_window < kv_len \
+            and (q_len > 2 * window_block(sliding_window) or (q_len > 1 and kv_len - q_len > sliding_window)):
+        # a long pass; or a few queries (a prefill chunk, a question) on a prefix longer than the
+        # window: only the keys the window reaches, not a q_len x kv_len mask over all of them
+        # (measured: Gemma 3 270M, 17k tokens in chunks of 2,048 on one thread: TTFT 155 -> 62 s)
         return _by_query_blocks(kernel, module, query, key, value, scaling, sliding_window)
     softcap = getattr(module, "kvcli_softcap", None)
     if softcap is not None:

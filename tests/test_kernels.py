@@ -101,13 +101,14 @@ def test_razor_head_probe_stays_on_the_query_device():
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-@pytest.mark.parametrize("q_len, kv_len", [(100, 100), (70, 90)])
+@pytest.mark.parametrize("q_len, kv_len", [(100, 100), (70, 90), (5, 60)])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_sliding_window_attention_by_query_blocks(monkeypatch, kernel, q_len, kv_len, softcap):
     """A long pass of a sliding-window layer attends block by block (kernels._by_query_blocks):
     each query sees exactly its window, against a float64 softmax written out here, with the
     queries the whole sequence or the last q_len keys (a chunk on a prefix), GQA as it is, and
-    Gemma 2's soft-capped scores. No block or mask of the whole pass is made."""
+    Gemma 2's soft-capped scores. No block or mask of the whole pass is made; a few queries on a
+    prefix longer than the window (5 on 55) attend only the keys their window reaches."""
     from kvcli import kernels
 
     window, block = 8, 16
