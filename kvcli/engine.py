@@ -108,6 +108,9 @@ class Engine:
         self._rope_by_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         if self._rope_by_type and self.layer_types is None:
             raise ValueError(f"{type(self.rotary_emb).__name__} takes a layer type, but the config lists none")
+        # the name a decoder layer takes its cache by: ``cache`` from transformers 5.24 on (where
+        # ``past_key_values`` still works, with a FutureWarning on stderr), ``past_key_values`` before
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.layers[0].forward).parameters else "past_key_values"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.windows = [lm.window(i) for i in range(len(self.layers))]
         self.device = next(model.parameters()).device
@@ -218,16 +221,6 @@ class Engine:
             **{self._cache_kwarg: cache},
         )
         return out[0] if isinstance(out, tuple) else out
-
-    @property
-    def _cache_kwarg(self) -> str:
-        """The name a decoder layer takes its cache by: ``cache`` from transformers 5.24 on (where
-        ``past_key_values`` still works with a FutureWarning), ``past_key_values`` before."""
-        name = self.__dict__.get("_cache_kw")
-        if name is None:
-            params = inspect.signature(self.layers[0].forward).parameters
-            name = self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        return name
 
     def context(self, observers: dict[int, list[Observer]] | None = None, mask=None) -> AttentionContext:
         """The attention context of a pass: this engine's kernel, plus observers / explicit mask."""
