@@ -86,6 +86,11 @@ def slice_rope(rope, start: int, stop: int):
 # A sliding layer's cache is cut back to its window once it holds this many entries more (decoding
 # trims every WINDOW_SLACK steps: a cut makes the next append copy the window into a new buffer)
 WINDOW_SLACK = 64
+# What a prefix state's sliding layers keep beyond their window w - 1 (Engine.prefix_kv's
+# window_room): a question pass that goes back this many tokens into the prefix (a compressor's
+# query window: SnapKV's 32 last prompt tokens) still finds every key its window reaches; one that
+# goes back further runs the whole prompt again (Engine.can_resume)
+PREFIX_WINDOW_ROOM = 256
 
 
 class Engine:
@@ -179,21 +184,31 @@ class Engine:
         """The layers that attend to the whole context (every layer of a model without windows)."""
         return [i for i, w in enumerate(self.windows) if w is None]
 
-    def trim_windows(self, cache, slack: int = 0) -> None:
-        """Drop from each sliding layer of ``cache`` what its window no longer reaches: a layer of
-        window w needs only its last w - 1 entries for the next token. Done once the layer holds
-        more than w - 1 + ``slack`` (decoding trims every ``slack`` steps, not every step). Caches
-        that cannot drop entries from the front of a layer (``drop_front``) keep them; their masks
-        still apply the window."""
+    def trim_windows(self, cache, slack: int = 0, room: int = 0, layers: Iterable[int] | None = None) -> None:
+        """Drop from each sliding layer of ``cache`` (of ``layers``; default: all) what its window
+        no longer reaches: a layer of window w needs only its last w - 1 entries for the next
+        token, and ``room`` more for a pass that goes back that many tokens (a prefix state: see
+        :data:`PREFIX_WINDOW_ROOM`). Done once the layer holds more than w - 1 + ``room`` +
+        ``slack`` (decoding trims every ``slack`` steps, not every step). Caches that cannot drop
+        entries from the front of a layer (``drop_front``) keep them; their masks still apply the
+        window."""
         drop = getattr(cache, "drop_front", None)
         if drop is None:
             return
-        for i, w in enumerate(self.windows):
+        for i in range(len(self.windows)) if layers is None else layers:
+            w = self.windows[i]
             if w is None or i >= cache.n_layers:
                 continue
             n = cache.get_seq_length(i)
-            if n > w - 1 + slack:
-                drop(i, n - (w - 1))
+            if n > w - 1 + room + slack:
+                drop(i, n - (w - 1 + room))
+
+    def can_resume(self, cache, n_tokens: int) -> bool:
+        """Whether a pass at positions ``n_tokens``, ``n_tokens + 1``, ... can go on from the first
+        ``n_tokens`` tokens of ``cache`` (what :meth:`KVCache.truncate` keeps): every sliding layer
+        cut back to its window (``dropped``) still holds the last w - 1 of them."""
+        dropped = getattr(cache, "dropped", {})
+        return all(w is None or min(dropped.get(i, 0), n_tokens) <= max(0, n_tokens - (w - 1)) for i, w in enumerate(self.windows))
 
     def layer(
         self,
@@ -272,8 +287,13 @@ class Engine:
         return table[start:stop]
 
     def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None,
-                  observers: dict[int, list[Observer]] | None = None) -> KVCache:
+                  observers: dict[int, list[Observer]] | None = None, window_room: int | None = None) -> KVCache:
         """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
+
+        ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to
+        the last w - 1 + ``window_room`` entries (:meth:`trim_windows`): all that a pass going on
+        from the prefix, or from up to ``window_room`` tokens before its end, reads there
+        (:meth:`can_resume`). None: every layer keeps every entry (a caller that reads them all).
 
         Only the KV is wanted, so the pass stops inside the last of those layers as soon as its
         keys and values are cached (its attention output and MLP are never computed).
@@ -294,15 +314,20 @@ class Engine:
         cache = KVCache()
         observers = {layer: list(fns) for layer, fns in (observers or {}).items()}
         observers.setdefault(n_layers - 1, []).append(_stop)
+        trim = None
+        if window_room is not None and self.hybrid:
+            trim = lambda i: self.trim_windows(cache, room=window_room, layers=(i,))  # noqa: E731
         n, chunk = ids.numel(), self.prefill_chunk
         if chunk is None or n <= chunk:
-            self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers=observers)
-            return cache
-        cache.reserve(n + self.kv_room)
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers)
-        cache.reserve(None)  # later layers (none here) and copies: as usual
+            self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers=observers, after_layer=trim)
+        else:
+            cache.reserve(n + self.kv_room)
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers, after_layer=trim)
+            cache.reserve(None)  # later layers (none here) and copies: as usual
+        if trim is not None:  # the last layer, if the pass stopped inside it
+            self.trim_windows(cache, room=window_room)
         return cache
 
     # entries a prefix's KV buffers leave for what follows it (the question and the answer):

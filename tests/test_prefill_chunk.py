@@ -123,8 +123,8 @@ def test_question_and_answer_append_in_the_reserved_buffers(chunked):
     made = []
     real = engine.prefix_kv
 
-    def spy(ids, n_layers=None):
-        cache = real(ids, n_layers)
+    def spy(ids, n_layers=None, **kwargs):
+        cache = real(ids, n_layers, **kwargs)
         made.append([(k.data_ptr(), k.untyped_storage().nbytes()) for k in cache.keys])
         return cache
 

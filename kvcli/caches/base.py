@@ -155,6 +155,29 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
     written[(names, layer)] = (m + new, *(buf.data_ptr() for buf in bufs))
 
 
+def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:
+    """Drop the first ``n`` rows of ``layer`` of the lists of ``owner`` named in ``names`` (a
+    sliding layer cut back to its window). The rest stays a view of its buffer, which the next
+    append moves (decoding: a few rows past a window); when that would keep a buffer more than twice
+    its size alive (a prompt's whole KV cut back to a window), the rest is copied into a buffer of
+    its own with room to spare, written by ``owner`` (later appends land in place), and the large
+    one is freed at once."""
+    rests = [getattr(owner, name)[layer][..., n:, :] for name in names]
+    m = rests[0].shape[-2]
+    if rests[0].untyped_storage().nbytes() > 2 * max(_nbytes(rests[0]), 1):
+        cap = m + max(SPARE_SLOTS, m // SPARE_SHARE)
+        copies = []
+        for t in rests:
+            with long_lived(t.device, _nbytes(t) // max(m, 1) * cap, always=True):
+                buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
+            buf[..., :m, :].copy_(t)
+            copies.append(_made(buf, m)[..., :m, :])
+        rests = copies
+        _written(owner)[(names, layer)] = (m, *(t.data_ptr() for t in rests))
+    for name, t in zip(names, rests):
+        getattr(owner, name)[layer] = t
+
+
 class LayerKV(CacheBase):
     """Per-layer key and value tensors, appended as the layers run — the transformers contract
     shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):

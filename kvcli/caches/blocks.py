@@ -326,17 +326,33 @@ class BlockCache(CacheBase):
         each prompt token (dynamic / infllm representatives); ``candidates[l]`` the preselected blocks.
         ``consume``: the caller drops ``kv`` afterwards: each layer is released from it as soon as it
         is laid out (the source and the layout are never held whole together); ``kv`` is unusable after."""
-        n = kv.get_seq_length(0)
+        n = kv.n_tokens
         block_size = int(config["block_size"])
         initial, n_blocks, ctx_end = partition(n, config.pop("initial"), local, block_size)
         cache = cls(initial=initial, n_blocks=n_blocks, **config)
         cache.positions = kv.positions
         cache.n_prompt = n
         storage = torch.device("cpu") if cache.offload else None
+        dropped = {layer: d for layer, d in getattr(kv, "dropped", {}).items() if d}
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            if k.shape[2] != n:
+            if k.shape[2] != n - dropped.get(layer, 0):
                 raise ValueError("every layer of the cache must hold the same tokens")
             device = compute_device if compute_device is not None else k.device
+            if layer in dropped:  # a hybrid's sliding layer cut back to its window (a prefix state,
+                # Engine.prefix_kv): no blocks, its entries always attended, as drop_front leaves one
+                n_kv, d = k.shape[1], k.shape[3]
+                cache.keys.append(k[:, :, :0])
+                cache.values.append(v[:, :, :0])
+                cache.fkeys.append(k.to(device))
+                cache.fvalues.append(v.to(device))
+                num = 2 if cache.representative == "quest" else representative_num
+                cache.reps.append(torch.zeros(n_kv, 0, num, d, dtype=torch.float32, device=device))
+                cache.candidates.append(None)
+                cache.layer_frac.append([0.0, 0])
+                cache.dropped[layer] = dropped[layer]
+                if consume:
+                    kv.keys[layer] = kv.values[layer] = None
+                continue
             ck, cv = k[:, :, initial:ctx_end], v[:, :, initial:ctx_end]
             if storage is not None and ck.device.type != "cpu":  # views of host memory stay as they are (no copy)
                 ck, cv = _to_storage(ck), _to_storage(cv)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import LayerKV, cache_type
+from .base import LayerKV, cache_type, drop_rows
 
 
 @cache_type
@@ -53,12 +53,17 @@ class KVCache(LayerKV):
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Named contiguous CPU tensors (``k.<layer>``, ``v.<layer>``, ``positions``) and facts."""
+        """Named contiguous CPU tensors (``k.<layer>``, ``v.<layer>``, ``positions``) and facts
+        (with ``dropped``, as {"layer": entries}, when sliding layers were cut back to a window)."""
         tensors = {"positions": self.positions.contiguous()}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
             tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
-        return tensors, {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
+        facts = {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
+        dropped = {str(layer): n for layer, n in sorted(getattr(self, "dropped", {}).items()) if n}
+        if dropped:
+            facts["dropped"] = dropped
+        return tensors, facts
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "KVCache":
@@ -71,29 +76,37 @@ class KVCache(LayerKV):
         cache.positions = tensors["positions"].to(torch.long)
         if cache.positions.shape != (n_tokens,):
             raise ValueError("positions do not match the token count")
+        dropped = {int(layer): int(n) for layer, n in facts.get("dropped", {}).items()}
+        if any(not 0 <= layer < n_layers or not 0 < n <= n_tokens for layer, n in dropped.items()):
+            raise ValueError("dropped entries outside the cache")
+        cache.dropped = dropped
         shape = None
         for i in range(n_layers):
             k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
-            if k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != n_tokens or k.shape != v.shape:
+            if k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != n_tokens - dropped.get(i, 0) or k.shape != v.shape:
                 raise ValueError(f"layer {i} has shape {tuple(k.shape)}")
-            if shape is not None and (k.shape, k.dtype) != shape:
+            if shape is not None and (k.shape[:2], k.shape[3], k.dtype) != shape:
                 raise ValueError(f"layer {i} differs from layer 0")
-            shape = (k.shape, k.dtype)
+            shape = (k.shape[:2], k.shape[3], k.dtype)
             cache.keys.append(k.to(device))
             cache.values.append(v.to(device))
         return cache
 
     def truncate(self, n_tokens: int, layer: int | None = None) -> None:
-        """Keep only the first ``n_tokens`` entries of every layer (and their positions); with
-        ``layer``, of that layer only (a pass that runs the prompt layer by layer; the positions
-        are the caller's)."""
-        if layer is not None:
-            self.keys[layer] = self.keys[layer][:, :, :n_tokens]
-            self.values[layer] = self.values[layer][:, :, :n_tokens]
-            return
-        self.keys = [k[:, :, :n_tokens] for k in self.keys]
-        self.values = [v[:, :, :n_tokens] for v in self.values]
-        if self.positions is not None:
+        """Keep only the entries of the first ``n_tokens`` tokens in every layer (and their
+        positions); with ``layer``, of that layer only (a pass that runs the prompt layer by layer;
+        the positions are the caller's). A sliding layer cut back to its window (``dropped``) holds
+        fewer: whether what it still holds is enough for a pass that goes on from there is
+        :meth:`kvcli.engine.Engine.can_resume`'s question."""
+        dropped = getattr(self, "dropped", {})
+        for i in range(self.n_layers) if layer is None else (layer,):
+            d = dropped.get(i, 0)
+            self.keys[i] = self.keys[i][:, :, : max(0, n_tokens - d)]
+            self.values[i] = self.values[i][:, :, : max(0, n_tokens - d)]
+            if d > n_tokens:
+                self.dropped = {**dropped, i: n_tokens}
+                dropped = self.dropped
+        if layer is None and self.positions is not None:
             self.positions = self.positions[:n_tokens]
 
     def upload(self, device, room: int = 0) -> "KVCache":
@@ -102,6 +115,7 @@ class KVCache(LayerKV):
         (which would hold it twice, and leave 1/32 of room behind)."""
         out = KVCache()
         out.positions = self.positions
+        out.dropped = dict(getattr(self, "dropped", {}))
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             out.reserve(k.shape[-2] + max(1, room))
             out._begin_reserved(k, v, device)
@@ -112,8 +126,7 @@ class KVCache(LayerKV):
         """Drop the ``n`` oldest entries of ``layer`` (a sliding-window layer whose window has
         passed them; :meth:`kvcli.engine.Engine.trim_windows`). The positions stay: they are every
         token's, and the layer's entries are their last ones."""
-        self.keys[layer] = self.keys[layer][:, :, n:]
-        self.values[layer] = self.values[layer][:, :, n:]
+        drop_rows(self, ("keys", "values"), layer, n)
         self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
 
     def copy(self) -> "KVCache":

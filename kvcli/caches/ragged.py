@@ -97,12 +97,19 @@ class RaggedCache(LayerKV):
         for layer, mask in enumerate(keep):
             k, v = cache.keys[layer], cache.values[layer]
             n_kv, seq = k.shape[1], k.shape[2]
+            # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv)
+            # holds the last seq of d + seq entries; its selection may cover all of them
+            d = getattr(cache, "dropped", {}).get(layer, 0)
+            if d and tuple(mask.shape) == (n_kv, d + seq):
+                if bool(mask[:, :d].any()):
+                    raise ValueError(f"layer {layer}: the selection keeps entries its window dropped")
+                mask = mask[:, d:]
             if tuple(mask.shape) != (n_kv, seq):
                 raise ValueError(f"layer {layer}: selection {tuple(mask.shape)} for {(n_kv, seq)} entries")
             if cache.kept is not None:
-                positions = cache.kept[layer]
+                positions = cache.kept[layer][:, d:]  # (KVCache.kept lists the dropped entries too)
             else:
-                positions = torch.arange(seq).expand(n_kv, seq)
+                positions = torch.arange(d, d + seq).expand(n_kv, seq)
             mask = mask.to("cpu", torch.bool)
             lengths = mask.sum(dim=-1)
             slots = int(lengths.max()) if n_kv else 0

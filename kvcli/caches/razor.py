@@ -137,16 +137,22 @@ class RazorCache(CacheBase):
         and (``compensate``) one token whose key and value are the means of the dropped ones.
         ``consume``: the caller drops ``kv`` afterwards: each layer is released from it as soon as
         it is split (``kv`` is unusable after)."""
-        n = kv.get_seq_length(0)
+        n = kv.n_tokens
         if protected.shape != (kv.n_layers, kv.keys[0].shape[1]):
             raise ValueError(f"protected mask {tuple(protected.shape)} does not match the cache")
+        # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv) holds
+        # its last entries; every head of it is protected, so it keeps them as they are
+        dropped = {layer: d for layer, d in getattr(kv, "dropped", {}).items() if d}
+        if any(not bool(protected[layer].all()) for layer in dropped):
+            raise ValueError("a layer cut back to its window must have every KV head protected")
         sinks = min(max(sinks, 0), n)
         window = min(max(window, 0), n - sinks)
         n_dropped = n - sinks - window
         cache = cls(protected, n_heads, n_dropped, compensate and n_dropped > 0, sinks, window)
         cache.positions = kv.positions
+        cache.dropped = dropped
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            if k.shape[2] != n:
+            if k.shape[2] != n - dropped.get(layer, 0):
                 raise ValueError("every layer of the cache must hold the same tokens")
             p_idx, c_idx = cache.kv_heads(layer, k.device)
             cache.query_heads(layer, n_heads, k.device)  # uploaded now: decoding makes no host -> device copy

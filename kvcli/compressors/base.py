@@ -64,6 +64,7 @@ from typing import ClassVar
 
 import torch
 
+from ..engine import PREFIX_WINDOW_ROOM
 from ..errors import UsageError
 from ..selection import Selection
 
@@ -180,8 +181,10 @@ class Compressor:
         return engine.device
 
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
-        """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache)."""
-        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"])
+        """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache; a
+        hybrid's sliding layers keep their window and :data:`~kvcli.engine.PREFIX_WINDOW_ROOM`
+        entries more, all that a question pass on top reads)."""
+        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=PREFIX_WINDOW_ROOM)
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod

@@ -295,7 +295,9 @@ class BlockSparse(Compressor):
         start = 0
         if pc is not None:
             usable = not infllm or (isinstance(pc, ScoredKVCache) and pc.local == self.local_window)
-            if usable:
+            # a hybrid's sliding layers kept their window and PREFIX_WINDOW_ROOM entries more: a
+            # longer query window runs the whole prompt (Engine.can_resume)
+            if usable and engine.can_resume(pc, max(0, min(prefix.n_tokens, n - need))):
                 start = max(0, min(prefix.n_tokens, n - need))
                 if infllm:
                     scored = pc.rows_scored
@@ -306,6 +308,7 @@ class BlockSparse(Compressor):
                     cache.keys = [k.to("cpu") for k in pc.keys]
                     cache.values = [v.to("cpu") for v in pc.values]
                     cache.positions = pc.positions
+                    cache.dropped = dict(getattr(pc, "dropped", {}))
                 else:
                     cache = KVCache.copy(pc) if isinstance(pc, ScoredKVCache) else pc
         self._qtail = {}
@@ -360,7 +363,7 @@ class BlockSparse(Compressor):
         self.configure(lm)
         if not isinstance(cache, KVCache) or cache.kept is not None:
             raise UsageError("blocksparse: needs the whole KV of the prompt; use it without eviction methods before it")
-        n = cache.get_seq_length(0)
+        n = cache.n_tokens
         initial, n_blocks, ctx_end = partition(n, self.initial, self.local_window, self.block_size)
         votes = None
         if self.needs_queries():

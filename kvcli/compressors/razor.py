@@ -200,7 +200,7 @@ class Razor(Compressor):
 
     def compress_kv(self, kv, n_heads: int, order: str = "prefix") -> RazorCache:
         """Algorithm 1 on the full cache ``kv`` of N tokens: L_h = max(S_0, N / C)."""
-        n = kv.get_seq_length(0)
+        n = kv.n_tokens  # (a hybrid's layer 0 may be a sliding layer cut back to its window)
         cache = RazorCache.compress(kv, self.protected, n_heads, self.sinks, self.window_for(n), self.compensate, consume=True)
         cache.order = order
         return cache

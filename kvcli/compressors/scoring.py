@@ -225,10 +225,12 @@ def require_kv_cache(method: str, cache) -> KVCache:
 
 
 def original_positions(cache: KVCache, layer: int, n_kv: int) -> torch.Tensor:
-    """(n_kv, seq_len) original positions of the entries of ``layer`` (before this eviction)."""
+    """(n_kv, seq_len) original positions of the entries of ``layer`` (before this eviction); a
+    sliding layer cut back to its window (``cache.dropped``): those of the entries it dropped
+    first, as ``KVCache.kept`` lists them."""
     if cache.kept is not None and layer < len(cache.kept):
         return cache.kept[layer]
-    n = cache.seq_len(layer)
+    n = cache.seq_len(layer) + getattr(cache, "dropped", {}).get(layer, 0)
     return torch.arange(n).expand(n_kv, n)
 
 
@@ -250,6 +252,8 @@ def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
     ``cache.kept`` then lists the layers up to this one (:func:`complete_kept` ends it). The kept
     entries are long-lived: on CPU, while a prompt is read, they get their own mapping
     (:func:`kvcli.measure.long_lived`), off the heap the pass's activations reuse."""
+    if getattr(cache, "dropped", {}).get(layer, 0):
+        raise ValueError(f"layer {layer} was cut back to its sliding window: it is never evicted")
     keep = torch.sort(keep.to(torch.long), dim=-1).values
     n_kv = keep.shape[0]
     positions = original_positions(cache, layer, n_kv)

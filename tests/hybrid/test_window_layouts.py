@@ -52,9 +52,10 @@ def _run(lm, spec, profiles, steps, monkeypatch, trimmed: bool):
         engine = Engine(lm)
         trim = engine.trim_windows
 
-        def trim_and_count(cache, slack=0):
-            trim(cache, slack=slack)
-            held.append([cache.get_seq_length(i) for i in SLIDING])
+        def trim_and_count(cache, slack=0, **prefix_cut):
+            trim(cache, slack=slack, **prefix_cut)
+            if not prefix_cut:  # a prefix state's layer by layer (Engine.prefix_kv): not counted
+                held.append([cache.get_seq_length(i) for i in SLIDING])
 
         engine.trim_windows = trim_and_count
         result = run(engine, prompt_for(lm), configured(spec, lm, profiles), max_new_tokens=steps, stop_ids=set())
