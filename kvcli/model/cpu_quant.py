@@ -21,6 +21,8 @@ them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_qua
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -126,13 +128,52 @@ class Int8Linear(QuantLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-PACK_ROWS = 64  # output rows per block of the CPU int4 packing (:meth:`Int4Linear.dense` reads its layout)
+PACK_ROWS = 64  # output rows per block of the CPU int4 packing (:func:`unpack_int4` reads its layout)
+
+
+def pack_int4(weight: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weights -> what ``_weight_int4pack_mm_for_cpu`` takes: the packed codes and
+    (in/group, out, 2) scale and zero in ``dtype`` (the kernel computes (q - 8) · scale + zero:
+    zero = the group's minimum + 8 · scale)."""
+    q, scale, low = quantize_int4(weight, group)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+    return packed, torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int, group: int) -> torch.Tensor:
+    """The weights of :func:`pack_int4`'s output unpacked, transposed, in ``scale_zero``'s dtype:
+    (in, out). The CPU packing (torch 2.13, ``_convert_weight_to_int4pack_for_cpu``) stores each
+    block of :data:`PACK_ROWS` output rows as (in, 32) bytes, byte j of input k holding row j (low
+    nibble) and row 32 + j (high nibble); :func:`packing_read` checks that once per process."""
+    n, k, g = out_features, in_features, group
+    b = packed.view(n // PACK_ROWS, k, 1, PACK_ROWS // 2)
+    codes = torch.cat([b & 15, b >> 4], dim=2).permute(1, 0, 2, 3).reshape(k // g, g, n).to(scale_zero.dtype)
+    scale = scale_zero[..., 0].contiguous().unsqueeze(1)  # (in/group, 1, out): addcmul is 9x slower on a strided one
+    low = (scale_zero[..., 1] - 8 * scale_zero[..., 0]).unsqueeze(1)  # the group's code 0
+    return torch.addcmul(low, codes, scale).view(k, n)
+
+
+def int4_on_identity(packed: torch.Tensor, scale_zero: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
+    """The weights the int4 kernel multiplies by, (out, in) float32: the kernel run on the identity."""
+    eye = torch.eye(in_features, dtype=torch.float32)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group, scale_zero.to(torch.float32)).T.contiguous()
+
+
+@functools.cache
+def packing_read() -> bool:
+    """Whether :func:`unpack_int4` reads this PyTorch's int4 packing right: a random 64 x 64 layer
+    unpacked against the kernel run on the identity, once per process (a layout changed by a later
+    PyTorch leaves the int4 layers on their kernel, not wrong)."""
+    k = 2 * GROUP
+    packed, scale_zero = pack_int4(torch.randn(PACK_ROWS, k, generator=torch.Generator().manual_seed(0)), GROUP, DTYPE)
+    unpacked = unpack_int4(packed, scale_zero, PACK_ROWS, k, GROUP).float().t()
+    return bool(torch.allclose(unpacked, int4_on_identity(packed, scale_zero, k, GROUP), rtol=1e-2, atol=1e-2))
 
 
 class Int4Linear(QuantLinear):
     """``nn.Linear`` with 4-bit weights in groups of :data:`GROUP`: ``_weight_int4pack_mm_for_cpu``
     for a few rows (decoding); from :attr:`dense_rows` rows on (a prefill) the weights unpacked to
-    bfloat16 for that call (:meth:`dense`, ~0.35 ms for a 576 × 1536 matrix on one core) and
+    bfloat16 for that call (:func:`unpack_int4`, ~0.35 ms for a 576 × 1536 matrix on one core) and
     oneDNN's GEMM, as :class:`Int8Linear` does: measured on one core, the kernel takes 0.67 / 1.27 /
     5.1 / 20.5 ms for 64 / 128 / 512 / 2,048 rows of that matrix, unpacking + GEMM 0.70 / 0.92 /
     2.3 / 8.1."""
@@ -142,12 +183,11 @@ class Int4Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = GROUP) -> None:
         super().__init__(*weight.shape, bias, dtype)
         self.group = group
-        q, scale, low = quantize_int4(weight, group)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
-        # the kernel computes (q - 8) · scale + zero: zero = minimum + 8 · scale; (in/group, out, 2)
-        self.register_buffer("scale_zero", torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype))
-        if self.out_features % PACK_ROWS or not _packing_read():
-            self.dense_rows = None  # a layout :meth:`dense` does not read: the kernel for every call
+        packed, scale_zero = pack_int4(weight, group, dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)  # (in/group, out, 2)
+        if self.out_features % PACK_ROWS or not packing_read():
+            self.dense_rows = None  # a layout :func:`unpack_int4` does not read: the kernel for every call
 
     @classmethod
     def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
@@ -157,40 +197,14 @@ class Int4Linear(QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
 
     def dense(self) -> torch.Tensor:
-        """The weights unpacked, transposed, in the activations' dtype: (in, out). The CPU packing
-        (torch 2.13, ``_convert_weight_to_int4pack_for_cpu``) stores each block of :data:`PACK_ROWS`
-        output rows as (in, 32) bytes, byte j of input k holding row j (low nibble) and row 32 + j
-        (high nibble); :func:`_packing_read` checks that against the kernel once per process."""
-        n, k, g = self.out_features, self.in_features, self.group
-        b = self.packed.view(n // PACK_ROWS, k, 1, PACK_ROWS // 2)
-        codes = torch.cat([b & 15, b >> 4], dim=2).permute(1, 0, 2, 3).reshape(k // g, g, n).to(self.dtype)
-        scale = self.scale_zero[..., 0].contiguous().unsqueeze(1)  # (in/group, 1, out): addcmul is 9x slower on a strided one
-        low = (self.scale_zero[..., 1] - 8 * self.scale_zero[..., 0]).unsqueeze(1)  # the group's code 0
-        return torch.addcmul(low, codes, scale).view(k, n)
+        return unpack_int4(self.packed, self.scale_zero, self.out_features, self.in_features, self.group)
 
     def dequantized(self) -> torch.Tensor:
         """The weights it multiplies by, (out, in) float32 (the kernel run on the identity)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        sz = self.scale_zero.to(torch.float32)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, sz).T.contiguous()
+        return int4_on_identity(self.packed, self.scale_zero, self.in_features, self.group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
-
-
-_PACKING_READ: bool | None = None
-
-
-def _packing_read() -> bool:
-    """Whether :meth:`Int4Linear.dense` reads this PyTorch's int4 packing right: a random 64 x 64
-    layer unpacked against the kernel run on the identity, once per process (a layout changed by a
-    later PyTorch leaves the int4 layers on their kernel, not wrong)."""
-    global _PACKING_READ
-    if _PACKING_READ is None:
-        _PACKING_READ = False  # while the probe below is made (its own check)
-        layer = Int4Linear(torch.randn(PACK_ROWS, 2 * GROUP, generator=torch.Generator().manual_seed(0)), None, DTYPE)
-        _PACKING_READ = bool(torch.allclose(layer.dense().float().t(), layer.dequantized(), rtol=1e-2, atol=1e-2))
-    return _PACKING_READ
 
 
 class Int8Embedding(nn.Module):

@@ -123,12 +123,12 @@ def test_int4_layers_keep_the_kernel_where_the_packing_is_not_read(monkeypatch):
     from kvcli.model import cpu_quant
 
     assert Int4Linear(torch.randn(32, 64), None, torch.bfloat16).dense_rows is None  # 32 rows: half a block
-    monkeypatch.setattr(cpu_quant, "_PACKING_READ", None)
-    real = Int4Linear.dense
-    monkeypatch.setattr(Int4Linear, "dense", lambda self: real(self).flip(0))  # a layout read wrong
+    real = cpu_quant.unpack_int4
+    cpu_quant.packing_read.cache_clear()
+    monkeypatch.setattr(cpu_quant, "unpack_int4", lambda *a: real(*a).flip(0))  # a layout read wrong
     assert Int4Linear(torch.randn(64, 64), None, torch.bfloat16).dense_rows is None
-    monkeypatch.setattr(cpu_quant, "_PACKING_READ", None)
-    monkeypatch.setattr(Int4Linear, "dense", real)
+    cpu_quant.packing_read.cache_clear()
+    monkeypatch.setattr(cpu_quant, "unpack_int4", real)
     assert Int4Linear(torch.randn(64, 64), None, torch.bfloat16).dense_rows == 128
 
 
