@@ -284,7 +284,9 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     of a chain is kept) evict each layer as soon as the pass has run it. When the prefix state is
     full attention's KV, computed here and held by nothing else (no disk store), the prefix and
     the rest run layer by layer together (:meth:`kvcli.engine.Engine.prefill_on_prefix`): the
-    prompt's whole uncompressed KV is never held at once.
+    prompt's whole uncompressed KV is never held at once. A hybrid's sliding layer is cut back to
+    its window as soon as the pass has run it (what the pipeline does to every layer before
+    decoding): the prompt's KV is never held whole there either.
     """
     lm = engine.lm
     n = ids.numel()
@@ -302,17 +304,17 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     def after_layer(i: int) -> None:
         for stage in by_layer:
             stage.compress_layer(engine, cache, i)
+        engine.trim_windows(cache, layers=(i,))  # a hybrid's sliding layer: its window, once the pass is past it
 
-    hook = after_layer if by_layer else None
     if prefix is None:
         cache = KVCache()
-        return engine.prefill(ids, cache=cache, observers=observers, after_layer=hook)
+        return engine.prefill(ids, cache=cache, observers=observers, after_layer=after_layer)
     window = max((stage.query_window(lm) for stage in compressors), default=0)
     start = max(0, min(prefix.n_tokens, n - window))
-    if hook is not None and prefix.unbuilt_full_kv():
+    if by_layer and prefix.unbuilt_full_kv():
         t0 = time.perf_counter()
         cache = KVCache()
-        out = engine.prefill_on_prefix(ids, prefix.n_tokens, start, cache, observers, after_layer=hook)
+        out = engine.prefill_on_prefix(ids, prefix.n_tokens, start, cache, observers, after_layer=after_layer)
         prefix.fetched = Fetched("off", time.perf_counter() - t0)  # computed with the rest of the prompt
         return out
     cache = prefix.cache()
@@ -324,7 +326,7 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
             # than this query window goes back: the whole prompt runs
             cache, start = KVCache(), 0
         cache.truncate(start)
-    return engine.prefill(ids[start:], cache=cache, observers=observers, after_layer=hook)
+    return engine.prefill(ids[start:], cache=cache, observers=observers, after_layer=after_layer)
 
 
 def _cache_report(*prefixes: Prefix | None) -> dict:
