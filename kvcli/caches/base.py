@@ -124,6 +124,18 @@ def _written(owner) -> dict:
     return owner.__dict__.setdefault("_written", {})
 
 
+def _moved(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new buffer for ``t`` (1, heads, m, d) with room for ``rows`` >= m rows and some to spare
+    (1/32 of them, at least 64 slots), holding ``t``'s rows first: its first ``rows`` rows (the
+    room zeroed and the storage marked, :func:`_made`); the caller writes rows m.. itself."""
+    m = t.shape[-2]
+    cap = rows + max(SPARE_SLOTS, rows // SPARE_SHARE)
+    with long_lived(t.device, _nbytes(t) // max(m, 1) * cap, always=True):
+        buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
+    buf[..., :m, :].copy_(t)
+    return _made(buf, rows)[..., :rows, :]
+
+
 def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Tensor, ...]) -> None:
     """Append ``news`` (1, heads, new, d) — one tensor per list of ``owner`` named in ``names`` —
     to ``layer`` of those lists, in place: each list's entry is a view of the first entries of a
@@ -141,13 +153,7 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
     if mine and all(_room(t, m + new) for t in olds):
         bufs = [t.as_strided((*t.shape[:-2], m + new, t.shape[-1]), t.stride()) for t in olds]
     else:
-        cap = m + new + max(SPARE_SLOTS, (m + new) // SPARE_SHARE)
-        bufs = []
-        for t in olds:
-            with long_lived(news[0].device, _nbytes(t) // max(m, 1) * cap, always=True):
-                buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
-            buf[..., :m, :].copy_(t)
-            bufs.append(_made(buf, m + new)[..., : m + new, :])
+        bufs = [_moved(t, m + new) for t in olds]
     for buf, rows in zip(bufs, news):
         buf[..., m:, :].copy_(rows)
     for name, buf in zip(names, bufs):
@@ -163,17 +169,9 @@ def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:
     its own with room to spare, written by ``owner`` (later appends land in place), and the large
     one is freed at once."""
     rests = [getattr(owner, name)[layer][..., n:, :] for name in names]
-    m = rests[0].shape[-2]
     if rests[0].untyped_storage().nbytes() > 2 * max(_nbytes(rests[0]), 1):
-        cap = m + max(SPARE_SLOTS, m // SPARE_SHARE)
-        copies = []
-        for t in rests:
-            with long_lived(t.device, _nbytes(t) // max(m, 1) * cap, always=True):
-                buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
-            buf[..., :m, :].copy_(t)
-            copies.append(_made(buf, m)[..., :m, :])
-        rests = copies
-        _written(owner)[(names, layer)] = (m, *(t.data_ptr() for t in rests))
+        rests = [_moved(t, t.shape[-2]) for t in rests]
+        _written(owner)[(names, layer)] = (rests[0].shape[-2], *(t.data_ptr() for t in rests))
     for name, t in zip(names, rests):
         getattr(owner, name)[layer] = t
 
