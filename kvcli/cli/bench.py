@@ -345,28 +345,29 @@ def ruler(
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit"),
 ) -> None:
     from ..bench import ruler as rl
+    from ..bench import ruler_tasks as rt
 
     err = stderr(quiet)
     route_warnings(quiet)
     path = out / "ruler.json"
     if plot_only:
-        rows, measured_on = _stored_rows(path, rl.RULER_KEY, methods, lengths, task=rl.parse_tasks(tasks) if tasks else None)
+        rows, measured_on = _stored_rows(path, rl.RULER_KEY, methods, lengths, task=rt.parse_tasks(tasks) if tasks else None)
         _ruler_report(err, rows, out, measured_on)
         return
     specs = runner.split_methods(methods or RULER_METHODS)
     grid_ratios = rl.parse_ratios(RULER_RATIOS if ratios is None else ratios)
     grid_lengths = runner.parse_lengths(lengths or RULER_LENGTHS)
-    grid_tasks = rl.parse_tasks(tasks)
-    rl.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
+    grid_tasks = rt.parse_tasks(tasks)
+    rt.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rl.TEMPLATE, answer_guard=answer_guard, quant=quant)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rt.TEMPLATE, answer_guard=answer_guard, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 
     store = session.store = KVStore.open(out / "kv-cache")
     results.meta = runner.run_meta(
-        session, seed=seed, tasks=grid_tasks, template=rl.TEMPLATE, data=rl.WHEEL,
+        session, seed=seed, tasks=grid_tasks, template=rt.TEMPLATE, data=rt.WHEEL,
         scoring="RULER: string_match_all (niah, vt, cwe, fwe), string_match_part (qa) x 100",
         answer_guard=answer_guard,
     )  # fmt: skip

