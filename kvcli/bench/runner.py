@@ -123,11 +123,27 @@ class ResultsFile:
             raise UsageError(f"no results at {path}; run the benchmark first")
         return cls(path, key_fields, resume=True)
 
+    def begin_run(self, meta: dict) -> None:
+        """This command's settings (:func:`run_meta`) as ``meta``, and, after the settings of the
+        commands before it (a ``--resume``), in ``meta["runs"]`` (oldest first); each row this
+        command adds notes its index there (``row["run"]``), so a file grown over several
+        commands (other threads, dates, options) says which made each row."""
+        runs = list(self.meta.get("runs", []))
+        if self.meta and not runs:  # a file written before runs were kept: its one command's
+            runs = [{k: v for k, v in self.meta.items() if k != "runs"}]
+        runs.append(dict(meta))
+        self.meta = {**meta, "runs": runs}
+        self.run_index = len(runs) - 1
+
+    run_index: int | None = None
+
     def done(self) -> set[tuple]:
         return {cell_key(r, self.key_fields) for r in self.rows}
 
     def add(self, row: dict, extra: dict | None = None) -> None:
         key = cell_key(row, self.key_fields)
+        if self.run_index is not None:
+            row = {**row, "run": self.run_index}
         self.rows = [r for r in self.rows if cell_key(r, self.key_fields) != key] + [row]
         self.save(extra)
 

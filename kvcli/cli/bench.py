@@ -206,7 +206,7 @@ def needle(
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
     session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
-    results.meta = runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer")
+    results.begin_run(runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer"))
     cells = runner.needle_cells(specs, grid_lengths, grid_depths, samples, haystack.value)
 
     def describe(c):
@@ -279,7 +279,7 @@ def speed(
     results = ResultsFile(path, SPEED_KEY, resume=resume)
     session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant)
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
-    results.meta = runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat)
+    results.begin_run(runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat))
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
 
     def describe(c):
@@ -366,11 +366,11 @@ def ruler(
     from ..store import KVStore
 
     store = session.store = KVStore.open(out / "kv-cache")
-    results.meta = runner.run_meta(
+    results.begin_run(runner.run_meta(
         session, seed=seed, tasks=grid_tasks, template=rt.TEMPLATE, data=rt.WHEEL,
         scoring="RULER: string_match_all (niah, vt, cwe, fwe), string_match_part (qa) x 100",
         answer_guard=answer_guard,
-    )  # fmt: skip
+    ))  # fmt: skip
     if grid_ratios and rl.unswept(specs):
         err.print(f"[dim]--ratios: {', '.join(rl.unswept(specs))} run once at their own settings (no budget to set)[/dim]")
     cells = rl.ruler_cells(specs, grid_ratios, grid_tasks, grid_lengths, samples, seed)

@@ -226,6 +226,10 @@ def test_grid_end_to_end_resume_and_plot_only(cli, asks, tiny_dir, tmp_path):
         assert (r["spec"], r["cache"]) == (("full", "miss") if r["method"] == "full" else ("snapkv:budget=0.5", "hit"))
     assert {r["max_new_tokens"] for r in rows if r["task"] == "vt"} == {30}
     assert data["meta"]["model"] == str(model) and data["meta"]["tasks"] == ["vt", "fwe"]
+    # each command's settings are kept, and each row names the command that made it
+    runs = data["meta"]["runs"]
+    assert len(runs) == 2 and all(r["tasks"] == ["vt", "fwe"] and r["model"] == str(model) for r in runs)
+    assert sorted((r["task"], r["run"]) for r in rows) == [("fwe", 1), ("fwe", 1), ("vt", 0), ("vt", 0)]
     assert not (out / "kv-cache").exists()  # emptied and removed after the run
 
     assert "| method | ratio | measured | 900 | avg |" in stdout
