@@ -166,8 +166,8 @@ class Prefix:
 
 def chunked_state(engine, ids: torch.Tensor, state: dict) -> dict:
     """``state`` as the store key hashes it: with the prefill chunk when the prefix pass runs chunk
-    by chunk (off the CPU, or ``KVCLI_PREFILL_CHUNK``): another chunk rounds differently. Unchunked
-    (the CPU's default): ``state`` itself, so the keys of existing entries stay."""
+    by chunk (off the CPU, a hybrid on the CPU, or ``KVCLI_PREFILL_CHUNK``): another chunk rounds
+    differently. Unchunked (the CPU's default): ``state`` itself, so the keys of existing entries stay."""
     chunk = engine.prefill_chunk
     return state if chunk is None or ids.numel() <= chunk else {**state, "prefill_chunk": chunk}
 

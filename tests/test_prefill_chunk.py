@@ -74,10 +74,12 @@ def test_eviction_keeps_the_same_entries_chunked(chunked, spec):
     assert torch.equal(got.kept_mask(), ref.kept_mask())
 
 
-def test_default_chunk_is_off_on_the_cpu(monkeypatch):
+def test_default_chunk_is_off_on_the_cpu_but_for_hybrids(monkeypatch):
     monkeypatch.delenv(engine_mod.ENV_PREFILL_CHUNK, raising=False)
     assert engine_mod.default_prefill_chunk(torch.device("cpu")) is None
+    assert engine_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True) == engine_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
     assert engine_mod.default_prefill_chunk(torch.device("meta")) == engine_mod.ACCELERATOR_PREFILL_CHUNK
+    assert engine_mod.default_prefill_chunk(torch.device("meta"), hybrid=True) == engine_mod.ACCELERATOR_PREFILL_CHUNK
     monkeypatch.setenv(engine_mod.ENV_PREFILL_CHUNK, "512")
     assert engine_mod.default_prefill_chunk(torch.device("cpu")) == 512
     monkeypatch.setenv(engine_mod.ENV_PREFILL_CHUNK, "0")
