@@ -5,6 +5,8 @@ Tests compare each method's selection with the paper's arithmetic written out pl
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -99,7 +101,9 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
             if start:
                 past.update(rope(s["pre"], slots), s["v"], l)
         positions = torch.arange(start, start + step_ids.numel())
-        out = model(step_ids.view(1, -1), past_key_values=past if start else None, position_ids=positions.view(1, -1), output_hidden_states=True, use_cache=True)
+        # the model's cache keyword: ``cache`` from transformers 5.24 on (``past_key_values`` warns there)
+        kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        out = model(step_ids.view(1, -1), **{kwarg: past if start else None}, position_ids=positions.view(1, -1), output_hidden_states=True, use_cache=True)
         qkv = []
         for l, layer in enumerate(layers):
             attn = layer.self_attn
