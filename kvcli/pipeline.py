@@ -321,11 +321,12 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     if start < prefix.n_tokens:
         if not hasattr(cache, "truncate"):
             raise UsageError(f"the prefix state {prefix.state} cannot be cut back for a {window}-token query window")
-        if not engine.can_resume(cache, start):
+        if engine.can_resume(cache, start):
+            cache.truncate(start)
+        else:
             # a sliding layer of the prefix kept its window and PREFIX_WINDOW_ROOM entries, fewer
             # than this query window goes back: the whole prompt runs
             cache, start = KVCache(), 0
-        cache.truncate(start)
     return engine.prefill(ids[start:], cache=cache, observers=observers, after_layer=after_layer)
 
 

@@ -295,10 +295,11 @@ class BlockSparse(Compressor):
         start = 0
         if pc is not None:
             usable = not infllm or (isinstance(pc, ScoredKVCache) and pc.local == self.local_window)
+            resume = max(0, min(prefix.n_tokens, n - need))
             # a hybrid's sliding layers kept their window and PREFIX_WINDOW_ROOM entries more: a
             # longer query window runs the whole prompt (Engine.can_resume)
-            if usable and engine.can_resume(pc, max(0, min(prefix.n_tokens, n - need))):
-                start = max(0, min(prefix.n_tokens, n - need))
+            if usable and engine.can_resume(pc, resume):
+                start = resume
                 if infllm:
                     scored = pc.rows_scored
                     self._rep_sums = {layer: self._sums_from(r, n, engine.device) for layer, r in enumerate(pc.rep_sums)}
