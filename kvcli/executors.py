@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from .batch import STDIN, Input, Job, Work
 from .errors import KvcliError, UsageError
@@ -80,9 +80,7 @@ class LocalExecutor(Executor):
 
     def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
         for job in jobs:
-            for record in work.records(self.session, job, on_start, stdin_text):
-                yield job.index, record
-            yield job.index, None
+            yield from document_events(job.index, work.records(self.session, job, on_start, stdin_text))
 
 
 # --------------------------------------------------------------------------- Ray
@@ -210,7 +208,7 @@ class RayExecutor(Executor):
         self._started = False
         self._warned: set[str] = set()
         self._ray = None
-        self.window: int | None = None  # documents ordered longest first within (default: max(32, 8 x workers))
+        self.window: int | None = None  # documents ordered longest first within (None: scheduler.default_window)
 
     # --- the cluster ---------------------------------------------------------------------------
     def start(self, n_documents: int | None = None) -> None:
@@ -333,10 +331,7 @@ class RayExecutor(Executor):
                 except ray.exceptions.RayError as e:  # failed outside the per-question handling
                     actions = plan.failed(worker, _reason(e), lost=False)
                 else:
-                    for record in records:
-                        self._relay_warnings(record)
-                        yield job.index, record
-                    yield job.index, None
+                    yield from document_events(job.index, (self._relay_warnings(r) for r in records))
                     actions = plan.finished(worker)
         finally:
             self.retried += plan.retried
@@ -344,10 +339,8 @@ class RayExecutor(Executor):
                 self._abort([worker for _, worker in running.values()])
 
     def _failed(self, job: Job, work: Work, message: str) -> Iterator[tuple[int, dict | None]]:
-        for record in work.error_records(job.item.source, WorkerError(message)):
-            record["worker"] = None
-            yield job.index, record
-        yield job.index, None
+        records = work.error_records(job.item.source, WorkerError(message))
+        return document_events(job.index, ({**record, "worker": None} for record in records))
 
     def _lost(self, worker: WorkerInfo) -> None:
         if worker in self.workers:
@@ -355,12 +348,14 @@ class RayExecutor(Executor):
             self.dead.append(worker.id)
             self._ray.kill(worker.handle, no_restart=True)  # unreachable may mean not quite dead
 
-    def _relay_warnings(self, record: dict) -> None:
+    def _relay_warnings(self, record: dict) -> dict:
+        """The record, once its new warnings are said."""
         for message in record.get("warnings") or []:
             if message not in self._warned:
                 self._warned.add(message)
                 if self.on_warning is not None:
                     self.on_warning(message)
+        return record
 
     def _abort(self, busy: list[WorkerInfo]) -> None:
         """Kill the workers still answering, wait (briefly) until they are gone, and reclaim the
@@ -422,6 +417,14 @@ def run_batch(
                 return
     finally:
         events.close()  # stops what still runs (a Ray executor kills its busy workers)
+
+
+def document_events(index: int, records: Iterable[dict]) -> Iterator[tuple[int, dict | None]]:
+    """One document's events, as executors report them: ``(index, record)`` for each of its
+    records, then ``(index, None)``: it is done."""
+    for record in records:
+        yield index, record
+    yield index, None
 
 
 def in_input_order(events: Iterator[tuple[int, dict | None]], n_jobs: int) -> Iterator[dict]:

@@ -11,7 +11,7 @@ import pytest
 
 from kvcli.batch import Input, Job, Work
 from kvcli.errors import KvcliError
-from kvcli.executors import Executor, WorkerError, run_batch
+from kvcli.executors import Executor, WorkerError, document_events, run_batch
 from kvcli.scheduler import MAX_ATTEMPTS, Dispatch, Fail, Scheduler, default_window, dispatch_order, worker_count
 
 
@@ -202,9 +202,8 @@ class _Simulated(Executor):
             while True:
                 for action in actions:
                     if isinstance(action, Fail):
-                        for record in work.error_records(action.job.item.source, WorkerError(action.message)):
-                            yield action.job.index, record
-                        yield action.job.index, None
+                        records = work.error_records(action.job.item.source, WorkerError(action.message))
+                        yield from document_events(action.job.index, records)
                     else:
                         self.dispatched.append((action.job.index, action.worker))
                         running.append((action.job, action.worker))
@@ -215,9 +214,8 @@ class _Simulated(Executor):
                 if death is not None:
                     actions = plan.failed(worker, death, lost=True)
                     continue
-                for question in work.questions:
-                    yield job.index, {"document": job.item.source, "question": question, "answer": worker}
-                yield job.index, None
+                records = [{"document": job.item.source, "question": q, "answer": worker} for q in work.questions]
+                yield from document_events(job.index, records)
                 actions = plan.finished(worker)
         finally:
             self.stopped = [worker for _, worker in running]
