@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import accelerator, attention
+from . import accelerator, attention, windows
 from .attention import AttentionContext, Observer, StopForward
 from .caches import KVCache
 
@@ -91,16 +91,6 @@ def slice_rope(rope, start: int, stop: int):
     return cos[:, start:stop], sin[:, start:stop]
 
 
-# A sliding layer's cache is cut back to its window once it holds this many entries more (decoding
-# trims every WINDOW_SLACK steps: a cut makes the next append copy the window into a new buffer)
-WINDOW_SLACK = 64
-# What a prefix state's sliding layers keep beyond their window w - 1 (Engine.prefix_kv's
-# window_room): a question pass that goes back this many tokens into the prefix (a compressor's
-# query window: SnapKV's 32 last prompt tokens) still finds every key its window reaches; one that
-# goes back further runs the whole prompt again (Engine.can_resume)
-PREFIX_WINDOW_ROOM = 256
-
-
 class Engine:
     def __init__(self, lm) -> None:
         """``lm``: a :class:`kvcli.model.LoadedModel`."""
@@ -125,12 +115,13 @@ class Engine:
         # ``past_key_values`` still works, with a FutureWarning on stderr), ``past_key_values`` before
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.layers[0].forward).parameters else "past_key_values"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.windows = [lm.window(i) for i in range(len(self.layers))]
+        self.windows = lm.windows  # each layer's sliding window (kvcli.windows)
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
         for layer in self.layers:
             _chunked_mlp(layer.mlp)  # every supported family's decoder layer has an ``mlp``
-        self.prefill_chunk = default_prefill_chunk(self.device, hybrid=self.hybrid)
+        self._positions: torch.Tensor | None = None  # device_positions' table
+        self.prefill_chunk = default_prefill_chunk(self.device, hybrid=self.windows.hybrid)
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -178,45 +169,6 @@ class Engine:
         for i, t in enumerate(self.layer_types):
             groups.setdefault(t, []).append(i)
         return {g[0]: g for g in groups.values()}
-
-    def window(self, layer: int) -> int | None:
-        """Layer ``layer``'s sliding window in tokens (None: it attends to the whole context)."""
-        return self.windows[layer]
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether some layers attend only to a sliding window (Gemma 2 / 3, Mistral-style windows)."""
-        return any(w is not None for w in self.windows)
-
-    def full_layers(self) -> list[int]:
-        """The layers that attend to the whole context (every layer of a model without windows)."""
-        return [i for i, w in enumerate(self.windows) if w is None]
-
-    def trim_windows(self, cache, slack: int = 0, room: int = 0, layers: Iterable[int] | None = None) -> None:
-        """Drop from each sliding layer of ``cache`` (of ``layers``; default: all) what its window
-        no longer reaches: a layer of window w needs only its last w - 1 entries for the next
-        token, and ``room`` more for a pass that goes back that many tokens (a prefix state: see
-        :data:`PREFIX_WINDOW_ROOM`). Done once the layer holds more than w - 1 + ``room`` +
-        ``slack`` (decoding trims every ``slack`` steps, not every step). Caches that cannot drop
-        entries from the front of a layer (``drop_front``) keep them; their masks still apply the
-        window."""
-        drop = getattr(cache, "drop_front", None)
-        if drop is None:
-            return
-        for i in range(len(self.windows)) if layers is None else layers:
-            w = self.windows[i]
-            if w is None or i >= cache.n_layers:
-                continue
-            n = cache.get_seq_length(i)
-            if n > w - 1 + room + slack:
-                drop(i, n - (w - 1 + room))
-
-    def can_resume(self, cache, n_tokens: int) -> bool:
-        """Whether a pass at positions ``n_tokens``, ``n_tokens + 1``, ... can go on from the first
-        ``n_tokens`` tokens of ``cache`` (what :meth:`KVCache.truncate` keeps): every sliding layer
-        cut back to its window (``dropped``) still holds the last w - 1 of them."""
-        dropped = getattr(cache, "dropped", {})
-        return all(w is None or min(dropped.get(i, 0), n_tokens) <= max(0, n_tokens - (w - 1)) for i, w in enumerate(self.windows))
 
     def layer(
         self,
@@ -288,7 +240,7 @@ class Engine:
     def device_positions(self, start: int, stop: int) -> torch.Tensor:
         """``arange(start, stop)`` on the model's device, a view of one table made there (grown by
         doubling): a decoding step's position costs no host -> device copy."""
-        table = self.__dict__.get("_positions")
+        table = self._positions
         if table is None or table.numel() < stop:
             table = torch.arange(max(stop, 2 * (0 if table is None else table.numel()), 4096), device=self.device)
             self._positions = table
@@ -299,9 +251,10 @@ class Engine:
         """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
 
         ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to
-        the last w - 1 + ``window_room`` entries (:meth:`trim_windows`): all that a pass going on
-        from the prefix, or from up to ``window_room`` tokens before its end, reads there
-        (:meth:`can_resume`). None: every layer keeps every entry (a caller that reads them all).
+        the last w - 1 + ``window_room`` entries (:meth:`~kvcli.caches.base.CacheBase.trim_windows`):
+        all that a pass going on from the prefix, or from up to ``window_room`` tokens before its
+        end, reads there (:meth:`~kvcli.windows.Windows.can_resume`). None: every layer keeps every
+        entry (a caller that reads them all).
 
         Only the KV is wanted, so the pass stops inside the last of those layers as soon as its
         keys and values are cached (its attention output and MLP are never computed).
@@ -323,8 +276,8 @@ class Engine:
         observers = {layer: list(fns) for layer, fns in (observers or {}).items()}
         observers.setdefault(n_layers - 1, []).append(_stop)
         trim = None
-        if window_room is not None and self.hybrid:
-            trim = lambda i: self.trim_windows(cache, room=window_room, layers=(i,))  # noqa: E731
+        if window_room is not None and self.windows.hybrid:
+            trim = lambda i: cache.trim_windows(self.windows, room=window_room, layers=(i,))  # noqa: E731
         n, chunk = ids.numel(), self.prefill_chunk
         if chunk is None or n <= chunk:
             self.forward(ids, torch.arange(n), cache, layers=range(n_layers), observers=observers, after_layer=trim)
@@ -335,7 +288,7 @@ class Engine:
                 self.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers, after_layer=trim)
             cache.reserve(None)  # later layers (none here) and copies: as usual
         if trim is not None:  # the last layer, if the pass stopped inside it
-            self.trim_windows(cache, room=window_room)
+            cache.trim_windows(self.windows, room=window_room)
         return cache
 
     # entries a prefix's KV buffers leave for what follows it (the question and the answer):
@@ -461,7 +414,7 @@ class Engine:
         ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
         hidden = self.forward(ids, self.device_positions(position, position + 1), cache,
                               recorded=torch.tensor([position]))
-        self.trim_windows(cache, slack=WINDOW_SLACK)
+        cache.trim_windows(self.windows, slack=windows.WINDOW_SLACK)
         return self.logits(hidden)[-1]
 
     @torch.inference_mode()

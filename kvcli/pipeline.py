@@ -25,7 +25,6 @@ from . import accelerator, notices
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
-from .engine import WINDOW_SLACK
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
@@ -33,6 +32,7 @@ from .policy import AutoPolicy, reads
 from .prompt import Prompt
 from .selection import Selection
 from .store import Fetched, KVStore, make_key
+from .windows import Windows
 
 SEPARATOR = "+"
 
@@ -214,9 +214,8 @@ class Result:
     extra: dict = field(default_factory=dict)
     # the cache after decoding (what the layers and heads held: ``cache.kept_mask``; inspect reads it)
     cache: object | None = field(default=None, repr=False)
-    # each layer's sliding window (None: full attention), the model's (Engine.windows); a model
-    # without windows: empty
-    windows: tuple = ()
+    # each layer's sliding window, the model's (kvcli.windows; None: not known, counted as without windows)
+    windows: Windows | None = None
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -249,28 +248,14 @@ class Result:
         nothing evicted). Without sliding windows that is prompt tokens / :attr:`n_kept_tokens`. On
         a hybrid model (Gemma 2 / 3) full attention's own sliding layers hold only their window
         (the last ``w - 1`` prompt tokens once decoding starts, fewer as the answer's tokens push
-        them out: :func:`window_holding`, after as many decoding steps as this run took): both
-        sides count them, so full attention is 1.0 there too and a method is credited only for
-        what it evicted."""
+        them out: :meth:`~kvcli.windows.Windows.mean_held`, after as many decoding steps as this run
+        took): both sides count them, so full attention is 1.0 there too and a method is credited
+        only for what it evicted."""
         n = self.prompt.n_tokens
-        if not self.windows:
+        if self.windows is None or not self.windows.hybrid:
             return n / max(self.n_kept_tokens, 1e-9)
         fed = 0 if self.cache is None else max(0, self.cache.n_tokens - self.selection.n_kept)
-        full = sum(n if w is None else window_holding(n, w, fed) for w in self.windows) / len(self.windows)
-        return full / max(self.n_kept_tokens, 1e-9)
-
-
-def window_holding(n_prompt: int, window: int, fed: int) -> int:
-    """Prompt entries full attention's sliding layer of ``window`` holds after ``fed`` decoding
-    steps: its last ``w - 1`` once the prompt is read, then one more per step, cut back to
-    ``w - 1`` once it holds more than ``w - 1 + WINDOW_SLACK`` (:meth:`Engine.trim_windows`);
-    the answer's tokens take the place of the oldest prompt ones."""
-    held = min(n_prompt, window - 1)
-    for _ in range(fed):
-        held += 1
-        if held > window - 1 + WINDOW_SLACK:
-            held = window - 1
-    return max(0, min(n_prompt, held - fed))
+        return self.windows.mean_held(n, fed) / max(self.n_kept_tokens, 1e-9)
 
 
 def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):
@@ -304,7 +289,7 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     def after_layer(i: int) -> None:
         for stage in by_layer:
             stage.compress_layer(engine, cache, i)
-        engine.trim_windows(cache, layers=(i,))  # a hybrid's sliding layer: its window, once the pass is past it
+        cache.trim_windows(engine.windows, layers=(i,))  # a hybrid's sliding layer: its window, once the pass is past it
 
     if prefix is None:
         cache = KVCache()
@@ -321,7 +306,7 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
     if start < prefix.n_tokens:
         if not hasattr(cache, "truncate"):
             raise UsageError(f"the prefix state {prefix.state} cannot be cut back for a {window}-token query window")
-        if engine.can_resume(cache, start):
+        if engine.windows.can_resume(cache, start):
             cache.truncate(start)
         else:
             # a sliding layer of the prefix kept its window and PREFIX_WINDOW_ROOM entries, fewer
@@ -441,7 +426,7 @@ def run(
             next_position = kept_ids.numel()
         for stage in compressors:
             cache = stage.compress(engine, cache)
-        engine.trim_windows(cache)  # sliding layers keep only what their window still reaches
+        cache.trim_windows(engine.windows)  # sliding layers keep only what their window still reaches
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
@@ -462,13 +447,13 @@ def run(
         peak_mem_mb=m.peak_mem_mb,
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
         cache=cache,
-        windows=tuple(engine.windows) if getattr(engine, "hybrid", False) else (),
+        windows=engine.windows,
         extra={
             "kv_cache_bytes": cache.nbytes(),
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
             "cache": _cache_report(prefix, second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
-            "method_stats": cache.stats() if hasattr(cache, "stats") else {},
+            "method_stats": cache.stats(),
         },
     )

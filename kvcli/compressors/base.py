@@ -64,7 +64,7 @@ from typing import ClassVar
 
 import torch
 
-from ..engine import PREFIX_WINDOW_ROOM
+from .. import windows
 from ..errors import UsageError
 from ..selection import Selection
 
@@ -182,9 +182,10 @@ class Compressor:
 
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
         """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache; a
-        hybrid's sliding layers keep their window and :data:`~kvcli.engine.PREFIX_WINDOW_ROOM`
+        hybrid's sliding layers keep their window and :data:`~kvcli.windows.PREFIX_WINDOW_ROOM`
         entries more, all that a question pass on top reads)."""
-        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=PREFIX_WINDOW_ROOM)
+        room = windows.PREFIX_WINDOW_ROOM
+        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=room)
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod
@@ -203,25 +204,12 @@ class Compressor:
 def require_full_layers(lm, method: str) -> None:
     """A method that compresses full-attention layers (the others keep their window) cannot apply
     to a model whose every layer slides over a window (Mistral v0.1-style): say so in one line."""
-    if not lm.full_layers():
-        w = min(lm.limiting_windows())
+    if not lm.windows.full_layers:
+        w = lm.windows.shortest
         raise UsageError(
             f"{method}: every layer of {lm.name} uses sliding-window attention ({w} tokens): there is no "
             "full-attention layer to compress, the window already bounds the KV (use -c full)"
         )
-
-
-def window_mask(lm, layer: int, n: int, device=None) -> torch.Tensor | None:
-    """On a hybrid model (Gemma 2 / 3), what a sliding layer ``layer`` holds of ``n`` prompt tokens
-    once the prompt is read: its last ``w - 1`` (all the next token's window reaches), as an (n,)
-    bool; None for a full-attention layer, where the compression methods act. Methods never
-    score or evict a sliding layer: it keeps its window, as under full attention."""
-    w = lm.window(layer)
-    if w is None:
-        return None
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    mask[max(0, n - (w - 1)):] = True
-    return mask
 
 
 def owned_phases(cls: type[Compressor]) -> set[str]:

@@ -122,10 +122,9 @@ class InfLLM(Compressor):
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
 
     def configure(self, lm) -> None:
-        windows = lm.limiting_windows()
-        if windows:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own in the book
+        if lm.windows.hybrid:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own in the book
             raise UsageError(
-                f"infllm: {lm.name} has sliding-window layers ({min(windows)} tokens); kvcli's InfLLM reads every "
+                f"infllm: {lm.name} has sliding-window layers ({lm.windows.shortest} tokens); kvcli's InfLLM reads every "
                 "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
             )
         window = lm.max_context or INFLLM_WINDOW

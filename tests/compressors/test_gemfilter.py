@@ -42,7 +42,7 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
     gem = run(engine, prompt, Pipeline.parse(f"gemfilter:k={n},layer=1"), max_new_tokens=5, stop_ids=set())
     assert gem.answer_ids == full.answer_ids and len(gem.answer_ids) == 5
     assert gem.n_kept_tokens == full.n_kept_tokens
-    assert full.n_kept_tokens == n or lm.full_layers() != list(range(lm.n_layers))  # a hybrid's sliding layers: their window
+    assert full.n_kept_tokens == n or lm.windows.full_layers != list(range(lm.n_layers))  # a hybrid's sliding layers: their window
     assert stop  # the tokenizer has stop ids
 
 
