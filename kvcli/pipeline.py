@@ -25,6 +25,7 @@ from . import accelerator, notices
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
+from .decode import DecodeStep
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
@@ -431,9 +432,8 @@ def run(
         reading.close()
         decoder = pipeline.owner("decode_step")
         step = None
-        if decoder is not None:
-            step = lambda token, position, c: decoder.decode_step(engine, token, position, c)  # noqa: E731
-            step.device_token = decoder.device_token  # the token as the device tensor (no upload)
+        if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
+            step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
         answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft

@@ -23,7 +23,7 @@ by :mod:`kvcli.pipeline` in this order:
 ``decode_step(engine, token, position, cache) -> logits``
     Own each greedy decoding step: run ``token`` at ``position`` on ``cache`` and return the next
     logits (vocab,) (LazyLLM's dynamic pruning, block-sparse retrieval). At most one per pipeline;
-    default :meth:`kvcli.engine.Engine.step` (full attention over the cache).
+    default :func:`kvcli.decode.step` (full attention over the cache).
 
 What a method computes from the question-agnostic prompt prefix (the document and the template
 around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
@@ -35,7 +35,7 @@ keeps it so a second question starts from it:
     every layer — full attention's, and that of methods which compress after seeing the question.
 ``build_prefix(engine, prefix_ids) -> cache``
     Compute the state for ``prefix_ids`` (n,) at positions 0..n-1. Default: the KV of the first
-    ``prefix_state(lm)["layers"]`` layers (:meth:`kvcli.engine.Engine.prefix_kv`). A method whose
+    ``prefix_state(lm)["layers"]`` layers (:func:`kvcli.prefill.prefix_kv`). A method whose
     state is a compressed cache (question-agnostic, e.g. RazorAttention) overrides it and returns
     any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.caches`).
     At most one method per pipeline may override it.
