@@ -25,6 +25,7 @@ needs only the layer's last w - 1 entries.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 # A sliding layer's cache is cut back to its window once it holds this many entries more (decoding

@@ -77,7 +77,8 @@ def test_eviction_keeps_the_same_entries_chunked(chunked, spec):
 def test_default_chunk_is_off_on_the_cpu_but_for_hybrids(monkeypatch):
     monkeypatch.delenv(prefill_mod.ENV_PREFILL_CHUNK, raising=False)
     assert prefill_mod.default_prefill_chunk(torch.device("cpu")) is None
-    assert prefill_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True) == prefill_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
+    hybrid_cpu = prefill_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True)
+    assert hybrid_cpu == prefill_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
     assert prefill_mod.default_prefill_chunk(torch.device("meta")) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
     assert prefill_mod.default_prefill_chunk(torch.device("meta"), hybrid=True) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
     monkeypatch.setenv(prefill_mod.ENV_PREFILL_CHUNK, "512")
@@ -144,7 +145,7 @@ def test_question_and_answer_append_in_the_reserved_buffers(chunked):
 def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
     """Another chunk rounds differently: a prefix read chunk by chunk is stored under a key of its
     own chunk; unchunked (the CPU's default), the key is the one entries always had."""
-    from kvcli.pipeline import chunked_state
+    from kvcli.prefix import chunked_state
 
     engine = chunked("llama", None)
     ids, state = random_ids(45, seed=3), {"kind": "kv", "layers": 4}

@@ -23,6 +23,7 @@ it needs one, in ``kvcli/caches/<name>.py`` (imported by ``kvcli/caches/__init__
 
 from __future__ import annotations
 
+import weakref
 from types import MappingProxyType
 from typing import ClassVar, Iterable, Mapping
 
@@ -133,19 +134,23 @@ def _room(t: torch.Tensor, rows: int) -> bool:
     return t.untyped_storage().nbytes() >= needed
 
 
+# the storages of the buffers caches made here (:func:`_made`): their room holds finite entries only
+_FINITE: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+
+
 def finite_room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` can be widened to ``rows`` rows (:func:`_room`) over entries that are all finite:
     ``t`` is a view of a buffer a cache made here (:func:`_made`), whose room was zero when made and
     is only ever written with entries. A kernel may then read past ``t`` and weigh those rows by
     exactly zero (:func:`kvcli.kernels.grouped` keeps its shapes that way)."""
-    return getattr(t.untyped_storage(), "kvcli_finite", False) and _room(t, rows)
+    return t.untyped_storage() in _FINITE and _room(t, rows)
 
 
 def _made(buf: torch.Tensor, filled: int) -> torch.Tensor:
     """A new layer buffer (…, cap, d) whose first ``filled`` rows are written: its room zeroed and
     its storage marked for :func:`finite_room`."""
     buf[..., filled:, :].zero_()
-    buf.untyped_storage().kvcli_finite = True
+    _FINITE.add(buf.untyped_storage())
     return buf
 
 

@@ -180,7 +180,8 @@ class ScoredKVCache(KVCache):
         local:       l_L, the successors each token listens to
     """
 
-    cuts_windows: ClassVar[bool] = False  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    cuts_windows: ClassVar[bool] = False
 
     kind: ClassVar[str] = "kv+infllm"
 
@@ -239,7 +240,8 @@ class OffloadKVCache(KVCache):
     after them (the layer goes down once, into pinned memory); in between the layer grows on the
     GPU like any KV."""
 
-    cuts_windows: ClassVar[bool] = False  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    cuts_windows: ClassVar[bool] = False
 
     def onload(self, layer: int, device) -> None:
         if layer < len(self.keys):

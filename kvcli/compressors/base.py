@@ -41,8 +41,10 @@ keeps it so a second question starts from it:
     At most one method per pipeline may override it.
 
 The pipeline hands the state to the stage that reads the whole prompt first (the first selector,
-else the prefill owner, else the first stage) as a :class:`kvcli.pipeline.Prefix`: ``prefix.cache()``
-returns a fresh copy of it (loaded from the store, or computed) and ``prefix.ids`` the tokens.
+else the prefill owner, else the first stage) as a :class:`kvcli.prefix.Prefix`: ``prefix.take()``
+returns the state for the run to extend (loaded from the store, or computed; its own copy where the
+store keeps it) and ``prefix.ids`` the tokens. A method whose state is a book written into its store
+entry while the document is read (InfLLM) says so with ``writes_prefix``.
 
 A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
 the pipeline can refuse two methods that would both own the prefill loop.
@@ -97,6 +99,9 @@ class Compressor:
     paper: ClassVar[str] = ""
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
+    # the prefix state is a book read straight into its disk-store entry, whose size is known before
+    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_dtype(lm)``)
+    writes_prefix: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
     # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
     # ``{n}`` stands for the prompt's token count and ``{prefix}`` for its question-agnostic prefix
@@ -136,6 +141,12 @@ class Compressor:
         window. Default: everything. Methods that read documents longer than the window chunk by
         chunk (Finch) return less."""
         return n_prompt + max_new_tokens
+
+    def reading_note(self, lm, n_prompt: int) -> str:
+        """How this method reads a prompt of ``n_prompt`` tokens longer than the model's window (it
+        reads the prompt first and :meth:`window_needed` is less than all of it), for the warning the
+        pipeline says before it starts."""
+        return f"{self.name} reads it chunk by chunk, which takes a while (every token runs through the model)"
 
     def compress(self, engine, cache):
         """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""

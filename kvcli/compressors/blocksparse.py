@@ -290,7 +290,7 @@ class BlockSparse(Compressor):
         infllm = self.representative == "infllm"
         limit = max(0, n - int(protected))  # query rows that may vote for infllm representatives
         # the prefix state first: computing it (build_prefix) runs this method on the prefix alone
-        pc = prefix.cache() if prefix is not None and prefix.n_tokens > 0 else None
+        pc = prefix.take() if prefix is not None and prefix.n_tokens > 0 else None
         self._rep_sums, scored = {}, 0
         start = 0
         if pc is not None:

@@ -391,7 +391,7 @@ class LazyLLM(Compressor):
         not used: as in the paper, only the last token is sure to be kept."""
         schedule = self.schedule(engine.lm)
         if prefix is not None:
-            cache = prefix.cache()
+            cache = prefix.take()
             ids = ids[prefix.n_tokens :]
         else:
             cache = LazyCache(engine.n_layers)
@@ -412,5 +412,5 @@ class LazyLLM(Compressor):
         hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select)
         cache.decode_steps = step
         cache.selecting_steps += select
-        cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers (LazyCache.drop_front)
+        cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers: their window
         return engine.logits(hidden)[-1]

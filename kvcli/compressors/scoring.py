@@ -387,7 +387,8 @@ class Eviction(Compressor):
         if n is None or not self.compresses_by_layer() or not isinstance(cache, KVCache):
             return
         k = self.resolve(n)
-        if k >= n or (self.scorer.uses_attention and layer not in self._scores) or engine.windows.window(layer) is not None:
+        sliding = engine.windows.window(layer) is not None
+        if k >= n or (self.scorer.uses_attention and layer not in self._scores) or sliding:
             return  # keeps everything, or not scored (compress reports what is missing), or a sliding layer
         scores = self._scores.pop(layer) if self.scorer.uses_attention else self.scorer.static_scores(n, cache.keys[layer].shape[1])
         if "budgets" not in self._pass:
@@ -558,7 +559,8 @@ class PrefixEviction(Compressor):
         full = lm.windows.full_layers
         chosen = dict(zip(full, allocate([scores[layer] for layer in full], k, self.allocation, self.safeguard)))
         masks = [
-            chosen[layer] if layer in chosen else lm.windows.holds(layer, n, scores[layer].device).expand_as(scores[layer])
+            chosen[layer] if layer in chosen
+            else lm.windows.holds(layer, n, scores[layer].device).expand_as(scores[layer])
             for layer in range(len(scores))
         ]
         return RaggedCache.from_selection(kv, masks, consume=True)

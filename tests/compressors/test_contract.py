@@ -263,7 +263,8 @@ def check_kept(result, lm) -> None:
         assert stats["kv_heads"] == lm.n_layers * lm.n_kv_heads
         cut = (stats["kv_heads"] - stats["protected_kv_heads"]) / stats["kv_heads"]
         # a hybrid's sliding layers (every head protected) hold their window only
-        window_cut = sum(n - min(n, w - 1) for w in (lm.windows.window(layer) for layer in range(lm.n_layers)) if w is not None) / lm.n_layers
+        windows = (lm.windows.window(layer) for layer in range(lm.n_layers))
+        window_cut = sum(n - min(n, w - 1) for w in windows if w is not None) / lm.n_layers
         assert held == pytest.approx(n - cut * stats["dropped_tokens"] - window_cut)
     if "kv_entries" in stats:  # ragged caches: entries held (prompt and later tokens) within the padded slots
         assert held * lm.n_layers * lm.n_kv_heads <= stats["kv_entries"] <= stats["kv_slots"]

@@ -42,7 +42,7 @@ class _Prefix:
     def __init__(self, book, n):
         self.book, self.n_tokens = book, n
 
-    def cache(self):
+    def take(self):
         return self.book.copy()
 
 
@@ -417,7 +417,8 @@ def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
     assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
-    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30, windows=Windows.none(30))
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30,
+                            windows=Windows.none(30))
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
@@ -457,7 +458,8 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
 def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30, windows=Windows.none(30))
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30,
+                         windows=Windows.none(30))
     s = parse_one(spec)
     s.configure(lm)
     assert (s.filter_layer, s.answer_positions) == want

@@ -93,5 +93,5 @@ class RecordingEngine(Engine):
             return logits
 
         recording_step = DecodeStep(recording, device_token=inner.device_token)
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording_step,
-                              guard=guard)
+        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token,
+                              step=recording_step, guard=guard)
