@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcli.api import AskOptions, Session
+from kvcli.decode import DecodeStep
 from kvcli.documents import document_from_text
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline
@@ -40,7 +41,8 @@ def decode_script(text: str, *, guard: bool, max_new_tokens: int | None = None, 
         return out
 
     step = lambda token, position, cache: logits_for(position + 1)  # noqa: E731  position i -> token i+1
-    answer_ids = Engine.decode(None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=step, guard=g)
+    answer_ids = Engine.decode(None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=DecodeStep(step),
+                               guard=g)
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
     during = len(pieces)
     stream.close(answer)

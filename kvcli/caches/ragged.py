@@ -60,7 +60,7 @@ class RaggedCache(LayerKV):
     plain kernels; one with padding returns a :class:`RaggedLayer` view that masks it.
 
     A hybrid's sliding layer (Gemma 2 / 3) is cut back to its window (:meth:`drop_front`, called
-    by :meth:`kvcli.engine.Engine.trim_windows`): its first slots go, then, once no compressed
+    by :meth:`~kvcli.caches.base.CacheBase.trim_windows`): its first slots go, then, once no compressed
     slot is left, the oldest appended tokens (``after_dropped[l]`` of them).
 
     There is no ``truncate`` (a compressed prefix cannot be cut back for a query window), and no
@@ -68,6 +68,7 @@ class RaggedCache(LayerKV):
     """
 
     kind: ClassVar[str] = "ragged"
+    cuts_windows: ClassVar[bool] = True  # its slots first, then the appended tokens (``after_dropped``)
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -99,7 +100,7 @@ class RaggedCache(LayerKV):
             n_kv, seq = k.shape[1], k.shape[2]
             # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv)
             # holds the last seq of d + seq entries; its selection may cover all of them
-            d = getattr(cache, "dropped", {}).get(layer, 0)
+            d = cache.dropped.get(layer, 0)
             if d and tuple(mask.shape) == (n_kv, d + seq):
                 if bool(mask[:, :d].any()):
                     raise ValueError(f"layer {layer}: the selection keeps entries its window dropped")
@@ -156,7 +157,7 @@ class RaggedCache(LayerKV):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` first slots of ``layer``: a sliding layer (Gemma 2 / 3) whose window has
-        passed them (:meth:`kvcli.engine.Engine.trim_windows`). Its compressed slots go first (in
+        passed them (:meth:`~kvcli.caches.base.CacheBase.trim_windows`). Its compressed slots go first (in
         every head: the slots are in original order; a head left with none holds only padding
         there), then the oldest appended tokens. A sliding layer is never padded (every head keeps
         the same window), so its entries stay the latest tokens in order, as its window mask counts."""

@@ -110,6 +110,7 @@ class RazorCache(CacheBase):
     """
 
     kind: ClassVar[str] = "razor"
+    cuts_windows: ClassVar[bool] = True  # a layer whose every KV head is protected (drop_front)
     tensor_lists: ClassVar[tuple[str, ...]] = ("pk", "pv", "ck", "cv")
 
     def __init__(self, protected: torch.Tensor, n_heads: int, n_dropped: int = 0, compensated: bool = False,
@@ -140,9 +141,9 @@ class RazorCache(CacheBase):
         n = kv.n_tokens
         if protected.shape != (kv.n_layers, kv.keys[0].shape[1]):
             raise ValueError(f"protected mask {tuple(protected.shape)} does not match the cache")
-        # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv) holds
+        # a hybrid's sliding layer cut back to its window (a prefix state: prefill.prefix_kv) holds
         # its last entries; every head of it is protected, so it keeps them as they are
-        dropped = {layer: d for layer, d in getattr(kv, "dropped", {}).items() if d}
+        dropped = {layer: d for layer, d in kv.dropped.items() if d}
         if any(not bool(protected[layer].all()) for layer in dropped):
             raise ValueError("a layer cut back to its window must have every KV head protected")
         sinks = min(max(sinks, 0), n)
@@ -222,14 +223,14 @@ class RazorCache(CacheBase):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer`` where every KV head is protected: a hybrid's
-        sliding layer (Gemma 2 / 3) whose window has passed them (:meth:`Engine.trim_windows`).
+        sliding layer (Gemma 2 / 3) whose window has passed them (:meth:`CacheBase.trim_windows`).
         A layer with compressed heads keeps its entries (its sinks and window are the method's).
         Only the pipeline's run trims; the prefix state the store keeps is never trimmed."""
         if self.ck[layer].shape[1] or n <= 0:
             return
         self.pk[layer] = self.pk[layer][:, :, n:]
         self.pv[layer] = self.pv[layer][:, :, n:]
-        self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
+        self.dropped = {**self.dropped, layer: self.dropped.get(layer, 0) + n}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by ``layer_idx`` (what the protected heads hold)."""
@@ -256,7 +257,7 @@ class RazorCache(CacheBase):
         seen = self.positions  # also the tokens appended after compression (question, answer)
         kept = torch.cat([seen[: self.sinks], seen[n - self.window :]])
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
-        dropped = getattr(self, "dropped", {})
+        dropped = self.dropped
         for layer in range(self.n_layers):
             for head in range(n_kv):
                 pos = seen[dropped.get(layer, 0):] if self.protected[layer, head] else kept
@@ -302,13 +303,13 @@ class RazorCache(CacheBase):
         other.positions = self.positions
         other.order = self.order
         other._index = self._index  # read-only lookups, safe to share
-        other.dropped = dict(getattr(self, "dropped", {}))
+        other.dropped = dict(self.dropped)
         return other
 
     # --- the disk store's contract -----------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """``positions``, ``protected`` (uint8), ``pk.<l>``, ``pv.<l>``, ``ck.<l>``, ``cv.<l>`` and facts."""
-        if getattr(self, "dropped", None):
+        if self.dropped:
             raise ValueError("a cache cut back to its sliding windows is a run's, not a prefix state to store")
         tensors = {"positions": self.positions.contiguous(), "protected": self.protected.to(torch.uint8).contiguous()}
         for i in range(self.n_layers):

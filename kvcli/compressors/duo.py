@@ -237,7 +237,7 @@ class DuoAttention(Compressor):
 
     def retrieval_heads(self, engine) -> torch.Tensor:
         """(n_layers, n_kv_heads) bool: the KV heads that keep everything."""
-        return ~self.profile(engine).streaming_heads(self.streaming, engine.lm.full_layers())
+        return ~self.profile(engine).streaming_heads(self.streaming, engine.windows.full_layers)
 
     def prefix_state(self, lm) -> dict:
         from ..engine import Engine

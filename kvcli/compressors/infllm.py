@@ -88,6 +88,7 @@ class InfLLM(Compressor):
     name: ClassVar[str] = "infllm"
     paper: ClassVar[str] = "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory (arXiv:2402.04617)"
     holds_whole_kv: ClassVar[bool] = False
+    writes_prefix: ClassVar[bool] = True  # the book, read into its store entry (stored_bytes, read)
     # a Local window as long as the prompt: no block ever leaves it, every query attends to every
     # token before it at its own position — full attention (and the KV stored in the model's dtype)
     keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
@@ -122,10 +123,10 @@ class InfLLM(Compressor):
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
 
     def configure(self, lm) -> None:
-        windows = lm.limiting_windows()
-        if windows:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own in the book
+        if lm.windows.hybrid:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own
             raise UsageError(
-                f"infllm: {lm.name} has sliding-window layers ({min(windows)} tokens); kvcli's InfLLM reads every "
+                f"infllm: {lm.name} has sliding-window layers ({lm.windows.shortest} tokens); "
+                "kvcli's InfLLM reads every "
                 "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
             )
         window = lm.max_context or INFLLM_WINDOW
@@ -226,7 +227,7 @@ class InfLLM(Compressor):
         self.configure(engine.lm)
         n = ids.numel()
         if prefix is not None and prefix.n_tokens > 0:
-            book, start = prefix.cache(), prefix.n_tokens
+            book, start = prefix.take(), prefix.n_tokens
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)

@@ -231,7 +231,7 @@ def test_warm_cold_and_no_store_give_the_same_answer(name, stored, tiny_lm, prof
 def full_held(n: int, lm) -> float:
     """What full attention holds of an n-token prompt per layer and KV head: n, but on a hybrid
     (Gemma 2 / 3) a sliding layer of window w only its last w - 1 tokens."""
-    windows = [lm.window(layer) for layer in range(lm.n_layers)]
+    windows = [lm.windows.window(layer) for layer in range(lm.n_layers)]
     return sum(n if w is None else min(n, w - 1) for w in windows) / len(windows)
 
 
@@ -252,8 +252,7 @@ def check_kept(result, lm) -> None:
     stats = result.extra["method_stats"]
     assert isinstance(stats, dict) and all(isinstance(k, str) for k in stats)
     assert json.loads(json.dumps(stats)) == stats  # JSON-able as it is (the --json record carries it)
-    if hasattr(result.cache, "stats"):
-        assert set(stats) == set(result.cache.stats())
+    assert set(stats) == set(result.cache.stats())
     for key, value in compute_fractions(stats).items():
         assert value is None or 0.0 <= value <= 1.0, (key, value)
     if "kv_bytes" in stats:
@@ -264,7 +263,8 @@ def check_kept(result, lm) -> None:
         assert stats["kv_heads"] == lm.n_layers * lm.n_kv_heads
         cut = (stats["kv_heads"] - stats["protected_kv_heads"]) / stats["kv_heads"]
         # a hybrid's sliding layers (every head protected) hold their window only
-        window_cut = sum(n - min(n, w - 1) for w in (lm.window(layer) for layer in range(lm.n_layers)) if w is not None) / lm.n_layers
+        windows = (lm.windows.window(layer) for layer in range(lm.n_layers))
+        window_cut = sum(n - min(n, w - 1) for w in windows if w is not None) / lm.n_layers
         assert held == pytest.approx(n - cut * stats["dropped_tokens"] - window_cut)
     if "kv_entries" in stats:  # ragged caches: entries held (prompt and later tokens) within the padded slots
         assert held * lm.n_layers * lm.n_kv_heads <= stats["kv_entries"] <= stats["kv_slots"]
@@ -283,7 +283,7 @@ def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, ti
         n, mask = everything.prompt.n_tokens, everything.kept_mask()
         if family in HYBRID_FAMILIES:
             for layer in range(lm.n_layers):
-                w = lm.window(layer)
+                w = lm.windows.window(layer)
                 assert mask[layer, :, n - (n if w is None else w - 1):].all(), (family, layer)
             assert everything.n_kept_tokens >= full_held(n, lm) and everything.compression_ratio <= 1.0 + 1e-9
         else:

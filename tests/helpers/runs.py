@@ -8,6 +8,7 @@ import functools
 import torch
 
 from kvcli.caches import KVCache
+from kvcli.decode import DecodeStep
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, default_prefill
 from kvcli.prompt import build_prompt
@@ -83,12 +84,14 @@ class RecordingEngine(Engine):
     prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
 
     def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
-        inner = self.step if step is None else step
+        inner = DecodeStep.full_attention(self) if step is None else step
         self.seen = [first_logits]
 
         def recording(token, position, c):
-            logits = inner(token, position, c)
+            logits = inner.run(token, position, c)
             self.seen.append(logits)
             return logits
 
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording, guard=guard)
+        recording_step = DecodeStep(recording, device_token=inner.device_token)
+        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token,
+                              step=recording_step, guard=guard)

@@ -55,7 +55,7 @@ def test_gemfilter_refuses_a_sliding_filter_layer_and_defaults_to_a_full_one(tin
         gem.configure(lm)
     auto = Pipeline.parse("gemfilter:k=30")
     auto.configure(lm)
-    assert auto.stages[0].layer in lm.full_layers()
+    assert auto.stages[0].layer in lm.windows.full_layers
 
 
 def test_decoding_time_eviction_leaves_the_sliding_layers_to_their_window(tiny_lm, isolated_cache_dir):
