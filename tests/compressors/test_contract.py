@@ -36,14 +36,13 @@ import torch
 from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
-from kvcli.compressors.base import Runtime
 from kvcli.pipeline import Pipeline, run
 from kvcli.store import KVStore
 from kvcli.errors import UsageError
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.runs import DOC, prompt_for
-from tests.helpers.runs import RecordingEngine, full_references
+from tests.helpers.runs import RecordingEngine, configured, full_references
 from tests.helpers.stores import session_for
 from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
@@ -72,12 +71,6 @@ DOCUMENTED_FIELDS = (
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def configured(spec: str, lm, profiles: Path) -> Pipeline:
-    pipeline = Pipeline.parse(spec)
-    pipeline.configure(lm, Runtime(cache_dir=profiles))  # per-model head profiles (razor, duo): computed once per session
-    return pipeline
 
 
 def keep_all_for(name: str, prompt) -> str:
