@@ -17,8 +17,7 @@ import pytest
 import typer.main
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
-from kvcli.cli import app
-from kvcli.cli import reference
+from kvcli.cli import app, reference
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +31,20 @@ def test_docs_cli_md_is_the_live_help():
     made_with = re.search(r"\(typer (\d+\.\d+)\)", page)
     if made_with and made_with.group(1) != reference.typer_version():
         if os.environ.get("CI"):  # CI installs the test extra, which pins typer's minor version
-            pytest.fail(f"docs/cli.md was rendered with typer {made_with.group(1)}, CI runs typer "
-                        f"{reference.typer_version()}: the test extra pins the minor version; fix the pin "
-                        f"or run `{reference.COMMAND}`")
-        pytest.skip(f"docs/cli.md was rendered with typer {made_with.group(1)}; typer "
-                    f"{reference.typer_version()} lays help out differently")
+            pytest.fail(
+                f"docs/cli.md was rendered with typer {made_with.group(1)}, CI runs typer "
+                f"{reference.typer_version()}: the test extra pins the minor version; fix the pin "
+                f"or run `{reference.COMMAND}`"
+            )
+        pytest.skip(
+            f"docs/cli.md was rendered with typer {made_with.group(1)}; typer "
+            f"{reference.typer_version()} lays help out differently"
+        )
     rendered = reference.render()
     if rendered != page:
-        diff = "".join(difflib.unified_diff(page.splitlines(True), rendered.splitlines(True), "docs/cli.md",
-                                            "kvcli --help now"))
+        diff = "".join(
+            difflib.unified_diff(page.splitlines(True), rendered.splitlines(True), "docs/cli.md", "kvcli --help now")
+        )
         pytest.fail(f"docs/cli.md is out of date: run `{reference.COMMAND}` and commit it\n{diff}")
 
 
@@ -75,7 +79,10 @@ def test_help_reads_like_a_well_kept_cli(helps):
         for line in text.splitlines():
             assert len(line) <= reference.WIDTH or line.lstrip().startswith("kvcli "), (path, line)
     ask = helps["ask"]
-    assert "Usage: kvcli ask [OPTIONS] DOCUMENT... QUESTION\n   or: kvcli ask [OPTIONS] DOCUMENT... --questions FILE\n" in ask
+    usage_lines = (
+        "Usage: kvcli ask [OPTIONS] DOCUMENT... QUESTION\n   or: kvcli ask [OPTIONS] DOCUMENT... --questions FILE\n"
+    )
+    assert usage_lines in ask
     examples = [line for line in ask.splitlines() if line.strip().startswith(("kvcli ask", "cat notes.txt"))]
     assert len(examples) == 5 and len({len(line) - len(line.lstrip()) for line in examples}) == 1  # one indentation
     # paragraphs flow: no line of prose broken mid-sentence by the terminal width
