@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvcli.caches import KVCache
 from kvcli.decode import DecodeStep
 from kvcli.engine import Engine
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 # a host read of a tensor: ``aten.item`` shows itself under inference mode, its body otherwise
 SCALAR = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)

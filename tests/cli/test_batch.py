@@ -224,12 +224,14 @@ def run_example(script: str, model: str, tmp_path: Path, *args) -> str:
     return out.stdout
 
 
+@pytest.mark.e2e
 def test_example_folder_script_runs(model, folder, tmp_path):
     (folder / "broken.pdf").unlink()
     lines = run_example("ask_folder.sh", model, tmp_path, folder, "Who was the keeper?").strip().splitlines()
     assert len(lines) == 3 and all("\t" in line for line in lines)
 
 
+@pytest.mark.e2e
 def test_example_questions_script_runs(model, folder, tmp_path):
     questions = tmp_path / "q.txt"
     questions.write_text("# two questions\nWho was the keeper?\nHow many ships?\n")
@@ -237,6 +239,7 @@ def test_example_questions_script_runs(model, folder, tmp_path):
     assert [(r[0], r[2]) for r in rows] == [("Who was the keeper?", "miss"), ("How many ships?", "hit")]
 
 
+@pytest.mark.e2e
 def test_example_parallel_script_shares_one_cache(model, folder, tmp_path):
     (folder / "broken.pdf").unlink()
     out = run_example("ask_parallel.sh", model, tmp_path, folder, "Who was the keeper?")

@@ -359,6 +359,7 @@ def test_ctrl_c_exits_130(cli, files, model, monkeypatch):
 # --- the real entry point --------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_real_entry_point_matches_in_process(cli, files, model):
     missing = files["doc"].with_name("missing.txt")
     args = ["ask", str(missing), "q", "-m", model]

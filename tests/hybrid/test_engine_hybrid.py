@@ -11,7 +11,8 @@ from kvcli.caches import KVCache
 from kvcli.engine import Engine
 from kvcli.kernels import softcapped
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
-from tests.test_engine import hf_logits, random_ids
+from tests.helpers.reference import hf_logits
+from tests.helpers.runs import random_ids
 
 TOL = 1e-4
 

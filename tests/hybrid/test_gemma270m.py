@@ -12,7 +12,7 @@ from kvcli.engine import Engine
 from kvcli.errors import ModelError
 from kvcli.model import load_model
 from kvcli.model import ggufs
-from tests.test_engine import hf_logits
+from tests.helpers.reference import hf_logits
 
 pytestmark = pytest.mark.slow
 

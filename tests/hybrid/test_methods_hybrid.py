@@ -12,7 +12,7 @@ from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from tests.compressors.test_contract import configured
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS  # the latter refused in one line: test_contract checks it
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW

@@ -17,7 +17,7 @@ from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
 from kvcli.pipeline import run
 from kvcli.store import KVStore
-from tests.compressors.test_contract import configured
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW

@@ -16,7 +16,7 @@ from kvcli.caches.ragged import RaggedCache
 from kvcli.engine import Engine
 from kvcli.pipeline import run
 from kvcli.windows import WINDOW_SLACK
-from tests.compressors.test_contract import configured
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
