@@ -26,7 +26,8 @@ for text on stdin. One document and one question: the answer as text (--json: on
 More than one: JSON Lines, one object per (document, question) in input order; a document that
 fails gives an error record and the batch goes on.
 
-Exit code: 0 all answered, 1 some failed, 2 usage error.
+Exit code: 0 all answered, 1 some failed, 2 usage error, 3 internal error (a bug;
+KVCLI_DEBUG=1 shows its traceback), 130 interrupted (Ctrl-C).
 
 Examples:
 
