@@ -19,8 +19,9 @@ from .documents import Document, load_document
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
-from .pipeline import Pipeline, Result, check_window, run
+from .pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .selection import Selection
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -112,7 +113,8 @@ class Session:
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
         pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
-        check_window(prompt, self.lm, max_new_tokens, pipeline)
+        check_window(prompt, self.lm, max_new_tokens, pipeline,
+                     stored=use_store and self.store is not None and self.store.enabled)
         if on_prompt is not None:
             on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
@@ -143,6 +145,20 @@ class Session:
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
+
+
+def spec_label(spec: str, given: Pipeline | None = None) -> str:
+    """A resolved spec (``Result.extra["compressor"]``, every knob spelled out) as a status line
+    shows it: each stage's name and only the knobs the user set in ``given`` (the pipeline as
+    parsed; ``-c auto`` sets none): "infllm:answer_topk=50", not InfLLM's 230 characters. The whole
+    spec is in ``--json``."""
+    explicit = {s.name: s.explicit_knobs for s in (given.stages if given is not None else ())}
+    parts = []
+    for stage in spec.split(SEPARATOR):
+        name, _, knobs = stage.partition(":")
+        mine = [kv for kv in knobs.split(",") if kv and kv.partition("=")[0] in explicit.get(name, ())]
+        parts.append(name + (":" + ",".join(mine) if mine else ""))
+    return SEPARATOR.join(parts)
 
 
 def method_label(pipeline: Pipeline) -> str:

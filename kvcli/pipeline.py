@@ -336,10 +336,12 @@ def _cache_report(*prefixes: Prefix | None) -> dict:
     return (used[-1] if used else Fetched("off", 0.0)).to_json()
 
 
-def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None) -> None:
+def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None, stored: bool = False) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
-    and says so before it starts (one warning with the token count: it takes a while)."""
+    and says so before it starts (one warning with the token count: it takes a while). ``stored``:
+    a disk store keeps what a book reader reads, and says so once, when it reads the document
+    (:func:`kvcli.bookstore.fetch_book`): no warning then (a later run is a cache hit)."""
     limit = lm.max_context
     # --- the question (and the template around it) alone over the window: no method reads it ---
     fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens
@@ -368,7 +370,7 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
-            if over:
+            if over and not (stored and hasattr(reader, "stored_bytes")):
                 how = (reader.reading_note(lm, prompt.n_tokens) if hasattr(reader, "reading_note") else
                        f"{reader.name} reads it chunk by chunk, which takes a while (every token runs through the model)")
                 notices.warn(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -141,6 +142,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
     total = len(items) * len(questions)
     failed = done = 0
+    methods: Counter = Counter()  # the methods that answered (-c auto picks one per document)
     said = batch.ErrorLines()  # a document's error once, however many questions it fails
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -173,13 +175,22 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
                     if line is not None:
                         progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
                 else:
-                    spec = record["compressor"]  # every knob resolved for the model
+                    methods[api.spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
                 progress.advance(task)
         where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
     where = f" · {where}" if where else ""
-    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}{where}", style="dim", markup=False, highlight=False)
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {batch_methods(methods, spec)}{where}",
+              style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
+
+
+def batch_methods(methods: Counter, spec: str) -> str:
+    """The methods of a batch's summary: "infllm" when one answered everything, "infllm ×3, full
+    ×1" when -c auto picked several (most answers first), the spec as given when none answered."""
+    if len(methods) <= 1:
+        return next(iter(methods), spec)
+    return ", ".join(f"{label} ×{n:,}" for label, n in methods.most_common())
 
 

@@ -10,6 +10,8 @@ import time
 
 from rich.console import Console
 
+from ..api import spec_label
+
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
 LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has taken this long ...
 LINE_EVERY_S = 30.0  # ... one every tenth of the prompt, or this often
@@ -126,11 +128,26 @@ def answer(err: Console, session, document, question: str, pipeline, stream: boo
 
 
 def stats_line(result, pipeline) -> str:
-    """The dim line after an answer: the method, the KV kept, timings, memory, the disk cache."""
+    """The dim line after an answer: the method (its name and the knobs the user set), the KV
+    kept (and, for a stored book, the share the answer read), timings, memory, the disk cache."""
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    method = spec_label(result.extra.get("compressor", pipeline.spec()), pipeline)
     return (
-        f"{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
+        f"{method} · {kv_figures(result)} · "
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
         f"cache {cache['status']}{saved}"
     )
+
+
+def kv_figures(result) -> str:
+    """"KV kept 3,120/12,480 tokens (4.0×)": the prompt's KV held and the compression ratio. On a
+    hybrid (Gemma 2 / 3) the sliding layers hold only their window under full attention too, so
+    the ratio is against full attention, said so; a stored book adds the share the answer read."""
+    kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"
+    if result.windows:
+        kept += f" (sliding windows; {result.compression_ratio:.1f}× compression vs full attention)"
+    else:
+        kept += f" ({result.compression_ratio:.1f}×)"
+    read = (result.extra.get("method_stats") or {}).get("kv_read_frac")
+    return kept if read is None else f"{kept}, {read:.0%} of it read"
