@@ -121,11 +121,11 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     else:
         stdout.out(result.answer)
     if show_selected:
-        spans = result.selection.spans(result.prompt, document)
+        shown, n_shown, verb = api.shown_selection(result)  # a stored book: what the answer read
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
+        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens, verb=verb)
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 

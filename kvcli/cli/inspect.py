@@ -148,9 +148,13 @@ def inspect_command(
     render.inspect_summary(view, ins)
     if ins.per_layer and ins.layers:
         render.layer_kept_table(view, ins.layers, ins.n_prompt)
+    if ins.read_layers:
+        render.layer_read_table(view, ins.read_layers, ins.n_prompt)
     if show_selected:
-        render.document_view(view, ins)
-    if ins.view != "all":
+        render.document_view(view, ins, verb="read" if ins.view == "read" else "kept")
+    if ins.view == "read":
+        render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=None if show_selected else 20, verb="read")
+    elif ins.view != "all":
         render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=None if show_selected else 20)
 
 

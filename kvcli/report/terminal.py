@@ -275,11 +275,19 @@ def inspect_summary(console: Console, ins) -> None:
     """``kvcli inspect``: one header block: method, what it kept, the compression ratio."""
     doc = ins.document
     console.print(
-        f"[bold]{ins.method}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
+        f"[bold]{ins.label}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
         f"{ins.n_document:,} document tokens in a {ins.n_prompt:,}-token prompt"
     )
     if ins.view == "all":
         console.print(f"everything kept: all {ins.n_prompt:,} prompt tokens in every layer (no compression)")
+    elif ins.view == "read":
+        console.print(
+            f"holds all {ins.n_prompt:,} prompt tokens (nothing evicted: 1.0×); the question and its answer read "
+            f"[bold]{ins.n_read:,.1f}[/bold] of them per layer and KV head on average "
+            f"([bold]{ins.read_share:.1%}[/bold] of the KV), {ins.n_kept_any:,} in at least one "
+            f"({ins.n_document_kept:,} of the document's) — "
+            + ("the same in every layer" if ins.read_layers is None else "layers read different blocks (table below)")
+        )
     elif ins.view == "per-head":
         console.print(
             f"each layer and KV head holds [bold]{ins.n_kept:,.1f}[/bold] of {ins.n_prompt:,} prompt tokens on average "
@@ -309,9 +317,22 @@ def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
     console.print(table)
 
 
-def document_view(console: Console, ins) -> None:
-    """The whole document with the kept tokens highlighted (colour: the best score level of the
-    merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
+def layer_read_table(console: Console, layers, n_prompt: int) -> None:
+    """Per layer (where layers read different blocks): prompt tokens it read (mean over its KV
+    heads), their share, and the pages of the document it read."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1),
+                  title="read per layer (0-based), over KV heads", title_justify="left")
+    for col in ("layer", "read", "share"):
+        table.add_column(col, justify="right")
+    table.add_column("pages read", justify="left", overflow="fold")
+    for row in layers:
+        table.add_row(str(row.layer), f"{row.n_read:,.1f}", f"{row.n_read / max(n_prompt, 1):.1%}", row.pages())
+    console.print(table)
+
+
+def document_view(console: Console, ins, verb: str = "kept") -> None:
+    """The whole document with the kept (``verb``: or read) tokens highlighted (colour: the best
+    score level of the merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
     from .inspection import span_levels
 
     text, doc = ins.document.text, ins.document
@@ -323,6 +344,7 @@ def document_view(console: Console, ins) -> None:
 
     # without colours (a pipe, NO_COLOR) the highlight would vanish: mark kept text with ⟦ ⟧
     plain = console.color_system is None
+    marks_legend(console, verb)
     line = Text()
     for a, b in zip(cuts, cuts[1:]):
         if a in page_at:

@@ -59,7 +59,7 @@ def test_the_over_window_note_is_said_once_per_document_and_short(cli, two_sizes
     code, out, err = cli(*args)  # a cache hit: nothing to say
     assert code == 0, err
     assert [line for line in err.splitlines() if line.startswith("kvcli: warning")] == []
-    assert re.match(r"infllm · KV kept [\d,]+/[\d,]+ tokens \(1\.0×\) · ", err.splitlines()[-1]), err
+    assert re.match(r"infllm · KV kept [\d,]+/[\d,]+ tokens \(1\.0×\), \d+% of it read · ", err.splitlines()[-1]), err
     notices.reset()  # a new process (the tests before said it in this one)
     code, out, err = cli(*args, "--no-cache")  # no store: every run reads it, and is told so
     warnings = [line for line in err.splitlines() if line.startswith("kvcli: warning")]
