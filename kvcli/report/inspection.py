@@ -164,14 +164,16 @@ def _uniform(mask: torch.Tensor) -> bool:
     return bool((flat == flat[:1]).all())
 
 
-def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False) -> Inspection:
+def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False,
+                 **callbacks) -> Inspection:
     """Run ``pipeline`` on (document, question) and report what it kept (see the module doc).
 
     Without ``generate`` only the selection and the prefill run (``max_new_tokens=1``); with it
-    the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``)."""
+    the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``).
+    ``callbacks``: Session.ask's (``on_prompt``, ``on_progress``, ...: what the CLI shows meanwhile)."""
     if not generate:
         session = dataclasses.replace(session, options=dataclasses.replace(session.options, max_new_tokens=1))
-    result = session.ask(document, question, pipeline)
+    result = session.ask(document, question, pipeline, **callbacks)
     prompt = result.prompt
     n = prompt.n_tokens
     selection = result.selection
