@@ -336,7 +336,8 @@ def _cache_report(*prefixes: Prefix | None) -> dict:
     return (used[-1] if used else Fetched("off", 0.0)).to_json()
 
 
-def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None, stored: bool = False) -> None:
+def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None,
+                 stored: bool = False) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
     and says so before it starts (one warning with the token count: it takes a while). ``stored``:

@@ -167,17 +167,20 @@ def test_a_repeated_sentence_and_a_restated_answer_are_cut():
 
 def test_at_the_limit_an_answer_never_ends_on_a_word_it_cannot_end_on():
     guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
-    assert run_guard(guard, "The function is called with the argument x, which is", at_limit=True) == "The function is called with the argument x"
-    assert run_guard(guard, "The imaxima package which is", at_limit=True) == "The imaxima package"
-    assert run_guard(guard, "Maxima's Emacs mode is the mode of the", at_limit=True) == "Maxima's Emacs mode is the mode"
+    for text, cut in (("The function is called with the argument x, which is",
+                       "The function is called with the argument x"),
+                      ("The imaxima package which is", "The imaxima package"),
+                      ("Maxima's Emacs mode is the mode of the", "Maxima's Emacs mode is the mode")):
+        assert run_guard(guard, text, at_limit=True) == cut
     # a list marker is no whole sentence: the limit ends the answer after the sentence before it
-    listing = "1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The"
-    assert run_guard(guard, listing, at_limit=True) == "1. Read.table and scan controls whether C-style escapes are interpreted."
+    first = "1. Read.table and scan controls whether C-style escapes are interpreted."
+    assert run_guard(guard, first + "\n2. The", at_limit=True) == first
     # kept: at a stop token; a word that can end a sentence; too little left; a list of values
     assert run_guard(guard, "The imaxima package which is") == "The imaxima package which is"
     assert run_guard(guard, "The imaxima package for Emacs", at_limit=True) == "The imaxima package for Emacs"
     assert run_guard(guard, "It is the", at_limit=True) == "It is the"
-    assert run_guard(guard, "The numbers are 1234567, 7654321 and", at_limit=True) == "The numbers are 1234567, 7654321 and"
+    values = "The numbers are 1234567, 7654321 and"
+    assert run_guard(guard, values, at_limit=True) == values
     listing = "Keepers were many.\n* Ann\n* Bob\n* Car"
     assert run_guard(guard, listing, at_limit=True) == listing
 

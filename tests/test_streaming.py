@@ -65,7 +65,8 @@ CASES = {
     "answer said twice": ("The answer is: 1\n\nThe answer is: 1", None),
     "said twice, restated": ("The answer is 1 The answer is 1\nAnswer: 1. The answer is 1.", None),
     "limit after a dangling word": ("Maxima's mode for Emacs, which is", 10),
-    "limit after a list marker": ("1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The", 20),
+    "limit after a list marker": ("1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The",
+                                  20),
 }
 
 
@@ -92,7 +93,7 @@ def test_the_guard_cases_do_cut():
     assert cut["number repeated"] == "1."
     assert cut["answer said twice"] == "The answer is: 1"
     assert cut["said twice, restated"] == "The answer is 1"
-    assert cut["limit after a list marker"] == "1. Read.table and scan controls whether C-style escapes are interpreted."
+    assert cut["limit after a list marker"] == CASES["limit after a list marker"][0].split("\n")[0]
     assert cut["limit after a dangling word"] == "Maxima's mode for Emacs"
     text, limit = CASES["limit keeps a list"]
     assert cut["limit keeps a list"] == _tokenizer().decode(ids(text)[:limit]).strip()  # no whole sentence to end at: all of it

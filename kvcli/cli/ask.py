@@ -125,7 +125,8 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens, verb=verb)
+        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens,
+                              verb=verb)
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 

@@ -156,9 +156,10 @@ def inspect_command(
         render.layer_read_table(view, ins.read_layers, ins.n_prompt)
     if show_selected:
         render.document_view(view, ins, verb="read" if ins.view == "read" else "kept")
+    max_spans = None if show_selected else 20
     if ins.view == "read":
-        render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=None if show_selected else 20, verb="read")
+        render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=max_spans, verb="read")
     elif ins.view != "all":
-        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=None if show_selected else 20)
+        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=max_spans)
 
 

@@ -134,7 +134,8 @@ class Reading:
             self.progress.start()
         if now - self.last_line >= 0.25 or fraction >= 1:
             self.last_line = now
-            self.progress.update(self.task, completed=fraction, figures=reading_figures(fraction, self.n_tokens, elapsed, rate))
+            figures = reading_figures(fraction, self.n_tokens, elapsed, rate)
+            self.progress.update(self.task, completed=fraction, figures=figures)
 
     def on_token(self, token: int) -> None:
         """An answer token, the answer printed whole at the end (a pipe, --json): on a terminal
@@ -156,7 +157,9 @@ class Reading:
         if self.err.is_terminal:
             if self.status is not None:
                 self.status.update(f"writing the answer · {figures}")
-        elif now - self.t_answer >= LINE_AFTER_S and (self.last_line == self.t_answer or now - self.last_line >= LINE_EVERY_S):
+        elif now - self.t_answer >= LINE_AFTER_S and (
+            self.last_line == self.t_answer or now - self.last_line >= LINE_EVERY_S
+        ):
             self.last_line = now
             self.err.print(f"kvcli: writing the answer: {figures}", markup=False, highlight=False, soft_wrap=True)
 

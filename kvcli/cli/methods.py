@@ -18,7 +18,9 @@ from .options import MODEL_HELP, Device, DeviceOpt, DtypeOpt, KvcliCommand, Quie
 
 @app.command(cls=KvcliCommand)
 def compressors(
-    name: Optional[str] = typer.Argument(None, metavar="[NAME]", help="A method: its every knob, default and meaning", show_default=False),
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", help="A method: its every knob, default and meaning", show_default=False
+    ),
 ) -> None:
     """List the compression methods (NAME: one method in full)."""
     from ..compressors import REGISTRY

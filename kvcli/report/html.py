@@ -94,13 +94,16 @@ def _score_strip(ins: Inspection, profile: list[dict]) -> str:
 def _read_layers_table(ins: Inspection) -> str:
     """Where layers read different blocks: per layer, the tokens read and the pages."""
     n = max(ins.n_prompt, 1)
-    rows = [('<details class="layers"><summary>read per layer (0-based): tokens (mean over KV heads) and pages</summary>'
-             '<table class="layers"><tr><th>layer</th><th>read</th><th></th><th style="text-align:left">pages</th></tr>')]
+    rows = [('<details class="layers">'
+             "<summary>read per layer (0-based): tokens (mean over KV heads) and pages</summary>"
+             '<table class="layers"><tr><th>layer</th><th>read</th><th></th>'
+             '<th style="text-align:left">pages</th></tr>')]
     for row in ins.read_layers:
         pct = 100 * row.n_read / n
         rows.append(
             f"<tr><td>{row.layer}</td><td>{row.n_read:,.1f}</td>"
-            f'<td style="text-align:left"><span class="bar" style="width:{max(1, 3 * pct):.0f}px"></span> {pct:.1f}%</td>'
+            f'<td style="text-align:left"><span class="bar" style="width:{max(1, 3 * pct):.0f}px"></span>'
+            f" {pct:.1f}%</td>"
             f'<td style="text-align:left">{_e(row.pages())}</td></tr>'
         )
     rows.append("</table></details>")
@@ -183,7 +186,8 @@ def render(ins: Inspection) -> str:
     elif ins.view == "read":
         kept_line = (
             f"holds all <b>{ins.n_prompt:,}</b> prompt tokens (nothing evicted); the question and its answer read "
-            f"<b>{ins.n_read:,.1f}</b> of them per layer and KV head on average (<b>{ins.read_share:.1%}</b> of the KV), "
+            f"<b>{ins.n_read:,.1f}</b> of them per layer and KV head on average "
+            f"(<b>{ins.read_share:.1%}</b> of the KV), "
             + ("the same in every layer" if ins.read_layers is None else "different blocks per layer (table below)")
         )
     elif ins.view == "per-head":

@@ -79,8 +79,10 @@ class Inspection:
     prompt: Prompt
     kept: torch.Tensor  # (n_prompt,) bool: held by the method (any layer / KV head); view "read": read
     scores: torch.Tensor | None  # (n_prompt,) float per token, NaN where unknown; None: no scores
-    score_kind: str | None  # "filter" (the selector's score), "share" (of layer/head pairs), None
-    view: str  # "selection" (one token set), "per-head" (union over layers/heads), "all" (everything)
+    score_kind: str | None  # "filter" (the selector's score), "share" / "read" (of layer/head pairs), None
+    # "selection" (one token set), "per-head" (union over layers/heads), "all" (everything), "read"
+    # (holds everything, read part of it: the union read over layers/heads)
+    view: str
     n_kept: float  # tokens the model reads per layer and KV head (mean for per-head methods)
     spans: list[Span]
     layers: list[LayerKept] | None  # per-layer summary, when the cache reports what it held

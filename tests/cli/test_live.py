@@ -161,8 +161,7 @@ def test_a_pipe_is_told_the_answer_is_being_written(clock):
             clock.now = start + t
             reading.on_token(7)
     lines = err.file.getvalue().splitlines()
-    assert lines == ["kvcli: writing the answer: 4 tokens · 0.5 tok/s", "kvcli: writing the answer: 19 tokens · 0.5 tok/s",
-                     "kvcli: writing the answer: 34 tokens · 0.5 tok/s"], lines
+    assert lines == [f"kvcli: writing the answer: {n} tokens · 0.5 tok/s" for n in (4, 19, 34)], lines
 
 
 def test_a_terminal_spinner_counts_the_answer_and_quiet_says_nothing(clock):
@@ -191,8 +190,9 @@ def test_ask_and_inspect_in_a_pipe_print_progress(cli, doc, model, monkeypatch):
     code, out, err = cli("inspect", doc, "How many ships?", "-m", model, "--no-cache", "-c", "snapkv:budget=48")
     assert code == 0, err
     assert re.search(r"^kvcli: snapkv · [\d,]+ tokens: [\d,]+/[\d,]+ tokens \(\d+%\)", err, re.M), err
-    code, out, err = cli("ask", doc, "How many ships?", "-m", model, "--no-cache", "--max-new-tokens", "6", "--no-answer-guard")
+    ask = ("ask", doc, "How many ships?", "-m", model, "--no-cache", "--max-new-tokens", "6")
+    code, out, err = cli(*ask, "--no-answer-guard")
     assert code == 0, err
     assert re.search(r"^kvcli: writing the answer: \d+ tokens", err, re.M), err
-    code, out, err = cli("ask", doc, "How many ships?", "-m", model, "--no-cache", "--max-new-tokens", "6", "-q")
+    code, out, err = cli(*ask, "-q")
     assert code == 0 and err == "", err

@@ -35,7 +35,8 @@ def test_max_new_tokens_names_the_environment_variable_only_when_the_value_came_
 def test_a_pdf_on_stdin_is_told_to_give_the_file(cli, monkeypatch):
     pdf = open("tests/data/groff-pdfmark.pdf", "rb").read()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(pdf), encoding="utf-8", errors="surrogateescape"))
-    line = assert_user_error(cli("ask", "-", "What is it?"), 1, "stdin holds a PDF", "give the PDF file's path instead of -")
+    line = assert_user_error(cli("ask", "-", "What is it?"), 1, "stdin holds a PDF",
+                             "give the PDF file's path instead of -")
     assert "kvcli reads PDF" not in line
 
 
