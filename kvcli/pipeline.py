@@ -384,8 +384,8 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
-            "use -c auto (infllm, or finch where infllm cannot: they read a longer document chunk by chunk), "
-            "or shorten the document"
+            "use -c auto, which reads a longer document chunk by chunk (-c infllm, or -c finch where infllm "
+            "cannot), or shorten the document"
         )
 
 
