@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from . import notices
 from .documents import Document, load_document
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
-from .pipeline import Pipeline, Result, check_window, run
+from .pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .selection import Selection
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -112,7 +115,8 @@ class Session:
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
         pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
-        check_window(prompt, self.lm, max_new_tokens, pipeline)
+        check_window(prompt, self.lm, max_new_tokens, pipeline,
+                     stored=use_store and self.store is not None and self.store.enabled)
         if on_prompt is not None:
             on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
@@ -143,6 +147,20 @@ class Session:
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
+
+
+def spec_label(spec: str, given: Pipeline | None = None) -> str:
+    """A resolved spec (``Result.extra["compressor"]``, every knob spelled out) as a status line
+    shows it: each stage's name and only the knobs the user set in ``given`` (the pipeline as
+    parsed; ``-c auto`` sets none): "infllm:answer_topk=50", not InfLLM's 230 characters. The whole
+    spec is in ``--json``."""
+    explicit = {s.name: s.explicit_knobs for s in (given.stages if given is not None else ())}
+    parts = []
+    for stage in spec.split(SEPARATOR):
+        name, _, knobs = stage.partition(":")
+        mine = [kv for kv in knobs.split(",") if kv and kv.partition("=")[0] in explicit.get(name, ())]
+        parts.append(name + (":" + ",".join(mine) if mine else ""))
+    return SEPARATOR.join(parts)
 
 
 def method_label(pipeline: Pipeline) -> str:
@@ -215,19 +233,46 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "method_stats": result.extra.get("method_stats", {}),  # the method's own counters (cache.stats())
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if include_spans:
-        record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
+    if include_spans:  # a stored book: the spans read (:func:`shown_selection`)
+        record["selected_spans"] = [s.to_json() for s in shown_selection(result)[0].spans(result.prompt, document)]
     return record
 
 
 def compute_fractions(stats: dict) -> dict:
     """What a method saves besides the KV it holds, from its own counters: ``prompt_computed_frac``
-    (LazyLLM: share of (prompt token, layer) pairs computed) and ``kv_attended_frac`` (block-sparse
-    retrieval: share of the KV each decoding step attended); None for methods that do neither."""
+    (LazyLLM: share of (prompt token, layer) pairs computed), ``kv_attended_frac`` (block-sparse
+    retrieval: share of the KV each decoding step attended) and ``kv_read_frac`` (InfLLM's book:
+    share of the KV the question and its whole answer read, :func:`read_mask`); None for methods
+    that do none of these."""
     return {
         "prompt_computed_frac": stats.get("prompt_tokens_computed_frac"),
         "kv_attended_frac": stats.get("kv_attended_frac"),
+        "kv_read_frac": None if stats.get("kv_read_frac") is None else round(stats["kv_read_frac"], 4),
     }
+
+
+def read_mask(result: Result) -> torch.Tensor | None:
+    """What each layer and KV head *read* of the prompt while answering, where the cache reads
+    less than it holds (InfLLM's book: Initial, the retrieved blocks, Local), in prompt indices:
+    (n_layers, n_kv_heads, n_prompt) bool; None where it read all it held (``Result.kept_mask``)."""
+    inner = None if result.cache is None else result.cache.read_mask(result.selection.n_kept)
+    if inner is None:
+        return None
+    mask = torch.zeros(*inner.shape[:2], result.prompt.n_tokens, dtype=torch.bool)
+    mask[:, :, result.selection.kept] = inner
+    return mask
+
+
+def shown_selection(result: Result) -> tuple[Selection, float, str]:
+    """What ``--show-selected`` shows of an answer: (the tokens, how many per layer and KV head,
+    "kept" or "read"). The tokens the model kept (a selector's choice; everything without one) —
+    or, where the cache reads less than it holds (:func:`read_mask`), those the question and its
+    answer read, scored by the share of (layer, KV head) pairs that read each."""
+    read = read_mask(result)
+    if read is None:
+        return result.selection, float(result.selection.n_kept), "kept"
+    tokens = torch.nonzero(read.any(dim=0).any(dim=0)).flatten()
+    return Selection(tokens, read.float().mean(dim=(0, 1))), float(read.sum()) / (read.shape[0] * read.shape[1]), "read"
 
 
 # --------------------------------------------------------------------------- kvcli cache

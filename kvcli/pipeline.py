@@ -217,10 +217,13 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
                          by_layer=bool(by_layer))
 
 
-def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None) -> None:
+def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None,
+                 stored: bool = False) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
-    and says so before it starts (one warning with the token count: it takes a while)."""
+    and says so before it starts (one warning with the token count: it takes a while). ``stored``:
+    a disk store keeps what a book reader reads, and says so once, when it reads the document
+    (:func:`kvcli.bookstore.fetch_book`): no warning then (a later run is a cache hit)."""
     limit = lm.max_context
     # --- the question (and the template around it) alone over the window: no method reads it ---
     fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens
@@ -249,7 +252,7 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
-            if over:
+            if over and not (stored and reader.writes_prefix):
                 how = reader.reading_note(lm, prompt.n_tokens)
                 notices.warn(
                     f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
@@ -261,7 +264,8 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
-            "use -c finch (or the default -c auto), which reads a longer document chunk by chunk, or shorten the document"
+            "use -c auto, which reads a longer document chunk by chunk (-c infllm, or -c finch where infllm "
+            "cannot), or shorten the document"
         )
 
 

@@ -122,6 +122,12 @@ class CacheBase:
         """
         raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
 
+    def read_mask(self, n_prompt: int) -> torch.Tensor | None:
+        """What the question and its answer read of what the cache holds, as :meth:`kept_mask`,
+        where a layout attends less than it holds (a stored book's retrieved blocks); None: all
+        it holds is read."""
+        return None
+
 
 def _room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` (1, heads, m, d), a view of the first m rows of a (1, heads, cap, d) buffer,

@@ -128,6 +128,7 @@ class BookCache(CacheBase):
         self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
+        self.reads: torch.Tensor | None = None  # answering: (n_layers, n_kv, max_blocks) retrievals of each block
 
     # --- the transformers contract ----------------------------------------------------------------
     def bind(self, engine) -> "BookCache":
@@ -212,7 +213,10 @@ class BookCache(CacheBase):
         _, n_heads, c, d = query.shape
         g = n_heads // self.n_kv
         q_mem = self.rotate(query, pos, torch.full((c,), self.local, dtype=torch.long))
-        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem, scaling))
+        blocks = self.choose(layer, q_mem, scaling)
+        if not self.reading:
+            self._count_reads(layer, blocks)
+        k_mem, v_mem = self.gather(layer, blocks)
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
@@ -227,6 +231,14 @@ class BookCache(CacheBase):
         if not self.reading and c == 1:
             self.attended += (n_mem + n_loc) / max(1, self.get_seq_length(layer)) / self.n_layers_
         return merge_lse(loc, mem).reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
+
+    def _count_reads(self, layer: int, blocks: torch.Tensor) -> None:
+        """One retrieval of ``blocks`` (n_kv, k) by ``layer`` while answering (the question's pass,
+        a decoding step): counts per block, whatever the number of steps."""
+        if self.reads is None:
+            self.reads = torch.zeros(self.n_layers_, self.n_kv, self.max_blocks, dtype=torch.int32)
+        if blocks.numel():
+            self.reads[layer].scatter_add_(1, blocks.to(torch.long), torch.ones_like(blocks, dtype=torch.int32))
 
     def _causal_bias(self, c: int, n_loc: int, g: int, like: torch.Tensor) -> torch.Tensor:
         """(g*c, n_loc) additive mask: query row i (any head of a group) sees Local keys up to
@@ -441,7 +453,7 @@ class BookCache(CacheBase):
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
         out._pending, out._chosen, out._rotated = {}, {}, {}
         out.filter_layer, out.shared = None, None
-        out.attended, out.steps = 0.0, 0
+        out.attended, out.steps, out.reads = 0.0, 0, None
         return out
 
     def to_tensors(self):
@@ -468,10 +480,42 @@ class BookCache(CacheBase):
             mask[:, :, self.positions[self.positions < n_prompt]] = True
         return mask
 
+    def read_mask(self, n_prompt: int) -> torch.Tensor | None:
+        """What the question and its answer *read* of the prompt (the book holds all of it,
+        :meth:`kept_mask`): (n_layers, n_kv_heads, n_prompt) bool, True for Initial, every Memory
+        block a retrieval chose (the question's pass, each decoding step) and Local. None before
+        anything was answered; all True while no block has left Local (it is all attended)."""
+        if self.reads is None and self.init_k is not None:
+            return None
+        mask = torch.zeros(self.n_layers_, self.n_kv, n_prompt, dtype=torch.bool)
+        if self.init_k is None:
+            mask[:] = True
+            return mask
+        mask[:, :, : min(self.initial, n_prompt)] = True
+        mask[:, :, min(self.origin, n_prompt) :] = True
+        bs = self.block_size
+        for layer, head, block in torch.nonzero(self.reads).tolist():
+            lo = self.initial + block * bs
+            mask[layer, head, lo : min(lo + bs, n_prompt)] = True
+        return mask
+
+    def block_reads(self) -> torch.Tensor | None:
+        """(n_layers, n_kv, n_blocks) how many retrievals read each Memory block while answering
+        (None: nothing answered yet); block ``b`` holds tokens ``initial + b * block_size`` on."""
+        return None if self.reads is None else self.reads[:, :, : self.n_blocks].clone()
+
+    def read_frac(self) -> float | None:
+        """The share of the KV held (the book, the question's and the answer's tokens) that the
+        question and its answer read, mean over layers and KV heads (:meth:`read_mask`)."""
+        mask = self.read_mask(self.n_tokens)
+        return None if mask is None or not self.n_tokens else float(mask.float().mean())
+
     def stats(self) -> dict:
-        """JSON-able counters: the share of the KV each decoding step attended, the partition."""
+        """JSON-able counters: the share of the KV each decoding step attended, the share the
+        question and its answer read in all, the partition."""
         return {
             "kv_attended_frac": self.attended / self.steps if self.steps else None,
+            "kv_read_frac": self.read_frac(),
             "decode_steps": self.steps,
             "memory_blocks": self.n_blocks,
             "block_size": self.block_size,

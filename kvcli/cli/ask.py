@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -26,7 +27,8 @@ for text on stdin. One document and one question: the answer as text (--json: on
 More than one: JSON Lines, one object per (document, question) in input order; a document that
 fails gives an error record and the batch goes on.
 
-Exit code: 0 all answered, 1 some failed, 2 usage error.
+Exit code: 0 all answered, 1 some failed, 2 usage error, 3 internal error (a bug;
+KVCLI_DEBUG=1 shows its traceback), 130 interrupted (Ctrl-C).
 
 Examples:
 
@@ -119,11 +121,12 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
     else:
         stdout.out(result.answer)
     if show_selected:
-        spans = result.selection.spans(result.prompt, document)
+        shown, n_shown, verb = api.shown_selection(result)  # a stored book: what the answer read
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
+        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens,
+                              verb=verb)
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
@@ -140,6 +143,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
     total = len(items) * len(questions)
     failed = done = 0
+    methods: Counter = Counter()  # the methods that answered (-c auto picks one per document)
     said = batch.ErrorLines()  # a document's error once, however many questions it fails
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -172,13 +176,22 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
                     if line is not None:
                         progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
                 else:
-                    spec = record["compressor"]  # every knob resolved for the model
+                    methods[api.spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
                 progress.advance(task)
         where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
     where = f" · {where}" if where else ""
-    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}{where}", style="dim", markup=False, highlight=False)
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {batch_methods(methods, spec)}{where}",
+              style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
+
+
+def batch_methods(methods: Counter, spec: str) -> str:
+    """The methods of a batch's summary: "infllm" when one answered everything, "infllm ×3, full
+    ×1" when -c auto picked several (most answers first), the spec as given when none answered."""
+    if len(methods) <= 1:
+        return next(iter(methods), spec)
+    return ", ".join(f"{label} ×{n:,}" for label, n in methods.most_common())
 
 

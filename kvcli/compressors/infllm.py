@@ -188,10 +188,11 @@ class InfLLM(Compressor):
         return max(reading, answering)
 
     def reading_note(self, lm, n_prompt: int) -> str:
-        return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
-                f"attending to {self.span()}; later questions reuse it"
-                + (f", each answered from the {self.answer_topk} blocks its layer-{self.filter_layer} attention selects, in document order"
-                   if self.filter_layer >= 0 else ""))
+        """What the over-window warning says without a disk store (with one, the store says once
+        that it stores the book: :func:`kvcli.bookstore.fetch_book`)."""
+        how = (f"the {self.answer_topk} its layer-{self.filter_layer} attention selects, in document order"
+               if self.filter_layer >= 0 else f"the {self.answer_topk} its queries score highest")
+        return f"infllm reads it in {self.chunk}-token chunks into blocks, of which a question reads {how}"
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -114,6 +114,8 @@ def load_model(
             check_local_folder(name, local)
             source = str(local.resolve())
             weights_id = None  # computed below from the folder
+        elif local.suffix.lower() == ".gguf":
+            raise ModelError(f"cannot load model '{name}': no such file")
         elif looks_like_path(name):
             raise ModelError(f"cannot load model '{name}': no such directory")
         else:

@@ -241,6 +241,8 @@ def test_compressors(cli):
     assert code == 0, err
     assert "Traceback" not in out + err
     assert "gemfilter" in out and "full" in out
+    code, out, err = cli("compressors", "gemfilter")  # a method's knobs, one row each (issue 41: no longer all at once)
+    assert code == 0, err
     for knob in ("layer", "k", "kernel"):
         assert re.search(rf"^\s*{knob}\s", out, re.M), knob
 
@@ -300,7 +302,8 @@ def test_plain_text_answer_and_stats(cli, files, model):
     assert out == record["answer"] + "\n"  # greedy: the same answer as the JSON run
     lines = err.splitlines()
     assert len(lines) == 1, err  # the stats line, one line even in a pipe
-    assert lines[0].startswith(record["compressor"])
+    assert lines[0].startswith("gemfilter:layer=2,k=32 · ")  # the knobs the user set ...
+    assert len(record["compressor"]) > 30  # ... every knob in the JSON
     assert f"kept 32/{record['n_context_tokens']}" in lines[0] and "TTFT" in lines[0]
     assert "Traceback" not in err
 
