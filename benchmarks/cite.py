@@ -1,0 +1,252 @@
+"""Citations: do an answer's sources hit the page (or paragraph) that holds its answer? (issue 43)
+
+    python benchmarks/cite.py verify                                   # every question's page, with pdftotext
+    python benchmarks/cite.py books --methods bm25,bm25-units,auto      # real manuals (over the window)
+    python benchmarks/cite.py ruler --methods bm25,full,snapkv:budget=0.25 --instances 0-29
+    python benchmarks/cite.py table docs/bench/cite/*.json              # the Markdown table
+
+Sets:
+
+* ``books``: Debian manuals, questions whose answer page was checked with ``pdftotext -f N -l N``
+  (docs/bench/cite/questions.json; ``--with-books`` adds docs/bench/books/questions.json). The PDFs
+  are fetched from Debian (``apt-get download`` + ``dpkg -x``, sha256 checked), never committed.
+  A source hits when its pages include the answer's page (or one of the question's ``also`` pages).
+* ``ruler``: RULER's ``qa_2`` in the model's window (HotpotQA: the question's paragraphs among
+  distractors); a source hits when it overlaps a gold paragraph (their character offsets come
+  from kvcli's generator, ``Instance.spans``).
+
+Methods: ``bm25`` (the question as the query over the pages, or over the paragraphs of an unpaged
+text: :func:`kvcli.sources.bm25_sources`), ``bm25-units`` (BM25 over the document's units,
+ranked and merged as the attention's are), and any ``-c`` spec (``full``, ``auto``,
+``snapkv:budget=0.25``, ``finch``, ``infllm``): the model answers, and its sources
+(``Result.sources``, from what it read) are scored, with the time they added.
+
+hit@k: the gold page / paragraph among the top k sources. Rows (one per question and method) go
+to ``--out`` (JSON); ``table`` prints hit@1, hit@3, how often "no clear source" was said and the
+hit@1 on either side of it, the answers right, and the time sources add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from books import fetch_pdf, page_text, right  # noqa: E402
+
+from kvcli.documents import document_from_text, load_document  # noqa: E402
+from kvcli.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
+from kvcli.bm25 import bm25_scores  # noqa: E402
+
+QUESTIONS = ROOT / "docs" / "bench" / "cite" / "questions.json"
+BOOK_QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
+LEXICAL = ("bm25", "bm25-units")
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def span(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def book_cases(args) -> list[dict]:
+    """One case per question: the document, the question, the gold pages."""
+    files = [QUESTIONS] + ([BOOK_QUESTIONS] if args.with_books else [])
+    cases = []
+    for path in files:
+        for doc in json.loads(path.read_text())["documents"]:
+            if args.docs and doc["name"] not in args.docs:
+                continue
+            document = load_document(fetch_pdf(doc, args.pdf_dir))
+            for q in doc["questions"]:
+                cases.append({"set": "books", "document": doc["name"], "doc": document, "question": q["q"],
+                              "accept": q["accept"], "gold_pages": [q["page"], *q.get("also", [])], "answer_prefix": ""})
+    return cases
+
+
+def ruler_cases(args, tokenizer) -> list[dict]:
+    from kvcli.bench.ruler_tasks import make_instance
+
+    cases = []
+    for index in span(args.instances):
+        inst = make_instance(tokenizer, "qa_2", args.length, index, seed=0)
+        cases.append({"set": "ruler", "document": f"qa_2-{args.length}-{index}",
+                      "doc": document_from_text(inst.document, source=f"ruler-qa_2-{index}"), "question": inst.question,
+                      "accept": inst.outputs, "gold_spans": [list(s) for s in inst.spans], "answer_prefix": inst.answer_prefix,
+                      "max_new_tokens": inst.max_new_tokens})
+    return cases
+
+
+def hit(case: dict, source: dict) -> bool:
+    if "gold_pages" in case:
+        first, last = source["pages"]
+        return any(first <= p <= last for p in case["gold_pages"])
+    return any(source["start"] < e and s < source["end"] for s, e in case["gold_spans"])
+
+
+def scored(case: dict, method: str, sources, extra: dict) -> dict:
+    items = sources.to_json()
+    hits = [hit(case, s) for s in items]
+    return {
+        "set": case["set"], "document": case["document"], "question": case["question"], "method": method,
+        "gold": case.get("gold_pages") or case.get("gold_spans"), "hit1": any(hits[:1]), "hit3": any(hits[:3]),
+        "clear": sources.clear, "peak": None if sources.peak is None else round(sources.peak, 3), "reason": sources.reason,
+        "signal": sources.signal, "sources": [{k: v for k, v in s.items() if k != "text"} | {"quote": s["text"][:120]}
+                                              for s in items],
+        "source_pages": [s["pages"][1] - s["pages"][0] + 1 for s in items if "pages" in s],
+        "load": round(load(), 2), **extra,
+    }
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def lexical(case: dict, method: str):
+    if method == "bm25":
+        return bm25_sources(case["doc"], case["question"])
+    du = DocumentUnits.of(case["doc"])
+    scores = np.array(bm25_scores([case["doc"].text[u.start : u.end] for u in du.units], case["question"]))
+    return rank(du, scores, read=np.ones(len(du), dtype=bool), signal="bm25-units")
+
+
+def run(args) -> list[dict]:
+    model_methods = [m for m in args.methods if m not in LEXICAL]
+    session = None
+    if model_methods or args.set == "ruler":
+        from kvcli.api import AskOptions, Session
+
+        session = Session.open(AskOptions(use_cache=False, max_new_tokens=args.max_new_tokens,
+                                          template="ruler" if args.set == "ruler" else "qa"))
+    cases = book_cases(args) if args.set == "books" else ruler_cases(args, session.lm.tokenizer)
+    rows = []
+    for case in cases:
+        for method in args.methods:
+            if method in LEXICAL:
+                t0 = time.perf_counter()
+                sources = lexical(case, method)
+                rows.append(scored(case, method, sources, {"sources_s": round(time.perf_counter() - t0, 4)}))
+            else:
+                rows.append(ask(session, case, method, args))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def ask(session, case: dict, method: str, args) -> dict:
+    from kvcli.api import parse_pipeline
+
+    result = session.ask(case["doc"], case["question"], parse_pipeline(method), answer_prefix=case["answer_prefix"],
+                         max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
+    sources = result.sources
+    return scored(case, method, sources, {
+        "answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
+        "compressor": result.extra.get("compressor"), "n_tokens": result.prompt.n_tokens,
+        "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
+        "sources_s": round(result.extra.get("sources_s") or 0.0, 4),
+    })
+
+
+# --------------------------------------------------------------------------- verify, table
+
+
+def verify(args) -> None:
+    """Each accepted answer is on its page by ``pdftotext -f N -l N`` and by kvcli's extraction."""
+    bad = 0
+    for path in (QUESTIONS, *([BOOK_QUESTIONS] if args.with_books else [])):
+        for doc in json.loads(path.read_text())["documents"]:
+            pdf = fetch_pdf(doc, args.pdf_dir)
+            document = load_document(pdf)
+            for q in doc["questions"]:
+                pages = [q["page"], *q.get("also", [])]
+                for p in pages:
+                    ours = page_text(document, p).lower()
+                    theirs = subprocess.run(["pdftotext", "-f", str(p), "-l", str(p), str(pdf), "-"], capture_output=True,
+                                            text=True, check=True).stdout.lower()
+                    found = [a for a in q["accept"] if a.lower() in theirs and a.lower() in " ".join(ours.split())]
+                    ok = bool(found)
+                    bad += not ok
+                    print(f"{'ok ' if ok else 'BAD'} {doc['name']} p. {p}: {q['q']} -> {found or q['accept']}")
+    print(f"{bad} not found")
+    if bad:
+        raise SystemExit(1)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| set | method | questions | hit@1 | hit@3 | no clear source | hit@1 when clear / not | answers right | pages a source spans (mean) | sources add (median s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["set"], r["method"]) for r in rows))
+    for s, m in keys:
+        rs = [r for r in rows if (r["set"], r["method"]) == (s, m)]
+        n = len(rs)
+        clear = [r for r in rs if r["clear"]]
+        unclear = [r for r in rs if not r["clear"]]
+
+        def pct(xs):
+            return f"{100 * sum(xs) / len(xs):.0f}%" if xs else "—"
+
+        spans = [p for r in rs for p in r.get("source_pages", [])]
+        right_ = [r["right"] for r in rs if "right" in r]
+        lines.append(
+            f"| {s} | {m} | {n} | {pct([r['hit1'] for r in rs])} | {pct([r['hit3'] for r in rs])} | "
+            f"{len(unclear)}/{n} | {pct([r['hit1'] for r in clear])} / {pct([r['hit1'] for r in unclear])} | "
+            f"{f'{sum(right_)}/{len(right_)}' if right_ else '—'} | {f'{np.mean(spans):.2f}' if spans else '—'} | "
+            f"{np.median([r['sources_s'] for r in rs]):.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="set", required=True)
+    for name in ("books", "ruler", "verify"):
+        s = sub.add_parser(name)
+        s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+        s.add_argument("--with-books", action="store_true", help="also docs/bench/books's questions")
+        if name == "verify":
+            continue
+        s.add_argument("--methods", type=lambda x: x.split(","), default=["bm25", "bm25-units"])
+        s.add_argument("--docs", type=lambda x: x.split(","), default=None)
+        s.add_argument("--instances", default="0-29")
+        s.add_argument("--length", type=int, default=4096)
+        s.add_argument("--max-new-tokens", type=int, default=32)
+        s.add_argument("--out", type=Path, default=None)
+    t = sub.add_parser("table")
+    t.add_argument("files", type=Path, nargs="+")
+    args = p.parse_args()
+    if args.set == "verify":
+        return verify(args)
+    if args.set == "table":
+        print(table([r for f in args.files for r in json.loads(f.read_text())["rows"]]))
+        return
+    started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rows = run(args)
+    out = {"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]),
+           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
+           "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
