@@ -93,6 +93,7 @@ def ruler_cases(args, tokenizer) -> list[dict]:
         inst = make_instance(tokenizer, "qa_2", args.length, index, seed=0)
         cases.append({"set": "ruler", "document": f"qa_2-{args.length}-{index}",
                       "doc": document_from_text(inst.document, source=f"ruler-qa_2-{index}"), "question": inst.question,
+                      "query": inst.question.rpartition("Question:")[2].strip(),  # BM25's: without RULER's instruction
                       "accept": inst.outputs, "gold_spans": [list(s) for s in inst.spans], "answer_prefix": inst.answer_prefix,
                       "max_new_tokens": inst.max_new_tokens})
     return cases
@@ -123,22 +124,34 @@ def scored(case: dict, method: str, sources, extra: dict) -> dict:
 
 
 def lexical(case: dict, method: str):
+    query = case.get("query", case["question"])
     if method == "bm25":
-        return bm25_sources(case["doc"], case["question"])
+        return bm25_sources(case["doc"], query)
     du = DocumentUnits.of(case["doc"])
-    scores = np.array(bm25_scores([case["doc"].text[u.start : u.end] for u in du.units], case["question"]))
+    scores = np.array(bm25_scores([case["doc"].text[u.start : u.end] for u in du.units], query))
     return rank(du, scores, read=np.ones(len(du), dtype=bool), signal="bm25-units")
+
+
+def tokenizer_only():
+    """The embedded model's tokenizer (the lexical methods need no model)."""
+    from transformers import AutoTokenizer
+
+    from kvcli.model.embedded import ensure_converted
+
+    return AutoTokenizer.from_pretrained(str(ensure_converted(None)[0]))
 
 
 def run(args) -> list[dict]:
     model_methods = [m for m in args.methods if m not in LEXICAL]
     session = None
-    if model_methods or args.set == "ruler":
+    if model_methods:
         from kvcli.api import AskOptions, Session
 
         session = Session.open(AskOptions(use_cache=False, max_new_tokens=args.max_new_tokens,
                                           template="ruler" if args.set == "ruler" else "qa"))
-    cases = book_cases(args) if args.set == "books" else ruler_cases(args, session.lm.tokenizer)
+    if args.set == "ruler":
+        tokenizer = session.lm.tokenizer if session else tokenizer_only()
+    cases = book_cases(args) if args.set == "books" else ruler_cases(args, tokenizer)
     rows = []
     for case in cases:
         for method in args.methods:

@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcli.attention import AttentionContext, attention_context  # noqa: E402
+from kvcli.attention import AttentionContext, attention_context, install  # noqa: E402
 from kvcli.bench.ruler_tasks import make_instance  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.model import load_model  # noqa: E402
@@ -100,6 +100,7 @@ def greedy(lm, ids: torch.Tensor, ctx: AttentionContext, max_new: int, stop: set
 
 def collect(args) -> None:
     lm = load_model(None, quant=args.quant)
+    install(lm.model)  # kvcli's attention function, which calls the observers (the Engine installs it)
     tok = lm.tokenizer
     template = load_template("ruler")
     stop = stop_token_ids(tok, lm.model.generation_config)
