@@ -10,17 +10,20 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from . import notices
 from .documents import Document, load_document
+from .attribution import citing_heads
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .sources import Sources, sources_from_tokens
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -93,6 +96,7 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_prompt: Callable[[str, int], None] | None = None,
         on_progress: Callable[[float], None] | None = None,
+        sources: bool = True,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
@@ -105,7 +109,9 @@ class Session:
         "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
         while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`); ``on_text(piece)``
         with the answer as it is decoded, the pieces adding up to ``Result.answer``
-        (:class:`kvcli.streaming.AnswerStream`)."""
+        (:class:`kvcli.streaming.AnswerStream`). ``sources``: read the answer's attention while it
+        is decoded and cite the document's sentences it read most (``Result.sources``,
+        :mod:`kvcli.sources`); False: nothing is read or cited."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
@@ -130,6 +136,7 @@ class Session:
                 store=self.store if use_store else None,
                 guard=guard,
                 low_memory=self.options.low_memory,
+                cite=citing_heads(self.lm) if sources else None,
                 meta={
                     "document": document.source if document.source == "-" else os.path.abspath(document.source),
                     "document_sha256": document.sha256,
@@ -140,9 +147,24 @@ class Session:
             )
         if stream is not None:
             stream.close(result.answer)
+        if sources:
+            result.sources = cite(document, result)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
+
+
+def cite(document: Document, result: Result) -> Sources:
+    """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
+    out); the time they added (reading and ranking) in ``result.extra["sources_s"]``."""
+    t0 = time.perf_counter()
+    citing = result.extra.pop("citing")
+    if citing["unsupported"]:
+        found = Sources((), clear=False, reason=f"no sources: {citing['unsupported']}", signal="attention")
+    else:
+        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), signal="attention")
+    result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
+    return found
 
 
 def method_label(pipeline: Pipeline) -> str:

@@ -45,52 +45,65 @@ class HeadWeights:
 
 
 class CitingHeads:
-    """Accumulates the answer's attention per prompt position (module docstring)."""
+    """Accumulates the answer's attention per position of the sequence the cache was built from
+    (module docstring): ``n_positions`` of them (the prompt, or a selector's kept tokens)."""
 
-    def __init__(self, heads: HeadWeights, n_prompt: int, cache) -> None:
-        self.heads, self.n_prompt, self.cache = heads, n_prompt, cache
-        self.scores = torch.zeros(n_prompt, dtype=torch.float64)
+    def __init__(self, heads: HeadWeights, n_positions: int, cache) -> None:
+        self.heads, self.n_positions, self.cache = heads, n_positions, cache
+        self.scores = torch.zeros(n_positions, dtype=torch.float64)
+        self.seen = torch.zeros(n_positions, dtype=torch.bool)  # held by a row some step read
+        self.layers = heads.layers()
         self.steps = 0
         self.seconds = 0.0
         self.unsupported: str | None = None
 
     def observers(self) -> dict[int, list]:
-        return {layer: [self._observer(layer)] for layer in self.heads.layers()}
+        return {layer: [self._observer(layer)] for layer in self.layers}
 
     def _observer(self, layer: int):
         weights = self.heads.weights[layer]
 
         def observe(query: torch.Tensor, key) -> None:
-            if query.shape[2] != 1:  # a prompt pass, not a decoding step
+            if query.shape[2] != 1 or self.unsupported:  # a prompt pass, not a decoding step
                 return
             t0 = time.perf_counter()
             if isinstance(key, LayerView):
                 got = key.read_weights(query)
                 if got is None:
-                    self.unsupported = f"{type(key.cache).__name__} does not report what a step attends"
+                    self.unsupported = f"{type(key.cache).__name__} does not report what a decoding step reads"
                     return
                 positions, probs = got
             else:
-                positions = self.cache.held_positions(layer)
+                try:
+                    positions = self.cache.held_positions(layer)
+                except NotImplementedError as e:
+                    self.unsupported = str(e)
+                    return
                 probs = step_weights(query, key)[..., : positions.shape[1]]
             self.add(positions, probs, weights)
-            self.steps += layer == self.heads.layers()[0]
+            self.steps += layer == self.layers[0]
             self.seconds += time.perf_counter() - t0
 
         return observe
 
     def add(self, positions: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> None:
-        """``positions`` (n_kv, rows): the prompt position of each key row (-1: none); ``probs``
-        (n_kv, group, rows): each query head's weights; ``weights`` (n_heads,)."""
+        """``positions`` (n_kv, rows): the position each key row holds (-1 or past the sequence:
+        none); ``probs`` (n_kv, group, rows): each query head's weights; ``weights`` (n_heads,)."""
         n_kv, g, _ = probs.shape
-        per_row = (probs.to(torch.float64) * weights.view(n_kv, g, 1).to(torch.float64)).sum(dim=1)  # (n_kv, rows)
+        per_row = (probs.to(torch.float64) * weights.view(n_kv, g, 1).to(probs.device, torch.float64)).sum(dim=1)
         pos = positions.to(per_row.device)
-        inside = (pos >= 0) & (pos < self.n_prompt)
-        self.scores.index_add_(0, pos[inside].cpu(), per_row[inside].cpu())
+        inside = (pos >= 0) & (pos < self.n_positions)
+        held = pos[inside].cpu()
+        self.scores.index_add_(0, held, per_row[inside].cpu())
+        self.seen[held] = True
 
-    def token_scores(self, held: torch.Tensor) -> torch.Tensor:
-        """(n_prompt,) the accumulated scores, NaN where the method held nothing (``held``: bool)."""
-        return torch.where(held, self.scores, torch.full_like(self.scores, math.nan))
+    def prompt_scores(self, n_prompt: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_prompt,) the scores at prompt indices (``kept``: the prompt index of each position,
+        a selector's kept tokens; None: the same), NaN where no step read the token."""
+        out = torch.full((n_prompt,), math.nan, dtype=torch.float64)
+        index = torch.arange(self.n_positions) if kept is None else kept.cpu()
+        out[index[self.seen]] = self.scores[self.seen]
+        return out
 
 
 def step_weights(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -102,3 +115,9 @@ def step_weights(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     q = query[0, :, -1, :].reshape(n_kv, n_heads // n_kv, d).to(torch.float32)
     logits = torch.matmul(q, key[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)
     return torch.softmax(logits, dim=-1)
+
+
+def citing_heads(lm) -> HeadWeights:
+    """The heads whose attention cites, for ``lm``: every head of every layer, weighted alike."""
+    n_layers, n_heads = lm.n_layers, lm.n_heads
+    return HeadWeights.uniform(n_layers, n_heads, list(range(n_layers)), "every head of every layer, averaged")

@@ -44,7 +44,7 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
     weights[1] = torch.tensor([0.5, 0.0, 2.0, 1.0])
     # layer 1 holds prompt positions per KV head (an eviction), then one answer row
     held = torch.tensor([[0, 2, 5], [1, 2, 6]])
-    reader = CitingHeads(HeadWeights(weights, "test"), n_prompt=7, cache=FakeCache({1: held}))
+    reader = CitingHeads(HeadWeights(weights, "test"), n_positions=7, cache=FakeCache({1: held}))
     observers = reader.observers()
     assert list(observers) == [1]
     query, key = torch.randn(1, n_heads, 1, d, generator=g), torch.randn(1, n_kv, 4, d, generator=g)
@@ -57,5 +57,67 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
             want[pos] += float(weights[1, head]) * probs[row]  # the answer row (3) is no prompt token
     assert torch.allclose(reader.scores, torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert reader.steps == 1
-    scores = reader.token_scores(torch.tensor([True] * 6 + [False]))
-    assert math.isnan(scores[6]) and scores[5] == reader.scores[5]
+    assert reader.seen.tolist() == [True, True, True, False, False, True, True]
+    scores = reader.prompt_scores(9, kept=torch.tensor([0, 1, 2, 3, 5, 6, 8]))  # a selector kept 7 of 9
+    assert [math.isnan(x) for x in scores.tolist()] == [False, False, False, True, True, True, False, True, False]
+    assert scores[8] == reader.scores[6] and scores[6] == reader.scores[5]
+
+
+# --- wired into decoding: full attention's citing scores against transformers' own attentions ------
+
+
+def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
+    """Session.ask -> Result.sources: the top source holds the unit with the largest citing score
+    (the scores themselves: the next test)."""
+    import kvcli.api
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from kvcli.sources import DocumentUnits
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    lm = tiny_lm("llama")
+    seen = {}
+    real = kvcli.api.cite
+
+    def spy(document, result):
+        seen["scores"] = result.extra["citing"]["scores"].clone()
+        return real(document, result)
+
+    monkeypatch.setattr(kvcli.api, "cite", spy)
+    doc = document_from_text(DOC)
+    result = session_for(lm, None, use_cache=False).ask(doc, Q1, Pipeline.parse("full"), max_new_tokens=5, force_tokens=True)
+    units, read = DocumentUnits.of(doc).scores(result.prompt.doc_offsets,
+                                                seen["scores"][result.prompt.doc_start : result.prompt.doc_end].numpy())
+    assert read.all() and int(units.argmax()) in result.sources.items[0].units
+    assert result.extra["sources_s"] >= 0 and "citing" not in result.extra
+    assert session_for(lm, None, use_cache=False).ask(doc, Q1, Pipeline.parse("full"), sources=False).sources is None
+
+
+def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from kvcli.engine import Engine
+    from kvcli.pipeline import Pipeline, run
+    from kvcli.prompt import build_prompt, load_template
+    from tests.helpers.stores import DOC, Q1
+
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    weights = torch.rand(lm.n_layers, lm.n_heads, generator=torch.Generator().manual_seed(3))
+    weights[2] = 0.0
+    prompt = build_prompt(lm.tokenizer, DOC, Q1, load_template())
+    pipeline = Pipeline.parse("full").resolve(prompt, lm, 5)
+    pipeline.configure(lm)
+    result = run(engine, prompt, pipeline, max_new_tokens=5, stop_ids=set(), cite=HeadWeights(weights, "test"))
+    got = result.extra["citing"]["scores"]
+    n = prompt.n_tokens
+    ids = torch.cat([prompt.ids, torch.tensor(result.answer_ids[:4])])
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_dir("llama", num_hidden_layers=4)), attn_implementation="eager",
+                                               dtype=torch.float32)
+    with torch.no_grad():
+        attentions = ref(ids.view(1, -1), output_attentions=True).attentions
+    want = torch.zeros(n, dtype=torch.float64)
+    for layer, att in enumerate(attentions):
+        want += (att[0, :, n:, :n].double().sum(dim=1) * weights[layer].double().view(-1, 1)).sum(dim=0)
+    assert result.extra["citing"]["steps"] == 4
+    assert torch.allclose(got, want, atol=1e-5)
