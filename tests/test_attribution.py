@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvcli.attribution import CitingHeads, HeadWeights, step_weights
@@ -121,3 +122,61 @@ def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
         want += (att[0, :, n:, :n].double().sum(dim=1) * weights[layer].double().view(-1, 1)).sum(dim=0)
     assert result.extra["citing"]["steps"] == 4
     assert torch.allclose(got, want, atol=1e-5)
+
+
+# --- the book (infllm): what a step reads, by position, reproduces the book's own attention --------
+
+
+@pytest.mark.parametrize("knobs", ["retrieval=question", "filter_layer=2,answer_positions=ordered"])
+def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monkeypatch, knobs):
+    from kvcli.caches.book import BookCache
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    lm = tiny_lm("llama")
+    checked = []
+    real_attend = BookCache.attend
+
+    def attend(self, layer, module, query, scaling, kernel):
+        got = self.read_weights(layer, query) if query.shape[2] == 1 and not self.reading else None
+        values = None
+        if got is not None:  # the values of the rows, by absolute position, read before the step appends
+            _, value = self._pending[layer]
+            local_v = torch.cat([self.tail_v[layer].to(value.dtype), value], dim=2)[0]
+            positions, weights = got
+
+            def v(h, p):
+                if p >= self.origin:
+                    return local_v[h, p - self.origin]
+                if p < self.initial:
+                    return self.init_v[layer][0, h, p].to(value.dtype)
+                return self.storage.read(f"v.{layer}", h, p, p + 1)[0].to(value.dtype)
+
+            values = torch.stack([torch.stack([v(h, p) for p in row]) for h, row in enumerate(positions.tolist())])
+        out = real_attend(self, layer, module, query, scaling, kernel)
+        if got is not None:
+            g = query.shape[1] // self.n_kv
+            want = torch.einsum("kgr,krd->kgd", weights, values.float()).reshape(query.shape[1], -1)
+            assert torch.allclose(out[0, 0].float(), want, atol=1e-4)
+            assert positions.min() >= 0 and (positions < self.origin).any()  # Memory or Initial rows too
+            checked.append(g)
+        return out
+
+    monkeypatch.setattr(BookCache, "attend", attend)
+    spec = f"infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,kv_dtype=model,{knobs}"
+    result = session_for(lm, None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
+                                                        max_new_tokens=4, force_tokens=True)
+    assert len(checked) == 3 * lm.n_layers  # every layer of the 3 steps that fed a token
+    assert result.sources.items and all(s.start < s.end for s in result.sources.items)
+
+
+def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm):
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    spec = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,retrieval=step,filter_layer=-1"
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
+                                                                      max_new_tokens=3, force_tokens=True)
+    assert result.sources.items == () and "does not report" in result.sources.reason
