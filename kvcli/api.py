@@ -45,6 +45,7 @@ class AskOptions:
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
+    sources: bool = True  # cite the document's pages the answer comes from (kvcli.sources); False: nothing read for it
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -96,7 +97,7 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_prompt: Callable[[str, int], None] | None = None,
         on_progress: Callable[[float], None] | None = None,
-        sources: bool = True,
+        sources: bool | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
@@ -111,8 +112,9 @@ class Session:
         with the answer as it is decoded, the pieces adding up to ``Result.answer``
         (:class:`kvcli.streaming.AnswerStream`). ``sources``: read the answer's attention while it
         is decoded and cite the document's sentences it read most (``Result.sources``,
-        :mod:`kvcli.sources`); False: nothing is read or cited."""
+        :mod:`kvcli.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sources = self.options.sources if sources is None else sources
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
@@ -235,6 +237,10 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
         "method_stats": result.extra.get("method_stats", {}),  # the method's own counters (cache.stats())
+        # where the answer comes from, best first (null: --no-sources), and why there is none or no clear one
+        "sources": None if result.sources is None else result.sources.to_json(),
+        "sources_note": None if result.sources is None else result.sources.reason,
+        "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     if include_spans:

@@ -180,3 +180,36 @@ def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
                                                                       max_new_tokens=3, force_tokens=True)
     assert result.sources.items == () and "does not report" in result.sources.reason
+
+
+def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, monkeypatch):
+    """AdaKV's heads hold different counts (padding): the weights over a padded layer's slots,
+    times its values, are the layer's attention output; positions are the heads' own."""
+    from kvcli.caches.ragged import RaggedLayer
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    checked = []
+    real = RaggedLayer.attend
+
+    def attend(self, module, query, scaling, sliding_window, kernel):
+        out = real(self, module, query, scaling, sliding_window, kernel)
+        if query.shape[2] == 1:
+            positions, weights = self.read_weights(query)
+            v = self.cache.values[self.layer_idx][0, :, : positions.shape[1]].float()
+            want = torch.einsum("kgr,krd->kgd", weights, v).reshape(query.shape[1], -1)
+            current = self.cache.values[self.layer_idx][0, :, -1].float()  # the step's own row
+            g = query.shape[1] // v.shape[0]
+            rest = 1 - weights.sum(-1)  # the weight on the step's own token
+            want = want + (rest.reshape(-1, 1) * current.repeat_interleave(g, dim=0))
+            assert torch.allclose(out[0, 0].float(), want, atol=1e-5)
+            padding = positions == -1  # (n_kv, rows)
+            assert padding.any() and all((weights[h][:, padding[h]] == 0).all() for h in range(v.shape[0]))
+            checked.append(1)
+        return out
+
+    monkeypatch.setattr(RaggedLayer, "attend", attend)
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
+        document_from_text(DOC), Q1, Pipeline.parse("adakv:budget=0.25"), max_new_tokens=3, force_tokens=True)
+    assert checked and result.sources.items
