@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from books import fetch_pdf, page_text, right  # noqa: E402
+from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
 
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
@@ -147,8 +147,10 @@ def run(args) -> list[dict]:
     if model_methods:
         from kvcli.api import AskOptions, Session
 
-        session = Session.open(AskOptions(use_cache=False, max_new_tokens=args.max_new_tokens,
-                                          template="ruler" if args.set == "ruler" else "qa"))
+        # books: a store of their own (a fresh one, or --store), so a book is read once for all its questions
+        cache_dir = None if args.set == "ruler" else (store_dir(args.store) if args.store else fresh_cache_dir())
+        session = Session.open(AskOptions(use_cache=args.set != "ruler", cache_dir=cache_dir, cache_max="none",
+                                          max_new_tokens=args.max_new_tokens, template="ruler" if args.set == "ruler" else "qa"))
     if args.set == "ruler":
         tokenizer = session.lm.tokenizer if session else tokenizer_only()
     cases = book_cases(args) if args.set == "books" else ruler_cases(args, tokenizer)
@@ -159,6 +161,8 @@ def run(args) -> list[dict]:
                 t0 = time.perf_counter()
                 sources = lexical(case, method)
                 rows.append(scored(case, method, sources, {"sources_s": round(time.perf_counter() - t0, 4)}))
+            elif method == "contextcite":
+                rows.append(contextcite(session, case, args))
             else:
                 rows.append(ask(session, case, method, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -177,6 +181,60 @@ def ask(session, case: dict, method: str, args) -> dict:
         "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
         "sources_s": round(result.extra.get("sources_s") or 0.0, 4),
     })
+
+
+def lasso(x: np.ndarray, y: np.ndarray, alpha: float = 0.01, steps: int = 2000) -> np.ndarray:
+    """ContextCite's surrogate: min 1/(2n) |y - x w - b|^2 + alpha |w|_1, by ISTA (x centred)."""
+    xc, yc = x - x.mean(0), y - y.mean()
+    step = len(x) / max(np.linalg.norm(xc, 2) ** 2, 1e-9)
+    w = np.zeros(x.shape[1])
+    for _ in range(steps):
+        w = w - step * (xc.T @ (xc @ w - yc)) / len(x)
+        w = np.sign(w) * np.maximum(np.abs(w) - step * alpha, 0.0)
+    return w
+
+
+def contextcite(session, case: dict, args) -> dict:
+    """ContextCite (Cohen-Wang et al. 2024) as the reference ranking: the paragraphs of the
+    document are the sources; ``--ablations`` random subsets (each paragraph kept with probability
+    1/2) each give the log-probability of full attention's answer; a sparse linear surrogate
+    (Lasso) of it ranks the paragraphs. Also: whether the attention's top source lies in
+    ContextCite's top paragraph."""
+    import torch
+
+    from kvcli.api import parse_pipeline
+    from kvcli.prompt import build_prompt
+    from kvcli.sources import Source, Sources, passages
+
+    t0 = time.perf_counter()
+    doc, tok = case["doc"], session.lm.tokenizer
+    result = session.ask(doc, case["question"], parse_pipeline("full"), answer_prefix=case["answer_prefix"],
+                         max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
+    answer = torch.tensor(result.answer_ids)
+    cuts = passages(doc)
+    rng = np.random.default_rng(0)
+    masks = rng.random((args.ablations, len(cuts))) < 0.5
+    logps = []
+    for mask in masks:
+        text = "\n\n".join(doc.text[lo:hi] for (lo, hi), keep in zip(cuts, mask) if keep) or " "
+        prompt = build_prompt(tok, text, case["question"], session.template, case["answer_prefix"])
+        ids = torch.cat([prompt.ids, answer])
+        with torch.inference_mode():
+            hidden = session.engine.forward(ids, torch.arange(ids.numel()), None)
+            logits = session.engine.logits(hidden[:, prompt.n_tokens - 1 : -1])  # (answer, vocab)
+        logp = torch.log_softmax(logits, -1)
+        logps.append(float(logp[torch.arange(answer.numel()), answer].sum()))
+    w = lasso(masks.astype(np.float64), np.array(logps))
+    order = np.argsort(-w, kind="stable")[:3]
+    items = tuple(Source(cuts[i][0], cuts[i][1], 1, 1, False, doc.text[cuts[i][0] : cuts[i][1]], float(w[i]), ())
+                  for i in order if w[i] > 0)
+    found = Sources(items, clear=bool(items), signal="contextcite")
+    attention = result.sources.items[0] if result.sources and result.sources.items else None
+    agree = bool(items) and attention is not None and attention.start < items[0].end and items[0].start < attention.end
+    return scored(case, "contextcite", found, {
+        "answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
+        "attention_top_in_contextcite_top": agree, "ablations": args.ablations,
+        "total_s": round(time.perf_counter() - t0, 2), "sources_s": round(time.perf_counter() - t0 - result.total_s, 2)})
 
 
 # --------------------------------------------------------------------------- verify, table
@@ -204,9 +262,15 @@ def verify(args) -> None:
         raise SystemExit(1)
 
 
+def share(rows: list[dict]) -> str:
+    """The sources' seconds over the answer's (total_s: reading, answering and the sources)."""
+    xs = [r["sources_s"] / r["total_s"] for r in rows if r.get("total_s")]
+    return f"{100 * np.median(xs):.1f}%, {100 * max(xs):.1f}%" if xs else "—"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| set | method | questions | hit@1 | hit@3 | no clear source | hit@1 when clear / not | answers right | pages a source spans (mean) | sources add (median s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | method | questions | hit@1 | hit@3 | no clear source | hit@1 when clear / not | answers right | pages a source spans (mean) | sources add (median s) | share of the answer's time (median, max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["set"], r["method"]) for r in rows))
     for s, m in keys:
         rs = [r for r in rows if (r["set"], r["method"]) == (s, m)]
@@ -223,7 +287,7 @@ def table(rows: list[dict]) -> str:
             f"| {s} | {m} | {n} | {pct([r['hit1'] for r in rs])} | {pct([r['hit3'] for r in rs])} | "
             f"{len(unclear)}/{n} | {pct([r['hit1'] for r in clear])} / {pct([r['hit1'] for r in unclear])} | "
             f"{f'{sum(right_)}/{len(right_)}' if right_ else '—'} | {f'{np.mean(spans):.2f}' if spans else '—'} | "
-            f"{np.median([r['sources_s'] for r in rs]):.3f} |")
+            f"{np.median([r['sources_s'] for r in rs]):.3f} | {share(rs)} |")
     return "\n".join(lines)
 
 
@@ -242,6 +306,8 @@ def main() -> None:
         s.add_argument("--length", type=int, default=4096)
         s.add_argument("--max-new-tokens", type=int, default=32)
         s.add_argument("--out", type=Path, default=None)
+        s.add_argument("--store", type=Path, default=None, help="books: this cache folder's disk store, kept between runs")
+        s.add_argument("--ablations", type=int, default=32, help="contextcite: random ablations per case")
     t = sub.add_parser("table")
     t.add_argument("files", type=Path, nargs="+")
     args = p.parse_args()
