@@ -141,9 +141,34 @@ def tokenizer_only():
     return AutoTokenizer.from_pretrained(str(ensure_converted(None)[0]))
 
 
+def use_heads(spec: str) -> None:
+    """``--heads``: default (the product's :func:`kvcli.attribution.citing_heads`), all (every head
+    of every layer alike), layers:A-B (every head of layers A..B), or a .npy of (layers, heads)
+    weights (benchmarks/cite_heads.py analyze --weights-out)."""
+    import torch
+
+    import kvcli.api
+    from kvcli.attribution import HeadWeights
+
+    if spec == "default":
+        return
+    if spec.endswith(".npy"):
+        w = torch.from_numpy(np.load(spec)).float()
+        kvcli.api.citing_heads = lambda lm: HeadWeights(w, spec)
+    elif spec == "all" or spec.startswith("layers:"):
+        def heads(lm):
+            layers = range(lm.n_layers) if spec == "all" else span(spec.split(":", 1)[1])
+            return HeadWeights.uniform(lm.n_layers, lm.n_heads, list(layers), spec)
+
+        kvcli.api.citing_heads = heads
+    else:
+        raise SystemExit(f"--heads: {spec}?")
+
+
 def run(args) -> list[dict]:
     model_methods = [m for m in args.methods if m not in LEXICAL]
     session = None
+    use_heads(args.heads)
     if model_methods:
         from kvcli.api import AskOptions, Session
 
@@ -164,23 +189,43 @@ def run(args) -> list[dict]:
             elif method == "contextcite":
                 rows.append(contextcite(session, case, args))
             else:
-                rows.append(ask(session, case, method, args))
+                rows += ask(session, case, method, args)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-def ask(session, case: dict, method: str, args) -> dict:
+def ask(session, case: dict, method: str, args) -> list[dict]:
+    """The method's answer and its sources (the product's ranking), and the same attention ranked
+    with the question's BM25 over the units it read (``METHOD+bm25``: :func:`kvcli.sources.fused`)."""
+    import kvcli.api
     from kvcli.api import parse_pipeline
+    from kvcli.sources import sources_from_tokens
 
-    result = session.ask(case["doc"], case["question"], parse_pipeline(method), answer_prefix=case["answer_prefix"],
-                         max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
-    sources = result.sources
-    return scored(case, method, sources, {
-        "answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
-        "compressor": result.extra.get("compressor"), "n_tokens": result.prompt.n_tokens,
-        "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
-        "sources_s": round(result.extra.get("sources_s") or 0.0, 4),
-    })
+    kept = {}
+    real = kvcli.api.cite
+
+    def keep(document, result):
+        kept["scores"] = result.extra["citing"]["scores"].clone()
+        return real(document, result)
+
+    kvcli.api.cite = keep
+    try:
+        result = session.ask(case["doc"], case["question"], parse_pipeline(method), answer_prefix=case["answer_prefix"],
+                             max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
+    finally:
+        kvcli.api.cite = real
+    extra = {"answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
+             "compressor": result.extra.get("compressor"), "n_tokens": result.prompt.n_tokens,
+             "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
+             "sources_s": round(result.extra.get("sources_s") or 0.0, 4), "citing_heads": args.heads}
+    rows = [scored(case, method, result.sources, extra)]
+    if not result.sources.items:
+        return rows
+    t0 = time.perf_counter()
+    blended = sources_from_tokens(case["doc"], result.prompt, kept["scores"].numpy(), question=case.get("query", case["question"]),
+                                  lexical=1.0, signal="attention+bm25")
+    rows.append(scored(case, f"{method}+bm25", blended, {**extra, "sources_s": extra["sources_s"] + round(time.perf_counter() - t0, 4)}))
+    return rows
 
 
 def lasso(x: np.ndarray, y: np.ndarray, alpha: float = 0.01, steps: int = 2000) -> np.ndarray:
@@ -308,6 +353,7 @@ def main() -> None:
         s.add_argument("--out", type=Path, default=None)
         s.add_argument("--store", type=Path, default=None, help="books: this cache folder's disk store, kept between runs")
         s.add_argument("--ablations", type=int, default=32, help="contextcite: random ablations per case")
+        s.add_argument("--heads", default="default", help="the citing heads: default, all, layers:A-B, or a .npy of weights")
     t = sub.add_parser("table")
     t.add_argument("files", type=Path, nargs="+")
     args = p.parse_args()

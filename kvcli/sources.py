@@ -250,13 +250,28 @@ def _source(doc_units: DocumentUnits, run: list[int], scores: np.ndarray) -> Sou
                   float(scores[run].sum()), tuple(run))
 
 
-def sources_from_tokens(document: Document, prompt, token_scores, **kwargs) -> Sources:
-    """Sources from one score per *prompt* token (NaN or 0 where the token was not read): the
-    document tokens' scores mapped to units, then :func:`rank`."""
+def sources_from_tokens(document: Document, prompt, token_scores, *, question: str = "", lexical: float = 0.0,
+                        **kwargs) -> Sources:
+    """Sources from one score per *prompt* token (NaN where the token was not read): the document
+    tokens' scores mapped to units, then :func:`rank`. ``lexical`` > 0 adds that weight of the
+    units' BM25 score for ``question`` (:func:`fused`) to the attention's, over the units read."""
     doc_units = DocumentUnits.of(document)
     values = np.asarray(token_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
     scores, read = doc_units.scores(prompt.doc_offsets, values)
+    if lexical > 0:
+        scores = fused(doc_units, scores, read, question, lexical)
     return rank(doc_units, scores, read=read, **kwargs)
+
+
+def fused(doc_units: DocumentUnits, attention: np.ndarray, read: np.ndarray, question: str, weight: float) -> np.ndarray:
+    """Each read unit's share of the best attention plus ``weight`` times its share of the best
+    BM25 score (the question over the read units); units not read score 0."""
+    text = doc_units.document.text
+    idx = np.flatnonzero(read)
+    lexical = np.zeros(len(doc_units))
+    lexical[idx] = bm25_scores([text[doc_units.units[i].start : doc_units.units[i].end] for i in idx], question)
+    out = attention / max(attention[read].max(initial=0.0), 1e-12) + weight * lexical / max(lexical.max(), 1e-12)
+    return np.where(read, out, 0.0)
 
 
 # --------------------------------------------------------------------------- lexical
