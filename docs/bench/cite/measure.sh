@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The citation measurements of docs/bench/cite/README.md, in one heavy job (from the worktree root):
+#   /work/wt/heavy.sh bash docs/bench/cite/measure.sh
+# Each step writes its JSON beside this script; `python benchmarks/cite.py table docs/bench/cite/*.json` the table.
+set -u
+out=docs/bench/cite
+py=${PYTHON:-python}
+uptime
+# in-window QA (RULER qa_2 at 4,096 tokens, HotpotQA's gold paragraphs): full attention, SnapKV at 4x
+$py benchmarks/cite.py ruler --methods bm25,full,snapkv:budget=0.25 --instances 100-129 --length 4096 --out $out/ruler-4096.json
+uptime
+# the books (over the window): -c auto (the book path: infllm's stored book), each book read once into its own store
+$py benchmarks/cite.py books --methods bm25,auto --out $out/books-auto.json
+uptime
+# Finch on the shortest book (it reads the whole book again for every question)
+$py benchmarks/cite.py books --methods finch --docs freefem --out $out/books-finch-freefem.json
+uptime
+# ContextCite's ranking (32 random paragraph ablations each) as the reference, at 2,048 tokens
+$py benchmarks/cite.py ruler --methods bm25,full,contextcite --instances 100-105 --length 2048 --ablations 32 --out $out/contextcite-2048.json
+uptime
