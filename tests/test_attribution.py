@@ -213,3 +213,29 @@ def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, mon
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
         document_from_text(DOC), Q1, Pipeline.parse("adakv:budget=0.25"), max_new_tokens=3, force_tokens=True)
     assert checked and result.sources.items
+
+
+CITING = ["full", "snapkv:budget=0.25", "finch", "gemfilter:k=64", "h2o:budget=0.25", "adakv:budget=0.25", "lazyllm",
+          "kvzip", "streamingllm:budget=64", "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2"]
+SILENT = ["razor", "blocksparse"]  # their caches do not report what a decoding step reads (yet)
+
+
+@pytest.mark.parametrize("spec", CITING + SILENT)
+def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
+                                                                      max_new_tokens=3, force_tokens=True)
+    if spec in SILENT:
+        assert result.sources.items == () and "does not report" in result.sources.reason
+        return
+    assert result.sources.items, result.sources.reason
+    mask = result.kept_mask()
+    if mask is not None:  # a source holds a token the method kept
+        held = mask.any(dim=(0, 1))
+        for s in result.sources.items:
+            tokens = [i for i in range(result.prompt.doc_start, result.prompt.doc_end)
+                      if s.start <= result.prompt.char_span(i)[0] < s.end]
+            assert held[tokens].any()
