@@ -215,9 +215,9 @@ def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, mon
     assert checked and result.sources.items
 
 
-CITING = ["full", "snapkv:budget=0.25", "finch", "gemfilter:k=64", "h2o:budget=0.25", "adakv:budget=0.25", "lazyllm",
+CITING = ["full", "razor", "snapkv:budget=0.25", "finch", "gemfilter:k=64", "h2o:budget=0.25", "adakv:budget=0.25", "lazyllm",
           "kvzip", "streamingllm:budget=64", "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2"]
-SILENT = ["razor", "blocksparse"]  # their caches do not report what a decoding step reads (yet)
+SILENT = ["blocksparse"]  # its cache does not report what a decoding step reads (yet)
 
 
 @pytest.mark.parametrize("spec", CITING + SILENT)
@@ -239,3 +239,37 @@ def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
             tokens = [i for i in range(result.prompt.doc_start, result.prompt.doc_end)
                       if s.start <= result.prompt.char_span(i)[0] < s.end]
             assert held[tokens].any()
+
+
+def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch):
+    """RazorAttention's two head groups (every token / sinks + window + a compensation token
+    weighing N_d): the weights per KV head times the group's values are the layer's output."""
+    from kvcli.caches.razor import RazorLayer
+    from kvcli.documents import document_from_text
+    from kvcli.pipeline import Pipeline
+    from tests.helpers.stores import DOC, Q1, session_for
+
+    checked = []
+    real = RazorLayer.attend
+
+    def attend(self, module, query, scaling, sliding_window, kernel):
+        out = real(self, module, query, scaling, sliding_window, kernel)
+        if query.shape[2] == 1:
+            positions, weights = self.read_weights(query)
+            cache, layer = self.cache, self.layer_idx
+            g = query.shape[1] // cache.protected.shape[1]
+            for kv in range(cache.protected.shape[1]):
+                group = cache.protected[layer][: kv + 1].sum() - 1 if cache.protected[layer, kv] else (~cache.protected[layer][: kv + 1]).sum() - 1
+                values = (cache.pv if cache.protected[layer, kv] else cache.cv)[layer][0, int(group)].float()
+                rows = int((positions[kv] != -1).sum()) + int(not cache.protected[layer, kv] and cache.compensated)
+                w = weights[kv, :, :rows]
+                own = (1 - w.sum(-1, keepdim=True)) * values[-1]  # the step's own row
+                want = w @ values[:rows] + own
+                assert torch.allclose(out[0, 0, kv * g : (kv + 1) * g].float(), want, atol=1e-5)
+            checked.append(1)
+        return out
+
+    monkeypatch.setattr(RazorLayer, "attend", attend)
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
+        document_from_text(DOC), Q1, Pipeline.parse("razor:window=16,sinks=4"), max_new_tokens=3, force_tokens=True)
+    assert checked and result.sources.items
