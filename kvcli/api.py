@@ -243,8 +243,10 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if include_spans:
-        record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
+    if include_spans:  # each kept span, and whether a source cites it (overlaps one)
+        cited = [] if result.sources is None else result.sources.items
+        record["selected_spans"] = [{**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}
+                                    for s in result.selection.spans(result.prompt, document)]
     return record
 
 
