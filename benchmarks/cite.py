@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,7 +80,7 @@ def book_cases(args) -> list[dict]:
             if args.docs and doc["name"] not in args.docs:
                 continue
             document = load_document(fetch_pdf(doc, args.pdf_dir))
-            for q in doc["questions"]:
+            for q in doc["questions"][: args.limit]:
                 cases.append({"set": "books", "document": doc["name"], "doc": document, "question": q["q"],
                               "accept": q["accept"], "gold_pages": [q["page"], *q.get("also", [])], "answer_prefix": ""})
     return cases
@@ -169,6 +170,9 @@ def run(args) -> list[dict]:
     model_methods = [m for m in args.methods if m not in LEXICAL]
     session = None
     use_heads(args.heads)
+    if args.per_head is not None:
+        PER_HEAD.path = args.per_head
+        PER_HEAD.install()
     if model_methods:
         from kvcli.api import AskOptions, Session
 
@@ -194,6 +198,78 @@ def run(args) -> list[dict]:
     return rows
 
 
+class PerHead:
+    """``--per-head FILE``: besides the product's sources, each (layer, head)'s own attention per
+    unit of every answer, kept in the format of benchmarks/cite_heads.py (``analyze`` learns and
+    scores per-head weights on it). The citing heads are then every head of every layer."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.records, self.arrays = path, [], {}
+        self.current: torch.Tensor | None = None
+
+    def install(self) -> None:
+        import kvcli.api
+        import kvcli.pipeline
+        from kvcli.attribution import CitingHeads, HeadWeights
+
+        outer = self
+
+        class Recording(CitingHeads):
+            def _observer(self, layer):
+                inner = super()._observer(layer)
+                heads = self.heads.weights.shape[1]
+
+                def observe(query, key):
+                    before = self.scores.clone() if query.shape[2] == 1 else None
+                    inner(query, key)
+                    if before is not None and outer.current is not None:
+                        # the layer's heads one at a time: re-add with a one-hot head weight
+                        positions, probs = self.last
+                        for h in range(heads):
+                            w = torch.zeros(heads)
+                            w[h] = 1.0
+                            per = (probs.double() * w.view(probs.shape[0], -1, 1).double()).sum(1)
+                            pos = positions.to(per.device)
+                            ok = (pos >= 0) & (pos < self.n_positions)
+                            outer.current[layer, h].index_add_(0, pos[ok].cpu(), per[ok].cpu().float())
+
+                return observe
+
+            def add(self, positions, probs, weights):
+                self.last = (positions, probs)
+                super().add(positions, probs, weights)
+
+        kvcli.pipeline.CitingHeads = Recording
+        kvcli.api.citing_heads = lambda lm: HeadWeights.uniform(lm.n_layers, lm.n_heads, list(range(lm.n_layers)),
+                                                               "every head of every layer, averaged")
+
+    def start(self, lm, n_prompt: int) -> None:
+        self.current = torch.zeros(lm.n_layers, lm.n_heads, n_prompt)
+
+    def keep(self, case: dict, result, index: int) -> None:
+        du = DocumentUnits.of(case["doc"])
+        p = result.prompt
+        per = self.current[:, :, p.doc_start : p.doc_end].numpy()
+        units = np.stack([[du.scores(p.doc_offsets, per[layer, h])[0] for h in range(per.shape[1])] for layer in range(per.shape[0])])
+        gold = []
+        for i, u in enumerate(du.units):
+            src = {"start": u.start, "end": u.end, **({"pages": list(case["doc"].page_range(u.start, u.end))} if "gold_pages" in case else {})}
+            if hit(case, src):
+                gold.append(i)
+        self.records.append({"index": index, "document": case["document"], "question": case["question"], "gold": gold,
+                             "n_units": len(du), "right": right(result.answer, case["accept"], case["question"]),
+                             "unit_chars": [u.end - u.start for u in du.units]})
+        self.arrays[f"answer_{index}"] = units.astype(np.float32)
+        self.current = None
+
+    def save(self) -> None:
+        if self.path is not None and self.records:
+            np.savez_compressed(self.path, records=json.dumps(self.records), **self.arrays)
+
+
+PER_HEAD = PerHead(None)
+
+
 def ask(session, case: dict, method: str, args) -> list[dict]:
     """The method's answer and its sources (the product's ranking), and the same attention ranked
     with the question's BM25 over the units it read (``METHOD+bm25``: :func:`kvcli.sources.fused`)."""
@@ -209,6 +285,11 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
         return real(document, result)
 
     kvcli.api.cite = keep
+    if PER_HEAD.path is not None:
+        from kvcli.prompt import build_prompt
+
+        PER_HEAD.start(session.lm, build_prompt(session.lm.tokenizer, case["doc"].text, case["question"], session.template,
+                                                case["answer_prefix"]).n_tokens)
     try:
         result = session.ask(case["doc"], case["question"], parse_pipeline(method), answer_prefix=case["answer_prefix"],
                              max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
@@ -219,6 +300,8 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
              "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
              "sources_s": round(result.extra.get("sources_s") or 0.0, 4), "citing_heads": args.heads}
     rows = [scored(case, method, result.sources, extra)]
+    if PER_HEAD.path is not None:
+        PER_HEAD.keep(case, result, len(PER_HEAD.records))
     if not result.sources.items:
         return rows
     t0 = time.perf_counter()
@@ -280,6 +363,41 @@ def contextcite(session, case: dict, args) -> dict:
         "answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
         "attention_top_in_contextcite_top": agree, "ablations": args.ablations,
         "total_s": round(time.perf_counter() - t0, 2), "sources_s": round(time.perf_counter() - t0 - result.total_s, 2)})
+
+
+def reweigh(args) -> list[dict]:
+    """``reweigh``: the sources again from the heads' attention kept by ``--per-head`` (no model
+    run), under other citing weights: every head alike (kvcli's default), each ``--weights`` .npy
+    ((layers, heads), e.g. learned by cite_heads.py), and each layer band of ``--bands``; with and
+    without the question's BM25 (``+bm25``). Cases ``--skip`` (the training ones) are left out."""
+    from kvcli.sources import fused
+
+    z = np.load(args.per_head)
+    records = json.loads(str(z["records"]))
+    cases = book_cases(args) if args.set_of == "books" else ruler_cases(args, tokenizer_only())
+    configs = {"all": None}
+    for path in args.weights or []:
+        configs[Path(path).stem] = np.load(path)
+    for band in args.bands or []:
+        configs[f"layers {band}"] = band
+    rows = []
+    for case, rec in zip(cases, records):
+        if rec["index"] in set(span(args.skip)) if args.skip else False:
+            continue
+        a = z[f"answer_{rec['index']}"].astype(np.float64)
+        du = DocumentUnits.of(case["doc"])
+        read = a.sum(axis=(0, 1)) > 0
+        for name, w in configs.items():
+            if w is None:
+                scores = a.sum(axis=(0, 1))
+            elif isinstance(w, str):
+                scores = a[span(w)].sum(axis=(0, 1))
+            else:
+                scores = np.einsum("lh,lhu->u", w, a)
+            query = case.get("query", case["question"])
+            for label, sc in ((name, scores), (f"{name}+bm25", fused(du, scores, read, query, 1.0))):
+                rows.append(scored(case, f"{args.method}[{label}]", rank(du, sc, read=read), {"sources_s": 0.0}))
+    return rows
 
 
 # --------------------------------------------------------------------------- verify, table
@@ -347,6 +465,7 @@ def main() -> None:
             continue
         s.add_argument("--methods", type=lambda x: x.split(","), default=["bm25", "bm25-units"])
         s.add_argument("--docs", type=lambda x: x.split(","), default=None)
+        s.add_argument("--limit", type=int, default=None, help="books: the first N questions of each document")
         s.add_argument("--instances", default="0-29")
         s.add_argument("--length", type=int, default=4096)
         s.add_argument("--max-new-tokens", type=int, default=32)
@@ -354,6 +473,21 @@ def main() -> None:
         s.add_argument("--store", type=Path, default=None, help="books: this cache folder's disk store, kept between runs")
         s.add_argument("--ablations", type=int, default=32, help="contextcite: random ablations per case")
         s.add_argument("--heads", default="default", help="the citing heads: default, all, layers:A-B, or a .npy of weights")
+        s.add_argument("--per-head", type=Path, default=None, help="also keep each head's attention per unit (.npz, cite_heads.py analyze)")
+    r = sub.add_parser("reweigh")
+    r.add_argument("set_of", choices=("books", "ruler"))
+    r.add_argument("per_head", type=Path)
+    r.add_argument("--method", default="full", help="the method the per-head file was made with (a label)")
+    r.add_argument("--weights", nargs="*", default=None)
+    r.add_argument("--bands", nargs="*", default=None, help="layer bands, e.g. 10-20")
+    r.add_argument("--skip", default=None, help="case indices to leave out (the training ones)")
+    r.add_argument("--instances", default="100-139")
+    r.add_argument("--length", type=int, default=4096)
+    r.add_argument("--docs", type=lambda x: x.split(","), default=None)
+    r.add_argument("--limit", type=int, default=None)
+    r.add_argument("--with-books", action="store_true")
+    r.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+    r.add_argument("--out", type=Path, default=None)
     t = sub.add_parser("table")
     t.add_argument("files", type=Path, nargs="+")
     args = p.parse_args()
@@ -362,8 +496,16 @@ def main() -> None:
     if args.set == "table":
         print(table([r for f in args.files for r in json.loads(f.read_text())["rows"]]))
         return
+    if args.set == "reweigh":
+        rows = reweigh(args)
+        if args.out:
+            args.out.write_text(json.dumps({"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]), "rows": rows},
+                                           indent=1) + "\n")
+        print(table(rows))
+        return
     started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = run(args)
+    PER_HEAD.save()
     out = {"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]),
            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
            "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}

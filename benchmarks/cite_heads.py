@@ -147,11 +147,14 @@ def normalised(a: np.ndarray) -> np.ndarray:
 
 def learn(data: list[tuple[np.ndarray, list[int]]], steps: int = 300, l2: float = 1e-3) -> np.ndarray:
     """Non-negative per-(layer, head) weights w maximising the log share of the gold units in
-    softmax(sum_h w_h a_h(u) / tau) over each instance's units (a_h: the head's shares)."""
+    softmax(sum_h w_h a_h(u) * 50) over each instance's units. a_h: the head's attention mass per
+    unit, over the whole answer, as kvcli's CitingHeads sums it (no per-head normalisation, which
+    a decoding step could not apply), each instance scaled by its largest unit mass of all heads."""
     shape = data[0][0].shape[:2]
     raw = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([raw], lr=0.05)
-    xs = [(torch.from_numpy(normalised(a.astype(np.float64))), torch.tensor(g)) for a, g in data]
+    xs = [(torch.from_numpy(a.astype(np.float64) / max(float(a.sum(axis=(0, 1)).max()), 1e-12) * shape[0] * shape[1]),
+           torch.tensor(g)) for a, g in data if g]
     for _ in range(steps):
         opt.zero_grad()
         w = torch.nn.functional.softplus(raw)
@@ -178,15 +181,15 @@ def analyze(args) -> None:
                  for k in (1, 3)]
     print("per layer (heads' shares summed) hit@1: " + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[0])))
     print("per layer hit@3:                          " + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[1])))
-    everything = [np.mean([hits(normalised(a).sum((0, 1)), r["gold"], k) for r, a in test]) for k in (1, 3)]
-    print(f"all heads averaged: hit@1 {everything[0]:.3f}, hit@3 {everything[1]:.3f}")
+    everything = [np.mean([hits(a.sum((0, 1)), r["gold"], k) for r, a in test]) for k in (1, 3)]
+    print(f"all heads averaged (kvcli's sum of every head's weights): hit@1 {everything[0]:.3f}, hit@3 {everything[1]:.3f}")
     head = np.array([[np.mean([hits(a[layer, h], r["gold"], 1) for r, a in rows if r["index"] in train] or [0])
                       for h in range(n_heads)] for layer in range(n_layers)])
     best = np.dstack(np.unravel_index(np.argsort(-head, axis=None)[:10], head.shape))[0]
     print("best single heads on train (hit@1): " + ", ".join(f"L{layer}H{h} {head[layer, h]:.2f}" for layer, h in best))
     if train:
         w = learn([(a, r["gold"]) for r, a in rows if r["index"] in train])
-        scored = [(r, np.einsum("lh,lhu->u", w, normalised(a))) for r, a in test]
+        scored = [(r, np.einsum("lh,lhu->u", w, a)) for r, a in test]
         learned = [np.mean([hits(s, r["gold"], k) for r, s in scored]) for k in (1, 3)]
         print(f"learned per-head weights (train {len(train)}): held-out hit@1 {learned[0]:.3f}, hit@3 {learned[1]:.3f}")
         top = np.dstack(np.unravel_index(np.argsort(-w, axis=None)[:12], w.shape))[0]

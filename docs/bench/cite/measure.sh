@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The citation measurements of docs/bench/cite/README.md, in one heavy job (from the worktree root):
 #   /work/wt/heavy.sh bash docs/bench/cite/measure.sh
-# Each step writes its JSON beside this script; `python benchmarks/cite.py table docs/bench/cite/*.json` the table.
+# JSON beside this script (`python benchmarks/cite.py table docs/bench/cite/*.json`: the table); each
+# head's attention per unit in /tmp/cite-*.npz (`python benchmarks/cite_heads.py analyze`).
 set -u
 out=docs/bench/cite
 py=${PYTHON:-python}
 uptime
 # in-window QA (RULER qa_2 at 4,096 tokens, HotpotQA's gold paragraphs): full attention, SnapKV at 4x
-$py benchmarks/cite.py ruler --methods bm25,full,snapkv:budget=0.25 --instances 100-129 --length 4096 --out $out/ruler-4096.json
+$py benchmarks/cite.py ruler --methods full --instances 100-139 --length 4096 --per-head /tmp/cite-ruler-full.npz --out $out/ruler-full.json
+uptime
+$py benchmarks/cite.py ruler --methods snapkv:budget=0.25 --instances 100-119 --length 4096 --out $out/ruler-snapkv.json
 uptime
 # the books (over the window): -c auto (the book path: infllm's stored book), each book read once into its own store
-$py benchmarks/cite.py books --methods bm25,auto --out $out/books-auto.json
-uptime
-# Finch on the shortest book (it reads the whole book again for every question)
-$py benchmarks/cite.py books --methods finch --docs freefem --out $out/books-finch-freefem.json
+$py benchmarks/cite.py books --methods auto --per-head /tmp/cite-books-auto.npz --out $out/books-auto.json
 uptime
 # ContextCite's ranking (32 random paragraph ablations each) as the reference, at 2,048 tokens
 $py benchmarks/cite.py ruler --methods bm25,full,contextcite --instances 100-105 --length 2048 --ablations 32 --out $out/contextcite-2048.json
+uptime
+# Finch on the shortest book, its first 4 questions (it reads the whole book again for every question)
+$py benchmarks/cite.py books --methods finch --docs freefem --limit 4 --out $out/books-finch-freefem.json
 uptime
