@@ -280,9 +280,9 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
     kept = {}
     real = kvcli.api.cite
 
-    def keep(document, result):
+    def keep(document, result, question=""):
         kept["scores"] = result.extra["citing"]["scores"].clone()
-        return real(document, result)
+        return real(document, result, question)
 
     kvcli.api.cite = keep
     if PER_HEAD.path is not None:

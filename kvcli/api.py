@@ -23,7 +23,7 @@ from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
 from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
-from .sources import Sources, sources_from_tokens
+from .sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -150,21 +150,23 @@ class Session:
         if stream is not None:
             stream.close(result.answer)
         if sources:
-            result.sources = cite(document, result)
+            result.sources = cite(document, result, question)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
 
 
-def cite(document: Document, result: Result) -> Sources:
+def cite(document: Document, result: Result, question: str = "") -> Sources:
     """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
-    out); the time they added (reading and ranking) in ``result.extra["sources_s"]``."""
+    out), ranked with the question's BM25 by :data:`kvcli.sources.LEXICAL_WEIGHT`; the time they
+    added (reading and ranking) in ``result.extra["sources_s"]``."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")
     if citing["unsupported"]:
         found = Sources((), clear=False, reason=f"no sources: {citing['unsupported']}", signal="attention")
     else:
-        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), signal="attention")
+        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), question=question,
+                                    lexical=LEXICAL_WEIGHT, signal="attention+bm25" if LEXICAL_WEIGHT else "attention")
     result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
     return found
 

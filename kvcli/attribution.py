@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -117,7 +118,28 @@ def step_weights(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+HEADS_DIR = Path(__file__).resolve().parent / "heads"  # learned citing weights: <model name>.safetensors
+
+
 def citing_heads(lm) -> HeadWeights:
-    """The heads whose attention cites, for ``lm``: every head of every layer, weighted alike."""
-    n_layers, n_heads = lm.n_layers, lm.n_heads
-    return HeadWeights.uniform(n_layers, n_heads, list(range(n_layers)), "every head of every layer, averaged")
+    """The heads whose attention cites, for ``lm``: the weights learned for it where kvcli ships
+    them (``kvcli/heads/<model name>.safetensors``: a (layers, heads) tensor ``weights`` and, in
+    the header, how they were made), else every head of every layer weighted alike."""
+    path = HEADS_DIR / f"{lm.name}.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            weights, made = f.get_tensor("weights").float(), (f.metadata() or {}).get("made", path.name)
+        if weights.shape == (lm.n_layers, lm.n_heads):
+            return HeadWeights(weights, made)
+    return HeadWeights.uniform(lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged")
+
+
+def save_heads(path: Path, weights: torch.Tensor, made: str) -> None:
+    """Write learned citing weights as :func:`citing_heads` reads them (safetensors, no pickle)."""
+    from safetensors.torch import save_file
+
+    from .files import atomic_write
+
+    atomic_write(path, lambda tmp: save_file({"weights": weights.float().contiguous()}, tmp, metadata={"made": made}))

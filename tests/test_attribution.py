@@ -80,9 +80,9 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     seen = {}
     real = kvcli.api.cite
 
-    def spy(document, result):
+    def spy(document, result, question=""):
         seen["scores"] = result.extra["citing"]["scores"].clone()
-        return real(document, result)
+        return real(document, result, question)
 
     monkeypatch.setattr(kvcli.api, "cite", spy)
     doc = document_from_text(DOC)
@@ -273,3 +273,18 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
         document_from_text(DOC), Q1, Pipeline.parse("razor:window=16,sinks=4"), max_new_tokens=3, force_tokens=True)
     assert checked and result.sources.items
+
+
+def test_learned_citing_weights_are_read_back_for_their_model_only(tmp_path, monkeypatch, tiny_lm):
+    from kvcli import attribution
+
+    lm = tiny_lm("llama")
+    monkeypatch.setattr(attribution, "HEADS_DIR", tmp_path)
+    default = attribution.citing_heads(lm)
+    assert default.layers() == list(range(lm.n_layers)) and torch.allclose(default.weights.sum(), torch.tensor(1.0))
+    w = torch.rand(lm.n_layers, lm.n_heads)
+    attribution.save_heads(tmp_path / f"{lm.name}.safetensors", w, "learned on nothing, for this test")
+    got = attribution.citing_heads(lm)
+    assert torch.equal(got.weights, w) and got.source == "learned on nothing, for this test"
+    attribution.save_heads(tmp_path / f"{lm.name}.safetensors", torch.rand(lm.n_layers + 1, lm.n_heads), "another model's")
+    assert attribution.citing_heads(lm).source == default.source  # the wrong shape: not these weights
