@@ -382,7 +382,7 @@ def reweigh(args) -> list[dict]:
         configs[f"layers {band}"] = band
     rows = []
     for case, rec in zip(cases, records):
-        if rec["index"] in set(span(args.skip)) if args.skip else False:
+        if (args.skip and rec["index"] in span(args.skip)) or (args.only and rec["index"] not in span(args.only)):
             continue
         a = z[f"answer_{rec['index']}"].astype(np.float64)
         du = DocumentUnits.of(case["doc"])
@@ -395,7 +395,8 @@ def reweigh(args) -> list[dict]:
             else:
                 scores = np.einsum("lh,lhu->u", w, a)
             query = case.get("query", case["question"])
-            for label, sc in ((name, scores), (f"{name}+bm25", fused(du, scores, read, query, 1.0))):
+            variants = [(name, scores)] + [(f"{name}+{x:g}bm25", fused(du, scores, read, query, x)) for x in args.lexical]
+            for label, sc in variants:
                 rows.append(scored(case, f"{args.method}[{label}]", rank(du, sc, read=read), {"sources_s": 0.0}))
     return rows
 
@@ -481,6 +482,8 @@ def main() -> None:
     r.add_argument("--weights", nargs="*", default=None)
     r.add_argument("--bands", nargs="*", default=None, help="layer bands, e.g. 10-20")
     r.add_argument("--skip", default=None, help="case indices to leave out (the training ones)")
+    r.add_argument("--only", default=None, help="case indices to keep (the others left out)")
+    r.add_argument("--lexical", type=float, nargs="*", default=[1.0], help="BM25 weights to fuse with (kvcli.sources.fused)")
     r.add_argument("--instances", default="100-139")
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--docs", type=lambda x: x.split(","), default=None)

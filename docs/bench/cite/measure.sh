@@ -10,14 +10,11 @@ uptime
 # in-window QA (RULER qa_2 at 4,096 tokens, HotpotQA's gold paragraphs): full attention, SnapKV at 4x
 $py benchmarks/cite.py ruler --methods full --instances 100-131 --length 4096 --per-head /tmp/cite-ruler-full.npz --out $out/ruler-full.json
 uptime
-$py benchmarks/cite.py ruler --methods snapkv:budget=0.25 --instances 100-115 --length 4096 --out $out/ruler-snapkv.json
-uptime
 # the books (over the window): -c auto (the book path: infllm's stored book), each book read once into its own store
 $py benchmarks/cite.py books --methods auto --per-head /tmp/cite-books-auto.npz --out $out/books-auto.json
 uptime
-# ContextCite's ranking (24 random paragraph ablations each) as the reference, at 2,048 tokens
-$py benchmarks/cite.py ruler --methods bm25,full,contextcite --instances 100-103 --length 2048 --ablations 24 --out $out/contextcite-2048.json
+$py benchmarks/cite.py ruler --methods snapkv:budget=0.25 --instances 100-107 --length 4096 --out $out/ruler-snapkv.json
 uptime
-# Finch on the shortest book, its first 3 questions (it reads the whole book again for every question)
-$py benchmarks/cite.py books --methods finch --docs freefem --limit 3 --out $out/books-finch-freefem.json
+# ContextCite's ranking (16 random paragraph ablations each) as the reference, at 1,024 tokens
+$py benchmarks/cite.py ruler --methods bm25,full,contextcite --instances 100-102 --length 1024 --ablations 16 --out $out/contextcite-1024.json
 uptime
