@@ -14,6 +14,7 @@ from kvcli.documents import Document, document_from_text
 from kvcli.sources import (
     MAX_SOURCE_UNITS,
     DocumentUnits,
+    fused,
     rank,
     sources_from_tokens,
     split_units,
@@ -173,3 +174,15 @@ def test_bm25_matches_bm25s():
     index.index(bm25s.tokenize(corpus, stopwords="en", show_progress=False), show_progress=False)
     want = index.get_scores(bm25s.tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0][:-1])
     assert bm25_scores(corpus, query) == pytest.approx(want.tolist(), rel=1e-5)
+
+
+def test_fused_adds_the_questions_bm25_over_the_units_read():
+    doc = document_from_text("Cats purr. The default limit is 4095 bytes. Dogs bark. Limit words here.")
+    du = DocumentUnits.of(doc)
+    attention = np.array([4.0, 1.0, 2.0, 0.0])
+    read = np.array([True, True, True, False])  # the last unit was not read: never scored
+    got = fused(du, attention, read, "What is the default limit?", 2.0)
+    texts_read = [doc.text[u.start : u.end] for u, r in zip(du.units, read) if r]
+    lexical = bm25_scores(texts_read, "What is the default limit?")
+    want = [a / 4.0 + 2.0 * b / max(lexical) for a, b in zip(attention[:3], lexical)] + [0.0]
+    assert got == pytest.approx(want) and int(np.argmax(got)) == 1
