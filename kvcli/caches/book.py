@@ -258,18 +258,20 @@ class BookCache(CacheBase):
             if blocks is None or self.retrieval == "step" and self.shared is None:
                 return None
             cached = self._cited_keys.get(layer)
-            if cached is None or not torch.equal(cached[0], blocks):
-                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2)
-                cached = self._cited_keys[layer] = (blocks.clone(), k_mem)
-            k_mem = cached[1].to(query.device, query.dtype)
-            n_mem = k_mem.shape[2]
+            if cached is None or not torch.equal(cached[0], blocks):  # once per answer: the keys as read
+                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2).to(query.device, query.dtype)
+                if self.answer_positions == "ordered":
+                    n_mem = k_mem.shape[2]
+                    k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
+                cached = self._cited_keys[layer] = (blocks.clone(), k_mem[0].to(torch.float32))
+            k_mem = cached[1]  # (n_kv, n_mem, d) float32, rotated as _attend_memory rotates them
+            n_mem = k_mem.shape[1]
             if self.answer_positions == "ordered":
-                k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
                 q_mem = self.rotate(query, pos, pos + n_mem)
             else:
                 q_mem = self.rotate(query, pos, torch.full((1,), self.local, dtype=torch.long))
             q_mem = q_mem[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
-            logits.insert(0, torch.matmul(q_mem, k_mem[0].to(torch.float32).transpose(-1, -2)))
+            logits.insert(0, torch.matmul(q_mem, k_mem.transpose(-1, -2)))
             offsets = torch.arange(self.block_size)
             held = [torch.cat([torch.arange(self.initial), *(self.initial + b * self.block_size + offsets for b in row)])
                     for row in blocks.tolist()]
