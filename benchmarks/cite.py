@@ -81,8 +81,17 @@ def book_cases(args) -> list[dict]:
                 continue
             document = load_document(fetch_pdf(doc, args.pdf_dir))
             for q in doc["questions"][: args.limit]:
-                cases.append({"set": "books", "document": doc["name"], "doc": document, "question": q["q"],
-                              "accept": q["accept"], "gold_pages": [q["page"], *q.get("also", [])], "answer_prefix": ""})
+                cases.append(
+                    {
+                        "set": "books",
+                        "document": doc["name"],
+                        "doc": document,
+                        "question": q["q"],
+                        "accept": q["accept"],
+                        "gold_pages": [q["page"], *q.get("also", [])],
+                        "answer_prefix": "",
+                    }
+                )
     return cases
 
 
@@ -92,11 +101,19 @@ def ruler_cases(args, tokenizer) -> list[dict]:
     cases = []
     for index in span(args.instances):
         inst = make_instance(tokenizer, "qa_2", args.length, index, seed=0)
-        cases.append({"set": "ruler", "document": f"qa_2-{args.length}-{index}",
-                      "doc": document_from_text(inst.document, source=f"ruler-qa_2-{index}"), "question": inst.question,
-                      "query": inst.question.rpartition("Question:")[2].strip(),  # BM25's: without RULER's instruction
-                      "accept": inst.outputs, "gold_spans": [list(s) for s in inst.spans], "answer_prefix": inst.answer_prefix,
-                      "max_new_tokens": inst.max_new_tokens})
+        cases.append(
+            {
+                "set": "ruler",
+                "document": f"qa_2-{args.length}-{index}",
+                "doc": document_from_text(inst.document, source=f"ruler-qa_2-{index}"),
+                "question": inst.question,
+                "query": inst.question.rpartition("Question:")[2].strip(),  # BM25's: without RULER's instruction
+                "accept": inst.outputs,
+                "gold_spans": [list(s) for s in inst.spans],
+                "answer_prefix": inst.answer_prefix,
+                "max_new_tokens": inst.max_new_tokens,
+            }
+        )
     return cases
 
 
@@ -111,13 +128,21 @@ def scored(case: dict, method: str, sources, extra: dict) -> dict:
     items = sources.to_json()
     hits = [hit(case, s) for s in items]
     return {
-        "set": case["set"], "document": case["document"], "question": case["question"], "method": method,
-        "gold": case.get("gold_pages") or case.get("gold_spans"), "hit1": any(hits[:1]), "hit3": any(hits[:3]),
-        "clear": sources.clear, "peak": None if sources.peak is None else round(sources.peak, 3), "reason": sources.reason,
-        "signal": sources.signal, "sources": [{k: v for k, v in s.items() if k != "text"} | {"quote": s["text"][:120]}
-                                              for s in items],
+        "set": case["set"],
+        "document": case["document"],
+        "question": case["question"],
+        "method": method,
+        "gold": case.get("gold_pages") or case.get("gold_spans"),
+        "hit1": any(hits[:1]),
+        "hit3": any(hits[:3]),
+        "clear": sources.clear,
+        "peak": None if sources.peak is None else round(sources.peak, 3),
+        "reason": sources.reason,
+        "signal": sources.signal,
+        "sources": [{k: v for k, v in s.items() if k != "text"} | {"quote": s["text"][:120]} for s in items],
         "source_pages": [s["pages"][1] - s["pages"][0] + 1 for s in items if "pages" in s],
-        "load": round(load(), 2), **extra,
+        "load": round(load(), 2),
+        **extra,
     }
 
 
@@ -157,6 +182,7 @@ def use_heads(spec: str) -> None:
         w = torch.from_numpy(np.load(spec)).float()
         kvcli.api.citing_heads = lambda lm: HeadWeights(w, spec)
     elif spec == "all" or spec.startswith("layers:"):
+
         def heads(lm):
             layers = range(lm.n_layers) if spec == "all" else span(spec.split(":", 1)[1])
             return HeadWeights.uniform(lm.n_layers, lm.n_heads, list(layers), spec)
@@ -178,8 +204,15 @@ def run(args) -> list[dict]:
 
         # books: a store of their own (a fresh one, or --store), so a book is read once for all its questions
         cache_dir = None if args.set == "ruler" else (store_dir(args.store) if args.store else fresh_cache_dir())
-        session = Session.open(AskOptions(use_cache=args.set != "ruler", cache_dir=cache_dir, cache_max="none",
-                                          max_new_tokens=args.max_new_tokens, template="ruler" if args.set == "ruler" else "qa"))
+        session = Session.open(
+            AskOptions(
+                use_cache=args.set != "ruler",
+                cache_dir=cache_dir,
+                cache_max="none",
+                max_new_tokens=args.max_new_tokens,
+                template="ruler" if args.set == "ruler" else "qa",
+            )
+        )
     if args.set == "ruler":
         tokenizer = session.lm.tokenizer if session else tokenizer_only()
     cases = book_cases(args) if args.set == "books" else ruler_cases(args, tokenizer)
@@ -240,8 +273,9 @@ class PerHead:
                 super().add(positions, probs, weights)
 
         kvcli.pipeline.CitingHeads = Recording
-        kvcli.api.citing_heads = lambda lm: HeadWeights.uniform(lm.n_layers, lm.n_heads, list(range(lm.n_layers)),
-                                                               "every head of every layer, averaged")
+        kvcli.api.citing_heads = lambda lm: HeadWeights.uniform(
+            lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged"
+        )
 
     def start(self, lm, n_prompt: int) -> None:
         self.current = torch.zeros(lm.n_layers, lm.n_heads, n_prompt)
@@ -250,15 +284,29 @@ class PerHead:
         du = DocumentUnits.of(case["doc"])
         p = result.prompt
         per = self.current[:, :, p.doc_start : p.doc_end].numpy()
-        units = np.stack([[du.scores(p.doc_offsets, per[layer, h])[0] for h in range(per.shape[1])] for layer in range(per.shape[0])])
+        units = np.stack(
+            [[du.scores(p.doc_offsets, per[layer, h])[0] for h in range(per.shape[1])] for layer in range(per.shape[0])]
+        )
         gold = []
         for i, u in enumerate(du.units):
-            src = {"start": u.start, "end": u.end, **({"pages": list(case["doc"].page_range(u.start, u.end))} if "gold_pages" in case else {})}
+            src = {
+                "start": u.start,
+                "end": u.end,
+                **({"pages": list(case["doc"].page_range(u.start, u.end))} if "gold_pages" in case else {}),
+            }
             if hit(case, src):
                 gold.append(i)
-        self.records.append({"index": index, "document": case["document"], "question": case["question"], "gold": gold,
-                             "n_units": len(du), "right": right(result.answer, case["accept"], case["question"]),
-                             "unit_chars": [u.end - u.start for u in du.units]})
+        self.records.append(
+            {
+                "index": index,
+                "document": case["document"],
+                "question": case["question"],
+                "gold": gold,
+                "n_units": len(du),
+                "right": right(result.answer, case["accept"], case["question"]),
+                "unit_chars": [u.end - u.start for u in du.units],
+            }
+        )
         self.arrays[f"answer_{index}"] = units.astype(np.float32)
         self.current = None
 
@@ -288,26 +336,54 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
     if PER_HEAD.path is not None:
         from kvcli.prompt import build_prompt
 
-        PER_HEAD.start(session.lm, build_prompt(session.lm.tokenizer, case["doc"].text, case["question"], session.template,
-                                                case["answer_prefix"]).n_tokens)
+        PER_HEAD.start(
+            session.lm,
+            build_prompt(
+                session.lm.tokenizer, case["doc"].text, case["question"], session.template, case["answer_prefix"]
+            ).n_tokens,
+        )
     try:
-        result = session.ask(case["doc"], case["question"], parse_pipeline(method), answer_prefix=case["answer_prefix"],
-                             max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
+        result = session.ask(
+            case["doc"],
+            case["question"],
+            parse_pipeline(method),
+            answer_prefix=case["answer_prefix"],
+            max_new_tokens=case.get("max_new_tokens", args.max_new_tokens),
+        )
     finally:
         kvcli.api.cite = real
-    extra = {"answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
-             "compressor": result.extra.get("compressor"), "n_tokens": result.prompt.n_tokens,
-             "ttft_s": round(result.ttft_s, 3), "total_s": round(result.total_s, 3),
-             "sources_s": round(result.extra.get("sources_s") or 0.0, 4), "citing_heads": args.heads}
+    extra = {
+        "answer": result.answer,
+        "right": right(result.answer, case["accept"], case["question"]),
+        "compressor": result.extra.get("compressor"),
+        "n_tokens": result.prompt.n_tokens,
+        "ttft_s": round(result.ttft_s, 3),
+        "total_s": round(result.total_s, 3),
+        "sources_s": round(result.extra.get("sources_s") or 0.0, 4),
+        "citing_heads": args.heads,
+    }
     rows = [scored(case, method, result.sources, extra)]
     if PER_HEAD.path is not None:
         PER_HEAD.keep(case, result, len(PER_HEAD.records))
     if not result.sources.items:
         return rows
     t0 = time.perf_counter()
-    blended = sources_from_tokens(case["doc"], result.prompt, kept["scores"].numpy(), question=case.get("query", case["question"]),
-                                  lexical=1.0, signal="attention+bm25")
-    rows.append(scored(case, f"{method}+bm25", blended, {**extra, "sources_s": extra["sources_s"] + round(time.perf_counter() - t0, 4)}))
+    blended = sources_from_tokens(
+        case["doc"],
+        result.prompt,
+        kept["scores"].numpy(),
+        question=case.get("query", case["question"]),
+        lexical=1.0,
+        signal="attention+bm25",
+    )
+    rows.append(
+        scored(
+            case,
+            f"{method}+bm25",
+            blended,
+            {**extra, "sources_s": extra["sources_s"] + round(time.perf_counter() - t0, 4)},
+        )
+    )
     return rows
 
 
@@ -336,8 +412,13 @@ def contextcite(session, case: dict, args) -> dict:
 
     t0 = time.perf_counter()
     doc, tok = case["doc"], session.lm.tokenizer
-    result = session.ask(doc, case["question"], parse_pipeline("full"), answer_prefix=case["answer_prefix"],
-                         max_new_tokens=case.get("max_new_tokens", args.max_new_tokens))
+    result = session.ask(
+        doc,
+        case["question"],
+        parse_pipeline("full"),
+        answer_prefix=case["answer_prefix"],
+        max_new_tokens=case.get("max_new_tokens", args.max_new_tokens),
+    )
     answer = torch.tensor(result.answer_ids)
     cuts = passages(doc)
     rng = np.random.default_rng(0)
@@ -354,15 +435,27 @@ def contextcite(session, case: dict, args) -> dict:
         logps.append(float(logp[torch.arange(answer.numel()), answer].sum()))
     w = lasso(masks.astype(np.float64), np.array(logps))
     order = np.argsort(-w, kind="stable")[:3]
-    items = tuple(Source(cuts[i][0], cuts[i][1], 1, 1, False, doc.text[cuts[i][0] : cuts[i][1]], float(w[i]), ())
-                  for i in order if w[i] > 0)
+    items = tuple(
+        Source(cuts[i][0], cuts[i][1], 1, 1, False, doc.text[cuts[i][0] : cuts[i][1]], float(w[i]), ())
+        for i in order
+        if w[i] > 0
+    )
     found = Sources(items, clear=bool(items), signal="contextcite")
     attention = result.sources.items[0] if result.sources and result.sources.items else None
     agree = bool(items) and attention is not None and attention.start < items[0].end and items[0].start < attention.end
-    return scored(case, "contextcite", found, {
-        "answer": result.answer, "right": right(result.answer, case["accept"], case["question"]),
-        "attention_top_in_contextcite_top": agree, "ablations": args.ablations,
-        "total_s": round(time.perf_counter() - t0, 2), "sources_s": round(time.perf_counter() - t0 - result.total_s, 2)})
+    return scored(
+        case,
+        "contextcite",
+        found,
+        {
+            "answer": result.answer,
+            "right": right(result.answer, case["accept"], case["question"]),
+            "attention_top_in_contextcite_top": agree,
+            "ablations": args.ablations,
+            "total_s": round(time.perf_counter() - t0, 2),
+            "sources_s": round(time.perf_counter() - t0 - result.total_s, 2),
+        },
+    )
 
 
 def reweigh(args) -> list[dict]:
@@ -395,7 +488,9 @@ def reweigh(args) -> list[dict]:
             else:
                 scores = np.einsum("lh,lhu->u", w, a)
             query = case.get("query", case["question"])
-            variants = [(name, scores)] + [(f"{name}+{x:g}bm25", fused(du, scores, read, query, x)) for x in args.lexical]
+            variants = [(name, scores)] + [
+                (f"{name}+{x:g}bm25", fused(du, scores, read, query, x)) for x in args.lexical
+            ]
             for label, sc in variants:
                 rows.append(scored(case, f"{args.method}[{label}]", rank(du, sc, read=read), {"sources_s": 0.0}))
     return rows
@@ -415,8 +510,12 @@ def verify(args) -> None:
                 pages = [q["page"], *q.get("also", [])]
                 for p in pages:
                     ours = page_text(document, p).lower()
-                    theirs = subprocess.run(["pdftotext", "-f", str(p), "-l", str(p), str(pdf), "-"], capture_output=True,
-                                            text=True, check=True).stdout.lower()
+                    theirs = subprocess.run(
+                        ["pdftotext", "-f", str(p), "-l", str(p), str(pdf), "-"],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    ).stdout.lower()
                     found = [a for a in q["accept"] if a.lower() in theirs and a.lower() in " ".join(ours.split())]
                     ok = bool(found)
                     bad += not ok
@@ -433,8 +532,11 @@ def share(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| set | method | questions | hit@1 | hit@3 | no clear source | hit@1 when clear / not | answers right | pages a source spans (mean) | sources add (median s) | share of the answer's time (median, max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | method | questions | hit@1 | hit@3 | no clear source | hit@1 when clear / not | answers right | "
+        "pages a source spans (mean) | sources add (median s) | share of the answer's time (median, max) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     keys = list(dict.fromkeys((r["set"], r["method"]) for r in rows))
     for s, m in keys:
         rs = [r for r in rows if (r["set"], r["method"]) == (s, m)]
@@ -451,7 +553,8 @@ def table(rows: list[dict]) -> str:
             f"| {s} | {m} | {n} | {pct([r['hit1'] for r in rs])} | {pct([r['hit3'] for r in rs])} | "
             f"{len(unclear)}/{n} | {pct([r['hit1'] for r in clear])} / {pct([r['hit1'] for r in unclear])} | "
             f"{f'{sum(right_)}/{len(right_)}' if right_ else '—'} | {f'{np.mean(spans):.2f}' if spans else '—'} | "
-            f"{np.median([r['sources_s'] for r in rs]):.3f} | {share(rs)} |")
+            f"{np.median([r['sources_s'] for r in rs]):.3f} | {share(rs)} |"
+        )
     return "\n".join(lines)
 
 
@@ -471,10 +574,19 @@ def main() -> None:
         s.add_argument("--length", type=int, default=4096)
         s.add_argument("--max-new-tokens", type=int, default=32)
         s.add_argument("--out", type=Path, default=None)
-        s.add_argument("--store", type=Path, default=None, help="books: this cache folder's disk store, kept between runs")
+        s.add_argument(
+            "--store", type=Path, default=None, help="books: this cache folder's disk store, kept between runs"
+        )
         s.add_argument("--ablations", type=int, default=32, help="contextcite: random ablations per case")
-        s.add_argument("--heads", default="default", help="the citing heads: default, all, layers:A-B, or a .npy of weights")
-        s.add_argument("--per-head", type=Path, default=None, help="also keep each head's attention per unit (.npz, cite_heads.py analyze)")
+        s.add_argument(
+            "--heads", default="default", help="the citing heads: default, all, layers:A-B, or a .npy of weights"
+        )
+        s.add_argument(
+            "--per-head",
+            type=Path,
+            default=None,
+            help="also keep each head's attention per unit (.npz, cite_heads.py analyze)",
+        )
     r = sub.add_parser("reweigh")
     r.add_argument("set_of", choices=("books", "ruler"))
     r.add_argument("per_head", type=Path)
@@ -483,7 +595,9 @@ def main() -> None:
     r.add_argument("--bands", nargs="*", default=None, help="layer bands, e.g. 10-20")
     r.add_argument("--skip", default=None, help="case indices to leave out (the training ones)")
     r.add_argument("--only", default=None, help="case indices to keep (the others left out)")
-    r.add_argument("--lexical", type=float, nargs="*", default=[1.0], help="BM25 weights to fuse with (kvcli.sources.fused)")
+    r.add_argument(
+        "--lexical", type=float, nargs="*", default=[1.0], help="BM25 weights to fuse with (kvcli.sources.fused)"
+    )
     r.add_argument("--instances", default="100-139")
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--docs", type=lambda x: x.split(","), default=None)
@@ -502,16 +616,24 @@ def main() -> None:
     if args.set == "reweigh":
         rows = reweigh(args)
         if args.out:
-            args.out.write_text(json.dumps({"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]), "rows": rows},
-                                           indent=1) + "\n")
+            args.out.write_text(
+                json.dumps(
+                    {"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]), "rows": rows}, indent=1
+                )
+                + "\n"
+            )
         print(table(rows))
         return
     started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = run(args)
     PER_HEAD.save()
-    out = {"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]),
-           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
-           "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}
+    out = {
+        "command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "started": started,
+        "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "rows": rows,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

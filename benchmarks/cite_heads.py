@@ -69,7 +69,9 @@ class Reader:
             k = key[0].float()  # (kv_heads, kv_len, d)
             rows = [(self.answer, query[0, :, -1:, :], kv_len - 1)]
             if q_len > 1:  # the prompt's pass: the question's rows too
-                rows.append((self.question, query[0, :, kv_len - self.after_doc : kv_len - 1, :], kv_len - self.after_doc))
+                rows.append(
+                    (self.question, query[0, :, kv_len - self.after_doc : kv_len - 1, :], kv_len - self.after_doc)
+                )
             for acc, q, first_pos in rows:
                 r = q.shape[1]
                 logits = torch.einsum("kgrd,knd->kgrn", q.float().reshape(kv_heads, g, r, d), k) / d**0.5
@@ -116,17 +118,38 @@ def collect(args) -> None:
         answer_ids = greedy(lm, prompt.ids, ctx, inst.max_new_tokens, stop)
         du = DocumentUnits.of(doc)
         gold = np.array([any(u.start < e and s < u.end for s, e in inst.spans) for u in du.units])
-        per_unit = [np.stack([[du.scores(prompt.doc_offsets, acc[layer, head].numpy())[0] for head in range(n_heads)]
-                              for layer in range(n_layers)]) for acc in (reader.answer, reader.question)]
+        per_unit = [
+            np.stack(
+                [
+                    [du.scores(prompt.doc_offsets, acc[layer, head].numpy())[0] for head in range(n_heads)]
+                    for layer in range(n_layers)
+                ]
+            )
+            for acc in (reader.answer, reader.question)
+        ]
         answer = tok.decode(answer_ids, skip_special_tokens=True)
         right = any(o.lower() in answer.lower() for o in inst.outputs)
-        records.append({"index": index, "answer": answer, "outputs": inst.outputs, "right": right, "n_units": len(du),
-                        "gold": np.flatnonzero(gold).tolist(), "n_tokens": prompt.n_tokens, "n_answer": len(answer_ids),
-                        "unit_chars": [u.end - u.start for u in du.units]})
+        records.append(
+            {
+                "index": index,
+                "answer": answer,
+                "outputs": inst.outputs,
+                "right": right,
+                "n_units": len(du),
+                "gold": np.flatnonzero(gold).tolist(),
+                "n_tokens": prompt.n_tokens,
+                "n_answer": len(answer_ids),
+                "unit_chars": [u.end - u.start for u in du.units],
+            }
+        )
         answer_scores.append(per_unit[0].astype(np.float32))
         question_scores.append(per_unit[1].astype(np.float32))
-        print(json.dumps({k: records[-1][k] for k in ("index", "answer", "right", "n_units", "gold")})
-              + f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        print(
+            json.dumps({k: records[-1][k] for k in ("index", "answer", "right", "n_units", "gold")})
+            + f" {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     arrays = {f"answer_{r['index']}": a for r, a in zip(records, answer_scores)}
     arrays.update({f"question_{r['index']}": q for r, q in zip(records, question_scores)})
     np.savez_compressed(args.out, records=json.dumps(records), **arrays)
@@ -153,12 +176,20 @@ def learn(data: list[tuple[np.ndarray, list[int]]], steps: int = 300, l2: float 
     shape = data[0][0].shape[:2]
     raw = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([raw], lr=0.05)
-    xs = [(torch.from_numpy(a.astype(np.float64) / max(float(a.sum(axis=(0, 1)).max()), 1e-12) * shape[0] * shape[1]),
-           torch.tensor(g)) for a, g in data if g]
+    xs = [
+        (
+            torch.from_numpy(a.astype(np.float64) / max(float(a.sum(axis=(0, 1)).max()), 1e-12) * shape[0] * shape[1]),
+            torch.tensor(g),
+        )
+        for a, g in data
+        if g
+    ]
     for _ in range(steps):
         opt.zero_grad()
         w = torch.nn.functional.softplus(raw)
-        loss = sum(-torch.logsumexp(torch.log_softmax(torch.einsum("lh,lhu->u", w, x) * 50, 0)[g], 0) for x, g in xs) / len(xs)
+        loss = sum(
+            -torch.logsumexp(torch.log_softmax(torch.einsum("lh,lhu->u", w, x) * 50, 0)[g], 0) for x, g in xs
+        ) / len(xs)
         (loss + l2 * (w**2).sum()).backward()
         opt.step()
     return torch.nn.functional.softplus(raw).detach().numpy()
@@ -173,18 +204,36 @@ def analyze(args) -> None:
         rows.append((r, z[f"{args.signal}_{r['index']}"].astype(np.float64)))
     n_layers, n_heads = rows[0][1].shape[:2]
     test = [(r, a) for r, a in rows if r["index"] not in train]
-    print(f"{len(rows)} instances ({len(test)} held out), {n_layers} layers x {n_heads} heads, signal {args.signal}; "
-          f"model right on {sum(r['right'] for r, _ in rows)}")
+    print(
+        f"{len(rows)} instances ({len(test)} held out), {n_layers} layers x {n_heads} heads, signal {args.signal}; "
+        f"model right on {sum(r['right'] for r, _ in rows)}"
+    )
     chance = np.mean([len(r["gold"]) / r["n_units"] for r, _ in test])
     print(f"chance hit@1 (gold units / units): {chance:.3f}")
-    per_layer = [[np.mean([hits(normalised(a)[layer].sum(0), r["gold"], k) for r, a in test]) for layer in range(n_layers)]
-                 for k in (1, 3)]
-    print("per layer (heads' shares summed) hit@1: " + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[0])))
-    print("per layer hit@3:                          " + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[1])))
+    per_layer = [
+        [np.mean([hits(normalised(a)[layer].sum(0), r["gold"], k) for r, a in test]) for layer in range(n_layers)]
+        for k in (1, 3)
+    ]
+    print(
+        "per layer (heads' shares summed) hit@1: "
+        + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[0]))
+    )
+    print(
+        "per layer hit@3:                          "
+        + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[1]))
+    )
     everything = [np.mean([hits(a.sum((0, 1)), r["gold"], k) for r, a in test]) for k in (1, 3)]
-    print(f"all heads averaged (kvcli's sum of every head's weights): hit@1 {everything[0]:.3f}, hit@3 {everything[1]:.3f}")
-    head = np.array([[np.mean([hits(a[layer, h], r["gold"], 1) for r, a in rows if r["index"] in train] or [0])
-                      for h in range(n_heads)] for layer in range(n_layers)])
+    print(f"all heads averaged (kvcli's sum of every head's weights): hit@1 {everything[0]:.3f}, "
+          f"hit@3 {everything[1]:.3f}")
+    head = np.array(
+        [
+            [
+                np.mean([hits(a[layer, h], r["gold"], 1) for r, a in rows if r["index"] in train] or [0])
+                for h in range(n_heads)
+            ]
+            for layer in range(n_layers)
+        ]
+    )
     best = np.dstack(np.unravel_index(np.argsort(-head, axis=None)[:10], head.shape))[0]
     print("best single heads on train (hit@1): " + ", ".join(f"L{layer}H{h} {head[layer, h]:.2f}" for layer, h in best))
     if train:

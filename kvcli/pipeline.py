@@ -459,7 +459,8 @@ def run(
             step.device_token = decoder.device_token  # the token as the device tensor (no upload)
         reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
         with listening({} if reader is None else reader.observers()):
-            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
+            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step,
+                                       guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(

@@ -72,8 +72,13 @@ class Source:
     units: tuple[int, ...]  # indices into the document's units
 
     def to_json(self) -> dict:
-        return {"pages" if self.paged else "lines": [self.first, self.last], "start": self.start, "end": self.end,
-                "text": self.text, "score": round(self.score, 4)}
+        return {
+            "pages" if self.paged else "lines": [self.first, self.last],
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "score": round(self.score, 4),
+        }
 
     def where(self) -> str:
         """``p. 42``, ``pp. 41-42``, ``line 7``, ``lines 7-9``."""
@@ -156,8 +161,9 @@ def _split_page(text: str, lo: int, hi: int, units: list[Unit]) -> None:
                 while nxt < line_end and text[nxt].isspace():
                     nxt += 1
                 start = nxt if nxt < line_end else None
-            if start is not None and (len(stripped) < SHORT_LINE or _LINE_ENDS_UNIT.search(stripped)
-                                      or line_end - start > MAX_UNIT_CHARS):
+            if start is not None and (
+                len(stripped) < SHORT_LINE or _LINE_ENDS_UNIT.search(stripped) or line_end - start > MAX_UNIT_CHARS
+            ):
                 close(line_end)
         pos = line_end + 1
     close(hi)
@@ -217,8 +223,15 @@ class DocumentUnits:
 # --------------------------------------------------------------------------- ranking
 
 
-def rank(doc_units: DocumentUnits, unit_scores: np.ndarray, *, read: np.ndarray | None = None,
-         top: int = DEFAULT_TOP, clear_ratio: float = DEFAULT_CLEAR_RATIO, signal: str = "") -> Sources:
+def rank(
+    doc_units: DocumentUnits,
+    unit_scores: np.ndarray,
+    *,
+    read: np.ndarray | None = None,
+    top: int = DEFAULT_TOP,
+    clear_ratio: float = DEFAULT_CLEAR_RATIO,
+    signal: str = "",
+) -> Sources:
     """Ranked sources from unit scores (module docstring). ``read``: the units the method read
     (default: those with a non-zero score); none read: no source, and the reason. Units are taken
     best first: one next to a source joins it when it scores at least ``JOIN_SHARE`` of the
@@ -232,8 +245,16 @@ def rank(doc_units: DocumentUnits, unit_scores: np.ndarray, *, read: np.ndarray 
         return Sources((), clear=False, reason="the answer read nothing of the document", signal=signal)
     runs: list[list[int]] = []
     for i in order:  # best first
-        run = next((r for r in runs if len(r) < MAX_SOURCE_UNITS and i in (r[0] - 1, r[-1] + 1)
-                    and scores[i] >= JOIN_SHARE * scores[r].max()), None)
+        run = next(
+            (
+                r
+                for r in runs
+                if len(r) < MAX_SOURCE_UNITS
+                and i in (r[0] - 1, r[-1] + 1)
+                and scores[i] >= JOIN_SHARE * scores[r].max()
+            ),
+            None,
+        )
         if run is not None:
             run.insert(0, i) if i < run[0] else run.append(i)
         elif len(runs) < top:
@@ -251,12 +272,14 @@ def _source(doc_units: DocumentUnits, run: list[int], scores: np.ndarray) -> Sou
     units = doc_units.units
     start, end = units[run[0]].start, units[run[-1]].end
     first, last, paged = doc_units.place(start, end)
-    return Source(start, end, first, last, paged, doc_units.document.text[start:end],
-                  float(scores[run].sum()), tuple(run))
+    return Source(
+        start, end, first, last, paged, doc_units.document.text[start:end], float(scores[run].sum()), tuple(run)
+    )
 
 
-def sources_from_tokens(document: Document, prompt, token_scores, *, question: str = "", lexical: float = 0.0,
-                        **kwargs) -> Sources:
+def sources_from_tokens(
+    document: Document, prompt, token_scores, *, question: str = "", lexical: float = 0.0, **kwargs
+) -> Sources:
     """Sources from one score per *prompt* token (NaN where the token was not read): the document
     tokens' scores mapped to units, then :func:`rank`. ``lexical`` > 0 adds that weight of the
     units' BM25 score for ``question`` (:func:`fused`) to the attention's, over the units read."""
@@ -268,7 +291,9 @@ def sources_from_tokens(document: Document, prompt, token_scores, *, question: s
     return rank(doc_units, scores, read=read, **kwargs)
 
 
-def fused(doc_units: DocumentUnits, attention: np.ndarray, read: np.ndarray, question: str, weight: float) -> np.ndarray:
+def fused(
+    doc_units: DocumentUnits, attention: np.ndarray, read: np.ndarray, question: str, weight: float
+) -> np.ndarray:
     """Each read unit's share of the best attention plus ``weight`` times its share of the best
     BM25 score (the question over the read units); units not read score 0."""
     text = doc_units.document.text

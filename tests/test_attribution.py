@@ -87,9 +87,12 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     monkeypatch.setattr(kvcli.api, "cite", spy)
     monkeypatch.setattr(kvcli.api, "LEXICAL_WEIGHT", 0.0)  # the attention alone ranks
     doc = document_from_text(DOC)
-    result = session_for(lm, None, use_cache=False).ask(doc, Q1, Pipeline.parse("full"), max_new_tokens=5, force_tokens=True)
-    units, read = DocumentUnits.of(doc).scores(result.prompt.doc_offsets,
-                                                seen["scores"][result.prompt.doc_start : result.prompt.doc_end].numpy())
+    result = session_for(lm, None, use_cache=False).ask(
+        doc, Q1, Pipeline.parse("full"), max_new_tokens=5, force_tokens=True
+    )
+    units, read = DocumentUnits.of(doc).scores(
+        result.prompt.doc_offsets, seen["scores"][result.prompt.doc_start : result.prompt.doc_end].numpy()
+    )
     assert read.all() and int(units.argmax()) in result.sources.items[0].units
     assert result.extra["sources_s"] >= 0 and "citing" not in result.extra
     assert session_for(lm, None, use_cache=False).ask(doc, Q1, Pipeline.parse("full"), sources=False).sources is None
@@ -114,8 +117,9 @@ def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
     got = result.extra["citing"]["scores"]
     n = prompt.n_tokens
     ids = torch.cat([prompt.ids, torch.tensor(result.answer_ids[:4])])
-    ref = AutoModelForCausalLM.from_pretrained(str(tiny_dir("llama", num_hidden_layers=4)), attn_implementation="eager",
-                                               dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tiny_dir("llama", num_hidden_layers=4)), attn_implementation="eager", dtype=torch.float32
+    )
     with torch.no_grad():
         attentions = ref(ids.view(1, -1), output_attentions=True).attentions
     want = torch.zeros(n, dtype=torch.float64)
@@ -166,8 +170,9 @@ def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monk
 
     monkeypatch.setattr(BookCache, "attend", attend)
     spec = f"infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,kv_dtype=model,{knobs}"
-    result = session_for(lm, None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
-                                                        max_new_tokens=4, force_tokens=True)
+    result = session_for(lm, None, use_cache=False).ask(
+        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=4, force_tokens=True
+    )
     assert len(checked) == 3 * lm.n_layers  # every layer of the 3 steps that fed a token
     assert result.sources.items and all(s.start < s.end for s in result.sources.items)
 
@@ -178,8 +183,9 @@ def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm)
     from tests.helpers.stores import DOC, Q1, session_for
 
     spec = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,retrieval=step,filter_layer=-1"
-    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
-                                                                      max_new_tokens=3, force_tokens=True)
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
+        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=3, force_tokens=True
+    )
     assert result.sources.items == () and "does not report" in result.sources.reason
 
 
@@ -212,12 +218,24 @@ def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, mon
 
     monkeypatch.setattr(RaggedLayer, "attend", attend)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse("adakv:budget=0.25"), max_new_tokens=3, force_tokens=True)
+        document_from_text(DOC), Q1, Pipeline.parse("adakv:budget=0.25"), max_new_tokens=3, force_tokens=True
+    )
     assert checked and result.sources.items
 
 
-CITING = ["full", "razor", "snapkv:budget=0.25", "finch", "gemfilter:k=64", "h2o:budget=0.25", "adakv:budget=0.25", "lazyllm",
-          "kvzip", "streamingllm:budget=64", "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2"]
+CITING = [
+    "full",
+    "razor",
+    "snapkv:budget=0.25",
+    "finch",
+    "gemfilter:k=64",
+    "h2o:budget=0.25",
+    "adakv:budget=0.25",
+    "lazyllm",
+    "kvzip",
+    "streamingllm:budget=64",
+    "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2",
+]
 SILENT = ["blocksparse"]  # its cache does not report what a decoding step reads (yet)
 
 
@@ -227,8 +245,9 @@ def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
     from kvcli.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
-    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(document_from_text(DOC), Q1, Pipeline.parse(spec),
-                                                                      max_new_tokens=3, force_tokens=True)
+    result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
+        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=3, force_tokens=True
+    )
     if spec in SILENT:
         assert result.sources.items == () and "does not report" in result.sources.reason
         return
@@ -237,8 +256,11 @@ def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
     if mask is not None:  # a source holds a token the method kept
         held = mask.any(dim=(0, 1))
         for s in result.sources.items:
-            tokens = [i for i in range(result.prompt.doc_start, result.prompt.doc_end)
-                      if s.start <= result.prompt.char_span(i)[0] < s.end]
+            tokens = [
+                i
+                for i in range(result.prompt.doc_start, result.prompt.doc_end)
+                if s.start <= result.prompt.char_span(i)[0] < s.end
+            ]
             assert held[tokens].any()
 
 
@@ -260,7 +282,11 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
             cache, layer = self.cache, self.layer_idx
             g = query.shape[1] // cache.protected.shape[1]
             for kv in range(cache.protected.shape[1]):
-                group = cache.protected[layer][: kv + 1].sum() - 1 if cache.protected[layer, kv] else (~cache.protected[layer][: kv + 1]).sum() - 1
+                group = (
+                    cache.protected[layer][: kv + 1].sum() - 1
+                    if cache.protected[layer, kv]
+                    else (~cache.protected[layer][: kv + 1]).sum() - 1
+                )
                 values = (cache.pv if cache.protected[layer, kv] else cache.cv)[layer][0, int(group)].float()
                 rows = int((positions[kv] != -1).sum()) + int(not cache.protected[layer, kv] and cache.compensated)
                 w = weights[kv, :, :rows]
@@ -272,7 +298,8 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
 
     monkeypatch.setattr(RazorLayer, "attend", attend)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse("razor:window=16,sinks=4"), max_new_tokens=3, force_tokens=True)
+        document_from_text(DOC), Q1, Pipeline.parse("razor:window=16,sinks=4"), max_new_tokens=3, force_tokens=True
+    )
     assert checked and result.sources.items
 
 
@@ -287,5 +314,7 @@ def test_learned_citing_weights_are_read_back_for_their_model_only(tmp_path, mon
     attribution.save_heads(tmp_path / f"{lm.name}.safetensors", w, "learned on nothing, for this test")
     got = attribution.citing_heads(lm)
     assert torch.equal(got.weights, w) and got.source == "learned on nothing, for this test"
-    attribution.save_heads(tmp_path / f"{lm.name}.safetensors", torch.rand(lm.n_layers + 1, lm.n_heads), "another model's")
+    attribution.save_heads(
+        tmp_path / f"{lm.name}.safetensors", torch.rand(lm.n_layers + 1, lm.n_heads), "another model's"
+    )
     assert attribution.citing_heads(lm).source == default.source  # the wrong shape: not these weights

@@ -39,11 +39,15 @@ def texts(text: str, units) -> list[str]:
 
 
 def test_units_are_sentences_and_lines_never_across_a_page():
-    doc = paged([
-        ("Title of the book\nThe default is 4095. It can be changed at any time with the\noption -n, which is long enough "
-         "to wrap around the line.\nx = 1\n\nLast words here"),
-        "Second page starts mid-sentence and ends. Done!",
-    ])
+    doc = paged(
+        [
+            (
+                "Title of the book\nThe default is 4095. It can be changed at any time with the\n"
+                "option -n, which is long enough to wrap around the line.\nx = 1\n\nLast words here"
+            ),
+            "Second page starts mid-sentence and ends. Done!",
+        ]
+    )
     got = texts(doc.text, split_units(doc.text, doc.page_starts))
     assert got == [
         "Title of the book",
@@ -88,8 +92,21 @@ def test_unit_scores_sum_the_tokens_by_their_last_character():
     du = DocumentUnits.of(doc)
     assert texts(doc.text, du.units) == ["One two.", "Three four five.", "Six"]
     # tokens as a tokenizer gives them: a leading space belongs to the token
-    words_at = [(m, m + len(w)) for m, w in ((0, "One"), (3, " two"), (7, "."), (8, " Three"), (14, " four"),
-                                             (19, " five"), (24, "."), (25, "\n"), (26, "Six"), (29, "\n"))]
+    words_at = [
+        (m, m + len(w))
+        for m, w in (
+            (0, "One"),
+            (3, " two"),
+            (7, "."),
+            (8, " Three"),
+            (14, " four"),
+            (19, " five"),
+            (24, "."),
+            (25, "\n"),
+            (26, "Six"),
+            (29, "\n"),
+        )
+    ]
     scores = np.arange(1.0, 11.0)
     scores[4] = np.nan  # " four" not read
     got, read = du.scores(words_at, scores)
@@ -158,7 +175,11 @@ def test_bm25_by_hand():
     def term(w, tf, length):
         return idf[w] * tf / (tf + 1.5 * (1 - 0.75 + 0.75 * length / 3))
 
-    want = [term("apple", 2, 3) + term("banana", 1, 3), term("banana", 1, 2) + term("cherry", 1, 2), term("cherry", 3, 4)]
+    want = [
+        term("apple", 2, 3) + term("banana", 1, 3),
+        term("banana", 1, 2) + term("cherry", 1, 2),
+        term("cherry", 3, 4),
+    ]
     got = bm25_scores(passages, "Apple and banana with the cherry?")  # "and", "with", "the": stop words
     assert got == pytest.approx(want)
     assert words("The X-ray of a cat") == ["ray", "cat"]

@@ -259,7 +259,8 @@ class BookCache(CacheBase):
                 return None
             cached = self._cited_keys.get(layer)
             if cached is None or not torch.equal(cached[0], blocks):  # once per answer: the keys as read
-                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2).to(query.device, query.dtype)
+                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2)
+                k_mem = k_mem.to(query.device, query.dtype)
                 if self.answer_positions == "ordered":
                     n_mem = k_mem.shape[2]
                     k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
@@ -273,8 +274,10 @@ class BookCache(CacheBase):
             q_mem = q_mem[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
             logits.insert(0, torch.matmul(q_mem, k_mem.transpose(-1, -2)))
             offsets = torch.arange(self.block_size)
-            held = [torch.cat([torch.arange(self.initial), *(self.initial + b * self.block_size + offsets for b in row)])
-                    for row in blocks.tolist()]
+            held = [
+                torch.cat([torch.arange(self.initial), *(self.initial + b * self.block_size + offsets for b in row)])
+                for row in blocks.tolist()
+            ]
             positions.insert(0, torch.stack(held))
         weights = torch.softmax(torch.cat(logits, dim=-1) / math.sqrt(d), dim=-1)
         return torch.cat(positions, dim=1), weights

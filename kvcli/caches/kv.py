@@ -56,7 +56,8 @@ class KVCache(LayerKV):
             pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
         else:
             pos = self.positions.view(1, -1).expand(n_kv, -1)
-        return pos.to("cpu", torch.long)[:, getattr(self, "dropped", {}).get(layer, 0):]  # the entries the window dropped: the first
+        dropped = getattr(self, "dropped", {}).get(layer, 0)  # the entries the window dropped: the first
+        return pos.to("cpu", torch.long)[:, dropped:]
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:

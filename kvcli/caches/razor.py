@@ -83,8 +83,9 @@ class RazorLayer(LayerView):
         q = query[0, :, -1].reshape(n_kv, g, d).to(torch.float32)
         seen, n = cache.positions, cache.n_compressed
         prot = cache.protected[layer]
-        compressed = torch.cat([torch.full((int(cache.compensated),), -1), seen[: cache.sinks], seen[n - cache.window :]])
-        compressed = torch.cat([compressed, seen[n:]])  # then the tokens appended since (question, answer)
+        compensation = torch.full((int(cache.compensated),), -1)
+        # then the sinks, the window and the tokens appended since (question, answer)
+        compressed = torch.cat([compensation, seen[: cache.sinks], seen[n - cache.window : n], seen[n:]])
         groups = []
         for heads, keys, pos, bias in (
             (torch.nonzero(prot).flatten(), cache.pk[layer], seen[getattr(cache, "dropped", {}).get(layer, 0) :], 0.0),

@@ -56,7 +56,8 @@ CompressorOpt = typer.Option(
 )
 SourcesOpt = typer.Option(
     True, "--sources/--no-sources",
-    help="After the answer, the document's pages (or lines) it comes from, from the answer's attention (in JSON: sources); --no-sources: none, and nothing read for them",
+    help="After the answer, the document's pages (or lines) it comes from (in JSON: sources); "
+    "--no-sources: none, and nothing read for them",
 )
 AnswerGuardOpt = typer.Option(
     True, "--answer-guard/--no-answer-guard",
