@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,12 +19,14 @@ import torch
 
 from . import notices
 from .documents import Document, load_document
+from .attribution import citing_heads
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
 from .pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .selection import Selection
+from .sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -45,6 +48,7 @@ class AskOptions:
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
+    sources: bool = True  # cite the document's pages the answer comes from (kvcli.sources); False: nothing read for it
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -96,6 +100,7 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_prompt: Callable[[str, int], None] | None = None,
         on_progress: Callable[[float], None] | None = None,
+        sources: bool | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
@@ -108,8 +113,11 @@ class Session:
         "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
         while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`); ``on_text(piece)``
         with the answer as it is decoded, the pieces adding up to ``Result.answer``
-        (:class:`kvcli.streaming.AnswerStream`)."""
+        (:class:`kvcli.streaming.AnswerStream`). ``sources``: read the answer's attention while it
+        is decoded and cite the document's sentences it read most (``Result.sources``,
+        :mod:`kvcli.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sources = self.options.sources if sources is None else sources
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
@@ -134,6 +142,7 @@ class Session:
                 store=self.store if use_store else None,
                 guard=guard,
                 low_memory=self.options.low_memory,
+                cite=citing_heads(self.lm) if sources else None,
                 meta={
                     "document": document.source if document.source == "-" else os.path.abspath(document.source),
                     "document_sha256": document.sha256,
@@ -144,6 +153,8 @@ class Session:
             )
         if stream is not None:
             stream.close(result.answer)
+        if sources:
+            result.sources = cite(document, result, question)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         return result
@@ -161,6 +172,21 @@ def spec_label(spec: str, given: Pipeline | None = None) -> str:
         mine = [kv for kv in knobs.split(",") if kv and kv.partition("=")[0] in explicit.get(name, ())]
         parts.append(name + (":" + ",".join(mine) if mine else ""))
     return SEPARATOR.join(parts)
+
+
+def cite(document: Document, result: Result, question: str = "") -> Sources:
+    """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
+    out), ranked with the question's BM25 by :data:`kvcli.sources.LEXICAL_WEIGHT`; the time they
+    added (reading and ranking) in ``result.extra["sources_s"]``."""
+    t0 = time.perf_counter()
+    citing = result.extra.pop("citing")
+    if citing["unsupported"]:
+        found = Sources((), clear=False, reason=f"no sources: {citing['unsupported']}", signal="attention")
+    else:
+        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), question=question,
+                                    lexical=LEXICAL_WEIGHT, signal="attention+bm25" if LEXICAL_WEIGHT else "attention")
+    result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
+    return found
 
 
 def method_label(pipeline: Pipeline) -> str:
@@ -231,10 +257,16 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
         "method_stats": result.extra.get("method_stats", {}),  # the method's own counters (cache.stats())
+        # where the answer comes from, best first (null: --no-sources), and why there is none or no clear one
+        "sources": None if result.sources is None else result.sources.to_json(),
+        "sources_note": None if result.sources is None else result.sources.reason,
+        "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if include_spans:  # a stored book: the spans read (:func:`shown_selection`)
-        record["selected_spans"] = [s.to_json() for s in shown_selection(result)[0].spans(result.prompt, document)]
+    if include_spans:  # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
+        cited = [] if result.sources is None else result.sources.items
+        record["selected_spans"] = [{**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}
+                                    for s in shown_selection(result)[0].spans(result.prompt, document)]
     return record
 
 

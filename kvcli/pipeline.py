@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 
 from . import notices
+from .attention import listening
+from .attribution import CitingHeads
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
@@ -138,6 +140,9 @@ class Result:
     cache: object | None = field(default=None, repr=False)
     # each layer's sliding window, the model's (kvcli.windows; None: not known, counted as without windows)
     windows: Windows | None = None
+    # where the answer comes from (kvcli.sources.Sources), built by the caller that knows the
+    # document (kvcli.api.Session.ask) from ``extra["citing"]``; None: not asked for
+    sources: object | None = None
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -281,12 +286,15 @@ def run(
     meta: dict | None = None,
     guard=None,
     low_memory: bool = False,
+    cite=None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
     ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
     recorded with a new store entry (document, method); ``guard``: where the answer may end besides
-    the stop tokens (:class:`kvcli.stopping.AnswerGuard`).
+    the stop tokens (:class:`kvcli.stopping.AnswerGuard`); ``cite``: the citing heads
+    (:class:`kvcli.attribution.HeadWeights`) whose attention while decoding is kept for the
+    answer's sources (``Result.extra["citing"]``), None: nothing is read.
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
@@ -332,7 +340,10 @@ def run(
         step = None
         if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
             step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
-        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
+        reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
+        with listening({} if reader is None else reader.observers()):
+            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step,
+                                       guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(
@@ -353,5 +364,10 @@ def run(
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
             "method_stats": cache.stats(),
+            "citing": None if reader is None else {
+                "scores": reader.prompt_scores(prompt.n_tokens, selection.kept if pipeline.selectors() else None),
+                "unsupported": reader.unsupported, "seconds": reader.seconds, "steps": reader.steps,
+                "heads": cite.source,
+            },
         },
     )

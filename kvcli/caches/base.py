@@ -128,6 +128,13 @@ class CacheBase:
         it holds is read."""
         return None
 
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """The position of each of ``layer``'s prompt rows, in row order: (n_kv_heads, rows) long
+        (:mod:`kvcli.attribution` maps a decoding step's attention to the prompt with it; the rows
+        after them are decoded tokens). Layouts whose views attend themselves report weights with
+        :meth:`LayerView.read_weights` instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not report where its rows come from")
+
 
 def _room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` (1, heads, m, d), a view of the first m rows of a (1, heads, cap, d) buffer,
@@ -303,3 +310,10 @@ class LayerView:
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
         raise NotImplementedError
+
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a decoding step's query (1, n_heads, 1, head_dim) attends: (positions (n_kv_heads,
+        rows), weights (n_kv_heads, group, rows)), the softmax weights of each query head over the
+        rows its KV head reads and the position each row holds (-1: not a prompt token); None
+        where the layout does not say (its answers cite nothing, and say why)."""
+        return None

@@ -43,6 +43,7 @@ every step retrieves its own blocks — or, ``retrieval=question``, the blocks t
 from __future__ import annotations
 
 import copy as _copy
+import math
 from typing import ClassVar
 
 import torch
@@ -90,6 +91,9 @@ class BookLayer(LayerView):
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         return self.cache.attend(self.layer_idx, module, query, scaling, kernel)
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.cache.read_weights(self.layer_idx, query)
+
 
 @cache_type
 class BookCache(CacheBase):
@@ -126,6 +130,7 @@ class BookCache(CacheBase):
         self.filter_layer: int | None = None  # a probe pass (:meth:`select_shared`): the layer that selects
         self.shared: torch.Tensor | None = None  # (n_kv, k) blocks every layer attends while answering
         self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
+        self._cited_keys: dict[int, tuple] = {}  # answering: (blocks, Initial + their raw keys) a citing layer reads
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
         self.reads: torch.Tensor | None = None  # answering: (n_layers, n_kv, max_blocks) retrievals of each block
@@ -239,6 +244,55 @@ class BookCache(CacheBase):
             self.reads = torch.zeros(self.n_layers_, self.n_kv, self.max_blocks, dtype=torch.int32)
         if blocks.numel():
             self.reads[layer].scatter_add_(1, blocks.to(torch.long), torch.ones_like(blocks, dtype=torch.int32))
+
+    def read_weights(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An answering step's softmax weights over what :meth:`_attend_memory` reads — Initial, the
+        question's blocks (positioned as it positions them) and Local with the step's own key —
+        and the absolute position of each row: (n_kv, rows) long, (n_kv, group, rows) float32
+        (:meth:`kvcli.caches.base.LayerView.read_weights`). Called before the step attends, so it
+        retrieves nothing itself: None where each step retrieves its own blocks
+        (``retrieval=step``). Scaled by 1/sqrt(d)."""
+        key, _ = self._pending[layer]
+        _, n_heads, c, d = query.shape
+        if self.reading or c != 1:
+            return None
+        g, L = n_heads // self.n_kv, self.tail_k[layer].shape[2]
+        pos = torch.arange(L, L + 1)
+        old = self._rotated.get(layer)
+        if old is None or old.shape[2] != L or old.dtype != query.dtype:
+            old = self.rotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L))
+        k_loc = torch.cat([old.to(query.device), key], dim=2)[0].to(torch.float32)  # (n_kv, L + 1, d)
+        q = query[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
+        logits = [torch.matmul(q, k_loc.transpose(-1, -2))]
+        positions = [(self.origin + torch.arange(L + 1)).expand(self.n_kv, -1)]
+        if self.init_k is not None:
+            blocks = self.shared if self.shared is not None else self._chosen.get(layer)
+            if blocks is None or self.retrieval == "step" and self.shared is None:
+                return None
+            cached = self._cited_keys.get(layer)
+            if cached is None or not torch.equal(cached[0], blocks):  # once per answer: the keys as read
+                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2)
+                k_mem = k_mem.to(query.device, query.dtype)
+                if self.answer_positions == "ordered":
+                    n_mem = k_mem.shape[2]
+                    k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
+                cached = self._cited_keys[layer] = (blocks.clone(), k_mem[0].to(torch.float32))
+            k_mem = cached[1]  # (n_kv, n_mem, d) float32, rotated as _attend_memory rotates them
+            n_mem = k_mem.shape[1]
+            if self.answer_positions == "ordered":
+                q_mem = self.rotate(query, pos, pos + n_mem)
+            else:
+                q_mem = self.rotate(query, pos, torch.full((1,), self.local, dtype=torch.long))
+            q_mem = q_mem[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
+            logits.insert(0, torch.matmul(q_mem, k_mem.transpose(-1, -2)))
+            offsets = torch.arange(self.block_size)
+            held = [
+                torch.cat([torch.arange(self.initial), *(self.initial + b * self.block_size + offsets for b in row)])
+                for row in blocks.tolist()
+            ]
+            positions.insert(0, torch.stack(held))
+        weights = torch.softmax(torch.cat(logits, dim=-1) / math.sqrt(d), dim=-1)
+        return torch.cat(positions, dim=1), weights
 
     def _causal_bias(self, c: int, n_loc: int, g: int, like: torch.Tensor) -> torch.Tensor:
         """(g*c, n_loc) additive mask: query row i (any head of a group) sees Local keys up to
@@ -451,7 +505,7 @@ class BookCache(CacheBase):
         the read); its own Local (appending makes new tensors) and choices."""
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
-        out._pending, out._chosen, out._rotated = {}, {}, {}
+        out._pending, out._chosen, out._rotated, out._cited_keys = {}, {}, {}, {}
         out.filter_layer, out.shared = None, None
         out.attended, out.steps, out.reads = 0.0, 0, None
         return out

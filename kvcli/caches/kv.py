@@ -41,19 +41,27 @@ class KVCache(LayerKV):
         layer, the document slots, then the question's), ``positions``."""
         n_kv = self.keys[0].shape[1] if self.keys else 0
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
-        dropped = self.dropped
         for layer in range(self.n_layers):
-            if self.kept is not None:
-                pos = self.kept[layer]  # (n_kv, kept_l)
-            elif self.kept_positions is not None:
-                pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
-            else:
-                pos = self.positions.view(1, -1).expand(n_kv, -1)
-            pos = pos.to("cpu", torch.long)[:, dropped.get(layer, 0):]  # the entries the window dropped: the first
+            pos = self.held_positions(layer)
             inside = pos < n_prompt
             rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
             mask[layer][rows[inside], pos[inside]] = True
         return mask
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, rows) the position of each row of ``layer`` (:meth:`CacheBase.held_positions`),
+        from ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
+        layer, the document slots, then the question's), else ``positions``; a sliding layer's
+        first ``dropped`` entries are gone."""
+        n_kv = self.keys[0].shape[1] if self.keys else 0
+        if self.kept is not None:
+            pos = self.kept[layer]  # (n_kv, kept_l)
+        elif self.kept_positions is not None:
+            pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
+        else:
+            pos = self.positions.view(1, -1).expand(n_kv, -1)
+        dropped = self.dropped.get(layer, 0)  # the entries the window dropped: the first
+        return pos.to("cpu", torch.long)[:, dropped:]
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -175,6 +175,12 @@ class LazyCache(LayerKV):
             mask[layer, :, pos[pos < n_prompt]] = True
         return mask
 
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, slots) each slot's original position, the same for every KV head
+        (:meth:`CacheBase.held_positions`)."""
+        n_kv = self.keys[layer].shape[1]
+        return self.slots(layer).view(1, -1).expand(n_kv, -1)
+
     def aux_tokens(self) -> int:
         return sum(int(p.numel()) for p, _ in self.aux.values())
 

@@ -43,6 +43,18 @@ class RaggedLayer(LayerView):
         mask = mask.repeat_interleave(n_heads // k.shape[1], dim=0)[None]  # (1, n_heads, q_len, kv_len)
         return kernels.attend(kernel, module, query, k, v, scaling, mask=mask)
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step's weights over the layer's slots, each KV head's padding weighed zero
+        (:meth:`LayerView.read_weights`): the positions of :meth:`RaggedCache.held_positions`."""
+        k = self.cache.keys[self.layer_idx]
+        positions = self.cache.held_positions(self.layer_idx)
+        valid = self.cache.valid_slots(self.layer_idx, query.device)  # (n_kv, kv_len)
+        n_heads, n_kv, d = query.shape[1], k.shape[1], query.shape[-1]
+        q = query[0, :, -1].reshape(n_kv, n_heads // n_kv, d).to(torch.float32)
+        logits = torch.matmul(q, k[0].to(torch.float32).transpose(-1, -2)) / d**0.5
+        weights = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        return positions, weights[..., : positions.shape[1]]
+
 
 @cache_type
 class RaggedCache(LayerKV):
@@ -184,6 +196,13 @@ class RaggedCache(LayerKV):
             after = self.positions[self.n_compressed + self.after_dropped.get(layer, 0) :]
             mask[layer][:, after[after < n_prompt]] = True
         return mask
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, rows) each slot's position (:meth:`CacheBase.held_positions`): the head's kept
+        entries (-1 on padding), then the tokens appended after the compression."""
+        kept = self.kept[layer]
+        after = self.positions[self.n_compressed + self.after_dropped.get(layer, 0) :]
+        return torch.cat([kept, after.view(1, -1).expand(kept.shape[0], -1)], dim=1)
 
     def stats(self) -> dict:
         """Entries held vs slots allocated (padding is memory too)."""

@@ -72,6 +72,39 @@ class RazorLayer(LayerView):
         return out
 
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step's weights per KV head over its group's rows (:meth:`LayerView.read_weights`):
+        retrieval heads over every token; the others over [the compensation token (no position,
+        its logit + log N_d), the sinks, the window, the tokens appended since]. The two groups'
+        rows padded to one length (position -1, weight 0)."""
+        cache, layer = self.cache, self.layer_idx
+        d, n_kv = query.shape[-1], cache.protected.shape[1]
+        g = query.shape[1] // n_kv
+        q = query[0, :, -1].reshape(n_kv, g, d).to(torch.float32)
+        seen, n = cache.positions, cache.n_compressed
+        prot = cache.protected[layer]
+        compensation = torch.full((int(cache.compensated),), -1)
+        # then the sinks, the window and the tokens appended since (question, answer)
+        compressed = torch.cat([compensation, seen[: cache.sinks], seen[n - cache.window : n], seen[n:]])
+        groups = []
+        for heads, keys, pos, bias in (
+            (torch.nonzero(prot).flatten(), cache.pk[layer], seen[getattr(cache, "dropped", {}).get(layer, 0) :], 0.0),
+            (torch.nonzero(~prot).flatten(), cache.ck[layer], compressed,
+             math.log(cache.n_dropped) if cache.compensated else 0.0),
+        ):
+            if heads.numel():
+                logits = torch.matmul(q[heads.to(q.device)], keys[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)
+                logits[..., 0] += bias  # the compensation token's weight N_d (0 elsewhere)
+                groups.append((heads, pos, torch.softmax(logits, dim=-1)[..., : pos.numel()]))
+        rows = max(pos.numel() for _, pos, _ in groups)
+        positions = torch.full((n_kv, rows), -1, dtype=torch.long)
+        weights = torch.zeros(n_kv, g, rows)
+        for heads, pos, w in groups:
+            positions[heads, : pos.numel()] = pos
+            weights[heads, :, : pos.numel()] = w.cpu()
+        return positions, weights
+
+
 def compensated_attention(query, key, value, bias: torch.Tensor, scaling: float, eager: bool = False) -> torch.Tensor:
     """Attention with an additive float ``bias`` (q_len, kv_len) on the logits (-inf: masked).
 

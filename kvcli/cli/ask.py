@@ -18,7 +18,7 @@ from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
-from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .options import AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
 
 ASK_HELP = """Answer a question from documents.
 
@@ -64,13 +64,14 @@ def ask(
     cache_max: Optional[str] = CacheMaxOpt,
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
     answer_guard: bool = AnswerGuardOpt,
+    sources: bool = SourcesOpt,
     low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard, low_memory, cache_max)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard, low_memory, cache_max, sources)
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:
@@ -120,6 +121,9 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         sys.stdout.flush()
     else:
         stdout.out(result.answer)
+    if result.sources is not None:
+        for line in result.sources.lines():
+            stdout.out(line)
     if show_selected:
         shown, n_shown, verb = api.shown_selection(result)  # a stored book: what the answer read
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal

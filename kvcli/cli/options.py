@@ -60,6 +60,11 @@ CompressorOpt = typer.Option(
     help=f"Method spec, e.g. full or snapkv:budget=0.25; auto: {policy.DESCRIPTION} (see docs/methods.md); "
     "`kvcli compressors` lists the methods",
 )
+SourcesOpt = typer.Option(
+    True, "--sources/--no-sources",
+    help="After the answer, the document's pages (or lines) it comes from (in JSON: sources); "
+    "--no-sources: none, and nothing read for them",
+)
 AnswerGuardOpt = typer.Option(
     True, "--answer-guard/--no-answer-guard",
     help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit",
@@ -86,7 +91,7 @@ CacheDirOpt = cache_dir_option()
 
 def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
                  cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
-                low_memory: bool = False, cache_max: Optional[str] = None) -> api.AskOptions:
+                low_memory: bool = False, cache_max: Optional[str] = None, sources: bool = True) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
         parse_size(cache_max)  # a usage error now, not after loading the model
@@ -104,6 +109,7 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         answer_guard=answer_guard,
         low_memory=low_memory,
         cache_max=cache_max,
+        sources=sources,
     )
 
 

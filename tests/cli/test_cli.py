@@ -290,6 +290,9 @@ def test_json_gemfilter_selected_spans(cli, files, model):
         assert 0 <= span["start"] < span["end"] <= len(text)
         assert text[span["start"] : span["end"]] == span["text"]
         assert span["page"] == 1
+        assert span["cited"] == any(c["start"] < span["end"] and span["start"] < c["end"] for c in record["sources"])
+    cited = record["sources"]  # each overlaps a kept span: gemfilter's second pass read nothing else
+    assert cited and all(any(c["start"] < s["end"] and s["start"] < c["end"] for s in spans) for c in cited)
 
 
 def test_plain_text_answer_and_stats(cli, files, model):
@@ -299,7 +302,10 @@ def test_plain_text_answer_and_stats(cli, files, model):
 
     code, out, err = cli(*args)
     assert code == 0, err
-    assert out == record["answer"] + "\n"  # greedy: the same answer as the JSON run
+    # greedy: the same answer as the JSON run, then its sources (best first, or why none is clear)
+    quotes = [f'line {s["lines"][0]}: "' for s in record["sources"]]
+    assert out.startswith(record["answer"] + "\n") and all(q in out for q in quotes), out
+    assert (record["sources_note"] is None) == ("no clear source" not in out)
     lines = err.splitlines()
     assert len(lines) == 1, err  # the stats line, one line even in a pipe
     assert lines[0].startswith("gemfilter:layer=2,k=32 · ")  # the knobs the user set ...
@@ -307,7 +313,7 @@ def test_plain_text_answer_and_stats(cli, files, model):
     assert f"kept 32/{record['n_context_tokens']}" in lines[0] and "TTFT" in lines[0]
     assert "Traceback" not in err
 
-    code, out, err = cli(*args, "--quiet")
+    code, out, err = cli(*args, "--quiet", "--no-sources")
     assert code == 0
     assert out == record["answer"] + "\n"
     assert err == ""
