@@ -142,3 +142,13 @@ def pytest_collection_modifyitems(items):
 
 
 __all__ = ["FAMILIES"]
+
+
+@pytest.fixture(autouse=True)
+def no_warnings_carried_over():
+    """Each test starts with nothing said: a warning collected (:mod:`kvcli.notices`) by one test is
+    never reported in the next one's JSON records, whatever the order the tests run in."""
+    from kvcli import notices
+
+    notices.reset()
+    yield

@@ -136,5 +136,5 @@ def test_what_methods_declare_of_their_prefix(tiny_lm):
     infllm.configure(lm)  # the pipeline configures every stage first
     plain = "finch reads it chunk by chunk, which takes a while (every token runs through the model)"
     assert finch.reading_note(lm, 9000) == plain
-    assert "stored KV of the whole document" in infllm.reading_note(lm, 9000)
+    assert "reads it in 512-token chunks into blocks" in infllm.reading_note(lm, 9000)
     assert Prefix.of(Engine(lm), prompt_for(lm), finch, None, {}) is None  # Finch keeps no prefix state

@@ -210,7 +210,7 @@ def kv_figures(result) -> str:
     hybrid (Gemma 2 / 3) the sliding layers hold only their window under full attention too, so
     the ratio is against full attention, said so; a stored book adds the share the answer read."""
     kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"
-    if result.windows:
+    if result.windows is not None and result.windows.hybrid:
         kept += f" (sliding windows; {result.compression_ratio:.1f}× compression vs full attention)"
     else:
         kept += f" ({result.compression_ratio:.1f}×)"
