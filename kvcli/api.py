@@ -23,8 +23,7 @@ from .pipeline import Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
-from .capacity import resolve_cap
-from .store import KVStore
+from .store import KVStore, resolve_cap
 
 
 @dataclass
@@ -38,7 +37,7 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
-    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.capacity's default)
+    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)

@@ -190,7 +190,7 @@ def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | Non
             return cache, Fetched("off", time.perf_counter() - t0)
         key = make_key(lm, ids, chunked_state(engine, ids, state))
         if hasattr(reader, "stored_bytes"):  # a book: its entry is written while it is read
-            from .bookstore import fetch_book
+            from .store import fetch_book
 
             what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
             return fetch_book(store, key, lambda path: reader.read(engine, ids, path), reader.stored_bytes(lm, ids.numel()), meta, what)

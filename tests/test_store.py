@@ -341,7 +341,7 @@ def _terminal_stdout(monkeypatch):
 def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, tmp_path, capsys, monkeypatch):
     import signal
 
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     doc, cache = tmp_path / "doc.txt", tmp_path / "cache"
     doc.write_text(DOC)
@@ -360,7 +360,7 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
     # a write in progress: its writer (this test) holds the key's lock
     live = kv / f".{'b' * 64}.safetensors.l1v3.tmp"
     live.write_bytes(b"x" * 1000)
-    holder = _take_lock(kv / "locks" / f"{'b' * 64}.lock")
+    holder = take_lock(kv / "locks" / f"{'b' * 64}.lock")
     try:
         code, out, err = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
         assert (code, err) == (0, "")
@@ -387,7 +387,7 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
 
 
 def test_reclaim_keeps_what_a_live_writer_holds_and_a_stale_foreign_temp_goes_by_age(tmp_path):
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     kv = tmp_path / "kv"
     (kv / "locks").mkdir(parents=True)
@@ -397,7 +397,7 @@ def test_reclaim_keeps_what_a_live_writer_holds_and_a_stale_foreign_temp_goes_by
     fresh.write_bytes(b"1")
     old.write_bytes(b"12")
     os.utime(old, (0, 0))
-    with _take_lock(kv / "locks" / f"{'c' * 64}.lock"):
+    with take_lock(kv / "locks" / f"{'c' * 64}.lock"):
         store = KVStore.open(tmp_path)
         assert live.exists() and fresh.exists() and not old.exists()
         assert (store.reclaimed.temp_files, store.reclaimed.temp_bytes) == (1, 2)
@@ -410,19 +410,19 @@ def test_a_lock_removed_while_a_process_waits_for_it_is_taken_again(tmp_path):
     before sees the inode change after locking and locks the file now at the path."""
     import threading
 
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     path = tmp_path / "k.lock"
-    first = _take_lock(path)
+    first = take_lock(path)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(_take_lock(path)))
+    waiter = threading.Thread(target=lambda: got.append(take_lock(path)))
     waiter.start()
     path.unlink()  # as reclaim does, holding the lock
     first.close()
     waiter.join(timeout=10)
     [handle] = got
     assert os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino  # holds the file that is there
-    assert _take_lock(path, blocking=False) is None  # and others see it held
+    assert take_lock(path, blocking=False) is None  # and others see it held
     handle.close()
 
 
@@ -537,7 +537,7 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
 def test_the_cap_removes_the_least_recently_used_entries_after_each_write(tiny_lm, tmp_path):
     import time
 
-    from kvcli.capacity import least_recently_used
+    from kvcli.store.capacity import least_recently_used
 
     lm = tiny_lm("llama")
     session = session_for(lm, tmp_path)
@@ -548,7 +548,7 @@ def test_the_cap_removes_the_least_recently_used_entries_after_each_write(tiny_l
     ask(session, "full", doc=docs[1])
     first, second = sorted(entry_files(tmp_path), key=lambda p: p.stat().st_mtime)
     time.sleep(0.02)
-    session.store._memo = None
+    session.store.forget()
     assert ask(session, "full", doc=docs[0]).extra["cache"]["status"] == "hit"  # doc 0 used again: now doc 1 is the oldest
     time.sleep(0.02)
     ask(session, "full", doc=docs[2])
@@ -582,7 +582,7 @@ def test_resolve_cap(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from kvcli.capacity import DEFAULT_CAP_BYTES, resolve_cap
+    from kvcli.store.capacity import DEFAULT_CAP_BYTES, resolve_cap
     from kvcli.errors import UsageError
 
     monkeypatch.delenv("KVCLI_CACHE_MAX", raising=False)

@@ -417,7 +417,7 @@ class BookCache(CacheBase):
 
     @classmethod
     def open_entry(cls, path, meta: dict) -> "BookCache":
-        """The book a disk-store entry holds (:mod:`kvcli.bookstore`), read in place: its layout
+        """The book a disk-store entry holds (:mod:`kvcli.store.book`), read in place: its layout
         checked against the entry's metadata and its CRC-32 against the bytes (read back in
         pieces, never held); ValueError when anything differs."""
         from .bookfile import FileStorage

@@ -169,7 +169,7 @@ class FileStorage:
 
     # --- checksum and header ----------------------------------------------------------------------
     def crc32(self) -> int:
-        """CRC-32 of the tensors' bytes, by name (the store's definition, :func:`kvcli.store._crc32`),
+        """CRC-32 of the tensors' bytes, by name (the store's definition, :func:`kvcli.store.entries.crc32`),
         read back in pieces: the file is never held in memory."""
         crc = 0
         for name in sorted(self.specs):

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from .. import api
-from ..capacity import resolve_cap
+from ..store import parse_size, resolve_cap
 from ..report import terminal as render
 from ..errors import KvcliError, UsageError
 from .app import app
@@ -177,8 +177,6 @@ def cache_prune(
     Also removes what runs killed half-way left behind: temporary files whose writer is gone and
     lock files nobody holds.
     """
-    from ..store import parse_size
-
     limit = parse_size(max_size)
     store = _open_cache(cache_dir)
     removed, left = store.prune(limit)

@@ -365,7 +365,7 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(folder, model, capsys,
 
 
 def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_lm, tmp_path, monkeypatch):
-    from kvcli import store as store_module
+    from kvcli.store import KVStore, locks
     from kvcli.documents import document_from_text
     from kvcli.engine import Engine
     from kvcli.prompt import load_template
@@ -373,13 +373,13 @@ def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(store_module.fcntl, "flock", no_locks)
+    monkeypatch.setattr(locks.fcntl, "flock", no_locks)
     notices.reset()
     said: list[str] = []
     notices.set_sink(said.append)
     try:
         lm = tiny_lm("llama")
-        store = store_module.KVStore.open(tmp_path)
+        store = KVStore.open(tmp_path)
         session = Session(lm=lm, engine=Engine(lm), options=AskOptions(max_new_tokens=3, cache_dir=tmp_path),
                           template=load_template(), store=store)
         doc = document_from_text(_text(0, 3))

@@ -23,9 +23,11 @@ import tempfile
 import time
 from typing import Callable
 
-from . import notices
-from .files import file_mode
-from .store import FORMAT_VERSION, _META_KEY, Fetched, KVStore, StoreKey
+from .. import notices
+from ..files import file_mode
+from .entries import META_KEY, header
+from .keys import StoreKey
+from .kvstore import Fetched, KVStore, Loaded
 
 DISK_MARGIN = 256 << 20  # free disk space left to everything else
 
@@ -56,13 +58,13 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
     if not store.enabled:
         return _in_memory(read)
     t0 = time.perf_counter()
-    hit = store._try_load(key, "cpu")
+    hit = store.load(key)
     if hit is not None:
-        return hit[0], store._hit(hit, t0)
-    with store._lock(key.digest):
-        hit = store._try_load(key, "cpu")  # another process may have stored it meanwhile
+        return hit.cache, store.served(hit, t0)
+    with store.lock(key.digest):
+        hit = store.load(key)  # another process may have stored it meanwhile
         if hit is not None:
-            return hit[0], store._hit(hit, t0)
+            return hit.cache, store.served(hit, t0)
         if not store.enabled:
             return _in_memory(read)
         why = no_room(store, size)
@@ -76,7 +78,7 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=store.root)
             os.close(fd)
         except OSError as e:
-            store._disable(e)
+            store.turn_off(e)
             return _in_memory(read)
         notices.warn(f"storing {what} in the disk store for later questions: {human(size)}", key=("book-store", key.digest))
         t1 = time.perf_counter()
@@ -84,13 +86,8 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
             book = read(tmp)
             seconds = time.perf_counter() - t1
             storage = book.storage
-            full_meta = {
-                **meta, "format": FORMAT_VERSION, "key": key.digest, "fields": key.fields, "cache_kind": book.kind,
-                "facts": book.facts(),
-                "tensors": {n: [str(dt), list(shape)] for n, (dt, shape) in storage.specs.items()},
-                "crc32": storage.crc32(), "compute_s": round(seconds, 4), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            storage.finish({_META_KEY: json.dumps(full_meta, sort_keys=True)})
+            full_meta = header(key, meta, book.kind, book.facts(), storage.specs, storage.crc32(), seconds)
+            storage.finish({META_KEY: json.dumps(full_meta, sort_keys=True)})
             os.chmod(tmp, file_mode())
             os.replace(tmp, path)
         except BaseException:
@@ -99,8 +96,8 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
             raise
         storage.path = str(path)
         entry_bytes = path.stat().st_size
-        store._memo = (key.digest, (book, full_meta, entry_bytes))
-        store._enforce_cap(path)
+        store.remember(key.digest, Loaded(book, full_meta, entry_bytes, path))
+        store.make_room(path)
     return book, Fetched("miss", seconds, entry_bytes=entry_bytes, key=key.digest)
 
 

@@ -5,14 +5,20 @@ fits under the cap (:func:`least_recently_used`). The cap (:func:`resolve_cap`) 
 ``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
 of
 
-* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~28 documents for SmolLM2-135M in
-  float32 (46 KB per token, 377 MB a document) or ~10 for an 8B model in 16 bits (128 KiB per token),
+* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~56 documents for the embedded
+  SmolLM2-135M (22.5 KiB per token, 180 MiB a document) or ~10 for an 8B model (128 KiB per token),
   more than a day's documents, and
 * a quarter (:data:`DEFAULT_CAP_SHARE`) of the disk space the store may use (the free space where it
   lives plus what it holds already), so on a nearly full disk kvcli never takes the last of it.
 
 A fixed size alone would fill a small disk; a share alone would let the cache take hundreds of GiB
 of a big one for entries that are rarely reused.
+
+The KV is stored in the dtype the model computes in: bfloat16 or float16 on a GPU; on the CPU
+bfloat16 for a quantised model — the embedded one by default, whose 8-bit weights run with bfloat16
+activations (:mod:`kvcli.model.cpu_quant`) — else float32 unless ``--dtype`` says otherwise.
+Rounding a float32 model's KV to 16 bits on disk would make an answer from the store differ from
+the cold one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
+from .keys import SUFFIX
+
 DEFAULT_CAP_BYTES = 10 << 30
 DEFAULT_CAP_SHARE = 0.25
 CAP_ENV = "KVCLI_CACHE_MAX"
@@ -73,7 +80,7 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
 
 def parse_size(text: str) -> int:
     """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     s = text.strip().upper().removesuffix("IB").removesuffix("B")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -1,0 +1,305 @@
+"""The disk store: prefix states kept between runs, so a second question costs a fraction of the first.
+
+What is stored is a method's *prefix state* (:meth:`kvcli.compressors.base.Compressor.prefix_state`):
+the KV of the question-agnostic start of the prompt (all layers for full attention, layers 0..r for
+GemFilter, a compressed cache for question-agnostic methods). A new question runs only its own
+tokens on top of it. :class:`KVStore` is the one object the pipeline, the book store and the CLI
+use; the jobs behind it each have a module of this package:
+
+* keys and the file names they give: :mod:`.keys`;
+* an entry's bytes, written atomically and checked whole when read: :mod:`.entries`;
+* per-key locks across processes (concurrent kvcli processes wait for the one computing an entry
+  and then load it, instead of all computing it): :mod:`.locks`;
+* the cap (least recently used entries go) and its default: :mod:`.capacity`;
+* what killed runs left (temporary files, lock files): :mod:`.housekeeping`;
+* a book written while it is read (InfLLM): :mod:`.book`.
+
+Safety: anything wrong with an entry is a warning, the entry is dropped and the state recomputed —
+never a crash or a wrong answer; a cache directory that cannot be created or written (read-only,
+full disk) turns the store off for the rest of the run, with one warning. Where ``flock`` fails
+(``ENOLCK``, ``EOPNOTSUPP``) the store runs without locks — one warning, and concurrent processes may
+compute an entry twice and keep one (each write is atomic) — and temporary files are reclaimed by
+age only; where it silently locks per host only, the same holds without the warning, and a writer
+whose temporary file another host reclaimed just does not keep its entry.
+
+The last entry read or written is kept in memory for the next question (the *memo*).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .. import accelerator, notices
+from ..caches import KVCache
+from ..caches.book import BookCache
+from ..errors import one_line
+from . import entries as entry_files
+from . import housekeeping
+from .capacity import CAP_ENV, least_recently_used
+from .entries import DamagedEntry, Entry
+from .housekeeping import Leftovers
+from .keys import SUFFIX, StoreKey, entry_path, lock_path
+from .locks import LocksUnsupported, take_lock
+
+
+@dataclass
+class Fetched:
+    """What :meth:`KVStore.fetch` did: ``status`` is hit, miss or off."""
+
+    status: str
+    seconds: float  # time to load (hit) or compute (miss, off)
+    saved_s: float | None = None  # hit: the entry's compute time minus the load time
+    entry_bytes: int | None = None
+    key: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "status": self.status,
+            "seconds": round(self.seconds, 4),
+            "saved_s": None if self.saved_s is None else round(self.saved_s, 4),
+            "entry_bytes": self.entry_bytes,
+            "key": self.key,
+        }
+
+
+@dataclass
+class Loaded:
+    """A valid entry read (or taken from the memo): the state on the device asked for, its header's
+    JSON, its size and its file."""
+
+    cache: object
+    meta: dict
+    size: int
+    path: Path
+
+
+_HOST = torch.device("cpu")
+
+
+def _on(cache, device, room: int = 0):
+    """The memo (the last entry read or written, kept for the next question) lives on the host: on
+    an accelerator the question's copy of the prefix would otherwise hold its KV a second time
+    there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
+    the memo itself, as before. A plain KV is uploaded into buffers with ``room`` more entries
+    per layer (the question and the answer append in place, :meth:`KVCache.upload`); a stored
+    book moves per use (its own entry, opened in place)."""
+    if not accelerator.on_accelerator(device) or isinstance(cache, BookCache):
+        return cache
+    if type(cache) is KVCache and cache.kept is None:
+        return cache.upload(device, room)
+    return type(cache).from_tensors(*cache.to_tensors(), device=device)
+
+
+@dataclass
+class KVStore:
+    root: Path  # <cache_dir>/kv
+    enabled: bool = True
+    _memo: tuple[str, Loaded] | None = field(default=None, repr=False)  # (digest, the entry on the host)
+    reclaimed: Leftovers = field(default_factory=Leftovers)  # what opening removed (kvcli cache info)
+    max_bytes: int | None = None  # the cap enforced after each write (None: none)
+
+    @classmethod
+    def open(cls, cache_dir: Path, max_bytes: int | None = None) -> "KVStore":
+        """The store under ``cache_dir``, after removing what killed runs left in it (:meth:`reclaim`).
+        ``max_bytes``: its cap (:func:`kvcli.store.resolve_cap`; None: no cap)."""
+        store = cls(Path(cache_dir).expanduser() / "kv", max_bytes=max_bytes)
+        store.reclaimed = store.reclaim()
+        return store
+
+    # --- the one call the pipeline makes ------------------------------------------------------
+    def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu", room: int = 0) -> tuple[object, Fetched]:
+        """The state under ``key``: loaded when a valid entry exists, else ``compute()`` d and saved.
+        ``room``: entries a plain KV uploaded to an accelerator leaves per layer for what follows it.
+
+        ``meta``: facts about the entry for ``cache ls`` (document, method, ...). Never raises
+        because of the store itself: a broken or unwritable store only costs the recomputation.
+        """
+        if not self.enabled:
+            return _compute(compute, "off")
+        t0 = time.perf_counter()
+        hit = self.load(key, device, room)
+        if hit is not None:
+            return hit.cache, self.served(hit, t0)
+        with self.lock(key.digest):
+            hit = self.load(key, device, room)  # another process may have written it meanwhile
+            if hit is not None:
+                return hit.cache, self.served(hit, t0)
+            cache, fetched = _compute(compute, "miss")
+            if self.enabled:
+                fetched.entry_bytes = self._save(key, cache, meta, fetched.seconds, device)
+                fetched.key = key.digest
+            if not self.enabled:  # the lock or the write failed: the store is off from now on
+                fetched.status, fetched.entry_bytes, fetched.key = "off", None, None
+        return cache, fetched
+
+    # --- what the book store (kvcli.store.book) builds on -------------------------------------
+    def path_of(self, digest: str) -> Path:
+        return entry_path(self.root, digest)
+
+    def load(self, key: StoreKey, device="cpu", room: int = 0) -> Loaded | None:
+        """The valid entry under ``key`` (the memo when it is that file), its state on ``device``;
+        None when absent or damaged (then removed, with a warning)."""
+        path = self.path_of(key.digest)
+        if self._memo is not None and self._memo[0] == key.digest:
+            memo = self._memo[1]
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == memo.size:  # still there: the memo is that file
+                    return Loaded(_on(memo.cache, device, room), memo.meta, memo.size, path)
+            self._memo = None
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return None
+        try:
+            cache, meta = entry_files.read_entry(path, key, _HOST if accelerator.on_accelerator(device) else device)
+        except DamagedEntry as e:
+            notices.warn(f"cache entry {path.name} is damaged ({e}); recomputing it")
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        except OSError:
+            return None  # vanished (pruned by another process) or unreadable: recompute
+        self.remember(key.digest, Loaded(cache, meta, size, path))
+        return Loaded(_on(cache, device, room), meta, size, path)
+
+    def served(self, hit: Loaded, t0: float) -> Fetched:
+        """The :class:`Fetched` of a hit loaded since ``t0``; marks the entry used (for the cap)."""
+        seconds = time.perf_counter() - t0
+        with contextlib.suppress(OSError):
+            os.utime(hit.path)  # last use, for the cap and prune
+        compute_s = hit.meta.get("compute_s")
+        saved = max(0.0, float(compute_s) - seconds) if isinstance(compute_s, (int, float)) else None
+        return Fetched("hit", seconds, saved, hit.size, hit.meta.get("key"))
+
+    def remember(self, digest: str, entry: Loaded) -> None:
+        """Keep ``entry`` (on the host) as the memo: the next question on it reads no file."""
+        self._memo = (digest, entry)
+
+    @property
+    def memo(self) -> Loaded | None:
+        """The entry kept in memory for the next question (None: none)."""
+        return None if self._memo is None else self._memo[1]
+
+    def forget(self) -> None:
+        """Drop the memo: the next fetch reads its entry from the file."""
+        self._memo = None
+
+    def turn_off(self, exc: BaseException) -> None:
+        """The cache directory cannot be written: run without the store from now on (one warning)."""
+        self.enabled = False
+        notices.warn(
+            f"cannot write to the cache directory {self.root} ({one_line(exc)}); running without the disk cache",
+            key=("cache-dir", str(self.root.parent)),
+        )
+
+    @contextlib.contextmanager
+    def lock(self, digest: str) -> Iterator[None]:
+        """Exclusive per-key lock across processes (a no-op when it cannot be taken: without
+        ``flock`` one warning; any other failure turns the store off)."""
+        handle = None
+        try:
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            handle = take_lock(lock_path(self.root, digest))
+        except LocksUnsupported as e:  # compute without the lock: maybe twice, one entry kept
+            notices.warn(
+                f"the cache directory {self.root} has no file locks ({e.strerror}); concurrent kvcli processes "
+                "may compute an entry twice (one is kept)",
+                key=("cache-no-locks", str(self.root)),
+            )
+        except OSError as e:
+            self.turn_off(e)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.close()  # releases the flock
+
+    # --- save -----------------------------------------------------------------------------------
+    def _save(self, key: StoreKey, cache, meta: dict, compute_s: float, device=None) -> int | None:
+        """Write the entry atomically; returns its size, or None when it was not kept."""
+        entry = entry_files.encode(key, cache, meta, compute_s)
+        path = self.path_of(key.digest)
+        try:
+            entry_files.write_entry(path, entry)
+            size = path.stat().st_size
+        except FileNotFoundError:
+            if not self.root.is_dir():
+                self.turn_off(OSError(f"{self.root} was removed"))
+            # else: our temporary file was reclaimed by a process that could not see our lock (a
+            # host where flock is per host): the entry is not kept this time, the store stays on
+            return None
+        except Exception as e:  # read-only, full disk, quota (safetensors wraps some I/O errors)
+            self.turn_off(e)
+            return None
+        # the memo stays on the host (see _on): the tensors just written are host copies already
+        host = type(cache).from_tensors(entry.tensors, entry.meta["facts"], device=_HOST) if accelerator.on_accelerator(device) else cache
+        self.remember(key.digest, Loaded(host, entry.meta, size, path))
+        self.make_room(path)
+        return size
+
+    def make_room(self, written: Path) -> None:
+        """Remove least recently used entries until the store fits in ``max_bytes``; the entry just
+        ``written`` goes last, and only when it alone is over the cap (one warning)."""
+        if self.max_bytes is None:
+            return
+        files = []
+        for path in self.root.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                # the new entry counts as the most recently used whatever the clock granularity
+                files.append((path, st.st_size, math.inf if path == written else st.st_mtime))
+        over = least_recently_used(files, self.max_bytes, size=lambda f: f[1], last_use=lambda f: f[2])
+        self.remove([Entry(path, size, 0.0, None) for path, size, _ in over])
+        size = next((size for path, size, _ in over if path == written), None)
+        if size is not None:
+            notices.warn(
+                f"a {size / 2**20:,.0f} MiB cache entry is over the cache cap ({self.max_bytes / 2**20:,.0f} MiB) and was not kept; "
+                f"raise it with --cache-max or {CAP_ENV} (e.g. 20G, or none)",
+                key=("cache-cap", self.max_bytes),
+            )
+
+    # --- kvcli cache ls / rm / prune -----------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Every entry, most recently used first."""
+        return entry_files.list_entries(self.root)
+
+    def remove(self, entries: list[Entry]) -> int:
+        """Delete ``entries``; returns the bytes freed."""
+        freed = housekeeping.remove(entries)
+        if self._memo is not None and not self.path_of(self._memo[0]).exists():
+            self._memo = None
+        return freed
+
+    def prune(self, max_bytes: int) -> tuple[list[Entry], Leftovers]:
+        """Remove least recently used entries (and damaged ones) until the store fits in
+        ``max_bytes``, and what killed runs left behind; returns (entries removed, leftovers removed)."""
+        entries = self.entries()
+        removed = [e for e in entries if e.error]
+        removed += least_recently_used([e for e in entries if not e.error], max_bytes, size=lambda e: e.size, last_use=lambda e: e.last_use)
+        self.remove(removed)
+        return removed, self.reclaim(explicit=True)
+
+    def reclaim(self, explicit: bool = False) -> Leftovers:
+        """Remove what killed runs left (:func:`kvcli.store.housekeeping.reclaim`)."""
+        return housekeeping.reclaim(self.root, explicit)
+
+    def leftovers(self) -> Leftovers:
+        """Every file of the store that is not an entry (:func:`kvcli.store.housekeeping.leftovers`)."""
+        return housekeeping.leftovers(self.root)
+
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+
+def _compute(compute, status: str) -> tuple[object, Fetched]:
+    t0 = time.perf_counter()
+    cache = compute()
+    return cache, Fetched(status, time.perf_counter() - t0)
