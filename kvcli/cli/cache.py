@@ -95,13 +95,16 @@ def cache_info(
 
     The totals count every file of the store: entries, temporary files of writes in progress and
     lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
-    left (temporary files whose writer is gone, lock files nobody holds), removed just now.
+    left (temporary files whose writer is gone, lock files nobody holds), removed just now;
+    "evicts_next" is the entry the cap removes first when a new one needs room.
     """
     store = _open_cache(cache_dir)
     entries = store.entries()
     if key is None:
         left = store.leftovers()
         size = sum(e.size for e in entries)
+        cap = resolve_cap(None, store.root.parent)  # the cap kvcli ask/chat enforce (None: none)
+        evicts = store.next_evicted(entries)
         info = {
             "path": str(store.root),
             "entries": len(entries),
@@ -111,7 +114,10 @@ def cache_info(
             "in_progress_bytes": left.temp_bytes,
             "lock_files": left.lock_files,
             "disk_bytes": size + left.temp_bytes,
-            "max_bytes": resolve_cap(None, store.root.parent),  # the cap kvcli ask/chat enforce (null: none)
+            "max_bytes": cap,
+            "room_bytes": None if cap is None else max(0, cap - size),  # what a new entry takes before any goes
+            # the entry the cap removes first when a new one needs room (the least recently used)
+            "evicts_next": None if evicts is None else {k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
             "reclaimed_temp_files": store.reclaimed.temp_files,
             "reclaimed_bytes": store.reclaimed.temp_bytes,
             "reclaimed_lock_files": store.reclaimed.lock_files,

@@ -25,6 +25,7 @@ from typing import Callable
 
 from .. import notices
 from ..files import file_mode
+from .capacity import CAP_ENV, human
 from .entries import META_KEY, header
 from .keys import StoreKey
 from .kvstore import Fetched, KVStore, Loaded
@@ -32,17 +33,10 @@ from .kvstore import Fetched, KVStore, Loaded
 DISK_MARGIN = 256 << 20  # free disk space left to everything else
 
 
-def human(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
-
-
 def no_room(store: KVStore, size: int) -> str | None:
     """Why an entry of ``size`` bytes cannot be stored (None: it can)."""
-    if store.max_bytes is not None and size > store.max_bytes:
-        return f"over the cache cap ({human(store.max_bytes)}; --cache-max or KVCLI_CACHE_MAX)"
+    if store.refuses(size):
+        return f"over the cache cap ({human(store.max_bytes)}; --cache-max or {CAP_ENV})"
     where = store.root if store.root.exists() else store.root.parent
     with contextlib.suppress(OSError):
         free = shutil.disk_usage(where).free
@@ -97,7 +91,7 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
         storage.path = str(path)
         entry_bytes = path.stat().st_size
         store.remember(key.digest, Loaded(book, full_meta, entry_bytes, path))
-        store.make_room(path)
+        store.make_room(path)  # the others that must go for it to fit under the cap
     return book, Fetched("miss", seconds, entry_bytes=entry_bytes, key=key.digest)
 
 

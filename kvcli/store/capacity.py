@@ -1,7 +1,8 @@
 """How big the disk KV store may grow: its cap, and which entries go when it is over.
 
-The store (:mod:`kvcli.store`) removes its least recently used entries after each write until it
-fits under the cap (:func:`least_recently_used`). The cap (:func:`resolve_cap`) is
+The store (:mod:`kvcli.store`) keeps a new entry only when it fits under the cap, and then removes
+the least recently used of the others until it does (:func:`room_for`); an entry that is not kept
+removes nothing. The cap (:func:`resolve_cap`) is
 ``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
 of
 
@@ -37,6 +38,14 @@ CAP_ENV = "KVCLI_CACHE_MAX"
 NO_CAP = ("none", "off", "unlimited")
 
 
+def human(n: int) -> str:
+    """``n`` bytes in words: "1.6 GiB", "72.0 MiB", "512 B"."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
 def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: Callable) -> list:
     """The items to remove, least recently used first, for the rest to fit in ``max_bytes``."""
     total = sum(size(i) for i in items)
@@ -47,6 +56,16 @@ def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: C
         out.append(item)
         total -= size(item)
     return out
+
+
+def room_for(items: list, size: int, max_bytes: int, size_of: Callable, last_use: Callable, removable: Callable) -> list | None:
+    """The items to remove, least recently used first, for a new entry of ``size`` bytes to fit beside
+    the rest in ``max_bytes``; None when it cannot, whatever goes (it alone, or with the items that
+    cannot be removed, is over): then nothing is removed and the entry is not kept."""
+    fixed = sum(size_of(i) for i in items if not removable(i))
+    if size + fixed > max_bytes:
+        return None
+    return least_recently_used([i for i in items if removable(i)], max_bytes - size - fixed, size_of, last_use)
 
 
 def resolve_cap(spec: str | int | None, root: Path) -> int | None:

@@ -28,7 +28,6 @@ The last entry read or written is kept in memory for the next question (the *mem
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from ..caches.book import BookCache
 from ..errors import one_line
 from . import entries as entry_files
 from . import housekeeping
-from .capacity import CAP_ENV, least_recently_used
+from .capacity import CAP_ENV, human, least_recently_used, room_for
 from .entries import DamagedEntry, Entry
 from .housekeeping import Leftovers
 from .keys import SUFFIX, StoreKey, entry_path, lock_path
@@ -224,8 +223,16 @@ class KVStore:
 
     # --- save -----------------------------------------------------------------------------------
     def _save(self, key: StoreKey, cache, meta: dict, compute_s: float, device=None) -> int | None:
-        """Write the entry atomically; returns its size, or None when it was not kept."""
+        """Write the entry atomically, when the cap keeps it; returns its size, or None when it was
+        not kept (over the cap: nothing else removed either; or the store had to turn off)."""
         entry = entry_files.encode(key, cache, meta, compute_s)
+        if self.refuses(entry.size):
+            notices.warn(
+                f"a {human(entry.size)} cache entry is over the cache cap ({human(self.max_bytes)}) and was not kept "
+                f"(no other entry was removed); raise it with --cache-max or {CAP_ENV} (e.g. 20G, or none)",
+                key=("cache-cap", self.max_bytes),
+            )
+            return None
         path = self.path_of(key.digest)
         try:
             entry_files.write_entry(path, entry)
@@ -245,26 +252,50 @@ class KVStore:
         self.make_room(path)
         return size
 
-    def make_room(self, written: Path) -> None:
-        """Remove least recently used entries until the store fits in ``max_bytes``; the entry just
-        ``written`` goes last, and only when it alone is over the cap (one warning)."""
-        if self.max_bytes is None:
-            return
-        files = []
+    # --- the cap (kvcli.store.capacity) ---------------------------------------------------------
+    def _files(self) -> list[tuple[Path, int, float]]:
+        """(path, size, last use) of every entry file."""
+        out = []
         for path in self.root.glob(f"*{SUFFIX}"):
             with contextlib.suppress(OSError):
                 st = path.stat()
-                # the new entry counts as the most recently used whatever the clock granularity
-                files.append((path, st.st_size, math.inf if path == written else st.st_mtime))
-        over = least_recently_used(files, self.max_bytes, size=lambda f: f[1], last_use=lambda f: f[2])
-        self.remove([Entry(path, size, 0.0, None) for path, size, _ in over])
-        size = next((size for path, size, _ in over if path == written), None)
-        if size is not None:
-            notices.warn(
-                f"a {size / 2**20:,.0f} MiB cache entry is over the cache cap ({self.max_bytes / 2**20:,.0f} MiB) and was not kept; "
-                f"raise it with --cache-max or {CAP_ENV} (e.g. 20G, or none)",
-                key=("cache-cap", self.max_bytes),
-            )
+                out.append((path, st.st_size, st.st_mtime))
+        return out
+
+    def refuses(self, size: int) -> bool:
+        """Whether the cap keeps no entry of ``size`` bytes, whatever else goes: then it is not
+        written and nothing is removed for it."""
+        if self.max_bytes is None:
+            return False
+        return room_for(self._files(), size, self.max_bytes, _size, _last_use, removable=lambda f: True) is None
+
+    def make_room(self, written: Path) -> None:
+        """After the entry ``written`` was stored: remove the least recently used other entries
+        until the store fits under the cap, and say what went (one line)."""
+        if self.max_bytes is None:
+            return
+        try:
+            size = written.stat().st_size
+        except OSError:
+            return
+        others = [f for f in self._files() if f[0] != written]
+        over = room_for(others, size, self.max_bytes, _size, _last_use, removable=lambda f: True) or []
+        if not over:
+            return
+        largest, n_largest, _ = max(over, key=_size)
+        meta, _ = entry_files.read_meta(largest)  # its document, for the line said
+        freed = self.remove([Entry(path, n, mtime, None) for path, n, mtime in over])
+        notices.warn(
+            f"the cache cap ({human(self.max_bytes)}) made room for a {human(size)} entry: removed "
+            f"{len(over)} least recently used {'entry' if len(over) == 1 else 'entries'}, {human(freed)} "
+            f"(the largest: {_named(largest, meta)}, {human(n_largest)})",
+            key=("cache-evicted", written.name, tuple(p.name for p, _, _ in over)),
+        )
+
+    def next_evicted(self, entries: list[Entry]) -> Entry | None:
+        """The entry of ``entries`` the cap removes first when a new one needs room (the least
+        recently used); None when there is none."""
+        return min(entries, key=lambda e: e.last_use, default=None)
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -297,6 +328,22 @@ class KVStore:
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries())
+
+
+def _size(f) -> int:
+    return f[1]
+
+
+def _last_use(f) -> float:
+    return f[2]
+
+
+def _named(path: Path, meta: dict | None) -> str:
+    """An entry in words: its document's file name (stdin: "stdin"), else its key's start."""
+    document = (meta or {}).get("document")
+    if not document:
+        return path.name[:12]
+    return "stdin" if document == "-" else Path(document).name
 
 
 def _compute(compute, status: str) -> tuple[object, Fetched]:
