@@ -262,7 +262,8 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert {r["method"] for r in rows} == {"full"} and all(r["size_bytes"] > 0 for r in rows)
     code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: TSV, never wrapped
     lines = out.splitlines()
-    assert code == 0 and lines[0].split("\t") == ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use"]
+    columns = ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens"]
+    assert code == 0 and lines[0].split("\t") == columns
     assert [line.split("\t")[:2] for line in lines[1:]] == [[r["key"], r["document"]] for r in rows]
     assert [int(line.split("\t")[6]) for line in lines[1:]] == [r["size_bytes"] for r in rows]
     code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)

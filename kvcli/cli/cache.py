@@ -96,7 +96,8 @@ def cache_info(
     The totals count every file of the store: entries, temporary files of writes in progress and
     lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
     left (temporary files whose writer is gone, lock files nobody holds), removed just now;
-    "evicts_next" is the entry the cap removes first when a new one needs room.
+    "evicts_next" is the entry the cap removes first when a new one needs room; "partial" counts the
+    book reads that stopped, kept for the next read to resume ("kvcli cache ls" shows how far each got).
     """
     store = _open_cache(cache_dir)
     entries = store.entries()
@@ -110,6 +111,7 @@ def cache_info(
             "entries": len(entries),
             "size_bytes": size,
             "damaged": sum(1 for e in entries if e.error),
+            "partial": sum(1 for e in entries if e.partial),  # book reads that stopped (resumed by the next)
             "writes_in_progress": left.temp_files,
             "in_progress_bytes": left.temp_bytes,
             "lock_files": left.lock_files,
@@ -117,7 +119,8 @@ def cache_info(
             "max_bytes": cap,
             "room_bytes": None if cap is None else max(0, cap - size),  # what a new entry takes before any goes
             # the entry the cap removes first when a new one needs room (the least recently used)
-            "evicts_next": None if evicts is None else {k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
+            "evicts_next": None if evicts is None else {
+                k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
             "reclaimed_temp_files": store.reclaimed.temp_files,
             "reclaimed_bytes": store.reclaimed.temp_bytes,
             "reclaimed_lock_files": store.reclaimed.lock_files,
@@ -161,8 +164,12 @@ def cache_rm(
         if not matches:
             unmatched.append(f"'{doc}'")
     freed = store.remove(chosen)
+    running = [e for e in chosen if e.path.exists()]  # partial entries whose read runs stay
     if chosen or all_entries:
-        line = f"removed {_plural(len(chosen), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        line = f"removed {_plural(len(chosen) - len(running), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        if running:
+            left = _plural(len(running), 'partial entry', 'partial entries')
+            line += f"; left {left} another kvcli process is reading into"
         if all_entries:
             left = store.reclaim(explicit=True)
             temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes

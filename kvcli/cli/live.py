@@ -15,12 +15,13 @@ LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has tak
 LINE_EVERY_S = 30.0  # ... one every tenth of the prompt, or this often
 
 
-def reading_figures(fraction: float, n_tokens: int, elapsed: float) -> str:
-    """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of."""
+def reading_figures(fraction: float, n_tokens: int, elapsed: float, start: float = 0.0) -> str:
+    """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of,
+    ``start`` of it read before (a resumed book read) and the rest in ``elapsed`` seconds."""
     done = min(1.0, max(0.0, fraction)) * n_tokens
-    rate = done / elapsed if elapsed > 0 else 0.0
+    rate = (done - start * n_tokens) / elapsed if elapsed > 0 else 0.0
     text = f"{done:,.0f}/{n_tokens:,} tokens ({100 * min(1.0, fraction):.0f}%)"
-    if rate > 0 and fraction >= 0.01:  # a prompt mostly stored (a warm book) reads few tokens: no ETA from them
+    if rate > 0 and fraction - start >= 0.01:  # a prompt mostly stored (a warm book) reads few tokens: no ETA from them
         left = (n_tokens - done) / rate
         text += f" · {rate:,.0f} tok/s · {int(left) // 60}m {int(left) % 60:02d}s left"
     return text
@@ -42,6 +43,8 @@ class Reading:
         self.wrote = False  # some of the answer is on stdout (a line to end on Ctrl-C)
         self.n_tokens = 0  # the prompt's (on_prompt)
         self.tenth, self.last_line = 0, 0.0  # progress lines said so far (stderr not a terminal)
+        self.start = 0.0  # the prompt read before this run (a resumed book read: on_resume)
+        self.waited = 0.0  # when the last "waiting for another kvcli process" line was said (piped)
 
     def __enter__(self) -> "Reading":
         self.status = self.err.status(self.label, spinner="dots")
@@ -60,7 +63,31 @@ class Reading:
             self.progress = None
 
     def callbacks(self, stream: bool) -> dict:
-        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress, "on_text": self.write if stream else None}
+        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress, "on_text": self.write if stream else None,
+                "on_wait": self.on_wait, "on_resume": self.on_resume}
+
+    def on_wait(self, text: str | None) -> None:
+        """While another kvcli process computes this document's KV: ``text`` (what it reads, how far)
+        instead of the spinner's label, or piped one line at once and one every LINE_EVERY_S;
+        None: the wait is over (the reading's figures count from now)."""
+        now = time.perf_counter()
+        if text is None:
+            self.t0 = now
+            if self.status is not None:
+                self.status.update(self.label)
+            return
+        if self.err.quiet:
+            return
+        if self.err.is_terminal:
+            if self.status is not None:
+                self.status.update(text)
+        elif not self.waited or now - self.waited >= LINE_EVERY_S:
+            self.waited = now
+            self.err.print(f"kvcli: {text}", markup=False, highlight=False, soft_wrap=True)
+
+    def on_resume(self, fraction: float) -> None:
+        """A book read resumes with ``fraction`` of the prompt read already (its rate counts the rest)."""
+        self.start, self.tenth, self.t0 = fraction, int(fraction * 10), time.perf_counter()
 
     def on_prompt(self, method: str, n_tokens: int) -> None:
         self.label = f"{method} · {n_tokens:,} tokens"
@@ -81,12 +108,13 @@ class Reading:
             tenth = int(fraction * 10)
             if fraction < 1 and elapsed >= LINE_AFTER_S and (tenth > self.tenth or now - self.last_line >= LINE_EVERY_S):
                 self.tenth, self.last_line = tenth, now
-                self.err.print(f"kvcli: {self.label}: {reading_figures(fraction, self.n_tokens, elapsed)}", markup=False, highlight=False, soft_wrap=True)
+                figures = reading_figures(fraction, self.n_tokens, elapsed, self.start)
+                self.err.print(f"kvcli: {self.label}: {figures}", markup=False, highlight=False, soft_wrap=True)
             return
         if self.progress is None:
             if self.status is None:
                 return
-            if fraction >= 0.5 or elapsed < BAR_AFTER_S:
+            if fraction - self.start >= 0.5 * (1 - self.start) or elapsed < BAR_AFTER_S:
                 return  # short (or nearly done): the spinner is enough
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -100,7 +128,8 @@ class Reading:
             self.progress.start()
         if now - self.last_line >= 0.25 or fraction >= 1:
             self.last_line = now
-            self.progress.update(self.task, completed=fraction, figures=reading_figures(fraction, self.n_tokens, elapsed))
+            figures = reading_figures(fraction, self.n_tokens, elapsed, self.start)
+            self.progress.update(self.task, completed=fraction, figures=figures)
 
     def write(self, piece: str) -> None:
         """A piece of the answer on stdout, at once (the first one clears stderr's line)."""

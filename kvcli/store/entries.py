@@ -25,9 +25,10 @@ import torch
 
 from ..caches import CACHE_TYPES
 from ..caches.book import BookCache
+from ..caches.bookfile import read_progress
 from ..errors import one_line
 from ..files import safetensors_size, save_safetensors_atomic
-from .keys import FORMAT_VERSION, SUFFIX, StoreKey
+from .keys import FORMAT_VERSION, SUFFIX, StoreKey, digest_of, is_partial
 
 META_KEY = "kvcli"  # the safetensors metadata field holding the entry's JSON
 
@@ -162,10 +163,13 @@ class Entry:
     last_use: float  # mtime: set when written and on every hit
     meta: dict | None  # None: the header could not be read
     error: str | None = None
+    partial: bool = False  # a book read that stopped (kvcli.store.book): never served, resumed
+    read_tokens: int | None = None  # a partial entry: the tokens its read kept (None: none)
+    reading: bool = False  # a partial entry being read into now (by a running kvcli process)
 
     @property
     def key(self) -> str:
-        return self.path.name[: -len(SUFFIX)]
+        return digest_of(self.path)
 
     def to_json(self) -> dict:
         meta = self.meta or {}
@@ -183,11 +187,14 @@ class Entry:
             "compute_s": meta.get("compute_s"),
             "created": meta.get("created"),
             "error": self.error,
+            "partial": self.partial,
+            "read_tokens": self.read_tokens,
+            "reading": self.reading,
         }
 
 
 def list_entries(root: Path) -> list[Entry]:
-    """Every entry under the store folder ``root``, most recently used first."""
+    """Every entry under the store folder ``root`` (partial ones included), most recently used first."""
     out = []
     if not root.is_dir():
         return out
@@ -197,6 +204,9 @@ def list_entries(root: Path) -> list[Entry]:
         except OSError:
             continue
         meta, error = read_meta(path)
-        out.append(Entry(path, st.st_size, st.st_mtime, meta, error))
+        entry = Entry(path, st.st_size, st.st_mtime, meta, error, partial=is_partial(path))
+        if entry.partial:
+            entry.read_tokens = (read_progress(path) or {}).get("tokens")
+        out.append(entry)
     out.sort(key=lambda e: e.last_use, reverse=True)
     return out

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .entries import Entry
-from .keys import SUFFIX, TEMP_NAME, lock_path
+from .keys import SUFFIX, TEMP_NAME, digest_of, is_partial, lock_path
 from .locks import LocksUnsupported, locking, take_lock
 
 STALE_TEMP_S = 3600.0  # a temporary file not named after a key is removed after this long
@@ -33,13 +33,26 @@ class Leftovers:
     lock_files: int = 0
 
 
-def remove(entries: list[Entry]) -> int:
-    """Delete ``entries``; returns the bytes freed."""
+def remove(root: Path, entries: list[Entry]) -> int:
+    """Delete ``entries`` of the store folder ``root``; returns the bytes freed. A partial entry
+    goes only while this process holds its key's lock, which its read holds while it runs: a read
+    that resumes it never loses its file under it."""
     freed = 0
     for e in entries:
-        with contextlib.suppress(FileNotFoundError):
-            e.path.unlink()
-            freed += e.size
+        with contextlib.ExitStack() as held:
+            if is_partial(e.path) and locking():
+                try:
+                    handle = take_lock(lock_path(root, digest_of(e.path)), blocking=False)
+                except LocksUnsupported:
+                    handle = contextlib.nullcontext()  # no locks on this filesystem: as any entry
+                except OSError:
+                    continue
+                if handle is None:
+                    continue  # its read runs: it stays
+                held.enter_context(handle)
+            with contextlib.suppress(FileNotFoundError):
+                e.path.unlink()
+                freed += e.size
     return freed
 
 

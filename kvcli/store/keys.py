@@ -8,8 +8,9 @@ change what is stored, so ``gemfilter:k=256`` and ``gemfilter:k=512`` share an e
 question's tokens only for states that depend on it.
 
 Names under ``<cache_dir>/kv``: the entry ``<key>.safetensors``; its temporary file while it is
-written ``.<key>.safetensors.<random>.tmp`` (:func:`kvcli.files.atomic_write`); its lock
-``locks/<key>.lock``.
+written ``.<key>.safetensors.<random>.tmp`` (:func:`kvcli.files.atomic_write`); the partial entry
+of a book read that stopped ``<key>.partial.safetensors`` (:mod:`kvcli.store.book`: never served,
+resumed by the next read); its lock ``locks/<key>.lock``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
+PARTIAL = ".partial"  # the partial entry of a book read that stopped: <key>.partial.safetensors
 # the temporary file of an entry: ``.<key>.safetensors.<random>.tmp`` (kvcli.files.atomic_write)
 TEMP_NAME = re.compile(r"^\.([0-9a-f]{64})" + re.escape(SUFFIX) + r"\..+\.tmp$")
 
@@ -57,6 +59,20 @@ def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tens
 def entry_path(root: Path, digest: str) -> Path:
     """The file of the entry ``digest`` in the store folder ``root``."""
     return root / f"{digest}{SUFFIX}"
+
+
+def partial_path(root: Path, digest: str) -> Path:
+    """The partial entry of the key ``digest`` (a book read that stopped) in ``root``."""
+    return root / f"{digest}{PARTIAL}{SUFFIX}"
+
+
+def is_partial(path: Path) -> bool:
+    return path.name.endswith(PARTIAL + SUFFIX)
+
+
+def digest_of(path: Path) -> str:
+    """The key an entry's file (whole or partial) is named after."""
+    return path.name[: -len(SUFFIX)].removesuffix(PARTIAL)
 
 
 def lock_path(root: Path, digest: str) -> Path:

@@ -22,7 +22,11 @@ compute an entry twice and keep one (each write is atomic) — and temporary fil
 age only; where it silently locks per host only, the same holds without the warning, and a writer
 whose temporary file another host reclaimed just does not keep its entry.
 
-The last entry read or written is kept in memory for the next question (the *memo*).
+The last entry read or written is kept in memory for the next question (the *memo*). While it
+answers, a run learns from the store through a :class:`Watcher` (:meth:`KVStore.watching`): that
+it waits for another process computing the same entry (and how far that one is), that its prefix
+came from the store, that a book read resumes; and it tells the store how far its own computation
+is (:meth:`KVStore.progress`), for the processes waiting for it.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
 from .entries import DamagedEntry, Entry
 from .housekeeping import Leftovers
-from .keys import SUFFIX, StoreKey, entry_path, lock_path
-from .locks import LocksUnsupported, take_lock
+from .keys import SUFFIX, StoreKey, digest_of, entry_path, is_partial, lock_path
+from .locks import Holder, LocksUnsupported, read_holder, take_lock, write_holder
+
+WAIT_POLL_S = 0.5  # how often a process waiting for another's lock looks again
+PROGRESS_EVERY_S = 1.0  # how often a lock's holder says how far it is
 
 
 @dataclass
@@ -80,6 +87,24 @@ class Loaded:
     path: Path
 
 
+class Watcher:
+    """What the store tells the run that uses it (:meth:`KVStore.watching`; kvcli.api shows it).
+    Each method does nothing here."""
+
+    def waiting(self, holder: Holder | None) -> None:
+        """Another process holds the lock of the entry this one needs (None: it says nothing of
+        itself); said again every :data:`WAIT_POLL_S` while it lasts."""
+
+    def waited(self) -> None:
+        """The wait is over: this process holds the lock now."""
+
+    def loaded(self) -> None:
+        """The prefix came from the store (a hit): none of it is read."""
+
+    def resumed(self, done: int, total: int) -> None:
+        """A book read resumes with ``done`` of its ``total`` tokens read by an earlier run."""
+
+
 _HOST = torch.device("cpu")
 
 
@@ -99,11 +124,17 @@ def _on(cache, device, room: int = 0):
 
 @dataclass
 class KVStore:
+    """The disk store under ``root`` (see the module doc): :meth:`fetch` for the pipeline, the
+    building blocks of the book store (:mod:`kvcli.store.book`), the cap, and what the cache
+    commands list and remove."""
+
     root: Path  # <cache_dir>/kv
     enabled: bool = True
     _memo: tuple[str, Loaded] | None = field(default=None, repr=False)  # (digest, the entry on the host)
     reclaimed: Leftovers = field(default_factory=Leftovers)  # what opening removed (kvcli cache info)
-    max_bytes: int | None = None  # the cap enforced after each write (None: none)
+    max_bytes: int | None = None  # the cap: a new entry is kept only under it (None: no cap)
+    watcher: Watcher = field(default_factory=Watcher, repr=False)
+    _held: tuple | None = field(default=None, repr=False)  # (lock handle, Holder, when last said)
 
     @classmethod
     def open(cls, cache_dir: Path, max_bytes: int | None = None) -> "KVStore":
@@ -127,7 +158,7 @@ class KVStore:
         hit = self.load(key, device, room)
         if hit is not None:
             return hit.cache, self.served(hit, t0)
-        with self.lock(key.digest):
+        with self.lock(key, meta):
             hit = self.load(key, device, room)  # another process may have written it meanwhile
             if hit is not None:
                 return hit.cache, self.served(hit, t0)
@@ -176,6 +207,7 @@ class KVStore:
             os.utime(hit.path)  # last use, for the cap and prune
         compute_s = hit.meta.get("compute_s")
         saved = max(0.0, float(compute_s) - seconds) if isinstance(compute_s, (int, float)) else None
+        self.watcher.loaded()
         return Fetched("hit", seconds, saved, hit.size, hit.meta.get("key"))
 
     def remember(self, digest: str, entry: Loaded) -> None:
@@ -200,13 +232,25 @@ class KVStore:
         )
 
     @contextlib.contextmanager
-    def lock(self, digest: str) -> Iterator[None]:
+    def lock(self, key: StoreKey, meta: dict | None = None) -> Iterator[None]:
         """Exclusive per-key lock across processes (a no-op when it cannot be taken: without
-        ``flock`` one warning; any other failure turns the store off)."""
+        ``flock`` one warning; any other failure turns the store off). While another process holds
+        it the watcher hears what that one says of itself (:class:`Holder`); once taken, this one
+        says it computes ``meta``'s document (and how far: :meth:`progress`)."""
         handle = None
         try:
-            (self.root / "locks").mkdir(parents=True, exist_ok=True)
-            handle = take_lock(lock_path(self.root, digest))
+            path = lock_path(self.root, key.digest)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = take_lock(path, blocking=False)
+            while handle is None:  # another process computes it: say so, look again
+                self.watcher.waiting(read_holder(path))
+                time.sleep(WAIT_POLL_S)
+                handle = take_lock(path, blocking=False)
+                if handle is not None:
+                    self.watcher.waited()
+            holder = Holder.me((meta or {}).get("document"), key.fields.get("n_tokens"))
+            write_holder(handle, holder)
+            self._held = (handle, holder, time.monotonic())
         except LocksUnsupported as e:  # compute without the lock: maybe twice, one entry kept
             notices.warn(
                 f"the cache directory {self.root} has no file locks ({e.strerror}); concurrent kvcli processes "
@@ -218,8 +262,31 @@ class KVStore:
         try:
             yield
         finally:
+            self._held = None
             if handle is not None:
                 handle.close()  # releases the flock
+
+    @contextlib.contextmanager
+    def watching(self, watcher: Watcher) -> Iterator[None]:
+        """``watcher`` hears what the store does until the block ends."""
+        self.watcher = watcher
+        try:
+            yield
+        finally:
+            self.watcher = Watcher()
+
+    def progress(self, done: int) -> None:
+        """This process has computed ``done`` tokens of the entry whose lock it holds: said in the
+        lock file (at most every :data:`PROGRESS_EVERY_S`) for the processes waiting for it."""
+        if self._held is None:
+            return
+        handle, holder, said = self._held
+        now = time.monotonic()
+        if now - said < PROGRESS_EVERY_S or handle.closed:
+            return
+        holder.done = min(done, holder.n_tokens) if holder.n_tokens else done
+        write_holder(handle, holder)
+        self._held = (handle, holder, now)
 
     # --- save -----------------------------------------------------------------------------------
     def _save(self, key: StoreKey, cache, meta: dict, compute_s: float, device=None) -> int | None:
@@ -253,21 +320,35 @@ class KVStore:
         return size
 
     # --- the cap (kvcli.store.capacity) ---------------------------------------------------------
-    def _files(self) -> list[tuple[Path, int, float]]:
-        """(path, size, last use) of every entry file."""
+    def _files(self, exclude: Path | None = None) -> list[tuple[Path, int, float, bool]]:
+        """(path, size, last use, removable) of every entry file but ``exclude``: a partial entry
+        whose read runs is not removable."""
         out = []
         for path in self.root.glob(f"*{SUFFIX}"):
+            if path == exclude:
+                continue
             with contextlib.suppress(OSError):
                 st = path.stat()
-                out.append((path, st.st_size, st.st_mtime))
+                out.append((path, st.st_size, st.st_mtime, not (is_partial(path) and self.reading(path))))
         return out
 
-    def refuses(self, size: int) -> bool:
-        """Whether the cap keeps no entry of ``size`` bytes, whatever else goes: then it is not
-        written and nothing is removed for it."""
+    def reading(self, path: Path) -> bool:
+        """Whether the partial entry ``path`` is being read into now (its key's lock is held)."""
+        try:
+            handle = take_lock(lock_path(self.root, digest_of(path)), blocking=False)
+        except OSError:
+            return False
+        if handle is None:
+            return True
+        handle.close()
+        return False
+
+    def refuses(self, size: int, exclude: Path | None = None) -> bool:
+        """Whether the cap keeps no entry of ``size`` bytes, whatever else goes (``exclude``: a file
+        it replaces): then it is not written and nothing is removed for it."""
         if self.max_bytes is None:
             return False
-        return room_for(self._files(), size, self.max_bytes, _size, _last_use, removable=lambda f: True) is None
+        return room_for(self._files(exclude), size, self.max_bytes, _size, _last_use, _removable) is None
 
     def make_room(self, written: Path) -> None:
         """After the entry ``written`` was stored: remove the least recently used other entries
@@ -278,33 +359,35 @@ class KVStore:
             size = written.stat().st_size
         except OSError:
             return
-        others = [f for f in self._files() if f[0] != written]
-        over = room_for(others, size, self.max_bytes, _size, _last_use, removable=lambda f: True) or []
+        over = room_for(self._files(written), size, self.max_bytes, _size, _last_use, _removable) or []
         if not over:
             return
-        largest, n_largest, _ = max(over, key=_size)
+        largest, n_largest, _, _ = max(over, key=_size)
         meta, _ = entry_files.read_meta(largest)  # its document, for the line said
-        freed = self.remove([Entry(path, n, mtime, None) for path, n, mtime in over])
+        freed = self.remove([Entry(path, n, mtime, None) for path, n, mtime, _ in over])
         notices.warn(
             f"the cache cap ({human(self.max_bytes)}) made room for a {human(size)} entry: removed "
             f"{len(over)} least recently used {'entry' if len(over) == 1 else 'entries'}, {human(freed)} "
             f"(the largest: {_named(largest, meta)}, {human(n_largest)})",
-            key=("cache-evicted", written.name, tuple(p.name for p, _, _ in over)),
+            key=("cache-evicted", written.name, tuple(f[0].name for f in over)),
         )
 
     def next_evicted(self, entries: list[Entry]) -> Entry | None:
         """The entry of ``entries`` the cap removes first when a new one needs room (the least
-        recently used); None when there is none."""
-        return min(entries, key=lambda e: e.last_use, default=None)
+        recently used, a partial one whose read runs aside); None when there is none."""
+        return min((e for e in entries if not e.reading), key=lambda e: e.last_use, default=None)
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first."""
-        return entry_files.list_entries(self.root)
+        """Every entry (partial ones included), most recently used first."""
+        out = entry_files.list_entries(self.root)
+        for e in out:
+            e.reading = e.partial and self.reading(e.path)
+        return out
 
     def remove(self, entries: list[Entry]) -> int:
-        """Delete ``entries``; returns the bytes freed."""
-        freed = housekeeping.remove(entries)
+        """Delete ``entries`` (a partial one only while its read does not run); returns the bytes freed."""
+        freed = housekeeping.remove(self.root, entries)
         if self._memo is not None and not self.path_of(self._memo[0]).exists():
             self._memo = None
         return freed
@@ -313,6 +396,7 @@ class KVStore:
         """Remove least recently used entries (and damaged ones) until the store fits in
         ``max_bytes``, and what killed runs left behind; returns (entries removed, leftovers removed)."""
         entries = self.entries()
+        entries = [e for e in entries if not e.reading]  # a partial entry whose read runs stays
         removed = [e for e in entries if e.error]
         removed += least_recently_used([e for e in entries if not e.error], max_bytes, size=lambda e: e.size, last_use=lambda e: e.last_use)
         self.remove(removed)
@@ -336,6 +420,10 @@ def _size(f) -> int:
 
 def _last_use(f) -> float:
     return f[2]
+
+
+def _removable(f) -> bool:
+    return f[3]
 
 
 def _named(path: Path, meta: dict | None) -> str:
