@@ -423,8 +423,8 @@ host syncs and host->device copies; SDPA runs the kernel CUDA would pick. Data-d
 are answered with a fixed value (token id 0); a method that cannot run there gets its row with
 the error and the line of kvcli that raised. Tokens = prompt + --steps generated. --methods all:
 every registered method at its defaults. Writes OUT/memory.json (after every cell),
-OUT/memory_table.md, OUT/memory.png and, with Llama-3.1-8B nf4 rows, OUT/targets.md (issue 25's
-targets met or missed); prints the table. See docs/gpu-sim.md.
+OUT/memory_table.md, OUT/memory.png and, with Llama-3.1-8B nf4 rows, OUT/targets.md (the GPU
+memory targets of docs/gpu-sim.md, met or missed); prints the table. See docs/gpu-sim.md.
 """
 
 
