@@ -119,7 +119,9 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
     )
     engine = engine_cls(lm)
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="kvcli-sim-"))
-    options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir)
+    # sources=False: citing reads the attention's values, which meta tensors do not have
+    options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir,
+                         sources=False)
     session = Session(lm=lm, engine=engine, options=options, template=load_template(options.template), store=None)
     return SimModel(config, weights, session, engine, weight_tensors(model))
 
