@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -29,8 +30,7 @@ from .selection import Selection
 from .sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
-from .capacity import resolve_cap
-from .store import KVStore
+from .store import KVStore, Watcher, resolve_cap
 
 
 @dataclass
@@ -44,7 +44,7 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
-    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.capacity's default)
+    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
@@ -100,6 +100,8 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_prompt: Callable[[str, int], None] | None = None,
         on_progress: Callable[[float], None] | None = None,
+        on_wait: Callable[[str | None], None] | None = None,
+        on_resume: Callable[[float], None] | None = None,
         sources: bool | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
@@ -111,10 +113,14 @@ class Session:
 
         While it runs: ``on_prompt(method, n_tokens)`` once the method is chosen (its name, e.g.
         "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
-        while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`); ``on_text(piece)``
-        with the answer as it is decoded, the pieces adding up to ``Result.answer``
-        (:class:`kvcli.streaming.AnswerStream`). ``sources``: read the answer's attention while it
-        is decoded and cite the document's sentences it read most (``Result.sources``,
+        while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`; none once the document's
+        KV came from the disk store); ``on_wait(text)`` while another kvcli process computes the
+        same document's KV and this one waits for it ("another kvcli process (pid 4242) reading
+        book.pdf: 12,288/88,244 tokens (14%)"), ``on_wait(None)`` when the wait ends;
+        ``on_resume(f)`` when a book read resumes where an interrupted one stopped, ``f`` of the
+        prompt read already; ``on_text(piece)`` with the answer as it is decoded, the pieces
+        adding up to ``Result.answer`` (:class:`kvcli.streaming.AnswerStream`). ``sources``: read
+        the answer's attention while it is decoded and cite the document's sentences it read most (``Result.sources``,
         :mod:`kvcli.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         sources = self.options.sources if sources is None else sources
@@ -130,8 +136,10 @@ class Session:
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         guard = AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None
         stream = None if on_text is None else AnswerStream(self.lm.tokenizer, guard, on_text)
-        with prompt_progress(self.engine, prompt.n_tokens, on_progress) as reading:
-            callbacks = [f for f in (None if on_progress is None else reading.done, None if stream is None else stream.on_token, on_token) if f is not None]
+        store = self.store if use_store else None
+        with prompt_progress(self.engine, prompt.n_tokens, on_progress, store, on_wait, on_resume) as reading:
+            callbacks = [reading.done] if reading.handles else []
+            callbacks += [f for f in (None if stream is None else stream.on_token, on_token) if f is not None]
             result = run(
                 self.engine,
                 prompt,
@@ -139,7 +147,7 @@ class Session:
                 max_new_tokens=max_new_tokens,
                 stop_ids=stop,
                 on_token=(lambda token: [f(token) for f in callbacks]) if callbacks else None,
-                store=self.store if use_store else None,
+                store=store,
                 guard=guard,
                 low_memory=self.options.low_memory,
                 cite=citing_heads(self.lm) if sources else None,
@@ -195,28 +203,62 @@ def method_label(pipeline: Pipeline) -> str:
     return " + ".join("full attention" if s.name == "full" else s.name for s in pipeline.stages)
 
 
-class prompt_progress:
+class prompt_progress(Watcher):
     """While the prompt is read: ``on_progress(f)`` after each decoder layer a pass runs, ``f``
     the (token, layer) pairs run over ``n_tokens`` x layers (capped at 1). A method that reads
-    fewer (a selector's second pass, a prefix from the disk store) ends below 1, one that reads
-    more (Finch's chunks) waits at 1. Counted by forward pre-hooks on the model's layers (the
-    engine is unchanged), removed at the first answer token (``done``) or on leaving."""
+    fewer (a selector's second pass) ends below 1, one that reads more (Finch's chunks) waits at 1;
+    a prefix from the disk store is not read: nothing more is said once it came (a hit). Counted
+    by forward pre-hooks on the model's layers (the engine is unchanged), removed at the first
+    answer token (``done``) or on leaving.
 
-    def __init__(self, engine, n_tokens: int, on_progress: Callable[[float], None] | None) -> None:
-        self.engine, self.on_progress = engine, on_progress
-        self.total = max(1, n_tokens * engine.n_layers)
+    With a disk ``store`` it is the store's :class:`kvcli.store.kvstore.Watcher` (``on_wait``: the
+    wait for another process, ``on_resume``: a book read resuming) and tells the store how far
+    this process's computation is (:meth:`kvcli.store.KVStore.progress`), for the processes
+    waiting for it."""
+
+    def __init__(self, engine, n_tokens: int, on_progress: Callable[[float], None] | None,
+                 store: KVStore | None = None, on_wait: Callable[[str | None], None] | None = None,
+                 on_resume: Callable[[float], None] | None = None) -> None:
+        self.engine, self.on_progress, self.store = engine, on_progress, store
+        self.on_wait, self.on_resume = on_wait, on_resume
+        self.n_layers = max(1, engine.n_layers)
+        self.total = max(1, n_tokens * self.n_layers)
         self.count = 0
+        self.quiet = False  # the prefix came from the store: nothing is read
         self.handles: list = []
+        self.watched = contextlib.ExitStack()
 
     def __enter__(self) -> "prompt_progress":
-        if self.on_progress is not None:
+        if self.on_progress is not None or self.store is not None:
             self.handles = [layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.engine.layers]
+        if self.store is not None:
+            self.watched.enter_context(self.store.watching(self))
         return self
 
     def _hook(self, module, args, kwargs) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
         self.count += int(hidden.shape[1]) if hidden is not None and hidden.dim() == 3 else 0
-        self.on_progress(min(1.0, self.count / self.total))
+        if self.store is not None:
+            self.store.progress(self.count // self.n_layers)
+        if self.on_progress is not None and not self.quiet:
+            self.on_progress(min(1.0, self.count / self.total))
+
+    # --- what the store says (kvcli.store.kvstore.Watcher) -------------------------------------------
+    def waiting(self, holder) -> None:
+        if self.on_wait is not None:
+            self.on_wait(f"waiting for {holder.describe() if holder is not None else 'another kvcli process'}")
+
+    def waited(self) -> None:
+        if self.on_wait is not None:
+            self.on_wait(None)
+
+    def loaded(self) -> None:
+        self.quiet = True
+
+    def resumed(self, done: int, total: int) -> None:
+        self.count += done * self.n_layers
+        if self.on_resume is not None:
+            self.on_resume(min(1.0, self.count / self.total))
 
     def done(self, token: int | None = None) -> None:
         for handle in self.handles:
@@ -225,6 +267,7 @@ class prompt_progress:
 
     def __exit__(self, *exc) -> None:
         self.done()
+        self.watched.close()
 
 
 def result_record(result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:

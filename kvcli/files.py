@@ -71,13 +71,10 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 
-def write_safetensors(filename: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
-    """Write the safetensors file ``filename`` as the format's spec has it (what ``safe_open``
-    reads): an 8-byte little-endian header length, the JSON header (padded with spaces to 8
-    bytes), then each tensor's bytes, largest element first (aligned), then by name; streamed
-    from the tensors, never a second copy of them in memory."""
-    import torch
-
+def _safetensors_header(tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+    """The header of a safetensors file of ``tensors`` + ``metadata`` as the format's spec has it
+    (JSON padded with spaces to 8 bytes) and the order of the tensors' bytes after it: largest
+    element first (aligned), then by name."""
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -90,7 +87,23 @@ def write_safetensors(filename: str | os.PathLike, tensors: dict[str, "torch.Ten
         header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    return blob + b" " * (-len(blob) % 8), order
+
+
+def safetensors_size(tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> int:
+    """The bytes :func:`write_safetensors` would write, without writing them."""
+    blob, _ = _safetensors_header(tensors, metadata)
+    return 8 + len(blob) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_safetensors(filename: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
+    """Write the safetensors file ``filename`` as the format's spec has it (what ``safe_open``
+    reads): an 8-byte little-endian header length, the JSON header (padded with spaces to 8
+    bytes), then each tensor's bytes, largest element first (aligned), then by name; streamed
+    from the tensors, never a second copy of them in memory."""
+    import torch
+
+    blob, order = _safetensors_header(tensors, metadata)
     with open(filename, "wb") as fh:
         fh.write(len(blob).to_bytes(8, "little"))
         fh.write(blob)

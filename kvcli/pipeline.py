@@ -228,7 +228,7 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
     and says so before it starts (one warning with the token count: it takes a while). ``stored``:
     a disk store keeps what a book reader reads, and says so once, when it reads the document
-    (:func:`kvcli.bookstore.fetch_book`): no warning then (a later run is a cache hit)."""
+    (:func:`kvcli.store.fetch_book`): no warning then (a later run is a cache hit)."""
     limit = lm.max_context
     # --- the question (and the template around it) alone over the window: no method reads it ---
     fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens

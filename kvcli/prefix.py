@@ -97,7 +97,7 @@ class Prefix:
             return state, Fetched("off", time.perf_counter() - t0)
         key = make_key(engine.lm, ids, chunked_state(engine, ids, self.state))
         if reader.writes_prefix:
-            from .bookstore import fetch_book
+            from .store import fetch_book
 
             lm = engine.lm
             what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"

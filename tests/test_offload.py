@@ -98,12 +98,12 @@ def test_offloaded_prefix_comes_from_the_store_to_the_host_and_leaves_its_memo_i
     assert pipeline().stages[0].prefix_device(engine).type == "cpu"
     store = KVStore(tmp_path / "kv")
     cold = run(engine, prompt, pipeline(), max_new_tokens=6, stop_ids=set(), store=store)
-    memo = store._memo[1][0]
+    memo = store.memo.cache
     held = [(k.data_ptr(), k.shape) for k in memo.keys]
     warm = [run(engine, prompt, pipeline(), max_new_tokens=6, stop_ids=set(), store=store) for _ in range(2)]
     assert cold.extra["cache"]["status"] == "miss" and [w.extra["cache"]["status"] for w in warm] == ["hit", "hit"]
     assert [w.answer_ids for w in warm] == [cold.answer_ids] * 2
-    assert store._memo[1][0] is memo and [(k.data_ptr(), k.shape) for k in memo.keys] == held
+    assert store.memo.cache is memo and [(k.data_ptr(), k.shape) for k in memo.keys] == held
 
 
 def test_an_offloaded_prefix_has_its_own_store_key(meta_engine, tiny_lm):

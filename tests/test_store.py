@@ -262,7 +262,8 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert {r["method"] for r in rows} == {"full"} and all(r["size_bytes"] > 0 for r in rows)
     code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: TSV, never wrapped
     lines = out.splitlines()
-    assert code == 0 and lines[0].split("\t") == ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use"]
+    columns = ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens"]
+    assert code == 0 and lines[0].split("\t") == columns
     assert [line.split("\t")[:2] for line in lines[1:]] == [[r["key"], r["document"]] for r in rows]
     assert [int(line.split("\t")[6]) for line in lines[1:]] == [r["size_bytes"] for r in rows]
     code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
@@ -343,7 +344,7 @@ def _terminal_stdout(monkeypatch):
 def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, tmp_path, capsys, monkeypatch):
     import signal
 
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     doc, cache = tmp_path / "doc.txt", tmp_path / "cache"
     doc.write_text(DOC)
@@ -362,7 +363,7 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
     # a write in progress: its writer (this test) holds the key's lock
     live = kv / f".{'b' * 64}.safetensors.l1v3.tmp"
     live.write_bytes(b"x" * 1000)
-    holder = _take_lock(kv / "locks" / f"{'b' * 64}.lock")
+    holder = take_lock(kv / "locks" / f"{'b' * 64}.lock")
     try:
         code, out, err = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
         assert (code, err) == (0, "")
@@ -389,7 +390,7 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
 
 
 def test_reclaim_keeps_what_a_live_writer_holds_and_a_stale_foreign_temp_goes_by_age(tmp_path):
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     kv = tmp_path / "kv"
     (kv / "locks").mkdir(parents=True)
@@ -399,7 +400,7 @@ def test_reclaim_keeps_what_a_live_writer_holds_and_a_stale_foreign_temp_goes_by
     fresh.write_bytes(b"1")
     old.write_bytes(b"12")
     os.utime(old, (0, 0))
-    with _take_lock(kv / "locks" / f"{'c' * 64}.lock"):
+    with take_lock(kv / "locks" / f"{'c' * 64}.lock"):
         store = KVStore.open(tmp_path)
         assert live.exists() and fresh.exists() and not old.exists()
         assert (store.reclaimed.temp_files, store.reclaimed.temp_bytes) == (1, 2)
@@ -412,19 +413,19 @@ def test_a_lock_removed_while_a_process_waits_for_it_is_taken_again(tmp_path):
     before sees the inode change after locking and locks the file now at the path."""
     import threading
 
-    from kvcli.store import _take_lock
+    from kvcli.store import take_lock
 
     path = tmp_path / "k.lock"
-    first = _take_lock(path)
+    first = take_lock(path)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(_take_lock(path)))
+    waiter = threading.Thread(target=lambda: got.append(take_lock(path)))
     waiter.start()
     path.unlink()  # as reclaim does, holding the lock
     first.close()
     waiter.join(timeout=10)
     [handle] = got
     assert os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino  # holds the file that is there
-    assert _take_lock(path, blocking=False) is None  # and others see it held
+    assert take_lock(path, blocking=False) is None  # and others see it held
     handle.close()
 
 
@@ -531,101 +532,6 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
     assert {p.name: mode(p) for p in folder.iterdir()} == {"model.safetensors": 0o664, "config.json": 0o664, "kvcli-source.json": 0o664}
     assert mode(tmp_path / "shared" / "kv" / f"{entry_key}.safetensors") == 0o664
     assert mode(tmp_path / "shared" / "gguf-sha256.json") == 0o664
-
-
-# --- the cap: least recently used entries go after each write ------------------------------------
-
-
-def test_the_cap_removes_the_least_recently_used_entries_after_each_write(tiny_lm, tmp_path):
-    import time
-
-    from kvcli.capacity import least_recently_used
-
-    lm = tiny_lm("llama")
-    session = session_for(lm, tmp_path)
-    docs = [DOC.replace("ships", word) for word in ("ships", "boats", "rafts")]
-    ask(session, "full", doc=docs[0])
-    size = entry_files(tmp_path)[0].stat().st_size
-    session.store.max_bytes = 2 * size + size // 2  # room for two entries
-    ask(session, "full", doc=docs[1])
-    first, second = sorted(entry_files(tmp_path), key=lambda p: p.stat().st_mtime)
-    time.sleep(0.02)
-    session.store._memo = None
-    assert ask(session, "full", doc=docs[0]).extra["cache"]["status"] == "hit"  # doc 0 used again: now doc 1 is the oldest
-    time.sleep(0.02)
-    ask(session, "full", doc=docs[2])
-    left = entry_files(tmp_path)
-    assert len(left) == 2 and second not in left and first in left
-    assert sum(p.stat().st_size for p in left) <= session.store.max_bytes
-    # the evicted document is computed again (and stored, evicting the next oldest)
-    assert ask(session, "full", doc=docs[1]).extra["cache"]["status"] == "miss"
-    assert first not in entry_files(tmp_path) and len(entry_files(tmp_path)) == 2
-    # the selection itself, against a hand count
-    items = [("a", 5, 1.0), ("b", 5, 3.0), ("c", 5, 2.0)]
-    assert least_recently_used(items, 10, size=lambda i: i[1], last_use=lambda i: i[2]) == [items[0]]
-    assert least_recently_used(items, 4, size=lambda i: i[1], last_use=lambda i: i[2]) == [items[0], items[2], items[1]]
-    assert least_recently_used(items, 15, size=lambda i: i[1], last_use=lambda i: i[2]) == []
-
-
-def test_an_entry_over_the_cap_is_not_kept_and_said_once(tiny_lm, tmp_path):
-    warnings = []
-    notices.set_sink(warnings.append)
-    lm = tiny_lm("llama")
-    session = session_for(lm, tmp_path)
-    session.store.max_bytes = 1000
-    cold = ask(session, "full")
-    assert entry_files(tmp_path) == [] and len(warnings) == 1 and "over the cache cap" in warnings[0] and "--cache-max" in warnings[0]
-    again = ask(session, "full", Q2)
-    assert again.extra["cache"]["status"] == "miss" and len(warnings) == 1
-    assert cold.answer_ids == ask(session_for(lm, None, use_cache=False), "full").answer_ids
-
-
-def test_resolve_cap(tmp_path, monkeypatch):
-    import shutil
-    from collections import namedtuple
-
-    from kvcli.capacity import DEFAULT_CAP_BYTES, resolve_cap
-    from kvcli.errors import UsageError
-
-    monkeypatch.delenv("KVCLI_CACHE_MAX", raising=False)
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 100 << 30))
-    assert resolve_cap(None, tmp_path) == DEFAULT_CAP_BYTES  # a big disk: 10 GiB
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 8 << 30))
-    assert resolve_cap(None, tmp_path) == 2 << 30  # a quarter of 8 GiB free
-    (tmp_path / "kv").mkdir()
-    (tmp_path / "kv" / f"{'a' * 64}.safetensors").write_bytes(b"x" * (4 << 20))
-    assert resolve_cap(None, tmp_path) == (2 << 30) + (1 << 20)  # what the store holds counts as its room
-    assert resolve_cap(None, tmp_path / "not" / "yet") == 2 << 30  # the disk of the nearest existing folder
-    assert resolve_cap("500M", tmp_path) == 500 << 20
-    assert resolve_cap("None", tmp_path) is None
-    monkeypatch.setenv("KVCLI_CACHE_MAX", "3G")
-    assert resolve_cap(None, tmp_path) == 3 << 30
-    assert resolve_cap("1G", tmp_path) == 1 << 30  # the option before the variable
-    with pytest.raises(UsageError):
-        resolve_cap("lots", tmp_path)
-
-
-def test_cache_max_on_the_command_line(tiny_dir, tmp_path, capsys, monkeypatch):
-    model = str(tiny_dir("llama", num_hidden_layers=4))
-    doc, cache = tmp_path / "doc.txt", tmp_path / "cache"
-    doc.write_text(DOC)
-    args = ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q", "--max-new-tokens", "2"]
-    code, out, err = _cli([*args, "--cache-max", "lots"], capsys, monkeypatch)
-    assert code == 2 and out == "" and err.startswith("kvcli: error: size must look like") and len(err.splitlines()) == 1
-    code, out, err = _cli([*args, "--cache-max", "1K"], capsys, monkeypatch)
-    assert code == 0 and json.loads(out)["cache"] == "miss" and entry_files(cache) == []
-    monkeypatch.setenv("KVCLI_CACHE_MAX", "1K")
-    code, out, err = _cli(args, capsys, monkeypatch)
-    assert code == 0 and entry_files(cache) == []
-    monkeypatch.setenv("KVCLI_CACHE_MAX", "none")
-    code, out, err = _cli(args, capsys, monkeypatch)
-    assert code == 0 and len(entry_files(cache)) == 1
-    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
-    assert json.loads(out)["max_bytes"] is None
-    monkeypatch.setenv("KVCLI_CACHE_MAX", "2G")
-    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
-    assert json.loads(out)["max_bytes"] == 2 << 30
 
 
 # --- 16 bits where the model computes in 16 bits --------------------------------------------------

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvcli.files import write_safetensors
-from kvcli.store import _TEMP_NAME, KVStore
+from kvcli.store import KVStore
+from kvcli.store.keys import TEMP_NAME
 from tests.helpers.cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,7 +90,7 @@ def test_kill_9_during_an_entry_write_leaves_only_what_the_store_reclaims(tmp_pa
                 p.unlink()
     assert proc.returncode == -signal.SIGKILL, "the writer was never caught writing"
     left = [p for p in kv.iterdir() if p.is_file()]
-    assert left and all(_TEMP_NAME.match(p.name) for p in left), [p.name for p in left]
+    assert left and all(TEMP_NAME.match(p.name) for p in left), [p.name for p in left]
     assert sum(p.stat().st_size for p in left) > 0
     assert KVStore(kv).leftovers().temp_bytes == sum(p.stat().st_size for p in left)
     store = KVStore.open(cache)  # the next run

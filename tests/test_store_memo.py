@@ -18,7 +18,7 @@ def _kv(device="cpu"):
 
 
 def _memo_device(store):
-    return store._memo[1][0].keys[0].device.type
+    return store.memo.cache.keys[0].device.type
 
 
 def test_memo_stays_on_the_host_for_an_accelerator(tiny_lm, tmp_path):
@@ -28,7 +28,7 @@ def test_memo_stays_on_the_host_for_an_accelerator(tiny_lm, tmp_path):
     store = KVStore(tmp_path / "kv")
     got, fetched = store.fetch(key, lambda: computed, {}, device="meta")
     assert fetched.status == "miss" and got is computed
-    assert _memo_device(store) == "cpu" and store._memo[1][0] is not computed
+    assert _memo_device(store) == "cpu" and store.memo.cache is not computed
     again, fetched = store.fetch(key, lambda: None, {}, device="meta")  # the memo: an upload of its own
     assert fetched.status == "hit" and again.keys[0].device.type == "meta" and _memo_device(store) == "cpu"
     fresh = KVStore(tmp_path / "kv")  # read from disk
@@ -36,7 +36,7 @@ def test_memo_stays_on_the_host_for_an_accelerator(tiny_lm, tmp_path):
     assert fetched.status == "hit" and loaded.keys[0].device.type == "meta" and _memo_device(fresh) == "cpu"
     # on the CPU the memo itself, as before
     cpu, _ = fresh.fetch(key, lambda: None, {}, device="cpu")
-    assert cpu is fresh._memo[1][0] and torch.equal(cpu.keys[1], computed.keys[1])
+    assert cpu is fresh.memo.cache and torch.equal(cpu.keys[1], computed.keys[1])
 
 
 def test_an_upload_leaves_room_for_what_follows_the_prefix(tiny_lm, tmp_path):
@@ -57,4 +57,4 @@ def test_an_upload_leaves_room_for_what_follows_the_prefix(tiny_lm, tmp_path):
     assert [k.shape[-2] for k in got.keys] == [12, 12]
     assert [k.untyped_storage().nbytes() for k in got.keys + got.values] == [12 * row_bytes] * 4  # in place
     cpu, _ = store.fetch(key, lambda: None, {}, device="cpu", room=7)  # on the CPU: the memo itself, as before
-    assert cpu is store._memo[1][0]
+    assert cpu is store.memo.cache

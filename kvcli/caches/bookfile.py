@@ -13,6 +13,12 @@ out of memory into its *storage* as soon as the token leaves the local window, s
   process's memory). :meth:`FileStorage.finish` writes the final header (the store's metadata,
   with the CRC-32 of the data computed by reading it back once) into the reserved space.
 
+A file read may stop half-way (Ctrl-C, a kill) and resume (:class:`Destination`, the disk store's
+partial entry, :mod:`kvcli.store.book`): its file then has, after the data, a *resume region* (a
+``resume`` U8 tensor in its header) of two slots, each a point the read reached (:meth:`FileStorage.write_slot`:
+a sequence number and a CRC-32; the newer valid slot is the one to resume from, so a slot torn by a
+kill leaves the other). :meth:`FileStorage.finish` cuts the region off.
+
 The result is an ordinary safetensors file (``safe_open`` reads it; ``kvcli cache ls`` does).
 Tensors, per layer ``l``: ``k.l`` and ``v.l`` (n_kv, n, d) — the keys *before* RoPE (see
 :mod:`kvcli.caches.book`) and the values of every token, in 16 bits; ``repsum.l`` (n_kv,
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from typing import Callable
 
 import torch
 
@@ -31,6 +38,9 @@ from ..files import _ST_DTYPES
 
 HEADER_ROOM = 1 << 16  # bytes reserved for the JSON header (the metadata is written last)
 _CRC_READ = 8 << 20  # bytes per read while checksumming
+RESUME = "resume"  # a partial book's resume region, in its header: a U8 tensor after the data
+_SLOT_MAGIC = b"kvcli-rp"
+_SLOT_HEAD = 32  # magic, sequence number (8 bytes), payload length (8), CRC-32 of the payload (4), padding
 
 
 def tensor_specs(n_layers: int, n_kv: int, n: int, d: int, n_blocks: int, dtype: torch.dtype) -> dict:
@@ -84,12 +94,14 @@ class MemoryStorage:
 class FileStorage:
     """The book's tensors in a safetensors file, written and read in place (see the module doc)."""
 
-    def __init__(self, path, specs: dict, fd: int, offsets: dict, data_start: int) -> None:
+    def __init__(self, path, specs: dict, fd: int, offsets: dict, data_start: int,
+                 resume: tuple[int, int] = (0, 0)) -> None:
         self.path = str(path)
         self.specs = specs
         self.fd = fd
         self.offsets = offsets  # name -> byte offset of the tensor in the file
         self.data_start = data_start
+        self.resume_at, self.resume_size = resume  # the resume region: offset and bytes (0: none)
 
     # --- layout -------------------------------------------------------------------------------
     @staticmethod
@@ -105,22 +117,34 @@ class FileStorage:
         return header, offsets
 
     @classmethod
-    def create(cls, path, specs: dict) -> "FileStorage":
-        """A new file of the final size (sparse until written), its header room reserved."""
-        header, offsets = cls._layout(specs)
+    def create(cls, path, specs: dict, resume_point: int = 0, metadata: dict | None = None) -> "FileStorage":
+        """A new file of the final size (sparse until written), its header room reserved; with a
+        resume region after the data for points of ``resume_point`` bytes at most
+        (:func:`resume_region`), and its header (string ``metadata`` and the layout, the region
+        included) written at once, so that the file is a readable safetensors file from the start."""
+        resume_room = resume_region(resume_point) if resume_point else 0
+        full = {**specs, RESUME: (torch.uint8, (resume_room,))} if resume_room else specs
+        header, offsets = cls._layout(full)
         total = sum(h["data_offsets"][1] - h["data_offsets"][0] for h in header.values())
         fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, 8 + HEADER_ROOM + total)
+            at = {n: 8 + HEADER_ROOM + o for n, o in offsets.items()}
+            resume = (at.pop(RESUME), resume_room) if resume_room else (0, 0)
+            storage = cls(path, specs, fd, at, 8 + HEADER_ROOM, resume)
+            if metadata is not None:
+                storage._write_header(metadata, full)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, specs, fd, {n: 8 + HEADER_ROOM + o for n, o in offsets.items()}, 8 + HEADER_ROOM)
+        return storage
 
     @classmethod
-    def open(cls, path) -> tuple["FileStorage", dict]:
-        """An existing book file and its ``__metadata__``; raises ValueError when it is not one."""
-        fd = os.open(str(path), os.O_RDONLY)
+    def open(cls, path, writable: bool = False) -> tuple["FileStorage", dict]:
+        """An existing book file and its ``__metadata__``; raises ValueError when it is not one. Its
+        resume region: the ``resume`` tensor of a partial book's header, or — a read stopped between
+        writing the final header and cutting the region off — the bytes after the data."""
+        fd = os.open(str(path), os.O_RDWR if writable else os.O_RDONLY)
         try:
             n = int.from_bytes(os.pread(fd, 8, 0), "little")
             if not 0 < n <= HEADER_ROOM:
@@ -128,17 +152,26 @@ class FileStorage:
             header = json.loads(os.pread(fd, n, 8))
             meta = header.pop("__metadata__", {}) or {}
             inverse = {v: k for k, v in _ST_DTYPES.items()}
-            specs, offsets = {}, {}
+            specs, offsets, end = {}, {}, 0
             for name, h in header.items():
-                specs[name] = (getattr(torch, inverse[h["dtype"]]), tuple(h["shape"]))
-                offsets[name] = 8 + n + h["data_offsets"][0]
+                lo, hi = h["data_offsets"]
+                offsets[name], end = 8 + n + lo, max(end, 8 + n + hi)
+                if name != RESUME:
+                    specs[name] = (getattr(torch, inverse[h["dtype"]]), tuple(h["shape"]))
+            size = os.fstat(fd).st_size
+            if size < end:
+                raise ValueError(f"{size:,} bytes, its layout needs {end:,}: cut short")
+            if RESUME in offsets:
+                resume = (offsets.pop(RESUME), int(header[RESUME]["shape"][0]))
+            else:
+                resume = (end, size - end)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             os.close(fd)
             raise ValueError(f"not a book file: {e}") from e
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, specs, fd, offsets, 8 + n), meta
+        return cls(path, specs, fd, offsets, 8 + n, resume), meta
 
     # --- rows -----------------------------------------------------------------------------------
     def _row_bytes(self, name: str) -> tuple[int, int]:
@@ -169,7 +202,7 @@ class FileStorage:
 
     # --- checksum and header ----------------------------------------------------------------------
     def crc32(self) -> int:
-        """CRC-32 of the tensors' bytes, by name (the store's definition, :func:`kvcli.store._crc32`),
+        """CRC-32 of the tensors' bytes, by name (the store's definition, :func:`kvcli.store.entries.crc32`),
         read back in pieces: the file is never held in memory."""
         crc = 0
         for name in sorted(self.specs):
@@ -184,15 +217,56 @@ class FileStorage:
                 left -= len(piece)
         return crc
 
-    def finish(self, metadata: dict) -> None:
-        """Write the header (tensor layout + string ``metadata``) into the reserved room, then fsync."""
-        header, _ = self._layout(self.specs)
+    def _write_header(self, metadata: dict, specs: dict) -> None:
+        """The header (the layout of ``specs`` + string ``metadata``) into the reserved room."""
+        header, _ = self._layout(specs)
         blob = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
         if len(blob) > HEADER_ROOM:
             raise ValueError(f"book header of {len(blob)} bytes over its {HEADER_ROOM}-byte room")
         blob += b" " * (HEADER_ROOM - len(blob))
         os.pwrite(self.fd, HEADER_ROOM.to_bytes(8, "little") + blob, 0)
+
+    def finish(self, metadata: dict) -> None:
+        """Write the final header (tensor layout + string ``metadata``) into the reserved room, cut
+        the resume region off, then fsync."""
+        self._write_header(metadata, self.specs)
+        if self.resume_size:
+            os.fsync(self.fd)  # the header before the cut: a read stopped between them still resumes
+            os.ftruncate(self.fd, self.resume_at)
+            self.resume_size = 0
         os.fsync(self.fd)
+
+    # --- the resume region ----------------------------------------------------------------------
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def write_slot(self, seq: int, payload: bytes) -> None:
+        """Keep ``payload`` (a point the read reached) as number ``seq`` in the resume region's slot
+        ``seq % 2``, then fsync: the other slot keeps the point before it."""
+        half = self.resume_size // 2
+        if _SLOT_HEAD + len(payload) > half:
+            raise ValueError(f"a resume point of {len(payload)} bytes over its {half - _SLOT_HEAD}-byte slot")
+        head = _SLOT_MAGIC + seq.to_bytes(8, "little") + len(payload).to_bytes(8, "little")
+        head += zlib.crc32(payload).to_bytes(4, "little") + bytes(4)
+        os.pwrite(self.fd, head + payload, self.resume_at + (seq % 2) * half)
+        os.fsync(self.fd)
+
+    def latest_slot(self) -> tuple[int, bytes] | None:
+        """(number, payload) of the newest slot whose CRC-32 holds; None when no slot does."""
+        half, best = self.resume_size // 2, None
+        for i in (0, 1):
+            at = self.resume_at + i * half
+            head = os.pread(self.fd, _SLOT_HEAD, at) if half >= _SLOT_HEAD else b""
+            if len(head) < _SLOT_HEAD or head[:8] != _SLOT_MAGIC:
+                continue
+            seq, n = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+            if n > half - _SLOT_HEAD:
+                continue
+            payload = os.pread(self.fd, n, at + _SLOT_HEAD)
+            if len(payload) == n and zlib.crc32(payload) == int.from_bytes(head[24:28], "little"):
+                if best is None or seq > best[0]:
+                    best = (seq, payload)
+        return best
 
     def nbytes(self) -> int:
         return 0  # on disk, not in memory
@@ -207,3 +281,74 @@ class FileStorage:
             self.close()
         except Exception:
             pass
+
+
+def resume_region(point: int) -> int:
+    """The bytes of a resume region whose two slots each hold a point of ``point`` bytes."""
+    return 2 * (_SLOT_HEAD + point)
+
+
+def pack(facts: dict, blob: bytes) -> bytes:
+    """A resume point's bytes: its facts (JSON) and a blob (tensors' bytes)."""
+    text = json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()
+    return len(text).to_bytes(8, "little") + text + blob
+
+
+def unpack(payload: bytes) -> tuple[dict, bytes]:
+    """(facts, blob) of :func:`pack`'s bytes; ValueError when they are not that."""
+    n = int.from_bytes(payload[:8], "little")
+    if not 0 < n <= len(payload) - 8:
+        raise ValueError("not a resume point")
+    facts = json.loads(payload[8 : 8 + n])
+    if not isinstance(facts, dict):
+        raise ValueError("not a resume point")
+    return facts, payload[8 + n :]
+
+
+def read_progress(path) -> dict | None:
+    """The facts of the newest resume point of the partial book file at ``path`` (``tokens``: how
+    far its read got); None when it has none or cannot be read."""
+    try:
+        storage, _ = FileStorage.open(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        slot = storage.latest_slot()
+        return None if slot is None else unpack(slot[1])[0]
+    except (OSError, ValueError):
+        return None
+    finally:
+        storage.close()
+
+
+class Destination:
+    """Where a read (:meth:`kvcli.compressors.infllm.InfLLM.read`) puts the book it reads."""
+
+    def start(self, specs: dict, room: int, new: Callable) -> object:
+        """The book to read into, ``new(storage)`` for a storage laid out by ``specs``; or — a
+        destination that keeps the reads it did not finish — that book resumed where the last read
+        stopped. ``room``: the bytes of a resume point at most (:meth:`BookCache.point_bytes`)."""
+        raise NotImplementedError
+
+    def reached(self, book) -> None:
+        """After each chunk of the read."""
+
+    def interrupted(self) -> None:
+        """The read stopped before its end (an error, Ctrl-C); its storage is still open."""
+
+
+class InMemory(Destination):
+    """The book in memory (no disk store, ``--no-cache``, an entry over the cap or the free space)."""
+
+    def start(self, specs: dict, room: int, new: Callable) -> object:
+        return new(MemoryStorage(specs))
+
+
+class NewFile(Destination):
+    """The book into a new file at ``path`` (a read that stops leaves nothing to resume)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def start(self, specs: dict, room: int, new: Callable) -> object:
+        return new(FileStorage.create(self.path, specs))

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from .. import api
-from ..capacity import resolve_cap
+from ..store import parse_size, resolve_cap
 from ..report import terminal as render
 from ..errors import KvcliError, UsageError
 from .app import app
@@ -95,23 +95,32 @@ def cache_info(
 
     The totals count every file of the store: entries, temporary files of writes in progress and
     lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
-    left (temporary files whose writer is gone, lock files nobody holds), removed just now.
+    left (temporary files whose writer is gone, lock files nobody holds), removed just now;
+    "evicts_next" is the entry the cap removes first when a new one needs room; "partial" counts the
+    book reads that stopped, kept for the next read to resume ("kvcli cache ls" shows how far each got).
     """
     store = _open_cache(cache_dir)
     entries = store.entries()
     if key is None:
         left = store.leftovers()
         size = sum(e.size for e in entries)
+        cap = resolve_cap(None, store.root.parent)  # the cap kvcli ask/chat enforce (None: none)
+        evicts = store.next_evicted(entries)
         info = {
             "path": str(store.root),
             "entries": len(entries),
             "size_bytes": size,
             "damaged": sum(1 for e in entries if e.error),
+            "partial": sum(1 for e in entries if e.partial),  # book reads that stopped (resumed by the next)
             "writes_in_progress": left.temp_files,
             "in_progress_bytes": left.temp_bytes,
             "lock_files": left.lock_files,
             "disk_bytes": size + left.temp_bytes,
-            "max_bytes": resolve_cap(None, store.root.parent),  # the cap kvcli ask/chat enforce (null: none)
+            "max_bytes": cap,
+            "room_bytes": None if cap is None else max(0, cap - size),  # what a new entry takes before any goes
+            # the entry the cap removes first when a new one needs room (the least recently used)
+            "evicts_next": None if evicts is None else {
+                k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
             "reclaimed_temp_files": store.reclaimed.temp_files,
             "reclaimed_bytes": store.reclaimed.temp_bytes,
             "reclaimed_lock_files": store.reclaimed.lock_files,
@@ -155,8 +164,12 @@ def cache_rm(
         if not matches:
             unmatched.append(f"'{doc}'")
     freed = store.remove(chosen)
+    running = [e for e in chosen if e.path.exists()]  # partial entries whose read runs stay
     if chosen or all_entries:
-        line = f"removed {_plural(len(chosen), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        line = f"removed {_plural(len(chosen) - len(running), 'entry', 'entries')}, {render.human_bytes(freed)}"
+        if running:
+            left = _plural(len(running), 'partial entry', 'partial entries')
+            line += f"; left {left} another kvcli process is reading into"
         if all_entries:
             left = store.reclaim(explicit=True)
             temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes
@@ -177,8 +190,6 @@ def cache_prune(
     Also removes what runs killed half-way left behind: temporary files whose writer is gone and
     lock files nobody holds.
     """
-    from ..store import parse_size
-
     limit = parse_size(max_size)
     store = _open_cache(cache_dir)
     removed, left = store.prune(limit)

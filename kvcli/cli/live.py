@@ -23,16 +23,18 @@ RATE_WINDOW_S = 30.0  # ... from the rate over this last stretch of the read (th
 RATE_MIN_SPAN_S = 5.0  # the stretch is used once it spans this long
 
 
-def reading_figures(fraction: float, n_tokens: int, elapsed: float, rate: float | None = None) -> str:
+def reading_figures(fraction: float, n_tokens: int, elapsed: float, rate: float | None = None,
+                    start: float = 0.0) -> str:
     """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of;
-    ``rate``: tokens/s lately (default: over ``elapsed``). No time left before ``ETA_AFTER``
-    of the prompt: an early rate says little of the rest (and a prompt mostly stored, a warm book,
-    reads few tokens)."""
+    ``rate``: tokens/s lately (default: over ``elapsed``, the seconds since ``start`` of the prompt
+    was read: 0, or where a book read resumed). No time left before ``ETA_AFTER`` of the prompt is
+    read (since ``start``): an early rate says little of the rest (and a prompt mostly stored, a
+    warm book, reads few tokens)."""
     done = min(1.0, max(0.0, fraction)) * n_tokens
     if rate is None:
-        rate = done / elapsed if elapsed > 0 else 0.0
+        rate = (done - start * n_tokens) / elapsed if elapsed > 0 else 0.0
     text = f"{done:,.0f}/{n_tokens:,} tokens ({100 * min(1.0, fraction):.0f}%)"
-    if rate > 0 and fraction >= ETA_AFTER:
+    if rate > 0 and fraction - start >= ETA_AFTER:
         left = (n_tokens - done) / rate
         text += f" · {rate:,.0f} tok/s · {int(left) // 60}m {int(left) % 60:02d}s left"
     return text
@@ -69,6 +71,8 @@ class Reading:
         self.wrote = False  # some of the answer is on stdout (a line to end on Ctrl-C)
         self.n_tokens = 0  # the prompt's (on_prompt)
         self.tenth, self.last_line = 0, 0.0  # progress lines said so far (stderr not a terminal)
+        self.start = 0.0  # the prompt read before this run (a resumed book read: on_resume)
+        self.waited = 0.0  # when the last "waiting for another kvcli process" line was said (piped)
         self.rate = RecentRate()
         self.n_answer, self.t_answer = 0, 0.0  # answer tokens written so far, since (on_token)
 
@@ -92,7 +96,33 @@ class Reading:
         """Session.ask's callbacks; ``stream``: the answer on stdout as it is decoded, else how far
         writing it has got on stderr (:meth:`on_token`)."""
         return {"on_prompt": self.on_prompt, "on_progress": self.on_progress,
-                "on_text": self.write if stream else None, "on_token": None if stream else self.on_token}
+                "on_text": self.write if stream else None, "on_token": None if stream else self.on_token,
+                "on_wait": self.on_wait, "on_resume": self.on_resume}
+
+    def on_wait(self, text: str | None) -> None:
+        """While another kvcli process computes this document's KV: ``text`` (what it reads, how far)
+        instead of the spinner's label, or piped one line at once and one every LINE_EVERY_S;
+        None: the wait is over (the reading's figures count from now)."""
+        now = time.perf_counter()
+        if text is None:
+            self.t0 = now
+            if self.status is not None:
+                self.status.update(self.label)
+            return
+        if self.err.quiet:
+            return
+        if self.err.is_terminal:
+            if self.status is not None:
+                self.status.update(text)
+        elif not self.waited or now - self.waited >= LINE_EVERY_S:
+            self.waited = now
+            self.err.print(f"kvcli: {text}", markup=False, highlight=False, soft_wrap=True)
+
+    def on_resume(self, fraction: float) -> None:
+        """A book read resumes with ``fraction`` of the prompt read already (its rate counts the rest)."""
+        self.start, self.tenth, self.t0 = fraction, int(fraction * 10), time.perf_counter()
+        self.rate = RecentRate()
+        self.rate.add(self.t0, fraction * self.n_tokens)
 
     def on_prompt(self, method: str, n_tokens: int) -> None:
         self.label = f"{method} · {n_tokens:,} tokens"
@@ -114,13 +144,13 @@ class Reading:
             tenth = int(fraction * 10)
             if fraction < 1 and elapsed >= LINE_AFTER_S and (tenth > self.tenth or now - self.last_line >= LINE_EVERY_S):
                 self.tenth, self.last_line = tenth, now
-                figures = reading_figures(fraction, self.n_tokens, elapsed, rate)
+                figures = reading_figures(fraction, self.n_tokens, elapsed, rate, self.start)
                 self.err.print(f"kvcli: {self.label}: {figures}", markup=False, highlight=False, soft_wrap=True)
             return
         if self.progress is None:
             if self.status is None:
                 return
-            if fraction >= 0.5 or elapsed < BAR_AFTER_S:
+            if fraction - self.start >= 0.5 * (1 - self.start) or elapsed < BAR_AFTER_S:
                 return  # short (or nearly done): the spinner is enough
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -134,7 +164,7 @@ class Reading:
             self.progress.start()
         if now - self.last_line >= 0.25 or fraction >= 1:
             self.last_line = now
-            figures = reading_figures(fraction, self.n_tokens, elapsed, rate)
+            figures = reading_figures(fraction, self.n_tokens, elapsed, rate, self.start)
             self.progress.update(self.task, completed=fraction, figures=figures)
 
     def on_token(self, token: int) -> None:

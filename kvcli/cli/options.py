@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperCommand
 
 from .. import api, policy
-from ..capacity import NO_CAP, parse_size
+from ..store import NO_CAP, parse_size
 
 
 class Device(str, Enum):

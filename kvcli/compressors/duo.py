@@ -15,7 +15,7 @@ whole model; mean over each GQA group) become streaming heads.
 
 The profile is a property of the model, computed once and stored per model next to
 RazorAttention's head profiles (``<cache dir>/heads/``, atomic safetensors writes, see
-:mod:`kvcli.compressors.razor_heads` and :func:`kvcli.store.save_safetensors_atomic`). Calibration text: kvcli's
+:mod:`kvcli.compressors.razor_heads` and :func:`kvcli.files.save_safetensors_atomic`). Calibration text: kvcli's
 bundled passkey filler (:mod:`kvcli.texts`; kvpress samples BookSum, which kvcli does not
 download), ``tokens`` of it.
 
@@ -132,7 +132,7 @@ class DuoProfile:
         return out
 
     def save(self, path: Path) -> None:
-        from ..store import save_safetensors_atomic
+        from ..files import save_safetensors_atomic
 
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": self.tokens, "length": self.length,
                 "paper": "Xiao et al. 2024, DuoAttention, arXiv:2410.10819 (kvpress's on-the-fly estimate)"}

@@ -17,7 +17,8 @@ Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
    q·k of a token's ``local_window`` successors), scored during this same read.
 3. The KV of every token (keys before RoPE, values; ``kv_dtype``, 16 bits by default) and the
    blocks' representatives go to the disk store as they leave Local (:mod:`kvcli.caches.bookfile`):
-   the entry depends on the document only, so every later question reuses it.
+   the entry depends on the document only, so every later question reuses it; a read that stops
+   keeps what it read and the next one resumes it (:mod:`kvcli.store.book`).
 4. A question: its tokens run on top of the stored book as one more chunk (its queries retrieve
    the blocks); each decoding step retrieves its own blocks (InfLLM; ``retrieval=question``
    keeps the question's choice for the whole answer, as the KTransformers article does after
@@ -54,7 +55,7 @@ import torch
 from .. import accelerator
 from ..caches.blocks import partition
 from ..caches.book import BookCache
-from ..caches.bookfile import HEADER_ROOM, FileStorage, MemoryStorage, nbytes_of, tensor_specs
+from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, tensor_specs
 from ..errors import UsageError
 from .base import Compressor, knob, register
 
@@ -189,32 +190,40 @@ class InfLLM(Compressor):
 
     def reading_note(self, lm, n_prompt: int) -> str:
         """What the over-window warning says without a disk store (with one, the store says once
-        that it stores the book: :func:`kvcli.bookstore.fetch_book`)."""
+        that it stores the book: :func:`kvcli.store.fetch_book`)."""
         how = (f"the {self.answer_topk} its layer-{self.filter_layer} attention selects, in document order"
                if self.filter_layer >= 0 else f"the {self.answer_topk} its queries score highest")
         return f"infllm reads it in {self.chunk}-token chunks into blocks, of which a question reads {how}"
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def read(self, engine, ids: torch.Tensor, path=None) -> BookCache:
-        """Read ``ids`` (the prefix) into a book: in memory, or into the file at ``path`` (a
-        temporary file of the disk store, which finishes and renames it)."""
+    def read(self, engine, ids: torch.Tensor, into: Destination | None = None) -> BookCache:
+        """Read ``ids`` (the prefix) into a book: in memory (``into`` None), or where ``into`` puts
+        it (:mod:`kvcli.caches.bookfile`): a new file, or the disk store's partial entry, which a
+        read that stops keeps and the next one resumes (:mod:`kvcli.store.book`)."""
         lm = engine.lm
         self.configure(lm)
-        specs = self.specs(lm, ids.numel())
-        storage = MemoryStorage(specs) if path is None else FileStorage.create(path, specs)
-        try:
-            book = BookCache(storage, ids.numel(), lm.n_layers, lm.n_kv_heads, lm.head_dim, initial=self.initial,
+        n = ids.numel()
+        into = InMemory() if into is None else into
+
+        def new(storage) -> BookCache:
+            return BookCache(storage, n, lm.n_layers, lm.n_kv_heads, lm.head_dim, initial=self.initial,
                              block_size=self.block_size, local=self.local_window, topk=self.topk,
                              repr_topk=self.repr_topk, retrieval=self.retrieval).bind(engine)
+
+        room = BookCache.point_bytes(n, lm.n_layers, lm.n_kv_heads, self.initial, self.local_window, self.block_size)
+        book = into.start(self.specs(lm, n), room, new)
+        try:
             book.reading = True
-            for s in range(0, ids.numel(), self.chunk):
+            for s in range(book.n_tokens, n, self.chunk):  # a resumed book: from where its read stopped
                 part = ids[s : s + self.chunk]
                 engine.forward(part, book.next_positions(part.numel()), book)
                 book.end_chunk()
+                into.reached(book)
             book.finish_read()
         except BaseException:
-            storage.close()
+            into.interrupted()
+            book.storage.close()
             raise
         return book
 

@@ -262,8 +262,8 @@ class HeadProfile:
         }
 
     def save(self, path: Path) -> None:
-        """Write atomically (see :func:`kvcli.store.save_safetensors_atomic`)."""
-        from ..store import save_safetensors_atomic
+        """Write atomically (see :func:`kvcli.files.save_safetensors_atomic`)."""
+        from ..files import save_safetensors_atomic
 
         path = Path(path)
         save_safetensors_atomic(

@@ -128,8 +128,11 @@ def _cache_rows(entries) -> list[dict[str, Text]]:
             "document": Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
             "model": Text(Path(j["model"]).name if j["model"] else "-"),
             "method": Text((j["method"] or "-").split(":")[0]),
-            "state": Text(_cache_state(j["state"])),
-            "tokens": Text(f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-"),
+            # a partial entry (a book read that stopped): how far it got, and whether its read runs now
+            "state": Text(_cache_state(j["state"])
+                          + (" · reading" if j["reading"] else " · partial" if j["partial"] else "")),
+            "tokens": Text(f"{j['read_tokens'] or 0:,}/{j['n_tokens']:,}" if j["partial"] and j["n_tokens"] is not None
+                           else f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-"),
             "size": Text(human_bytes(j["size_bytes"])),
             "last use": Text(j["last_use"][5:16].replace("T", " ")),  # MM-DD HH:MM
         })
@@ -187,7 +190,8 @@ def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> No
     console.print(total, style="dim", markup=False, highlight=False)
 
 
-CACHE_TSV_COLUMNS = ("key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use")
+# read_tokens: a partial entry's tokens read so far ("-" for a whole entry)
+CACHE_TSV_COLUMNS = ("key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens")
 
 
 def cache_tsv(entries) -> str:

@@ -1,9 +1,9 @@
 """InfLLM's stored book (kvcli.compressors.infllm, kvcli.caches.book, kvcli.caches.bookfile,
-kvcli.bookstore): the reading and the question checked against InfLLM written out plainly on
+kvcli.store.book): the reading and the question checked against InfLLM written out plainly on
 transformers' own layers (positions, memory blocks, representatives, retrieval, one softmax);
 the stored entry (16-bit, opened in place, CRC-checked) answers as the in-memory book does; an
-entry over the cap answers without storing and says so; an interrupted read leaves no entry;
-knob errors are one line."""
+entry over the cap answers without storing and says so; an interrupted read leaves no entry, only
+a partial one that the next read resumes (tests/test_book_resume.py); knob errors are one line."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from kvcli import notices
 from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
-from kvcli.caches.bookfile import HEADER_ROOM
+from kvcli.caches.bookfile import HEADER_ROOM, NewFile
 from kvcli.compressors import parse_one
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
@@ -305,7 +305,7 @@ def test_a_book_over_the_cap_answers_without_storing_and_says_so(tiny_lm, tmp_pa
     assert not [p for p in (tmp_path / "kv").glob(".*.tmp")]
 
 
-def test_an_interrupted_read_leaves_no_entry(tiny_lm, tmp_path, monkeypatch):
+def test_an_interrupted_read_leaves_no_entry_but_a_partial_one_the_next_read_finishes(tiny_lm, tmp_path, monkeypatch):
     lm = tiny_lm("llama")
     calls = {"n": 0}
     original = BookCache.end_chunk
@@ -319,9 +319,12 @@ def test_an_interrupted_read_leaves_no_entry(tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setattr(BookCache, "end_chunk", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _answer(lm, KVStore.open(tmp_path))
-    assert [p.name for p in (tmp_path / "kv").iterdir() if p.name != "locks"] == []
+    [partial] = [p.name for p in (tmp_path / "kv").iterdir() if p.name != "locks"]
+    assert partial.endswith(".partial.safetensors")  # never served as the entry
     monkeypatch.setattr(BookCache, "end_chunk", original)
-    assert _answer(lm, KVStore.open(tmp_path)).extra["cache"]["status"] == "miss"
+    result = _answer(lm, KVStore.open(tmp_path))
+    assert result.extra["cache"]["status"] == "miss" and result.answer_ids == _answer(lm, None).answer_ids
+    assert [p.name for p in (tmp_path / "kv").iterdir() if p.name != "locks"] == [partial.replace(".partial", "")]
 
 
 def test_the_stored_size_is_known_before_reading(tiny_lm, tmp_path):
@@ -376,7 +379,7 @@ def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tin
 
     monkeypatch.setattr(BookCache, "end_chunk", watched)
     ids = torch.randint(5, 200, (900,))
-    book = s.read(engine, ids, path=tmp_path / "book")
+    book = s.read(engine, ids, NewFile(tmp_path / "book"))
     assert isinstance(book.storage, FileStorage) and book.n_blocks == partition(900, 4, 16, 8)[1]
     assert max(seen) <= 16 + 8 + 12 and max(seen[1::2]) < 16 + 8 + 4  # before / after each move to Memory
     per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2

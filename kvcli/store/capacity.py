@@ -1,18 +1,25 @@
 """How big the disk KV store may grow: its cap, and which entries go when it is over.
 
-The store (:mod:`kvcli.store`) removes its least recently used entries after each write until it
-fits under the cap (:func:`least_recently_used`). The cap (:func:`resolve_cap`) is
+The store (:mod:`kvcli.store`) keeps a new entry only when it fits under the cap, and then removes
+the least recently used of the others until it does (:func:`room_for`); an entry that is not kept
+removes nothing. The cap (:func:`resolve_cap`) is
 ``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
 of
 
-* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~28 documents for SmolLM2-135M in
-  float32 (46 KB per token, 377 MB a document) or ~10 for an 8B model in 16 bits (128 KiB per token),
+* 10 GiB (:data:`DEFAULT_CAP_BYTES`): the 8k-token prefix KV of ~56 documents for the embedded
+  SmolLM2-135M (22.5 KiB per token, 180 MiB a document) or ~10 for an 8B model (128 KiB per token),
   more than a day's documents, and
 * a quarter (:data:`DEFAULT_CAP_SHARE`) of the disk space the store may use (the free space where it
   lives plus what it holds already), so on a nearly full disk kvcli never takes the last of it.
 
 A fixed size alone would fill a small disk; a share alone would let the cache take hundreds of GiB
 of a big one for entries that are rarely reused.
+
+The KV is stored in the dtype the model computes in: bfloat16 or float16 on a GPU; on the CPU
+bfloat16 for a quantised model — the embedded one by default, whose 8-bit weights run with bfloat16
+activations (:mod:`kvcli.model.cpu_quant`) — else float32 unless ``--dtype`` says otherwise.
+Rounding a float32 model's KV to 16 bits on disk would make an answer from the store differ from
+the cold one.
 """
 
 from __future__ import annotations
@@ -23,11 +30,20 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
+from .keys import SUFFIX
+
 DEFAULT_CAP_BYTES = 10 << 30
 DEFAULT_CAP_SHARE = 0.25
 CAP_ENV = "KVCLI_CACHE_MAX"
 NO_CAP = ("none", "off", "unlimited")
+
+
+def human(n: int) -> str:
+    """``n`` bytes in words: "1.6 GiB", "72.0 MiB", "512 B"."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
 
 
 def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: Callable) -> list:
@@ -40,6 +56,17 @@ def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: C
         out.append(item)
         total -= size(item)
     return out
+
+
+def room_for(items: list, size: int, max_bytes: int, size_of: Callable, last_use: Callable,
+             removable: Callable) -> list | None:
+    """The items to remove, least recently used first, for a new entry of ``size`` bytes to fit beside
+    the rest in ``max_bytes``; None when it cannot, whatever goes (it alone, or with the items that
+    cannot be removed, is over): then nothing is removed and the entry is not kept."""
+    fixed = sum(size_of(i) for i in items if not removable(i))
+    if size + fixed > max_bytes:
+        return None
+    return least_recently_used([i for i in items if removable(i)], max_bytes - size - fixed, size_of, last_use)
 
 
 def resolve_cap(spec: str | int | None, root: Path) -> int | None:
@@ -73,7 +100,7 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
 
 def parse_size(text: str) -> int:
     """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     s = text.strip().upper().removesuffix("IB").removesuffix("B")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -1,0 +1,79 @@
+"""Store keys: what an entry depends on, hashed, and the file names a key gives.
+
+A key (:func:`make_key`) hashes everything that changes the state: the store format version, the
+model fingerprint (weights, config, tokenizer and chat template, dtype, quantisation), the device
+type and attention kernel, the prefix token ids (the document and the prompt template around it),
+the method's state parameters (e.g. ``{"kind": "kv", "layers": 16}``: GemFilter's k does not
+change what is stored, so ``gemfilter:k=256`` and ``gemfilter:k=512`` share an entry), and the
+question's tokens only for states that depend on it.
+
+Names under ``<cache_dir>/kv``: the entry ``<key>.safetensors``; its temporary file while it is
+written ``.<key>.safetensors.<random>.tmp`` (:func:`kvcli.files.atomic_write`); the partial entry
+of a book read that stopped ``<key>.partial.safetensors`` (:mod:`kvcli.store.book`: never served,
+resumed by the next read); its lock ``locks/<key>.lock``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
+PARTIAL = ".partial"  # the partial entry of a book read that stopped: <key>.partial.safetensors
+# the temporary file of an entry: ``.<key>.safetensors.<random>.tmp`` (kvcli.files.atomic_write)
+TEMP_NAME = re.compile(r"^\.([0-9a-f]{64})" + re.escape(SUFFIX) + r"\..+\.tmp$")
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    digest: str  # sha256 hex of the canonical JSON of ``fields``
+    fields: dict  # everything the entry depends on
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tensor | None = None) -> StoreKey:
+    """The key of the prefix state ``state`` of ``prefix_ids`` (n,) for the model ``lm``."""
+    fields = {
+        "format": FORMAT_VERSION,
+        "model": lm.fingerprint,
+        "device": lm.device.type,
+        "attn": lm.attn,
+        "tokens": _ids_digest(prefix_ids),
+        "n_tokens": int(prefix_ids.numel()),
+        "state": state,
+        "question": None if question_ids is None else _ids_digest(question_ids),
+    }
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return StoreKey(hashlib.sha256(canonical.encode()).hexdigest(), fields)
+
+
+def entry_path(root: Path, digest: str) -> Path:
+    """The file of the entry ``digest`` in the store folder ``root``."""
+    return root / f"{digest}{SUFFIX}"
+
+
+def partial_path(root: Path, digest: str) -> Path:
+    """The partial entry of the key ``digest`` (a book read that stopped) in ``root``."""
+    return root / f"{digest}{PARTIAL}{SUFFIX}"
+
+
+def is_partial(path: Path) -> bool:
+    return path.name.endswith(PARTIAL + SUFFIX)
+
+
+def digest_of(path: Path) -> str:
+    """The key an entry's file (whole or partial) is named after."""
+    return path.name[: -len(SUFFIX)].removesuffix(PARTIAL)
+
+
+def lock_path(root: Path, digest: str) -> Path:
+    return root / "locks" / f"{digest}.lock"
