@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.model import default_cache_dir  # noqa: E402
-from kvcli.prompt import build_prompt  # noqa: E402
+from kvcli.answer.prompt import build_prompt  # noqa: E402
 from kvcli.store import KVStore  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"

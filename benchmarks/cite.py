@@ -16,7 +16,7 @@ Sets:
   from kvcli's generator, ``Instance.spans``).
 
 Methods: ``bm25`` (the question as the query over the pages, or over the paragraphs of an unpaged
-text: :func:`kvcli.sources.bm25_sources`), ``bm25-units`` (BM25 over the document's units,
+text: :func:`kvcli.cite.sources.bm25_sources`), ``bm25-units`` (BM25 over the document's units,
 ranked and merged as the attention's are), and any ``-c`` spec (``full``, ``auto``,
 ``snapkv:budget=0.25``, ``finch``, ``infllm``): the model answers, and its sources
 (``Result.sources``, from what it read) are scored, with the time they added.
@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
 
 from kvcli.documents import document_from_text, load_document  # noqa: E402
-from kvcli.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
-from kvcli.bm25 import bm25_scores  # noqa: E402
+from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
+from kvcli.cite.bm25 import bm25_scores  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "cite" / "questions.json"
 BOOK_QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
@@ -168,13 +168,13 @@ def tokenizer_only():
 
 
 def use_heads(spec: str) -> None:
-    """``--heads``: default (the product's :func:`kvcli.attribution.citing_heads`), all (every head
+    """``--heads``: default (the product's :func:`kvcli.cite.attribution.citing_heads`), all (every head
     of every layer alike), layers:A-B (every head of layers A..B), or a .npy of (layers, heads)
     weights (benchmarks/cite_heads.py analyze --weights-out)."""
     import torch
 
     import kvcli.api
-    from kvcli.attribution import HeadWeights
+    from kvcli.cite.attribution import HeadWeights
 
     if spec == "default":
         return
@@ -242,8 +242,8 @@ class PerHead:
 
     def install(self) -> None:
         import kvcli.api
-        import kvcli.pipeline
-        from kvcli.attribution import CitingHeads, HeadWeights
+        import kvcli.answer.pipeline
+        from kvcli.cite.attribution import CitingHeads, HeadWeights
 
         outer = self
 
@@ -272,7 +272,7 @@ class PerHead:
                 self.last = (positions, probs)
                 super().add(positions, probs, weights)
 
-        kvcli.pipeline.CitingHeads = Recording
+        kvcli.answer.pipeline.CitingHeads = Recording
         kvcli.api.citing_heads = lambda lm: HeadWeights.uniform(
             lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged"
         )
@@ -320,10 +320,10 @@ PER_HEAD = PerHead(None)
 
 def ask(session, case: dict, method: str, args) -> list[dict]:
     """The method's answer and its sources (the product's ranking), and the same attention ranked
-    with the question's BM25 over the units it read (``METHOD+bm25``: :func:`kvcli.sources.fused`)."""
+    with the question's BM25 over the units it read (``METHOD+bm25``: :func:`kvcli.cite.sources.fused`)."""
     import kvcli.api
     from kvcli.api import parse_pipeline
-    from kvcli.sources import sources_from_tokens
+    from kvcli.cite.sources import sources_from_tokens
 
     kept = {}
     real = kvcli.api.cite
@@ -334,7 +334,7 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
 
     kvcli.api.cite = keep
     if PER_HEAD.path is not None:
-        from kvcli.prompt import build_prompt
+        from kvcli.answer.prompt import build_prompt
 
         PER_HEAD.start(
             session.lm,
@@ -407,8 +407,8 @@ def contextcite(session, case: dict, args) -> dict:
     import torch
 
     from kvcli.api import parse_pipeline
-    from kvcli.prompt import build_prompt
-    from kvcli.sources import Source, Sources, passages
+    from kvcli.answer.prompt import build_prompt
+    from kvcli.cite.sources import Source, Sources, passages
 
     t0 = time.perf_counter()
     doc, tok = case["doc"], session.lm.tokenizer
@@ -463,7 +463,7 @@ def reweigh(args) -> list[dict]:
     run), under other citing weights: every head alike (kvcli's default), each ``--weights`` .npy
     ((layers, heads), e.g. learned by cite_heads.py), and each layer band of ``--bands``; with and
     without the question's BM25 (``+bm25``). Cases ``--skip`` (the training ones) are left out."""
-    from kvcli.sources import fused
+    from kvcli.cite.sources import fused
 
     z = np.load(args.per_head)
     records = json.loads(str(z["records"]))
@@ -596,7 +596,7 @@ def main() -> None:
     r.add_argument("--skip", default=None, help="case indices to leave out (the training ones)")
     r.add_argument("--only", default=None, help="case indices to keep (the others left out)")
     r.add_argument(
-        "--lexical", type=float, nargs="*", default=[1.0], help="BM25 weights to fuse with (kvcli.sources.fused)"
+        "--lexical", type=float, nargs="*", default=[1.0], help="BM25 weights to fuse with (kvcli.cite.sources.fused)"
     )
     r.add_argument("--instances", default="100-139")
     r.add_argument("--length", type=int, default=4096)

@@ -9,7 +9,7 @@ attention by the model itself (a plain greedy loop over the transformers model w
 function). While it answers, an observer on every layer reads, for the query that writes each answer
 token (the last prompt token's, then each decoding step's), its softmax attention over the keys of
 the step, one layer and one step at a time, the query heads of a GQA group against their KV head;
-the document tokens' weights are summed into the document's units (:mod:`kvcli.sources`). The same
+the document tokens' weights are summed into the document's units (:mod:`kvcli.cite.sources`). The same
 for the question's own tokens (the rows after the document in the prompt's pass). Kept per
 instance: (layers, heads, units) for both, which units lie in a gold paragraph, the answer.
 
@@ -33,12 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcli.attention import AttentionContext, attention_context, install  # noqa: E402
+from kvcli.runtime.attention import AttentionContext, attention_context, install  # noqa: E402
 from kvcli.bench.ruler_tasks import make_instance  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.model import load_model  # noqa: E402
-from kvcli.prompt import build_prompt, load_template, stop_token_ids  # noqa: E402
-from kvcli.sources import DocumentUnits  # noqa: E402
+from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids  # noqa: E402
+from kvcli.cite.sources import DocumentUnits  # noqa: E402
 
 
 def span(text: str) -> list[int]:

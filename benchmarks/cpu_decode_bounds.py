@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvcli import kernels
+from kvcli.runtime import kernels
 from kvcli.caches.base import _made
 
 DT = torch.bfloat16

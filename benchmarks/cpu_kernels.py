@@ -8,7 +8,7 @@
    The int8 layer runs its kernel below ``Int8Linear.dense_rows`` rows and its weights made dense
    from there (``int8 layer``); ``int8 kernel`` is the kernel at every row count;
 2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
-   float32 and bfloat16, and ``kvcli.kernels.grouped``, on buffer views as kvcli's caches hold them;
+   float32 and bfloat16, and ``kvcli.runtime.kernels.grouped``, on buffer views as kvcli's caches hold them;
 3. decoding steps whose key count grows by one a step (as an answer's): resident memory and time
    per step of ``kernels.grouped`` on buffers a cache made (key counts bucketed) and on buffers it
    did not (every step a new matrix shape for oneDNN, which compiles and keeps a primitive for each).
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvcli import kernels
+from kvcli.runtime import kernels
 from kvcli.model.cpu_quant import Int4Linear, Int8Linear, quantize_int8
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out), SmolLM2-135M

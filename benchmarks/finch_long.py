@@ -25,8 +25,8 @@ from kvcli.api import AskOptions, Session
 from kvcli.bench.needle import make_case
 from kvcli.documents import document_from_text
 from kvcli.errors import DocumentError
-from kvcli.pipeline import Pipeline, check_window
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, check_window
+from kvcli.answer.prompt import build_prompt
 
 
 def main() -> None:

@@ -106,8 +106,8 @@ def main() -> int:
     from kvcli import notices
     from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded
     from kvcli.bench.simulate.models import CONFIGS
-    from kvcli.engine import Engine
-    from kvcli.pipeline import Pipeline
+    from kvcli.runtime.engine import Engine
+    from kvcli.answer.pipeline import Pipeline
 
     sims = sim_rows(Path(args.sim) if args.sim else None)
     t0 = time.perf_counter()

@@ -24,10 +24,10 @@ import torch
 
 from kvcli.bench.needle import make_case
 from kvcli.bench.runner import PROMPT_OVERHEAD
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.model import load_model
-from kvcli.pipeline import Pipeline, run
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import torch
 from kvcli.api import AskOptions, Session
 from kvcli.caches import KVCache
 from kvcli.documents import load_document
-from kvcli.pipeline import Pipeline
+from kvcli.answer.pipeline import Pipeline
 from kvcli.store import KVStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,7 +34,7 @@ import torch
 from kvcli.api import AskOptions, Session
 from kvcli.bench.speed import SpeedBench
 from kvcli.compressors import parse_one
-from kvcli.prompt import build_prompt
+from kvcli.answer.prompt import build_prompt
 
 
 def _runner(engine, lm, spec: str):

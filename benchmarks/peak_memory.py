@@ -5,7 +5,7 @@
 
 Every cell answers the passkey question about the same needle document (depth 0.5, the essays
 haystack, ``--new-tokens`` generated, stop tokens ignored) with no disk cache, and reports
-``peak_mem_mb`` exactly as ``kvcli ask --json`` does (:mod:`kvcli.measure`: the process's VmHWM
+``peak_mem_mb`` exactly as ``kvcli ask --json`` does (:mod:`kvcli.runtime.measure`: the process's VmHWM
 after a reset, weights included). A fresh process per cell keeps one cell's freed-but-kept heap
 from hiding or inflating the next one's. ``--trace`` also samples VmRSS every millisecond and
 prints, for the top moments, what the main thread was running (file:line of kvcli code) — where
@@ -44,7 +44,7 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
     from kvcli.bench.needle import make_case
     from kvcli.bench.runner import PROMPT_OVERHEAD
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
 
     session = Session.open(AskOptions(use_cache=False))
     case = make_case(session.lm.tokenizer, length - PROMPT_OVERHEAD, 0.5, seed=0, haystack="essays")

@@ -20,16 +20,16 @@ import torch
 
 from . import notices
 from .documents import Document, load_document
-from .attribution import citing_heads
-from .engine import Engine
+from .cite.attribution import citing_heads
+from .runtime.engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
-from .pipeline import SEPARATOR, Pipeline, Result, check_window, run
-from .prompt import build_prompt, load_template, stop_token_ids
-from .selection import Selection
-from .sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
-from .stopping import AnswerGuard
-from .streaming import AnswerStream
+from .answer.pipeline import SEPARATOR, Pipeline, Result, check_window, run
+from .answer.prompt import build_prompt, load_template, stop_token_ids
+from .answer.selection import Selection
+from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
+from .answer.stopping import AnswerGuard
+from .answer.streaming import AnswerStream
 from .store import KVStore, Watcher, resolve_cap
 
 
@@ -46,9 +46,9 @@ class AskOptions:
     use_cache: bool = True  # False: never read or write the disk KV store
     cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
-    low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
-    answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
-    sources: bool = True  # cite the document's pages the answer comes from (kvcli.sources); False: nothing read for it
+    low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
+    answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
+    sources: bool = True  # cite the document's pages the answer comes from (kvcli.cite.sources); False: nothing read for it
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -119,9 +119,9 @@ class Session:
         book.pdf: 12,288/88,244 tokens (14%)"), ``on_wait(None)`` when the wait ends;
         ``on_resume(f)`` when a book read resumes where an interrupted one stopped, ``f`` of the
         prompt read already; ``on_text(piece)`` with the answer as it is decoded, the pieces
-        adding up to ``Result.answer`` (:class:`kvcli.streaming.AnswerStream`). ``sources``: read
+        adding up to ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`). ``sources``: read
         the answer's attention while it is decoded and cite the document's sentences it read most (``Result.sources``,
-        :mod:`kvcli.sources`); False: nothing is read or cited; None: the session's option."""
+        :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         sources = self.options.sources if sources is None else sources
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
@@ -184,7 +184,7 @@ def spec_label(spec: str, given: Pipeline | None = None) -> str:
 
 def cite(document: Document, result: Result, question: str = "") -> Sources:
     """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
-    out), ranked with the question's BM25 by :data:`kvcli.sources.LEXICAL_WEIGHT`; the time they
+    out), ranked with the question's BM25 by :data:`kvcli.cite.sources.LEXICAL_WEIGHT`; the time they
     added (reading and ranking) in ``result.extra["sources_s"]``."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")

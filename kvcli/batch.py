@@ -181,7 +181,7 @@ class Work:
     wherever an executor runs it (this process, a Ray actor)."""
 
     questions: tuple[str, ...]
-    pipeline: object  # kvcli.pipeline.Pipeline (as parsed: picklable)
+    pipeline: object  # kvcli.answer.pipeline.Pipeline (as parsed: picklable)
     include_spans: bool = False
     fail_fast: bool = False
 

@@ -84,10 +84,10 @@ def tiny_lm(tiny_dir, test_device):
 
 @pytest.fixture
 def meta_engine(tiny_dir):
-    """An :class:`kvcli.engine.Engine` over a 2-layer tiny llama whose weights live on PyTorch's
+    """An :class:`kvcli.runtime.engine.Engine` over a 2-layer tiny llama whose weights live on PyTorch's
     ``meta`` device: shapes without data, any device but the CPU (a host tensor mixed in shows as a
     cross-device op; ``.item()`` raises)."""
-    from kvcli.engine import Engine
+    from kvcli.runtime.engine import Engine
     from kvcli.model import load_model
 
     lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")

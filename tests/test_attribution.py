@@ -1,4 +1,4 @@
-"""kvcli.attribution: the answer's attention per prompt position, against an explicit computation
+"""kvcli.cite.attribution: the answer's attention per prompt position, against an explicit computation
 (every query head against its KV head's keys, written out one at a time)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvcli.attribution import CitingHeads, HeadWeights, step_weights
+from kvcli.cite.attribution import CitingHeads, HeadWeights, step_weights
 
 
 def explicit(query, key, head):
@@ -72,8 +72,8 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     (the scores themselves: the next test)."""
     import kvcli.api
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
-    from kvcli.sources import DocumentUnits
+    from kvcli.answer.pipeline import Pipeline
+    from kvcli.cite.sources import DocumentUnits
     from tests.helpers.stores import DOC, Q1, session_for
 
     lm = tiny_lm("llama")
@@ -101,9 +101,9 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
 def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    from kvcli.engine import Engine
-    from kvcli.pipeline import Pipeline, run
-    from kvcli.prompt import build_prompt, load_template
+    from kvcli.runtime.engine import Engine
+    from kvcli.answer.pipeline import Pipeline, run
+    from kvcli.answer.prompt import build_prompt, load_template
     from tests.helpers.stores import DOC, Q1
 
     lm = tiny_lm("llama")
@@ -136,7 +136,7 @@ def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
 def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monkeypatch, knobs):
     from kvcli.caches.book import BookCache
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     lm = tiny_lm("llama")
@@ -179,7 +179,7 @@ def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monk
 
 def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm):
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     spec = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,retrieval=step,filter_layer=-1"
@@ -194,7 +194,7 @@ def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, mon
     times its values, are the layer's attention output; positions are the heads' own."""
     from kvcli.caches.ragged import RaggedLayer
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     checked = []
@@ -242,7 +242,7 @@ SILENT = ["blocksparse"]  # its cache does not report what a decoding step reads
 @pytest.mark.parametrize("spec", CITING + SILENT)
 def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
@@ -269,7 +269,7 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
     weighing N_d): the weights per KV head times the group's values are the layer's output."""
     from kvcli.caches.razor import RazorLayer
     from kvcli.documents import document_from_text
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     checked = []
@@ -304,7 +304,7 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
 
 
 def test_learned_citing_weights_are_read_back_for_their_model_only(tmp_path, monkeypatch, tiny_lm):
-    from kvcli import attribution
+    from kvcli.cite import attribution
 
     lm = tiny_lm("llama")
     monkeypatch.setattr(attribution, "HEADS_DIR", tmp_path)

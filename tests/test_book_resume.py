@@ -120,9 +120,9 @@ def test_ctrl_c_keeps_the_finished_chunks_and_the_next_read_resumes_there(lm, re
 
 def _key(lm):
     from kvcli.compressors import parse_one
-    from kvcli.engine import Engine
-    from kvcli.prefix import chunked_state
-    from kvcli.prompt import build_prompt
+    from kvcli.runtime.engine import Engine
+    from kvcli.answer.prefix import chunked_state
+    from kvcli.answer.prompt import build_prompt
     from kvcli.store import make_key
     from tests.helpers.books import DOC, QUESTION, SPEC
 

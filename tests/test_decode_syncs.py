@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcli.caches import KVCache
-from kvcli.decode import DecodeStep
-from kvcli.engine import Engine
+from kvcli.runtime.decode import DecodeStep
+from kvcli.runtime.engine import Engine
 from tests.helpers.runs import random_ids
 
 # a host read of a tensor: ``aten.item`` shows itself under inference mode, its body otherwise
@@ -128,7 +128,7 @@ def test_grouped_ragged_and_block_caches_decode_without_copies(meta_engine, layo
 def test_methods_that_own_decoding_take_the_token_where_it_is(meta_engine, spec, layout):
     """Block-sparse retrieval and DecodingPress run their own decoding step on the token the last
     argmax left on the device (``device_token``): no upload of the id, no synchronisation."""
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
 
     engine = meta_engine
     method = Pipeline.parse(spec).stages[0]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import policy
+from kvcli.answer import policy
 from kvcli.batch import error_record
-from kvcli.selection import Span
+from kvcli.answer.selection import Span
 from tests.helpers.documented import json_fields
 
 ROOT = Path(__file__).resolve().parent.parent

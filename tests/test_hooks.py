@@ -8,14 +8,14 @@ import pytest
 from kvcli.compressors.base import Runtime
 import torch
 
-from kvcli import attention
+from kvcli.runtime import attention
 from kvcli.caches import KVCache
 from kvcli.compressors import Compressor, register
 from kvcli.compressors.base import REGISTRY
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
 TOL = 1e-4

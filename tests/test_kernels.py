@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from tests.helpers.runs import random_ids
 
 
@@ -109,7 +109,7 @@ def test_sliding_window_attention_by_query_blocks(monkeypatch, kernel, q_len, kv
     queries the whole sequence or the last q_len keys (a chunk on a prefix), GQA as it is, and
     Gemma 2's soft-capped scores. No block or mask of the whole pass is made; a few queries on a
     prefix longer than the window (5 on 55) attend only the keys their window reaches."""
-    from kvcli import kernels
+    from kvcli.runtime import kernels
 
     window, block = 8, 16
     monkeypatch.setattr(kernels, "window_block", lambda w: block)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 
-from kvcli import kernels
+from kvcli.runtime import kernels
 from kvcli.caches import KVCache
 from tests.helpers.runs import random_ids
 

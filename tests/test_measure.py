@@ -1,4 +1,4 @@
-"""kvcli.measure's prompt-phase memory layout: which allocations get their own mapping, and that
+"""kvcli.runtime.measure's prompt-phase memory layout: which allocations get their own mapping, and that
 neither layout changes a single number the model computes."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import measure
+from kvcli.runtime import measure
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
-from kvcli.measure import long_lived, reading_prompt
-from kvcli.pipeline import Pipeline, run
+from kvcli.runtime.engine import Engine
+from kvcli.runtime.measure import long_lived, reading_prompt
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 
 BIG = torch.zeros(1, 3, 2048, 64)  # 1.5 MiB: over the 1 MiB mapping size

@@ -1,11 +1,11 @@
-"""kvcli.measure on CUDA (its calls stood in for on a machine without one): times read after the
+"""kvcli.runtime.measure on CUDA (its calls stood in for on a machine without one): times read after the
 device has finished, and the allocator's reserved peak beside the allocated one."""
 
 from __future__ import annotations
 
 import torch
 
-from kvcli import measure
+from kvcli.runtime import measure
 
 
 def test_cuda_times_follow_a_synchronize_and_report_the_reserved_peak(monkeypatch):

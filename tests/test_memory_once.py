@@ -8,7 +8,7 @@ import torch
 from kvcli.caches import KVCache
 from kvcli.compressors import kvzip as kvzip_mod
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from tests.helpers.runs import prompt_for
 
 

@@ -10,8 +10,8 @@ import torch
 from kvcli.caches import blocks
 from kvcli.compressors.base import Runtime
 from kvcli.compressors.blocksparse import BlockSparse
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline, run
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import FAMILIES
 from tests.helpers.runs import random_ids

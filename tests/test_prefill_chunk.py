@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import prefill as prefill_mod
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline, run
+from kvcli.runtime import prefill as prefill_mod
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import FAMILIES
 from tests.helpers.runs import random_ids
@@ -145,7 +145,7 @@ def test_question_and_answer_append_in_the_reserved_buffers(chunked):
 def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
     """Another chunk rounds differently: a prefix read chunk by chunk is stored under a key of its
     own chunk; unchunked (the CPU's default), the key is the one entries always had."""
-    from kvcli.prefix import chunked_state
+    from kvcli.answer.prefix import chunked_state
 
     engine = chunked("llama", None)
     ids, state = random_ids(45, seed=3), {"kind": "kv", "layers": 4}

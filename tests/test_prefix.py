@@ -1,4 +1,4 @@
-"""The prefix API (kvcli.prefix): where the state comes from and under which key (the store's, as
+"""The prefix API (kvcli.answer.prefix): where the state comes from and under which key (the store's, as
 entries always had it), who holds it once taken, and the rest of the prompt extended on top of it —
 each checked against an independent computation (the engine's own passes, the key made by hand)."""
 
@@ -9,9 +9,9 @@ import torch
 
 from kvcli.compressors import REGISTRY, parse_one
 from kvcli.compressors.base import Compressor, Runtime
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.prefix import Prefix, report
+from kvcli.answer.prefix import Prefix, report
 from kvcli.store import KVStore, make_key
 from tests.helpers.runs import prompt_for
 

@@ -7,8 +7,8 @@ import pytest
 
 from kvcli import notices
 from kvcli.errors import DocumentError
-from kvcli.pipeline import Pipeline, check_window
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, check_window
+from kvcli.answer.prompt import build_prompt
 
 
 @pytest.fixture(scope="module")

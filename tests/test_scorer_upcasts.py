@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcli import kernels
-from kvcli.attention import last_query_scores
+from kvcli.runtime import kernels
+from kvcli.runtime.attention import last_query_scores
 from kvcli.compressors import expected_attention, kvzip, lazyllm, scoring
 
 

@@ -17,7 +17,7 @@ from kvcli.errors import ModelError, UsageError
 
 
 def test_a_template_path_without_an_extension_is_read_as_a_file(tmp_path):
-    from kvcli.prompt import load_template
+    from kvcli.answer.prompt import load_template
 
     other = tmp_path / "passwd"  # as /etc/passwd: exists, no extension, not a template
     other.write_text("root:x:0:0:root:/root:/bin/bash\n")
@@ -61,7 +61,7 @@ def test_kept_spans_header_counts_in_the_right_number(n, words):
 
     from kvcli.documents import document_from_text
     from kvcli.report import terminal as render
-    from kvcli.selection import Span
+    from kvcli.answer.selection import Span
 
     doc = document_from_text("alpha beta gamma delta " * 40)
     pieces = [(0, 5), (400, 405)][:n]

@@ -1,4 +1,4 @@
-"""kvcli.sources (units, token -> unit scores, ranked sources) and kvcli.bm25, each against an
+"""kvcli.cite.sources (units, token -> unit scores, ranked sources) and kvcli.cite.bm25, each against an
 independent computation: brute force over characters, hand-computed numbers, bm25s where installed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from kvcli.bm25 import bm25_scores, words
+from kvcli.cite.bm25 import bm25_scores, words
 from kvcli.documents import Document, document_from_text
-from kvcli.sources import (
+from kvcli.cite.sources import (
     MAX_SOURCE_UNITS,
     DocumentUnits,
     fused,
@@ -153,7 +153,7 @@ def test_an_unpaged_document_cites_lines():
 
 
 def test_sources_from_prompt_token_scores(tokenizer):
-    from kvcli.prompt import build_prompt
+    from kvcli.answer.prompt import build_prompt
 
     doc = paged(["The cat sat on the mat.", "The default limit is 4095 bytes.", "Nothing else."])
     prompt = build_prompt(tokenizer, doc.text, "What is the default limit?")

@@ -1,14 +1,14 @@
-"""Where answers end (kvcli.stopping.AnswerGuard) and the default policy (-c auto)."""
+"""Where answers end (kvcli.answer.stopping.AnswerGuard) and the default policy (-c auto)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline
-from kvcli.policy import BEYOND_WINDOW, FALLBACK, AutoPolicy
-from kvcli.stopping import AnswerGuard
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline
+from kvcli.answer.policy import BEYOND_WINDOW, FALLBACK, AutoPolicy
+from kvcli.answer.stopping import AnswerGuard
 from tests.helpers.tiny_models import _tokenizer
 
 
@@ -232,7 +232,7 @@ def test_auto_policy_full_within_the_window_infllm_beyond_finch_where_infllm_can
 
 
 def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
-    from kvcli.prompt import build_prompt
+    from kvcli.answer.prompt import build_prompt
 
     lm = tiny_lm("llama")
     auto = Pipeline.parse("auto")
@@ -249,7 +249,7 @@ def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
     ("gemma3", {"max_position_embeddings": 2048}, "finch"),  # a sliding-window hybrid: infllm refuses, Finch reads it
 ])
 def test_auto_beyond_the_window_reads_with_infllm_where_it_can(tiny_lm, model, knobs, want):
-    from kvcli.prompt import build_prompt
+    from kvcli.answer.prompt import build_prompt
 
     lm = tiny_lm(model, **knobs)
     long = build_prompt(lm.tokenizer, "gull " * (lm.max_context + 200), "How many?")

@@ -14,8 +14,8 @@ import torch
 
 from kvcli import notices
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
-from kvcli.prompt import build_prompt
+from kvcli.runtime.engine import Engine
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import FORMAT_VERSION, KVStore, make_key, parse_size
 from tests.helpers.stores import DOC, Q1, Q2, ask, entry_files, session_for
 

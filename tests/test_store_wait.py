@@ -14,7 +14,7 @@ from rich.console import Console
 from kvcli import notices
 from kvcli.cli import live
 from kvcli.documents import document_from_text
-from kvcli.pipeline import Pipeline
+from kvcli.answer.pipeline import Pipeline
 from kvcli.store import Holder, take_lock
 from kvcli.store.keys import lock_path
 from kvcli.store.locks import write_holder

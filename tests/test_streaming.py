@@ -1,4 +1,4 @@
-"""Answers shown as they are decoded (kvcli.streaming, AnswerGuard.settled): the pieces written add
+"""Answers shown as they are decoded (kvcli.answer.streaming, AnswerGuard.settled): the pieces written add
 up to the final answer exactly, whether the guard cuts the answer or not, and settled text is
 written while decoding goes on, not all at the end."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kvcli.api import AskOptions, Session
-from kvcli.decode import DecodeStep
+from kvcli.runtime.decode import DecodeStep
 from kvcli.documents import document_from_text
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline
-from kvcli.stopping import AnswerGuard
-from kvcli.streaming import AnswerStream
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline
+from kvcli.answer.stopping import AnswerGuard
+from kvcli.answer.streaming import AnswerStream
 from tests.helpers.tiny_models import _tokenizer
 
 STOP = 0  # a token id the scripts below never produce, standing for the model's end of turn

@@ -1,4 +1,4 @@
-"""The windows object (kvcli.windows): each layer's sliding window read from the config as the
+"""The windows object (kvcli.runtime.windows): each layer's sliding window read from the config as the
 model's own attention modules apply it, and what a sliding layer holds, drops and still needs —
 each checked against an independent computation (the attention modules, the causal mask's
 definition, a cache cut back step by step)."""
@@ -10,7 +10,7 @@ import torch
 
 from kvcli.caches import KVCache
 from kvcli.caches.blocks import OffloadKVCache
-from kvcli.windows import WINDOW_SLACK, Windows
+from kvcli.runtime.windows import WINDOW_SLACK, Windows
 from tests.helpers.tiny_models import FAMILIES, tiny_config
 
 CONFIGS = [(family, {}) for family in FAMILIES] + [
@@ -51,7 +51,7 @@ def test_the_windows_are_those_the_attention_modules_apply(family, overrides):
 
 
 def test_the_loaded_model_and_its_engine_share_one_windows_object(tiny_lm):
-    from kvcli.engine import Engine
+    from kvcli.runtime.engine import Engine
 
     lm = tiny_lm("gemma2")
     assert lm.windows is lm.windows and Engine(lm).windows is lm.windows

@@ -66,7 +66,7 @@ def build_cases(lengths: list[int], new_tokens: int, work: Path) -> list[dict]:
     from kvcli.bench.needle import make_case
     from kvcli.api import AskOptions, Session
     from kvcli.model.embedded import _embedded_gguf_file, embedded_model_path
-    from kvcli.prompt import build_prompt, load_template, stop_token_ids
+    from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
 
     session = Session.open(AskOptions(use_cache=False))
     tok = session.lm.tokenizer

@@ -36,7 +36,7 @@ from functools import lru_cache
 
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..pipeline import Pipeline
+from ..answer.pipeline import Pipeline
 from .ruler_tasks import TASK_NAMES, TASKS, Instance, make_instance, vocabulary
 from .runner import _f, length_label
 

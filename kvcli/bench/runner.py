@@ -25,7 +25,7 @@ import torch
 
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..pipeline import Pipeline
+from ..answer.pipeline import Pipeline
 from .needle import make_case
 
 PROMPT_OVERHEAD = 64  # template + question tokens, roughly: documents get length - this
@@ -230,7 +230,7 @@ def warm_up(session, specs: Iterable[str] = ("full",)) -> None:
 
 
 def result_fields(result) -> dict:
-    """The measured fields every benchmark row has, from a :class:`kvcli.pipeline.Result`."""
+    """The measured fields every benchmark row has, from a :class:`kvcli.answer.pipeline.Result`."""
     return {
         "n_context_tokens": result.prompt.n_tokens,
         "n_kept_tokens": result.n_kept_tokens,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 
 from ..documents import document_from_text
-from ..pipeline import Pipeline
+from ..answer.pipeline import Pipeline
 from .needle import make_case
 from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, _f, ask, result_fields
 

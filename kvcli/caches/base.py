@@ -9,8 +9,8 @@ and one value tensor per layer,
 plus the original token position of every cached entry (``positions``) so that methods which drop
 entries still know where each kept token came from. A layout whose attention is not "softmax over
 this layer's keys" (RazorAttention's head groups, block retrieval, padded ragged heads) returns a
-:class:`LayerView` from ``update`` instead of the key tensor; :func:`kvcli.attention.kvcli_attention`
-dispatches on that type and the view attends itself with the kernels of :mod:`kvcli.kernels`.
+:class:`LayerView` from ``update`` instead of the key tensor; :func:`kvcli.runtime.attention.kvcli_attention`
+dispatches on that type and the view attends itself with the kernels of :mod:`kvcli.runtime.kernels`.
 
 A cache is also what the disk store (:mod:`kvcli.store`) saves: ``to_tensors()`` gives named
 tensors for a safetensors file plus JSON-able facts, ``from_tensors()`` rebuilds and checks it.
@@ -29,7 +29,7 @@ from typing import ClassVar, Iterable, Mapping
 
 import torch
 
-from ..measure import long_lived
+from ..runtime.measure import long_lived
 
 CACHE_TYPES: dict[str, type] = {}
 
@@ -81,8 +81,8 @@ class CacheBase:
 
     def trim_windows(self, windows, *, slack: int = 0, room: int = 0, layers: Iterable[int] | None = None) -> None:
         """Cut each sliding layer (of ``layers``; default: all) back to what its window still
-        reaches: ``windows`` (:class:`kvcli.windows.Windows`, the model's) says how many of its
-        oldest entries go (:meth:`~kvcli.windows.Windows.excess`, with ``slack`` and ``room``), the
+        reaches: ``windows`` (:class:`kvcli.runtime.windows.Windows`, the model's) says how many of its
+        oldest entries go (:meth:`~kvcli.runtime.windows.Windows.excess`, with ``slack`` and ``room``), the
         layout drops them (:meth:`drop_front`). A layout that does not cut (:attr:`cuts_windows`)
         keeps them."""
         if not self.cuts_windows:
@@ -130,7 +130,7 @@ class CacheBase:
 
     def held_positions(self, layer: int) -> torch.Tensor:
         """The position of each of ``layer``'s prompt rows, in row order: (n_kv_heads, rows) long
-        (:mod:`kvcli.attribution` maps a decoding step's attention to the prompt with it; the rows
+        (:mod:`kvcli.cite.attribution` maps a decoding step's attention to the prompt with it; the rows
         after them are decoded tokens). Layouts whose views attend themselves report weights with
         :meth:`LayerView.read_weights` instead."""
         raise NotImplementedError(f"{type(self).__name__} does not report where its rows come from")
@@ -155,7 +155,7 @@ def finite_room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` can be widened to ``rows`` rows (:func:`_room`) over entries that are all finite:
     ``t`` is a view of a buffer a cache made here (:func:`_made`), whose room was zero when made and
     is only ever written with entries. A kernel may then read past ``t`` and weigh those rows by
-    exactly zero (:func:`kvcli.kernels.grouped` keeps its shapes that way)."""
+    exactly zero (:func:`kvcli.runtime.kernels.grouped` keeps its shapes that way)."""
     return t.untyped_storage() in _FINITE and _room(t, rows)
 
 
@@ -255,7 +255,7 @@ class LayerKV(CacheBase):
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append ``key``/``value`` (batch, n_kv_heads, new, head_dim) to layer ``layer_idx`` (a
         new layer only right after the last). Returns that layer's whole key and value tensors."""
-        # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.measure.reading_prompt)
+        # while a prompt is read on CPU the kept KV gets its own mappings (kvcli.runtime.measure.reading_prompt)
         if layer_idx == len(self.keys) and self.capacity is not None and self.capacity > key.shape[-2]:
             self._begin_reserved(key, value)
         elif layer_idx == len(self.keys):

@@ -21,7 +21,7 @@ Storage, per layer (batch 1, after RoPE, GQA never expanded):
     candidates[l]:        (H, P) preselected block indices (H = n_kv separate, 1 shared) or None
 
 At a decode step (one query token) :meth:`BlockCache.update` returns a :class:`BlockLayer` view
-(a :class:`~kvcli.caches.base.LayerView`) so :func:`kvcli.attention.kvcli_attention` hands it the attention: the layer
+(a :class:`~kvcli.caches.base.LayerView`) so :func:`kvcli.runtime.attention.kvcli_attention` hands it the attention: the layer
 selects (or reuses) its blocks, gathers Initial + selected blocks + Local and runs SDPA on them.
 """
 
@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import kernels
+from ..runtime import kernels
 from .base import CacheBase, LayerView, cache_type
 from .kv import KVCache
 
@@ -235,7 +235,7 @@ class ScoredKVCache(KVCache):
 class OffloadKVCache(KVCache):
     """A :class:`KVCache` whose layers live in host memory while the model runs on a GPU, but for
     the one layer being prefilled (the article's chunked prefill, "loading only one layer of
-    KVCache into GPU memory at a time"): :meth:`kvcli.engine.Engine.prefill_by_layer` calls
+    KVCache into GPU memory at a time"): :meth:`kvcli.runtime.engine.Engine.prefill_by_layer` calls
     :meth:`onload` before a layer's chunks (a prefix's entries go up once) and :meth:`offload`
     after them (the layer goes down once, into pinned memory); in between the layer grows on the
     GPU like any KV."""

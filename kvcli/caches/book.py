@@ -56,8 +56,8 @@ from typing import ClassVar
 
 import torch
 
-from .. import kernels
-from ..rope import rerotate_table, rope_cos_sin
+from ..runtime import kernels
+from ..runtime.rope import rerotate_table, rope_cos_sin
 from .base import CacheBase, LayerView, cache_type
 from .blocks import partition
 

@@ -109,7 +109,7 @@ class KVCache(LayerKV):
         positions); with ``layer``, of that layer only (a pass that runs the prompt layer by layer;
         the positions are the caller's). A sliding layer cut back to its window (``dropped``) holds
         fewer: whether what it still holds is enough for a pass that goes on from there is
-        :meth:`kvcli.windows.Windows.can_resume`'s question."""
+        :meth:`kvcli.runtime.windows.Windows.can_resume`'s question."""
         dropped = self.dropped
         for i in range(self.n_layers) if layer is None else (layer,):
             d = dropped.get(i, 0)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .. import kernels
+from ..runtime import kernels
 from .base import LayerKV, LayerView, cache_type
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

@@ -2,7 +2,7 @@
 arXiv:2407.15891), also DuoAttention's (:mod:`kvcli.compressors.duo`, no compensation token).
 
 Each layer's KV heads are split into two groups stored in separate tensors — never a mask over a
-full cache — and :func:`kvcli.attention.kvcli_attention` hands a layer's attention to
+full cache — and :func:`kvcli.runtime.attention.kvcli_attention` hands a layer's attention to
 :meth:`RazorLayer.attend` (a :class:`~kvcli.caches.base.LayerView`), which attends per group and
 puts the head outputs back in head order.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ..runtime import kernels
 from .base import CacheBase, LayerView, append_rows, cache_type
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

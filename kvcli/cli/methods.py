@@ -68,7 +68,7 @@ def heads(
 ) -> None:
     """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
     from ..compressors import razor_heads as head_profiles
-    from ..engine import Engine
+    from ..runtime.engine import Engine
     from ..model import load_model
 
     if score not in ("induction", "echo"):

@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
-from .. import api, policy
+from .. import api
+from ..answer import policy
 from ..store import NO_CAP, parse_size
 
 

@@ -2,7 +2,7 @@
 
 A compressor is a small ``@dataclass`` whose fields are its knobs (each with a ``help`` in its
 field metadata) and whose class docstring cites its paper. It acts through optional hooks, called
-by :mod:`kvcli.pipeline` in this order:
+by :mod:`kvcli.answer.pipeline` in this order:
 
 ``select_tokens(engine, prompt_ids) -> kept``
     Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
@@ -23,7 +23,7 @@ by :mod:`kvcli.pipeline` in this order:
 ``decode_step(engine, token, position, cache) -> logits``
     Own each greedy decoding step: run ``token`` at ``position`` on ``cache`` and return the next
     logits (vocab,) (LazyLLM's dynamic pruning, block-sparse retrieval). At most one per pipeline;
-    default :func:`kvcli.decode.step` (full attention over the cache).
+    default :func:`kvcli.runtime.decode.step` (full attention over the cache).
 
 What a method computes from the question-agnostic prompt prefix (the document and the template
 around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
@@ -35,13 +35,13 @@ keeps it so a second question starts from it:
     every layer — full attention's, and that of methods which compress after seeing the question.
 ``build_prefix(engine, prefix_ids) -> cache``
     Compute the state for ``prefix_ids`` (n,) at positions 0..n-1. Default: the KV of the first
-    ``prefix_state(lm)["layers"]`` layers (:func:`kvcli.prefill.prefix_kv`). A method whose
+    ``prefix_state(lm)["layers"]`` layers (:func:`kvcli.runtime.prefill.prefix_kv`). A method whose
     state is a compressed cache (question-agnostic, e.g. RazorAttention) overrides it and returns
     any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.caches`).
     At most one method per pipeline may override it.
 
 The pipeline hands the state to the stage that reads the whole prompt first (the first selector,
-else the prefill owner, else the first stage) as a :class:`kvcli.prefix.Prefix`: ``prefix.take()``
+else the prefill owner, else the first stage) as a :class:`kvcli.answer.prefix.Prefix`: ``prefix.take()``
 returns the state for the run to extend (loaded from the store, or computed; its own copy where the
 store keeps it) and ``prefix.ids`` the tokens. A method whose state is a book written into its store
 entry while the document is read (InfLLM) says so with ``writes_prefix``.
@@ -66,9 +66,9 @@ from typing import ClassVar
 
 import torch
 
-from .. import windows
+from ..runtime import windows
 from ..errors import UsageError
-from ..selection import Selection
+from ..answer.selection import Selection
 
 REGISTRY: dict[str, type["Compressor"]] = {}
 
@@ -137,7 +137,7 @@ class Compressor:
     def window_needed(self, lm, n_prompt: int, n_suffix: int, max_new_tokens: int) -> int:
         """The most positions the model must hold at once for a prompt of ``n_prompt`` tokens (the
         last ``n_suffix`` of them after the document) and ``max_new_tokens`` to generate, when this method
-        reads the prompt first (:meth:`kvcli.pipeline.Pipeline.reader`); checked against the model's
+        reads the prompt first (:meth:`kvcli.answer.pipeline.Pipeline.reader`); checked against the model's
         window. Default: everything. Methods that read documents longer than the window chunk by
         chunk (Finch) return less."""
         return n_prompt + max_new_tokens
@@ -193,7 +193,7 @@ class Compressor:
 
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
         """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache; a
-        hybrid's sliding layers keep their window and :data:`~kvcli.windows.PREFIX_WINDOW_ROOM`
+        hybrid's sliding layers keep their window and :data:`~kvcli.runtime.windows.PREFIX_WINDOW_ROOM`
         entries more, all that a question pass on top reads)."""
         room = windows.PREFIX_WINDOW_ROOM
         return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=room)

@@ -94,7 +94,8 @@ from typing import ClassVar
 
 import torch
 
-from .. import accelerator, notices
+from ..runtime import accelerator
+from .. import notices
 from ..caches.blocks import (
     HEAD_SELECT,
     REPRESENTATIVES,

@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from ..caches import KVCache, LayerView
-from .. import windows
+from ..runtime import windows
 from ..errors import UsageError
 from .adakv import base_spec, parse_base
 from .base import Compressor, knob, register

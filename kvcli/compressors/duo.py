@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..attention import StopForward
+from ..runtime.attention import StopForward
 from ..caches import RazorCache
 from ..errors import UsageError
 from ..texts import filler_text
@@ -63,7 +63,7 @@ def head_scores(mean_q: torch.Tensor, mean_k: torch.Tensor, cos: torch.Tensor, s
     """One layer's scores (n_kv,): mean pre-RoPE query (n_heads, d) at the last of L positions
     against the mean pre-RoPE key (n_kv, d) at every position ((cos, sin): (L, rot)); per query
     head the mean over positions of the cumulative softmax, then the mean over the GQA group."""
-    from ..rope import apply_rotation
+    from ..runtime.rope import apply_rotation
 
     n_heads, d = mean_q.shape
     n_kv = mean_k.shape[0]
@@ -75,7 +75,7 @@ def head_scores(mean_q: torch.Tensor, mean_k: torch.Tensor, cos: torch.Tensor, s
 
 def compute_scores(engine, tokens: int, length: int) -> torch.Tensor:
     """(n_layers, n_kv_heads) DuoAttention head scores of the engine's model (see the module doc)."""
-    from ..rope import rope_cos_sin
+    from ..runtime.rope import rope_cos_sin
 
     lm = engine.lm
     ids = calibration_ids(lm, tokens)
@@ -239,7 +239,7 @@ class DuoAttention(Compressor):
         return ~self.profile(engine).streaming_heads(self.streaming, engine.windows.full_layers)
 
     def prefix_state(self, lm) -> dict:
-        from ..engine import Engine
+        from ..runtime.engine import Engine
 
         engine = Engine(lm)
         retrieval = self.retrieval_heads(engine).to(torch.uint8).numpy().tobytes()

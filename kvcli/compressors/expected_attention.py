@@ -45,8 +45,8 @@ import torch
 
 from ..caches import KVCache
 from ..errors import UsageError
-from ..kernels import by_keys
-from ..rope import rope_cos_sin
+from ..runtime.kernels import by_keys
+from ..runtime.rope import rope_cos_sin
 from .base import knob, register
 from .scoring import PrefixEviction, prerope
 
@@ -77,7 +77,7 @@ def merge_statistics(a: tuple | None, b: tuple) -> tuple:
 def mean_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
     """R̄ = mean over positions of the RoPE rotation matrices: (head_dim, head_dim). Rotation is
     linear in (cos, sin), so R̄ is the rotation "by" the mean cos and sin (scale included)."""
-    from ..rope import apply_rotation
+    from ..runtime.rope import apply_rotation
 
     eye = torch.eye(head_dim, dtype=torch.float32, device=cos.device)
     # apply_rotation maps each row x to R̄x: rows of the result are R̄'s columns

@@ -36,7 +36,7 @@ the question and the chat template's closing tokens (``Prompt.n_after_document``
      (``kernel=1``) and 8.3 / 16.7 (``7``), full attention 81.2 / 72.9; on one 4.7k-token passkey document ``kernel=1`` answered at
      once where 21 needed a wrong start first and 7 failed: the tables, the commands and the
      caveats are in ``docs/finch.md``;
-3. the kept keys are re-rotated (:mod:`kvcli.rope`) from their position to their slot, so the
+3. the kept keys are re-rotated (:mod:`kvcli.runtime.rope`) from their position to their slot, so the
    cache always holds positions ``0..k_i-1`` and the next chunk follows right after; values carry
    no position. The question's own KV is dropped after every step;
 4. finally the question runs once more, on the ``target``-token cache only, at positions
@@ -69,10 +69,10 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import StopForward
+from ..runtime.attention import StopForward
 from ..caches import KVCache
 from ..errors import DocumentError, UsageError
-from ..rope import rerotate_table, rope_cos_sin
+from ..runtime.rope import rerotate_table, rope_cos_sin
 from .base import Compressor, knob, register
 from .scoring import parse_budget, pool, resolve_budget
 

@@ -33,9 +33,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention import StopForward, last_query_scores
+from ..runtime.attention import StopForward, last_query_scores
 from ..errors import UsageError
-from ..selection import Selection
+from ..answer.selection import Selection
 from .base import Compressor, knob, register
 
 PAPER_K = 1024  # the paper's budget for 8B models with 32k-128k contexts

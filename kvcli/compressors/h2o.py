@@ -21,7 +21,7 @@ hitters are punctuation, newlines and filler words, a quarter of them in the fir
 prompt, and the needle's digits are evicted in the heads that copy them (README, Accuracy).
 
 Kernel: one pass, no second attention. In the final prefill pass each layer's observer is an
-:class:`kvcli.attention.Attending` one: it computes the layer's causal attention itself
+:class:`kvcli.runtime.attention.Attending` one: it computes the layer's causal attention itself
 (:func:`kvcli.compressors.scoring.attention_and_column_sums`) — one KV head at a time, blocks of
 16-64 query rows of its query heads together (GQA never expanded), logits only against the keys
 the block can see, softmax once in float32, the weights summed per column (the score) and
@@ -53,7 +53,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import Attending
+from ..runtime.attention import Attending
 from ..errors import UsageError
 from .base import knob, register
 from .scoring import Eviction, attention_and_column_sums, column_sums, group_mean

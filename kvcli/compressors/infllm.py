@@ -52,7 +52,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import accelerator
+from ..runtime import accelerator
 from ..caches.blocks import partition
 from ..caches.book import BookCache
 from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, tensor_specs

@@ -72,11 +72,11 @@ from typing import ClassVar
 
 import torch
 
-from .. import attention
+from ..runtime import attention
 from ..caches.lazy import LazyCache
-from .. import windows
+from ..runtime import windows
 from ..errors import UsageError
-from ..kernels import by_keys
+from ..runtime.kernels import by_keys
 from .base import Compressor, knob, register
 
 DEFAULT_FRACTIONS = "1/4, 1/2, 3/4"

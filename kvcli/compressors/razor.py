@@ -131,7 +131,7 @@ class Razor(Compressor):
     def _ensure_profile(self, lm, engine=None) -> None:
         if self._protected is not None and self._fingerprint == lm.fingerprint:
             return
-        from ..engine import Engine
+        from ..runtime.engine import Engine
         from .razor_heads import load_or_compute
 
         if self.window is None or self.tokens is None:

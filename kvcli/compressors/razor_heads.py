@@ -18,7 +18,7 @@ arXiv:2407.15891) identify the heads that must keep their full KV cache with a d
    with GQA a KV head is protected when any query head of its group is (§4.1.1, Llama3-8B).
 
 The attention rows are computed here from the queries and keys handed to a layer observer
-(:mod:`kvcli.attention`) in float32, 256 query rows at a time; no attention matrix of the model is
+(:mod:`kvcli.runtime.attention`) in float32, 256 query rows at a time; no attention matrix of the model is
 ever asked for (no ``output_attentions``).
 
 The scores are a property of the model, not of a document, so they are computed once per model
@@ -172,7 +172,7 @@ def profile_scores(engine, tokens: int, seed: int) -> tuple[torch.Tensor, torch.
     last = engine.n_layers - 1
 
     def stop(query, key):
-        from ..attention import StopForward
+        from ..runtime.attention import StopForward
 
         raise StopForward
 

@@ -5,7 +5,7 @@ KeyDiff, AdaKV, Expected Attention, KVzip, decoding-time compression).
   (0 < x < 1); :func:`parse_budget` checks it once, :func:`resolve_budget` turns it into a count
   for a prompt of ``n`` tokens;
 * **scores** from the observers of the final prefill pass (``fn(query, key)``, see
-  :mod:`kvcli.attention`): attention probabilities are computed from q and K directly — per query
+  :mod:`kvcli.runtime.attention`): attention probabilities are computed from q and K directly — per query
   head, each reading the KV head of its GQA group (the cache is never expanded) — then reduced to
   one score per KV head by the mean over the group (:func:`group_mean`);
 * **eviction**: :func:`evict` keeps, per layer and per KV head, the chosen entries (in their
@@ -31,11 +31,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .. import accelerator
+from ..runtime import accelerator
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
-from ..kernels import by_keys
-from ..measure import long_lived
+from ..runtime.kernels import by_keys
+from ..runtime.measure import long_lived
 from .base import Compressor, knob, require_full_layers
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
@@ -103,7 +103,7 @@ def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def _probs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Causal softmax of q (n_kv, g, r, d) against k (n_kv, kv, d) (any dtype: upcast a chunk of
-    keys at a time, :func:`kvcli.kernels.by_keys`); ``rows`` (r,) are the key indices of the query
+    keys at a time, :func:`kvcli.runtime.kernels.by_keys`); ``rows`` (r,) are the key indices of the query
     rows (each sees keys up to and including its own). -> (n_kv, g, r, kv) float32."""
     logits = by_keys(k, lambda kc: torch.matmul(q, kc.transpose(-1, -2).unsqueeze(1))) / math.sqrt(q.shape[-1])
     cols = torch.arange(k.shape[-2], device=k.device)
@@ -136,7 +136,7 @@ def attention_and_column_sums(query: torch.Tensor, key: torch.Tensor, value: tor
                               chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's causal attention and :func:`column_sums` from the same blocks of softmax
     weights (one computation instead of the kernel's plus the observer's): returns the output
-    (1, q_len, n_heads, d) in ``query``'s dtype — what :func:`kvcli.kernels.attend` returns, up to
+    (1, q_len, n_heads, d) in ``query``'s dtype — what :func:`kvcli.runtime.kernels.attend` returns, up to
     float rounding — and the column sums (n_kv, group, kv_len) float32. value: (1, n_kv, kv_len, d)."""
     return _column_sums(query, key, value, scaling, chunk)
 
@@ -251,7 +251,7 @@ def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
     During the prefill (``compress_layer``) the layers after ``layer`` may not exist yet:
     ``cache.kept`` then lists the layers up to this one (:func:`complete_kept` ends it). The kept
     entries are long-lived: on CPU, while a prompt is read, they get their own mapping
-    (:func:`kvcli.measure.long_lived`), off the heap the pass's activations reuse."""
+    (:func:`kvcli.runtime.measure.long_lived`), off the heap the pass's activations reuse."""
     if cache.dropped.get(layer, 0):
         raise ValueError(f"layer {layer} was cut back to its sliding window: it is never evicted")
     keep = torch.sort(keep.to(torch.long), dim=-1).values
@@ -468,10 +468,10 @@ def global_masks(scores: list[torch.Tensor], total: int) -> list[torch.Tensor]:
 
 def prerope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo RoPE: queries or keys (..., n, head_dim) rotated by the model's (cos, sin) (n, rot_dim)
-    (:func:`kvcli.rope.rope_cos_sin`, ``attention_scaling`` included) -> the vectors before RoPE,
+    (:func:`kvcli.runtime.rope.rope_cos_sin`, ``attention_scaling`` included) -> the vectors before RoPE,
     float32. A rotation by -angle, divided by the scale squared (cos² + sin²); dimensions past
     rot_dim (partial rotary) pass through."""
-    from ..rope import apply_rotation
+    from ..runtime.rope import apply_rotation
 
     scale2 = (cos * cos + sin * sin).clamp_min(1e-30)
     return apply_rotation(x.to(torch.float32), cos / scale2, -sin / scale2)

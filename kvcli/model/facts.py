@@ -1,5 +1,5 @@
 """What kvcli knows about a loaded model: :class:`LoadedModel` (the model, its tokenizer and its
-facts: layers, heads, the sliding window of each layer: :class:`kvcli.windows.Windows`), and the
+facts: layers, heads, the sliding window of each layer: :class:`kvcli.runtime.windows.Windows`), and the
 choices it was loaded with."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..windows import Windows
+from ..runtime.windows import Windows
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,6 +79,6 @@ class LoadedModel:
 
     @functools.cached_property
     def windows(self) -> Windows:
-        """Each decoder layer's sliding window and what follows from it (:mod:`kvcli.windows`),
+        """Each decoder layer's sliding window and what follows from it (:mod:`kvcli.runtime.windows`),
         read once from the config."""
         return Windows.of_config(self._config, self.n_layers)

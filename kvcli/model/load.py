@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError, UsageError, one_line
-from ..measure import malloc_trim
+from ..runtime.measure import malloc_trim
 from .device import (
     check_attn,
     check_cpu_quant,
@@ -154,7 +154,7 @@ def load_model(
             model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
             if attn_impl == "sdpa" and model_cls is not None and getattr(model_cls, "_supports_sdpa", True) is False:
                 # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
-                # (kvcli.attention.install), which soft-caps, so load it with eager
+                # (kvcli.runtime.attention.install), which soft-caps, so load it with eager
                 kwargs["attn_implementation"] = "eager"
             qc = None if cpu_quant else quant_config(quant, torch_dtype)
             if qc is not None:

@@ -22,9 +22,9 @@ import torch
 
 from ..api import read_mask, spec_label
 from ..documents import Document
-from ..pipeline import Pipeline
-from ..prompt import Prompt
-from ..selection import Selection, Span
+from ..answer.pipeline import Pipeline
+from ..answer.prompt import Prompt
+from ..answer.selection import Selection, Span
 
 # --------------------------------------------------------------------------- what was kept
 

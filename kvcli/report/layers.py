@@ -16,8 +16,8 @@ import torch
 from ..compressors.gemfilter import GemFilter, gem_scores, top_k_positions
 from ..documents import Document
 from ..errors import UsageError
-from ..pipeline import Pipeline
-from ..prompt import Prompt, build_prompt
+from ..answer.pipeline import Pipeline
+from ..answer.prompt import Prompt, build_prompt
 
 # --------------------------------------------------------------------------- what was kept
 
@@ -247,7 +247,7 @@ def plot_layers(report: LayerReport, path) -> None:
 def needle_from_full_attention(session, document, question: str) -> str:
     """The needle to look for when the user gave none: full attention's answer, unquoted and
     without its final period; a UsageError when that answer is not text of the document."""
-    from ..pipeline import Pipeline
+    from ..answer.pipeline import Pipeline
 
     found = session.ask(document, question, Pipeline.parse("full")).answer.strip().strip("\"'“”").rstrip(".")
     if not found or found not in document.text:

@@ -40,7 +40,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .. import accelerator, notices
+from ..runtime import accelerator
+from .. import notices
 from ..caches import KVCache
 from ..caches.book import BookCache
 from ..errors import one_line

@@ -76,7 +76,7 @@ def test_ruler_templates_and_answer_prefix(instances):
 
 
 def test_answer_prefix_follows_the_generation_prompt(tokenizer):
-    from kvcli.prompt import build_prompt, load_template
+    from kvcli.answer.prompt import build_prompt, load_template
 
     template = load_template(ruler_tasks.TEMPLATE)
     plain = build_prompt(tokenizer, "Some document.", "Which?", template)

@@ -2,7 +2,7 @@
 llama and over the meta run of the same model, through kvcli's own session, pipeline, engine and
 caches, sees the same allocations in the same order and the same peak.
 
-Both runs make the CPU's choices (kvcli.accelerator.on_accelerator is False for meta here: a
+Both runs make the CPU's choices (kvcli.runtime.accelerator.on_accelerator is False for meta here: a
 boolean mask for a query block on a longer KV, no chunked MLP, ...; the accelerator's choices are
 checked in tests/test_masks.py and tests/test_decode_syncs.py) and force SDPA's math path (the same decomposition on every device; the CUDA backend model
 is checked in test_simulate_tracker). The comparison counts host and device tensors together and
@@ -43,7 +43,7 @@ def _trace(tracker):
 
 @pytest.mark.parametrize("method", ["full", "snapkv:budget=64"])
 def test_meta_run_allocates_as_the_real_cpu_run(method, monkeypatch):
-    from kvcli import accelerator
+    from kvcli.runtime import accelerator
 
     monkeypatch.setattr(accelerator, "on_accelerator", lambda device: False)
     runs = {}

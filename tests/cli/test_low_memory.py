@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvcli import measure
+from kvcli.runtime import measure
 
 DOC = " ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships." for i in range(40))
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from kvcli import api, notices
-from kvcli.pipeline import Pipeline
+from kvcli.answer.pipeline import Pipeline
 
 
 def test_a_spec_is_shown_by_its_name_and_the_knobs_the_user_set():

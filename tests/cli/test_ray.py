@@ -346,8 +346,8 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(folder, model, capsys,
 def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_lm, tmp_path, monkeypatch):
     from kvcli import store as store_module
     from kvcli.documents import document_from_text
-    from kvcli.engine import Engine
-    from kvcli.prompt import load_template
+    from kvcli.runtime.engine import Engine
+    from kvcli.answer.prompt import load_template
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-from kvcli.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
 from kvcli.caches import KVCache, RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 from tests.helpers.runs import decode_logits, prefill_and_compress, prompt_for
 

@@ -25,11 +25,11 @@ from kvcli.caches.blocks import (
 )
 from kvcli.compressors import parse_one
 from kvcli.compressors.blocksparse import BlockSparse, default_local, default_topk
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, default_prefill, run
-from kvcli.prefix import Prefix
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, default_prefill, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import KVStore
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 

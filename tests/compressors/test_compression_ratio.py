@@ -10,9 +10,9 @@ from kvcli.compressors.base import Runtime
 
 from kvcli.api import compute_fractions
 from kvcli.compressors.base import REGISTRY
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline, run
-from kvcli.prompt import build_prompt
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 from tests.helpers.specs import COMPRESSING, HOLDS_EVERYTHING
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i}." for i in range(30))

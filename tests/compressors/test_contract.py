@@ -35,7 +35,7 @@ import torch
 from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.store import KVStore
 from kvcli.errors import UsageError
 from tests.helpers.documented import json_fields

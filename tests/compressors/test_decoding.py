@@ -11,9 +11,9 @@ import torch
 
 from kvcli.caches import KVCache
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 from tests.helpers.runs import prompt_for
 

@@ -16,7 +16,7 @@ from kvcli import notices
 from kvcli.caches import RazorCache
 from kvcli.compressors import parse_one
 from kvcli.compressors.duo import DuoProfile, calibration_ids
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.runs import prompt_for

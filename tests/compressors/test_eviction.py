@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from kvcli.compressors import parse_one
 from kvcli.compressors.pyramidkv import pyramid_budgets
-from kvcli import attention
+from kvcli.runtime import attention
 from kvcli.compressors import scoring
 from kvcli.compressors.scoring import attention_and_column_sums, column_sums, window_attention
-from kvcli.kernels import attend
-from kvcli.engine import Engine
+from kvcli.runtime.kernels import attend
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.caches import KVCache
-from kvcli.pipeline import Pipeline, default_prefill as scoring_default_prefill, run
+from kvcli.answer.pipeline import Pipeline, default_prefill as scoring_default_prefill, run
 from tests.helpers.reference import causal_softmax, reference_qk
 from tests.helpers.runs import prompt_for, prefill_and_compress, assert_top_k
 
@@ -346,7 +346,7 @@ def test_layer_by_layer_eviction_equals_eviction_after_the_pass(tiny_lm, monkeyp
     evicting after the whole pass keeps, and the pass never holds the uncompressed KV of every
     layer: with the prefix state computed in the pass (no store), not even for an instant."""
     from kvcli.compressors.base import Compressor
-    from kvcli.prefix import Prefix
+    from kvcli.answer.prefix import Prefix
 
     lm = tiny_lm("qwen2")
     engine = Engine(lm)

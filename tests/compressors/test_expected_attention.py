@@ -12,9 +12,9 @@ import torch
 
 from kvcli.caches import RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.runs import prompt_for
 from tests.helpers.runs import full_reference, greedy_logits
@@ -138,7 +138,7 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs, chunk):
 
 def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
     """kvpress's ExpectedAttentionPress written out on random tensors, RoPE as explicit matrices
-    from its angles (no model, no kvcli.rope): pre-RoPE query mean/covariance over the tokens after
+    from its angles (no model, no kvcli.runtime.rope): pre-RoPE query mean/covariance over the tokens after
     the sinks, R̄ = mean of R_p over the next ``future`` positions, softmax over the non-sink keys of
     k·R̄μ/√d + kᵀR̄ΣR̄ᵀk/2d, mean over the GQA group, (· + ε)·‖v‖; sinks always kept."""
     from kvcli.compressors.expected_attention import expected_scores, mean_rotation, query_statistics
@@ -242,7 +242,7 @@ def test_statistics_merged_across_chunks_are_those_of_all_rows():
     """The query mean and covariance of a prefix read in chunks (each chunk's own statistics,
     merged pairwise) are those of all its rows at once."""
     from kvcli.compressors.expected_attention import merge_statistics, query_statistics
-    from kvcli.rope import rope_cos_sin
+    from kvcli.runtime.rope import rope_cos_sin
 
     g = torch.Generator().manual_seed(3)
     n, heads, d, first = 50, 3, 8, 4

@@ -9,11 +9,11 @@ import torch
 
 from kvcli.compressors import parse_one
 from kvcli.compressors.finch import DEFAULT_CHUNK, DEFAULT_KERNEL, chunk_bounds, kept_counts, question_scores
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import DocumentError, UsageError
-from kvcli.pipeline import Pipeline, check_window, run
-from kvcli.prompt import build_prompt
-from kvcli.rope import rerotate
+from kvcli.answer.pipeline import Pipeline, check_window, run
+from kvcli.answer.prompt import build_prompt
+from kvcli.runtime.rope import rerotate
 from tests.helpers.reference import causal_softmax, finch_reference, reference_qk
 from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
@@ -279,7 +279,7 @@ def test_rerotated_key_equals_the_key_computed_at_the_new_position(tiny_lm, fami
 
 
 def engine_rot_dim(lm) -> int:
-    from kvcli.rope import rope_cos_sin
+    from kvcli.runtime.rope import rope_cos_sin
 
     cos, _ = rope_cos_sin(Engine(lm).rotary(0), torch.arange(3), torch.zeros(1))
     return cos.shape[-1]

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from kvcli.compressors import parse_one
 from kvcli.compressors.gemfilter import default_filter_layer, top_k_positions
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
-from kvcli.prefix import Prefix
-from kvcli.prompt import build_prompt, stop_token_ids
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt, stop_token_ids
 from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4

@@ -18,12 +18,12 @@ from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
 from kvcli.caches.bookfile import HEADER_ROOM, NewFile
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import KVStore
-from kvcli.windows import Windows
+from kvcli.runtime.windows import Windows
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(10))

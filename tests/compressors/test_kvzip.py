@@ -12,9 +12,9 @@ import torch
 
 from kvcli.caches import RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.prompt import build_prompt
+from kvcli.answer.prompt import build_prompt
 from tests.helpers.reference import reference_qk
 from tests.helpers.runs import prompt_for
 

@@ -12,11 +12,11 @@ import torch
 from kvcli.compressors import parse_one
 from kvcli.caches import LazyCache
 from kvcli.compressors.lazyllm import default_keep, default_layers, last_token_attention, n_keep
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
-from kvcli.prefix import Prefix
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import KVStore
 
 TOL = 1e-4

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
 from kvcli.compressors.base import Runtime
 from kvcli.caches import KVCache, LayerView, RazorCache
 from kvcli.compressors import FullAttention, parse_one
 from kvcli.compressors.razor import Razor, default_window
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.compressors.razor_heads import (
     HeadProfile,
@@ -30,9 +30,9 @@ from kvcli.compressors.razor_heads import (
     probe_ids,
     top_fraction,
 )
-from kvcli.pipeline import Pipeline, default_prefill, run
-from kvcli.prefix import Prefix
-from kvcli.prompt import build_prompt
+from kvcli.answer.pipeline import Pipeline, default_prefill, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import make_key
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 from tests.helpers.runs import greedy_logits, full_reference
@@ -57,7 +57,7 @@ def decode_from(engine, cache, first_logits, position: int, steps: int) -> list[
 
 
 def pipeline_logits(engine, stage, prompt, steps: int):
-    """What :func:`kvcli.pipeline.run` does with one stage: its prefix state (computed, no store),
+    """What :func:`kvcli.answer.pipeline.run` does with one stage: its prefix state (computed, no store),
     the prompt's remaining tokens on top, ``compress``, then greedy steps. -> (logits, cache)."""
     prefix = Prefix.of(engine, prompt, stage, None, {})
     compressors = [stage] if "compress" in type(stage).__dict__ else []
@@ -542,7 +542,7 @@ def test_heads_command_computes_once_then_shows(tiny_dir, tmp_path, capsys, monk
 
 def test_a_selector_before_razor_is_refused():
     from kvcli.errors import UsageError
-    from kvcli.pipeline import Pipeline
+    from kvcli.answer.pipeline import Pipeline
 
     with pytest.raises(UsageError, match="selects tokens before razor"):
         Pipeline.parse("gemfilter+razor")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvcli.compressors import parse_one
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.reference import causal_softmax, reference_qk
 from tests.helpers.runs import assert_top_k, prefill_and_compress, prompt_for
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline, run
-from kvcli.prompt import build_prompt
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 from kvcli.store import KVStore
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(16))

@@ -11,10 +11,10 @@ import torch
 
 from kvcli.caches import KVCache
 from kvcli.compressors.base import Runtime
-from kvcli.decode import DecodeStep
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline, default_prefill
-from kvcli.prompt import build_prompt
+from kvcli.runtime.decode import DecodeStep
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline, default_prefill
+from kvcli.answer.prompt import build_prompt
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from kvcli.api import AskOptions, Session
 from kvcli.documents import document_from_text
-from kvcli.engine import Engine
-from kvcli.pipeline import Pipeline
-from kvcli.prompt import load_template
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import Pipeline
+from kvcli.answer.prompt import load_template
 from kvcli.store import KVStore
 
 DOC = " ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships and {i * 5 % 11} storms." for i in range(30))

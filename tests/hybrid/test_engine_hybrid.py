@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import windows as windows_mod
+from kvcli.runtime import windows as windows_mod
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
-from kvcli.kernels import softcapped
+from kvcli.runtime.engine import Engine
+from kvcli.runtime.kernels import softcapped
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.reference import hf_logits
 from tests.helpers.runs import random_ids

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcli.caches import KVCache
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import ModelError
 from kvcli.model import load_model
 from kvcli.model import ggufs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvcli.compressors.base import REGISTRY
-from kvcli.engine import Engine
+from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, run
+from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS  # the latter refused in one line: test_contract checks it

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvcli.caches.base import SPARE_SLOTS
-from kvcli import windows
+from kvcli.runtime import windows
 from kvcli.compressors.base import REGISTRY
-from kvcli.engine import Engine
-from kvcli.pipeline import run
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import run
 from kvcli.store import KVStore
 from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for

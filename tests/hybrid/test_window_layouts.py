@@ -13,9 +13,9 @@ from kvcli.caches.base import CacheBase
 from kvcli.caches.blocks import BlockCache
 from kvcli.caches.lazy import LazyCache
 from kvcli.caches.ragged import RaggedCache
-from kvcli.engine import Engine
-from kvcli.pipeline import run
-from kvcli.windows import WINDOW_SLACK
+from kvcli.runtime.engine import Engine
+from kvcli.answer.pipeline import run
+from kvcli.runtime.windows import WINDOW_SLACK
 from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW

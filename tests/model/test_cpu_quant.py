@@ -1,5 +1,5 @@
 """4/8-bit weights on the CPU (kvcli.model.cpu_quant) and the 16-bit decoding kernel
-(kvcli.kernels.grouped), each against an independent reference written out here."""
+(kvcli.runtime.kernels.grouped), each against an independent reference written out here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli import kernels
+from kvcli.runtime import kernels
 from kvcli.errors import ModelError, UsageError
 from kvcli.model import load_model
 from kvcli.model.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
@@ -193,7 +193,7 @@ def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
     the float64 reference. A buffer kvcli did not make (its room may hold anything, NaN here) is
     read as it is."""
     from kvcli.caches import KVCache
-    from kvcli.kernels import KEY_BUCKET, _bucketed
+    from kvcli.runtime.kernels import KEY_BUCKET, _bucketed
 
     torch.manual_seed(1)
     h, kvh, d, n = 6, 2, 16, 100

@@ -14,8 +14,8 @@ import torch
 
 from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
-from kvcli.engine import Engine
-from kvcli.prompt import build_prompt
+from kvcli.runtime.engine import Engine
+from kvcli.answer.prompt import build_prompt
 from tests.compressors.test_infllm import DOC, SPEC, _Prefix, infllm_reference, stage
 from tests.helpers.cli_runner import assert_user_error
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)

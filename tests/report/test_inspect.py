@@ -23,7 +23,7 @@ from kvcli.compressors import parse_one
 from kvcli.documents import document_from_text, load_document
 from kvcli.report.inspection import inspect_kept
 from kvcli.report.layers import find_needle, rank_layers
-from kvcli.prompt import build_prompt
+from kvcli.answer.prompt import build_prompt
 
 PAGES = [
     "The keeper's log begins on the first page. The relief boat brought flour, lamp oil and two crates "
@@ -420,7 +420,7 @@ def test_layers_without_needle_uses_the_full_attention_answer(cli, model, pdf, m
 
 
 def _spans_at(doc, pieces):
-    from kvcli.selection import Span
+    from kvcli.answer.selection import Span
 
     return [Span(a, b, doc.page_of(a), doc.page_of(b - 1), 1, None, doc.text[a:b]) for a, b in pieces]
 

@@ -173,7 +173,7 @@ def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
 class SimTokenizer:
     """A word-level tokenizer for the simulated models (their real tokenizers are downloads): each
     whitespace-separated word is one token, its id a fixed function of the word, below ``vocab``
-    and above the special ids. Enough for :func:`kvcli.prompt.build_prompt` to lay out a prompt of
+    and above the special ids. Enough for :func:`kvcli.answer.prompt.build_prompt` to lay out a prompt of
     exactly the length asked for; the answer's text is the ids written out."""
 
     chat_template = None

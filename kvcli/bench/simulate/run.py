@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ...decode import DecodeStep
-from ...engine import Engine
+from ...runtime.decode import DecodeStep
+from ...runtime.engine import Engine
 from .models import CONFIGS, SimTokenizer, build_model, weight_tensors
 from .sdpa import CudaSdpa
 from .tracker import Tracker, kvcli_line
@@ -100,7 +100,7 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
     simulator's tokenizer and no disk store."""
     from ...api import AskOptions, Session
     from ...model import LoadedModel
-    from ...prompt import load_template
+    from ...answer.prompt import load_template
 
     cfg = model.config
     eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else (cfg.eos_token_id or 2)
@@ -130,7 +130,7 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
 def document_of(tokenizer, tokens: int, steps: int, template: str):
     """A document whose prompt (template + question) is ``tokens - steps`` tokens long."""
     from ...documents import document_from_text
-    from ...prompt import build_prompt
+    from ...answer.prompt import build_prompt
 
     overhead = build_prompt(tokenizer, "w0", QUESTION, template).n_tokens - 1
     n_doc = tokens - steps - overhead
@@ -160,12 +160,12 @@ def _layer_hooks(engine: SimEngine):
 @contextlib.contextmanager
 def _bias_outside_modes():
     """PyTorch cannot make a tensor subclass under a ``TorchDispatchMode`` ("the raw Tensor object
-    is already associated to a python object"), and off the CPU :func:`kvcli.kernels.causal` hands
+    is already associated to a python object"), and off the CPU :func:`kvcli.runtime.kernels.causal` hands
     SDPA one: the lower-right ``CausalBias``. It holds no data, so the simulation makes it outside
     the tracker (:class:`~.sdpa.CudaSdpa` then runs it as CUDA would)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from ... import kernels
+    from ...runtime import kernels
 
     made = kernels.causal_lower_right
 
@@ -184,7 +184,7 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
              efficient_gqa: bool = False, fixed_token: int = 0) -> dict:
     """Run ``method`` on a ``tokens``-long sequence (prompt + ``steps`` generated) of ``sim``;
     returns the row (``error`` set when the method cannot run on the simulated device)."""
-    from ...pipeline import Pipeline
+    from ...answer.pipeline import Pipeline
     from ... import notices
 
     session, engine = sim.session, sim.engine

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .caches.base import LayerView
+from ..caches.base import LayerView
 from .kernels import KERNELS, attend, by_keys, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
 
 

@@ -6,7 +6,7 @@ stage may own an exclusive phase (:data:`compressors.base.EXCLUSIVE_PHASES`).
 
 The prompt is always run in two parts: its question-agnostic prefix (document + template,
 ``Prompt.prefix_len`` tokens), whose state the *reader* — the stage that reads the whole prompt
-first — computes with ``build_prefix`` or loads from the disk store (:class:`kvcli.prefix.Prefix`),
+first — computes with ``build_prefix`` or loads from the disk store (:class:`kvcli.answer.prefix.Prefix`),
 then the question's tokens on top of it. Cold, warm and ``--no-cache`` runs therefore do the same
 arithmetic and give token-identical answers.
 """
@@ -21,23 +21,23 @@ from typing import Callable
 
 import torch
 
-from . import notices
-from .attention import listening
-from .attribution import CitingHeads
-from .compressors import Compressor, FullAttention, owned_phases, parse_one
-from .caches import KVCache
-from .compressors.base import Runtime
-from .decode import DecodeStep
-from .errors import DocumentError, UsageError
-from .measure import measure, reading_prompt
+from .. import notices
+from ..runtime.attention import listening
+from ..cite.attribution import CitingHeads
+from ..compressors import Compressor, FullAttention, owned_phases, parse_one
+from ..caches import KVCache
+from ..compressors.base import Runtime
+from ..runtime.decode import DecodeStep
+from ..errors import DocumentError, UsageError
+from ..runtime.measure import measure, reading_prompt
 from .policy import NAME as AUTO
 from .policy import AutoPolicy, reads
 from .prefix import Prefix
 from .prefix import report as prefix_report
 from .prompt import Prompt
 from .selection import Selection
-from .store import KVStore
-from .windows import Windows
+from ..store import KVStore
+from ..runtime.windows import Windows
 
 SEPARATOR = "+"
 
@@ -45,7 +45,7 @@ SEPARATOR = "+"
 @dataclass
 class Pipeline:
     stages: list[Compressor]
-    # ``-c auto``: no stages until :meth:`resolve` picks them for a prompt (kvcli.policy)
+    # ``-c auto``: no stages until :meth:`resolve` picks them for a prompt (kvcli.answer.policy)
     policy: AutoPolicy | None = None
     chosen_by: str | None = None  # "auto" when the policy chose these stages
 
@@ -61,7 +61,7 @@ class Pipeline:
         return pipeline
 
     def check_collisions(self) -> None:
-        from .compressors.base import EXCLUSIVE_PHASES
+        from ..compressors.base import EXCLUSIVE_PHASES
 
         for phase in EXCLUSIVE_PHASES:
             owners = [s.name for s in self.stages if phase in owned_phases(type(s))]
@@ -138,9 +138,9 @@ class Result:
     extra: dict = field(default_factory=dict)
     # the cache after decoding (what the layers and heads held: ``cache.kept_mask``; inspect reads it)
     cache: object | None = field(default=None, repr=False)
-    # each layer's sliding window, the model's (kvcli.windows; None: not known, counted as without windows)
+    # each layer's sliding window, the model's (kvcli.runtime.windows; None: not known, counted as without windows)
     windows: Windows | None = None
-    # where the answer comes from (kvcli.sources.Sources), built by the caller that knows the
+    # where the answer comes from (kvcli.cite.sources.Sources), built by the caller that knows the
     # document (kvcli.api.Session.ask) from ``extra["citing"]``; None: not asked for
     sources: object | None = None
 
@@ -175,7 +175,7 @@ class Result:
         nothing evicted). Without sliding windows that is prompt tokens / :attr:`n_kept_tokens`. On
         a hybrid model (Gemma 2 / 3) full attention's own sliding layers hold only their window
         (the last ``w - 1`` prompt tokens once decoding starts, fewer as the answer's tokens push
-        them out: :meth:`~kvcli.windows.Windows.mean_held`, after as many decoding steps as this run
+        them out: :meth:`~kvcli.runtime.windows.Windows.mean_held`, after as many decoding steps as this run
         took): both sides count them, so full attention is 1.0 there too and a method is credited
         only for what it evicted."""
         n = self.prompt.n_tokens
@@ -292,8 +292,8 @@ def run(
 
     ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
     recorded with a new store entry (document, method); ``guard``: where the answer may end besides
-    the stop tokens (:class:`kvcli.stopping.AnswerGuard`); ``cite``: the citing heads
-    (:class:`kvcli.attribution.HeadWeights`) whose attention while decoding is kept for the
+    the stop tokens (:class:`kvcli.answer.stopping.AnswerGuard`); ``cite``: the citing heads
+    (:class:`kvcli.cite.attribution.HeadWeights`) whose attention while decoding is kept for the
     answer's sources (``Result.extra["citing"]``), None: nothing is read.
     """
     tokenizer = engine.lm.tokenizer

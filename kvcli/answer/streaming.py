@@ -2,7 +2,7 @@
 
 :class:`AnswerStream` takes each generated token (the engine's ``on_token``) and writes the part
 of the answer that is *settled*: text no later token can take back. With the answer guard on, that
-is :meth:`kvcli.stopping.AnswerGuard.settled` (the guard may still cut an invented next turn, a
+is :meth:`kvcli.answer.stopping.AnswerGuard.settled` (the guard may still cut an invented next turn, a
 repeated sentence, or an unfinished last sentence at the token limit); without it, everything
 decoded but trailing whitespace and an incomplete character. :meth:`AnswerStream.close` then
 writes the rest of the final answer, so the pieces written always add up to ``Result.answer``

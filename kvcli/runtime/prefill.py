@@ -1,6 +1,6 @@
 """Reading a prompt: the prefill passes every method runs on, and the prompt's chunking.
 
-Each pass runs token ids through the engine's decoder layers (:class:`kvcli.engine.Engine`, which
+Each pass runs token ids through the engine's decoder layers (:class:`kvcli.runtime.engine.Engine`, which
 wires the model: embeddings, layers, RoPE, logits) into a cache; the engine's methods of the same
 names call them:
 
@@ -31,7 +31,7 @@ import torch
 
 from . import accelerator, attention
 from .attention import Observer, StopForward
-from .caches import KVCache
+from ..caches import KVCache
 
 ENV_PREFILL_CHUNK = "KVCLI_PREFILL_CHUNK"
 ACCELERATOR_PREFILL_CHUNK = 8192  # the default off the CPU; on the CPU: off (answers and speed as they were) ...
@@ -50,7 +50,7 @@ def default_prefill_chunk(device: torch.device, hybrid: bool = False) -> int | N
         try:
             value = int(env)
         except ValueError:
-            from .errors import UsageError
+            from ..errors import UsageError
 
             raise UsageError(f"{ENV_PREFILL_CHUNK} must be a whole number of tokens (0: off), not '{env}'") from None
         return value if value > 0 else None
@@ -125,7 +125,7 @@ def prefix_kv(engine, ids: torch.Tensor, n_layers: int | None = None,
     ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to the last
     w - 1 + ``window_room`` entries (:meth:`~kvcli.caches.base.CacheBase.trim_windows`): all that a
     pass going on from the prefix, or from up to ``window_room`` tokens before its end, reads there
-    (:meth:`~kvcli.windows.Windows.can_resume`). None: every layer keeps every entry (a caller that
+    (:meth:`~kvcli.runtime.windows.Windows.can_resume`). None: every layer keeps every entry (a caller that
     reads them all).
 
     Only the KV is wanted, so the pass stops inside the last of those layers as soon as its keys

@@ -210,7 +210,7 @@ class AnswerGuard:
     def settled(self, ids: list[int]) -> str:
         """The start of the answer no later token can take back, whatever tokens follow ``ids``
         (the tokens generated so far): what an answer shown as it is decoded may print
-        (:class:`kvcli.streaming.AnswerStream`). The final answer (``check``'s cut, ``finish``'s, or
+        (:class:`kvcli.answer.streaming.AnswerStream`). The final answer (``check``'s cut, ``finish``'s, or
         all of it at the stop token, then stripped) always starts with it.
 
         Held back: trailing whitespace (stripped at the end) and an incomplete character; a new

@@ -1,5 +1,5 @@
 """The attention kernels, by name: PyTorch SDPA (default), eager (a materialised softmax, for
-checking) and flash-attn (CUDA only). The attention function (:mod:`kvcli.attention`) and the
+checking) and flash-attn (CUDA only). The attention function (:mod:`kvcli.runtime.attention`) and the
 cache layouts that attend themselves (:class:`kvcli.caches.base.LayerView`) run them through
 :func:`attend`.
 
@@ -86,7 +86,7 @@ def _bucketed(key, value, mask, q_len: int):
     matrix shape: a key count that grows by one every step made two new ones per step, ~0.6 MB each,
     kept in its cache of 1,024 (measured: +380 MB of resident memory over 300 steps of 30 layers,
     and the compilation's time in every step). Rounded up, the shapes change every 64 steps."""
-    from .caches.base import finite_room
+    from ..caches.base import finite_room
 
     kv_len = key.shape[2]
     padded = -(-kv_len // KEY_BUCKET) * KEY_BUCKET
@@ -239,7 +239,7 @@ def attend(kernel: str, module, query, key, value, scaling: float, sliding_windo
            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (sliding-window) attention with ``kernel``; ``mask``: an explicit boolean mask,
     True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then.
-    A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.attention.install`
+    A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.runtime.attention.install`
     for Gemma 2) runs :func:`softcapped` whatever the kernel."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if mask is None and sliding_window is not None and kernel != "flash" and sliding_window < kv_len \

@@ -57,8 +57,8 @@ class AutoPolicy:
 def reads(spec: str, lm, prompt, max_new_tokens: int) -> bool:
     """Whether ``spec`` can read ``prompt`` on ``lm``: its knobs configure on the model (InfLLM
     refuses sliding-window hybrids) and the span it needs fits the model's window."""
-    from .compressors import parse_one
-    from .errors import UsageError
+    from ..compressors import parse_one
+    from ..errors import UsageError
 
     try:
         method = parse_one(spec)

@@ -3,12 +3,12 @@
 kvcli drives a transformers ``*ForCausalLM`` layer by layer instead of calling its ``forward``:
 that is what lets GemFilter stop after layer r, lets methods run any sub-sequence at any positions
 on top of any cache, and keeps the logits of the long prompt from being materialised (only the last
-row goes through the LM head). Attention runs through :mod:`kvcli.attention`.
+row goes through the LM head). Attention runs through :mod:`kvcli.runtime.attention`.
 
 :class:`Engine` holds the wiring — embeddings, the layers, RoPE per layer type (Gemma 3), the final
 norm and LM head with Gemma 2's soft-capped logits — and :meth:`Engine.forward`, the one pass all
-else is made of. The prompt's passes are :mod:`kvcli.prefill`'s, decoding is :mod:`kvcli.decode`'s,
-each layer's sliding window :mod:`kvcli.windows`'s (``engine.windows``); the engine's methods of
+else is made of. The prompt's passes are :mod:`kvcli.runtime.prefill`'s, decoding is :mod:`kvcli.runtime.decode`'s,
+each layer's sliding window :mod:`kvcli.runtime.windows`'s (``engine.windows``); the engine's methods of
 those names (``prefix_kv``, ``prefill``, ``step``, ``decode``, ...) call them, so a method's code
 reads ``engine.prefill(...)``.
 
@@ -27,7 +27,7 @@ import torch
 
 from . import attention, decode, prefill
 from .attention import AttentionContext, Observer, StopForward
-from .caches import KVCache
+from ..caches import KVCache
 from .decode import DecodeStep
 
 
@@ -61,7 +61,7 @@ class Engine:
         # ``past_key_values`` still works, with a FutureWarning on stderr), ``past_key_values`` before
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.layers[0].forward).parameters else "past_key_values"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.windows = lm.windows  # each layer's sliding window (kvcli.windows)
+        self.windows = lm.windows  # each layer's sliding window (kvcli.runtime.windows)
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
         self._positions: torch.Tensor | None = None  # device_positions' table
@@ -71,7 +71,7 @@ class Engine:
     @property
     def prefill_chunk(self) -> int | None:
         """Tokens a layer's MLP runs at once in a prefill (None: all): see
-        :func:`kvcli.prefill.default_prefill_chunk`; shared by every engine on the model."""
+        :func:`kvcli.runtime.prefill.default_prefill_chunk`; shared by every engine on the model."""
         return prefill.mlp_chunk(self.layers)
 
     @prefill_chunk.setter
@@ -90,7 +90,7 @@ class Engine:
     def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor):
         """The model's RoPE (cos, sin) for ``positions`` (q_len,), as its layers take them; for a
         model whose layers differ (Gemma 3: local and global bases) a dict layer type -> (cos, sin),
-        which :meth:`layer` resolves. Slice either with :func:`kvcli.prefill.slice_rope`."""
+        which :meth:`layer` resolves. Slice either with :func:`kvcli.runtime.prefill.slice_rope`."""
         pos = positions.to(self.device).view(1, -1)
         if self._rope_by_type:
             return {t: self.rotary_emb(hidden, pos, t) for t in sorted(set(self.layer_types))}
@@ -98,7 +98,7 @@ class Engine:
 
     def rotary(self, layer: int):
         """The rotary embedding of decoder layer ``layer`` as ``fn(x, position_ids) -> (cos, sin)``
-        (what :mod:`kvcli.rope` takes): the model's own, or Gemma 3's for the layer's type."""
+        (what :mod:`kvcli.runtime.rope` takes): the model's own, or Gemma 3's for the layer's type."""
         if not self._rope_by_type:
             return self.rotary_emb
         kind = self.layer_types[layer]
@@ -123,7 +123,7 @@ class Engine:
     ) -> torch.Tensor:
         """Run decoder layer ``i`` on ``hidden`` (1, q_len, hidden) at ``positions`` (q_len,),
         appending its KV to ``cache``; returns (1, q_len, hidden). Call inside an
-        :func:`kvcli.attention.attention_context` to set the kernel, observers or an explicit mask
+        :func:`kvcli.runtime.attention.attention_context` to set the kernel, observers or an explicit mask
         (methods that run different tokens in different layers, LazyLLM)."""
         pos = positions.to(self.device).view(1, -1)
         if rope is None:
@@ -198,41 +198,41 @@ class Engine:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    # --- the prompt's passes (kvcli.prefill) and decoding (kvcli.decode) --------------------------
+    # --- the prompt's passes (kvcli.runtime.prefill) and decoding (kvcli.runtime.decode) --------------------------
     def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None,
                   observers: dict[int, list[Observer]] | None = None, window_room: int | None = None) -> KVCache:
-        """:func:`kvcli.prefill.prefix_kv`: the KV of the first ``n_layers`` layers for ``ids``."""
+        """:func:`kvcli.runtime.prefill.prefix_kv`: the KV of the first ``n_layers`` layers for ``ids``."""
         return prefill.prefix_kv(self, ids, n_layers, observers, window_room)
 
     def reserving(self, room: int):
-        """:func:`kvcli.prefill.reserving`: a chunked :meth:`prefix_kv` leaves ``room`` entries."""
+        """:func:`kvcli.runtime.prefill.reserving`: a chunked :meth:`prefix_kv` leaves ``room`` entries."""
         return prefill.reserving(self, room)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 observers: dict[int, list[Observer]] | None = None,
                 after_layer: Callable[[int], None] | None = None) -> tuple[KVCache, torch.Tensor]:
-        """:func:`kvcli.prefill.prefill`: every layer over ``ids``; (cache, last logits)."""
+        """:func:`kvcli.runtime.prefill.prefill`: every layer over ``ids``; (cache, last logits)."""
         return prefill.prefill(self, ids, positions, cache, observers, after_layer)
 
     def prefill_by_layer(self, ids: torch.Tensor, positions: torch.Tensor, cache, chunk: int,
                          observers: dict[int, list[Observer]] | None = None,
                          before_layer: Callable[[int], None] | None = None,
                          after_layer: Callable[[int], None] | None = None) -> tuple[object, torch.Tensor]:
-        """:func:`kvcli.prefill.prefill_by_layer`: the prefill, layer by layer over chunks."""
+        """:func:`kvcli.runtime.prefill.prefill_by_layer`: the prefill, layer by layer over chunks."""
         return prefill.prefill_by_layer(self, ids, positions, cache, chunk, observers, before_layer, after_layer)
 
     def prefill_on_prefix(self, ids: torch.Tensor, n_prefix: int, start: int, cache: KVCache | None = None,
                           observers: dict[int, list[Observer]] | None = None,
                           after_layer: Callable[[int], None] | None = None) -> tuple[KVCache, torch.Tensor]:
-        """:func:`kvcli.prefill.prefill_on_prefix`: a prefix and the rest, layer by layer together."""
+        """:func:`kvcli.runtime.prefill.prefill_on_prefix`: a prefix and the rest, layer by layer together."""
         return prefill.prefill_on_prefix(self, ids, n_prefix, start, cache, observers, after_layer)
 
     def step(self, token: int | torch.Tensor, position: int, cache) -> torch.Tensor:
-        """:func:`kvcli.decode.step`: one decoding step of full attention; the logits (vocab,)."""
+        """:func:`kvcli.runtime.decode.step`: one decoding step of full attention; the logits (vocab,)."""
         return decode.step(self, token, position, cache)
 
     def decode(self, first_logits: torch.Tensor, cache, next_position: int, max_new_tokens: int,
                stop_ids: set[int], on_token: Callable[[int], None] | None = None, step: DecodeStep | None = None,
                guard=None) -> list[int]:
-        """:func:`kvcli.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
+        """:func:`kvcli.runtime.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
         return decode.greedy(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard)

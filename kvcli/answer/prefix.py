@@ -1,6 +1,6 @@
 """The reusable document prefix: the question-agnostic start of a prompt, and a method's state of it.
 
-A prompt is document first, question last (:mod:`kvcli.prompt`), so what a method computes from its
+A prompt is document first, question last (:mod:`kvcli.answer.prompt`), so what a method computes from its
 first ``Prompt.prefix_len`` tokens — the document and the template around it — does not depend on
 the question: the method's *prefix state* (``Compressor.prefix_state`` names what it depends on,
 ``build_prefix`` computes it: full attention's KV by default). The disk store keeps it, so a second
@@ -33,12 +33,12 @@ from typing import Callable
 
 import torch
 
-from . import accelerator
-from .caches import KVCache
-from .compressors.base import Compressor, owned_phases
-from .errors import UsageError
+from ..runtime import accelerator
+from ..caches import KVCache
+from ..compressors.base import Compressor, owned_phases
+from ..errors import UsageError
 from .prompt import Prompt
-from .store import Fetched, KVStore, make_key
+from ..store import Fetched, KVStore, make_key
 
 
 def chunked_state(engine, ids: torch.Tensor, state: dict) -> dict:
@@ -97,7 +97,7 @@ class Prefix:
             return state, Fetched("off", time.perf_counter() - t0)
         key = make_key(engine.lm, ids, chunked_state(engine, ids, self.state))
         if reader.writes_prefix:
-            from .store import fetch_book
+            from ..store import fetch_book
 
             lm = engine.lm
             what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
@@ -134,11 +134,11 @@ class Prefix:
         The tokens after the prefix always run; when a compressor needs the queries of more of the
         last tokens (``query_window``) than that, the state is cut back and those tokens run again
         (same KV, so the answer does not change) — the whole prompt where a sliding layer of the
-        state no longer holds what their windows reach (:meth:`~kvcli.windows.Windows.can_resume`).
+        state no longer holds what their windows reach (:meth:`~kvcli.runtime.windows.Windows.can_resume`).
         ``observers`` see the pass; ``after_layer(cache, i)`` runs as soon as layer i has run.
         ``by_layer``: compressors evict there; then, when the state is full attention's KV, not
         computed yet and held by nothing else (no store), prefix and rest run layer by layer together
-        (:func:`kvcli.prefill.prefill_on_prefix`): the prompt's whole uncompressed KV is never held."""
+        (:func:`kvcli.runtime.prefill.prefill_on_prefix`): the prompt's whole uncompressed KV is never held."""
         engine, n = self.engine, ids.numel()
         start = max(0, min(self.n_tokens, n - query_window))
         if by_layer and self.full_kv and not self.stored and self._state is None:

@@ -38,7 +38,7 @@ def step(engine, token: int | torch.Tensor, position: int, cache) -> torch.Tenso
     ``token``: an id, or a (1,) tensor on the model's device (the argmax of the last step's
     logits, never read back to the host here): then the step makes no host -> device copy and
     no synchronisation. A hybrid's sliding layers are cut back to their window every
-    :data:`~kvcli.windows.WINDOW_SLACK` steps."""
+    :data:`~kvcli.runtime.windows.WINDOW_SLACK` steps."""
     ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
     hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache,
                             recorded=torch.tensor([position]))
@@ -62,7 +62,7 @@ def greedy(
 
     ``step``: what runs one decoding step (default :meth:`DecodeStep.full_attention`); methods that
     own decoding (``Compressor.decode_step``) pass theirs. ``guard``: a
-    :class:`kvcli.stopping.AnswerGuard` that may end the answer earlier (an invented next question,
+    :class:`kvcli.answer.stopping.AnswerGuard` that may end the answer earlier (an invented next question,
     a repeated sentence) and trims it at the token limit.
     """
     step = DecodeStep.full_attention(engine) if step is None else step

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import DocumentError, UsageError
+from ..errors import DocumentError, UsageError
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "prompts"
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "prompts"
 DEFAULT_TEMPLATE = "qa"
 _DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
 STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .caches.base import LayerView
+from ..caches.base import LayerView
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def step_weights(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-HEADS_DIR = Path(__file__).resolve().parent / "heads"  # learned citing weights: <model name>.safetensors
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # learned citing weights: <model name>.safetensors
 
 
 def citing_heads(lm) -> HeadWeights:
@@ -146,6 +146,6 @@ def save_heads(path: Path, weights: torch.Tensor, made: str) -> None:
     """Write learned citing weights as :func:`citing_heads` reads them (safetensors, no pickle)."""
     from safetensors.torch import save_file
 
-    from .files import atomic_write
+    from ..files import atomic_write
 
     atomic_write(path, lambda tmp: save_file({"weights": weights.float().contiguous()}, tmp, metadata={"made": made}))
