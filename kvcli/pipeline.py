@@ -33,6 +33,7 @@ from .policy import AutoPolicy, reads
 from .prompt import Prompt
 from .selection import Selection
 from .store import Fetched, KVStore, make_key
+from .threads import ThreadPolicy, in_phase
 
 SEPARATOR = "+"
 
@@ -397,18 +398,21 @@ def run(
     meta: dict | None = None,
     guard=None,
     low_memory: bool = False,
+    threads: ThreadPolicy | None = None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
     ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
     recorded with a new store entry (document, method); ``guard``: where the answer may end besides
-    the stop tokens (:class:`kvcli.stopping.AnswerGuard`).
+    the stop tokens (:class:`kvcli.stopping.AnswerGuard`); ``threads``: the CPU threads of the
+    prompt's reading and of decoding (:mod:`kvcli.threads`; None: left as they are).
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
+        reading.enter_context(in_phase(threads, "prefill", engine))
         # a chunked prefix pass reserves the KV for the question and the answer behind it
         reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
@@ -449,7 +453,9 @@ def run(
         if decoder is not None:
             step = lambda token, position, c: decoder.decode_step(engine, token, position, c)  # noqa: E731
             step.device_token = decoder.device_token  # the token as the device tensor (no upload)
-        answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard)
+        with in_phase(threads, "decode", engine):
+            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token,
+                                       step=step, guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(
