@@ -66,7 +66,7 @@ def fetch_pdf(doc: dict, pdf_dir: Path) -> Path:
             subprocess.run(["apt-get", "download", f"{doc['package']}={doc['version']}"], cwd=tmp, check=True, capture_output=True)
             deb = next(Path(tmp).glob("*.deb"))
             subprocess.run(["dpkg", "-x", str(deb), str(Path(tmp) / "x")], check=True)
-            (Path(tmp) / "x" / doc["path"]).replace(target)
+            (Path(tmp) / "x" / doc["path"]).resolve().replace(target)  # r-doc-pdf's paths are links within the package
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if digest != doc["sha256"]:
         raise SystemExit(f"{target}: sha256 {digest}, expected {doc['sha256']}")

@@ -10,17 +10,23 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from . import notices
 from .documents import Document, load_document
+from .attribution import citing_heads
 from .engine import Engine
 from .model import LoadedModel, default_cache_dir, load_model
 from .compressors.base import Runtime
-from .pipeline import Pipeline, Result, check_window, run
+from .pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .prompt import build_prompt, load_template, stop_token_ids
+from .selection import Selection
+from .sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .stopping import AnswerGuard
 from .streaming import AnswerStream
 from .capacity import resolve_cap
@@ -44,6 +50,7 @@ class AskOptions:
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.stopping)
     threads: str | None = None  # CPU threads: "auto" or a count (None: $KVCLI_THREADS, else auto; kvcli.threads)
+    sources: bool = True  # cite the document's pages the answer comes from (kvcli.sources); False: nothing read for it
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -97,6 +104,7 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_prompt: Callable[[str, int], None] | None = None,
         on_progress: Callable[[float], None] | None = None,
+        sources: bool | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
 
@@ -109,14 +117,18 @@ class Session:
         "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
         while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`); ``on_text(piece)``
         with the answer as it is decoded, the pieces adding up to ``Result.answer``
-        (:class:`kvcli.streaming.AnswerStream`)."""
+        (:class:`kvcli.streaming.AnswerStream`). ``sources``: read the answer's attention while it
+        is decoded and cite the document's sentences it read most (``Result.sources``,
+        :mod:`kvcli.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sources = self.options.sources if sources is None else sources
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
         pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
-        check_window(prompt, self.lm, max_new_tokens, pipeline)
+        check_window(prompt, self.lm, max_new_tokens, pipeline,
+                     stored=use_store and self.store is not None and self.store.enabled)
         if on_prompt is not None:
             on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
@@ -136,6 +148,7 @@ class Session:
                 guard=guard,
                 low_memory=self.options.low_memory,
                 threads=self.threads,
+                cite=citing_heads(self.lm) if sources else None,
                 meta={
                     "document": document.source if document.source == "-" else os.path.abspath(document.source),
                     "document_sha256": document.sha256,
@@ -146,10 +159,41 @@ class Session:
             )
         if stream is not None:
             stream.close(result.answer)
+        if sources:
+            result.sources = cite(document, result, question)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
         return result
+
+
+def spec_label(spec: str, given: Pipeline | None = None) -> str:
+    """A resolved spec (``Result.extra["compressor"]``, every knob spelled out) as a status line
+    shows it: each stage's name and only the knobs the user set in ``given`` (the pipeline as
+    parsed; ``-c auto`` sets none): "infllm:answer_topk=50", not InfLLM's 230 characters. The whole
+    spec is in ``--json``."""
+    explicit = {s.name: s.explicit_knobs for s in (given.stages if given is not None else ())}
+    parts = []
+    for stage in spec.split(SEPARATOR):
+        name, _, knobs = stage.partition(":")
+        mine = [kv for kv in knobs.split(",") if kv and kv.partition("=")[0] in explicit.get(name, ())]
+        parts.append(name + (":" + ",".join(mine) if mine else ""))
+    return SEPARATOR.join(parts)
+
+
+def cite(document: Document, result: Result, question: str = "") -> Sources:
+    """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
+    out), ranked with the question's BM25 by :data:`kvcli.sources.LEXICAL_WEIGHT`; the time they
+    added (reading and ranking) in ``result.extra["sources_s"]``."""
+    t0 = time.perf_counter()
+    citing = result.extra.pop("citing")
+    if citing["unsupported"]:
+        found = Sources((), clear=False, reason=f"no sources: {citing['unsupported']}", signal="attention")
+    else:
+        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), question=question,
+                                    lexical=LEXICAL_WEIGHT, signal="attention+bm25" if LEXICAL_WEIGHT else "attention")
+    result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
+    return found
 
 
 def method_label(pipeline: Pipeline) -> str:
@@ -221,21 +265,54 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],
         "method_stats": result.extra.get("method_stats", {}),  # the method's own counters (cache.stats())
+        # where the answer comes from, best first (null: --no-sources), and why there is none or no clear one
+        "sources": None if result.sources is None else result.sources.to_json(),
+        "sources_note": None if result.sources is None else result.sources.reason,
+        "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if include_spans:
-        record["selected_spans"] = [s.to_json() for s in result.selection.spans(result.prompt, document)]
+    if include_spans:  # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
+        cited = [] if result.sources is None else result.sources.items
+        record["selected_spans"] = [{**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}
+                                    for s in shown_selection(result)[0].spans(result.prompt, document)]
     return record
 
 
 def compute_fractions(stats: dict) -> dict:
     """What a method saves besides the KV it holds, from its own counters: ``prompt_computed_frac``
-    (LazyLLM: share of (prompt token, layer) pairs computed) and ``kv_attended_frac`` (block-sparse
-    retrieval: share of the KV each decoding step attended); None for methods that do neither."""
+    (LazyLLM: share of (prompt token, layer) pairs computed), ``kv_attended_frac`` (block-sparse
+    retrieval: share of the KV each decoding step attended) and ``kv_read_frac`` (InfLLM's book:
+    share of the KV the question and its whole answer read, :func:`read_mask`); None for methods
+    that do none of these."""
     return {
         "prompt_computed_frac": stats.get("prompt_tokens_computed_frac"),
         "kv_attended_frac": stats.get("kv_attended_frac"),
+        "kv_read_frac": None if stats.get("kv_read_frac") is None else round(stats["kv_read_frac"], 4),
     }
+
+
+def read_mask(result: Result) -> torch.Tensor | None:
+    """What each layer and KV head *read* of the prompt while answering, where the cache reads
+    less than it holds (InfLLM's book: Initial, the retrieved blocks, Local), in prompt indices:
+    (n_layers, n_kv_heads, n_prompt) bool; None where it read all it held (``Result.kept_mask``)."""
+    inner = None if result.cache is None else result.cache.read_mask(result.selection.n_kept)
+    if inner is None:
+        return None
+    mask = torch.zeros(*inner.shape[:2], result.prompt.n_tokens, dtype=torch.bool)
+    mask[:, :, result.selection.kept] = inner
+    return mask
+
+
+def shown_selection(result: Result) -> tuple[Selection, float, str]:
+    """What ``--show-selected`` shows of an answer: (the tokens, how many per layer and KV head,
+    "kept" or "read"). The tokens the model kept (a selector's choice; everything without one) —
+    or, where the cache reads less than it holds (:func:`read_mask`), those the question and its
+    answer read, scored by the share of (layer, KV head) pairs that read each."""
+    read = read_mask(result)
+    if read is None:
+        return result.selection, float(result.selection.n_kept), "kept"
+    tokens = torch.nonzero(read.any(dim=0).any(dim=0)).flatten()
+    return Selection(tokens, read.float().mean(dim=(0, 1))), float(read.sum()) / (read.shape[0] * read.shape[1]), "read"
 
 
 # --------------------------------------------------------------------------- kvcli cache

@@ -82,6 +82,9 @@ class AttentionContext:
 _CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVar(
     "kvcli_attention", default=AttentionContext()
 )
+# observers that see every pass run inside :func:`listening`, whatever context each pass sets
+# (the answer's citations: every decoding step, the engine's or a method's own)
+_LISTENING: contextvars.ContextVar[dict[int, list[Observer]]] = contextvars.ContextVar("kvcli_listening", default={})
 
 
 @contextlib.contextmanager
@@ -91,6 +94,17 @@ def attention_context(ctx: AttentionContext):
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def listening(observers: dict[int, list[Observer]]):
+    """Inside: ``observers`` (per layer, plain observers) see every pass's queries and keys, besides
+    the observers of the pass's own :class:`AttentionContext`."""
+    token = _LISTENING.set(observers)
+    try:
+        yield
+    finally:
+        _LISTENING.reset(token)
 
 
 def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -130,6 +144,8 @@ def kvcli_attention(
             out = fn.attend(query, key, value, scaling)
         else:
             fn(query, key)
+    for fn in _LISTENING.get().get(module.layer_idx, ()):
+        fn(query, key)
     if out is not None:
         return out, None
     # --- caches that own attention (RazorAttention's grouped heads, ragged heads, block retrieval) ---

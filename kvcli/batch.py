@@ -200,10 +200,7 @@ class Work:
         try:
             document = job.read(stdin_text)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
-            for question in self.questions:
-                yield error_record(source, question, exc)
-                if self.fail_fast:
-                    return
+            yield from self.error_records(source, exc)
             return
         for question in self.questions:
             if on_start is not None:
@@ -219,3 +216,11 @@ class Work:
             record.update(result_record(result, session, self.pipeline, document, include_spans=self.include_spans))
             record["document"] = source
             yield record
+
+    def error_records(self, source: str, exc: BaseException) -> Iterator[dict]:
+        """A document that failed as a whole (``exc``): one error record per question (with
+        ``fail_fast``, the first only)."""
+        for question in self.questions:
+            yield error_record(source, question, exc)
+            if self.fail_fast:
+                return

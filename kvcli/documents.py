@@ -102,6 +102,11 @@ def document_from_text(text: str, source: str = "-", kind: str = "text") -> Docu
     """A one-page Document from a string (stdin, tests). ``kind="html"`` extracts the visible text.
     Bytes that were not UTF-8 (which Python's stdin keeps as lone surrogates) are decoded again as a
     file's would be (cp1252, else Latin-1)."""
+    if text.lstrip("\ufeff \t\r\n").startswith("%PDF-"):
+        raise DocumentError(
+            f"{_name(source)} holds a PDF; - takes plain text, Markdown or HTML: give the PDF file's path "
+            "instead of - (save it to a file first)"
+        )
     if _SURROGATE.search(text):
         try:
             text = _decode(text.encode("utf-8", "surrogateescape"))
@@ -142,6 +147,8 @@ def load_document(path: str | os.PathLike) -> Document:
         raise DocumentError(f"{_name(source)} cannot be read: permission denied") from None
     except OSError as e:
         raise DocumentError(f"{_name(source)} cannot be read: {e.strerror or e}") from None
+    if not data:  # 0 bytes: the same words whatever the file type (PDFium says "Data format error")
+        raise DocumentError(f"{_name(source)} is empty")
     text, page_starts = _LOADERS[kind](data, source)
     if not text.strip():
         raise DocumentError(f"{_name(source)} is empty")

@@ -15,13 +15,12 @@ input order.
   input order.
 * :class:`RayExecutor`: N Ray actors, each holding one loaded model (one GPU each when the model is
   on CUDA). A whole document goes to one actor, so its questions 2..n hit that actor's memo and
-  the shared disk store; documents are handed out longest first (by file size, within windows of
-  the input order: :func:`dispatch_order`) to whichever actor is free, so no actor idles at the
-  end while another works through a long document. A document
-  whose actor dies (killed, out of memory) or fails outside the per-question handling is retried
-  once on another actor, then given as error records (``error_type`` ``WorkerError``). Closing
-  the run early (``--fail-fast``, Ctrl-C) kills the actors still working and reclaims the
-  temporary files they were writing; entries are written atomically, so none is ever half there.
+  the shared disk store. Which document goes to which actor, longest first, and what becomes of
+  one whose actor dies or fails (retried once elsewhere, then error records, ``error_type``
+  ``WorkerError``) is decided by :class:`kvcli.scheduler.Scheduler`; the executor turns its
+  actions into Ray calls and Ray's results into its events. Closing the run early
+  (``--fail-fast``, Ctrl-C) kills the actors still working and reclaims the temporary files they
+  were writing; entries are written atomically, so none is ever half there.
 """
 
 from __future__ import annotations
@@ -31,16 +30,15 @@ import os
 import socket
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from .batch import STDIN, Input, Job, Work, error_record
+from .batch import STDIN, Input, Job, Work
 from .errors import KvcliError, UsageError
+from .scheduler import Fail, Scheduler, worker_count
 
 RAY_MISSING = "--ray needs Ray, an optional extra: pip install 'kvcli[ray]'"
-MAX_ATTEMPTS = 2  # a document runs on at most this many workers: once, and once again elsewhere
 
 
 class WorkerError(KvcliError):
@@ -82,9 +80,7 @@ class LocalExecutor(Executor):
 
     def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
         for job in jobs:
-            for record in work.records(self.session, job, on_start, stdin_text):
-                yield job.index, record
-            yield job.index, None
+            yield from document_events(job.index, work.records(self.session, job, on_start, stdin_text))
 
 
 # --------------------------------------------------------------------------- Ray
@@ -141,9 +137,9 @@ class BatchWorker:
         return records
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerInfo:
-    """A Ray actor that loaded its model, as the driver knows it."""
+    """A Ray actor that loaded its model, as the driver knows it (and the scheduler by identity)."""
 
     id: str
     host: str
@@ -212,7 +208,7 @@ class RayExecutor(Executor):
         self._started = False
         self._warned: set[str] = set()
         self._ray = None
-        self.window: int | None = None  # documents ordered longest first within (default: max(32, 8 x workers))
+        self.window: int | None = None  # documents ordered longest first within (None: scheduler.default_window)
 
     # --- the cluster ---------------------------------------------------------------------------
     def start(self, n_documents: int | None = None) -> None:
@@ -237,53 +233,46 @@ class RayExecutor(Executor):
         self._started = True
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-        device = self.options.device
-        if device == "cuda" and gpus == 0:
-            raise KvcliError("--device cuda: the Ray cluster has no GPUs")
-        self.use_gpu = device != "cpu" and gpus > 0
+        self.use_gpu, n = worker_count(self.options.device, gpus, cpus, self.requested, n_documents)
         options = self.options if self.use_gpu else replace(self.options, device="cpu")
-        n = self.requested or (gpus if self.use_gpu else cpus) or 1
-        if n_documents is not None:
-            n = max(1, min(n, n_documents))
         actor = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0, max_task_retries=0)(BatchWorker)
         cwd = os.getcwd()
         handles = [actor.remote(options, cwd) for _ in range(n)]
         self._pending = {h.ready.remote(): h for h in handles}
         t0 = time.monotonic()
         while not self.workers and self._pending:
-            done, _ = ray.wait(list(self._pending), num_returns=1)
-            self._collect_ready(done)
+            [ref], _ = ray.wait(list(self._pending), num_returns=1)
+            self._collect_ready(ref)
         # the others load at the same pace: wait for them a while, so the first does not take every
         # document; one that waits for resources (a GPU not there yet) joins when it is ready
         deadline = time.monotonic() + max(30.0, 2 * (time.monotonic() - t0))
         while self.workers and self._pending and time.monotonic() < deadline:
             done, _ = ray.wait(list(self._pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            self._collect_ready(done)
+            for ref in done:
+                self._collect_ready(ref)
         if not self.workers:
             message, code = self.load_errors[0] if self.load_errors else ("no Ray worker started", 1)
             error = KvcliError(message)
             error.exit_code = code
             raise error
 
-    def _collect_ready(self, refs) -> list[WorkerInfo]:
-        """Workers among ``refs`` (ready() calls) that loaded their model; the others are noted."""
-        ray, ready = self._ray, []
-        for ref in refs:
-            handle = self._pending.pop(ref)
-            try:
-                info = ray.get(ref)
-            except ray.exceptions.RayError as e:
-                self.load_errors.append((f"a Ray worker died loading the model ({_reason(e)})", 1))
-                continue
-            if info["error"] is not None:
-                self.load_errors.append(tuple(info["error"]))
-                ray.kill(handle, no_restart=True)
-                continue
-            worker = WorkerInfo(info["id"], info["host"], info["pid"], info["device"], handle)
-            self.workers.append(worker)
-            self.n_started += 1
-            ready.append(worker)
-        return ready
+    def _collect_ready(self, ref) -> WorkerInfo | None:
+        """The worker whose ready() call ``ref`` is, if it loaded its model (else its error is noted)."""
+        ray = self._ray
+        handle = self._pending.pop(ref)
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            self.load_errors.append((f"a Ray worker died loading the model ({_reason(e)})", 1))
+            return None
+        if info["error"] is not None:
+            self.load_errors.append(tuple(info["error"]))
+            ray.kill(handle, no_restart=True)
+            return None
+        worker = WorkerInfo(info["id"], info["host"], info["pid"], info["device"], handle)
+        self.workers.append(worker)
+        self.n_started += 1
+        return worker
 
     def describe(self) -> str:
         died = f", {len(self.dead)} died" if self.dead else ""
@@ -308,90 +297,50 @@ class RayExecutor(Executor):
 
     # --- the batch -----------------------------------------------------------------------------
     def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
+        """The scheduler's actions as Ray calls, and Ray's results as its events."""
         self.start(len(jobs))
         ray = self._ray
-        window = self.window or max(32, 8 * (len(self.workers) + len(self._pending)))
-        queue = deque(dispatch_order([_with_stdin(job, stdin_text) for job in jobs], window))
-        idle = deque(self.workers)
-        running: dict = {}  # ref -> (job, worker)
-        reasons: dict[int, list[str]] = {}  # why a job failed, try after try
-        tried: dict[int, set[str]] = {}  # ids of the workers a job failed on
-        retrying: list[Job] = []  # queued jobs that failed before (the only ones a live worker may refuse)
+        jobs = [_with_stdin(job, stdin_text) for job in jobs]
+        plan = Scheduler(jobs, self.workers, loading=len(self._pending), window=self.window)
+        running: dict = {}  # run() ref -> (the document, the worker answering it)
+        actions = plan.start()
         try:
-            while queue or running:
-                parked = []
-                while idle and queue:
-                    worker = idle.popleft()
-                    job = next((j for j in queue if worker.id not in tried.get(j.index, ())), None)
-                    if job is None:  # it failed every queued document already
-                        parked.append(worker)
+            while True:
+                for action in actions:
+                    if isinstance(action, Fail):
+                        yield from self._failed(action.job, work, action.message)
                         continue
-                    queue.remove(job)
-                    if job in retrying:
-                        retrying.remove(job)
-                    running[worker.handle.run.remote(job, work)] = (job, worker)
+                    running[action.worker.handle.run.remote(action.job, work)] = (action.job, action.worker)
                     if on_start is not None:
-                        on_start(job.item.source, work.questions[0])
+                        on_start(action.job.item.source, work.questions[0])
                     if self.on_dispatch is not None:
-                        self.on_dispatch(job.index, worker.id)
-                idle.extend(parked)
-                if not self._pending:  # documents no live worker may take any more
-                    alive = {w.id for w in self.workers}
-                    for job in [j for j in retrying if not alive - tried[j.index]] if alive else list(queue):
-                        queue.remove(job)
-                        if job in retrying:
-                            retrying.remove(job)
-                        yield from self._failed(job, work, reasons.get(job.index, []), tried)
-                if not running and not self._pending:
-                    continue  # the queue is empty now (every document left was failed above)
-                done, _ = ray.wait(list(running) + list(self._pending), num_returns=1)
-                for ref in done:
-                    if ref in self._pending:
-                        idle.extend(self._collect_ready([ref]))
-                        continue
-                    job, worker = running.pop(ref)
-                    try:
-                        records = ray.get(ref)
-                    except ray.exceptions.RayActorError as e:  # killed, out of memory, node lost
-                        self._lost(worker)
-                        idle = deque(w for w in idle if w is not worker)
-                        reason = _reason(e)
-                    except ray.exceptions.RayError as e:  # failed outside the per-question handling
-                        idle.append(worker)
-                        reason = _reason(e)
-                    else:
-                        idle.append(worker)
-                        for record in records:
-                            self._relay_warnings(record)
-                            yield job.index, record
-                        yield job.index, None
-                        continue
-                    tried.setdefault(job.index, set()).add(worker.id)
-                    reasons.setdefault(job.index, []).append(reason)
-                    if len(reasons[job.index]) < MAX_ATTEMPTS:
-                        self.retried += 1
-                        queue.appendleft(job)  # next, on another worker: it holds the output back
-                        retrying.append(job)
-                    else:
-                        yield from self._failed(job, work, reasons[job.index], tried)
+                        self.on_dispatch(action.job.index, action.worker.id)
+                if plan.done:
+                    return
+                [ref], _ = ray.wait(list(running) + list(self._pending), num_returns=1)
+                if ref in self._pending:
+                    worker = self._collect_ready(ref)
+                    actions = plan.not_joined() if worker is None else plan.joined(worker)
+                    continue
+                job, worker = running.pop(ref)
+                try:
+                    records = ray.get(ref)
+                except ray.exceptions.RayActorError as e:  # killed, out of memory, node lost
+                    self._lost(worker)
+                    actions = plan.failed(worker, _reason(e), lost=True)
+                except ray.exceptions.RayError as e:  # failed outside the per-question handling
+                    actions = plan.failed(worker, _reason(e), lost=False)
+                else:
+                    yield from document_events(job.index, (self._relay_warnings(r) for r in records))
+                    actions = plan.finished(worker)
         finally:
+            self.retried += plan.retried
             if running:  # closed early (--fail-fast, Ctrl-C, an error): stop what still runs
                 self._abort([worker for _, worker in running.values()])
 
-    def _failed(self, job: Job, work: Work, reasons: list[str], tried: dict) -> Iterator[tuple[int, dict | None]]:
-        n = len(tried.get(job.index, ()))
-        if n == 0:
-            message = "no Ray worker left to answer it"
-        else:
-            alone = "; no other worker left to retry it" if n < MAX_ATTEMPTS else ""
-            message = f"failed on {n} Ray worker{'s' if n != 1 else ''} ({'; '.join(reasons)}){alone}"
-        for question in work.questions:
-            record = error_record(job.item.source, question, WorkerError(message))
-            record["worker"] = None
-            yield job.index, record
-            if work.fail_fast:
-                break
-        yield job.index, None
+    def _failed(self, job: Job, work: Work, message: str) -> Iterator[tuple[int, dict | None]]:
+        records = work.error_records(job.item.source, WorkerError(message))
+        return document_events(job.index, ({**record, "worker": None} for record in records))
 
     def _lost(self, worker: WorkerInfo) -> None:
         if worker in self.workers:
@@ -399,12 +348,14 @@ class RayExecutor(Executor):
             self.dead.append(worker.id)
             self._ray.kill(worker.handle, no_restart=True)  # unreachable may mean not quite dead
 
-    def _relay_warnings(self, record: dict) -> None:
+    def _relay_warnings(self, record: dict) -> dict:
+        """The record, once its new warnings are said."""
         for message in record.get("warnings") or []:
             if message not in self._warned:
                 self._warned.add(message)
                 if self.on_warning is not None:
                     self.on_warning(message)
+        return record
 
     def _abort(self, busy: list[WorkerInfo]) -> None:
         """Kill the workers still answering, wait (briefly) until they are gone, and reclaim the
@@ -430,28 +381,6 @@ def _with_stdin(job: Job, stdin_text: Callable[[], str]) -> Job:
         return replace(job, text=stdin_text())
     except (OSError, UnicodeDecodeError) as e:
         return replace(job, item=Input(STDIN, f"stdin cannot be read: {getattr(e, 'strerror', None) or e}"))
-
-
-def dispatch_order(jobs: list[Job], window: int) -> list[Job]:
-    """The order documents are handed to workers: longest first within consecutive windows of
-    ``window`` documents of the input order. Longest first keeps every worker busy to the end
-    (a long document started last would leave the others idle); windows keep the output
-    streaming, since a record is written only when every document before it is done, and keep
-    that wait to about one window. Windows are counted from the end, so the last one is whole
-    (where balancing matters) and the first one short (the first records come sooner)."""
-    n = len(jobs)
-    return sorted(jobs, key=lambda j: (-((n - 1 - j.index) // window), -_size(j), j.index))
-
-
-def _size(job: Job) -> int:
-    """How long a document is, to hand out the longest first: its bytes on disk (or stdin's)."""
-    if job.text is not None:
-        return len(job.text)
-    try:
-        return os.stat(job.item.source).st_size
-    except OSError:
-        return 0
-
 
 # --------------------------------------------------------------------------- the batch
 
@@ -488,6 +417,14 @@ def run_batch(
                 return
     finally:
         events.close()  # stops what still runs (a Ray executor kills its busy workers)
+
+
+def document_events(index: int, records: Iterable[dict]) -> Iterator[tuple[int, dict | None]]:
+    """One document's events, as executors report them: ``(index, record)`` for each of its
+    records, then ``(index, None)``: it is done."""
+    for record in records:
+        yield index, record
+    yield index, None
 
 
 def in_input_order(events: Iterator[tuple[int, dict | None]], n_jobs: int) -> Iterator[dict]:

@@ -6,8 +6,8 @@ stage may own an exclusive phase (:data:`compressors.base.EXCLUSIVE_PHASES`).
 
 The prompt is always run in two parts: its question-agnostic prefix (document + template,
 ``Prompt.prefix_len`` tokens), whose state the *reader* — the stage that reads the whole prompt
-first — computes with ``build_prefix`` or loads from the disk store (:mod:`kvcli.store`), then
-the question's tokens on top of it. Cold, warm and ``--no-cache`` runs therefore do the same
+first — computes with ``build_prefix`` or loads from the disk store (:class:`kvcli.prefix.Prefix`),
+then the question's tokens on top of it. Cold, warm and ``--no-cache`` runs therefore do the same
 arithmetic and give token-identical answers.
 """
 
@@ -21,19 +21,24 @@ from typing import Callable
 
 import torch
 
-from . import accelerator, notices
+from . import notices
+from .attention import listening
+from .attribution import CitingHeads
 from .compressors import Compressor, FullAttention, owned_phases, parse_one
 from .caches import KVCache
 from .compressors.base import Runtime
-from .engine import WINDOW_SLACK
+from .decode import DecodeStep
 from .errors import DocumentError, UsageError
 from .measure import measure, reading_prompt
 from .policy import NAME as AUTO
 from .policy import AutoPolicy, reads
+from .prefix import Prefix
+from .prefix import report as prefix_report
 from .prompt import Prompt
 from .selection import Selection
-from .store import Fetched, KVStore, make_key
+from .store import KVStore
 from .threads import ThreadPolicy, in_phase
+from .windows import Windows
 
 SEPARATOR = "+"
 
@@ -122,87 +127,6 @@ class Pipeline:
 
 
 @dataclass
-class Prefix:
-    """The question-agnostic start of the prompt and the reader's state of it, obtained lazily
-    (from the store, or computed) the first time a stage asks for it."""
-
-    ids: torch.Tensor  # (n,) the prefix tokens
-    state: dict  # the reader's prefix_state: what the state depends on
-    build: Callable[[], object]  # () -> state; loads or computes
-    fetched: Fetched | None = None
-    _state: object | None = None
-    # True when nothing but this object holds the state (no disk store, whose memo keeps it for the
-    # next question): :meth:`cache` then hands the state itself over instead of a copy, so the
-    # prefix KV is not held twice while the question's tokens are appended (each layer's append
-    # into a new buffer frees the tensor it replaces) and while a compressor evicts.
-    sole_owner: bool = False
-    # True on an accelerator: the disk store keeps its memo on the host and hands out an upload
-    # nobody else holds, so :meth:`cache` hands it over too (the KV is never held twice there)
-    fresh: bool = False
-
-    # the state is full attention's KV of every layer, computed by the default build_prefix
-    full_kv: bool = False
-
-    @property
-    def n_tokens(self) -> int:
-        return self.ids.numel()
-
-    def unbuilt_full_kv(self) -> bool:
-        """Whether the state is full attention's KV, not computed yet and held by nothing else:
-        then the prefill may compute it itself, layer by layer with the rest of the prompt
-        (:func:`default_prefill`), and nothing needs it afterwards."""
-        return self.full_kv and self.sole_owner and self._state is None
-
-    def cache(self):
-        """A fresh copy of the state (appending the question's tokens never touches the stored one).
-
-        With ``sole_owner`` the state itself, forgotten here (a later call builds it again)."""
-        if self._state is None:
-            self._state, self.fetched = self.build()
-        if self.sole_owner or self.fresh:
-            state, self._state = self._state, None
-            return state
-        return self._state.copy()
-
-
-def chunked_state(engine, ids: torch.Tensor, state: dict) -> dict:
-    """``state`` as the store key hashes it: with the prefill chunk when the prefix pass runs chunk
-    by chunk (off the CPU, a hybrid on the CPU, or ``KVCLI_PREFILL_CHUNK``): another chunk rounds
-    differently. Unchunked (the CPU's default): ``state`` itself, so the keys of existing entries stay."""
-    chunk = engine.prefill_chunk
-    return state if chunk is None or ids.numel() <= chunk else {**state, "prefill_chunk": chunk}
-
-
-def make_prefix(engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> Prefix | None:
-    """The :class:`Prefix` of ``prompt`` for ``reader``; None when the method keeps no prefix state."""
-    lm = engine.lm
-    state = reader.prefix_state(lm)
-    if state is None or prompt.prefix_len == 0:
-        return None
-    ids = prompt.ids[: prompt.prefix_len]
-
-    def compute():
-        return reader.build_prefix(engine, ids)
-
-    def build():
-        if store is None:
-            t0 = time.perf_counter()
-            cache = compute()
-            return cache, Fetched("off", time.perf_counter() - t0)
-        key = make_key(lm, ids, chunked_state(engine, ids, state))
-        if hasattr(reader, "stored_bytes"):  # a book: its entry is written while it is read
-            from .bookstore import fetch_book
-
-            what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
-            return fetch_book(store, key, lambda path: reader.read(engine, ids, path), reader.stored_bytes(lm, ids.numel()), meta, what)
-        return store.fetch(key, compute, meta, device=device, room=engine.kv_room)
-
-    device = reader.prefix_device(engine)  # the host for an offloaded KV
-    full_kv = state == Compressor.prefix_state(reader, lm) and type(reader).build_prefix is Compressor.build_prefix
-    return Prefix(ids, state, build, sole_owner=store is None, full_kv=full_kv, fresh=accelerator.on_accelerator(device))
-
-
-@dataclass
 class Result:
     answer: str
     answer_ids: list[int]
@@ -215,9 +139,11 @@ class Result:
     extra: dict = field(default_factory=dict)
     # the cache after decoding (what the layers and heads held: ``cache.kept_mask``; inspect reads it)
     cache: object | None = field(default=None, repr=False)
-    # each layer's sliding window (None: full attention), the model's (Engine.windows); a model
-    # without windows: empty
-    windows: tuple = ()
+    # each layer's sliding window, the model's (kvcli.windows; None: not known, counted as without windows)
+    windows: Windows | None = None
+    # where the answer comes from (kvcli.sources.Sources), built by the caller that knows the
+    # document (kvcli.api.Session.ask) from ``extra["citing"]``; None: not asked for
+    sources: object | None = None
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -250,43 +176,26 @@ class Result:
         nothing evicted). Without sliding windows that is prompt tokens / :attr:`n_kept_tokens`. On
         a hybrid model (Gemma 2 / 3) full attention's own sliding layers hold only their window
         (the last ``w - 1`` prompt tokens once decoding starts, fewer as the answer's tokens push
-        them out: :func:`window_holding`, after as many decoding steps as this run took): both
-        sides count them, so full attention is 1.0 there too and a method is credited only for
-        what it evicted."""
+        them out: :meth:`~kvcli.windows.Windows.mean_held`, after as many decoding steps as this run
+        took): both sides count them, so full attention is 1.0 there too and a method is credited
+        only for what it evicted."""
         n = self.prompt.n_tokens
-        if not self.windows:
+        if self.windows is None or not self.windows.hybrid:
             return n / max(self.n_kept_tokens, 1e-9)
         fed = 0 if self.cache is None else max(0, self.cache.n_tokens - self.selection.n_kept)
-        full = sum(n if w is None else window_holding(n, w, fed) for w in self.windows) / len(self.windows)
-        return full / max(self.n_kept_tokens, 1e-9)
-
-
-def window_holding(n_prompt: int, window: int, fed: int) -> int:
-    """Prompt entries full attention's sliding layer of ``window`` holds after ``fed`` decoding
-    steps: its last ``w - 1`` once the prompt is read, then one more per step, cut back to
-    ``w - 1`` once it holds more than ``w - 1 + WINDOW_SLACK`` (:meth:`Engine.trim_windows`);
-    the answer's tokens take the place of the oldest prompt ones."""
-    held = min(n_prompt, window - 1)
-    for _ in range(fed):
-        held += 1
-        if held > window - 1 + WINDOW_SLACK:
-            held = window - 1
-    return max(0, min(n_prompt, held - fed))
+        return self.windows.mean_held(n, fed) / max(self.n_kept_tokens, 1e-9)
 
 
 def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressors: list[Compressor]):
-    """Prefill ``ids`` (n,) on top of the prefix state (if any) with the compressors' observers.
-
-    Returns (cache, first_logits). The tokens after the prefix always run; when a compressor needs
-    the queries of more of the last tokens (``query_window``) than that, the prefix state is cut
-    back and those tokens run again (same KV, so the answer does not change).
+    """Prefill ``ids`` (n,) on top of the prefix state (if any: :meth:`Prefix.extend`, which runs
+    again the last tokens whose queries a compressor needs, ``query_window``) with the compressors'
+    observers. Returns (cache, first_logits).
 
     Compressors that evict layer by layer (``compresses_by_layer``: the leading ones, so the order
-    of a chain is kept) evict each layer as soon as the pass has run it. When the prefix state is
-    full attention's KV, computed here and held by nothing else (no disk store), the prefix and
-    the rest run layer by layer together (:meth:`kvcli.engine.Engine.prefill_on_prefix`): the
-    prompt's whole uncompressed KV is never held at once. A hybrid's sliding layer is cut back to
-    its window as soon as the pass has run it (what the pipeline does to every layer before
+    of a chain is kept) evict each layer as soon as the pass has run it (with full attention's KV
+    as the prefix state, computed here, the prefix and the rest then run layer by layer together:
+    the prompt's whole uncompressed KV is never held at once). A hybrid's sliding layer is cut back
+    to its window as soon as the pass has run it (what the pipeline does to every layer before
     decoding): the prompt's KV is never held whole there either.
     """
     lm = engine.lm
@@ -300,47 +209,27 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
         if not stage.compresses_by_layer():
             break
         by_layer.append(stage)
-    cache = None
 
-    def after_layer(i: int) -> None:
+    def after_layer(cache, i: int) -> None:
         for stage in by_layer:
             stage.compress_layer(engine, cache, i)
-        engine.trim_windows(cache, layers=(i,))  # a hybrid's sliding layer: its window, once the pass is past it
+        cache.trim_windows(engine.windows, layers=(i,))  # a hybrid's sliding layer: its window, once run
 
     if prefix is None:
         cache = KVCache()
-        return engine.prefill(ids, cache=cache, observers=observers, after_layer=after_layer)
+        return engine.prefill(ids, cache=cache, observers=observers, after_layer=functools.partial(after_layer, cache))
     window = max((stage.query_window(lm) for stage in compressors), default=0)
-    start = max(0, min(prefix.n_tokens, n - window))
-    if by_layer and prefix.unbuilt_full_kv():
-        t0 = time.perf_counter()
-        cache = KVCache()
-        out = engine.prefill_on_prefix(ids, prefix.n_tokens, start, cache, observers, after_layer=after_layer)
-        prefix.fetched = Fetched("off", time.perf_counter() - t0)  # computed with the rest of the prompt
-        return out
-    cache = prefix.cache()
-    if start < prefix.n_tokens:
-        if not hasattr(cache, "truncate"):
-            raise UsageError(f"the prefix state {prefix.state} cannot be cut back for a {window}-token query window")
-        if engine.can_resume(cache, start):
-            cache.truncate(start)
-        else:
-            # a sliding layer of the prefix kept its window and PREFIX_WINDOW_ROOM entries, fewer
-            # than this query window goes back: the whole prompt runs
-            cache, start = KVCache(), 0
-    return engine.prefill(ids[start:], cache=cache, observers=observers, after_layer=after_layer)
+    return prefix.extend(ids, query_window=window, observers=observers, after_layer=after_layer,
+                         by_layer=bool(by_layer))
 
 
-def _cache_report(*prefixes: Prefix | None) -> dict:
-    """How the prefix state(s) of a run were obtained: the last one used, else off."""
-    used = [p.fetched for p in prefixes if p is not None and p.fetched is not None]
-    return (used[-1] if used else Fetched("off", 0.0)).to_json()
-
-
-def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None) -> None:
+def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None,
+                 stored: bool = False) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
-    and says so before it starts (one warning with the token count: it takes a while)."""
+    and says so before it starts (one warning with the token count: it takes a while). ``stored``:
+    a disk store keeps what a book reader reads, and says so once, when it reads the document
+    (:func:`kvcli.bookstore.fetch_book`): no warning then (a later run is a cache hit)."""
     limit = lm.max_context
     # --- the question (and the template around it) alone over the window: no method reads it ---
     fixed = prompt.n_tokens - prompt.n_document_tokens + max_new_tokens
@@ -369,9 +258,8 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
                     f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
                     "lower its target/chunk, --max-new-tokens, or the question's length"
                 )
-            if over:
-                how = (reader.reading_note(lm, prompt.n_tokens) if hasattr(reader, "reading_note") else
-                       f"{reader.name} reads it chunk by chunk, which takes a while (every token runs through the model)")
+            if over and not (stored and reader.writes_prefix):
+                how = reader.reading_note(lm, prompt.n_tokens)
                 notices.warn(
                     f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
                     f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {how}"
@@ -382,7 +270,8 @@ def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | N
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
-            "use -c finch (or the default -c auto), which reads a longer document chunk by chunk, or shorten the document"
+            "use -c auto, which reads a longer document chunk by chunk (-c infllm, or -c finch where infllm "
+            "cannot), or shorten the document"
         )
 
 
@@ -399,13 +288,16 @@ def run(
     guard=None,
     low_memory: bool = False,
     threads: ThreadPolicy | None = None,
+    cite=None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
     ``store``: the disk store for the prefix state (None: compute it every time); ``meta``: facts
     recorded with a new store entry (document, method); ``guard``: where the answer may end besides
-    the stop tokens (:class:`kvcli.stopping.AnswerGuard`); ``threads``: the CPU threads of the
-    prompt's reading and of decoding (:mod:`kvcli.threads`; None: left as they are).
+    the stop tokens (:class:`kvcli.stopping.AnswerGuard`); ``cite``: the citing heads
+    (:class:`kvcli.attribution.HeadWeights`) whose attention while decoding is kept for the
+    answer's sources (``Result.extra["citing"]``), None: nothing is read; ``threads``: the CPU
+    threads of the prompt's reading and of decoding (:mod:`kvcli.threads`; None: left as they are).
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
@@ -416,7 +308,7 @@ def run(
         # a chunked prefix pass reserves the KV for the question and the answer behind it
         reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
-        prefix = make_prefix(engine, prompt, pipeline.reader(), store, meta or {})
+        prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {})
         selection = Selection(torch.arange(prompt.n_tokens))
         for i, stage in enumerate(pipeline.selectors()):
             # only the first selector sees the prompt itself; later ones see its selection
@@ -435,7 +327,7 @@ def run(
         if pipeline.selectors():
             second_prefix = None
             if selection.n_kept == prompt.n_tokens and pipeline.owner("prefill") is None:
-                second_prefix = make_prefix(engine, prompt, FullAttention(), store, meta or {})
+                second_prefix = Prefix.of(engine, prompt, FullAttention(), store, meta or {})
         owner = pipeline.owner("prefill")
         compressors = pipeline.compressors()
         if owner is not None:
@@ -445,17 +337,17 @@ def run(
             next_position = kept_ids.numel()
         for stage in compressors:
             cache = stage.compress(engine, cache)
-        engine.trim_windows(cache)  # sliding layers keep only what their window still reaches
+        cache.trim_windows(engine.windows)  # sliding layers keep only what their window still reaches
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
         step = None
-        if decoder is not None:
-            step = lambda token, position, c: decoder.decode_step(engine, token, position, c)  # noqa: E731
-            step.device_token = decoder.device_token  # the token as the device tensor (no upload)
-        with in_phase(threads, "decode", engine):
-            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token,
-                                       step=step, guard=guard)
+        if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
+            step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
+        reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
+        with in_phase(threads, "decode", engine), listening({} if reader is None else reader.observers()):
+            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step,
+                                       guard=guard)
         total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(
@@ -468,13 +360,18 @@ def run(
         peak_mem_mb=m.peak_mem_mb,
         decode_tokens_per_s=(len(answer_ids) - 1) / decode_s if len(answer_ids) > 1 and decode_s > 0 else None,
         cache=cache,
-        windows=tuple(engine.windows) if getattr(engine, "hybrid", False) else (),
+        windows=engine.windows,
         extra={
             "kv_cache_bytes": cache.nbytes(),
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
-            "cache": _cache_report(prefix, second_prefix),
+            "cache": prefix_report(prefix, second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
-            "method_stats": cache.stats() if hasattr(cache, "stats") else {},
+            "method_stats": cache.stats(),
+            "citing": None if reader is None else {
+                "scores": reader.prompt_scores(prompt.n_tokens, selection.kept if pipeline.selectors() else None),
+                "unsupported": reader.unsupported, "seconds": reader.seconds, "steps": reader.steps,
+                "heads": cite.source,
+            },
         },
     )

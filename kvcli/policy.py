@@ -28,6 +28,12 @@ from dataclasses import dataclass
 BEYOND_WINDOW = "infllm"
 FALLBACK = "finch"
 NAME = "auto"
+# what the default policy does, in one sentence: `kvcli ask --help` (-c) shows it, the docs say the same
+DESCRIPTION = (
+    f"full attention where the prompt and the answer fit the model's window; past it {BEYOND_WINDOW} "
+    f"(the document read once and stored, so later questions start from it), or {FALLBACK} where "
+    f"{BEYOND_WINDOW} cannot read the prompt"
+)
 
 
 @dataclass

@@ -13,11 +13,18 @@ repeat the same sentence, write an invented next turn (``Question: ...``), or ru
   only the document above."), once some answer precedes it;
 * after the first item of a run of ``MIN_RUN_ITEMS`` near-identical items, numbers aside
   ("Chapter 10: Chapter 11: Chapter 12: ..."; a list of numbers alone is never such a run);
+* after the first of items repeated back to back word for word, numbers included: two copies of
+  an item longer than ``MIN_REPEAT_CHARS`` with letters ("The answer is: 1\n\nThe answer is: 1"),
+  ``MIN_RUN_ITEMS`` of a shorter one ("1. 1. 1. 1. ..."): a copy says nothing the first did not;
 * before a dangling lead-in at the very end, a last line or sentence ending in a colon after an
   answer ("Ada Byron\n\nThe answer is:");
 * at the token limit, after the last finished sentence (one ending in ``.``, ``!`` or ``?``), when
-  the answer has one and the limit cut the next one off; an answer without one (a list after a
-  colon, one unfinished sentence) is kept as it is.
+  the answer has one and the limit cut the next one off; without one, before the words an
+  unfinished sentence cannot end on ("..., which is": :data:`DANGLING`), unless its last clause
+  holds a number (a list of values cut off: "1234567, 7654321 and" is kept as it is).
+
+When decoding ends (a stop token, the limit) the last sentence counts as finished: a repeat of an
+earlier one is cut there too.
 
 Greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an answer it
 does not touch is token-identical to one without it. Its effect on accuracy is measured by
@@ -36,8 +43,21 @@ _ROLES = ("question", "q", "user", "human", "document")
 _TURN = re.compile(r"\n[ \t]*(?:" + "|".join(_ROLES) + r")[ \t]*:", re.IGNORECASE)
 _FINISHED = ".!?\"')]"  # what a whole sentence ends with (``finish``)
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*(?=\s)|\n")
+_LIST_MARKER = re.compile(r"(?:^|\s)\d{1,3}[.)]\s*$")  # "2." or "2)" ending a "sentence"
+_SPACES_OR_CHAR = re.compile(r"\s+|.", re.DOTALL)
+_TRAILING_WORD = re.compile(r"\w*$")  # letters or digits the next token may still extend
 _SKELETON = re.compile(r"\d+|.", re.DOTALL)  # digit runs are one "#": items differing only in numbers match
 _PLACEHOLDER = re.compile(r"\{(?:document|question)\}")
+# words an unfinished sentence does not end on: at the token limit they are dropped from its end
+DANGLING = frozenset({  # not the words a sentence may end on ("turn it on", "the book is his", "I think so")
+    "a", "an", "the", "of", "to", "at", "by", "for", "with", "from", "into", "onto", "as", "and", "or", "but",
+    "nor", "than", "that", "which", "who", "whom", "whose", "where", "when", "while", "if", "because", "is", "are",
+    "was", "were", "be", "been", "being", "has", "have", "had", "do", "does", "did", "will", "would", "can",
+    "could", "shall", "should", "may", "might", "must", "its", "their", "our", "your", "my", "this", "these",
+    "those", "such", "not", "also", "very",
+})
+_DANGLING_END = re.compile(r"(?:[\s,;:\u2013\u2014-]+|\b[A-Za-z]+$)$")
+_CLAUSE_END = re.compile(r"[,;:\n]|(?<=[.!?])\s")
 
 
 def _norm(text: str) -> str:
@@ -47,6 +67,19 @@ def _norm(text: str) -> str:
 def _is_whole_sentence(kept: str) -> bool:
     """Whether ``finish`` may end the answer after ``kept`` (cutting off what follows it)."""
     return len(_norm(kept)) >= MIN_REPEAT_CHARS and kept[-1] in _FINISHED
+
+
+def _sentence_to_end_on(text: str, ends: list[int]) -> int | None:
+    """Where the token limit ends an answer whose sentences end at ``ends``: after the last one,
+    passing over list markers and numbers ("...are interpreted.\n2." ends after "interpreted.",
+    "1. apples 2. pears" nowhere), when it is a whole sentence (:func:`_is_whole_sentence`); else
+    None."""
+    for i in range(len(ends) - 1, -1, -1):
+        piece = text[ends[i - 1] if i else 0 : ends[i]]
+        if _LIST_MARKER.search(text, 0, ends[i]) or not any(c.isalpha() for c in piece):
+            continue
+        return ends[i] if _is_whole_sentence(text[: ends[i]].rstrip()) else None
+    return None
 
 
 def _may_become_turn(tail: str) -> bool:
@@ -97,23 +130,30 @@ class AnswerGuard:
             keep = j
         return keep
 
-    def cut(self, text: str) -> int | None:
+    def cut(self, text: str, ended: bool = False) -> int | None:
         """Character offset where ``text`` should end, or None: the earliest of an invented next
-        turn, a repeated sentence, an echoed template line and a run of near-identical items."""
+        turn, a repeated sentence, an echoed template line, a run of near-identical items and
+        items repeated word for word. ``ended``: decoding is over, so the text's last sentence is
+        finished (and may be a repeat) and so is its last item."""
         turn = _TURN.search(text)
         end = turn.start() if turn else len(text)
         cuts = [] if turn is None else [turn.start()]
         seen: set[str] = set()
         start = 0
-        for m in _SENTENCE_END.finditer(text, 0, end):
-            piece = _norm(text[start : m.end()])
+        ends = [m.end() for m in _SENTENCE_END.finditer(text, 0, end)]
+        if ended and text[start if not ends else ends[-1] : end].strip():
+            ends.append(end)  # the last sentence, finished by the end of the answer
+        for stop in ends:
+            piece = _norm(text[start:stop])
             if len(piece) >= MIN_REPEAT_CHARS:
                 if piece in seen:
                     cuts.append(start)
                     break
                 seen.add(piece)
-            start = m.end()
-        for at in (self._echo(text), _run_of_items(text)):
+            start = stop
+        # an item is whole once a character other than a letter or digit follows it
+        whole = text if ended else text[: len(text) - len(_TRAILING_WORD.search(text).group())]
+        for at in (self._echo(text), _run_of_items(text), _repeated_items(whole)):
             if at is not None:
                 cuts.append(at)
         return min(cuts) if cuts else None
@@ -145,7 +185,7 @@ class AnswerGuard:
 
     def finish(self, ids: list[int], at_limit: bool = True) -> int:
         text = self._text(ids)
-        at = self.cut(text)
+        at = self.cut(text, ended=True)
         if at is not None:
             text = text[:at]
         lead_in = _trailing_lead_in(text)
@@ -156,13 +196,15 @@ class AnswerGuard:
         body = text.rstrip()
         if not at_limit or not body or body[-1] in _FINISHED or "\n" in body[-1:]:
             return len(ids)
-        last = None
-        for m in _SENTENCE_END.finditer(body):
-            last = m.end()
+        last = _sentence_to_end_on(body, [m.end() for m in _SENTENCE_END.finditer(body)])
         kept = body[:last].rstrip() if last is not None else ""
-        if not _is_whole_sentence(kept):
-            # no whole sentence before the cut-off one (e.g. "The numbers are:\n* 1851551..."): keep it all
-            return len(ids)
+        if last is None:
+            # no whole sentence before the cut-off one: at most the words it cannot end on go
+            # ("..., which is"); a list of values (e.g. "The numbers are:\n* 1851551...") is kept
+            kept = _without_dangling_end(body)
+            tail = body[max([0] + [m.end() for m in _CLAUSE_END.finditer(body)]) :]
+            if kept is None or any(c.isdigit() for c in tail):
+                return len(ids)
         return self._tokens_within(ids, len(kept))
 
     def settled(self, ids: list[int]) -> str:
@@ -176,9 +218,10 @@ class AnswerGuard:
         instructions; the unfinished sentence when it may still repeat an earlier one, when
         ``finish`` would cut it off at the token limit (an earlier whole sentence exists: from the
         second sentence on, a sentence is settled once the next one starts) or when it may still
-        end as a dangling lead-in ("The answer is:"); and the end of the text from where it may
-        still grow into a run of near-identical items (the text repeating itself, numbers aside,
-        at some period: usually a few characters)."""
+        end as a dangling lead-in ("The answer is:"); the words at its end it cannot end on
+        (:data:`DANGLING`, which ``finish`` may drop at the token limit); and the end of the text
+        from where it may still grow into a run of near-identical items or of items repeated word
+        for word (the text repeating itself at some period: usually a few characters)."""
         text = self._text(ids).rstrip("\ufffd")  # bytes of a character still to come decode as U+FFFD
         end = len(text)
         for m in re.finditer(r"\n", text):
@@ -199,9 +242,11 @@ class AnswerGuard:
         tail = _norm(text[start:end])
         if any(earlier.startswith(tail) for earlier in seen):
             end = start  # the unfinished sentence may still become a repeat
-        elif start and _is_whole_sentence(text[:start].rstrip()):
-            end = start  # at the token limit ``finish`` would end the answer before it
-        end = min(end, self._echo_may_start(text, end), _lead_in_may_start(text, end, starts), _run_may_start(text[:end]))
+        elif (last := _sentence_to_end_on(text, starts[1:])) is not None:
+            end = last  # at the token limit ``finish`` would end the answer there
+        dangling = _without_dangling_end(text[:end])  # at the token limit ``finish`` may drop them
+        end = min(end, self._echo_may_start(text, end), _lead_in_may_start(text, end, starts),
+                  _run_may_start(text[:end]), _repeat_may_start(text[:end]), end if dangling is None else len(dangling))
         return text[:end].strip()
 
     def _echo_may_start(self, text: str, end: int) -> int:
@@ -275,6 +320,98 @@ def _run_may_start(text: str) -> int:
         if first < n - 1:
             hold = min(hold, ends[first])
     return hold
+
+
+def _without_dangling_end(text: str) -> str | None:
+    """``text`` less the words at its end an unfinished sentence cannot end on (:data:`DANGLING`)
+    and the punctuation before them: "Maxima's mode for Emacs" from "Maxima's mode for Emacs,
+    which is". None when there are none, or too little would be left."""
+    kept = text.rstrip()
+    while True:
+        m = _DANGLING_END.search(kept)
+        if m is None or not m.group() or (m.group()[0].isalpha() and m.group().lower() not in DANGLING):
+            break
+        kept = kept[: m.start()]
+    if len(kept) == len(text.rstrip()) or len(_norm(kept)) < MIN_REPEAT_CHARS:
+        return None
+    return kept
+
+
+def _suffix_matches(text: str) -> list[int]:
+    """``z[p]``: the longest ``L`` with ``text[n-L:] == text[n-p-L:n-p]`` (the end of ``text`` repeats
+    with period ``p`` over ``L + p`` characters); the Z-function of the reversed text, O(n)."""
+    r = text[::-1]
+    n = len(r)
+    z = [0] * (n + 1)
+    left = right = 0
+    for i in range(1, n):
+        if i < right:
+            z[i] = min(right - i, z[i - left])
+        while i + z[i] < n and r[z[i]] == r[i + z[i]]:
+            z[i] += 1
+        if i + z[i] > right:
+            left, right = i, i + z[i]
+    return z
+
+
+def _flat(text: str) -> tuple[str, list[int]]:
+    """``text`` lower-cased with every run of spaces and line breaks as one space (items repeated
+    "case and spacing aside" read alike), and the end offset in ``text`` of each character."""
+    pieces = _SPACES_OR_CHAR.findall(text)
+    ends, offset = [], 0
+    for p in pieces:
+        offset += len(p)
+        ends.append(offset)
+    return "".join(" " if p[0].isspace() else p if len(p.lower()) != 1 else p.lower() for p in pieces), ends
+
+
+def _repeat_items(text: str):
+    """(period, first item's start, item's length without its trailing separator, copies needed)
+    of every stretch at the end of ``text`` (:func:`_flat`: offsets in the flattened text) that
+    repeats word for word back to back."""
+    n = len(text)
+    z = _suffix_matches(text)
+    alnum, alpha, space = [0], [0], [0]
+    for c in text:
+        alnum.append(alnum[-1] + c.isalnum())
+        alpha.append(alpha[-1] + c.isalpha())
+        space.append(space[-1] + c.isspace())
+    word_start = [n] * (n + 1)  # the first word start at or after i
+    for i in range(n - 1, -1, -1):
+        word_start[i] = i if text[i].isalnum() and (i == 0 or not text[i - 1].isalnum()) else word_start[i + 1]
+    for period in range(2, n):
+        if not z[period]:
+            continue
+        a = word_start[n - z[period] - period]
+        if a + period > n:
+            continue
+        letters = alpha[a + period] - alpha[a]
+        long = period > MIN_REPEAT_CHARS and letters >= 3
+        if not long and not (alnum[a + period] > alnum[a] and space[a + period] > space[a]):
+            continue  # a short item is a word or number and a space at least ("1. "; never "1000")
+        core = period
+        while not text[a + core - 1].isalnum():
+            core -= 1
+        yield period, a, core, 2 if long else MIN_RUN_ITEMS
+
+
+def _repeated_items(text: str) -> int | None:
+    """The end of the first item of items repeated word for word (case and spacing aside) at the
+    end of ``text``, each whole: two of an item longer than ``MIN_REPEAT_CHARS`` with letters,
+    ``MIN_RUN_ITEMS`` of a shorter one ("1. 1. 1. 1."). None when there are none."""
+    flat, ends = _flat(text)
+    cuts = [a + period for period, a, core, copies in _repeat_items(flat)
+            if len(flat) - a >= (copies - 1) * period + core]
+    return ends[min(cuts) - 1] if cuts else None
+
+
+def _repeat_may_start(text: str) -> int:
+    """Where ``_repeated_items`` may still cut ``text`` once more text follows: the end of the
+    first item of every stretch at its end that repeats word for word, when some of a next item
+    follows it. Else ``len(text)``."""
+    flat, ends = _flat(text)
+    holds = [a + period for period, a, _, _ in _repeat_items(flat) if a + period < len(flat)]
+    return ends[min(holds) - 1] if holds else len(text)
 
 
 def _trailing_lead_in(text: str) -> int | None:

@@ -41,15 +41,16 @@ def test_device(pytestconfig) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache_dir(tmp_path_factory):
-    """Point KVCLI_CACHE_DIR at a fresh folder for the whole run, so tests never read or fill the
-    user's disk KV cache; its ``models/`` links to the user's, so the embedded model is converted
-    at most once per machine, not once per test run."""
+    """Point KVCLI_CACHE_DIR at a fresh folder for the whole run: tests never read or write the
+    user's cache. Its ``models/`` reuses, read only, the models the user's cache has already
+    converted (:func:`tests.helpers.cache_dir.link_converted_models`), so the embedded model is not
+    converted again; where it has none, the first test that needs the embedded model converts it
+    into this folder (once per run, ~30 s)."""
     from kvcli.model import default_cache_dir
+    from tests.helpers.cache_dir import link_converted_models
 
-    real_models = default_cache_dir() / "models"
-    real_models.mkdir(parents=True, exist_ok=True)
     root = tmp_path_factory.mktemp("kvcli-cache")
-    (root / "models").symlink_to(real_models, target_is_directory=True)
+    link_converted_models(default_cache_dir() / "models", root / "models")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCLI_CACHE_DIR", str(root))
         yield root
@@ -155,3 +156,13 @@ def pytest_collection_modifyitems(items):
 
 
 __all__ = ["FAMILIES"]
+
+
+@pytest.fixture(autouse=True)
+def no_warnings_carried_over():
+    """Each test starts with nothing said: a warning collected (:mod:`kvcli.notices`) by one test is
+    never reported in the next one's JSON records, whatever the order the tests run in."""
+    from kvcli import notices
+
+    notices.reset()
+    yield

@@ -10,8 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcli.caches import KVCache
+from kvcli.decode import DecodeStep
 from kvcli.engine import Engine
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 # a host read of a tensor: ``aten.item`` shows itself under inference mode, its body otherwise
 SCALAR = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
@@ -157,9 +158,8 @@ def test_decode_hands_a_methods_step_the_token_as_it_asks(tiny_lm):
             seen.append(token)
             return engine.step(token, position, cache)
 
-        step.device_token = device_token
         cache, logits = engine.prefill(ids)
-        runs[device_token] = (engine.decode(logits, cache, 20, 4, set(), step=step), seen)
+        runs[device_token] = (engine.decode(logits, cache, 20, 4, set(), step=DecodeStep(step, device_token)), seen)
     assert all(isinstance(t, int) for t in runs[False][1])
     assert all(isinstance(t, torch.Tensor) and t.shape == (1,) for t in runs[True][1])
     assert runs[True][0] == runs[False][0] and [int(t) for t in runs[True][1]] == runs[False][1]

@@ -10,27 +10,11 @@ import torch
 from kvcli.attention import causal_mask, last_query_scores
 from kvcli.caches import KVCache
 from kvcli.engine import Engine
+from tests.helpers.reference import hf_logits
+from tests.helpers.runs import random_ids
 from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4
-
-
-def hf_logits(lm, ids: torch.Tensor) -> torch.Tensor:
-    """Reference: transformers' own forward with its own sdpa kernel (no kvcli attention; eager
-    for a family that refuses sdpa, Gemma 2)."""
-    model = lm.model
-    saved = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", True) is not False else "eager"
-    try:
-        with torch.inference_mode():
-            return model(ids.view(1, -1).to(lm.device)).logits[0].float()
-    finally:
-        model.config._attn_implementation = saved
-
-
-def random_ids(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 40000, (n,), generator=g)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

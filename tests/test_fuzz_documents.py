@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # every case runs in a child process (python -c, python -m kvcli ask)
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
 CASE_SECONDS = 20  # per case; the loaders take well under a second on each

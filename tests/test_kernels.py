@@ -11,7 +11,7 @@ import torch
 
 from kvcli.caches import KVCache
 from kvcli.engine import Engine
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 
 def flash_reference(q, k, v, softmax_scale, causal, window_size):

@@ -9,6 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "kvcli"
 
 
@@ -80,7 +82,17 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.e2e
 def test_importing_caches_registers_every_layout():
     code = "import kvcli.caches as c; print(sorted(c.CACHE_TYPES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["book", "kv", "kv+infllm", "lazyllm", "ragged", "razor"]
+
+
+def test_only_the_benchmarks_and_the_cli_import_the_benchmark_code():
+    """kvcli.bench is `kvcli bench`: a method or a cache that needs a text or a helper of it gets
+    that from a module both use (kvcli.texts holds the filler DuoAttention calibrates on)."""
+    graph = import_graph()
+    importers = {m for m, deps in graph.items() for d in deps if d == "kvcli.bench" or d.startswith("kvcli.bench.")}
+    assert importers, "the graph sees kvcli.bench's importers at all"
+    assert {m for m in importers if not m.startswith(("kvcli.bench", "kvcli.cli"))} == set()

@@ -12,7 +12,7 @@ from torch.nn.attention.bias import CausalBias
 
 from kvcli import kernels
 from kvcli.caches import KVCache
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import FAMILIES
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 SMALL = "block_size=8,initial=4,local_window=8,topk=2,chunk=8"
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import engine as engine_mod
+from kvcli import prefill as prefill_mod
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import FAMILIES
-from tests.test_engine import random_ids
+from tests.helpers.runs import random_ids
 
 
 @pytest.fixture
@@ -75,15 +75,16 @@ def test_eviction_keeps_the_same_entries_chunked(chunked, spec):
 
 
 def test_default_chunk_is_off_on_the_cpu_but_for_hybrids(monkeypatch):
-    monkeypatch.delenv(engine_mod.ENV_PREFILL_CHUNK, raising=False)
-    assert engine_mod.default_prefill_chunk(torch.device("cpu")) is None
-    assert engine_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True) == engine_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
-    assert engine_mod.default_prefill_chunk(torch.device("meta")) == engine_mod.ACCELERATOR_PREFILL_CHUNK
-    assert engine_mod.default_prefill_chunk(torch.device("meta"), hybrid=True) == engine_mod.ACCELERATOR_PREFILL_CHUNK
-    monkeypatch.setenv(engine_mod.ENV_PREFILL_CHUNK, "512")
-    assert engine_mod.default_prefill_chunk(torch.device("cpu")) == 512
-    monkeypatch.setenv(engine_mod.ENV_PREFILL_CHUNK, "0")
-    assert engine_mod.default_prefill_chunk(torch.device("meta")) is None
+    monkeypatch.delenv(prefill_mod.ENV_PREFILL_CHUNK, raising=False)
+    assert prefill_mod.default_prefill_chunk(torch.device("cpu")) is None
+    hybrid_cpu = prefill_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True)
+    assert hybrid_cpu == prefill_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
+    assert prefill_mod.default_prefill_chunk(torch.device("meta")) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
+    assert prefill_mod.default_prefill_chunk(torch.device("meta"), hybrid=True) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
+    monkeypatch.setenv(prefill_mod.ENV_PREFILL_CHUNK, "512")
+    assert prefill_mod.default_prefill_chunk(torch.device("cpu")) == 512
+    monkeypatch.setenv(prefill_mod.ENV_PREFILL_CHUNK, "0")
+    assert prefill_mod.default_prefill_chunk(torch.device("meta")) is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -144,7 +145,7 @@ def test_question_and_answer_append_in_the_reserved_buffers(chunked):
 def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
     """Another chunk rounds differently: a prefix read chunk by chunk is stored under a key of its
     own chunk; unchunked (the CPU's default), the key is the one entries always had."""
-    from kvcli.pipeline import chunked_state
+    from kvcli.prefix import chunked_state
 
     engine = chunked("llama", None)
     ids, state = random_ids(45, seed=3), {"kind": "kv", "layers": 4}

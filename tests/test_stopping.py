@@ -119,6 +119,72 @@ def test_a_run_of_near_identical_items_is_stopped_after_its_first():
     assert run_guard(guard, named) == named
 
 
+# --- what the answers of issue 41 ended with (the trial's outputs as it quotes them) ------------
+
+
+def test_a_number_repeated_word_for_word_is_stopped_after_its_first():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    ones = "1. " * 20 + "1."  # "1. 1. 1. ..." 21 times, at a stop token and at the limit
+    assert len(ids(ones)) == 62
+    assert run_guard(guard, ones) == "1."
+    assert run_guard(guard, ones, at_limit=True) == "1."
+    assert run_guard(guard, "The steps are:\n1. 1. 1. 1. 1. 1. 1. 1.") == "The steps are:\n1."
+    # not runs: three copies, a numbered list, a number repeated once, numbers that differ
+    assert run_guard(guard, "1. 1. 1.") == "1. 1. 1."
+    for legit in ("1. apples 2. pears", "It costs 1 euro and weighs 1 kg.", "1, 1, 2, 3, 5, 8",
+                  "1. 2. 3. 4. 5. 6.", "Version 1.1 fixed it; version 1.1.1 broke it again."):
+        assert run_guard(guard, legit) == legit
+        assert run_guard(guard, legit, at_limit=True) == legit
+
+
+@pytest.mark.parametrize("loop", [
+    "The answer is: 1\n\nThe answer is: 1",  # -c finch, twice, then the end of turn
+    "The answer is: 1\nThe answer is: 1",
+    "The answer is: 1 The answer is: 1",
+    "The answer is: 1\n\nTHE ANSWER IS: 1",  # case and spacing aside
+])
+def test_an_answer_said_twice_is_cut_to_once(loop):
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    assert run_guard(guard, loop) == "The answer is: 1"
+    assert run_guard(guard, loop, at_limit=True) == "The answer is: 1"
+    assert run_guard(guard, loop + "\n\nThe answer is: 1") == "The answer is: 1"  # and while it goes on
+    # two different answers, or one said with another number, are not a repeat
+    for other in ("The answer is: 1\n\nThe answer is: 2", "The answer is: 1\n\nThe answer is: 10"):
+        assert run_guard(guard, other) == other
+
+
+def test_a_repeated_sentence_and_a_restated_answer_are_cut():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    # the repeated sentence without a full stop between its copies, then the answer restated
+    text = "The answer is 1 The answer is 1\nAnswer: 1. The answer is 1."
+    assert run_guard(guard, text) == "The answer is 1"
+    # a repeated last sentence at the end of turn: decoding is over, so it is a whole sentence
+    text = "Maxima runs in Emacs.\nMaxima runs in Emacs"
+    assert run_guard(guard, text) == "Maxima runs in Emacs."
+    assert guard.cut(text) is None  # while decoding goes on, "Emacs" may still become "Emacsen"
+    assert guard.cut(text, ended=True) == text.index("\n") + 1
+
+
+def test_at_the_limit_an_answer_never_ends_on_a_word_it_cannot_end_on():
+    guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
+    for text, cut in (("The function is called with the argument x, which is",
+                       "The function is called with the argument x"),
+                      ("The imaxima package which is", "The imaxima package"),
+                      ("Maxima's Emacs mode is the mode of the", "Maxima's Emacs mode is the mode")):
+        assert run_guard(guard, text, at_limit=True) == cut
+    # a list marker is no whole sentence: the limit ends the answer after the sentence before it
+    first = "1. Read.table and scan controls whether C-style escapes are interpreted."
+    assert run_guard(guard, first + "\n2. The", at_limit=True) == first
+    # kept: at a stop token; a word that can end a sentence; too little left; a list of values
+    assert run_guard(guard, "The imaxima package which is") == "The imaxima package which is"
+    assert run_guard(guard, "The imaxima package for Emacs", at_limit=True) == "The imaxima package for Emacs"
+    assert run_guard(guard, "It is the", at_limit=True) == "It is the"
+    values = "The numbers are 1234567, 7654321 and"
+    assert run_guard(guard, values, at_limit=True) == values
+    listing = "Keepers were many.\n* Ann\n* Bob\n* Car"
+    assert run_guard(guard, listing, at_limit=True) == listing
+
+
 def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     """The guard decides only where to stop: its tokens are a prefix of unguarded decoding."""
     lm = tiny_lm("llama")

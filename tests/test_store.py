@@ -290,6 +290,7 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
 # --- concurrent processes -------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_four_concurrent_processes_share_one_valid_entry(tiny_dir, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC)
@@ -338,6 +339,7 @@ def _terminal_stdout(monkeypatch):
     monkeypatch.setattr(kvcli.cli.cache, "stdout", Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True))
 
 
+@pytest.mark.e2e
 def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, tmp_path, capsys, monkeypatch):
     import signal
 

@@ -62,6 +62,7 @@ store.fetch(key, Big, {"document": "big"})
 """
 
 
+@pytest.mark.e2e
 def test_kill_9_during_an_entry_write_leaves_only_what_the_store_reclaims(tmp_path):
     """A real SIGKILL while the entry's bytes are being written: every file left under kv/ is the
     store's own temporary file of that key, reclaimed by the next open (the safetensors library's

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcli.api import AskOptions, Session
+from kvcli.decode import DecodeStep
 from kvcli.documents import document_from_text
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline
@@ -40,7 +41,8 @@ def decode_script(text: str, *, guard: bool, max_new_tokens: int | None = None, 
         return out
 
     step = lambda token, position, cache: logits_for(position + 1)  # noqa: E731  position i -> token i+1
-    answer_ids = Engine.decode(None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=step, guard=g)
+    answer_ids = Engine.decode(None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=DecodeStep(step),
+                               guard=g)
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
     during = len(pieces)
     stream.close(answer)
@@ -61,6 +63,12 @@ CASES = {
     "echoed template line": ("The secret word is PELICAN.\n\nAnswer the question using only the document above.", None),
     "dangling lead-in": ("Ada Byron\n\nThe answer is:", None),
     "run of items": ("The chapters are Chapter 10: Chapter 11: Chapter 12: Chapter 13: Chapter 14: Chapter 15:", None),
+    "number repeated": ("1. " * 20 + "1.", None),
+    "answer said twice": ("The answer is: 1\n\nThe answer is: 1", None),
+    "said twice, restated": ("The answer is 1 The answer is 1\nAnswer: 1. The answer is 1.", None),
+    "limit after a dangling word": ("Maxima's mode for Emacs, which is", 10),
+    "limit after a list marker": ("1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The",
+                                  20),
 }
 
 
@@ -84,6 +92,11 @@ def test_the_guard_cases_do_cut():
     assert cut["echoed template line"] == "The secret word is PELICAN."
     assert cut["dangling lead-in"] == "Ada Byron"
     assert cut["run of items"] == "The chapters are Chapter 10:"
+    assert cut["number repeated"] == "1."
+    assert cut["answer said twice"] == "The answer is: 1"
+    assert cut["said twice, restated"] == "The answer is 1"
+    assert cut["limit after a list marker"] == CASES["limit after a list marker"][0].split("\n")[0]
+    assert cut["limit after a dangling word"] == "Maxima's mode for Emacs"
     text, limit = CASES["limit keeps a list"]
     assert cut["limit keeps a list"] == _tokenizer().decode(ids(text)[:limit]).strip()  # no whole sentence to end at: all of it
     assert cut["trailing space"] == "Ann keeps it."

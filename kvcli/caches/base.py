@@ -23,7 +23,9 @@ it needs one, in ``kvcli/caches/<name>.py`` (imported by ``kvcli/caches/__init__
 
 from __future__ import annotations
 
-from typing import ClassVar
+import weakref
+from types import MappingProxyType
+from typing import ClassVar, Iterable, Mapping
 
 import torch
 
@@ -59,9 +61,42 @@ class CacheBase:
     kind: ClassVar[str] = ""
     tensor_lists: ClassVar[tuple[str, ...]] = ()
     positions: torch.Tensor | None
+    # whether the layout cuts a sliding layer back to its window (:meth:`drop_front`); one that does
+    # not keeps every entry, and its masks still apply the window
+    cuts_windows: ClassVar[bool] = False
+    # layer -> entries cut from the front of a sliding layer (its oldest, which its window no longer
+    # reaches), in the layouts that count them by entry; replaced, never changed in place
+    dropped: Mapping[int, int] = MappingProxyType({})
+    # whether the layout has ``truncate(n_tokens)``, which cuts it back to its first n tokens (a prefix
+    # state a query window reaches into: the prompt's last tokens then run again on top of it)
+    truncatable: ClassVar[bool] = False
 
     def seq_len(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
+
+    def drop_front(self, layer: int, n: int) -> None:
+        """Drop the ``n`` oldest entries of ``layer``, a sliding layer whose window has passed them
+        (:meth:`trim_windows`; the layouts with :attr:`cuts_windows`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps a sliding layer's entries")
+
+    def trim_windows(self, windows, *, slack: int = 0, room: int = 0, layers: Iterable[int] | None = None) -> None:
+        """Cut each sliding layer (of ``layers``; default: all) back to what its window still
+        reaches: ``windows`` (:class:`kvcli.windows.Windows`, the model's) says how many of its
+        oldest entries go (:meth:`~kvcli.windows.Windows.excess`, with ``slack`` and ``room``), the
+        layout drops them (:meth:`drop_front`). A layout that does not cut (:attr:`cuts_windows`)
+        keeps them."""
+        if not self.cuts_windows:
+            return
+        for i in windows.sliding_layers if layers is None else layers:
+            if i < self.n_layers:
+                n = windows.excess(i, self.get_seq_length(i), slack, room)
+                if n:
+                    self.drop_front(i, n)
+
+    def stats(self) -> dict:
+        """The layout's own counters, JSON-able (``--json`` method_stats; LazyLLM: the share of
+        prompt tokens computed, blocksparse: the share of the KV attended per step); none by default."""
+        return {}
 
     def nbytes(self) -> int:
         """Bytes of tensor data actually held."""
@@ -87,6 +122,19 @@ class CacheBase:
         """
         raise NotImplementedError(f"{type(self).__name__} does not report what it kept")
 
+    def read_mask(self, n_prompt: int) -> torch.Tensor | None:
+        """What the question and its answer read of what the cache holds, as :meth:`kept_mask`,
+        where a layout attends less than it holds (a stored book's retrieved blocks); None: all
+        it holds is read."""
+        return None
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """The position of each of ``layer``'s prompt rows, in row order: (n_kv_heads, rows) long
+        (:mod:`kvcli.attribution` maps a decoding step's attention to the prompt with it; the rows
+        after them are decoded tokens). Layouts whose views attend themselves report weights with
+        :meth:`LayerView.read_weights` instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not report where its rows come from")
+
 
 def _room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` (1, heads, m, d), a view of the first m rows of a (1, heads, cap, d) buffer,
@@ -99,19 +147,23 @@ def _room(t: torch.Tensor, rows: int) -> bool:
     return t.untyped_storage().nbytes() >= needed
 
 
+# the storages of the buffers caches made here (:func:`_made`): their room holds finite entries only
+_FINITE: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+
+
 def finite_room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` can be widened to ``rows`` rows (:func:`_room`) over entries that are all finite:
     ``t`` is a view of a buffer a cache made here (:func:`_made`), whose room was zero when made and
     is only ever written with entries. A kernel may then read past ``t`` and weigh those rows by
     exactly zero (:func:`kvcli.kernels.grouped` keeps its shapes that way)."""
-    return getattr(t.untyped_storage(), "kvcli_finite", False) and _room(t, rows)
+    return t.untyped_storage() in _FINITE and _room(t, rows)
 
 
 def _made(buf: torch.Tensor, filled: int) -> torch.Tensor:
     """A new layer buffer (…, cap, d) whose first ``filled`` rows are written: its room zeroed and
     its storage marked for :func:`finite_room`."""
     buf[..., filled:, :].zero_()
-    buf.untyped_storage().kvcli_finite = True
+    _FINITE.add(buf.untyped_storage())
     return buf
 
 
@@ -258,3 +310,10 @@ class LayerView:
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
         raise NotImplementedError
+
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a decoding step's query (1, n_heads, 1, head_dim) attends: (positions (n_kv_heads,
+        rows), weights (n_kv_heads, group, rows)), the softmax weights of each query head over the
+        rows its KV head reads and the position each row holds (-1: not a prompt token); None
+        where the layout does not say (its answers cite nothing, and say why)."""
+        return None

@@ -180,7 +180,8 @@ class ScoredKVCache(KVCache):
         local:       l_L, the successors each token listens to
     """
 
-    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    cuts_windows: ClassVar[bool] = False
 
     kind: ClassVar[str] = "kv+infllm"
 
@@ -239,7 +240,8 @@ class OffloadKVCache(KVCache):
     after them (the layer goes down once, into pinned memory); in between the layer grows on the
     GPU like any KV."""
 
-    drop_front = None  # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
+    cuts_windows: ClassVar[bool] = False
 
     def onload(self, layer: int, device) -> None:
         if layer < len(self.keys):
@@ -285,6 +287,7 @@ class BlockCache(CacheBase):
     the blocks, representatives and preselection are rebuilt from it for each question."""
 
     kind: ClassVar[str] = "blocks"
+    cuts_windows: ClassVar[bool] = True  # a sliding layer: its last entries, no blocks (drop_front)
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values", "fkeys", "fvalues", "reps")
 
     def __init__(self, *, initial: int, block_size: int, n_blocks: int, representative: str, topk: int,
@@ -311,9 +314,8 @@ class BlockCache(CacheBase):
         self.frac_count = 0
         self.layer_frac: list[list[float]] = []  # per layer: [sum, count]
         self.trace: list | None = None  # tests: set to [] to record (step, layer, query, blocks, computed)
-        # a hybrid's sliding layers cut back to their window (drop_front): layer -> entries dropped
-        # from its front; such a layer holds no blocks, only its last entries (in ``fkeys``)
-        self.dropped: dict[int, int] = {}
+        # a hybrid's sliding layers cut back to their window (drop_front) count their dropped
+        # entries in ``dropped`` (CacheBase); such a layer holds no blocks, only its last entries (in ``fkeys``)
 
     # --- building it ----------------------------------------------------------------------------
     @classmethod
@@ -333,7 +335,8 @@ class BlockCache(CacheBase):
         cache.positions = kv.positions
         cache.n_prompt = n
         storage = torch.device("cpu") if cache.offload else None
-        dropped = {layer: d for layer, d in getattr(kv, "dropped", {}).items() if d}
+        dropped = {layer: d for layer, d in kv.dropped.items() if d}
+        cache.dropped = dropped
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
             if k.shape[2] != n - dropped.get(layer, 0):
                 raise ValueError("every layer of the cache must hold the same tokens")
@@ -349,7 +352,6 @@ class BlockCache(CacheBase):
                 cache.reps.append(torch.zeros(n_kv, 0, num, d, dtype=torch.float32, device=device))
                 cache.candidates.append(None)
                 cache.layer_frac.append([0.0, 0])
-                cache.dropped[layer] = dropped[layer]
                 if consume:
                     kv.keys[layer] = kv.values[layer] = None
                 continue
@@ -503,7 +505,7 @@ class BlockCache(CacheBase):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer``, a hybrid's sliding layer (Gemma 2 / 3) whose
-        window has passed them (:meth:`kvcli.engine.Engine.trim_windows`). The layer then holds
+        window has passed them (:meth:`~kvcli.caches.base.CacheBase.trim_windows`). The layer then holds
         no blocks (a sliding layer never retrieves): its remaining entries, in token order, are its
         always-attended part (``fkeys``, on the compute device: a window is small), and
         ``full(layer)`` is just them."""

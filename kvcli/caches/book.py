@@ -43,6 +43,7 @@ every step retrieves its own blocks — or, ``retrieval=question``, the blocks t
 from __future__ import annotations
 
 import copy as _copy
+import math
 from typing import ClassVar
 
 import torch
@@ -90,6 +91,9 @@ class BookLayer(LayerView):
     def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
         return self.cache.attend(self.layer_idx, module, query, scaling, kernel)
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.cache.read_weights(self.layer_idx, query)
+
 
 @cache_type
 class BookCache(CacheBase):
@@ -126,8 +130,10 @@ class BookCache(CacheBase):
         self.filter_layer: int | None = None  # a probe pass (:meth:`select_shared`): the layer that selects
         self.shared: torch.Tensor | None = None  # (n_kv, k) blocks every layer attends while answering
         self._rotated: dict[int, torch.Tensor] = {}  # answering: Local's keys at their positions, per layer
+        self._cited_keys: dict[int, tuple] = {}  # answering: (blocks, Initial + their raw keys) a citing layer reads
         self.attended, self.steps = 0.0, 0  # share of the document's KV attended (decoding steps)
         self.trace: list | None = None  # a list: (pass start, layer, chosen blocks) of every retrieval
+        self.reads: torch.Tensor | None = None  # answering: (n_layers, n_kv, max_blocks) retrievals of each block
 
     # --- the transformers contract ----------------------------------------------------------------
     def bind(self, engine) -> "BookCache":
@@ -212,7 +218,10 @@ class BookCache(CacheBase):
         _, n_heads, c, d = query.shape
         g = n_heads // self.n_kv
         q_mem = self.rotate(query, pos, torch.full((c,), self.local, dtype=torch.long))
-        k_mem, v_mem = self.gather(layer, self.choose(layer, q_mem, scaling))
+        blocks = self.choose(layer, q_mem, scaling)
+        if not self.reading:
+            self._count_reads(layer, blocks)
+        k_mem, v_mem = self.gather(layer, blocks)
         k_mem = torch.cat([self.init_k[layer], k_mem], dim=2).to(query.device, query.dtype)
         v_mem = torch.cat([self.init_v[layer], v_mem], dim=2).to(query.device, query.dtype)
         n_mem, n_loc = k_mem.shape[2], k_loc.shape[2]
@@ -227,6 +236,63 @@ class BookCache(CacheBase):
         if not self.reading and c == 1:
             self.attended += (n_mem + n_loc) / max(1, self.get_seq_length(layer)) / self.n_layers_
         return merge_lse(loc, mem).reshape(1, n_heads, c, d).transpose(1, 2).contiguous()
+
+    def _count_reads(self, layer: int, blocks: torch.Tensor) -> None:
+        """One retrieval of ``blocks`` (n_kv, k) by ``layer`` while answering (the question's pass,
+        a decoding step): counts per block, whatever the number of steps."""
+        if self.reads is None:
+            self.reads = torch.zeros(self.n_layers_, self.n_kv, self.max_blocks, dtype=torch.int32)
+        if blocks.numel():
+            self.reads[layer].scatter_add_(1, blocks.to(torch.long), torch.ones_like(blocks, dtype=torch.int32))
+
+    def read_weights(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An answering step's softmax weights over what :meth:`_attend_memory` reads — Initial, the
+        question's blocks (positioned as it positions them) and Local with the step's own key —
+        and the absolute position of each row: (n_kv, rows) long, (n_kv, group, rows) float32
+        (:meth:`kvcli.caches.base.LayerView.read_weights`). Called before the step attends, so it
+        retrieves nothing itself: None where each step retrieves its own blocks
+        (``retrieval=step``). Scaled by 1/sqrt(d)."""
+        key, _ = self._pending[layer]
+        _, n_heads, c, d = query.shape
+        if self.reading or c != 1:
+            return None
+        g, L = n_heads // self.n_kv, self.tail_k[layer].shape[2]
+        pos = torch.arange(L, L + 1)
+        old = self._rotated.get(layer)
+        if old is None or old.shape[2] != L or old.dtype != query.dtype:
+            old = self.rotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L))
+        k_loc = torch.cat([old.to(query.device), key], dim=2)[0].to(torch.float32)  # (n_kv, L + 1, d)
+        q = query[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
+        logits = [torch.matmul(q, k_loc.transpose(-1, -2))]
+        positions = [(self.origin + torch.arange(L + 1)).expand(self.n_kv, -1)]
+        if self.init_k is not None:
+            blocks = self.shared if self.shared is not None else self._chosen.get(layer)
+            if blocks is None or self.retrieval == "step" and self.shared is None:
+                return None
+            cached = self._cited_keys.get(layer)
+            if cached is None or not torch.equal(cached[0], blocks):  # once per answer: the keys as read
+                k_mem = torch.cat([self.init_k[layer], self.gather(layer, blocks)[0]], dim=2)
+                k_mem = k_mem.to(query.device, query.dtype)
+                if self.answer_positions == "ordered":
+                    n_mem = k_mem.shape[2]
+                    k_mem = self.rotate(k_mem, torch.zeros(n_mem, dtype=torch.long), torch.arange(n_mem))
+                cached = self._cited_keys[layer] = (blocks.clone(), k_mem[0].to(torch.float32))
+            k_mem = cached[1]  # (n_kv, n_mem, d) float32, rotated as _attend_memory rotates them
+            n_mem = k_mem.shape[1]
+            if self.answer_positions == "ordered":
+                q_mem = self.rotate(query, pos, pos + n_mem)
+            else:
+                q_mem = self.rotate(query, pos, torch.full((1,), self.local, dtype=torch.long))
+            q_mem = q_mem[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
+            logits.insert(0, torch.matmul(q_mem, k_mem.transpose(-1, -2)))
+            offsets = torch.arange(self.block_size)
+            held = [
+                torch.cat([torch.arange(self.initial), *(self.initial + b * self.block_size + offsets for b in row)])
+                for row in blocks.tolist()
+            ]
+            positions.insert(0, torch.stack(held))
+        weights = torch.softmax(torch.cat(logits, dim=-1) / math.sqrt(d), dim=-1)
+        return torch.cat(positions, dim=1), weights
 
     def _causal_bias(self, c: int, n_loc: int, g: int, like: torch.Tensor) -> torch.Tensor:
         """(g*c, n_loc) additive mask: query row i (any head of a group) sees Local keys up to
@@ -439,9 +505,9 @@ class BookCache(CacheBase):
         the read); its own Local (appending makes new tensors) and choices."""
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
-        out._pending, out._chosen, out._rotated = {}, {}, {}
+        out._pending, out._chosen, out._rotated, out._cited_keys = {}, {}, {}, {}
         out.filter_layer, out.shared = None, None
-        out.attended, out.steps = 0.0, 0
+        out.attended, out.steps, out.reads = 0.0, 0, None
         return out
 
     def to_tensors(self):
@@ -468,10 +534,42 @@ class BookCache(CacheBase):
             mask[:, :, self.positions[self.positions < n_prompt]] = True
         return mask
 
+    def read_mask(self, n_prompt: int) -> torch.Tensor | None:
+        """What the question and its answer *read* of the prompt (the book holds all of it,
+        :meth:`kept_mask`): (n_layers, n_kv_heads, n_prompt) bool, True for Initial, every Memory
+        block a retrieval chose (the question's pass, each decoding step) and Local. None before
+        anything was answered; all True while no block has left Local (it is all attended)."""
+        if self.reads is None and self.init_k is not None:
+            return None
+        mask = torch.zeros(self.n_layers_, self.n_kv, n_prompt, dtype=torch.bool)
+        if self.init_k is None:
+            mask[:] = True
+            return mask
+        mask[:, :, : min(self.initial, n_prompt)] = True
+        mask[:, :, min(self.origin, n_prompt) :] = True
+        bs = self.block_size
+        for layer, head, block in torch.nonzero(self.reads).tolist():
+            lo = self.initial + block * bs
+            mask[layer, head, lo : min(lo + bs, n_prompt)] = True
+        return mask
+
+    def block_reads(self) -> torch.Tensor | None:
+        """(n_layers, n_kv, n_blocks) how many retrievals read each Memory block while answering
+        (None: nothing answered yet); block ``b`` holds tokens ``initial + b * block_size`` on."""
+        return None if self.reads is None else self.reads[:, :, : self.n_blocks].clone()
+
+    def read_frac(self) -> float | None:
+        """The share of the KV held (the book, the question's and the answer's tokens) that the
+        question and its answer read, mean over layers and KV heads (:meth:`read_mask`)."""
+        mask = self.read_mask(self.n_tokens)
+        return None if mask is None or not self.n_tokens else float(mask.float().mean())
+
     def stats(self) -> dict:
-        """JSON-able counters: the share of the KV each decoding step attended, the partition."""
+        """JSON-able counters: the share of the KV each decoding step attended, the share the
+        question and its answer read in all, the partition."""
         return {
             "kv_attended_frac": self.attended / self.steps if self.steps else None,
+            "kv_read_frac": self.read_frac(),
             "decode_steps": self.steps,
             "memory_blocks": self.n_blocks,
             "block_size": self.block_size,

@@ -13,6 +13,8 @@ from .base import LayerKV, cache_type, drop_rows
 @cache_type
 class KVCache(LayerKV):
     kind: ClassVar[str] = "kv"
+    cuts_windows: ClassVar[bool] = True  # a sliding layer keeps its last entries (``dropped`` counts the others)
+    truncatable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -26,9 +28,11 @@ class KVCache(LayerKV):
         # after them). ``positions`` keeps every prompt position seen, so ``positions[-1] + 1`` is
         # still the next position. An evicted cache is never written to the disk store.
         self.kept: list[torch.Tensor] | None = None
-        # --- sliding-window layers (Gemma 2 / 3): layer -> entries dropped from its front, the
-        # oldest, which the layer's window no longer reaches (Engine.trim_windows)
-        self.dropped: dict[int, int] = {}
+        # --- Finch (kvcli.compressors.finch): per layer, the original positions of the document
+        # slots it kept, then those of the question's slots that follow them (None: not Finch's)
+        self.kept_positions: list[torch.Tensor] | None = None
+        self.suffix_positions: torch.Tensor | None = None
+        # a hybrid's sliding layers (Gemma 2 / 3) cut back to their window: ``dropped`` (CacheBase)
 
     # --- kvcli's own use ------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
@@ -37,19 +41,27 @@ class KVCache(LayerKV):
         layer, the document slots, then the question's), ``positions``."""
         n_kv = self.keys[0].shape[1] if self.keys else 0
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
-        dropped = getattr(self, "dropped", {})
         for layer in range(self.n_layers):
-            if self.kept is not None:
-                pos = self.kept[layer]  # (n_kv, kept_l)
-            elif getattr(self, "kept_positions", None) is not None:
-                pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
-            else:
-                pos = self.positions.view(1, -1).expand(n_kv, -1)
-            pos = pos.to("cpu", torch.long)[:, dropped.get(layer, 0):]  # the entries the window dropped: the first
+            pos = self.held_positions(layer)
             inside = pos < n_prompt
             rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
             mask[layer][rows[inside], pos[inside]] = True
         return mask
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, rows) the position of each row of ``layer`` (:meth:`CacheBase.held_positions`),
+        from ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
+        layer, the document slots, then the question's), else ``positions``; a sliding layer's
+        first ``dropped`` entries are gone."""
+        n_kv = self.keys[0].shape[1] if self.keys else 0
+        if self.kept is not None:
+            pos = self.kept[layer]  # (n_kv, kept_l)
+        elif self.kept_positions is not None:
+            pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
+        else:
+            pos = self.positions.view(1, -1).expand(n_kv, -1)
+        dropped = self.dropped.get(layer, 0)  # the entries the window dropped: the first
+        return pos.to("cpu", torch.long)[:, dropped:]
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -60,7 +72,7 @@ class KVCache(LayerKV):
             tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
             tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
         facts = {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
-        dropped = {str(layer): n for layer, n in sorted(getattr(self, "dropped", {}).items()) if n}
+        dropped = {str(layer): n for layer, n in sorted(self.dropped.items()) if n}
         if dropped:
             facts["dropped"] = dropped
         return tensors, facts
@@ -97,8 +109,8 @@ class KVCache(LayerKV):
         positions); with ``layer``, of that layer only (a pass that runs the prompt layer by layer;
         the positions are the caller's). A sliding layer cut back to its window (``dropped``) holds
         fewer: whether what it still holds is enough for a pass that goes on from there is
-        :meth:`kvcli.engine.Engine.can_resume`'s question."""
-        dropped = getattr(self, "dropped", {})
+        :meth:`kvcli.windows.Windows.can_resume`'s question."""
+        dropped = self.dropped
         for i in range(self.n_layers) if layer is None else (layer,):
             d = dropped.get(i, 0)
             self.keys[i] = self.keys[i][:, :, : max(0, n_tokens - d)]
@@ -115,7 +127,7 @@ class KVCache(LayerKV):
         (which would hold it twice, and leave 1/32 of room behind)."""
         out = KVCache()
         out.positions = self.positions
-        out.dropped = dict(getattr(self, "dropped", {}))
+        out.dropped = dict(self.dropped)
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             out.reserve(k.shape[-2] + max(1, room))
             out._begin_reserved(k, v, device)
@@ -124,10 +136,10 @@ class KVCache(LayerKV):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer`` (a sliding-window layer whose window has
-        passed them; :meth:`kvcli.engine.Engine.trim_windows`). The positions stay: they are every
-        token's, and the layer's entries are their last ones."""
+        passed them; :meth:`~kvcli.caches.base.CacheBase.trim_windows`). The positions stay: they are
+        every token's, and the layer's entries are their last ones."""
         drop_rows(self, ("keys", "values"), layer, n)
-        self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
+        self.dropped = {**self.dropped, layer: self.dropped.get(layer, 0) + n}
 
     def copy(self) -> "KVCache":
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
@@ -136,5 +148,5 @@ class KVCache(LayerKV):
         other.values = list(self.values)
         other.positions = self.positions
         other.kept = None if self.kept is None else list(self.kept)  # eviction (see __init__)
-        other.dropped = dict(getattr(self, "dropped", {}))
+        other.dropped = dict(self.dropped)
         return other

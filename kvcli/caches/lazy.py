@@ -19,7 +19,7 @@ layer; ``copy()`` shares the views, and the copy gets its own buffer on its firs
 just those rows (the step's token set ``S_l``), so the attention needs no membership mask.
 
 A hybrid's sliding layer (Gemma 2 / 3) is cut back to its window (:meth:`LazyCache.drop_front`,
-called by :meth:`kvcli.engine.Engine.trim_windows`) as far as nothing can read the dropped slots
+called by :meth:`~kvcli.caches.base.CacheBase.trim_windows`) as far as nothing can read the dropped slots
 again: a token still in the Aux Cache may be revived into the layer and attend its own window
 there, and the layer before a pruning layer is scored over all its slots. ``window_from[l]``: the
 positions below it were dropped from layer ``l``.
@@ -40,6 +40,7 @@ class LazyCache(LayerKV):
     module docstring for the layout)."""
 
     kind: ClassVar[str] = "lazyllm"
+    cuts_windows: ClassVar[bool] = True  # as far as nothing can read the dropped slots (``window_from``)
 
     def __init__(self, n_model_layers: int) -> None:
         self.n_model_layers = int(n_model_layers)
@@ -145,7 +146,7 @@ class LazyCache(LayerKV):
         return total
 
     def drop_front(self, layer: int, n: int) -> None:
-        """Cut ``layer``, a sliding layer, back to its window (:meth:`kvcli.engine.Engine.trim_windows`
+        """Cut ``layer``, a sliding layer, back to its window (:meth:`~kvcli.caches.base.CacheBase.trim_windows`
         asks for its ``n`` oldest entries, so that ``get_seq_length(layer) - n`` = w - 1 stay):
         drop the slots at positions below :meth:`reach` - (w - 1), which no computation can read
         again, and no other. Exact: what a query at or after :meth:`reach` attends is all held."""
@@ -173,6 +174,12 @@ class LazyCache(LayerKV):
         for layer, pos in enumerate(self.slot_pos):
             mask[layer, :, pos[pos < n_prompt]] = True
         return mask
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, slots) each slot's original position, the same for every KV head
+        (:meth:`CacheBase.held_positions`)."""
+        n_kv = self.keys[layer].shape[1]
+        return self.slots(layer).view(1, -1).expand(n_kv, -1)
 
     def aux_tokens(self) -> int:
         return sum(int(p.numel()) for p, _ in self.aux.values())

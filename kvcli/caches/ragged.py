@@ -43,6 +43,18 @@ class RaggedLayer(LayerView):
         mask = mask.repeat_interleave(n_heads // k.shape[1], dim=0)[None]  # (1, n_heads, q_len, kv_len)
         return kernels.attend(kernel, module, query, k, v, scaling, mask=mask)
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step's weights over the layer's slots, each KV head's padding weighed zero
+        (:meth:`LayerView.read_weights`): the positions of :meth:`RaggedCache.held_positions`."""
+        k = self.cache.keys[self.layer_idx]
+        positions = self.cache.held_positions(self.layer_idx)
+        valid = self.cache.valid_slots(self.layer_idx, query.device)  # (n_kv, kv_len)
+        n_heads, n_kv, d = query.shape[1], k.shape[1], query.shape[-1]
+        q = query[0, :, -1].reshape(n_kv, n_heads // n_kv, d).to(torch.float32)
+        logits = torch.matmul(q, k[0].to(torch.float32).transpose(-1, -2)) / d**0.5
+        weights = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        return positions, weights[..., : positions.shape[1]]
+
 
 @cache_type
 class RaggedCache(LayerKV):
@@ -60,7 +72,7 @@ class RaggedCache(LayerKV):
     plain kernels; one with padding returns a :class:`RaggedLayer` view that masks it.
 
     A hybrid's sliding layer (Gemma 2 / 3) is cut back to its window (:meth:`drop_front`, called
-    by :meth:`kvcli.engine.Engine.trim_windows`): its first slots go, then, once no compressed
+    by :meth:`~kvcli.caches.base.CacheBase.trim_windows`): its first slots go, then, once no compressed
     slot is left, the oldest appended tokens (``after_dropped[l]`` of them).
 
     There is no ``truncate`` (a compressed prefix cannot be cut back for a query window), and no
@@ -68,6 +80,7 @@ class RaggedCache(LayerKV):
     """
 
     kind: ClassVar[str] = "ragged"
+    cuts_windows: ClassVar[bool] = True  # its slots first, then the appended tokens (``after_dropped``)
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -99,7 +112,7 @@ class RaggedCache(LayerKV):
             n_kv, seq = k.shape[1], k.shape[2]
             # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv)
             # holds the last seq of d + seq entries; its selection may cover all of them
-            d = getattr(cache, "dropped", {}).get(layer, 0)
+            d = cache.dropped.get(layer, 0)
             if d and tuple(mask.shape) == (n_kv, d + seq):
                 if bool(mask[:, :d].any()):
                     raise ValueError(f"layer {layer}: the selection keeps entries its window dropped")
@@ -156,7 +169,7 @@ class RaggedCache(LayerKV):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` first slots of ``layer``: a sliding layer (Gemma 2 / 3) whose window has
-        passed them (:meth:`kvcli.engine.Engine.trim_windows`). Its compressed slots go first (in
+        passed them (:meth:`~kvcli.caches.base.CacheBase.trim_windows`). Its compressed slots go first (in
         every head: the slots are in original order; a head left with none holds only padding
         there), then the oldest appended tokens. A sliding layer is never padded (every head keeps
         the same window), so its entries stay the latest tokens in order, as its window mask counts."""
@@ -183,6 +196,13 @@ class RaggedCache(LayerKV):
             after = self.positions[self.n_compressed + self.after_dropped.get(layer, 0) :]
             mask[layer][:, after[after < n_prompt]] = True
         return mask
+
+    def held_positions(self, layer: int) -> torch.Tensor:
+        """(n_kv, rows) each slot's position (:meth:`CacheBase.held_positions`): the head's kept
+        entries (-1 on padding), then the tokens appended after the compression."""
+        kept = self.kept[layer]
+        after = self.positions[self.n_compressed + self.after_dropped.get(layer, 0) :]
+        return torch.cat([kept, after.view(1, -1).expand(kept.shape[0], -1)], dim=1)
 
     def stats(self) -> dict:
         """Entries held vs slots allocated (padding is memory too)."""

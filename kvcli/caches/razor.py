@@ -72,6 +72,39 @@ class RazorLayer(LayerView):
         return out
 
 
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step's weights per KV head over its group's rows (:meth:`LayerView.read_weights`):
+        retrieval heads over every token; the others over [the compensation token (no position,
+        its logit + log N_d), the sinks, the window, the tokens appended since]. The two groups'
+        rows padded to one length (position -1, weight 0)."""
+        cache, layer = self.cache, self.layer_idx
+        d, n_kv = query.shape[-1], cache.protected.shape[1]
+        g = query.shape[1] // n_kv
+        q = query[0, :, -1].reshape(n_kv, g, d).to(torch.float32)
+        seen, n = cache.positions, cache.n_compressed
+        prot = cache.protected[layer]
+        compensation = torch.full((int(cache.compensated),), -1)
+        # then the sinks, the window and the tokens appended since (question, answer)
+        compressed = torch.cat([compensation, seen[: cache.sinks], seen[n - cache.window : n], seen[n:]])
+        groups = []
+        for heads, keys, pos, bias in (
+            (torch.nonzero(prot).flatten(), cache.pk[layer], seen[getattr(cache, "dropped", {}).get(layer, 0) :], 0.0),
+            (torch.nonzero(~prot).flatten(), cache.ck[layer], compressed,
+             math.log(cache.n_dropped) if cache.compensated else 0.0),
+        ):
+            if heads.numel():
+                logits = torch.matmul(q[heads.to(q.device)], keys[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)
+                logits[..., 0] += bias  # the compensation token's weight N_d (0 elsewhere)
+                groups.append((heads, pos, torch.softmax(logits, dim=-1)[..., : pos.numel()]))
+        rows = max(pos.numel() for _, pos, _ in groups)
+        positions = torch.full((n_kv, rows), -1, dtype=torch.long)
+        weights = torch.zeros(n_kv, g, rows)
+        for heads, pos, w in groups:
+            positions[heads, : pos.numel()] = pos
+            weights[heads, :, : pos.numel()] = w.cpu()
+        return positions, weights
+
+
 def compensated_attention(query, key, value, bias: torch.Tensor, scaling: float, eager: bool = False) -> torch.Tensor:
     """Attention with an additive float ``bias`` (q_len, kv_len) on the logits (-inf: masked).
 
@@ -110,6 +143,7 @@ class RazorCache(CacheBase):
     """
 
     kind: ClassVar[str] = "razor"
+    cuts_windows: ClassVar[bool] = True  # a layer whose every KV head is protected (drop_front)
     tensor_lists: ClassVar[tuple[str, ...]] = ("pk", "pv", "ck", "cv")
 
     def __init__(self, protected: torch.Tensor, n_heads: int, n_dropped: int = 0, compensated: bool = False,
@@ -140,9 +174,9 @@ class RazorCache(CacheBase):
         n = kv.n_tokens
         if protected.shape != (kv.n_layers, kv.keys[0].shape[1]):
             raise ValueError(f"protected mask {tuple(protected.shape)} does not match the cache")
-        # a hybrid's sliding layer cut back to its window (a prefix state: Engine.prefix_kv) holds
+        # a hybrid's sliding layer cut back to its window (a prefix state: prefill.prefix_kv) holds
         # its last entries; every head of it is protected, so it keeps them as they are
-        dropped = {layer: d for layer, d in getattr(kv, "dropped", {}).items() if d}
+        dropped = {layer: d for layer, d in kv.dropped.items() if d}
         if any(not bool(protected[layer].all()) for layer in dropped):
             raise ValueError("a layer cut back to its window must have every KV head protected")
         sinks = min(max(sinks, 0), n)
@@ -222,14 +256,14 @@ class RazorCache(CacheBase):
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer`` where every KV head is protected: a hybrid's
-        sliding layer (Gemma 2 / 3) whose window has passed them (:meth:`Engine.trim_windows`).
+        sliding layer (Gemma 2 / 3) whose window has passed them (:meth:`CacheBase.trim_windows`).
         A layer with compressed heads keeps its entries (its sinks and window are the method's).
         Only the pipeline's run trims; the prefix state the store keeps is never trimmed."""
         if self.ck[layer].shape[1] or n <= 0:
             return
         self.pk[layer] = self.pk[layer][:, :, n:]
         self.pv[layer] = self.pv[layer][:, :, n:]
-        self.dropped = {**getattr(self, "dropped", {}), layer: getattr(self, "dropped", {}).get(layer, 0) + n}
+        self.dropped = {**self.dropped, layer: self.dropped.get(layer, 0) + n}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by ``layer_idx`` (what the protected heads hold)."""
@@ -256,7 +290,7 @@ class RazorCache(CacheBase):
         seen = self.positions  # also the tokens appended after compression (question, answer)
         kept = torch.cat([seen[: self.sinks], seen[n - self.window :]])
         mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
-        dropped = getattr(self, "dropped", {})
+        dropped = self.dropped
         for layer in range(self.n_layers):
             for head in range(n_kv):
                 pos = seen[dropped.get(layer, 0):] if self.protected[layer, head] else kept
@@ -302,13 +336,13 @@ class RazorCache(CacheBase):
         other.positions = self.positions
         other.order = self.order
         other._index = self._index  # read-only lookups, safe to share
-        other.dropped = dict(getattr(self, "dropped", {}))
+        other.dropped = dict(self.dropped)
         return other
 
     # --- the disk store's contract -----------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """``positions``, ``protected`` (uint8), ``pk.<l>``, ``pv.<l>``, ``ck.<l>``, ``cv.<l>`` and facts."""
-        if getattr(self, "dropped", None):
+        if self.dropped:
             raise ValueError("a cache cut back to its sliding windows is a run's, not a prefix state to store")
         tensors = {"positions": self.positions.contiguous(), "protected": self.protected.to(torch.uint8).contiguous()}
         for i in range(self.n_layers):

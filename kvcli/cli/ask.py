@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +18,11 @@ from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
-from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage
+from .options import (
+    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
+    DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options,
+    max_new_tokens_option, usage,
+)
 
 ASK_HELP = """Answer a question from documents.
 
@@ -26,7 +31,8 @@ for text on stdin. One document and one question: the answer as text (--json: on
 More than one: JSON Lines, one object per (document, question) in input order; a document that
 fails gives an error record and the batch goes on.
 
-Exit code: 0 all answered, 1 some failed, 2 usage error.
+Exit code: 0 all answered, 1 some failed, 2 usage error, 3 internal error (a bug;
+KVCLI_DEBUG=1 shows its traceback), 130 interrupted (Ctrl-C).
 
 Examples:
 
@@ -63,6 +69,7 @@ def ask(
     cache_max: Optional[str] = CacheMaxOpt,
     kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
     answer_guard: bool = AnswerGuardOpt,
+    sources: bool = SourcesOpt,
     low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
@@ -70,7 +77,7 @@ def ask(
     err = stderr(quiet)
     route_warnings(quiet)
     options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload,
-                          answer_guard, low_memory, cache_max, threads)
+                          answer_guard, low_memory, cache_max, sources, threads)
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:
@@ -120,12 +127,16 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         sys.stdout.flush()
     else:
         stdout.out(result.answer)
+    if result.sources is not None:
+        for line in result.sources.lines():
+            stdout.out(line)
     if show_selected:
-        spans = result.selection.spans(result.prompt, document)
+        shown, n_shown, verb = api.shown_selection(result)  # a stored book: what the answer read
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, spans, document, result.selection.n_kept, result.prompt.n_tokens)
+        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens,
+                              verb=verb)
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
@@ -142,6 +153,7 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         executor = executors.RayExecutor(options, ray_address, workers, on_warning=warn)
     total = len(items) * len(questions)
     failed = done = 0
+    methods: Counter = Counter()  # the methods that answered (-c auto picks one per document)
     said = batch.ErrorLines()  # a document's error once, however many questions it fails
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -174,13 +186,22 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
                     if line is not None:
                         progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
                 else:
-                    spec = record["compressor"]  # every knob resolved for the model
+                    methods[api.spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
                 progress.advance(task)
         where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
     where = f" · {where}" if where else ""
-    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {spec}{where}", style="dim", markup=False, highlight=False)
+    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {batch_methods(methods, spec)}{where}",
+              style="dim", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
+
+
+def batch_methods(methods: Counter, spec: str) -> str:
+    """The methods of a batch's summary: "infllm" when one answered everything, "infllm ×3, full
+    ×1" when -c auto picked several (most answers first), the spec as given when none answered."""
+    if len(methods) <= 1:
+        return next(iter(methods), spec)
+    return ", ".join(f"{label} ×{n:,}" for label, n in methods.most_common())
 
 

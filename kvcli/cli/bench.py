@@ -26,7 +26,10 @@ from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, ThreadsOpt, cache_dir_option
+from .options import (
+    Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, ThreadsOpt,
+    cache_dir_option,
+)
 
 BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
 OPTIONAL_METHODS = ["lazyllm", "blocksparse"]  # in the defaults when this kvcli has them
@@ -431,8 +434,8 @@ host syncs and host->device copies; SDPA runs the kernel CUDA would pick. Data-d
 are answered with a fixed value (token id 0); a method that cannot run there gets its row with
 the error and the line of kvcli that raised. Tokens = prompt + --steps generated. --methods all:
 every registered method at its defaults. Writes OUT/memory.json (after every cell),
-OUT/memory_table.md, OUT/memory.png and, with Llama-3.1-8B nf4 rows, OUT/targets.md (issue 25's
-targets met or missed); prints the table. See docs/gpu-sim.md.
+OUT/memory_table.md, OUT/memory.png and, with Llama-3.1-8B nf4 rows, OUT/targets.md (the GPU
+memory targets of docs/gpu-sim.md, met or missed); prints the table. See docs/gpu-sim.md.
 """
 
 

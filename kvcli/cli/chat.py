@@ -17,7 +17,11 @@ from ..model import default_cache_dir
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
-from .options import AnswerGuardOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage
+from .options import (
+    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
+    DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option,
+    usage,
+)
 
 CHAT_HELP = """Ask questions about one document, one after another.
 
@@ -65,11 +69,12 @@ def chat(
     no_cache: bool = NoCacheOpt,
     cache_max: Optional[str] = CacheMaxOpt,
     answer_guard: bool = AnswerGuardOpt,
+    sources: bool = SourcesOpt,
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
     options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache,
-                          answer_guard=answer_guard, cache_max=cache_max, threads=threads)
+                          answer_guard=answer_guard, cache_max=cache_max, sources=sources, threads=threads)
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")
     pipeline = api.parse_pipeline(compressor)
@@ -95,6 +100,9 @@ def _output(err, session, doc, source, pipeline, question, result, as_json, stre
         sys.stdout.write("\n")
     else:
         stdout.out(result.answer)
+    if not as_json and result.sources is not None:
+        for line in result.sources.lines():
+            stdout.out(line)
     sys.stdout.flush()
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 

@@ -56,8 +56,18 @@ def _show_click_error(e) -> None:
             print(message, file=sys.stderr)
         return
     ctx = getattr(e, "ctx", None)
+    param = getattr(e, "param", None)
+    envvar = getattr(param, "envvar", None)
+    if ctx is not None and isinstance(envvar, str) and _source(ctx, param) != "ENVIRONMENT":
+        message = message.replace(f" (env var: '{envvar}')", "")  # the value came from the command line
     hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
     print(f"kvcli: error: {' '.join(message.split())}{hint}", file=sys.stderr)
+
+
+def _source(ctx, param) -> str | None:
+    """Where click took ``param``'s value from: "COMMANDLINE", "ENVIRONMENT", "DEFAULT", ..."""
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    return getattr(source, "name", None)
 
 
 def run(app) -> None:

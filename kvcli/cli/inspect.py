@@ -19,7 +19,11 @@ from ..report import terminal as render
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage
+from .live import Reading
+from .options import (
+    Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt,
+    TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage,
+)
 
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
 
@@ -137,8 +141,11 @@ def inspect_command(
         else:
             render.layer_scan_table(view, report)
         return
-    with err.status(f"running {pipeline.spec()}…", spinner="dots"):
-        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer)
+    with Reading(err) as reading:  # the method and the prompt's length, the read's progress, as ask shows them
+        callbacks = reading.callbacks(stream=False)
+        if not answer:
+            callbacks["on_token"] = None  # one token, no answer to write
+        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer, **callbacks)
     if html_file is not None:
         report_html.write(ins, html_file)
         err.print(f"[dim]wrote {html_file}[/dim]")
@@ -150,9 +157,14 @@ def inspect_command(
     render.inspect_summary(view, ins)
     if ins.per_layer and ins.layers:
         render.layer_kept_table(view, ins.layers, ins.n_prompt)
+    if ins.read_layers:
+        render.layer_read_table(view, ins.read_layers, ins.n_prompt)
     if show_selected:
-        render.document_view(view, ins)
-    if ins.view != "all":
-        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=None if show_selected else 20)
+        render.document_view(view, ins, verb="read" if ins.view == "read" else "kept")
+    max_spans = None if show_selected else 20
+    if ins.view == "read":
+        render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=max_spans, verb="read")
+    elif ins.view != "all":
+        render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=max_spans)
 
 

@@ -1,29 +1,56 @@
-"""What the answering commands (``ask``, ``chat``) show while a question is answered: on stderr a
-spinner naming the method and the prompt's length ("full attention · 6,529 tokens"), a progress
-bar when reading the prompt takes long, gone at the answer's first text; on stdout the answer as it
-is decoded (:class:`Reading`); after it, one dim line of figures (:func:`stats_line`)."""
+"""What the answering commands (``ask``, ``chat``, ``inspect``) show while a question is answered:
+on stderr a spinner naming the method and the prompt's length ("full attention · 6,529 tokens"), a
+progress bar when reading the prompt takes long, gone at the answer's first text; on stdout the
+answer as it is decoded (:class:`Reading`) — or, when it is printed whole at the end (a pipe,
+``--json``), on stderr how far writing it has got; after it, one dim line of figures
+(:func:`stats_line`)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 
 from rich.console import Console
+
+from ..api import spec_label
 
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
 LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has taken this long ...
 LINE_EVERY_S = 30.0  # ... one every tenth of the prompt, or this often
+ETA_AFTER = 0.1  # the time left is said once this share of the prompt is read (the first chunks are cheaper)
+RATE_WINDOW_S = 30.0  # ... from the rate over this last stretch of the read (the overall rate before)
+RATE_MIN_SPAN_S = 5.0  # the stretch is used once it spans this long
 
 
-def reading_figures(fraction: float, n_tokens: int, elapsed: float) -> str:
-    """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of."""
+def reading_figures(fraction: float, n_tokens: int, elapsed: float, rate: float | None = None) -> str:
+    """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of;
+    ``rate``: tokens/s lately (default: over ``elapsed``). No time left before ``ETA_AFTER``
+    of the prompt: an early rate says little of the rest (and a prompt mostly stored, a warm book,
+    reads few tokens)."""
     done = min(1.0, max(0.0, fraction)) * n_tokens
-    rate = done / elapsed if elapsed > 0 else 0.0
+    if rate is None:
+        rate = done / elapsed if elapsed > 0 else 0.0
     text = f"{done:,.0f}/{n_tokens:,} tokens ({100 * min(1.0, fraction):.0f}%)"
-    if rate > 0 and fraction >= 0.01:  # a prompt mostly stored (a warm book) reads few tokens: no ETA from them
+    if rate > 0 and fraction >= ETA_AFTER:
         left = (n_tokens - done) / rate
         text += f" · {rate:,.0f} tok/s · {int(left) // 60}m {int(left) % 60:02d}s left"
     return text
+
+
+class RecentRate:
+    """Tokens/s over the last ``RATE_WINDOW_S`` of a read (None until that stretch spans
+    ``RATE_MIN_SPAN_S``): the time left follows the speed the read has now, not its first chunks'."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque()  # (time, tokens read)
+
+    def add(self, now: float, done: float) -> float | None:
+        self.samples.append((now, done))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - RATE_WINDOW_S:
+            self.samples.popleft()  # keep one sample at or before the stretch's start
+        then, before = self.samples[0]
+        return (done - before) / (now - then) if now - then >= RATE_MIN_SPAN_S else None
 
 
 class Reading:
@@ -42,6 +69,8 @@ class Reading:
         self.wrote = False  # some of the answer is on stdout (a line to end on Ctrl-C)
         self.n_tokens = 0  # the prompt's (on_prompt)
         self.tenth, self.last_line = 0, 0.0  # progress lines said so far (stderr not a terminal)
+        self.rate = RecentRate()
+        self.n_answer, self.t_answer = 0, 0.0  # answer tokens written so far, since (on_token)
 
     def __enter__(self) -> "Reading":
         self.status = self.err.status(self.label, spinner="dots")
@@ -60,7 +89,10 @@ class Reading:
             self.progress = None
 
     def callbacks(self, stream: bool) -> dict:
-        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress, "on_text": self.write if stream else None}
+        """Session.ask's callbacks; ``stream``: the answer on stdout as it is decoded, else how far
+        writing it has got on stderr (:meth:`on_token`)."""
+        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress,
+                "on_text": self.write if stream else None, "on_token": None if stream else self.on_token}
 
     def on_prompt(self, method: str, n_tokens: int) -> None:
         self.label = f"{method} · {n_tokens:,} tokens"
@@ -77,11 +109,13 @@ class Reading:
             return
         now = time.perf_counter()
         elapsed = now - self.t0
+        rate = self.rate.add(now, fraction * self.n_tokens)
         if not self.err.is_terminal:
             tenth = int(fraction * 10)
             if fraction < 1 and elapsed >= LINE_AFTER_S and (tenth > self.tenth or now - self.last_line >= LINE_EVERY_S):
                 self.tenth, self.last_line = tenth, now
-                self.err.print(f"kvcli: {self.label}: {reading_figures(fraction, self.n_tokens, elapsed)}", markup=False, highlight=False, soft_wrap=True)
+                figures = reading_figures(fraction, self.n_tokens, elapsed, rate)
+                self.err.print(f"kvcli: {self.label}: {figures}", markup=False, highlight=False, soft_wrap=True)
             return
         if self.progress is None:
             if self.status is None:
@@ -100,7 +134,34 @@ class Reading:
             self.progress.start()
         if now - self.last_line >= 0.25 or fraction >= 1:
             self.last_line = now
-            self.progress.update(self.task, completed=fraction, figures=reading_figures(fraction, self.n_tokens, elapsed))
+            figures = reading_figures(fraction, self.n_tokens, elapsed, rate)
+            self.progress.update(self.task, completed=fraction, figures=figures)
+
+    def on_token(self, token: int) -> None:
+        """An answer token, the answer printed whole at the end (a pipe, --json): on a terminal
+        the spinner says "writing the answer · 12 tokens"; elsewhere a line once writing has taken
+        LINE_AFTER_S, then one every LINE_EVERY_S — never a silent minute."""
+        if self.err.quiet:
+            return
+        now = time.perf_counter()
+        self.n_answer += 1
+        if self.n_answer == 1:
+            self.t_answer = self.last_line = now
+            if self.progress is not None:
+                self.progress.stop()
+                self.progress = None
+            if self.err.is_terminal and self.status is None:
+                self.status = self.err.status("writing the answer…", spinner="dots")
+                self.status.start()
+        figures = writing_figures(self.n_answer, now - self.t_answer)
+        if self.err.is_terminal:
+            if self.status is not None:
+                self.status.update(f"writing the answer · {figures}")
+        elif now - self.t_answer >= LINE_AFTER_S and (
+            self.last_line == self.t_answer or now - self.last_line >= LINE_EVERY_S
+        ):
+            self.last_line = now
+            self.err.print(f"kvcli: writing the answer: {figures}", markup=False, highlight=False, soft_wrap=True)
 
     def write(self, piece: str) -> None:
         """A piece of the answer on stdout, at once (the first one clears stderr's line)."""
@@ -109,6 +170,12 @@ class Reading:
             self.wrote = True
         sys.stdout.write(piece)
         sys.stdout.flush()
+
+
+def writing_figures(n_answer: int, elapsed: float) -> str:
+    """"12 tokens · 0.4 tok/s" of an answer being written."""
+    rate = f" · {(n_answer - 1) / elapsed:,.1f} tok/s" if n_answer > 1 and elapsed > 0 else ""
+    return f"{n_answer:,} token{'' if n_answer == 1 else 's'}{rate}"
 
 
 def answer(err: Console, session, document, question: str, pipeline, stream: bool):
@@ -126,11 +193,26 @@ def answer(err: Console, session, document, question: str, pipeline, stream: boo
 
 
 def stats_line(result, pipeline) -> str:
-    """The dim line after an answer: the method, the KV kept, timings, memory, the disk cache."""
+    """The dim line after an answer: the method (its name and the knobs the user set), the KV
+    kept (and, for a stored book, the share the answer read), timings, memory, the disk cache."""
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    method = spec_label(result.extra.get("compressor", pipeline.spec()), pipeline)
     return (
-        f"{result.extra.get('compressor', pipeline.spec())} · KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens ({result.compression_ratio:.1f}×) · "
+        f"{method} · {kv_figures(result)} · "
         f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
         f"cache {cache['status']}{saved}"
     )
+
+
+def kv_figures(result) -> str:
+    """"KV kept 3,120/12,480 tokens (4.0×)": the prompt's KV held and the compression ratio. On a
+    hybrid (Gemma 2 / 3) the sliding layers hold only their window under full attention too, so
+    the ratio is against full attention, said so; a stored book adds the share the answer read."""
+    kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"
+    if result.windows is not None and result.windows.hybrid:
+        kept += f" (sliding windows; {result.compression_ratio:.1f}× compression vs full attention)"
+    else:
+        kept += f" ({result.compression_ratio:.1f}×)"
+    read = (result.extra.get("method_stats") or {}).get("kv_read_frac")
+    return kept if read is None else f"{kept}, {read:.0%} of it read"

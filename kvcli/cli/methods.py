@@ -17,9 +17,21 @@ from .console import route_warnings, stderr, stdout
 from .options import MODEL_HELP, Device, DeviceOpt, DtypeOpt, KvcliCommand, QuietOpt, cache_dir_option
 
 @app.command(cls=KvcliCommand)
-def compressors() -> None:
-    """List the compression methods with their knobs and defaults."""
-    render.compressor_table(stdout)
+def compressors(
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", help="A method: its every knob, default and meaning", show_default=False
+    ),
+) -> None:
+    """List the compression methods (NAME: one method in full)."""
+    from ..compressors import REGISTRY
+
+    if name is None:
+        render.compressor_table(Console(highlight=False))  # cut to the width, not soft-wrapped
+        return
+    key = name.strip().lower()
+    if key not in REGISTRY:
+        raise UsageError(f"unknown compressor '{name}'; available: {', '.join(sorted(REGISTRY))}")
+    render.compressor_detail(Console(highlight=False), key)
 
 
 @app.command(cls=KvcliCommand)

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
-from .. import api
+from .. import api, policy
 from ..capacity import NO_CAP, parse_size
 from ..threads import requested_threads
 
@@ -45,15 +45,26 @@ ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help=MODEL_
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
 QuantOpt = typer.Option(
     Quant.auto,
-    help="Weights in 4 or 8 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV (2.2x faster decoding), on CUDA bitsandbytes (nf4 / int8); auto: 8bit on the CPU for the embedded model (RULER 72.2 vs float32 70.1; 4bit: 69.4, decodes 5-10% faster), none elsewhere (see docs/cpu.md)",
+    help="Weights in 4 or 8 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV, "
+    "on CUDA bitsandbytes (nf4 / int8); auto: 8bit on the CPU for the embedded model (a GGUF of Q4_1 "
+    "blocks), none elsewhere; none: the weights in --dtype (speed and accuracy of each: docs/cpu.md)",
 )
 AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
-DtypeOpt = typer.Option("auto", help="auto, float32, bfloat16 or float16")
+DtypeOpt = typer.Option(
+    "auto", help="auto (float32 on the CPU, bfloat16 with 4/8-bit weights; on CUDA bfloat16 where supported, "
+    "else float16), float32, bfloat16 or float16",
+)
 TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a path")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
 CompressorOpt = typer.Option(
     "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR",
-    help="Method spec, e.g. full or snapkv:budget=0.25; auto: full attention where the prompt fits the window, Finch past it (see docs/methods.md); `kvcli compressors` lists the methods",
+    help=f"Method spec, e.g. full or snapkv:budget=0.25; auto: {policy.DESCRIPTION} (see docs/methods.md); "
+    "`kvcli compressors` lists the methods",
+)
+SourcesOpt = typer.Option(
+    True, "--sources/--no-sources",
+    help="After the answer, the document's pages (or lines) it comes from (in JSON: sources); "
+    "--no-sources: none, and nothing read for them",
 )
 AnswerGuardOpt = typer.Option(
     True, "--answer-guard/--no-answer-guard",
@@ -62,7 +73,8 @@ AnswerGuardOpt = typer.Option(
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
 CacheMaxOpt = typer.Option(
     None, "--cache-max", envvar="KVCLI_CACHE_MAX",
-    help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write (default: 10 GiB or a quarter of the free disk, whichever is smaller)",
+    help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
+    "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
 ThreadsOpt = typer.Option(
     None, "--threads", show_default=False,
@@ -85,7 +97,7 @@ CacheDirOpt = cache_dir_option()
 
 def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
                  cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
-                low_memory: bool = False, cache_max: Optional[str] = None,
+                low_memory: bool = False, cache_max: Optional[str] = None, sources: bool = True,
                 threads: Optional[str] = None) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
@@ -106,6 +118,7 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         low_memory=low_memory,
         cache_max=cache_max,
         threads=threads,
+        sources=sources,
     )
 
 

@@ -37,7 +37,6 @@ import torch
 from ..caches import KVCache, RaggedCache
 from ..errors import UsageError
 from .base import _format, knob, parse_one, register
-from .base import window_mask
 from .scoring import Eviction, adaptive_mask, entry_scores
 
 BASE_KNOB_SEPARATOR = ";"
@@ -115,7 +114,7 @@ class AdaKV(Eviction):
         n = cache.n_tokens
         masks = [
             # a hybrid's sliding layer (no scores): its window, as full attention holds it
-            window_mask(self._lm, layer, n, cache.keys[layer].device).expand(cache.keys[layer].shape[1], -1)
+            self._lm.windows.holds(layer, n, cache.keys[layer].device).expand(cache.keys[layer].shape[1], -1)
             if s is None else adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard)
             for layer, (s, k_layer) in enumerate(zip(scores, budgets))
         ]

@@ -23,7 +23,7 @@ by :mod:`kvcli.pipeline` in this order:
 ``decode_step(engine, token, position, cache) -> logits``
     Own each greedy decoding step: run ``token`` at ``position`` on ``cache`` and return the next
     logits (vocab,) (LazyLLM's dynamic pruning, block-sparse retrieval). At most one per pipeline;
-    default :meth:`kvcli.engine.Engine.step` (full attention over the cache).
+    default :func:`kvcli.decode.step` (full attention over the cache).
 
 What a method computes from the question-agnostic prompt prefix (the document and the template
 around it, ``Prompt.prefix_len`` tokens) is its *prefix state*; the disk store (:mod:`kvcli.store`)
@@ -35,14 +35,16 @@ keeps it so a second question starts from it:
     every layer — full attention's, and that of methods which compress after seeing the question.
 ``build_prefix(engine, prefix_ids) -> cache``
     Compute the state for ``prefix_ids`` (n,) at positions 0..n-1. Default: the KV of the first
-    ``prefix_state(lm)["layers"]`` layers (:meth:`kvcli.engine.Engine.prefix_kv`). A method whose
+    ``prefix_state(lm)["layers"]`` layers (:func:`kvcli.prefill.prefix_kv`). A method whose
     state is a compressed cache (question-agnostic, e.g. RazorAttention) overrides it and returns
     any cache object with ``to_tensors()`` / ``from_tensors()`` (see :mod:`kvcli.caches`).
     At most one method per pipeline may override it.
 
 The pipeline hands the state to the stage that reads the whole prompt first (the first selector,
-else the prefill owner, else the first stage) as a :class:`kvcli.pipeline.Prefix`: ``prefix.cache()``
-returns a fresh copy of it (loaded from the store, or computed) and ``prefix.ids`` the tokens.
+else the prefill owner, else the first stage) as a :class:`kvcli.prefix.Prefix`: ``prefix.take()``
+returns the state for the run to extend (loaded from the store, or computed; its own copy where the
+store keeps it) and ``prefix.ids`` the tokens. A method whose state is a book written into its store
+entry while the document is read (InfLLM) says so with ``writes_prefix``.
 
 A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
 the pipeline can refuse two methods that would both own the prefill loop.
@@ -64,7 +66,7 @@ from typing import ClassVar
 
 import torch
 
-from ..engine import PREFIX_WINDOW_ROOM
+from .. import windows
 from ..errors import UsageError
 from ..selection import Selection
 
@@ -97,6 +99,9 @@ class Compressor:
     paper: ClassVar[str] = ""
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
+    # the prefix state is a book read straight into its disk-store entry, whose size is known before
+    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_dtype(lm)``)
+    writes_prefix: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
     # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
     # ``{n}`` stands for the prompt's token count and ``{prefix}`` for its question-agnostic prefix
@@ -136,6 +141,12 @@ class Compressor:
         window. Default: everything. Methods that read documents longer than the window chunk by
         chunk (Finch) return less."""
         return n_prompt + max_new_tokens
+
+    def reading_note(self, lm, n_prompt: int) -> str:
+        """How this method reads a prompt of ``n_prompt`` tokens longer than the model's window (it
+        reads the prompt first and :meth:`window_needed` is less than all of it), for the warning the
+        pipeline says before it starts."""
+        return f"{self.name} reads it chunk by chunk, which takes a while (every token runs through the model)"
 
     def compress(self, engine, cache):
         """Return the compressed cache (after the prefill of the whole prompt, before decoding)."""
@@ -182,9 +193,10 @@ class Compressor:
 
     def build_prefix(self, engine, prefix_ids: torch.Tensor):
         """The prefix state of ``prefix_ids`` (n,) at positions 0..n-1 (default: a KVCache; a
-        hybrid's sliding layers keep their window and :data:`~kvcli.engine.PREFIX_WINDOW_ROOM`
+        hybrid's sliding layers keep their window and :data:`~kvcli.windows.PREFIX_WINDOW_ROOM`
         entries more, all that a question pass on top reads)."""
-        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=PREFIX_WINDOW_ROOM)
+        room = windows.PREFIX_WINDOW_ROOM
+        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=room)
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod
@@ -203,25 +215,12 @@ class Compressor:
 def require_full_layers(lm, method: str) -> None:
     """A method that compresses full-attention layers (the others keep their window) cannot apply
     to a model whose every layer slides over a window (Mistral v0.1-style): say so in one line."""
-    if not lm.full_layers():
-        w = min(lm.limiting_windows())
+    if not lm.windows.full_layers:
+        w = lm.windows.shortest
         raise UsageError(
             f"{method}: every layer of {lm.name} uses sliding-window attention ({w} tokens): there is no "
             "full-attention layer to compress, the window already bounds the KV (use -c full)"
         )
-
-
-def window_mask(lm, layer: int, n: int, device=None) -> torch.Tensor | None:
-    """On a hybrid model (Gemma 2 / 3), what a sliding layer ``layer`` holds of ``n`` prompt tokens
-    once the prompt is read: its last ``w - 1`` (all the next token's window reaches), as an (n,)
-    bool; None for a full-attention layer, where the compression methods act. Methods never
-    score or evict a sliding layer: it keeps its window, as under full attention."""
-    w = lm.window(layer)
-    if w is None:
-        return None
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    mask[max(0, n - (w - 1)):] = True
-    return mask
 
 
 def owned_phases(cls: type[Compressor]) -> set[str]:

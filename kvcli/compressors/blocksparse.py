@@ -290,15 +290,15 @@ class BlockSparse(Compressor):
         infllm = self.representative == "infllm"
         limit = max(0, n - int(protected))  # query rows that may vote for infllm representatives
         # the prefix state first: computing it (build_prefix) runs this method on the prefix alone
-        pc = prefix.cache() if prefix is not None and prefix.n_tokens > 0 else None
+        pc = prefix.take() if prefix is not None and prefix.n_tokens > 0 else None
         self._rep_sums, scored = {}, 0
         start = 0
         if pc is not None:
             usable = not infllm or (isinstance(pc, ScoredKVCache) and pc.local == self.local_window)
             resume = max(0, min(prefix.n_tokens, n - need))
             # a hybrid's sliding layers kept their window and PREFIX_WINDOW_ROOM entries more: a
-            # longer query window runs the whole prompt (Engine.can_resume)
-            if usable and engine.can_resume(pc, resume):
+            # longer query window runs the whole prompt (Windows.can_resume)
+            if usable and engine.windows.can_resume(pc, resume):
                 start = resume
                 if infllm:
                     scored = pc.rows_scored
@@ -309,7 +309,7 @@ class BlockSparse(Compressor):
                     cache.keys = [k.to("cpu") for k in pc.keys]
                     cache.values = [v.to("cpu") for v in pc.values]
                     cache.positions = pc.positions
-                    cache.dropped = dict(getattr(pc, "dropped", {}))
+                    cache.dropped = dict(pc.dropped)
                 else:
                     cache = KVCache.copy(pc) if isinstance(pc, ScoredKVCache) else pc
         self._qtail = {}

@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from ..caches import KVCache, LayerView
-from ..engine import WINDOW_SLACK
+from .. import windows
 from ..errors import UsageError
 from .adakv import base_spec, parse_base
 from .base import Compressor, knob, register
@@ -125,7 +125,7 @@ class Decoding(Compressor):
         ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
         hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache, observers=observers,
                                 recorded=torch.tensor([position]))
-        engine.trim_windows(cache, slack=WINDOW_SLACK)  # a hybrid's sliding layers: their window
+        cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers: their window
         run["steps"] += 1
         if run["steps"] >= self.interval:
             self.compress_now(engine, cache, run)
@@ -139,8 +139,8 @@ class Decoding(Compressor):
         budgets = self._base.layer_budgets(lm, max(cache.seq_len(l) for l in range(cache.n_layers)), k)
         for layer, k_layer in enumerate(budgets):
             n = cache.seq_len(layer)
-            if n <= k_layer or lm.window(layer) is not None:
-                continue  # nothing to evict, or a hybrid's sliding layer: its window bounds it (Engine.trim_windows)
+            if n <= k_layer or lm.windows.window(layer) is not None:
+                continue  # nothing to evict, or a hybrid's sliding layer: its window bounds it (trim_windows)
             key = cache.keys[layer]
             if self._base.uses_attention:
                 scores = self._base.layer_scores(run["queries"][layer], key)

@@ -16,7 +16,7 @@ whole model; mean over each GQA group) become streaming heads.
 The profile is a property of the model, computed once and stored per model next to
 RazorAttention's head profiles (``<cache dir>/heads/``, atomic safetensors writes, see
 :mod:`kvcli.compressors.razor_heads` and :func:`kvcli.store.save_safetensors_atomic`). Calibration text: kvcli's
-bundled passkey filler (``kvcli.bench.needle.FILLER``; kvpress samples BookSum, which kvcli does not
+bundled passkey filler (:mod:`kvcli.texts`; kvpress samples BookSum, which kvcli does not
 download), ``tokens`` of it.
 
 After the prefill of the document (question-agnostic), retrieval KV heads keep every entry and
@@ -44,6 +44,7 @@ from .. import notices
 from ..attention import StopForward
 from ..caches import RazorCache
 from ..errors import UsageError
+from ..texts import filler_text
 from .base import Compressor, knob, register
 from .base import require_full_layers
 from .scoring import prerope
@@ -54,9 +55,7 @@ _META_KEY = "kvcli_duo"
 
 def calibration_ids(lm, tokens: int) -> torch.Tensor:
     """The first ``tokens`` tokens of the bundled filler text (no special tokens)."""
-    from ..bench.needle import haystack_text
-
-    ids = lm.tokenizer(haystack_text("filler"), add_special_tokens=False)["input_ids"][:tokens]
+    ids = lm.tokenizer(filler_text(), add_special_tokens=False)["input_ids"][:tokens]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -237,7 +236,7 @@ class DuoAttention(Compressor):
 
     def retrieval_heads(self, engine) -> torch.Tensor:
         """(n_layers, n_kv_heads) bool: the KV heads that keep everything."""
-        return ~self.profile(engine).streaming_heads(self.streaming, engine.lm.full_layers())
+        return ~self.profile(engine).streaming_heads(self.streaming, engine.windows.full_layers)
 
     def prefix_state(self, lm) -> dict:
         from ..engine import Engine

@@ -136,7 +136,7 @@ class GemFilter(Compressor):
             raise UsageError(f"gemfilter: layer is a 0-based layer index, got {self.layer}")
 
     def configure(self, lm) -> None:
-        full = lm.full_layers()
+        full = lm.windows.full_layers
         if self.layer is None:
             self.layer = default_filter_layer(lm.n_layers, lm.name, lm.family)
             if full and self.layer not in full:
@@ -152,7 +152,8 @@ class GemFilter(Compressor):
             )
         if full and self.layer not in full:
             raise UsageError(
-                f"gemfilter: layer {self.layer} of {lm.name} is a sliding-window layer ({lm.window(self.layer)} tokens): its last "
+                f"gemfilter: layer {self.layer} of {lm.name} is a sliding-window layer "
+                f"({lm.windows.window(self.layer)} tokens): its last "
                 f"query cannot see the whole prompt; choose a full-attention layer: {', '.join(map(str, full))}"
             )
 
@@ -195,7 +196,7 @@ class GemFilter(Compressor):
                 )
             return Selection(torch.arange(n))  # automatic k and a short document: nothing to filter
         if prefix is not None:
-            scores = self.filter_scores(engine, prompt_ids[prefix.n_tokens :], cache=prefix.cache()).cpu()
+            scores = self.filter_scores(engine, prompt_ids[prefix.n_tokens :], cache=prefix.take()).cpu()
         else:
             scores = self.filter_scores(engine, prompt_ids).cpu()
         forced = torch.arange(n - protected, n) if self.keep_question and protected else None

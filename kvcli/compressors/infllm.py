@@ -88,6 +88,7 @@ class InfLLM(Compressor):
     name: ClassVar[str] = "infllm"
     paper: ClassVar[str] = "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory (arXiv:2402.04617)"
     holds_whole_kv: ClassVar[bool] = False
+    writes_prefix: ClassVar[bool] = True  # the book, read into its store entry (stored_bytes, read)
     # a Local window as long as the prompt: no block ever leaves it, every query attends to every
     # token before it at its own position — full attention (and the KV stored in the model's dtype)
     keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
@@ -122,10 +123,10 @@ class InfLLM(Compressor):
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
 
     def configure(self, lm) -> None:
-        windows = lm.limiting_windows()
-        if windows:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own in the book
+        if lm.windows.hybrid:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own
             raise UsageError(
-                f"infllm: {lm.name} has sliding-window layers ({min(windows)} tokens); kvcli's InfLLM reads every "
+                f"infllm: {lm.name} has sliding-window layers ({lm.windows.shortest} tokens); "
+                "kvcli's InfLLM reads every "
                 "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
             )
         window = lm.max_context or INFLLM_WINDOW
@@ -187,10 +188,11 @@ class InfLLM(Compressor):
         return max(reading, answering)
 
     def reading_note(self, lm, n_prompt: int) -> str:
-        return (f"infllm answers from the stored KV of the whole document, read once in chunks of {self.chunk} tokens "
-                f"attending to {self.span()}; later questions reuse it"
-                + (f", each answered from the {self.answer_topk} blocks its layer-{self.filter_layer} attention selects, in document order"
-                   if self.filter_layer >= 0 else ""))
+        """What the over-window warning says without a disk store (with one, the store says once
+        that it stores the book: :func:`kvcli.bookstore.fetch_book`)."""
+        how = (f"the {self.answer_topk} its layer-{self.filter_layer} attention selects, in document order"
+               if self.filter_layer >= 0 else f"the {self.answer_topk} its queries score highest")
+        return f"infllm reads it in {self.chunk}-token chunks into blocks, of which a question reads {how}"
 
     # --- reading -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -226,7 +228,7 @@ class InfLLM(Compressor):
         self.configure(engine.lm)
         n = ids.numel()
         if prefix is not None and prefix.n_tokens > 0:
-            book, start = prefix.cache(), prefix.n_tokens
+            book, start = prefix.take(), prefix.n_tokens
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)

@@ -74,7 +74,7 @@ import torch
 
 from .. import attention
 from ..caches.lazy import LazyCache
-from ..engine import WINDOW_SLACK
+from .. import windows
 from ..errors import UsageError
 from ..kernels import by_keys
 from .base import Compressor, knob, register
@@ -253,7 +253,7 @@ def run_tokens(
             if select:
                 cache.selection[layer] = selected
             step_trace.append((layer, selected.clone()))
-        window = engine.lm.sliding_window(layer)
+        window = engine.windows.attention_window(layer)
         slots = cache.slots(layer)
         # the layers between two pruning layers hold the same slots: one pass plan serves them all
         if plan is None or plan[0] is not selected or plan[1] is not batch_pos or plan[2] != window or not torch.equal(plan[3], slots):
@@ -391,7 +391,7 @@ class LazyLLM(Compressor):
         not used: as in the paper, only the last token is sure to be kept."""
         schedule = self.schedule(engine.lm)
         if prefix is not None:
-            cache = prefix.cache()
+            cache = prefix.take()
             ids = ids[prefix.n_tokens :]
         else:
             cache = LazyCache(engine.n_layers)
@@ -412,5 +412,5 @@ class LazyLLM(Compressor):
         hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select)
         cache.decode_steps = step
         cache.selecting_steps += select
-        engine.trim_windows(cache, slack=WINDOW_SLACK)  # a hybrid's sliding layers: their window (LazyCache.drop_front)
+        cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers: their window
         return engine.logits(hidden)[-1]

@@ -68,7 +68,7 @@ class PyramidKV(SnapKV):
     def layer_budgets(self, lm, n: int, k: int) -> list[int]:
         """The pyramid over the layers that attend to the whole context (all of them but a hybrid's
         sliding layers, which keep their window and are not evicted): its top is the last full layer."""
-        full = lm.full_layers()
+        full = lm.windows.full_layers
         budgets = [n] * lm.n_layers
         for layer, b in zip(full, pyramid_budgets(len(full), n, k, self.window, self.beta)):
             budgets[layer] = b

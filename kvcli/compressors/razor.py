@@ -140,7 +140,7 @@ class Razor(Compressor):
         engine = engine if engine is not None and engine.lm is lm else Engine(lm)
         self._profile = load_or_compute(engine, self.tokens, self.seed, self.runtime.cache_dir)
         # a hybrid's sliding layers: every head keeps its KV under its window mask (full attention's)
-        self._protected = self._profile.protected_kv_heads(self.induction, self.echo, lm.full_layers())
+        self._protected = self._profile.protected_kv_heads(self.induction, self.echo, lm.windows.full_layers)
         self._fingerprint = lm.fingerprint
 
     @property
@@ -193,7 +193,7 @@ class Razor(Compressor):
         prompt compressed here."""
         if isinstance(cache, RazorCache):
             return cache
-        if not isinstance(cache, KVCache) or cache.kept is not None or getattr(cache, "kept_positions", None) is not None:
+        if not isinstance(cache, KVCache) or cache.kept is not None or cache.kept_positions is not None:
             raise UsageError("razor: compresses the whole KV of the prompt; use it without eviction methods before it")
         self._ensure_profile(engine.lm, engine)
         return self.compress_kv(cache, engine.lm.n_heads, order="paper")  # the whole prompt was compressed

@@ -159,7 +159,7 @@ def profile_scores(engine, tokens: int, seed: int) -> tuple[torch.Tensor, torch.
     def observer(layer: int):
         attn = engine.layers[layer].self_attn
         scaling = getattr(attn, "scaling", None) or 1.0 / math.sqrt(lm.head_dim)
-        window = engine.lm.sliding_window(layer)
+        window = engine.windows.attention_window(layer)
 
         def observe(query: torch.Tensor, key: torch.Tensor) -> None:
             e, i = echo_induction_scores(query, key, tokens, scaling, window)

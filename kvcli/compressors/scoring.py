@@ -36,7 +36,7 @@ from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
 from ..kernels import by_keys
 from ..measure import long_lived
-from .base import Compressor, knob, require_full_layers, window_mask
+from .base import Compressor, knob, require_full_layers
 
 QUERY_CHUNK = 256  # query rows per block of KVzip's reconstruction scores
 BLOCK_WEIGHTS = 2**21  # most attention weights per block of query rows in column_sums (8 MiB in float32)
@@ -230,7 +230,7 @@ def original_positions(cache: KVCache, layer: int, n_kv: int) -> torch.Tensor:
     first, as ``KVCache.kept`` lists them."""
     if cache.kept is not None and layer < len(cache.kept):
         return cache.kept[layer]
-    n = cache.seq_len(layer) + getattr(cache, "dropped", {}).get(layer, 0)
+    n = cache.seq_len(layer) + cache.dropped.get(layer, 0)
     return torch.arange(n).expand(n_kv, n)
 
 
@@ -252,7 +252,7 @@ def evict(cache: KVCache, layer: int, keep: torch.Tensor) -> None:
     ``cache.kept`` then lists the layers up to this one (:func:`complete_kept` ends it). The kept
     entries are long-lived: on CPU, while a prompt is read, they get their own mapping
     (:func:`kvcli.measure.long_lived`), off the heap the pass's activations reuse."""
-    if getattr(cache, "dropped", {}).get(layer, 0):
+    if cache.dropped.get(layer, 0):
         raise ValueError(f"layer {layer} was cut back to its sliding window: it is never evicted")
     keep = torch.sort(keep.to(torch.long), dim=-1).values
     n_kv = keep.shape[0]
@@ -365,8 +365,8 @@ class Eviction(Compressor):
         self._pass = {"n": n_tokens, "evicted": set()}
         if not self.scorer.uses_attention or self.resolve(n_tokens) >= n_tokens:
             return {}  # nothing to score (keep everything) or scores without attention
-        # a hybrid's sliding layers keep their window (Engine.trim_windows): scored nowhere
-        return {layer: [functools.partial(self._observe, layer)] for layer in lm.full_layers()}
+        # a hybrid's sliding layers keep their window (CacheBase.trim_windows): scored nowhere
+        return {layer: [functools.partial(self._observe, layer)] for layer in lm.windows.full_layers}
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if isinstance(key, LayerView):
@@ -387,7 +387,8 @@ class Eviction(Compressor):
         if n is None or not self.compresses_by_layer() or not isinstance(cache, KVCache):
             return
         k = self.resolve(n)
-        if k >= n or (self.scorer.uses_attention and layer not in self._scores) or engine.lm.window(layer) is not None:
+        sliding = engine.windows.window(layer) is not None
+        if k >= n or (self.scorer.uses_attention and layer not in self._scores) or sliding:
             return  # keeps everything, or not scored (compress reports what is missing), or a sliding layer
         scores = self._scores.pop(layer) if self.scorer.uses_attention else self.scorer.static_scores(n, cache.keys[layer].shape[1])
         if "budgets" not in self._pass:
@@ -406,7 +407,7 @@ class Eviction(Compressor):
         if k >= n:
             return cache
         scorer = self.scorer
-        full = lm.full_layers()  # a hybrid's sliding layers keep their window: never evicted here
+        full = lm.windows.full_layers  # a hybrid's sliding layers keep their window: never evicted here
         if scorer.uses_attention and len(scores) + len(evicted) != len(full):
             raise UsageError(
                 f"{self.name}: no attention scores were observed in the prefill "
@@ -555,10 +556,11 @@ class PrefixEviction(Compressor):
         # a hybrid's sliding layers keep their window (the last w - 1 tokens, all the question's
         # first token reaches), outside the allocation (KVzip's global pool is the full layers')
         lm = engine.lm
-        full = lm.full_layers()
+        full = lm.windows.full_layers
         chosen = dict(zip(full, allocate([scores[layer] for layer in full], k, self.allocation, self.safeguard)))
         masks = [
-            chosen[layer] if layer in chosen else window_mask(lm, layer, n, scores[layer].device).expand_as(scores[layer])
+            chosen[layer] if layer in chosen
+            else lm.windows.holds(layer, n, scores[layer].device).expand_as(scores[layer])
             for layer in range(len(scores))
         ]
         return RaggedCache.from_selection(kv, masks, consume=True)

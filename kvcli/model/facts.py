@@ -1,12 +1,16 @@
 """What kvcli knows about a loaded model: :class:`LoadedModel` (the model, its tokenizer and its
-facts: layers, heads, the sliding window of each layer), and the choices it was loaded with."""
+facts: layers, heads, the sliding window of each layer: :class:`kvcli.windows.Windows`), and the
+choices it was loaded with."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..windows import Windows
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,28 +77,8 @@ class LoadedModel:
     def max_context(self) -> int:
         return int(self._config.max_position_embeddings)
 
-    def sliding_window(self, layer: int) -> int | None:
-        """The attention window of decoder layer ``layer`` (None: full attention): the layer's own
-        (qwen2/3 set one per layer) or the config's (mistral, phi3)."""
-        attn = self.model.get_decoder().layers[layer].self_attn
-        if hasattr(attn, "sliding_window"):
-            return attn.sliding_window
-        return getattr(self._config, "sliding_window", None)
-
-    def window(self, layer: int) -> int | None:
-        """Layer ``layer``'s sliding window where it is shorter than the model's context, else None
-        (the layer attends to the whole context; qwen2 lists a window it does not use)."""
-        w = self.sliding_window(layer)
-        return w if w is not None and (not self.max_context or w < self.max_context) else None
-
-    def full_layers(self) -> list[int]:
-        """The layers that attend to the whole context: where compression acts on a hybrid model
-        (Gemma 2 / 3: its sliding layers hold only their window anyway); every layer elsewhere."""
-        return [i for i in range(self.n_layers) if self.window(i) is None]
-
-    def limiting_windows(self) -> set[int]:
-        """The sliding windows of the layers that are shorter than the model's context (empty: every
-        layer attends to the whole context)."""
-        windows = {self.sliding_window(layer) for layer in range(self.n_layers)}
-        return {w for w in windows if w is not None and (not self.max_context or w < self.max_context)}
-
+    @functools.cached_property
+    def windows(self) -> Windows:
+        """Each decoder layer's sliding window and what follows from it (:mod:`kvcli.windows`),
+        read once from the config."""
+        return Windows.of_config(self._config, self.n_layers)

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 from ..errors import ModelError, one_line
 
+MODELS_HINT = "`kvcli models` lists the embedded models and what else -m takes"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+)?$")
 
 
@@ -60,12 +61,12 @@ def hub_load(fn, spec: str, what: str, **kw):
     if not _hub_reachable():
         raise ModelError(
             f"cannot load model '{spec}': not a local path and not in the Hugging Face cache "
-            "(no network?)"
+            f"(no network?); {MODELS_HINT}"
         )
     try:
         return fn(spec, **kw)
     except OSError as e:
-        raise ModelError(f"cannot load {what} of model '{spec}': {one_line(e)}") from e
+        raise ModelError(f"cannot load {what} of model '{spec}': {one_line(e)}; {MODELS_HINT}") from e
 
 
 def hub_snapshot_dir(spec: str) -> Path | None:

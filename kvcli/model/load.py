@@ -68,7 +68,7 @@ def load_model(
     bitsandbytes (nf4 / int8); "auto" (the default): "8bit" on the CPU for a GGUF whose layers are
     Q4_1 blocks — the embedded model's — when ``dtype`` is auto or bfloat16, else "none": 8bit
     scored at least as well as float32 on every accuracy measure kept (RULER slice, the books'
-    oracle), 4bit 1-2 instances below 8bit on each; 4bit decodes 5-10% faster (docs/cpu.md).
+    oracle), 4bit 1-2 instances below 8bit on each; 4bit decodes 3-10% faster (docs/cpu.md).
     ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
     ``dtype``: "auto" (float32 on CPU, bfloat16 with --quant there; bfloat16 on CUDA when
     supported, else float16), "float32", "bfloat16" or "float16".
@@ -114,6 +114,8 @@ def load_model(
             check_local_folder(name, local)
             source = str(local.resolve())
             weights_id = None  # computed below from the folder
+        elif local.suffix.lower() == ".gguf":
+            raise ModelError(f"cannot load model '{name}': no such file")
         elif looks_like_path(name):
             raise ModelError(f"cannot load model '{name}': no such directory")
         else:

@@ -91,7 +91,28 @@ def _score_strip(ins: Inspection, profile: list[dict]) -> str:
     return "".join(parts)
 
 
+def _read_layers_table(ins: Inspection) -> str:
+    """Where layers read different blocks: per layer, the tokens read and the pages."""
+    n = max(ins.n_prompt, 1)
+    rows = [('<details class="layers">'
+             "<summary>read per layer (0-based): tokens (mean over KV heads) and pages</summary>"
+             '<table class="layers"><tr><th>layer</th><th>read</th><th></th>'
+             '<th style="text-align:left">pages</th></tr>')]
+    for row in ins.read_layers:
+        pct = 100 * row.n_read / n
+        rows.append(
+            f"<tr><td>{row.layer}</td><td>{row.n_read:,.1f}</td>"
+            f'<td style="text-align:left"><span class="bar" style="width:{max(1, 3 * pct):.0f}px"></span>'
+            f" {pct:.1f}%</td>"
+            f'<td style="text-align:left">{_e(row.pages())}</td></tr>'
+        )
+    rows.append("</table></details>")
+    return "".join(rows)
+
+
 def _layers_table(ins: Inspection) -> str:
+    if ins.read_layers:
+        return _read_layers_table(ins)
     if not ins.per_layer or not ins.layers:
         return ""
     n = max(ins.n_prompt, 1)
@@ -144,9 +165,12 @@ def _document_body(ins: Inspection, profile: list[dict]) -> str:
                 score = ""
             elif ins.score_kind == "share":
                 score = f", held by {s.score:.0%} of layer/head pairs"
+            elif ins.score_kind == "read":
+                score = f", read by {s.score:.0%} of layer/head pairs"
             else:
                 score = f", score {s.score:.3g}"
-            title = f"kept: {s.n_tokens} tokens, chars {s.start:,}-{s.end:,}, {pages}{score}"
+            verb = "read" if ins.view == "read" else "kept"
+            title = f"{verb}: {s.n_tokens} tokens, chars {s.start:,}-{s.end:,}, {pages}{score}"
             out.append(f'<mark class="k{levels[j]}" title="{_e(title)}">{piece}</mark>')
         else:
             out.append(piece)
@@ -159,6 +183,13 @@ def render(ins: Inspection) -> str:
     doc_name = Path(ins.document.source).name if ins.document.source != "-" else "stdin"
     if ins.view == "all":
         kept_line = f"everything kept: <b>{ins.n_prompt:,}</b> prompt tokens (no compression)"
+    elif ins.view == "read":
+        kept_line = (
+            f"holds all <b>{ins.n_prompt:,}</b> prompt tokens (nothing evicted); the question and its answer read "
+            f"<b>{ins.n_read:,.1f}</b> of them per layer and KV head on average "
+            f"(<b>{ins.read_share:.1%}</b> of the KV), "
+            + ("the same in every layer" if ins.read_layers is None else "different blocks per layer (table below)")
+        )
     elif ins.view == "per-head":
         kept_line = (
             f"each layer and KV head holds <b>{ins.n_kept:,.1f}</b> of <b>{ins.n_prompt:,}</b> prompt tokens on average "
@@ -172,15 +203,17 @@ def render(ins: Inspection) -> str:
     score_note = {
         "filter": "colour: the filter score's rank among the kept spans",
         "share": "colour: share of (layer, KV head) pairs that hold the span's best token",
+        "read": "colour: share of (layer, KV head) pairs that read the span's best token",
         None: "",
     }[ins.score_kind]
+    verb = "read" if ins.view == "read" else "kept"
     legend = "".join(f'<span class="k{i}">{label}</span>' for i, label in enumerate(("low", "", "", "high")[: len(PALETTE)]))
     answer = f'<p class="meta">answer: <b>{_e(ins.answer)}</b></p>' if ins.answer is not None else ""
     head = (
-        f"<h1>What {_e(ins.method)} kept of {_e(doc_name)}</h1>"
+        f'<h1 title="{_e(ins.method)}">What {_e(ins.label)} {verb} of {_e(doc_name)}</h1>'
         f'<p class="meta">model <b>{_e(ins.model)}</b> · {ins.document.n_pages} page(s) · '
         f"{ins.n_document:,} document tokens · question: <b>{_e(ins.question)}</b></p>"
-        f'<p class="meta">{kept_line} · {len(ins.spans):,} kept document spans</p>'
+        f'<p class="meta">{kept_line} · {len(ins.spans):,} {verb} document spans</p>'
         f"{answer}"
         f'<p class="meta legend">{legend} {_e(score_note)}</p>'
         f"{_score_strip(ins, profile)}"
@@ -189,7 +222,7 @@ def render(ins: Inspection) -> str:
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>kvcli inspect: {_e(doc_name)} ({_e(ins.method)})</title>"
+        f"<title>kvcli inspect: {_e(doc_name)} ({_e(ins.label)})</title>"
         f"<style>{CSS}</style></head><body>"
         f"<header>{head}</header>"
         f"{_layers_table(ins)}"

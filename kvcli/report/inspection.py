@@ -5,6 +5,12 @@ computed anyway, no answer is decoded unless ``generate=True``) and returns an
 ratio and, for methods that keep different tokens per layer or KV head (SnapKV, H2O, PyramidKV,
 RazorAttention, Finch, ...), a per-layer summary. A token counts as kept in the document view when
 any (layer, KV head) holds it; its score is then the share of (layer, KV head) pairs that hold it.
+
+A method that holds everything but reads only part of it (InfLLM's stored book: Initial, the
+Memory blocks a retrieval chose, Local) is shown by what the question and its answer *read*
+(view ``read``): the spans read by any (layer, KV head), scored by the share of pairs that read
+them, the share of the prompt read, and — where layers read different blocks — each layer's
+pages. What it holds (``n_kept``, the compression ratio) stays all of it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..api import read_mask, spec_label
 from ..documents import Document
 from ..pipeline import Pipeline
 from ..prompt import Prompt
@@ -35,22 +42,61 @@ class LayerKept:
         return {"layer": self.layer, "kept_min": self.kept_min, "kept_mean": round(self.kept_mean, 2), "kept_max": self.kept_max}
 
 
+def page_ranges(spans) -> str:
+    """"p.1, p.12-13, p.40": the pages of ``spans`` (in document order), a page said once."""
+    ranges: list[list[int]] = []
+    for s in spans:
+        if ranges and s.page <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], s.last_page)
+        else:
+            ranges.append([s.page, s.last_page])
+    return ", ".join(f"p.{a}" if a == b else f"p.{a}-{b}" for a, b in ranges) or "-"
+
+
+@dataclass
+class LayerRead:
+    """What one layer read of the prompt (over its KV heads), where layers read different blocks."""
+
+    layer: int
+    n_read: float  # prompt tokens read, mean over the layer's KV heads
+    spans: list[Span]  # document spans any of its KV heads read
+
+    def pages(self) -> str:
+        return page_ranges(self.spans)
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "n_read_tokens": round(self.n_read, 2),
+                "pages": [[s.page, s.last_page] for s in self.spans],
+                "spans": [[s.start, s.end] for s in self.spans]}
+
+
 @dataclass
 class Inspection:
-    method: str
+    method: str  # the resolved spec, every knob (JSON); ``label``: its name and the knobs the user set
     model: str
     document: Document
     question: str
     prompt: Prompt
-    kept: torch.Tensor  # (n_prompt,) bool: held by the method (any layer / KV head)
+    kept: torch.Tensor  # (n_prompt,) bool: held by the method (any layer / KV head); view "read": read
     scores: torch.Tensor | None  # (n_prompt,) float per token, NaN where unknown; None: no scores
-    score_kind: str | None  # "filter" (the selector's score), "share" (of layer/head pairs), None
-    view: str  # "selection" (one token set), "per-head" (union over layers/heads), "all" (everything)
+    score_kind: str | None  # "filter" (the selector's score), "share" / "read" (of layer/head pairs), None
+    # "selection" (one token set), "per-head" (union over layers/heads), "all" (everything), "read"
+    # (holds everything, read part of it: the union read over layers/heads)
+    view: str
     n_kept: float  # tokens the model reads per layer and KV head (mean for per-head methods)
     spans: list[Span]
     layers: list[LayerKept] | None  # per-layer summary, when the cache reports what it held
     answer: str | None = None
     method_stats: dict = field(default_factory=dict)
+    label: str = ""
+    # view "read": tokens read per layer and KV head (mean), and per layer where layers differ
+    n_read: float | None = None
+    read_layers: list[LayerRead] | None = None
+
+    @property
+    def read_share(self) -> float | None:
+        """The share of the prompt's KV the question and its answer read (view ``read``)."""
+        return None if self.n_read is None else self.n_read / max(self.n_prompt, 1)
 
     @property
     def n_prompt(self) -> int:
@@ -87,8 +133,9 @@ class Inspection:
             "n_prompt_tokens": self.n_prompt,
             "n_document_tokens": self.n_document,
             "n_kept_tokens": round(self.n_kept, 2) if self.view == "per-head" else int(self.n_kept),
-            "n_kept_any": self.n_kept_any,
-            "n_document_kept": self.n_document_kept,
+            # view "read": everything is held; ``kept`` is what was read
+            "n_kept_any": self.n_prompt if self.view == "read" else self.n_kept_any,
+            "n_document_kept": self.n_document if self.view == "read" else self.n_document_kept,
             "compression_ratio": round(self.compression_ratio, 4),
             "view": self.view,
             "score": self.score_kind,
@@ -96,6 +143,14 @@ class Inspection:
         }
         if self.layers is not None:
             record["layers"] = [row.to_json() for row in self.layers]
+        if self.n_read is not None:
+            record["n_read_tokens"] = round(self.n_read, 2)
+            record["n_read_any"] = self.n_kept_any
+            record["n_document_read"] = self.n_document_kept
+            record["kv_read_frac"] = round(self.read_share, 4)
+            record["read_same_in_every_layer"] = self.read_layers is None
+            if self.read_layers is not None:
+                record["read_layers"] = [row.to_json() for row in self.read_layers]
         if self.answer is not None:
             record["answer"] = self.answer
         record["method_stats"] = self.method_stats
@@ -111,14 +166,16 @@ def _uniform(mask: torch.Tensor) -> bool:
     return bool((flat == flat[:1]).all())
 
 
-def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False) -> Inspection:
+def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False,
+                 **callbacks) -> Inspection:
     """Run ``pipeline`` on (document, question) and report what it kept (see the module doc).
 
     Without ``generate`` only the selection and the prefill run (``max_new_tokens=1``); with it
-    the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``)."""
+    the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``).
+    ``callbacks``: Session.ask's (``on_prompt``, ``on_progress``, ...: what the CLI shows meanwhile)."""
     if not generate:
         session = dataclasses.replace(session, options=dataclasses.replace(session.options, max_new_tokens=1))
-    result = session.ask(document, question, pipeline)
+    result = session.ask(document, question, pipeline, **callbacks)
     prompt = result.prompt
     n = prompt.n_tokens
     selection = result.selection
@@ -132,7 +189,21 @@ def inspect_kept(session, document: Document, question: str, pipeline: Pipeline,
             LayerKept(i, int(row.min()), float(row.float().mean()), int(row.max())) for i, row in enumerate(per_head)
         ]
     scores, score_kind = None, None
-    if mask is None or not mask.numel() or _uniform(mask):
+    read = read_mask(result)
+    n_read, read_layers = None, None
+    if read is not None:  # holds everything, read part of it: show what was read
+        kept = read.any(dim=0).any(dim=0)
+        scores, score_kind = read.float().mean(dim=(0, 1)), "read"
+        n_kept = float(mask.sum()) / (mask.shape[0] * mask.shape[1]) if mask is not None and mask.numel() else float(n)
+        n_read = float(read.sum()) / (read.shape[0] * read.shape[1])
+        view = "read"
+        if not _uniform(read):
+            read_layers = [
+                LayerRead(i, float(layer.sum()) / layer.shape[0],
+                          Selection(torch.nonzero(layer.any(dim=0)).flatten()).spans(prompt, document))
+                for i, layer in enumerate(read)
+            ]
+    elif mask is None or not mask.numel() or _uniform(mask):
         kept = selected if mask is None or not mask.numel() else mask[0, 0].clone()
         n_kept = float(kept.sum())
         if selection.scores is not None and torch.equal(kept, selected):
@@ -145,7 +216,7 @@ def inspect_kept(session, document: Document, question: str, pipeline: Pipeline,
         view = "per-head"
     spans = Selection(torch.nonzero(kept).flatten(), scores).spans(prompt, document)
     return Inspection(
-        method=pipeline.spec(),
+        method=result.extra["compressor"],  # resolved: -c auto's choice, every knob
         model=session.lm.name,
         document=document,
         question=question,
@@ -159,6 +230,9 @@ def inspect_kept(session, document: Document, question: str, pipeline: Pipeline,
         layers=layers,
         answer=result.answer if generate else None,
         method_stats=result.extra.get("method_stats", {}),
+        n_read=n_read,
+        read_layers=read_layers,
+        label=spec_label(result.extra["compressor"], pipeline),
     )
 
 
@@ -177,7 +251,7 @@ def document_profile(ins: Inspection, n_buckets: int = 200) -> list[dict]:
         finite = doc_scores[torch.isfinite(doc_scores)]
         if finite.numel():
             lo, hi = float(finite.min()), float(finite.max())
-            if ins.score_kind == "share":
+            if ins.score_kind in ("share", "read"):
                 lo, hi = 0.0, 1.0
             norm = ((doc_scores - lo) / (hi - lo if hi > lo else 1.0)).clamp(0, 1)
     for t, (start, _end) in enumerate(prompt.doc_offsets):
@@ -211,7 +285,7 @@ def span_levels(ins: Inspection, n_levels: int = 4) -> list[int]:
     spans = ins.spans
     if not spans:
         return []
-    if ins.score_kind == "share":
+    if ins.score_kind in ("share", "read"):
         return [min(n_levels - 1, int((s.score or 0.0) * n_levels)) for s in spans]
     if ins.score_kind != "filter":  # no scores: one readable middle colour
         return [min(1, n_levels - 1)] * len(spans)

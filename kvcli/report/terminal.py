@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import bisect
+import re
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..compressors import REGISTRY, owned_phases
+from ..compressors import REGISTRY
 
 CONTEXT_CHARS = 60
 GEM_STYLE = "bold black on yellow"
+MARKS = ("⟦", "⟧")  # around kept text where colours do not show (a pipe, NO_COLOR)
+
+
+def marks_legend(console: Console, verb: str = "kept") -> None:
+    """One line saying what ⟦ ⟧ mean, where the text is marked with them instead of colours."""
+    if console.color_system is None:
+        console.print(f"{MARKS[0]} {MARKS[1]} mark the {verb} text (no colours: the output is not a terminal)",
+                      style="dim", markup=False, highlight=False)
 
 
 def _flat(text: str) -> str:
@@ -43,12 +52,18 @@ def word_spans(text: str, spans) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def selected_spans(console: Console, spans, document, n_kept: int, n_total: int, max_spans: int | None = None) -> None:
-    """Print the kept document spans highlighted inside a little of their context, with pages.
+def selected_spans(console: Console, spans, document, n_kept: float, n_total: int, max_spans: int | None = None,
+                   verb: str = "kept") -> None:
+    """Print the kept (``verb``: or read) document spans highlighted inside a little of their
+    context, with pages; without colours (a pipe) marked ⟦ ⟧, with a line saying so.
 
     Spans whose context would overlap share one row (the text between them shown once, dim), so
     no part of the document is printed twice; highlights fall on word boundaries (:func:`word_spans`)."""
-    console.rule(f"[bold]kept {n_kept:,} of {n_total:,} prompt tokens ({n_kept / max(n_total, 1):.1%}) — {len(spans)} document span{'' if len(spans) == 1 else 's'}")
+    per = " per layer and KV head" if verb == "read" else ""
+    console.rule(f"[bold]{verb} {n_kept:,.0f} of {n_total:,} prompt tokens{per} ({n_kept / max(n_total, 1):.1%}) — "
+                 f"{len(spans)} document span{'' if len(spans) == 1 else 's'}")
+    marks_legend(console, verb)
+    plain = console.color_system is None
     text = document.text
     rows: list[list[tuple[int, int, list[int]]]] = []
     for piece in word_spans(text, spans):
@@ -68,7 +83,8 @@ def selected_spans(console: Console, spans, document, n_kept: int, n_total: int,
         for j, (a, b, _) in enumerate(row):
             if j:
                 line.append(" " + _flat(text[row[j - 1][1] : a]) + " ", style="dim")
-            line.append(_flat(text[a:b]), style=GEM_STYLE)
+            gem = _flat(text[a:b])
+            line.append(MARKS[0] + gem + MARKS[1] if plain else gem, style=GEM_STYLE)
         after = _flat(text[end : end + CONTEXT_CHARS])[:CONTEXT_CHARS]
         line.append(" " + after + ("…" if end + CONTEXT_CHARS < len(text) else ""), style="dim")
         console.print(line, overflow="fold")
@@ -195,24 +211,58 @@ def cache_tsv(entries) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _summary(cls) -> str:
+    """A method's one line: the first sentence of its docstring after "Name (Authors, year): "."""
+    doc = " ".join((cls.__doc__ or "").split()).replace("``", "")
+    _, colon, rest = doc.partition("): ")
+    first = re.split(r"(?<=\.)\s", rest if colon else doc, maxsplit=1)[0]
+    return first[:1].upper() + first[1:]
+
+
+def _default(f) -> str:
+    return "auto" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+
+
+MAIN_KNOBS = 3  # knobs the table shows per method (the first declared); `kvcli compressors NAME`: all
+
+
 def compressor_table(console: Console) -> None:
+    """``kvcli compressors``: two lines per method — what it does (its docstring's first sentence,
+    cut to the width) and its first knobs with their defaults — and how to see the rest."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
+    name_width = max(map(len, REGISTRY))
+    table.add_column("method", no_wrap=True, style="bold", width=name_width)
+    table.add_column("what it does; its main knobs (default)", no_wrap=True, overflow="ellipsis",
+                     width=max(20, console.width - name_width - 2))
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
-        doc = " ".join((cls.__doc__ or "").split())
-        phases = ", ".join(sorted(owned_phases(cls))) or "none (reference)"
-        console.print(f"[bold]{name}[/bold] — {doc}")
-        console.print(f"  [dim]acts at: {phases}; paper: {cls.paper}[/dim]")
         knobs = cls.knobs()
-        if knobs:
-            table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
-            table.add_column("knob")
-            table.add_column("default")
-            table.add_column("meaning")
-            for f in knobs:
-                default = "auto" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
-                table.add_row(f.name, default, f.metadata.get("help", ""))
-            console.print(table)
-        console.print()
+        shown = ", ".join(f"{f.name}={_default(f)}" for f in knobs[:MAIN_KNOBS])
+        more = f" (+{len(knobs) - MAIN_KNOBS} more)" if len(knobs) > MAIN_KNOBS else ""
+        about = Text(_summary(cls) + "\n", overflow="ellipsis", no_wrap=True)
+        about.append(f"  {shown}{more}" if knobs else "  no knobs", style="dim")
+        table.add_row(name, about)
+    console.print(table)
+    console.print("kvcli compressors NAME: a method's every knob, what it means, and its paper; "
+                  "-c NAME:knob=value,... sets them (e.g. -c snapkv:budget=0.25)", style="dim", markup=False)
+
+
+def compressor_detail(console: Console, name: str) -> None:
+    """``kvcli compressors NAME``: the method's description, its paper and every knob."""
+    cls = REGISTRY[name]
+    console.print(f"[bold]{name}[/bold] — {' '.join((cls.__doc__ or '').split())}")
+    console.print(f"[dim]paper: {cls.paper}[/dim]")
+    knobs = cls.knobs()
+    if not knobs:
+        console.print("no knobs")
+        return
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
+    table.add_column("knob")
+    table.add_column("default")
+    table.add_column("meaning")
+    for f in knobs:
+        table.add_row(f.name, _default(f), f.metadata.get("help", ""))
+    console.print(table)
 
 
 # --------------------------------------------------------------------------- kvcli inspect
@@ -225,11 +275,19 @@ def inspect_summary(console: Console, ins) -> None:
     """``kvcli inspect``: one header block: method, what it kept, the compression ratio."""
     doc = ins.document
     console.print(
-        f"[bold]{ins.method}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
+        f"[bold]{ins.label}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
         f"{ins.n_document:,} document tokens in a {ins.n_prompt:,}-token prompt"
     )
     if ins.view == "all":
         console.print(f"everything kept: all {ins.n_prompt:,} prompt tokens in every layer (no compression)")
+    elif ins.view == "read":
+        console.print(
+            f"holds all {ins.n_prompt:,} prompt tokens (nothing evicted: 1.0×); the question and its answer read "
+            f"[bold]{ins.n_read:,.1f}[/bold] of them per layer and KV head on average "
+            f"([bold]{ins.read_share:.1%}[/bold] of the KV), {ins.n_kept_any:,} in at least one "
+            f"({ins.n_document_kept:,} of the document's) — "
+            + ("the same in every layer" if ins.read_layers is None else "layers read different blocks (table below)")
+        )
     elif ins.view == "per-head":
         console.print(
             f"each layer and KV head holds [bold]{ins.n_kept:,.1f}[/bold] of {ins.n_prompt:,} prompt tokens on average "
@@ -259,9 +317,22 @@ def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
     console.print(table)
 
 
-def document_view(console: Console, ins) -> None:
-    """The whole document with the kept tokens highlighted (colour: the best score level of the
-    merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
+def layer_read_table(console: Console, layers, n_prompt: int) -> None:
+    """Per layer (where layers read different blocks): prompt tokens it read (mean over its KV
+    heads), their share, and the pages of the document it read."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1),
+                  title="read per layer (0-based), over KV heads", title_justify="left")
+    for col in ("layer", "read", "share"):
+        table.add_column(col, justify="right")
+    table.add_column("pages read", justify="left", overflow="fold")
+    for row in layers:
+        table.add_row(str(row.layer), f"{row.n_read:,.1f}", f"{row.n_read / max(n_prompt, 1):.1%}", row.pages())
+    console.print(table)
+
+
+def document_view(console: Console, ins, verb: str = "kept") -> None:
+    """The whole document with the kept (``verb``: or read) tokens highlighted (colour: the best
+    score level of the merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
     from .inspection import span_levels
 
     text, doc = ins.document.text, ins.document
@@ -273,6 +344,7 @@ def document_view(console: Console, ins) -> None:
 
     # without colours (a pipe, NO_COLOR) the highlight would vanish: mark kept text with ⟦ ⟧
     plain = console.color_system is None
+    marks_legend(console, verb)
     line = Text()
     for a, b in zip(cuts, cuts[1:]):
         if a in page_at:
@@ -283,7 +355,7 @@ def document_view(console: Console, ins) -> None:
         j = bisect.bisect_right(starts, a) - 1
         inside = j >= 0 and pieces[j][0] <= a < pieces[j][1]
         if inside and plain:
-            line.append(("⟦" if a == pieces[j][0] else "") + text[a:b] + ("⟧" if b == pieces[j][1] else ""))
+            line.append((MARKS[0] if a == pieces[j][0] else "") + text[a:b] + (MARKS[1] if b == pieces[j][1] else ""))
         else:
             line.append(text[a:b], style=LEVEL_STYLES[pieces[j][2]] if inside else "")
     if line:

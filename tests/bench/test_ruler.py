@@ -17,6 +17,7 @@ from kvcli.bench.ruler import score_answer, spec_at_ratio, string_match_all, str
 from kvcli.bench.ruler_tasks import TASKS, make_instance
 from kvcli.documents import document_from_text
 from kvcli.errors import KvcliError, UsageError
+from kvcli.texts import FILLER
 
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
@@ -107,7 +108,7 @@ def test_niah_needles_are_where_the_instance_says(instances):
             assert all(abs(s - d) < 0.08 for s, d in zip(starts, inst.extra["depths"])), (task, starts, inst.extra["depths"])
         if spec.haystack == "repeat":
             lines = inst.document.split("\n")[1:]
-            assert sum(line == ruler_tasks.FILLER for line in lines) == len(lines) - len(inst.spans)
+            assert sum(line == FILLER for line in lines) == len(lines) - len(inst.spans)
 
 
 def test_vt_chain_cwe_and_fwe_answers_follow_from_the_text(instances):

@@ -130,8 +130,9 @@ def test_batch_summary_counts_what_ran_and_shows_the_resolved_spec(folder, model
     ]
     code, out, err = run(folder / "a.txt", folder / "missing.txt", "Who?")
     summary = err.splitlines()[-1]
-    resolved = json.loads(out.splitlines()[0])["compressor"]
-    assert code == 1 and summary == f"1 answered, 1 failed · {resolved}" and "auto" not in resolved, summary
+    resolved = json.loads(out.splitlines()[0])["compressor"]  # the JSON: every knob resolved
+    assert resolved.startswith("gemfilter:layer=2,k=") and "auto" not in resolved, resolved
+    assert code == 1 and summary == "1 answered, 1 failed · gemfilter:layer=2", summary  # the knob the user set
 
 
 def test_an_error_that_does_not_name_the_document_gets_its_name_once():
@@ -224,12 +225,14 @@ def run_example(script: str, model: str, tmp_path: Path, *args) -> str:
     return out.stdout
 
 
+@pytest.mark.e2e
 def test_example_folder_script_runs(model, folder, tmp_path):
     (folder / "broken.pdf").unlink()
     lines = run_example("ask_folder.sh", model, tmp_path, folder, "Who was the keeper?").strip().splitlines()
     assert len(lines) == 3 and all("\t" in line for line in lines)
 
 
+@pytest.mark.e2e
 def test_example_questions_script_runs(model, folder, tmp_path):
     questions = tmp_path / "q.txt"
     questions.write_text("# two questions\nWho was the keeper?\nHow many ships?\n")
@@ -237,6 +240,7 @@ def test_example_questions_script_runs(model, folder, tmp_path):
     assert [(r[0], r[2]) for r in rows] == [("Who was the keeper?", "miss"), ("How many ships?", "hit")]
 
 
+@pytest.mark.e2e
 def test_example_parallel_script_shares_one_cache(model, folder, tmp_path):
     (folder / "broken.pdf").unlink()
     out = run_example("ask_parallel.sh", model, tmp_path, folder, "Who was the keeper?")

@@ -241,6 +241,8 @@ def test_compressors(cli):
     assert code == 0, err
     assert "Traceback" not in out + err
     assert "gemfilter" in out and "full" in out
+    code, out, err = cli("compressors", "gemfilter")  # a method's knobs, one row each (issue 41: no longer all at once)
+    assert code == 0, err
     for knob in ("layer", "k", "kernel"):
         assert re.search(rf"^\s*{knob}\s", out, re.M), knob
 
@@ -288,6 +290,9 @@ def test_json_gemfilter_selected_spans(cli, files, model):
         assert 0 <= span["start"] < span["end"] <= len(text)
         assert text[span["start"] : span["end"]] == span["text"]
         assert span["page"] == 1
+        assert span["cited"] == any(c["start"] < span["end"] and span["start"] < c["end"] for c in record["sources"])
+    cited = record["sources"]  # each overlaps a kept span: gemfilter's second pass read nothing else
+    assert cited and all(any(c["start"] < s["end"] and s["start"] < c["end"] for s in spans) for c in cited)
 
 
 def test_plain_text_answer_and_stats(cli, files, model):
@@ -297,14 +302,18 @@ def test_plain_text_answer_and_stats(cli, files, model):
 
     code, out, err = cli(*args)
     assert code == 0, err
-    assert out == record["answer"] + "\n"  # greedy: the same answer as the JSON run
+    # greedy: the same answer as the JSON run, then its sources (best first, or why none is clear)
+    quotes = [f'line {s["lines"][0]}: "' for s in record["sources"]]
+    assert out.startswith(record["answer"] + "\n") and all(q in out for q in quotes), out
+    assert (record["sources_note"] is None) == ("no clear source" not in out)
     lines = err.splitlines()
     assert len(lines) == 1, err  # the stats line, one line even in a pipe
-    assert lines[0].startswith(record["compressor"])
+    assert lines[0].startswith("gemfilter:layer=2,k=32 · ")  # the knobs the user set ...
+    assert len(record["compressor"]) > 30  # ... every knob in the JSON
     assert f"kept 32/{record['n_context_tokens']}" in lines[0] and "TTFT" in lines[0]
     assert "Traceback" not in err
 
-    code, out, err = cli(*args, "--quiet")
+    code, out, err = cli(*args, "--quiet", "--no-sources")
     assert code == 0
     assert out == record["answer"] + "\n"
     assert err == ""
@@ -359,6 +368,7 @@ def test_ctrl_c_exits_130(cli, files, model, monkeypatch):
 # --- the real entry point --------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_real_entry_point_matches_in_process(cli, files, model):
     missing = files["doc"].with_name("missing.txt")
     args = ["ask", str(missing), "q", "-m", model]

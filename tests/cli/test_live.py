@@ -1,9 +1,11 @@
 """``kvcli ask`` on a terminal: the answer streamed to stdout as it is decoded, the spinner naming
-the method and the prompt's length, a bar for a long prompt; --json and pipes unchanged."""
+the method and the prompt's length, a bar for a long prompt; --json and pipes unchanged; in a pipe,
+lines while the prompt is read and the answer written; a time left from the read's recent speed."""
 
 from __future__ import annotations
 
 import json
+import re
 from io import StringIO
 
 import pytest
@@ -21,7 +23,8 @@ def doc(tmp_path):
 
 
 def test_ask_on_a_terminal_streams_the_answer_piece_by_piece(cli, doc, model, monkeypatch):
-    args = ("ask", doc, "How many ships?", "-m", model, "--max-new-tokens", "16", "--no-answer-guard", "--no-cache")
+    args = ("ask", doc, "How many ships?", "-m", model, "--max-new-tokens", "16", "--no-answer-guard", "--no-cache",
+            "--no-sources")
     code, out, err = cli(*args, "--json")
     answer = json.loads(out)["answer"]
     assert code == 0 and answer
@@ -94,3 +97,103 @@ def test_quiet_prints_no_progress():
         reading.t0 -= 100
         reading.on_progress(0.5)
     assert err.file.getvalue() == ""
+
+
+# --- issue 41, item 7: no silent stretch in a pipe, an honest time left -----------------------------
+
+
+class Clock:
+    """time.perf_counter for live.py, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(live.time, "perf_counter", c)
+    return c
+
+
+def test_the_time_left_waits_for_a_tenth_of_the_read_then_follows_its_recent_speed(clock):
+    """A 405 s read whose first 6% took 5 s (issue 41: "1m 20s left" at 6%): no time left before
+    a tenth, then one from the speed of the last 30 s, within 10% of the truth."""
+    n, first, rest = 88_244, 0.06, 400.0
+    err = Console(file=StringIO(), width=200)  # a pipe: lines
+    with live.Reading(err) as reading:
+        reading.on_prompt("infllm", n)
+        start = clock.now
+
+        def at(t: float) -> float:  # the share read t seconds in
+            return first * t / 5 if t <= 5 else first + (1 - first) * (t - 5) / rest
+
+        lefts = {}
+        for t in range(0, 406):
+            clock.now = start + t
+            reading.last_line = -1e9  # a line every call
+            reading.on_progress(at(t))
+            line = err.file.getvalue().splitlines()[-1] if err.file.getvalue() else ""
+            lefts[t] = line
+    early = [lefts[t] for t in range(6, 40) if at(t) < live.ETA_AFTER]
+    assert early and not any("left" in line for line in early)
+    for t in (60, 150, 300):
+        m = re.search(r"(\d+)m (\d+)s left", lefts[t])
+        said, true = int(m[1]) * 60 + int(m[2]), 405 - t
+        assert abs(said - true) <= 0.1 * true + 1, (t, lefts[t])
+    # what the overall rate said at 60 s: far too little
+    assert "tok/s" in live.reading_figures(at(60), n, 60) and abs((1 - at(60)) * n / (at(60) * n / 60) - 345) > 30
+
+
+def test_a_pipe_is_told_the_answer_is_being_written(clock):
+    err = Console(file=StringIO(), width=100)  # not a terminal
+    with live.Reading(err) as reading:
+        reading.on_prompt("full attention", 900)
+        reading.on_progress(1.0)
+        start = clock.now
+        for t in (0, 2, 4):
+            clock.now = start + t
+            reading.on_token(7)
+        assert err.file.getvalue() == ""  # a short answer: nothing said
+        for t in range(6, 70, 2):
+            clock.now = start + t
+            reading.on_token(7)
+    lines = err.file.getvalue().splitlines()
+    assert lines == [f"kvcli: writing the answer: {n} tokens · 0.5 tok/s" for n in (4, 19, 34)], lines
+
+
+def test_a_terminal_spinner_counts_the_answer_and_quiet_says_nothing(clock):
+    err = Console(file=StringIO(), force_terminal=True, width=100)
+    with live.Reading(err) as reading:
+        reading.on_prompt("full attention", 9000)
+        clock.now += 2
+        reading.on_progress(0.3)
+        assert reading.progress is not None  # the bar while the prompt is read
+        reading.on_token(7)
+        clock.now += 2
+        reading.on_token(7)
+        assert reading.progress is None and reading.status is not None
+        assert reading.status.status == "writing the answer · 2 tokens · 0.5 tok/s"
+    quiet = Console(file=StringIO(), width=100, quiet=True)
+    with live.Reading(quiet) as reading:
+        for _ in range(3):
+            clock.now += 30
+            reading.on_token(7)
+    assert quiet.file.getvalue() == ""
+
+
+def test_ask_and_inspect_in_a_pipe_print_progress(cli, doc, model, monkeypatch):
+    monkeypatch.setattr(live, "LINE_AFTER_S", 0.0)
+    monkeypatch.setattr(live, "LINE_EVERY_S", 0.0)
+    code, out, err = cli("inspect", doc, "How many ships?", "-m", model, "--no-cache", "-c", "snapkv:budget=48")
+    assert code == 0, err
+    assert re.search(r"^kvcli: snapkv · [\d,]+ tokens: [\d,]+/[\d,]+ tokens \(\d+%\)", err, re.M), err
+    ask = ("ask", doc, "How many ships?", "-m", model, "--no-cache", "--max-new-tokens", "6")
+    code, out, err = cli(*ask, "--no-answer-guard")
+    assert code == 0, err
+    assert re.search(r"^kvcli: writing the answer: \d+ tokens", err, re.M), err
+    code, out, err = cli(*ask, "-q")
+    assert code == 0 and err == "", err

@@ -328,27 +328,6 @@ def test_ctrl_c_while_a_worker_writes_an_entry_leaves_no_torn_entry(ray_cluster,
         ray_cluster.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
 
 
-# --- scheduling ---------------------------------------------------------------------------------
-
-
-def test_dispatch_order_is_longest_first_within_windows_counted_from_the_end(tmp_path):
-    from kvcli.batch import Input, Job
-    from kvcli.executors import dispatch_order
-
-    sizes = [5, 1, 9, 3, 7, 2, 8, 6, 4, 10]
-    jobs = []
-    for i, size in enumerate(sizes):
-        (tmp_path / f"d{i}.txt").write_text("x" * size)
-        jobs.append(Job(i, Input(str(tmp_path / f"d{i}.txt"))))
-    order = lambda window: [j.index for j in dispatch_order(jobs, window)]  # noqa: E731
-    assert order(100) == sorted(range(10), key=lambda i: -sizes[i])  # one window: longest first
-    # windows of 4 from the end: [0, 1] [2, 3, 4, 5] [6, 7, 8, 9], each longest first, in input order
-    assert order(4) == [0, 1, 2, 4, 3, 5, 9, 6, 7, 8]
-    stdin = Job(10, Input("-"), text="y" * 50)  # stdin's text counts, a missing file is 0
-    missing = Job(11, Input(str(tmp_path / "gone.txt")))
-    assert [j.index for j in dispatch_order([missing, stdin], 10)] == [10, 11]
-
-
 # --- without Ray ------------------------------------------------------------------------------
 
 

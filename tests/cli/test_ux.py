@@ -31,6 +31,7 @@ def test_version_prints_the_installed_versions_and_exits_0(cli):
     assert out == f"kvcli {metadata.version('kvcli')} (torch {metadata.version('torch')}, transformers {metadata.version('transformers')}, Python {sys.version.split()[0]})\n"
 
 
+@pytest.mark.e2e
 def test_version_through_the_real_entry_point(tmp_path):
     # eager: answered before any command runs, even with a cache folder that cannot exist
     env = {"PYTHONPATH": str(REPO), "KVCLI_CACHE_DIR": str(tmp_path / "file" / "x"), "PATH": "/usr/bin:/bin"}

@@ -27,7 +27,8 @@ from kvcli.compressors import parse_one
 from kvcli.compressors.blocksparse import BlockSparse, default_local, default_topk
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
+from kvcli.pipeline import Pipeline, default_prefill, run
+from kvcli.prefix import Prefix
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
@@ -127,7 +128,7 @@ def test_prefix_state_is_full_attentions_and_gives_the_same_answer(tiny_lm):
     spec = f"blocksparse:{SMALL},topk=3,preselect=true,window=24"  # window > the 11 question tokens
     stage = stage_for(lm, spec)
     assert stage.prefix_state(lm) == parse_one("full").prefix_state(lm)
-    prefix = make_prefix(engine, prompt, stage, None, {})
+    prefix = Prefix.of(engine, prompt, stage, None, {})
     assert prefix is not None and prompt.n_tokens - prefix.n_tokens < 24
     with_prefix, c1 = blocksparse_logits(engine, spec, prompt.ids, prefix=prefix)
     scratch, c2 = blocksparse_logits(engine, spec, prompt.ids)
@@ -198,7 +199,7 @@ def _reps(engine, spec, question, prefix_store=None):
     lm = engine.lm
     prompt = prompt_for(lm, question)
     stage = stage_for(lm, spec)
-    prefix = None if prefix_store is None else make_prefix(engine, prompt, stage, prefix_store, {})
+    prefix = None if prefix_store is None else Prefix.of(engine, prompt, stage, prefix_store, {})
     logits, cache = blocksparse_logits(engine, spec, prompt.ids, steps=2, prefix=prefix, protected=prompt.n_suffix)
     whole = (prompt.prefix_len - cache.initial) // cache.block_size  # blocks inside the document prefix
     return prompt, cache, whole, logits, prefix
@@ -230,15 +231,16 @@ def test_infllm_prefix_state_keeps_the_scores_and_serves_any_question(tiny_lm, t
     p1, c1, w, l1, prefix1 = _reps(engine, spec, QUESTIONS[0], store)
     p2, c2, _, l2, prefix2 = _reps(engine, spec, QUESTIONS[1], store)
     assert (prefix1.fetched.status, prefix2.fetched.status) == ("miss", "hit")
-    assert isinstance(prefix2.cache(), ScoredKVCache) and prefix2.cache().rows_scored == p2.prefix_len
+    assert isinstance(prefix2.copy(), ScoredKVCache) and prefix2.copy().rows_scored == p2.prefix_len
     assert all(torch.equal(a[:, :w], b[:, :w]) for a, b in zip(c1.reps, c2.reps))
     _, scratch, _, l_scratch, _ = _reps(engine, spec, QUESTIONS[1])
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(c2.reps, scratch.reps))
     assert_same_logits(l2, l_scratch)
     # the stored entry round-trips (what the store verified when it loaded it)
-    tensors, facts = prefix2.cache().to_tensors()
+    tensors, facts = prefix2.copy().to_tensors()
     back = ScoredKVCache.from_tensors(tensors, json.loads(json.dumps(facts)))
-    assert back.rows_scored == p2.prefix_len and all(torch.equal(a, b) for a, b in zip(back.rep_sums, prefix2.cache().rep_sums))
+    assert back.rows_scored == p2.prefix_len
+    assert all(torch.equal(a, b) for a, b in zip(back.rep_sums, prefix2.copy().rep_sums))
     with pytest.raises(ValueError, match="representative-score"):
         ScoredKVCache.from_tensors({k: v for k, v in tensors.items() if k != "rep.1"}, facts)
 

@@ -14,7 +14,7 @@
 (d) ``Result.kept_mask`` is (layers, KV heads, prompt) bool and ``n_kept_tokens`` its mean, the
     cache's ``stats()`` (``method_stats``) are JSON-able and agree with both;
 (e) its ``kvcli ask --json`` record (:func:`kvcli.api.result_record`, what the CLI prints) has
-    every field docs/usage.md documents, with its type.
+    every field docs/usage.md documents, with its type, and no field it does not.
 
 Everything is memoised per session, on tiny random models and a ~210-token prompt: one
 keep-everything run per (method, family), three store runs per method (whose third, without the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -36,14 +35,14 @@ import torch
 from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
-from kvcli.compressors.base import Runtime
 from kvcli.pipeline import Pipeline, run
 from kvcli.store import KVStore
 from kvcli.errors import UsageError
+from tests.helpers.documented import json_fields
 from tests.helpers.reference import assert_same_logits
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.runs import DOC, prompt_for
-from tests.helpers.runs import RecordingEngine, full_references
+from tests.helpers.runs import RecordingEngine, configured, full_references
 from tests.helpers.stores import session_for
 from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
@@ -56,28 +55,16 @@ STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
 TOL = 1e-4
-USAGE = Path(__file__).resolve().parents[2] / "docs" / "usage.md"  # the --json fields, documented
 
 # (method, family) -> why it does not reproduce full attention when told to keep everything
 # (each one an xfail(strict=True): fixing the method turns the test red until the entry goes)
 KNOWN_DIFFERENT: dict[tuple[str, str], str] = {}
 
-# the fields of `kvcli ask --json` docs/usage.md documents (its "`--json` prints" paragraph)
-DOCUMENTED_FIELDS = (
-    "answer", "compressor", "model", "n_context_tokens", "n_document_tokens", "n_kept_tokens",
-    "compression_ratio", "n_selected_tokens", "prompt_computed_frac", "kv_attended_frac", "ttft_s",
-    "total_s", "decode_tokens_per_s", "peak_mem_mb", "kv_cache_bytes", "cache", "cache_saved_s",
-    "cache_entry_bytes", "method_stats", "warnings",
-)
+# the fields every `kvcli ask --json` record has, as docs/usage.md's table documents them
+DOCUMENTED_FIELDS = tuple(json_fields()[0])
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def configured(spec: str, lm, profiles: Path) -> Pipeline:
-    pipeline = Pipeline.parse(spec)
-    pipeline.configure(lm, Runtime(cache_dir=profiles))  # per-model head profiles (razor, duo): computed once per session
-    return pipeline
 
 
 def keep_all_for(name: str, prompt) -> str:
@@ -231,7 +218,7 @@ def test_warm_cold_and_no_store_give_the_same_answer(name, stored, tiny_lm, prof
 def full_held(n: int, lm) -> float:
     """What full attention holds of an n-token prompt per layer and KV head: n, but on a hybrid
     (Gemma 2 / 3) a sliding layer of window w only its last w - 1 tokens."""
-    windows = [lm.window(layer) for layer in range(lm.n_layers)]
+    windows = [lm.windows.window(layer) for layer in range(lm.n_layers)]
     return sum(n if w is None else min(n, w - 1) for w in windows) / len(windows)
 
 
@@ -252,8 +239,7 @@ def check_kept(result, lm) -> None:
     stats = result.extra["method_stats"]
     assert isinstance(stats, dict) and all(isinstance(k, str) for k in stats)
     assert json.loads(json.dumps(stats)) == stats  # JSON-able as it is (the --json record carries it)
-    if hasattr(result.cache, "stats"):
-        assert set(stats) == set(result.cache.stats())
+    assert set(stats) == set(result.cache.stats())
     for key, value in compute_fractions(stats).items():
         assert value is None or 0.0 <= value <= 1.0, (key, value)
     if "kv_bytes" in stats:
@@ -264,7 +250,8 @@ def check_kept(result, lm) -> None:
         assert stats["kv_heads"] == lm.n_layers * lm.n_kv_heads
         cut = (stats["kv_heads"] - stats["protected_kv_heads"]) / stats["kv_heads"]
         # a hybrid's sliding layers (every head protected) hold their window only
-        window_cut = sum(n - min(n, w - 1) for w in (lm.window(layer) for layer in range(lm.n_layers)) if w is not None) / lm.n_layers
+        windows = (lm.windows.window(layer) for layer in range(lm.n_layers))
+        window_cut = sum(n - min(n, w - 1) for w in windows if w is not None) / lm.n_layers
         assert held == pytest.approx(n - cut * stats["dropped_tokens"] - window_cut)
     if "kv_entries" in stats:  # ragged caches: entries held (prompt and later tokens) within the padded slots
         assert held * lm.n_layers * lm.n_kv_heads <= stats["kv_entries"] <= stats["kv_slots"]
@@ -283,7 +270,7 @@ def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, ti
         n, mask = everything.prompt.n_tokens, everything.kept_mask()
         if family in HYBRID_FAMILIES:
             for layer in range(lm.n_layers):
-                w = lm.window(layer)
+                w = lm.windows.window(layer)
                 assert mask[layer, :, n - (n if w is None else w - 1):].all(), (family, layer)
             assert everything.n_kept_tokens >= full_held(n, lm) and everything.compression_ratio <= 1.0 + 1e-9
         else:
@@ -304,9 +291,11 @@ def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, ti
 
 
 def check_record(record: dict) -> None:
-    """Every documented field of a ``kvcli ask --json`` record (no store), with its type."""
+    """Every documented field of a ``kvcli ask --json`` record (no store), with its type, and no other."""
     missing = [f for f in DOCUMENTED_FIELDS if f not in record]
     assert not missing, f"the --json record lacks documented fields {missing}"
+    undocumented = [f for f in record if f not in DOCUMENTED_FIELDS]
+    assert not undocumented, f"the --json record has fields docs/usage.md does not document: {undocumented}"
     assert isinstance(record["answer"], str) and isinstance(record["model"], str) and record["model"]
     spec = record["compressor"]
     assert isinstance(spec, str) and Pipeline.parse(spec).spec() == spec
@@ -325,11 +314,6 @@ def check_record(record: dict) -> None:
     assert record["cache"] == "off" and record["cache_saved_s"] is None and record["cache_entry_bytes"] is None
     assert isinstance(record["method_stats"], dict) and isinstance(record["warnings"], list)
     assert json.loads(json.dumps(record)) == record
-
-
-def test_the_documented_json_fields_are_the_docs():
-    paragraph = USAGE.read_text(encoding="utf-8").split("`--json` prints", 1)[1].split("\n\n", 1)[0]
-    assert set(re.findall(r"`([a-z_]+)`", paragraph)) >= set(DOCUMENTED_FIELDS)
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -346,7 +346,7 @@ def test_layer_by_layer_eviction_equals_eviction_after_the_pass(tiny_lm, monkeyp
     evicting after the whole pass keeps, and the pass never holds the uncompressed KV of every
     layer: with the prefix state computed in the pass (no store), not even for an instant."""
     from kvcli.compressors.base import Compressor
-    from kvcli.pipeline import make_prefix
+    from kvcli.prefix import Prefix
 
     lm = tiny_lm("qwen2")
     engine = Engine(lm)
@@ -365,10 +365,10 @@ def test_layer_by_layer_eviction_equals_eviction_after_the_pass(tiny_lm, monkeyp
             return out
 
         caches = []
-        state = None if prefix is None else make_prefix(engine, prompt, pipeline.reader(), None, {})
+        state = None if prefix is None else Prefix.of(engine, prompt, pipeline.reader(), None, {})
         assert (state is None) == (prefix is None), f"{spec}: a prefix state was expected with prefix={prefix}"
-        if prefix == "held by the store":
-            state.sole_owner = False
+        if prefix == "held by the store":  # as a disk store on the CPU holds it (its memo keeps it)
+            state.stored = state.shared = True
         with monkeypatch.context() as m:
             m.setattr(engine, "layer", layer)
             m.setattr(KVCache, "__init__", lambda self, _init=KVCache.__init__: (_init(self), caches.append(self))[0])

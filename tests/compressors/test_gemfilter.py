@@ -10,7 +10,8 @@ from kvcli.compressors import parse_one
 from kvcli.compressors.gemfilter import default_filter_layer, top_k_positions
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, Prefix, run
+from kvcli.pipeline import Pipeline, run
+from kvcli.prefix import Prefix
 from kvcli.prompt import build_prompt, stop_token_ids
 from tests.helpers.tiny_models import FAMILIES
 
@@ -42,7 +43,8 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
     gem = run(engine, prompt, Pipeline.parse(f"gemfilter:k={n},layer=1"), max_new_tokens=5, stop_ids=set())
     assert gem.answer_ids == full.answer_ids and len(gem.answer_ids) == 5
     assert gem.n_kept_tokens == full.n_kept_tokens
-    assert full.n_kept_tokens == n or lm.full_layers() != list(range(lm.n_layers))  # a hybrid's sliding layers: their window
+    # a hybrid's sliding layers: their window
+    assert full.n_kept_tokens == n or lm.windows.full_layers != list(range(lm.n_layers))
     assert stop  # the tokenizer has stop ids
 
 
@@ -135,9 +137,8 @@ def test_prefix_state_is_the_kv_of_the_r_plus_1_layers_run(tiny_lm):
     gem = parse_one("gemfilter:k=30,layer=2")
     gem.configure(lm)
     assert gem.prefix_state(lm) == {"kind": "kv", "layers": 3}
-    ids = prompt.ids[: prompt.prefix_len]
-    prefix = Prefix(ids, gem.prefix_state(lm), lambda: (gem.build_prefix(engine, ids), None))
-    assert prefix.cache().n_layers == 3
+    prefix = Prefix.of(engine, prompt, gem, None, {})
+    assert prefix.copy().n_layers == 3
     with_prefix = gem.select_tokens(engine, prompt.ids, protected=prompt.n_after_document, prefix=prefix)
     one_pass = gem.select_tokens(engine, prompt.ids, protected=prompt.n_after_document)
     assert with_prefix.kept.tolist() == one_pass.kept.tolist()

@@ -23,6 +23,7 @@ from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
+from kvcli.windows import Windows
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(10))
@@ -41,7 +42,7 @@ class _Prefix:
     def __init__(self, book, n):
         self.book, self.n_tokens = book, n
 
-    def cache(self):
+    def take(self):
         return self.book.copy()
 
 
@@ -411,12 +412,13 @@ def test_attention_parts_merge_into_one_softmax():
 def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, limiting_windows=lambda: [])
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, windows=Windows.none(30))
     s = parse_one(spec)
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
     assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
-    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30, limiting_windows=lambda: [])
+    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30,
+                            windows=Windows.none(30))
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
@@ -456,7 +458,8 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
 def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30, limiting_windows=lambda: [])
+    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30,
+                         windows=Windows.none(30))
     s = parse_one(spec)
     s.configure(lm)
     assert (s.filter_layer, s.answer_positions) == want

@@ -14,7 +14,8 @@ from kvcli.caches import LazyCache
 from kvcli.compressors.lazyllm import default_keep, default_layers, last_token_attention, n_keep
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.pipeline import Pipeline, make_prefix, run
+from kvcli.pipeline import Pipeline, run
+from kvcli.prefix import Prefix
 from kvcli.prompt import build_prompt
 from kvcli.store import KVStore
 
@@ -227,7 +228,7 @@ def test_prefix_state_gives_the_one_pass_result(tiny_lm, tmp_path):
     method = lazy(lm, "lazyllm:layers=2/3,keep=0.5/0.25")
     assert method.prefix_state(lm) == {"kind": "lazyllm", "layers": 2}
     one_cache, one_first, _ = method.prefill(engine, prompt.ids)
-    prefix = make_prefix(engine, prompt, method, None, {})
+    prefix = Prefix.of(engine, prompt, method, None, {})
     two_cache, two_first, _ = method.prefill(engine, prompt.ids, prefix=prefix)
     assert torch.allclose(one_first, two_first, atol=TOL)
     assert torch.equal(one_cache.kept_mask(prompt.n_tokens), two_cache.kept_mask(prompt.n_tokens))

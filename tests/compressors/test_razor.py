@@ -30,7 +30,8 @@ from kvcli.compressors.razor_heads import (
     probe_ids,
     top_fraction,
 )
-from kvcli.pipeline import Pipeline, default_prefill, make_prefix, run
+from kvcli.pipeline import Pipeline, default_prefill, run
+from kvcli.prefix import Prefix
 from kvcli.prompt import build_prompt
 from kvcli.store import make_key
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
@@ -58,7 +59,7 @@ def decode_from(engine, cache, first_logits, position: int, steps: int) -> list[
 def pipeline_logits(engine, stage, prompt, steps: int):
     """What :func:`kvcli.pipeline.run` does with one stage: its prefix state (computed, no store),
     the prompt's remaining tokens on top, ``compress``, then greedy steps. -> (logits, cache)."""
-    prefix = make_prefix(engine, prompt, stage, None, {})
+    prefix = Prefix.of(engine, prompt, stage, None, {})
     compressors = [stage] if "compress" in type(stage).__dict__ else []
     cache, logits = default_prefill(engine, prompt.ids, prefix, compressors)
     for c in compressors:

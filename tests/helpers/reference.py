@@ -158,3 +158,16 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
         keys = [rope(s["pre"], slots) for s in state]
         values = [s["v"] for s in state]
     return kept, keys, values, logits, steps
+
+
+def hf_logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    """Reference: transformers' own forward with its own sdpa kernel (no kvcli attention; eager
+    for a family that refuses sdpa, Gemma 2)."""
+    model = lm.model
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", True) is not False else "eager"
+    try:
+        with torch.inference_mode():
+            return model(ids.view(1, -1).to(lm.device)).logits[0].float()
+    finally:
+        model.config._attn_implementation = saved

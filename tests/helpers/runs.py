@@ -1,13 +1,17 @@
-"""Running a method on a tiny model the way the pipeline does, and full attention's reference
-(the logits of the prefill and of each greedy decoding step)."""
+"""Running a method on a tiny model the way the pipeline does (random prompts, configured
+pipelines), and full attention's reference (the logits of the prefill and of each greedy decoding
+step)."""
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
 from kvcli.caches import KVCache
+from kvcli.compressors.base import Runtime
+from kvcli.decode import DecodeStep
 from kvcli.engine import Engine
 from kvcli.pipeline import Pipeline, default_prefill
 from kvcli.prompt import build_prompt
@@ -83,12 +87,27 @@ class RecordingEngine(Engine):
     prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
 
     def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
-        inner = self.step if step is None else step
+        inner = DecodeStep.full_attention(self) if step is None else step
         self.seen = [first_logits]
 
         def recording(token, position, c):
-            logits = inner(token, position, c)
+            logits = inner.run(token, position, c)
             self.seen.append(logits)
             return logits
 
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording, guard=guard)
+        recording_step = DecodeStep(recording, device_token=inner.device_token)
+        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token,
+                              step=recording_step, guard=guard)
+
+
+def random_ids(n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` token ids drawn from the vocabulary every tiny model has, the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 40000, (n,), generator=g)
+
+
+def configured(spec: str, lm, profiles: Path) -> Pipeline:
+    """The pipeline of ``spec`` configured on ``lm``, its per-model head profiles under ``profiles``."""
+    pipeline = Pipeline.parse(spec)
+    pipeline.configure(lm, Runtime(cache_dir=profiles))  # per-model head profiles (razor, duo): computed once per session
+    return pipeline

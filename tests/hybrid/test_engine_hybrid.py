@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import engine as engine_mod
+from kvcli import windows as windows_mod
 from kvcli.caches import KVCache
 from kvcli.engine import Engine
 from kvcli.kernels import softcapped
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
-from tests.test_engine import hf_logits, random_ids
+from tests.helpers.reference import hf_logits
+from tests.helpers.runs import random_ids
 
 TOL = 1e-4
 
@@ -44,14 +45,14 @@ def test_softcapped_kernel_against_a_dense_reference():
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_decoding_keeps_only_the_window_and_matches_transformers(tiny_lm, family, monkeypatch):
-    monkeypatch.setattr(engine_mod, "WINDOW_SLACK", 3)
+    monkeypatch.setattr(windows_mod, "WINDOW_SLACK", 3)
     lm = tiny_lm(family)
     ids = random_ids(70, seed=4)
     ref = hf_logits(lm, ids)
     engine = Engine(lm)
-    assert engine.windows == [HYBRID_WINDOW, None, HYBRID_WINDOW, None]
+    assert list(engine.windows.layers) == [HYBRID_WINDOW, None, HYBRID_WINDOW, None]
     cache, logits = engine.prefill(ids[:30])
-    engine.trim_windows(cache)  # what the pipeline does before decoding
+    cache.trim_windows(engine.windows)  # what the pipeline does before decoding
     assert [cache.seq_len(i) for i in range(4)] == [HYBRID_WINDOW - 1, 30, HYBRID_WINDOW - 1, 30]
     assert torch.allclose(logits, ref[29], atol=TOL)
     for i in range(30, 70):
@@ -72,4 +73,4 @@ def test_rope_differs_between_layer_types(tiny_lm):
     cos0, _ = engine.rotary(0)(x, torch.arange(1, 50).view(1, -1))
     cos1, _ = engine.rotary(1)(x, torch.arange(1, 50).view(1, -1))
     assert not torch.allclose(cos0, cos1)
-    assert engine.full_layers() == [1, 3] and engine.rope_groups() == {0: [0, 2], 1: [1, 3]}
+    assert engine.windows.full_layers == [1, 3] and engine.rope_groups() == {0: [0, 2], 1: [1, 3]}

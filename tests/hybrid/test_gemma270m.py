@@ -12,7 +12,7 @@ from kvcli.engine import Engine
 from kvcli.errors import ModelError
 from kvcli.model import load_model
 from kvcli.model import ggufs
-from tests.test_engine import hf_logits
+from tests.helpers.reference import hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def gemma():
 def test_gemma3_270m_facts_and_logits_match_transformers(gemma):
     lm = gemma
     assert lm.family == "gemma3_text" and lm.n_layers == 18 and lm.max_context == 32768
-    assert lm.full_layers() == [5, 11, 17] and {lm.window(i) for i in range(18)} == {512, None}
+    assert lm.windows.full_layers == [5, 11, 17] and {lm.windows.window(i) for i in range(18)} == {512, None}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 200000, (700,), generator=g)  # longer than the 512-token window
     ref = hf_logits(lm, ids)
@@ -39,7 +39,7 @@ def test_gemma3_270m_facts_and_logits_match_transformers(gemma):
     assert torch.equal(got[-50:].argmax(-1), ref[-50:].argmax(-1))
     # decoding: the sliding layers keep their window, the logits stay transformers'
     cache, logits = engine.prefill(ids[:650])
-    engine.trim_windows(cache)
+    cache.trim_windows(engine.windows)
     assert cache.seq_len(0) == 511 and cache.seq_len(5) == 650
     for i in range(650, 700):
         logits = engine.step(int(ids[i]), i, cache)

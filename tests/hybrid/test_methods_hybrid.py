@@ -12,7 +12,7 @@ from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.pipeline import Pipeline, run
-from tests.compressors.test_contract import configured
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS  # the latter refused in one line: test_contract checks it
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
@@ -55,7 +55,7 @@ def test_gemfilter_refuses_a_sliding_filter_layer_and_defaults_to_a_full_one(tin
         gem.configure(lm)
     auto = Pipeline.parse("gemfilter:k=30")
     auto.configure(lm)
-    assert auto.stages[0].layer in lm.full_layers()
+    assert auto.stages[0].layer in lm.windows.full_layers
 
 
 def test_decoding_time_eviction_leaves_the_sliding_layers_to_their_window(tiny_lm, isolated_cache_dir):

@@ -2,7 +2,7 @@
 (``Engine.prefix_kv(window_room=...)``, cut as each layer has run): on the tiny hybrids (Gemma 2 /
 3: sliding, full, sliding, full; window 16) every method answers with the logits of the same run
 whose prefix holds every entry — computed, loaded back from the disk store, and with a query window
-that goes back further than the room (then the whole prompt runs again: ``Engine.can_resume``)."""
+that goes back further than the room (then the whole prompt runs again: ``Windows.can_resume``)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kvcli.caches.base import SPARE_SLOTS
-from kvcli.compressors import base
+from kvcli import windows
 from kvcli.compressors.base import REGISTRY
 from kvcli.engine import Engine
 from kvcli.pipeline import run
 from kvcli.store import KVStore
-from tests.compressors.test_contract import configured
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
@@ -32,7 +32,7 @@ def _run(lm, spec, profiles, store, room, monkeypatch):
     """The run's logits (prompt and every step) and the sliding layers' lengths in each prefix
     state built (None: the prefix kept every entry)."""
     with monkeypatch.context() as m:
-        m.setattr(base, "PREFIX_WINDOW_ROOM", room)
+        m.setattr(windows, "PREFIX_WINDOW_ROOM", room)
         logits, prefixes = [], []
         original_logits, original_prefix = Engine.logits, Engine.prefix_kv
         m.setattr(Engine, "logits", lambda self, hidden: logits.append(original_logits(self, hidden)) or logits[-1])
@@ -125,7 +125,7 @@ def test_the_cut_prefix_frees_its_buffers_goes_through_the_store_and_cuts_back_b
     # w - 1): enough to go on; 195 leave too few, and can_resume says so; 0 needs nothing
     for n, ok in ((200, True), (196, True), (195, False), (100, False), (0, True)):
         c = cut.copy()
-        assert engine.can_resume(c, n) is ok
+        assert engine.windows.can_resume(c, n) is ok
         c.truncate(n)
         assert c.n_tokens == n
         for layer in range(4):

@@ -2,19 +2,21 @@
 and LazyLLM's per-layer tokens — keep only a sliding layer's window on the tiny hybrids (Gemma 2 /
 3: sliding, full, sliding, full; window 16), as the plain cache does: at most w - 1 entries once
 the prompt is read, w - 1 + WINDOW_SLACK while decoding, and the logits of every step are those of
-the same run with nothing dropped (each layout's ``drop_front`` switched off)."""
+the same run with nothing dropped (each layout's ``cuts_windows`` switched off)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvcli.caches.base import CacheBase
 from kvcli.caches.blocks import BlockCache
 from kvcli.caches.lazy import LazyCache
 from kvcli.caches.ragged import RaggedCache
-from kvcli.engine import WINDOW_SLACK, Engine
+from kvcli.engine import Engine
 from kvcli.pipeline import run
-from tests.compressors.test_contract import configured
+from kvcli.windows import WINDOW_SLACK
+from tests.helpers.runs import configured
 from tests.helpers.runs import prompt_for
 from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
@@ -41,23 +43,23 @@ CASES = {
 
 def _run(lm, spec, profiles, steps, monkeypatch, trimmed: bool):
     """The pipeline's run of ``spec``; the logits of the prompt and of every decoding step, and
-    after each cut (Engine.trim_windows) the entries each sliding layer holds."""
+    after each cut (CacheBase.trim_windows) the entries each sliding layer holds."""
     layout = CASES[spec][0]
     with monkeypatch.context() as m:
         if not trimmed:
-            m.setattr(layout, "drop_front", None)  # Engine.trim_windows then leaves the layer whole
+            m.setattr(layout, "cuts_windows", False)  # trim_windows then leaves the layer whole
         logits, held = [], []
         original = Engine.logits
         m.setattr(Engine, "logits", lambda self, hidden: logits.append(original(self, hidden)) or logits[-1])
         engine = Engine(lm)
-        trim = engine.trim_windows
+        trim = CacheBase.trim_windows
 
-        def trim_and_count(cache, slack=0, **prefix_cut):
-            trim(cache, slack=slack, **prefix_cut)
+        def trim_and_count(cache, windows, slack=0, **prefix_cut):
+            trim(cache, windows, slack=slack, **prefix_cut)
             if not prefix_cut:  # a prefix state's layer by layer (Engine.prefix_kv): not counted
                 held.append([cache.get_seq_length(i) for i in SLIDING])
 
-        engine.trim_windows = trim_and_count
+        m.setattr(CacheBase, "trim_windows", trim_and_count)
         result = run(engine, prompt_for(lm), configured(spec, lm, profiles), max_new_tokens=steps, stop_ids=set())
     assert isinstance(result.cache, layout)
     return result, logits, held

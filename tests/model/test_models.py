@@ -180,7 +180,8 @@ def test_hub_id_missing_without_network(monkeypatch, tmp_path):
     with pytest.raises(ModelError) as e:
         load_model("kvcli-test/not-there")
     assert _one_line(e.value) == (
-        "cannot load model 'kvcli-test/not-there': not a local path and not in the Hugging Face cache (no network?)"
+        "cannot load model 'kvcli-test/not-there': not a local path and not in the Hugging Face cache (no network?); "
+        "`kvcli models` lists the embedded models and what else -m takes"
     )
 
 

@@ -291,6 +291,7 @@ def _png_pixels(path: Path):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_html_renders_the_highlight_in_headless_chromium(session, tmp_path):
     from kvcli.report import html as report_html

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ...decode import DecodeStep
 from ...engine import Engine
 from .models import CONFIGS, SimTokenizer, build_model, weight_tensors
 from .sdpa import CudaSdpa
@@ -58,28 +59,17 @@ class SimEngine(Engine):
         }
         tracker.phase = "decode:first-token"
         count = 0
+        inner = DecodeStep.full_attention(self) if inner is None else inner
 
-        def counted(run):
-            @functools.wraps(run)  # keeps ``device_token``
-            def step(*step_args, **step_kwargs):
-                nonlocal count
-                tracker.phase = f"decode:{count}"
-                count += 1
-                return run(*step_args, **step_kwargs)
+        def step(*step_args, **step_kwargs):
+            nonlocal count
+            tracker.phase = f"decode:{count}"
+            count += 1
+            return inner.run(*step_args, **step_kwargs)
 
-            return step
-
-        # a method's own step is wrapped where it is passed; the engine's own step (which takes the
-        # last token as a device tensor, no host copy) is wrapped where the engine calls it, so the
-        # engine still sees no ``step`` and takes its own path
-        if inner is not None:
-            call["step"] = counted(inner)
-        else:
-            self.step = counted(Engine.step.__get__(self))
-        try:
-            return super().decode(**call)
-        finally:
-            self.__dict__.pop("step", None)
+        # the step the loop runs (a method's own, or the engine's), taking the token as it did
+        call["step"] = DecodeStep(step, device_token=inner.device_token)
+        return super().decode(**call)
 
 
 @functools.lru_cache(maxsize=2)

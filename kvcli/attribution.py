@@ -1,0 +1,145 @@
+"""What the answer read: the attention of the answer's queries over the prompt tokens the method held.
+
+While the answer is decoded, an observer on each citing layer (:class:`CitingHeads`) takes the
+step's one query and the keys the layer attends (after the cache's update, so exactly what the
+model reads at that step), computes the softmax weights of each query head over them — the query
+heads of a GQA group as rows of their KV head, never expanded, one layer and one step at a time —
+and adds each head's weights, times the head's citing weight, to the prompt position each key row
+holds. A key that is not a prompt token (an answer token) is skipped; a prompt token the method
+did not keep or retrieve gets nothing, so it can never be cited.
+
+Where each row of a layer's keys comes from is the cache's (:meth:`held_positions`): a plain KV
+cache (full attention, the eviction methods, Finch) holds its prompt rows first, in the order of
+its positions; a cache that attends itself (a :class:`~kvcli.caches.base.LayerView`) reports the
+weights itself where it can (:meth:`LayerView.read_weights`: the book's Initial + retrieved
+blocks + Local), and cites nothing where it cannot (the reason is said).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .caches.base import LayerView
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The citing weight of each (layer, query head): (n_layers, n_heads) float, zero for heads
+    that do not cite; ``source`` says where the weights come from."""
+
+    weights: torch.Tensor
+    source: str
+
+    def layers(self) -> list[int]:
+        return [int(i) for i in torch.nonzero(self.weights.abs().sum(dim=1)).flatten()]
+
+    @classmethod
+    def uniform(cls, n_layers: int, n_heads: int, layers: list[int], source: str) -> HeadWeights:
+        w = torch.zeros(n_layers, n_heads)
+        w[layers] = 1.0 / (len(layers) * n_heads)
+        return cls(w, source)
+
+
+class CitingHeads:
+    """Accumulates the answer's attention per position of the sequence the cache was built from
+    (module docstring): ``n_positions`` of them (the prompt, or a selector's kept tokens)."""
+
+    def __init__(self, heads: HeadWeights, n_positions: int, cache) -> None:
+        self.heads, self.n_positions, self.cache = heads, n_positions, cache
+        self.scores = torch.zeros(n_positions, dtype=torch.float64)
+        self.seen = torch.zeros(n_positions, dtype=torch.bool)  # held by a row some step read
+        self.layers = heads.layers()
+        self.steps = 0
+        self.seconds = 0.0
+        self.unsupported: str | None = None
+
+    def observers(self) -> dict[int, list]:
+        return {layer: [self._observer(layer)] for layer in self.layers}
+
+    def _observer(self, layer: int):
+        weights = self.heads.weights[layer]
+
+        def observe(query: torch.Tensor, key) -> None:
+            if query.shape[2] != 1 or self.unsupported:  # a prompt pass, not a decoding step
+                return
+            t0 = time.perf_counter()
+            if isinstance(key, LayerView):
+                got = key.read_weights(query)
+                if got is None:
+                    self.unsupported = f"{type(key.cache).__name__} does not report what a decoding step reads"
+                    return
+                positions, probs = got
+            else:
+                try:
+                    positions = self.cache.held_positions(layer)
+                except NotImplementedError as e:
+                    self.unsupported = str(e)
+                    return
+                probs = step_weights(query, key)[..., : positions.shape[1]]
+            self.add(positions, probs, weights)
+            self.steps += layer == self.layers[0]
+            self.seconds += time.perf_counter() - t0
+
+        return observe
+
+    def add(self, positions: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> None:
+        """``positions`` (n_kv, rows): the position each key row holds (-1 or past the sequence:
+        none); ``probs`` (n_kv, group, rows): each query head's weights; ``weights`` (n_heads,)."""
+        n_kv, g, _ = probs.shape
+        per_row = (probs.to(torch.float64) * weights.view(n_kv, g, 1).to(probs.device, torch.float64)).sum(dim=1)
+        pos = positions.to(per_row.device)
+        inside = (pos >= 0) & (pos < self.n_positions)
+        held = pos[inside].cpu()
+        self.scores.index_add_(0, held, per_row[inside].cpu())
+        self.seen[held] = True
+
+    def prompt_scores(self, n_prompt: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_prompt,) the scores at prompt indices (``kept``: the prompt index of each position,
+        a selector's kept tokens; None: the same), NaN where no step read the token."""
+        out = torch.full((n_prompt,), math.nan, dtype=torch.float64)
+        index = torch.arange(self.n_positions) if kept is None else kept.cpu()
+        out[index[self.seen]] = self.scores[self.seen]
+        return out
+
+
+def step_weights(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Softmax weights of one step's query heads over the layer's keys: ``query`` (1, n_heads, 1, d),
+    ``key`` (1, n_kv, rows, d) -> (n_kv, group, rows) float32, a GQA group's heads as rows of their
+    KV head. Scaled by 1/sqrt(d) (the models kvcli runs; Gemma's query_pre_attn_scalar aside)."""
+    _, n_heads, _, d = query.shape
+    n_kv = key.shape[1]
+    q = query[0, :, -1, :].reshape(n_kv, n_heads // n_kv, d).to(torch.float32)
+    logits = torch.matmul(q, key[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)
+    return torch.softmax(logits, dim=-1)
+
+
+HEADS_DIR = Path(__file__).resolve().parent / "heads"  # learned citing weights: <model name>.safetensors
+
+
+def citing_heads(lm) -> HeadWeights:
+    """The heads whose attention cites, for ``lm``: the weights learned for it where kvcli ships
+    them (``kvcli/heads/<model name>.safetensors``: a (layers, heads) tensor ``weights`` and, in
+    the header, how they were made), else every head of every layer weighted alike."""
+    path = HEADS_DIR / f"{lm.name}.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            weights, made = f.get_tensor("weights").float(), (f.metadata() or {}).get("made", path.name)
+        if weights.shape == (lm.n_layers, lm.n_heads):
+            return HeadWeights(weights, made)
+    return HeadWeights.uniform(lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged")
+
+
+def save_heads(path: Path, weights: torch.Tensor, made: str) -> None:
+    """Write learned citing weights as :func:`citing_heads` reads them (safetensors, no pickle)."""
+    from safetensors.torch import save_file
+
+    from .files import atomic_write
+
+    atomic_write(path, lambda tmp: save_file({"weights": weights.float().contiguous()}, tmp, metadata={"made": made}))

@@ -1,0 +1,88 @@
+"""Decoding: one step of full attention over a cache, and the greedy loop that runs the steps.
+
+The loop (:func:`greedy`) chooses each token by argmax, reads it back to the host (the step's one
+synchronisation: the host needs the token to know when to stop) and runs the next step; a method
+that owns its decoding steps (``Compressor.decode_step``: LazyLLM's dynamic pruning, block-sparse
+retrieval) hands the loop a :class:`DecodeStep` of its own. The engine's ``step`` and ``decode``
+methods call :func:`step` and :func:`greedy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import windows
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One greedy decoding step: ``run(token, position, cache) -> logits (vocab,)`` after ``token``
+    at ``position``. ``device_token``: ``run`` takes the token as the (1,) tensor the last argmax
+    left on the model's device (no upload, no synchronisation); else as an id."""
+
+    run: Callable[[int | torch.Tensor, int, object], torch.Tensor]
+    device_token: bool = False
+
+    @classmethod
+    def full_attention(cls, engine) -> "DecodeStep":
+        """The engine's own step (:func:`step` through ``engine.step``), which takes the token where it is."""
+        return cls(engine.step, device_token=True)
+
+
+@torch.inference_mode()
+def step(engine, token: int | torch.Tensor, position: int, cache) -> torch.Tensor:
+    """One decoding step of full attention: the logits (vocab,) after ``token`` at ``position``.
+    ``token``: an id, or a (1,) tensor on the model's device (the argmax of the last step's
+    logits, never read back to the host here): then the step makes no host -> device copy and
+    no synchronisation. A hybrid's sliding layers are cut back to their window every
+    :data:`~kvcli.windows.WINDOW_SLACK` steps."""
+    ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
+    hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache,
+                            recorded=torch.tensor([position]))
+    cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)
+    return engine.logits(hidden)[-1]
+
+
+@torch.inference_mode()
+def greedy(
+    engine,
+    first_logits: torch.Tensor,
+    cache,
+    next_position: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    on_token: Callable[[int], None] | None = None,
+    step: DecodeStep | None = None,
+    guard=None,
+) -> list[int]:
+    """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
+
+    ``step``: what runs one decoding step (default :meth:`DecodeStep.full_attention`); methods that
+    own decoding (``Compressor.decode_step``) pass theirs. ``guard``: a
+    :class:`kvcli.stopping.AnswerGuard` that may end the answer earlier (an invented next question,
+    a repeated sentence) and trims it at the token limit.
+    """
+    step = DecodeStep.full_attention(engine) if step is None else step
+    run, device_token = step.run, step.device_token
+    out: list[int] = []
+    logits = first_logits
+    for i in range(max_new_tokens):
+        chosen = torch.argmax(logits).view(1)
+        token = int(chosen)  # the step's one synchronisation: the host needs the token
+        if token in stop_ids:  # the guard may still drop a dangling end ("The answer is:")
+            return out if guard is None else out[: guard.finish(out, at_limit=False)]
+        out.append(token)
+        if guard is not None:
+            keep = guard.check(out)
+            if keep is not None:
+                return out[:keep]
+        if on_token is not None:
+            on_token(token)
+        if i + 1 == max_new_tokens:
+            break
+        # the token where the step takes it: on the device (no upload), or the id
+        logits = run(chosen if device_token else token, next_position + i, cache)
+    return out if guard is None else out[: guard.finish(out)]

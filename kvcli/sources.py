@@ -1,0 +1,348 @@
+"""Where an answer comes from: the document cut into units, token scores -> unit scores -> sources.
+
+A **unit** is a whole sentence or a whole line of ``Document.text`` (never a token: this tokenizer
+splits numbers into digits, and a quote must be readable). Units partition the text: every
+character up to the next unit's start belongs to a unit, so every document token falls in exactly
+one; the unit's ``start``/``end`` are its text without the surrounding whitespace. Units never
+cross a page.
+
+* A sentence ends at ``.``, ``!`` or ``?`` (a closing quote or bracket may follow) before
+  whitespace; a line ends its unit where it does not read as wrapped prose: a blank line, a short
+  line (a heading, a table cell, a line of code), a line ending in ``.:;!?``, or a unit already
+  over ``MAX_UNIT_CHARS``. A long line whose sentence goes on continues the unit on the next line.
+* A **source** is a run of adjacent units: the units are taken best first; a unit next to a
+  source joins it when it scores at least ``JOIN_SHARE`` of the source's best unit (up to
+  ``MAX_SOURCE_UNITS``), another opens a new source while fewer than ``top`` are open.
+  Its score is the sum of its units'; sources are returned best first. A paged document cites
+  pages (``{"pages": [first, last], ...}``, 1-based), a document without pages (text, stdin) its
+  line numbers (``{"lines": [first, last], ...}``).
+* **No clear source**: when the best unit's score is less than ``clear_ratio`` times the mean
+  score of the units that were read (``Sources.peak``), nothing stands out: the sources are still
+  returned, marked ``clear=False`` with a reason, and a terminal says "no clear source".
+
+What scores the tokens is the caller's (the answer's attention, BM25 in :mod:`kvcli.bm25`); this
+module only maps them, so it is tested without a model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bm25 import bm25_scores
+from .documents import Document
+
+MAX_UNIT_CHARS = 400  # a wrapped sentence longer than this is cut at a line end
+SHORT_LINE = 50  # a line shorter than this ends its unit (not wrapped prose)
+MAX_SOURCE_UNITS = 4  # adjacent units merged into one source at most
+JOIN_SHARE = 0.5  # a unit joins the source next to it when it scores at least this share of the source's best
+DEFAULT_TOP = 3
+DEFAULT_CLEAR_RATIO = 4.0  # the best unit's score over the mean of the units read (measured: docs/bench/cite)
+QUOTE_CHARS = 80
+# what ranks an answer's sources (kvcli.api.cite): the attention's unit scores (shares of the best)
+# plus this weight of the question's BM25 over the units read (:func:`fused`); 0: the attention
+# alone. 2: chosen on RULER qa_2 instances 100-115 (docs/bench/cite), where the embedded model's
+# attention alone cited the gold paragraph first for 19% and fused 88%
+LEXICAL_WEIGHT = 2.0
+
+_SENTENCE_END = re.compile(r"(?<=[\w)\]\"'’”])[.!?][\"')\]’”]*(?=\s)")
+_LINE_ENDS_UNIT = re.compile(r"[.:;!?][\"')\]’”]*$")
+
+
+@dataclass(frozen=True)
+class Unit:
+    start: int  # [start, end): the unit's text in Document.text, whitespace trimmed
+    end: int
+    owns: int  # the first character of the next unit's share: the unit owns [its share's start, owns)
+
+
+@dataclass(frozen=True)
+class Source:
+    start: int
+    end: int
+    first: int  # page (paged documents) or line (unpaged), 1-based
+    last: int
+    paged: bool
+    text: str
+    score: float
+    units: tuple[int, ...]  # indices into the document's units
+
+    def to_json(self) -> dict:
+        return {
+            "pages" if self.paged else "lines": [self.first, self.last],
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "score": round(self.score, 4),
+        }
+
+    def where(self) -> str:
+        """``p. 42``, ``pp. 41-42``, ``line 7``, ``lines 7-9``."""
+        if self.paged:
+            return f"p. {self.first}" if self.first == self.last else f"pp. {self.first}-{self.last}"
+        return f"line {self.first}" if self.first == self.last else f"lines {self.first}-{self.last}"
+
+    def quote(self, limit: int = QUOTE_CHARS) -> str:
+        """The source's text on one line, at most ``limit`` characters, cut ends marked ``...``."""
+        text = " ".join(self.text.split())
+        return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+@dataclass(frozen=True)
+class Sources:
+    items: tuple[Source, ...]
+    clear: bool  # False: nothing stands out ("no clear source"), or nothing could be cited
+    reason: str | None = None  # why there is no clear source / no source
+    peak: float | None = None  # the best unit's score over the mean of the units read
+    signal: str = ""  # what ranked them ("attention", "bm25", ...)
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> list[dict]:
+        return [s.to_json() for s in self.items]
+
+    def lines(self) -> list[str]:
+        """What a terminal shows after the answer: ``p. 42: "...the default is 4095..."``, one
+        source a line, best first; "no clear source" (then the best guesses) or why there is none."""
+        out = [f'{s.where()}: "{s.quote()}"' for s in self.items]
+        if not self.items:
+            return [self.reason or "no sources"]
+        return out if self.clear else ["no clear source; the answer read most:", *(f"  {line}" for line in out)]
+
+
+# --------------------------------------------------------------------------- units
+
+
+def split_units(text: str, page_starts: tuple[int, ...] = (0,)) -> list[Unit]:
+    """The units of ``text`` (module docstring), in order; ``page_starts`` as ``Document``'s."""
+    units: list[Unit] = []
+    bounds = list(page_starts) + [len(text)]
+    for lo, hi in itertools.pairwise(bounds):
+        _split_page(text, lo, hi, units)
+    if units:  # the last unit owns the rest of the text; the first, what comes before it
+        units[-1] = Unit(units[-1].start, units[-1].end, len(text))
+    return units
+
+
+def _split_page(text: str, lo: int, hi: int, units: list[Unit]) -> None:
+    start = None  # the open unit's first character
+
+    def close(end: int) -> None:
+        nonlocal start
+        if start is not None:
+            e = end
+            while e > start and text[e - 1].isspace():
+                e -= 1
+            if e > start:
+                if units:
+                    prev = units[-1]
+                    units[-1] = Unit(prev.start, prev.end, start)
+                units.append(Unit(start, e, end))
+            start = None
+
+    pos = lo
+    while pos < hi:
+        nl = text.find("\n", pos, hi)
+        line_end = hi if nl < 0 else nl
+        line = text[pos:line_end]
+        stripped = line.strip()
+        if not stripped:
+            close(pos)
+        else:
+            offset = pos + len(line) - len(line.lstrip())
+            if start is None:
+                start = offset
+            for m in _SENTENCE_END.finditer(text, offset, line_end):
+                close(m.end())
+                nxt = m.end()
+                while nxt < line_end and text[nxt].isspace():
+                    nxt += 1
+                start = nxt if nxt < line_end else None
+            if start is not None and (
+                len(stripped) < SHORT_LINE or _LINE_ENDS_UNIT.search(stripped) or line_end - start > MAX_UNIT_CHARS
+            ):
+                close(line_end)
+        pos = line_end + 1
+    close(hi)
+
+
+@dataclass
+class DocumentUnits:
+    """A document's units with the arrays that map characters to them."""
+
+    document: Document
+    units: list[Unit]
+
+    def __post_init__(self) -> None:
+        self._owner_starts = np.array([0] + [u.owns for u in self.units[:-1]], dtype=np.int64)
+        self._newlines: list[int] | None = None
+
+    @classmethod
+    def of(cls, document: Document) -> DocumentUnits:
+        return cls(document, split_units(document.text, document.page_starts))
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def unit_of(self, chars: np.ndarray) -> np.ndarray:
+        """The unit owning each character index."""
+        return np.searchsorted(self._owner_starts, np.asarray(chars, dtype=np.int64), side="right") - 1
+
+    def scores(self, offsets: list[tuple[int, int]], token_scores) -> tuple[np.ndarray, np.ndarray]:
+        """(unit scores, units read): a unit's score is the sum of the scores of the tokens whose
+        last character it owns; it was read when one of them was. ``offsets``: each document
+        token's (start, end) in the text (``Prompt.doc_offsets``); ``token_scores``: one score per
+        document token (a tensor or an array; NaN: the method did not keep or retrieve it)."""
+        ends = np.fromiter((max(s, e - 1) for s, e in offsets), dtype=np.int64, count=len(offsets))
+        values = np.asarray(token_scores, dtype=np.float64).reshape(-1)
+        if values.shape[0] != ends.shape[0]:
+            raise ValueError(f"{values.shape[0]} token scores for {ends.shape[0]} document tokens")
+        read = ~np.isnan(values)
+        owners = self.unit_of(ends[read])
+        out = np.zeros(len(self.units), dtype=np.float64)
+        np.add.at(out, owners, values[read])
+        was_read = np.zeros(len(self.units), dtype=bool)
+        was_read[owners] = True
+        return out, was_read
+
+    def line_of(self, char: int) -> int:
+        if self._newlines is None:
+            self._newlines = [i for i, c in enumerate(self.document.text) if c == "\n"]
+        return bisect.bisect_left(self._newlines, char) + 1
+
+    def place(self, start: int, end: int) -> tuple[int, int, bool]:
+        """(first, last, paged): the pages of ``[start, end)``, or its lines in an unpaged document."""
+        if self.document.n_pages > 1:
+            return (*self.document.page_range(start, end), True)
+        return self.line_of(start), self.line_of(max(start, end - 1)), False
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def rank(
+    doc_units: DocumentUnits,
+    unit_scores: np.ndarray,
+    *,
+    read: np.ndarray | None = None,
+    top: int = DEFAULT_TOP,
+    clear_ratio: float = DEFAULT_CLEAR_RATIO,
+    signal: str = "",
+) -> Sources:
+    """Ranked sources from unit scores (module docstring). ``read``: the units the method read
+    (default: those with a non-zero score); none read: no source, and the reason. Units are taken
+    best first: one next to a source joins it when it scores at least ``JOIN_SHARE`` of the
+    source's best unit, another opens a new source while fewer than ``top`` are open."""
+    scores = np.asarray(unit_scores, dtype=np.float64)
+    read = scores != 0 if read is None else np.asarray(read, dtype=bool)
+    if not read.any():
+        return Sources((), clear=False, reason="the method kept nothing of the document", signal=signal)
+    order = [int(i) for i in np.argsort(-scores, kind="stable") if read[i] and scores[i] > 0]
+    if not order:
+        return Sources((), clear=False, reason="the answer read nothing of the document", signal=signal)
+    runs: list[list[int]] = []
+    for i in order:  # best first
+        run = next(
+            (
+                r
+                for r in runs
+                if len(r) < MAX_SOURCE_UNITS
+                and i in (r[0] - 1, r[-1] + 1)
+                and scores[i] >= JOIN_SHARE * scores[r].max()
+            ),
+            None,
+        )
+        if run is not None:
+            run.insert(0, i) if i < run[0] else run.append(i)
+        elif len(runs) < top:
+            runs.append([i])
+        elif scores[i] < JOIN_SHARE * min(scores[r].max() for r in runs):
+            break  # it can join no source, nor can any unit after it
+    items = sorted((_source(doc_units, run, scores) for run in runs), key=lambda s: -s.score)
+    peak = float(scores[order[0]] / scores[read].mean()) if scores[read].mean() > 0 else None
+    clear = peak is not None and peak >= clear_ratio
+    reason = None if clear else "no clear source: the answer's attention is spread over what it read"
+    return Sources(tuple(items), clear=clear, reason=reason, peak=peak, signal=signal)
+
+
+def _source(doc_units: DocumentUnits, run: list[int], scores: np.ndarray) -> Source:
+    units = doc_units.units
+    start, end = units[run[0]].start, units[run[-1]].end
+    first, last, paged = doc_units.place(start, end)
+    return Source(
+        start, end, first, last, paged, doc_units.document.text[start:end], float(scores[run].sum()), tuple(run)
+    )
+
+
+def sources_from_tokens(
+    document: Document, prompt, token_scores, *, question: str = "", lexical: float = 0.0, **kwargs
+) -> Sources:
+    """Sources from one score per *prompt* token (NaN where the token was not read): the document
+    tokens' scores mapped to units, then :func:`rank`. ``lexical`` > 0 adds that weight of the
+    units' BM25 score for ``question`` (:func:`fused`) to the attention's, over the units read."""
+    doc_units = DocumentUnits.of(document)
+    values = np.asarray(token_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
+    scores, read = doc_units.scores(prompt.doc_offsets, values)
+    if lexical > 0:
+        scores = fused(doc_units, scores, read, question, lexical)
+    return rank(doc_units, scores, read=read, **kwargs)
+
+
+def fused(
+    doc_units: DocumentUnits, attention: np.ndarray, read: np.ndarray, question: str, weight: float
+) -> np.ndarray:
+    """Each read unit's share of the best attention plus ``weight`` times its share of the best
+    BM25 score (the question over the read units); units not read score 0."""
+    text = doc_units.document.text
+    idx = np.flatnonzero(read)
+    lexical = np.zeros(len(doc_units))
+    lexical[idx] = bm25_scores([text[doc_units.units[i].start : doc_units.units[i].end] for i in idx], question)
+    out = attention / max(attention[read].max(initial=0.0), 1e-12) + weight * lexical / max(lexical.max(), 1e-12)
+    return np.where(read, out, 0.0)
+
+
+# --------------------------------------------------------------------------- lexical
+
+
+def passages(document: Document) -> list[tuple[int, int]]:
+    """The passages BM25 ranks: the pages of a paged document, the paragraphs (text between blank
+    lines) of one without pages; (start, end) of each, whitespace trimmed, empty ones left out."""
+    text = document.text
+    if document.n_pages > 1:
+        bounds = list(document.page_starts) + [len(text)]
+        cuts = list(itertools.pairwise(bounds))
+    else:
+        cuts, lo = [], 0
+        for m in re.finditer(r"\n[ \t]*\n", text):
+            cuts.append((lo, m.start()))
+            lo = m.end()
+        cuts.append((lo, len(text)))
+    out = []
+    for lo, hi in cuts:
+        while lo < hi and text[lo].isspace():
+            lo += 1
+        while hi > lo and text[hi - 1].isspace():
+            hi -= 1
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def bm25_sources(document: Document, question: str, top: int = DEFAULT_TOP) -> Sources:
+    """The ``top`` passages (:func:`passages`) by BM25 with the question as the query, best first;
+    a passage no word of the question is in is never cited."""
+    cuts = passages(document)
+    scores = bm25_scores([document.text[lo:hi] for lo, hi in cuts], question)
+    doc_units = DocumentUnits(document, [])
+    items = []
+    for i in sorted(range(len(cuts)), key=lambda i: -scores[i])[:top]:
+        if scores[i] <= 0:
+            break
+        lo, hi = cuts[i]
+        first, last, paged = doc_units.place(lo, hi)
+        items.append(Source(lo, hi, first, last, paged, document.text[lo:hi], float(scores[i]), ()))
+    reason = None if items else "no word of the question is in the document"
+    return Sources(tuple(items), clear=bool(items), reason=reason, signal="bm25")

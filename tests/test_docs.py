@@ -1,0 +1,97 @@
+"""The docs are written for a reader who was not there, every relative link resolves, and facts the
+code also states (the default method, the --json fields) say the same in both places."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcli import policy
+from kvcli.batch import error_record
+from kvcli.selection import Span
+from tests.helpers.documented import json_fields
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The fragments GitHub gives the page's headings (lowercase, punctuation dropped, spaces to -)."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    in_code = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        resolved = (page.parent / path) if path else page
+        assert resolved.exists(), f"{page.relative_to(ROOT)}: {target} does not exist"
+        if fragment and resolved.suffix == ".md":
+            assert fragment in _anchors(resolved), f"{page.relative_to(ROOT)}: {target}: no such heading"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_session_or_issue_numbers(page):
+    """The reader was not at the sessions or in the tracker: say what changed, or name a commit."""
+    text = page.read_text(encoding="utf-8")
+    for pattern in (r"\b[Ss]ession[ -]?\d", r"\b[Ii]ssue[ -]#?\d", r"-s\d+\b"):
+        found = re.findall(rf".{{0,30}}{pattern}.{{0,30}}", text)
+        assert not found, f"{page.relative_to(ROOT)}: {found}"
+
+
+def test_the_docs_index_names_every_page():
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    for page in (ROOT / "docs").glob("*.md"):
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, page.name
+
+
+def test_methods_md_states_the_default_policy_as_the_help_does():
+    """`kvcli ask --help` shows policy.DESCRIPTION for -c auto; docs/methods.md says the same words."""
+    methods = " ".join((ROOT / "docs" / "methods.md").read_text(encoding="utf-8").split())
+    assert policy.DESCRIPTION in methods
+
+
+def test_the_other_records_fields_are_documented():
+    """The fields some records add (docs/usage.md's second table): an error record's, a kept span's."""
+    every, some = json_fields()
+    record = error_record("a.pdf", "Who?", ValueError("x"))
+    assert set(record) <= set(every) | set(some), set(record) - set(every) - set(some)
+    spans = some["selected_spans"]
+    for field in dataclasses.fields(Span):
+        assert f"`{field.name}`" in spans, field.name
+    assert {"peak_mem_reserved_mb", "question", "worker"} <= set(some)
+
+
+def test_the_readme_cpu_table_is_the_one_docs_cpu_md_measured():
+    """The README's CPU table repeats three rows of docs/cpu.md's latest peers run: every figure of
+    each README row is in the matching docs/cpu.md row."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("## On a CPU", 1)[1].split("\n## ", 1)[0]
+    cpu = (ROOT / "docs" / "cpu.md").read_text(encoding="utf-8").split("### The default and 4bit", 1)[1]
+    rows = {
+        "kvcli 8bit (default)": "| **kvcli (8bit, default)** |",
+        "kvcli 4bit": "| kvcli --quant 4bit |",
+        "llama.cpp, same GGUF": "| llama.cpp 0.3.36 (Q4_1) |",
+    }
+    for readme_label, cpu_label in rows.items():
+        figures = re.findall(r"[\d,]+\.?\d*", readme.split(f"| {readme_label} |", 1)[1].split("\n", 1)[0])
+        cpu_row = cpu.split(cpu_label, 1)[1].split("\n", 1)[0]
+        assert figures and all(f in cpu_row for f in figures), (readme_label, figures, cpu_row)
