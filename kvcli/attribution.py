@@ -52,7 +52,7 @@ class CitingHeads:
     def __init__(self, heads: HeadWeights, n_positions: int, cache) -> None:
         self.heads, self.n_positions, self.cache = heads, n_positions, cache
         self.scores = torch.zeros(n_positions, dtype=torch.float64)
-        self.seen = torch.zeros(n_positions, dtype=torch.bool)  # held by a row some step read
+        self.seen = torch.zeros(n_positions, dtype=torch.int32)  # how many rows some step read held it
         self.layers = heads.layers()
         self.steps = 0
         self.seconds = 0.0
@@ -89,21 +89,27 @@ class CitingHeads:
 
     def add(self, positions: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> None:
         """``positions`` (n_kv, rows): the position each key row holds (-1 or past the sequence:
-        none); ``probs`` (n_kv, group, rows): each query head's weights; ``weights`` (n_heads,)."""
+        none); ``probs`` (n_kv, group, rows): each query head's weights; ``weights`` (n_heads,).
+        Added on the device the step ran on, with no data-dependent shape: a decoding step that
+        cites waits for nothing (the scores cross to the host once, in :meth:`prompt_scores`)."""
         n_kv, g, _ = probs.shape
-        per_row = (probs.to(torch.float64) * weights.view(n_kv, g, 1).to(probs.device, torch.float64)).sum(dim=1)
+        dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+        per_row = (probs.to(dtype) * weights.view(n_kv, g, 1).to(probs.device, dtype)).sum(dim=1)
+        if self.scores.device != per_row.device or self.scores.dtype != dtype:
+            self.scores, self.seen = self.scores.to(per_row.device, dtype), self.seen.to(per_row.device)
         pos = positions.to(per_row.device)
         inside = (pos >= 0) & (pos < self.n_positions)
-        held = pos[inside].cpu()
-        self.scores.index_add_(0, held, per_row[inside].cpu())
-        self.seen[held] = True
+        index = torch.where(inside, pos, 0).reshape(-1)
+        self.scores.index_add_(0, index, torch.where(inside, per_row, 0).reshape(-1))
+        self.seen.index_add_(0, index, inside.reshape(-1).to(self.seen.dtype))
 
     def prompt_scores(self, n_prompt: int, kept: torch.Tensor | None = None) -> torch.Tensor:
         """(n_prompt,) the scores at prompt indices (``kept``: the prompt index of each position,
         a selector's kept tokens; None: the same), NaN where no step read the token."""
         out = torch.full((n_prompt,), math.nan, dtype=torch.float64)
+        seen, scores = self.seen.cpu() > 0, self.scores.cpu().to(torch.float64)
         index = torch.arange(self.n_positions) if kept is None else kept.cpu()
-        out[index[self.seen]] = self.scores[self.seen]
+        out[index[seen]] = scores[seen]
         return out
 
 

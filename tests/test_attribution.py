@@ -58,7 +58,7 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
             want[pos] += float(weights[1, head]) * probs[row]  # the answer row (3) is no prompt token
     assert torch.allclose(reader.scores, torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert reader.steps == 1
-    assert reader.seen.tolist() == [True, True, True, False, False, True, True]
+    assert (reader.seen > 0).tolist() == [True, True, True, False, False, True, True]
     scores = reader.prompt_scores(9, kept=torch.tensor([0, 1, 2, 3, 5, 6, 8]))  # a selector kept 7 of 9
     assert [math.isnan(x) for x in scores.tolist()] == [False, False, False, True, True, True, False, True, False]
     assert scores[8] == reader.scores[6] and scores[6] == reader.scores[5]

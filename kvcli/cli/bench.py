@@ -512,7 +512,7 @@ def memory(
 
 
 def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
-    """The table and plot of ``rows`` (this grid), and issue 25's targets over ``every_row`` in the
+    """The table and plot of ``rows`` (this grid), and the memory targets (simulated Llama-3.1-8B, nf4) over ``every_row`` in the
     file (default: ``rows``), so a run of one grid does not report the others' targets as not run."""
     if not rows:
         raise UsageError(f"no memory results to show in {out / 'memory.json'}")
@@ -524,7 +524,7 @@ def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
     atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
     paths = [md, draw(rows, out / "memory.png")]
     every_row = rows if every_row is None else every_row
-    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row):  # issue 25's targets
+    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row):  # the memory targets (simulated Llama-3.1-8B, nf4)
         checks = report.targets_table(report.targets(every_row))
         paths.append(out / "targets.md")
         atomic_write(paths[-1], lambda tmp: Path(tmp).write_text(checks + "\n", encoding="utf-8"))

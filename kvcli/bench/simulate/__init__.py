@@ -6,5 +6,5 @@ hold and cross. One module per idea: :mod:`.tracker` (live bytes and peak, syncs
 copies, phases), :mod:`.sdpa` (the SDPA kernel CUDA would pick, and what it allocates),
 :mod:`.models` (the published configs, bf16 / nf4 weights as bitsandbytes stores them, a word-level
 tokenizer), :mod:`.run` (one cell through :class:`kvcli.api.Session`), :mod:`.report` (cells,
-table, issue 25's targets).
+table, the memory targets (simulated Llama-3.1-8B, nf4)).
 """

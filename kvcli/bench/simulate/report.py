@@ -1,4 +1,4 @@
-"""The simulated memory grid: its cells, the Markdown table of ``memory.json``, and issue 25's targets
+"""The simulated memory grid: its cells, the Markdown table of ``memory.json``, and the memory targets (simulated Llama-3.1-8B, nf4)
 checked against the rows."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# issue 25, section 3: Llama-3.1-8B, nf4 weights
+# the methods whose decoding the targets check: Llama-3.1-8B, nf4 weights
 DECODE_METHODS = ("full", "snapkv", "pyramidkv", "streamingllm", "gemfilter", "finch", "razor")
 
 
@@ -53,7 +53,7 @@ def _find(rows, method, tokens, offload="none"):
 
 
 def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[dict]:
-    """Issue 25's targets (simulated Llama-3.1-8B, nf4) against ``rows``: what, limit, measured, met."""
+    """The memory targets (simulated Llama-3.1-8B, nf4: each peak and its limit, below) against ``rows``: what, limit, measured, met."""
     rows = [r for r in rows if r["config"] == "llama-3.1-8b" and r["weights"] == "nf4"]
     out = []
 

@@ -119,7 +119,10 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
     )
     engine = engine_cls(lm)
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="kvcli-sim-"))
-    options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir)
+    # no sources: a meta run has no attention weights to cite from (their memory, a float per prompt token
+    # and one layer's step weights, is within the simulator's error)
+    options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir,
+                         sources=False)
     session = Session(lm=lm, engine=engine, options=options, template=load_template(options.template), store=None)
     return SimModel(config, weights, session, engine, weight_tensors(model))
 
