@@ -1,4 +1,4 @@
-"""kvcli on a shared machine (issue 41): the same questions with 0, 1 and 2 other busy processes.
+"""kvcli on a shared machine: the same questions with 0, 1 and 2 other busy processes.
 
     python benchmarks/under_load.py                               # every load, configuration and run
     python benchmarks/under_load.py --loads 1 --configs auto,1    # one load, two configurations
@@ -10,7 +10,7 @@ each, forever) and keeps them running while every configuration is measured:
 
 * ``kvcli --threads auto`` (the default), ``--threads 1`` and ``--threads 2`` (the default on two
   cores before :mod:`kvcli.threads`), each run a fresh ``python -m kvcli ask --json`` process:
-  - **hit** (the issue's case): a question about a ~4.7k-token document (``--doc-tokens``) whose
+  - **hit**: a question about a ~4.7k-token document (``--doc-tokens``) whose
     KV is in the disk cache (filled once before the grid, not timed): the time to its first token,
     and the decoding speed (``--max-new-tokens``, no answer guard; over the answer's tokens);
   - **book**: a text over the embedded model's 8k window (``--book-tokens``) read by the default
@@ -117,7 +117,7 @@ def kvcli(args: list, timeout: float, env: dict) -> dict:
 
 
 def llamacpp(case: Path, timeout: float, *extra) -> dict:
-    record, how = timed([str(LLAMA_PYTHON), str(LLAMA_WORKER), str(case), "full", *map(str, extra)])
+    record, how = timed([str(LLAMA_PYTHON), str(LLAMA_WORKER), str(case), "full", *map(str, extra)], timeout)
     return {**(record or {}), **how}
 
 

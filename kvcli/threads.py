@@ -3,7 +3,7 @@
 PyTorch's CPU kernels end each parallel call at an OpenMP barrier: a thread that lost its core to
 another process holds all the others there until the scheduler gives it back. A decoding step is
 ~400 kernel calls, so on a 2-core machine with one other busy process two threads decoded at 0.4
-tokens/s where one thread decoded at 6.6 (issue 41). So by default (``auto``) each phase of a
+tokens/s where one thread decoded at 6.6. So by default (``auto``) each phase of a
 question — reading the prompt (``prefill``), writing the answer (``decode``) — runs on as many
 threads as there are cores other processes leave free, measured, never more than PyTorch's count
 as the phase starts (``OMP_NUM_THREADS``, the CPUs this process may use, a caller's
