@@ -31,6 +31,7 @@ from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
 from .store import KVStore, Watcher, resolve_cap
+from .runtime.threads import ThreadPolicy
 
 
 @dataclass
@@ -48,6 +49,7 @@ class AskOptions:
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
+    threads: str | None = None  # CPU threads: "auto" or a count (None: $KVCLI_THREADS, else auto; kvcli.runtime.threads)
     sources: bool = True  # cite the document's pages the answer comes from (kvcli.cite.sources); False: nothing read for it
 
 
@@ -68,10 +70,12 @@ class Session:
     options: AskOptions
     template: str
     store: KVStore | None = None
+    threads: ThreadPolicy | None = None  # each question's threads, phase by phase (None: left as they are)
 
     @classmethod
     def open(cls, options: AskOptions) -> "Session":
         template = load_template(options.template)
+        threads = ThreadPolicy.from_option(options.threads)  # auto measures the free cores from here on
         lm = load_model(
             options.model,
             device=options.device,
@@ -84,7 +88,7 @@ class Session:
         if options.use_cache:
             cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
             store = KVStore.open(cache_dir, max_bytes=resolve_cap(options.cache_max, cache_dir))
-        return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store)
+        return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store, threads=threads)
 
     def ask(
         self,
@@ -136,6 +140,7 @@ class Session:
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         guard = AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None
         stream = None if on_text is None else AnswerStream(self.lm.tokenizer, guard, on_text)
+        threads_used = {} if self.threads is None else self.threads.start_run()
         store = self.store if use_store else None
         with prompt_progress(self.engine, prompt.n_tokens, on_progress, store, on_wait, on_resume) as reading:
             callbacks = [reading.done] if reading.handles else []
@@ -150,6 +155,7 @@ class Session:
                 store=store,
                 guard=guard,
                 low_memory=self.options.low_memory,
+                threads=self.threads,
                 cite=citing_heads(self.lm) if sources else None,
                 meta={
                     "document": document.source if document.source == "-" else os.path.abspath(document.source),
@@ -165,6 +171,7 @@ class Session:
             result.sources = cite(document, result, question)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
+        result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
         return result
 
 
@@ -290,6 +297,7 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "total_s": round(result.total_s, 4),
         "decode_tokens_per_s": None if result.decode_tokens_per_s is None else round(result.decode_tokens_per_s, 2),
         "peak_mem_mb": round(result.peak_mem_mb, 1),
+        "threads": result.extra.get("threads"),  # phase -> its CPU threads, e.g. {"prefill": [2], "decode": [1]}
         **({} if result.extra.get("peak_mem_reserved_mb") is None else {"peak_mem_reserved_mb": round(result.extra["peak_mem_reserved_mb"], 1)}),  # CUDA
         "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
         "n_answer_tokens": len(result.answer_ids),

@@ -56,6 +56,20 @@ def isolated_cache_dir(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def threads_as_pytorch_has_them():
+    """``--threads auto`` follows the machine's load (kvcli.runtime.threads), and one thread count's logits
+    differ from another's in the last bits: in the tests it reads no /proc/stat, so it keeps
+    PyTorch's count (heavy.sh's OMP_NUM_THREADS, a module's ``one_thread``). tests/test_threads.py
+    gives the policy fake readings."""
+    from kvcli import threads
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(threads, "PROC_STAT", Path("/nonexistent/kvcli-tests/stat"))
+        mp.delenv(threads.ENV, raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """``tiny_dir(family, **overrides)`` -> folder of a tiny random model (built once per session)."""

@@ -38,6 +38,7 @@ from .prompt import Prompt
 from .selection import Selection
 from ..store import KVStore
 from ..runtime.windows import Windows
+from ..runtime.threads import ThreadPolicy, in_phase
 
 SEPARATOR = "+"
 
@@ -286,6 +287,7 @@ def run(
     meta: dict | None = None,
     guard=None,
     low_memory: bool = False,
+    threads: ThreadPolicy | None = None,
     cite=None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
@@ -294,13 +296,15 @@ def run(
     recorded with a new store entry (document, method); ``guard``: where the answer may end besides
     the stop tokens (:class:`kvcli.answer.stopping.AnswerGuard`); ``cite``: the citing heads
     (:class:`kvcli.cite.attribution.HeadWeights`) whose attention while decoding is kept for the
-    answer's sources (``Result.extra["citing"]``), None: nothing is read.
+    answer's sources (``Result.extra["citing"]``), None: nothing is read; ``threads``: the CPU
+    threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are).
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
+        reading.enter_context(in_phase(threads, "prefill", engine))
         # a chunked prefix pass reserves the KV for the question and the answer behind it
         reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
@@ -341,7 +345,7 @@ def run(
         if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
             step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
         reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
-        with listening({} if reader is None else reader.observers()):
+        with in_phase(threads, "decode", engine), listening({} if reader is None else reader.observers()):
             answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step,
                                        guard=guard)
         total = m.elapsed(since=start)

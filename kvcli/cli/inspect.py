@@ -20,7 +20,10 @@ from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import Reading
-from .options import Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt, TemplateOpt, ask_options, max_new_tokens_option, usage
+from .options import (
+    Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt,
+    TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage,
+)
 
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
 
@@ -55,6 +58,7 @@ def inspect_command(
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
+    threads: Optional[str] = ThreadsOpt,
     template: str = TemplateOpt,
     show_selected: bool = typer.Option(False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"),
     answer: bool = typer.Option(False, "--answer", help="Also generate the answer (default: selection and prefill only)"),
@@ -103,7 +107,8 @@ def inspect_command(
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache)
+    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache,
+                          threads=threads)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if needle_test is not None:

@@ -13,6 +13,7 @@ from typer.core import TyperCommand
 from .. import api
 from ..answer import policy
 from ..store import NO_CAP, parse_size
+from ..runtime.threads import requested_threads
 
 
 class Device(str, Enum):
@@ -76,6 +77,11 @@ CacheMaxOpt = typer.Option(
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
+ThreadsOpt = typer.Option(
+    None, "--threads", show_default=False,
+    help=("CPU threads: auto (reading the prompt and decoding each on the cores other processes leave "
+          "free; docs/cpu.md) or a number; default: $KVCLI_THREADS, else auto"),
+)
 
 
 def cache_dir_option(what: str = "converted models and the disk KV cache are kept"):
@@ -92,10 +98,12 @@ CacheDirOpt = cache_dir_option()
 
 def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
                  cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
-                low_memory: bool = False, cache_max: Optional[str] = None, sources: bool = True) -> api.AskOptions:
+                low_memory: bool = False, cache_max: Optional[str] = None, sources: bool = True,
+                threads: Optional[str] = None) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
         parse_size(cache_max)  # a usage error now, not after loading the model
+    requested_threads(threads)  # --threads or $KVCLI_THREADS: a usage error now too
     return api.AskOptions(
         model=model,
         device=device.value,
@@ -110,6 +118,7 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         answer_guard=answer_guard,
         low_memory=low_memory,
         cache_max=cache_max,
+        threads=threads,
         sources=sources,
     )
 
@@ -180,6 +189,7 @@ METAVARS = {
     "cache_max": "SIZE",
     "ray_address": "ADDRESS",
     "workers": "N",
+    "threads": "N",
 }
 
 
