@@ -43,10 +43,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvcli.answer.prompt import build_prompt  # noqa: E402
 from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.model import default_cache_dir  # noqa: E402
-from kvcli.answer.prompt import build_prompt  # noqa: E402
 from kvcli.store import KVStore  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
@@ -63,7 +63,9 @@ def fetch_pdf(doc: dict, pdf_dir: Path) -> Path:
     if not target.exists():
         pdf_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(["apt-get", "download", f"{doc['package']}={doc['version']}"], cwd=tmp, check=True, capture_output=True)
+            subprocess.run(
+                ["apt-get", "download", f"{doc['package']}={doc['version']}"], cwd=tmp, check=True, capture_output=True
+            )
             deb = next(Path(tmp).glob("*.deb"))
             subprocess.run(["dpkg", "-x", str(deb), str(Path(tmp) / "x")], check=True)
             (Path(tmp) / "x" / doc["path"]).resolve().replace(target)  # r-doc-pdf's paths are links within the package
@@ -83,6 +85,7 @@ def right(answer: str, accept: list[str], question: str = "") -> bool:
     often than the question does: ``par`` counts in "use par()" but not in "parameters", ``-e``
     in "Rscript -e" but not in "re-enter", and an echo of the question ("write.table double
     quotes" for "which qmethod makes write.table double quotes?") is not an answer."""
+
     def count(text: str, a: str) -> int:
         return len(re.findall(r"(?<![a-z0-9])" + re.escape(a.lower()) + r"(?:s|es)?(?![a-z0-9])", text.lower()))
 
@@ -96,7 +99,10 @@ def rescored(rows: list[dict]) -> list[dict]:
     last = {d["name"]: d["questions"][-1]["q"] for d in spec["documents"]}
     out = []
     for r in rows:
-        key = (r.get("document"), r.get("question") or (last.get(r.get("document")) if r.get("repeat_process") else None))
+        key = (
+            r.get("document"),
+            r.get("question") or (last.get(r.get("document")) if r.get("repeat_process") else None),
+        )
         if key in accept and "answer" in r:
             r = {**r, "right": right(r.get("answer") or "", accept[key], key[1])}
         out.append(r)
@@ -118,10 +124,19 @@ def store_dir(root: Path) -> Path:
 
 def record(method, doc, q, result, extra=None) -> dict:
     return {
-        "method": method, "document": doc["name"], "page": q["page"], "question": q["q"], "answer": result.answer,
-        "right": right(result.answer, q["accept"], q["q"]), "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
-        "total_s": round(result.total_s, 2), "peak_mem_mb": round(result.peak_mem_mb, 1),
-        "cache": result.extra["cache"]["status"], "compressor": result.extra.get("compressor"), "load": round(load(), 2),
+        "method": method,
+        "document": doc["name"],
+        "page": q["page"],
+        "question": q["q"],
+        "answer": result.answer,
+        "right": right(result.answer, q["accept"], q["q"]),
+        "n_tokens": result.prompt.n_tokens,
+        "ttft_s": round(result.ttft_s, 2),
+        "total_s": round(result.total_s, 2),
+        "peak_mem_mb": round(result.peak_mem_mb, 1),
+        "cache": result.extra["cache"]["status"],
+        "compressor": result.extra.get("compressor"),
+        "load": round(load(), 2),
         **(extra or {}),
     }
 
@@ -137,16 +152,30 @@ def run_documents(args) -> list[dict]:
         pdf = fetch_pdf(doc, args.pdf_dir)
         document = load_document(pdf)
         n = build_prompt(session.lm.tokenizer, document.text, doc["questions"][0]["q"], session.template).n_tokens
-        print(f"# {doc['name']}: {document.n_pages} pages, {n:,} tokens (load {load():.1f})", file=sys.stderr, flush=True)
+        print(
+            f"# {doc['name']}: {document.n_pages} pages, {n:,} tokens (load {load():.1f})", file=sys.stderr, flush=True
+        )
         for method in args.methods:
             if method == "full" and n + args.max_new_tokens > window:
-                rows.append({"method": "full", "document": doc["name"], "skipped": f"{n:,} tokens: over the {window:,}-token window"})
+                rows.append(
+                    {
+                        "method": "full",
+                        "document": doc["name"],
+                        "skipped": f"{n:,} tokens: over the {window:,}-token window",
+                    }
+                )
                 continue
             if method == "finch" and n > args.finch_max_tokens:
-                rows.append({"method": "finch", "document": doc["name"], "skipped": f"{n:,} tokens: over --finch-max-tokens"})
+                rows.append(
+                    {"method": "finch", "document": doc["name"], "skipped": f"{n:,} tokens: over --finch-max-tokens"}
+                )
                 continue
             if method == "infllm":
-                rows += run_infllm_processes(args, doc, pdf) if args.processes else run_infllm(args, session, doc, pdf, document)
+                rows += (
+                    run_infllm_processes(args, doc, pdf)
+                    if args.processes
+                    else run_infllm(args, session, doc, pdf, document)
+                )
                 continue
             for q in doc["questions"]:
                 if args.pages and q["page"] not in args.pages:
@@ -162,11 +191,35 @@ def cli_ask(args, pdf: Path, question: str, cache_dir: Path) -> tuple[dict, floa
     """``python -m kvcli ask PDF QUESTION -c <infllm spec> --json`` in a new process: its JSON,
     its wall time (model load and PDF extraction included), its error."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "kvcli", "ask", str(pdf), question, "-c", args.infllm[0], "--cache-dir", str(cache_dir),
-                          "--cache-max", "none", "--json", "--max-new-tokens", str(args.max_new_tokens)], capture_output=True,
-                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcli",
+            "ask",
+            str(pdf),
+            question,
+            "-c",
+            args.infllm[0],
+            "--cache-dir",
+            str(cache_dir),
+            "--cache-max",
+            "none",
+            "--json",
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     wall = time.perf_counter() - t0
-    return (json.loads(out.stdout) if out.returncode == 0 else {}), wall, (None if out.returncode == 0 else out.stderr.strip()[-300:])
+    return (
+        (json.loads(out.stdout) if out.returncode == 0 else {}),
+        wall,
+        (None if out.returncode == 0 else out.stderr.strip()[-300:]),
+    )
 
 
 def run_infllm_processes(args, doc, pdf) -> list[dict]:
@@ -177,11 +230,29 @@ def run_infllm_processes(args, doc, pdf) -> list[dict]:
     rows = []
     for i, q in enumerate(doc["questions"]):
         rec, wall, error = cli_ask(args, pdf, q["q"], cache_dir)
-        rows.append({"method": "infllm", "document": doc["name"], "page": q["page"], "question": q["q"], "answer": rec.get("answer"),
-                     "right": right(rec.get("answer") or "", q["accept"], q["q"]), "n_tokens": rec.get("n_tokens"), "ttft_s": rec.get("ttft_s"),
-                     "total_s": rec.get("total_s"), "wall_s": round(wall, 2), "peak_mem_mb": rec.get("peak_mem_mb"),
-                     "cache": (rec.get("cache") or {}).get("status") if isinstance(rec.get("cache"), dict) else rec.get("cache"),
-                     "compressor": rec.get("compressor"), "first": i == 0, "process": True, "load": round(load(), 2), "error": error})
+        rows.append(
+            {
+                "method": "infllm",
+                "document": doc["name"],
+                "page": q["page"],
+                "question": q["q"],
+                "answer": rec.get("answer"),
+                "right": right(rec.get("answer") or "", q["accept"], q["q"]),
+                "n_tokens": rec.get("n_tokens"),
+                "ttft_s": rec.get("ttft_s"),
+                "total_s": rec.get("total_s"),
+                "wall_s": round(wall, 2),
+                "peak_mem_mb": rec.get("peak_mem_mb"),
+                "cache": (rec.get("cache") or {}).get("status")
+                if isinstance(rec.get("cache"), dict)
+                else rec.get("cache"),
+                "compressor": rec.get("compressor"),
+                "first": i == 0,
+                "process": True,
+                "load": round(load(), 2),
+                "error": error,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -199,7 +270,9 @@ def answer_retrieved(result, document, q) -> dict:
     chars = [lo + m.start() for a in q["accept"] for m in re.finditer(r"(?<![a-z0-9])" + re.escape(a.lower()), text)]
     positions = {prompt.doc_start + next(i for i, (_, e) in enumerate(prompt.doc_offsets) if e > c) for c in chars}
     blocks = sorted({(p - book.initial) // book.block_size for p in positions if book.initial <= p < book.origin})
-    parts = ["initial"] * any(p < book.initial for p in positions) + ["local"] * any(p >= book.origin for p in positions)
+    parts = ["initial"] * any(p < book.initial for p in positions) + ["local"] * any(
+        p >= book.origin for p in positions
+    )
     chosen = book.question_blocks()
     share = None
     if blocks and chosen:
@@ -215,22 +288,47 @@ def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
     ``--no-repeat``. The model is ``base``'s (loaded once)."""
     cache_dir = store_dir(args.store) if args.store else fresh_cache_dir()
     options = AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none")
-    session = Session(lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir))
+    session = Session(
+        lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir)
+    )
     rows = []
     for spec in args.infllm:
         for i, q in enumerate(doc["questions"]):
             result = session.ask(document, q["q"], parse_pipeline(spec))
-            rows.append(record("infllm", doc, q, result, {"first": i == 0, "entry_bytes": result.extra["cache"]["entry_bytes"],
-                                                          "spec": spec, **answer_retrieved(result, document, q)}))
+            rows.append(
+                record(
+                    "infllm",
+                    doc,
+                    q,
+                    result,
+                    {
+                        "first": i == 0,
+                        "entry_bytes": result.extra["cache"]["entry_bytes"],
+                        "spec": spec,
+                        **answer_retrieved(result, document, q),
+                    },
+                )
+            )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.no_repeat:
         return rows
     q = doc["questions"][-1]
     rec, wall, error = cli_ask(args, pdf, q["q"], cache_dir)
-    rows.append({"method": "infllm", "document": doc["name"], "repeat_process": True, "wall_s": round(wall, 2),
-                 "total_s": rec.get("total_s"), "peak_mem_mb": rec.get("peak_mem_mb"), "cache": rec.get("cache"),
-                 "answer": rec.get("answer"), "right": right(rec.get("answer") or "", q["accept"], q["q"]), "load": round(load(), 2),
-                 "error": error})
+    rows.append(
+        {
+            "method": "infllm",
+            "document": doc["name"],
+            "repeat_process": True,
+            "wall_s": round(wall, 2),
+            "total_s": rec.get("total_s"),
+            "peak_mem_mb": rec.get("peak_mem_mb"),
+            "cache": rec.get("cache"),
+            "answer": rec.get("answer"),
+            "right": right(rec.get("answer") or "", q["accept"], q["q"]),
+            "load": round(load(), 2),
+            "error": error,
+        }
+    )
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -247,9 +345,20 @@ def run_memory(args) -> list[dict]:
     rows = []
     for n in args.memory:
         piece = (ids * (n // len(ids) + 1))[:n]
-        result = session.ask(document_from_text(tok.decode(piece)), "Which version of R is described?", parse_pipeline(args.infllm[0]))
-        rows.append({"method": "infllm", "memory_tokens": n, "n_tokens": result.prompt.n_tokens, "ttft_s": round(result.ttft_s, 2),
-                     "peak_mem_mb": round(result.peak_mem_mb, 1), "entry_bytes": result.extra["cache"]["entry_bytes"], "load": round(load(), 2)})
+        result = session.ask(
+            document_from_text(tok.decode(piece)), "Which version of R is described?", parse_pipeline(args.infllm[0])
+        )
+        rows.append(
+            {
+                "method": "infllm",
+                "memory_tokens": n,
+                "n_tokens": result.prompt.n_tokens,
+                "ttft_s": round(result.ttft_s, 2),
+                "peak_mem_mb": round(result.peak_mem_mb, 1),
+                "entry_bytes": result.extra["cache"]["entry_bytes"],
+                "load": round(load(), 2),
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -266,8 +375,14 @@ def run_read_speed(args) -> list[dict]:
     t0 = time.perf_counter()
     method.read(session.engine, ids)
     dt = time.perf_counter() - t0
-    row = {"method": args.infllm[0], "read_tokens": args.read_speed, "seconds": round(dt, 2), "tok_s": round(args.read_speed / dt, 1),
-           "threads": torch.get_num_threads(), "load": round(load(), 2)}
+    row = {
+        "method": args.infllm[0],
+        "read_tokens": args.read_speed,
+        "seconds": round(dt, 2),
+        "tok_s": round(args.read_speed / dt, 1),
+        "threads": torch.get_num_threads(),
+        "load": round(load(), 2),
+    }
     print(json.dumps(row), file=sys.stderr, flush=True)
     return [row]
 
@@ -283,7 +398,10 @@ def rows_from_log(path: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """Per document and method: accuracy, first-question time, repeat-question time, peak memory."""
-    lines = ["| document | method | right | first question (s) | repeat question (s) | peak memory (MB) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| document | method | right | first question (s) | repeat question (s) | peak memory (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
     docs = list(dict.fromkeys(r["document"] for r in rows if "document" in r))
     for d in docs:
         for m in METHODS:
@@ -307,7 +425,9 @@ def table(rows: list[dict]) -> str:
                 repeat = "—"
             else:
                 repeat = f"{sum(r['total_s'] for r in qs[1:]) / max(1, len(qs) - 1):.1f} (mean)"
-            lines.append(f"| {d} | {m} | {sum(r['right'] for r in qs)}/{len(qs)} | {first} | {repeat} | {max(r['peak_mem_mb'] or 0 for r in qs)} |")
+            lines.append(
+                f"| {d} | {m} | {sum(r['right'] for r in qs)}/{len(qs)} | {first} | {repeat} | {max(r['peak_mem_mb'] or 0 for r in qs)} |"
+            )
     return "\n".join(lines)
 
 
@@ -315,27 +435,58 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=lambda s: s.split(","), default=None)
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
-    p.add_argument("--pages", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="oracle/full/finch: only the questions on these pages (to split a long run)")
-    p.add_argument("--infllm", nargs="+", default=["infllm"], help="the infllm spec(s) (knobs); several: each on every question, in turn")
-    p.add_argument("--store", type=Path, default=None, help="infllm: this cache folder's disk store, kept between runs (default: a fresh one)")
+    p.add_argument(
+        "--pages",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="oracle/full/finch: only the questions on these pages (to split a long run)",
+    )
+    p.add_argument(
+        "--infllm",
+        nargs="+",
+        default=["infllm"],
+        help="the infllm spec(s) (knobs); several: each on every question, in turn",
+    )
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="infllm: this cache folder's disk store, kept between runs (default: a fresh one)",
+    )
     p.add_argument("--no-repeat", action="store_true", help="infllm: no extra question in a new process")
-    p.add_argument("--processes", action="store_true", help="infllm: every question a new `kvcli ask` process on one store (the first reads)")
-    p.add_argument("--finch-max-tokens", type=int, default=40000, help="skip Finch on longer documents (it reads every token per question)")
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="infllm: every question a new `kvcli ask` process on one store (the first reads)",
+    )
+    p.add_argument(
+        "--finch-max-tokens",
+        type=int,
+        default=40000,
+        help="skip Finch on longer documents (it reads every token per question)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--memory", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--read-speed", type=int, default=None, metavar="N", help="time infllm's reading pass alone on N random tokens")
+    p.add_argument(
+        "--read-speed", type=int, default=None, metavar="N", help="time infllm's reading pass alone on N random tokens"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "books" / "results.json")
-    p.add_argument("--table-from", type=Path, nargs="+", default=None, help="print the table of the rows in these stderr logs")
+    p.add_argument(
+        "--table-from", type=Path, nargs="+", default=None, help="print the table of the rows in these stderr logs"
+    )
     args = p.parse_args()
     if args.table_from:
         print(table(rescored([r for path in args.table_from for r in rows_from_log(path)])))
         return
     started = {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = run_read_speed(args) if args.read_speed else run_memory(args) if args.memory else run_documents(args)
-    out = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "started": started,
-           "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": rows}
+    out = {
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "started": started,
+        "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     if not args.memory and not args.read_speed:

@@ -39,16 +39,22 @@ def main() -> None:
     base = Session.open(AskOptions(max_new_tokens=args.max_new_tokens, use_cache=False))
     tok = base.lm.tokenizer
     # warm-up: first calls pay one-time costs that are not the method's
-    base.ask(document_from_text(make_case(tok, 200, 0.5, seed=1, haystack="filler").text), "Hi?", parse_pipeline("full"))
+    base.ask(
+        document_from_text(make_case(tok, 200, 0.5, seed=1, haystack="filler").text), "Hi?", parse_pipeline("full")
+    )
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
         case = make_case(tok, length, 0.5, seed=3, haystack="filler")
         doc = document_from_text(case.text)
         for spec in [s for s in args.methods.split(";") if s.strip()]:
             with tempfile.TemporaryDirectory(prefix="kvcli-bench-") as tmp:
-                q1 = dataclasses.replace(base, store=KVStore.open(Path(tmp))).ask(doc, case.question, parse_pipeline(spec))
+                q1 = dataclasses.replace(base, store=KVStore.open(Path(tmp))).ask(
+                    doc, case.question, parse_pipeline(spec)
+                )
                 # a new store object: the entry comes from disk, as in a second kvcli process
-                q2 = dataclasses.replace(base, store=KVStore.open(Path(tmp))).ask(doc, SECOND_QUESTION, parse_pipeline(spec))
+                q2 = dataclasses.replace(base, store=KVStore.open(Path(tmp))).ask(
+                    doc, SECOND_QUESTION, parse_pipeline(spec)
+                )
                 q2_off = base.ask(doc, SECOND_QUESTION, parse_pipeline(spec))
             assert (q1.extra["cache"]["status"], q2.extra["cache"]["status"]) == ("miss", "hit")
             assert q2.answer_ids == q2_off.answer_ids, "warm and uncached answers differ"
@@ -74,7 +80,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print("| prompt tokens | method | TTFT q1 (s) | TTFT q2 warm (s) | q2 warm / q1 | q2 without cache (s) | load (s) | entry size | peak RSS q1 / q2 (MiB) | passkey q1 / q2 |")
+    print(
+        "| prompt tokens | method | TTFT q1 (s) | TTFT q2 warm (s) | q2 warm / q1 | q2 without cache (s) | load (s) | entry size | peak RSS q1 / q2 (MiB) | passkey q1 / q2 |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(

@@ -46,10 +46,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
+from cite_heads import span  # noqa: E402  ("0-39" or "0,3,5" -> the indices)
 
-from kvcli.documents import document_from_text, load_document  # noqa: E402
-from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
 from kvcli.cite.bm25 import bm25_scores  # noqa: E402
+from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
+from kvcli.documents import document_from_text, load_document  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "cite" / "questions.json"
 BOOK_QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"
@@ -58,14 +59,6 @@ LEXICAL = ("bm25", "bm25-units")
 
 def load() -> float:
     return os.getloadavg()[0]
-
-
-def span(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 # --------------------------------------------------------------------------- cases
@@ -241,8 +234,8 @@ class PerHead:
         self.current: torch.Tensor | None = None
 
     def install(self) -> None:
-        import kvcli.api
         import kvcli.answer.pipeline
+        import kvcli.api
         from kvcli.cite.attribution import CitingHeads, HeadWeights
 
         outer = self
@@ -406,8 +399,8 @@ def contextcite(session, case: dict, args) -> dict:
     ContextCite's top paragraph."""
     import torch
 
-    from kvcli.api import parse_pipeline
     from kvcli.answer.prompt import build_prompt
+    from kvcli.api import parse_pipeline
     from kvcli.cite.sources import Source, Sources, passages
 
     t0 = time.perf_counter()

@@ -33,12 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcli.runtime.attention import AttentionContext, attention_context, install  # noqa: E402
+from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids  # noqa: E402
 from kvcli.bench.ruler_tasks import make_instance  # noqa: E402
+from kvcli.cite.sources import DocumentUnits  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.model import load_model  # noqa: E402
-from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids  # noqa: E402
-from kvcli.cite.sources import DocumentUnits  # noqa: E402
+from kvcli.runtime.attention import AttentionContext, attention_context, install  # noqa: E402
 
 
 def span(text: str) -> list[int]:
@@ -223,8 +223,10 @@ def analyze(args) -> None:
         + " ".join(f"{layer}:{v:.2f}" for layer, v in enumerate(per_layer[1]))
     )
     everything = [np.mean([hits(a.sum((0, 1)), r["gold"], k) for r, a in test]) for k in (1, 3)]
-    print(f"all heads averaged (kvcli's sum of every head's weights): hit@1 {everything[0]:.3f}, "
-          f"hit@3 {everything[1]:.3f}")
+    print(
+        f"all heads averaged (kvcli's sum of every head's weights): hit@1 {everything[0]:.3f}, "
+        f"hit@3 {everything[1]:.3f}"
+    )
     head = np.array(
         [
             [

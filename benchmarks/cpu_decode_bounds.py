@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from kvcli.runtime import kernels
 from kvcli.caches.base import _made
+from kvcli.runtime import kernels
 
 DT = torch.bfloat16
 H, G, D, LAYERS = 3, 3, 64, 30  # KV heads, query heads per KV head, head size, layers
@@ -47,8 +47,17 @@ def bandwidth() -> None:
 
 def attention(n_keys: int) -> dict[str, float]:
     pad = -(-n_keys // kernels.KEY_BUCKET) * kernels.KEY_BUCKET
-    room = [(_made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys), _made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys)) for _ in range(LAYERS)]
-    tight = [(_made(torch.randn(1, H, pad, D).to(DT), n_keys), _made(torch.randn(1, H, pad, D).to(DT), n_keys)) for _ in range(LAYERS)]
+    room = [
+        (
+            _made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys),
+            _made(torch.randn(1, H, n_keys + 100, D).to(DT), n_keys),
+        )
+        for _ in range(LAYERS)
+    ]
+    tight = [
+        (_made(torch.randn(1, H, pad, D).to(DT), n_keys), _made(torch.randn(1, H, pad, D).to(DT), n_keys))
+        for _ in range(LAYERS)
+    ]
     q = torch.randn(1, H * G, 1, D).to(DT)
 
     def grouped(bufs):
@@ -70,10 +79,12 @@ def attention(n_keys: int) -> dict[str, float]:
             torch.matmul(torch.softmax(s.transpose(1, 2).float(), -1).to(DT), v[0, :, :n_keys])
 
     us = lambda f: round(per_call(f, 20) / LAYERS * 1e6, 1)  # noqa: E731
-    return {"grouped, cache view with room": us(lambda: grouped(room)),
-            "grouped, heads contiguous": us(lambda: grouped(tight)),
-            "bare batched product, heads contiguous": us(bare),
-            "K·qᵀ per head": us(keys_as_rows)}
+    return {
+        "grouped, cache view with room": us(lambda: grouped(room)),
+        "grouped, heads contiguous": us(lambda: grouped(tight)),
+        "bare batched product, heads contiguous": us(bare),
+        "K·qᵀ per head": us(keys_as_rows),
+    }
 
 
 if __name__ == "__main__":

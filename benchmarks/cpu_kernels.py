@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvcli.runtime import kernels
 from kvcli.model.cpu_quant import Int4Linear, Int8Linear, quantize_int8
+from kvcli.runtime import kernels
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out), SmolLM2-135M
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
@@ -67,13 +67,21 @@ def attention() -> None:
     for n in (1024, 4096, 8192):
         for dtype in (torch.float32, torch.bfloat16):
             # each layer's KV a view of the first n entries of a buffer with room, as caches hold it
-            kv = [(torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
-                   torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n]) for _ in range(LAYERS)]
+            kv = [
+                (
+                    torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
+                    torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
+                )
+                for _ in range(LAYERS)
+            ]
             q = torch.randn(1, HEADS, 1, HEAD_DIM).to(dtype)
             scale = 1 / math.sqrt(HEAD_DIM)
             sdpa = bench(lambda: [F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in kv])
             grouped = bench(lambda: [kernels.grouped(q, k, v, None, scale) for k, v in kv])
-            print(f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  ms per {LAYERS} layers", flush=True)
+            print(
+                f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  ms per {LAYERS} layers",
+                flush=True,
+            )
 
 
 def _growing(n: int, made: bool, steps: int) -> str:
@@ -82,8 +90,13 @@ def _growing(n: int, made: bool, steps: int) -> str:
     from kvcli.caches.base import _made
 
     torch.manual_seed(0)
-    bufs = [(torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16(),
-             torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16()) for _ in range(LAYERS)]
+    bufs = [
+        (
+            torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16(),
+            torch.randn(1, KV_HEADS, n + steps + 64, HEAD_DIM).bfloat16(),
+        )
+        for _ in range(LAYERS)
+    ]
     if made:
         bufs = [(_made(k, n + steps), _made(v, n + steps)) for k, v in bufs]
     q = torch.randn(1, HEADS, 1, HEAD_DIM).bfloat16()

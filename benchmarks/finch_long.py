@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
+from kvcli.answer.pipeline import Pipeline, check_window
+from kvcli.answer.prompt import build_prompt
 from kvcli.api import AskOptions, Session
 from kvcli.bench.needle import make_case
 from kvcli.documents import document_from_text
 from kvcli.errors import DocumentError
-from kvcli.answer.pipeline import Pipeline, check_window
-from kvcli.answer.prompt import build_prompt
 
 
 def main() -> None:
@@ -59,8 +59,11 @@ def main() -> None:
             def spy(engine, ids, prefix=None, protected=0, _orig=original):
                 nonlocal kept_layers
                 cache, logits, pos = _orig(engine, ids, prefix=prefix, protected=protected)
-                span = [j for j in range(prompt.doc_start, prompt.doc_end)
-                        if (s := prompt.char_span(j)) and s[1] > case.needle_start and s[0] < case.needle_end]
+                span = [
+                    j
+                    for j in range(prompt.doc_start, prompt.doc_end)
+                    if (s := prompt.char_span(j)) and s[1] > case.needle_start and s[0] < case.needle_end
+                ]
                 lo, hi = min(span), max(span)
                 kept_layers = sum(bool(((k >= lo) & (k <= hi)).any()) for k in getattr(cache, "kept_positions", []))
                 return cache, logits, pos
@@ -94,16 +97,24 @@ def main() -> None:
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "haystack": args.haystack, "model": lm.name}
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "haystack": args.haystack,
+        "model": lm.name,
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print("| depth | correct | answer | TTFT s | peak MiB | KV MiB | needle kept (layers) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['depth']:.1f} | {'yes' if r['correct'] else 'no'} | {r['answer'][:30]!r} | {r['ttft_s']:.1f} | "
-              f"{r['peak_mem_mb']:.0f} | {r['kv_cache_mb']:.1f} | {r['needle_kept_layers']}/{r['n_layers']} |")
-    print(f"\naccuracy {sum(r['correct'] for r in rows)}/{len(rows)}, {rows[0]['n_context_tokens']:,}-token prompts, "
-          f"window {lm.max_context:,}, full attention refused: {all(r['full_refused'] for r in rows)}")
+        print(
+            f"| {r['depth']:.1f} | {'yes' if r['correct'] else 'no'} | {r['answer'][:30]!r} | {r['ttft_s']:.1f} | "
+            f"{r['peak_mem_mb']:.0f} | {r['kv_cache_mb']:.1f} | {r['needle_kept_layers']}/{r['n_layers']} |"
+        )
+    print(
+        f"\naccuracy {sum(r['correct'] for r in rows)}/{len(rows)}, {rows[0]['n_context_tokens']:,}-token prompts, "
+        f"window {lm.max_context:,}, full attention refused: {all(r['full_refused'] for r in rows)}"
+    )
 
 
 if __name__ == "__main__":

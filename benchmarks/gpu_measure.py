@@ -41,10 +41,17 @@ def nf4_swap(model) -> int:
 
     swaps = linears_but_head(model)
     for parent, name, child in swaps:
-        q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
-        q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                     blocksize=64, compress_statistics=False).to("cuda")
+        q = bnb.nn.Linear4bit(
+            child.in_features,
+            child.out_features,
+            bias=child.bias is not None,
+            compute_dtype=torch.bfloat16,
+            quant_type="nf4",
+            device="meta",
+        )
+        q.weight = bnb.nn.Params4bit(
+            child.weight.data, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=False
+        ).to("cuda")
         if child.bias is not None:
             q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
         setattr(parent, name, q)
@@ -90,12 +97,17 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sim", default="docs/bench/gpu-sim/memory.json")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu (bf16 only) checks this script on a small --layers model")
+    ap.add_argument(
+        "--device", default="cuda", help="cuda; cpu (bf16 only) checks this script on a small --layers model"
+    )
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count (a smoke run)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("gpu_measure: no CUDA GPU here (use --device cpu --weights bf16 --layers 2 for a smoke run)", file=sys.stderr)
+        print(
+            "gpu_measure: no CUDA GPU here (use --device cpu --weights bf16 --layers 2 for a smoke run)",
+            file=sys.stderr,
+        )
         return 2
     if not cuda and args.weights != "bf16":
         print("gpu_measure: on the CPU only --weights bf16", file=sys.stderr)
@@ -104,10 +116,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from kvcli import notices
-    from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded
-    from kvcli.bench.simulate.models import CONFIGS
-    from kvcli.runtime.engine import Engine
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.bench.simulate.models import CONFIGS
+    from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded
+    from kvcli.runtime.engine import Engine
 
     sims = sim_rows(Path(args.sim) if args.sim else None)
     t0 = time.perf_counter()
@@ -117,7 +129,9 @@ def main() -> int:
     print(f"built {args.config} {args.weights} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     sim = open_loaded(model, args.config, args.weights, CONFIGS[args.config][0], args.kv_offload, engine_cls=Engine)
     session = sim.session
-    weights_bytes = torch.cuda.memory_allocated() if cuda else sum(t.numel() * t.element_size() for t in sim.weights_list)
+    weights_bytes = (
+        torch.cuda.memory_allocated() if cuda else sum(t.numel() * t.element_size() for t in sim.weights_list)
+    )
     path = out / "gpu.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     for tokens in [int(x) for x in args.lengths.split(",")]:
@@ -126,23 +140,42 @@ def main() -> int:
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget reached, skipping {method} at {tokens}", file=sys.stderr, flush=True)
                 continue
-            row = {"config": args.config, "weights": args.weights, "method": method, "tokens": tokens,
-                   "kv_offload": args.kv_offload, "steps": args.steps, "weights_bytes": weights_bytes,
-                   "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                   "layers": args.layers, "error": None}
+            row = {
+                "config": args.config,
+                "weights": args.weights,
+                "method": method,
+                "tokens": tokens,
+                "kv_offload": args.kv_offload,
+                "steps": args.steps,
+                "weights_bytes": weights_bytes,
+                "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "error": None,
+            }
             if cuda:
                 torch.cuda.empty_cache()
             notices.reset()
             t0 = time.perf_counter()
             try:
-                result = session.ask(document, QUESTION, Pipeline.parse(method), max_new_tokens=args.steps,
-                                     force_tokens=True, use_store=False)
-                row.update(peak_bytes=int(result.peak_mem_mb * 2**20),
-                           peak_reserved_bytes=int((result.extra.get("peak_mem_reserved_mb") or 0) * 2**20) or None,
-                           ttft_s=result.ttft_s, total_s=result.total_s,
-                           decode_tokens_per_s=result.decode_tokens_per_s,
-                           kv_bytes=result.extra.get("kv_cache_bytes"), n_prompt_tokens=result.prompt.n_tokens,
-                           n_kept_tokens=result.n_kept_tokens)
+                result = session.ask(
+                    document,
+                    QUESTION,
+                    Pipeline.parse(method),
+                    max_new_tokens=args.steps,
+                    force_tokens=True,
+                    use_store=False,
+                )
+                row.update(
+                    peak_bytes=int(result.peak_mem_mb * 2**20),
+                    peak_reserved_bytes=int((result.extra.get("peak_mem_reserved_mb") or 0) * 2**20) or None,
+                    ttft_s=result.ttft_s,
+                    total_s=result.total_s,
+                    decode_tokens_per_s=result.decode_tokens_per_s,
+                    kv_bytes=result.extra.get("kv_cache_bytes"),
+                    n_prompt_tokens=result.prompt.n_tokens,
+                    n_kept_tokens=result.n_kept_tokens,
+                )
                 del result
             except Exception as e:  # noqa: BLE001 - the row says why
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -157,15 +190,22 @@ def main() -> int:
                 row["sim_kv_bytes"] = s.get("kv_bytes")
                 if s.get("peak_bytes") and row.get("peak_bytes"):
                     row["measured_over_sim"] = row["peak_bytes"] / s["peak_bytes"]
-            rows = [r for r in rows if (r["config"], r["weights"], r["method"], r["tokens"], r["kv_offload"])
-                    != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"])] + [row]
+            rows = [
+                r
+                for r in rows
+                if (r["config"], r["weights"], r["method"], r["tokens"], r["kv_offload"])
+                != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"])
+            ] + [row]
             path.write_text(json.dumps(rows, indent=1))
             gib = 2**30
             sim_txt = f" sim {row['sim_peak_bytes'] / gib:.2f}" if row.get("sim_peak_bytes") else ""
-            print(f"{method:>28} {tokens:>7} peak {(row.get('peak_bytes') or 0) / gib:6.2f} GiB{sim_txt} reserved "
-                  f"{(row.get('peak_reserved_bytes') or 0) / gib:6.2f} ttft {row.get('ttft_s') or 0:7.2f}s "
-                  f"decode {row.get('decode_tokens_per_s') or 0:6.1f} tok/s {row['error'] or ''}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{method:>28} {tokens:>7} peak {(row.get('peak_bytes') or 0) / gib:6.2f} GiB{sim_txt} reserved "
+                f"{(row.get('peak_reserved_bytes') or 0) / gib:6.2f} ttft {row.get('ttft_s') or 0:7.2f}s "
+                f"decode {row.get('decode_tokens_per_s') or 0:6.1f} tok/s {row['error'] or ''}",
+                file=sys.stderr,
+                flush=True,
+            )
     return 0
 
 

@@ -22,18 +22,20 @@ import time
 
 import torch
 
-from kvcli.bench.needle import make_case
-from kvcli.bench.runner import PROMPT_OVERHEAD
-from kvcli.runtime.engine import Engine
-from kvcli.model import load_model
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
+from kvcli.bench.needle import make_case
+from kvcli.bench.runner import PROMPT_OVERHEAD
+from kvcli.model import load_model
+from kvcli.runtime.engine import Engine
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="4096,8000", help="prompt lengths in tokens, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3, help="full/h2o pairs per length (after one warm-up pair at the first length)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="full/h2o pairs per length (after one warm-up pair at the first length)"
+    )
     ap.add_argument("--spec", default="h2o:budget=0.25", help="the method compared with full attention")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--kept", default=None, help="save H2O's kept-position masks (one per length) to this .pt file")
@@ -68,18 +70,30 @@ def main() -> None:
                 if spec != "full" and r == 0:
                     kept[n] = result.kept_mask()
             (fw, fc), (hw, hc) = times["full"][-1], times[args.spec][-1]
-            print(f"{prompt.n_tokens} tokens, round {r + 1}: full {fw:.2f} s (CPU {fc:.2f}), "
-                  f"{args.spec} {hw:.2f} s (CPU {hc:.2f}), ratio {hw / fw:.2f} (CPU {hc / fc:.2f})", flush=True)
+            print(
+                f"{prompt.n_tokens} tokens, round {r + 1}: full {fw:.2f} s (CPU {fc:.2f}), "
+                f"{args.spec} {hw:.2f} s (CPU {hc:.2f}), ratio {hw / fw:.2f} (CPU {hc / fc:.2f})",
+                flush=True,
+            )
         row = [prompt.n_tokens]
         for i in (0, 1):  # wall, CPU
             ratios = [h[i] / f[i] for f, h in zip(times["full"], times[args.spec])]
-            row += [statistics.median(t[i] for t in times["full"]), statistics.median(t[i] for t in times[args.spec]),
-                    statistics.median(ratios), min(ratios), max(ratios)]
+            row += [
+                statistics.median(t[i] for t in times["full"]),
+                statistics.median(t[i] for t in times[args.spec]),
+                statistics.median(ratios),
+                min(ratios),
+                max(ratios),
+            ]
         rows.append(row)
-    print(f"\n| tokens | full TTFT s | {args.spec} TTFT s | ratio (median) | min-max | full CPU s | {args.spec} CPU s | CPU ratio | min-max |")
+    print(
+        f"\n| tokens | full TTFT s | {args.spec} TTFT s | ratio (median) | min-max | full CPU s | {args.spec} CPU s | CPU ratio | min-max |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, f, h, ratio, lo, hi, fc, hc, cratio, clo, chi in rows:
-        print(f"| {n:,} | {f:.2f} | {h:.2f} | {ratio:.2f} | {lo:.2f}-{hi:.2f} | {fc:.2f} | {hc:.2f} | {cratio:.2f} | {clo:.2f}-{chi:.2f} |")
+        print(
+            f"| {n:,} | {f:.2f} | {h:.2f} | {ratio:.2f} | {lo:.2f}-{hi:.2f} | {fc:.2f} | {hc:.2f} | {cratio:.2f} | {clo:.2f}-{chi:.2f} |"
+        )
     print(f"threads: {torch.get_num_threads()}, rounds: {args.rounds}")
     if args.kept:
         torch.save(kept, args.kept)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from kvcli.answer.pipeline import Pipeline
 from kvcli.api import AskOptions, Session
 from kvcli.caches import KVCache
 from kvcli.documents import load_document
-from kvcli.answer.pipeline import Pipeline
 from kvcli.store import KVStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,27 +26,30 @@ import json
 import pstats
 import statistics
 import sys
-
 import time
 
 import torch
 
+from kvcli.answer.prompt import build_prompt
 from kvcli.api import AskOptions, Session
 from kvcli.bench.speed import SpeedBench
 from kvcli.compressors import parse_one
-from kvcli.answer.prompt import build_prompt
 
 
 def _runner(engine, lm, spec: str):
     """(prefill(ids) -> (state, logits, next position), step(token, position, state) -> logits)."""
     if spec == "full":
+
         def prefill(ids):
             cache, logits = engine.prefill(ids)
             return cache, logits, ids.numel()
+
         return prefill, lambda token, pos, cache: engine.step(token, pos, cache)
     method = parse_one(spec)
     method.configure(lm)
-    return (lambda ids: method.prefill(engine, ids)), (lambda token, pos, cache: method.decode_step(engine, token, pos, cache))
+    return (lambda ids: method.prefill(engine, ids)), (
+        lambda token, pos, cache: method.decode_step(engine, token, pos, cache)
+    )
 
 
 def lockstep(engine, lm, ids: torch.Tensor, specs: list[str], new_tokens: int, order: list[str]) -> dict:
@@ -94,7 +97,14 @@ def main() -> None:
     engine, lm = session.engine, session.lm
     bench = SpeedBench(session)
     warm = build_prompt(lm.tokenizer, "A short warm-up document. " * 20, "Why?", session.template).ids
-    lockstep(engine, lm, warm, specs if args.profile is None else [args.profile], 2, specs if args.profile is None else [args.profile])
+    lockstep(
+        engine,
+        lm,
+        warm,
+        specs if args.profile is None else [args.profile],
+        2,
+        specs if args.profile is None else [args.profile],
+    )
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
         case, document = bench.document(length, "essays")
@@ -105,32 +115,45 @@ def main() -> None:
             prof.enable()
             r = lockstep(engine, lm, ids, [args.profile], args.new_tokens, [args.profile])[args.profile]
             prof.disable()
-            print(f"\n=== {args.profile} at {n} tokens: TTFT {r['ttft_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, total {r['total_s']:.2f} s")
+            print(
+                f"\n=== {args.profile} at {n} tokens: TTFT {r['ttft_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, total {r['total_s']:.2f} s"
+            )
             stats = pstats.Stats(prof, stream=sys.stdout)
             stats.sort_stats("cumulative").print_stats(35)
             stats.sort_stats("tottime").print_stats(25)
             continue
         runs: dict[str, list] = {s: [] for s in specs}
         for i in range(args.repeat):
-            order = specs[i % len(specs):] + specs[: i % len(specs)]
+            order = specs[i % len(specs) :] + specs[: i % len(specs)]
             out = lockstep(engine, lm, ids, specs, args.new_tokens, order)
             for spec in specs:
                 row = {"length": n, "method": spec, "round": i, "threads": torch.get_num_threads(), **out[spec]}
                 runs[spec].append(row)
                 rows.append(row)
-                print(f"{n:>6} {spec:36s} round {i}: TTFT {row['ttft_s']:6.2f} s  decode {row['decode_tok_s']:5.2f} tok/s  "
-                      f"total {row['total_s']:6.2f} s", flush=True)
-        med = {s: {k: statistics.median(r[k] for r in runs[s]) for k in ("ttft_s", "decode_tok_s", "total_s")} for s in specs}
+                print(
+                    f"{n:>6} {spec:36s} round {i}: TTFT {row['ttft_s']:6.2f} s  decode {row['decode_tok_s']:5.2f} tok/s  "
+                    f"total {row['total_s']:6.2f} s",
+                    flush=True,
+                )
+        med = {
+            s: {k: statistics.median(r[k] for r in runs[s]) for k in ("ttft_s", "decode_tok_s", "total_s")}
+            for s in specs
+        }
         base = med[specs[0]]
         ref = runs[specs[0]][0]["tokens"]
-        print(f"\n| tokens | method | TTFT s | TTFT / {specs[0]} | decode tok/s | decode / {specs[0]} | total s | total / {specs[0]} | computed | same tokens as {specs[0]} |")
+        print(
+            f"\n| tokens | method | TTFT s | TTFT / {specs[0]} | decode tok/s | decode / {specs[0]} | total s | total / {specs[0]} | computed | same tokens as {specs[0]} |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for s in specs:
             m, comp = med[s], runs[s][0]["computed"]
             same = sum(a == b for a, b in zip(runs[s][0]["tokens"], ref))
-            print(f"| {n:,} | `{s}` | {m['ttft_s']:.2f} | {m['ttft_s'] / base['ttft_s']:.2f} | {m['decode_tok_s']:.2f} | "
-                  f"{m['decode_tok_s'] / base['decode_tok_s']:.2f} | {m['total_s']:.2f} | {m['total_s'] / base['total_s']:.2f} | "
-                  f"{'—' if comp is None else f'{comp:.2f}'} | {same}/{len(ref)} |", flush=True)
+            print(
+                f"| {n:,} | `{s}` | {m['ttft_s']:.2f} | {m['ttft_s'] / base['ttft_s']:.2f} | {m['decode_tok_s']:.2f} | "
+                f"{m['decode_tok_s'] / base['decode_tok_s']:.2f} | {m['total_s']:.2f} | {m['total_s'] / base['total_s']:.2f} | "
+                f"{'—' if comp is None else f'{comp:.2f}'} | {same}/{len(ref)} |",
+                flush=True,
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -28,7 +28,14 @@ from pathlib import Path
 from kvcli.bench.runner import markdown_table, summary
 from kvcli.cli import main as kvcli_main
 
-METHODS = ["full", "snapkv:budget={b}", "pyramidkv:budget={b}", "h2o:budget={b}", "streamingllm:budget={b}", "gemfilter:k={b}"]
+METHODS = [
+    "full",
+    "snapkv:budget={b}",
+    "pyramidkv:budget={b}",
+    "h2o:budget={b}",
+    "streamingllm:budget={b}",
+    "gemfilter:k={b}",
+]
 
 
 def main() -> None:
@@ -39,12 +46,26 @@ def main() -> None:
     ap.add_argument("--methods", default=";".join(METHODS), help="';'-separated specs; {b} is replaced by --budget")
     ap.add_argument("--haystack", default="filler", choices=["filler", "essays"])
     ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "methods"), help="folder of needle.json and the PNGs")
+    ap.add_argument(
+        "--out", default=str(Path(__file__).parent / "out" / "methods"), help="folder of needle.json and the PNGs"
+    )
     ap.add_argument("--resume", action="store_true", help="run only the cells missing from --out")
     ap.add_argument("--table", action="store_true", help="only print the tables of --out (and redraw its heatmaps)")
     args, rest = ap.parse_known_args()  # anything else (--model, --device, --quiet...) goes to kvcli
     specs = ";".join(s.strip().replace("{b}", str(args.budget)) for s in args.methods.split(";") if s.strip())
-    argv = ["kvcli", "bench", "needle", "--methods", specs, "--lengths", args.lengths, "--depths", args.depths, "--out", args.out]
+    argv = [
+        "kvcli",
+        "bench",
+        "needle",
+        "--methods",
+        specs,
+        "--lengths",
+        args.lengths,
+        "--depths",
+        args.depths,
+        "--out",
+        args.out,
+    ]
     if args.table:
         argv.append("--plot-only")
     else:

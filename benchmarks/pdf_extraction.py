@@ -153,7 +153,11 @@ def gather(work: Path) -> list[tuple[str, Path]]:
         name = Path(src).name
         copy = work / (name if "." in name else name + ".txt")
         shutil.copy(src, copy)
-        subprocess.run([soffice, "--headless", "--convert-to", export, "--outdir", str(work), str(copy)], capture_output=True, timeout=300)
+        subprocess.run(
+            [soffice, "--headless", "--convert-to", export, "--outdir", str(work), str(copy)],
+            capture_output=True,
+            timeout=300,
+        )
         files.append((package, copy.with_suffix(".pdf")))
     return files
 
@@ -166,7 +170,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for package, path in gather(Path(tmp)):
             ref = words(pdftotext(path))
-            row = {"file": path.name, "package": package, "producer": producer(path), "pages": None, REFERENCE: len(ref), "methods": {}}
+            row = {
+                "file": path.name,
+                "package": package,
+                "producer": producer(path),
+                "pages": None,
+                REFERENCE: len(ref),
+                "methods": {},
+            }
             for name, extract in EXTRACTIONS.items():
                 try:
                     pages = extract(path)
@@ -189,7 +200,11 @@ def main() -> None:
 
 def render(rows: list[dict]) -> str:
     names = list(EXTRACTIONS)
-    head = "| PDF (Debian package) | producer | pages | pdftotext words | " + " | ".join(f"{n}: words (overlap)" for n in names) + " |"
+    head = (
+        "| PDF (Debian package) | producer | pages | pdftotext words | "
+        + " | ".join(f"{n}: words (overlap)" for n in names)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (4 + len(names))]
     worst = {n: 1.0 for n in names}
     for r in rows:
@@ -202,7 +217,11 @@ def render(rows: list[dict]) -> str:
             else:
                 cells.append(f"{m['words']:,} ({m['overlap']:.1%})")
                 worst[n] = min(worst[n], m["overlap"])
-        lines.append(f"| {r['file']} ({r['package']}) | {r['producer']} | {r['pages']} | {r[REFERENCE]:,} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['file']} ({r['package']}) | {r['producer']} | {r['pages']} | {r[REFERENCE]:,} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines.append("| **lowest overlap** | | | | " + " | ".join(f"**{worst[n]:.1%}**" for n in names) + " |")
     return "\n".join(lines) + "\n"
 

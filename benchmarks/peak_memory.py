@@ -40,11 +40,11 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
     import time
     import traceback
 
+    from kvcli.answer.pipeline import Pipeline
     from kvcli.api import AskOptions, Session
     from kvcli.bench.needle import make_case
     from kvcli.bench.runner import PROMPT_OVERHEAD
     from kvcli.documents import document_from_text
-    from kvcli.answer.pipeline import Pipeline
 
     session = Session.open(AskOptions(use_cache=False))
     case = make_case(session.lm.tokenizer, length - PROMPT_OVERHEAD, 0.5, seed=0, haystack="essays")
@@ -59,7 +59,11 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
             with open("/proc/self/status") as f:
                 rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
             frame = sys._current_frames().get(main)
-            where = [f"{Path(fs.filename).name}:{fs.lineno}:{fs.name}" for fs in traceback.extract_stack(frame) if fs.filename.startswith(here)]
+            where = [
+                f"{Path(fs.filename).name}:{fs.lineno}:{fs.name}"
+                for fs in traceback.extract_stack(frame)
+                if fs.filename.startswith(here)
+            ]
             samples.append((rss, " < ".join(reversed(where[-4:]))))
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -68,7 +72,9 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
     with open("/proc/self/status") as f:
         base = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
     t0 = time.perf_counter()
-    result = session.ask(document, case.question, Pipeline.parse(spec), max_new_tokens=new_tokens, force_tokens=True, use_store=False)
+    result = session.ask(
+        document, case.question, Pipeline.parse(spec), max_new_tokens=new_tokens, force_tokens=True, use_store=False
+    )
     stop.set()
     if trace:
         sampler.join()  # before the interpreter exits (a daemon thread reading frames can abort it)
@@ -79,7 +85,9 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
         "peak_mem_mb": round(result.peak_mem_mb, 1),
         "before_mb": round(base, 1),  # the process before the question: weights, runtime, tokenizer
         "ttft_s": round(result.ttft_s, 2),
-        "kv_cache_mb": round(result.extra.get("kv_cache_bytes", 0) / 2**20, 1) if result.extra.get("kv_cache_bytes") else None,
+        "kv_cache_mb": round(result.extra.get("kv_cache_bytes", 0) / 2**20, 1)
+        if result.extra.get("kv_cache_bytes")
+        else None,
         "answer_ids": result.answer_ids,
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -115,7 +123,10 @@ def main() -> None:
                 continue
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
-            print(f"{length:>6} {spec:<28} peak {row['peak_mem_mb']:>8.1f} MiB (before {row['before_mb']:.0f})  ttft {row['ttft_s']:>6.2f} s  KV {row['kv_cache_mb']} MiB", flush=True)
+            print(
+                f"{length:>6} {spec:<28} peak {row['peak_mem_mb']:>8.1f} MiB (before {row['before_mb']:.0f})  ttft {row['ttft_s']:>6.2f} s  KV {row['kv_cache_mb']} MiB",
+                flush=True,
+            )
             for where, rss in row.get("trace", []):
                 print(f"         {rss:8.1f}  {where}", flush=True)
     if args.json:

@@ -98,7 +98,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (then one GPU per worker)")
     ap.add_argument("--no-local", action="store_true", help="skip the in-process reference batch")
     ap.add_argument("--project", type=int, default=10_000, help="documents in the projection (default 10,000)")
-    ap.add_argument("--doc-seconds", type=float, default=None, help="per-document time on one GPU worker for the projection (default: measured here)")
+    ap.add_argument(
+        "--doc-seconds",
+        type=float,
+        default=None,
+        help="per-document time on one GPU worker for the projection (default: measured here)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "ray_batch.json"))
     args = ap.parse_args()
 
@@ -140,7 +145,16 @@ def main() -> None:
                     if rtt is None:
                         rtt = round_trip_s(executor.workers[0])
                 answers[f"ray{n}"] = [r.get("answer") for r in records]
-                rows.append(row(f"Ray, {n} {args.device.upper()} worker{'s' if n > 1 else ''}", n, records, batch_s, start_s, args.docs))
+                rows.append(
+                    row(
+                        f"Ray, {n} {args.device.upper()} worker{'s' if n > 1 else ''}",
+                        n,
+                        records,
+                        batch_s,
+                        start_s,
+                        args.docs,
+                    )
+                )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         finally:
             ray.shutdown()
@@ -149,37 +163,67 @@ def main() -> None:
     one = next((r for r in rows if r["workers"] == counts[0]), None)
     ratios = {r["workers"]: round(one["batch_s"] / r["batch_s"], 3) for r in rows if r["workers"]}
     t_doc = args.doc_seconds if args.doc_seconds is not None else one["batch_s"] * counts[0] / args.docs
-    t_tail = max(one["doc_s"]) if args.doc_seconds is None else args.doc_seconds * max(one["doc_s"]) / (sum(one["doc_s"]) / len(one["doc_s"]))
+    t_tail = (
+        max(one["doc_s"])
+        if args.doc_seconds is None
+        else args.doc_seconds * max(one["doc_s"]) / (sum(one["doc_s"]) / len(one["doc_s"]))
+    )
     start = max(r["start_s"] for r in rows if r["workers"])
     projection = []
     for n in (1, 2, 4, 8, 16, 32, 64):
         total = start + math.ceil(args.project / n) * t_doc + t_tail
         floor = args.project * rtt
-        projection.append({"gpu_workers": n, "hours": round(max(total, floor) / 3600, 3), "docs_per_s": round(args.project / max(total, floor), 2),
-                           "driver_bound": floor > total})
+        projection.append(
+            {
+                "gpu_workers": n,
+                "hours": round(max(total, floor) / 3600, 3),
+                "docs_per_s": round(args.project / max(total, floor), 2),
+                "driver_bound": floor > total,
+            }
+        )
     result = {
-        "docs": args.docs, "questions": len(questions), "spec": args.spec, "device": args.device,
-        "cpu_count": os.cpu_count(), "rows": rows, "throughput_ratio_vs_1_worker": ratios,
-        "same_answers": same, "errors": errors, "round_trip_s": round(rtt, 5),
-        "projection": {"documents": args.project, "t_doc_s": round(t_doc, 4), "t_doc_from": "--doc-seconds" if args.doc_seconds else f"measured, {counts[0]} {args.device} worker",
-                       "t_tail_s": round(t_tail, 3), "start_s": round(start, 2), "t_driver_s": round(rtt, 5), "rows": projection},
+        "docs": args.docs,
+        "questions": len(questions),
+        "spec": args.spec,
+        "device": args.device,
+        "cpu_count": os.cpu_count(),
+        "rows": rows,
+        "throughput_ratio_vs_1_worker": ratios,
+        "same_answers": same,
+        "errors": errors,
+        "round_trip_s": round(rtt, 5),
+        "projection": {
+            "documents": args.project,
+            "t_doc_s": round(t_doc, 4),
+            "t_doc_from": "--doc-seconds" if args.doc_seconds else f"measured, {counts[0]} {args.device} worker",
+            "t_tail_s": round(t_tail, 3),
+            "start_s": round(start, 2),
+            "t_driver_s": round(rtt, 5),
+            "rows": projection,
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    print(f"{args.docs} documents x {len(questions)} questions, `-c {args.spec}`, {os.cpu_count()} CPU cores; same answers everywhere: {'yes' if same else 'NO'}; error records: {errors}\n")
+    print(
+        f"{args.docs} documents x {len(questions)} questions, `-c {args.spec}`, {os.cpu_count()} CPU cores; same answers everywhere: {'yes' if same else 'NO'}; error records: {errors}\n"
+    )
     print("| run | start (s) | batch (s) | documents/s | vs 1 worker |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         ratio = f"{ratios[r['workers']]:.2f}x" if r["workers"] else ""
         print(f"| {r['run']} | {r['start_s']:.1f} | {r['batch_s']:.1f} | {r['docs_per_s']:.2f} | {ratio} |")
-    print(f"\nProjection for {args.project:,} documents: t_doc {t_doc:.3f} s ({result['projection']['t_doc_from']}), "
-          f"tail {t_tail:.2f} s, start {start:.1f} s, driver {rtt * 1000:.2f} ms/document\n")
+    print(
+        f"\nProjection for {args.project:,} documents: t_doc {t_doc:.3f} s ({result['projection']['t_doc_from']}), "
+        f"tail {t_tail:.2f} s, start {start:.1f} s, driver {rtt * 1000:.2f} ms/document\n"
+    )
     print(f"| workers at {t_doc:.2f} s/document | hours | documents/s |")
     print("|---:|---:|---:|")
     for p in projection:
-        print(f"| {p['gpu_workers']} | {p['hours']:.2f} | {p['docs_per_s']:.1f}{' (driver-bound)' if p['driver_bound'] else ''} |")
+        print(
+            f"| {p['gpu_workers']} | {p['hours']:.2f} | {p['docs_per_s']:.1f}{' (driver-bound)' if p['driver_bound'] else ''} |"
+        )
 
 
 def row(name: str, workers: int | None, records: list[dict], batch_s: float, start_s: float, n_docs: int) -> dict:

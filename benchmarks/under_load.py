@@ -51,8 +51,12 @@ QUESTION_HIT = "Describe what the author says in this document, in detail."
 BOOK_QUESTION = "What does the author say about startups?"
 CONFIGS = ("auto", "1", "2", "llama.cpp")
 RUNS = ("hit", "book", "cold")
-LABELS = {"auto": "kvcli (auto, the default)", "1": "kvcli --threads 1", "2": "kvcli --threads 2 (the old default)",
-          "llama.cpp": "llama.cpp"}
+LABELS = {
+    "auto": "kvcli (auto, the default)",
+    "1": "kvcli --threads 1",
+    "2": "kvcli --threads 2 (the old default)",
+    "llama.cpp": "llama.cpp",
+}
 SHOWN = ("load", "config", "run", "ttft_s", "decode_tokens_per_s", "n_context_tokens", "threads", "timed_out", "error")
 
 
@@ -75,8 +79,14 @@ def make_inputs(work: Path, args) -> dict:
     inputs["n_book"] = build_prompt(lm.tokenizer, book.text, BOOK_QUESTION, load_template()).n_tokens
     for run, question in (("hit", QUESTION_HIT), ("cold", QUESTION)):
         prompt = build_prompt(lm.tokenizer, doc.text, question, load_template())
-        case = {"ids": prompt.ids.tolist(), "prefix_len": prompt.prefix_len, "new_tokens": args.new_tokens,
-                "n_ctx": prompt.n_tokens + args.new_tokens + 8, "gguf": str(_embedded_gguf_file()), "stop_ids": stop}
+        case = {
+            "ids": prompt.ids.tolist(),
+            "prefix_len": prompt.prefix_len,
+            "new_tokens": args.new_tokens,
+            "n_ctx": prompt.n_tokens + args.new_tokens + 8,
+            "gguf": str(_embedded_gguf_file()),
+            "stop_ids": stop,
+        }
         inputs[f"case_{run}"] = work / f"case_{run}.json"
         inputs[f"case_{run}"].write_text(json.dumps(case))
         inputs[f"n_{run}"] = prompt.n_tokens
@@ -127,8 +137,10 @@ def measure(config: str, run: str, inputs: dict, cache: Path, args, env: dict) -
         if run == "book":
             return None
         if run == "hit":
-            return {**llamacpp(inputs["case_hit"], args.timeout, "--load-prefix", inputs["prompt_cache"]),
-                    "n_context_tokens": inputs["n_hit"]}
+            return {
+                **llamacpp(inputs["case_hit"], args.timeout, "--load-prefix", inputs["prompt_cache"]),
+                "n_context_tokens": inputs["n_hit"],
+            }
         return {**llamacpp(inputs["case_cold"], args.timeout), "n_context_tokens": inputs["n_cold"]}
     common = ["--threads", config, "--max-new-tokens", args.new_tokens, "--no-answer-guard", "--cache-dir", cache]
     if args.model:
@@ -175,16 +187,18 @@ def cell(rows: list[dict], load: int, config: str, run: str, what: str) -> str:
         return "—"
     if what == "threads":
         seen = [(r.get("threads") or {}) for r in done] or [{}]
-        shown = dict.fromkeys(" / ".join(",".join(map(str, t.get(p, []))) or "—" for p in ("prefill", "decode"))
-                              for t in seen)
+        shown = dict.fromkeys(
+            " / ".join(",".join(map(str, t.get(p, []))) or "—" for p in ("prefill", "decode")) for t in seen
+        )
         return " or ".join(shown)
     if not done:
         r = found[-1]
         if not r.get("timed_out"):
             return "error"
         # stopped at its timeout: a bound (the prompt's length from the row or from the same run's others)
-        n = r.get("n_context_tokens") or next((x["n_context_tokens"] for x in rows
-                                               if x["run"] == run and x.get("n_context_tokens")), None)
+        n = r.get("n_context_tokens") or next(
+            (x["n_context_tokens"] for x in rows if x["run"] == run and x.get("n_context_tokens")), None
+        )
         return {"ttft": f"> {r['wall_s']:.0f}", "read": f"< {n / r['wall_s']:,.0f}" if n else "?"}.get(what, "?")
     if what == "ttft":
         return f"{statistics.median(r['ttft_s'] for r in done):.2f}"
@@ -206,11 +220,15 @@ def table(data: dict) -> str:
     out = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (3 + cold) + "---|"]
     for load in loads:
         for c in configs:
-            values = [cell(rows, load, c, "hit", "ttft"), cell(rows, load, c, "hit", "decode"),
-                      cell(rows, load, c, "book", "read")]
+            values = [
+                cell(rows, load, c, "hit", "ttft"),
+                cell(rows, load, c, "hit", "decode"),
+                cell(rows, load, c, "book", "read"),
+            ]
             values += [cell(rows, load, c, "cold", "ttft")] * cold
-            values.append("—" if c == "llama.cpp" else
-                          "; ".join(cell(rows, load, c, run, "threads") for run in ("hit", "book")))
+            values.append(
+                "—" if c == "llama.cpp" else "; ".join(cell(rows, load, c, run, "threads") for run in ("hit", "book"))
+            )
             out.append(f"| {load} | {LABELS.get(c, 'kvcli --threads ' + c)} | {' | '.join(values)} |")
     return "\n".join(out) + "\n"
 
@@ -218,8 +236,10 @@ def table(data: dict) -> str:
 def write_report(out: Path, data: dict) -> str:
     md = table(data)
     meta = data["meta"]
-    n_book = next((r["n_context_tokens"] for r in data["rows"] if r["run"] == "book" and r.get("n_context_tokens")),
-                  meta["n_book"])
+    n_book = next(
+        (r["n_context_tokens"] for r in data["rows"] if r["run"] == "book" and r.get("n_context_tokens")),
+        meta["n_book"],
+    )
     commands = "\n".join(f"    {c}" for c in meta["commands"])
     (out / "under_load.md").write_text(
         f"# kvcli under load\n\n`benchmarks/under_load.py` on {meta['machine']} ({meta['affinity']} CPUs); "
@@ -241,8 +261,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds before a run is stopped")
     ap.add_argument("--reps", type=int, default=1, help="runs of each cell (the table: medians)")
     ap.add_argument("--model", default=None, help="kvcli's -m (default: the embedded model; llama.cpp runs its GGUF)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep OUT's rows of the loads, configurations and runs not measured")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep OUT's rows of the loads, configurations and runs not measured"
+    )
     ap.add_argument("--report-only", action="store_true", help="measure nothing: OUT/under_load.md from its JSON")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "under-load"))
     args = ap.parse_args()
@@ -257,28 +278,41 @@ def main() -> None:
     if set(runs) - set(RUNS):
         raise SystemExit(f"--runs: choose from {', '.join(RUNS)}")
     if "llama.cpp" in configs and (not LLAMA_PYTHON.exists() or args.model):
-        print("llama.cpp is not built (benchmarks/peers/setup.sh) or -m is not the embedded model: no llama.cpp rows",
-              file=sys.stderr)
+        print(
+            "llama.cpp is not built (benchmarks/peers/setup.sh) or -m is not the embedded model: no llama.cpp rows",
+            file=sys.stderr,
+        )
         configs.remove("llama.cpp")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "under_load.json"
     data = json.loads(path.read_text()) if args.resume and path.exists() else {"meta": {}, "rows": []}
     measured = {(load, c, run) for load in loads for c in configs for run in runs}
     data["rows"] = [r for r in data["rows"] if (r["load"], r["config"], r["run"]) not in measured]
-    data["meta"].setdefault("commands", []).append(" ".join(["python benchmarks/under_load.py",
-                                                             *map(shlex.quote, sys.argv[1:])]))
+    data["meta"].setdefault("commands", []).append(
+        " ".join(["python benchmarks/under_load.py", *map(shlex.quote, sys.argv[1:])])
+    )
     # every run as a user's: no thread count or kvcli setting inherited (heavy.sh's OMP_NUM_THREADS=1)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") and not k.startswith("KVCLI_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") and not k.startswith("KVCLI_")
+    }
     env["PYTHONPATH"] = str(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         inputs = make_inputs(work, args)
-        data["meta"].update({
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)), "n_hit": inputs["n_hit"],
-            "n_book": inputs["n_book"], "new_tokens": args.new_tokens, "busy": BUSY, "model": args.model or "embedded",
-        })
+        data["meta"].update(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "affinity": len(os.sched_getaffinity(0)),
+                "n_hit": inputs["n_hit"],
+                "n_book": inputs["n_book"],
+                "new_tokens": args.new_tokens,
+                "busy": BUSY,
+                "model": args.model or "embedded",
+            }
+        )
         cache = cache_dir(work)
         prepare(inputs, cache, configs, args, env)
         for load in loads:
@@ -291,8 +325,15 @@ def main() -> None:
                             row = measure(config, run, inputs, cache, args, env)
                             if row is None:
                                 continue
-                            row.update(load=load, config=config, run=run, rep=rep, loadavg_before=round(before, 2),
-                                       time=time.strftime("%H:%M:%S"), timeout_s=args.timeout)
+                            row.update(
+                                load=load,
+                                config=config,
+                                run=run,
+                                rep=rep,
+                                loadavg_before=round(before, 2),
+                                time=time.strftime("%H:%M:%S"),
+                                timeout_s=args.timeout,
+                            )
                             data["rows"].append(row)
                             print(json.dumps({k: row.get(k) for k in SHOWN}), flush=True)
                         path.write_text(json.dumps(data, indent=1))

@@ -1,6 +1,6 @@
 """Rebuild examples/lighthouse.pdf from examples/lighthouse.md (one season per page).
 
-    pip install fpdf2 && python examples/make_pdf.py
+pip install fpdf2 && python examples/make_pdf.py
 """
 
 from pathlib import Path

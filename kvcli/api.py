@@ -1,10 +1,10 @@
 """The library behind the CLI: open a model once, ask questions about documents.
 
-    from kvcli.api import AskOptions, Session, parse_pipeline, read_document
-    session = Session.open(AskOptions())                  # embedded SmolLM2 by default
-    doc = read_document("book.pdf")
-    result = session.ask(doc, "Who wrote it?", parse_pipeline("auto"))
-    print(result.answer, result.ttft_s, result.selection.spans(result.prompt, doc))
+from kvcli.api import AskOptions, Session, parse_pipeline, read_document
+session = Session.open(AskOptions())                  # embedded SmolLM2 by default
+doc = read_document("book.pdf")
+result = session.ask(doc, "Who wrote it?", parse_pipeline("auto"))
+print(result.answer, result.ttft_s, result.selection.spans(result.prompt, doc))
 """
 
 from __future__ import annotations
@@ -12,26 +12,26 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from . import notices
-from .documents import Document, load_document
-from .cite.attribution import citing_heads
-from .runtime.engine import Engine
-from .model import LoadedModel, default_cache_dir, load_model
-from .compressors.base import Runtime
 from .answer.pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .answer.prompt import build_prompt, load_template, stop_token_ids
 from .answer.selection import Selection
-from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
-from .store import KVStore, Watcher, resolve_cap
+from .cite.attribution import citing_heads
+from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
+from .compressors.base import Runtime
+from .documents import Document, load_document
+from .model import LoadedModel, default_cache_dir, load_model
+from .runtime.engine import Engine
 from .runtime.threads import ThreadPolicy
+from .store import KVStore, Watcher, resolve_cap
 
 
 @dataclass
@@ -45,12 +45,18 @@ class AskOptions:
     template: str = "qa"
     cache_dir: Path | None = None  # converted models and the disk KV store (default: default_cache_dir())
     use_cache: bool = True  # False: never read or write the disk KV store
-    cache_max: str | None = None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
+    cache_max: str | None = (
+        None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
+    )
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
-    threads: str | None = None  # CPU threads: "auto" or a count (None: $KVCLI_THREADS, else auto; kvcli.runtime.threads)
-    sources: bool = True  # cite the document's pages the answer comes from (kvcli.cite.sources); False: nothing read for it
+    threads: str | None = (
+        None  # CPU threads: "auto" or a count (None: $KVCLI_THREADS, else auto; kvcli.runtime.threads)
+    )
+    sources: bool = (
+        True  # cite the document's pages the answer comes from (kvcli.cite.sources); False: nothing read for it
+    )
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -73,7 +79,7 @@ class Session:
     threads: ThreadPolicy | None = None  # each question's threads, phase by phase (None: left as they are)
 
     @classmethod
-    def open(cls, options: AskOptions) -> "Session":
+    def open(cls, options: AskOptions) -> Session:
         template = load_template(options.template)
         threads = ThreadPolicy.from_option(options.threads)  # auto measures the free cores from here on
         lm = load_model(
@@ -131,14 +137,24 @@ class Session:
         prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
-            notices.warn(f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way", key="kv-offload-unused")
+            notices.warn(
+                f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way",
+                key="kv-offload-unused",
+            )
         pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
-        check_window(prompt, self.lm, max_new_tokens, pipeline,
-                     stored=use_store and self.store is not None and self.store.enabled)
+        check_window(
+            prompt,
+            self.lm,
+            max_new_tokens,
+            pipeline,
+            stored=use_store and self.store is not None and self.store.enabled,
+        )
         if on_prompt is not None:
             on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
-        guard = AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None
+        guard = (
+            AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not force_tokens else None
+        )
         stream = None if on_text is None else AnswerStream(self.lm.tokenizer, guard, on_text)
         threads_used = {} if self.threads is None else self.threads.start_run()
         store = self.store if use_store else None
@@ -198,8 +214,14 @@ def cite(document: Document, result: Result, question: str = "") -> Sources:
     if citing["unsupported"]:
         found = Sources((), clear=False, reason=f"no sources: {citing['unsupported']}", signal="attention")
     else:
-        found = sources_from_tokens(document, result.prompt, citing["scores"].numpy(), question=question,
-                                    lexical=LEXICAL_WEIGHT, signal="attention+bm25" if LEXICAL_WEIGHT else "attention")
+        found = sources_from_tokens(
+            document,
+            result.prompt,
+            citing["scores"].numpy(),
+            question=question,
+            lexical=LEXICAL_WEIGHT,
+            signal="attention+bm25" if LEXICAL_WEIGHT else "attention",
+        )
     result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
     return found
 
@@ -223,9 +245,15 @@ class prompt_progress(Watcher):
     this process's computation is (:meth:`kvcli.store.KVStore.progress`), for the processes
     waiting for it."""
 
-    def __init__(self, engine, n_tokens: int, on_progress: Callable[[float], None] | None,
-                 store: KVStore | None = None, on_wait: Callable[[str | None], None] | None = None,
-                 on_resume: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        n_tokens: int,
+        on_progress: Callable[[float], None] | None,
+        store: KVStore | None = None,
+        on_wait: Callable[[str | None], None] | None = None,
+        on_resume: Callable[[float], None] | None = None,
+    ) -> None:
         self.engine, self.on_progress, self.store = engine, on_progress, store
         self.on_wait, self.on_resume = on_wait, on_resume
         self.n_layers = max(1, engine.n_layers)
@@ -235,9 +263,11 @@ class prompt_progress(Watcher):
         self.handles: list = []
         self.watched = contextlib.ExitStack()
 
-    def __enter__(self) -> "prompt_progress":
+    def __enter__(self) -> prompt_progress:
         if self.on_progress is not None or self.store is not None:
-            self.handles = [layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.engine.layers]
+            self.handles = [
+                layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.engine.layers
+            ]
         if self.store is not None:
             self.watched.enter_context(self.store.watching(self))
         return self
@@ -277,7 +307,9 @@ class prompt_progress(Watcher):
         self.watched.close()
 
 
-def result_record(result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:
+def result_record(
+    result: Result, session: Session, pipeline: Pipeline, document: Document, include_spans: bool = False
+) -> dict:
     """The JSON object of ``kvcli ask --json``."""
     record = {
         "answer": result.answer,
@@ -298,7 +330,11 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "decode_tokens_per_s": None if result.decode_tokens_per_s is None else round(result.decode_tokens_per_s, 2),
         "peak_mem_mb": round(result.peak_mem_mb, 1),
         "threads": result.extra.get("threads"),  # phase -> its CPU threads, e.g. {"prefill": [2], "decode": [1]}
-        **({} if result.extra.get("peak_mem_reserved_mb") is None else {"peak_mem_reserved_mb": round(result.extra["peak_mem_reserved_mb"], 1)}),  # CUDA
+        **(
+            {}
+            if result.extra.get("peak_mem_reserved_mb") is None
+            else {"peak_mem_reserved_mb": round(result.extra["peak_mem_reserved_mb"], 1)}
+        ),  # CUDA
         "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
         "n_answer_tokens": len(result.answer_ids),
         "device": str(session.engine.device),
@@ -314,10 +350,14 @@ def result_record(result: Result, session: Session, pipeline: Pipeline, document
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if include_spans:  # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
+    if (
+        include_spans
+    ):  # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
         cited = [] if result.sources is None else result.sources.items
-        record["selected_spans"] = [{**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}
-                                    for s in shown_selection(result)[0].spans(result.prompt, document)]
+        record["selected_spans"] = [
+            {**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}
+            for s in shown_selection(result)[0].spans(result.prompt, document)
+        ]
     return record
 
 

@@ -23,9 +23,9 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .documents import SUPPORTED_SUFFIXES, Document, document_from_text, load_document
 from .errors import DocumentError, KvcliError, UsageError
@@ -54,7 +54,9 @@ def expand_inputs(inputs: list[str]) -> list[Input]:
         path = Path(raw).expanduser()
         if path.is_dir():
             found = sorted(
-                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not _hidden(p, path)
+                p
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not _hidden(p, path)
             )
             if not found:
                 out.append(Input(raw, f"{raw}: no {', '.join(SUPPORTED_SUFFIXES)} files in this folder"))
@@ -87,7 +89,7 @@ def read_questions(path: str) -> list[str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if line[0] in "{\"":
+        if line[0] in '{"':
             try:
                 value = json.loads(line)
             except ValueError:
@@ -95,7 +97,7 @@ def read_questions(path: str) -> list[str]:
             if isinstance(value, dict):
                 value = value.get("question")
             if not isinstance(value, str) or not value.strip():
-                raise UsageError(f"--questions: line {n} of {path} has no \"question\" string")
+                raise UsageError(f'--questions: line {n} of {path} has no "question" string')
             line = value.strip()
         questions.append(line)
     if not questions:

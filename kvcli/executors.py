@@ -30,9 +30,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from .batch import STDIN, Input, Job, Work
 from .errors import KvcliError, UsageError
@@ -235,7 +235,9 @@ class RayExecutor(Executor):
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
         self.use_gpu, n = worker_count(self.options.device, gpus, cpus, self.requested, n_documents)
         options = self.options if self.use_gpu else replace(self.options, device="cpu")
-        actor = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0, max_task_retries=0)(BatchWorker)
+        actor = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0, max_task_retries=0)(
+            BatchWorker
+        )
         cwd = os.getcwd()
         handles = [actor.remote(options, cwd) for _ in range(n)]
         self._pending = {h.ready.remote(): h for h in handles}
@@ -381,6 +383,7 @@ def _with_stdin(job: Job, stdin_text: Callable[[], str]) -> Job:
         return replace(job, text=stdin_text())
     except (OSError, UnicodeDecodeError) as e:
         return replace(job, item=Input(STDIN, f"stdin cannot be read: {getattr(e, 'strerror', None) or e}"))
+
 
 # --------------------------------------------------------------------------- the batch
 

@@ -7,8 +7,9 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,7 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
-def save_safetensors_atomic(path: Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
+def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
     file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
     the new one, never half of one; on failure the temporary file is removed and the error raised.
@@ -71,7 +72,7 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 
-def _safetensors_header(tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
     """The header of a safetensors file of ``tensors`` + ``metadata`` as the format's spec has it
     (JSON padded with spaces to 8 bytes) and the order of the tensors' bytes after it: largest
     element first (aligned), then by name."""
@@ -90,13 +91,13 @@ def _safetensors_header(tensors: dict[str, "torch.Tensor"], metadata: dict[str, 
     return blob + b" " * (-len(blob) % 8), order
 
 
-def safetensors_size(tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> int:
+def safetensors_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
     """The bytes :func:`write_safetensors` would write, without writing them."""
     blob, _ = _safetensors_header(tensors, metadata)
     return 8 + len(blob) + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def write_safetensors(filename: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str]) -> None:
+def write_safetensors(filename: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write the safetensors file ``filename`` as the format's spec has it (what ``safe_open``
     reads): an 8-byte little-endian header length, the JSON header (padded with spaces to 8
     bytes), then each tensor's bytes, largest element first (aligned), then by name; streamed

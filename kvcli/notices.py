@@ -9,7 +9,7 @@ output can report it.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 Sink = Callable[[str], None]
 

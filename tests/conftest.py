@@ -13,7 +13,9 @@ from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--device", default="cpu", choices=("cpu", "cuda"),
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
         help="where the tiny test models and the embedded model run (default cpu: the GPU is hidden, "
         "so every model a test loads is CPU float32; cuda: the same tests, float32 on the GPU)",
     )
@@ -62,7 +64,7 @@ def threads_as_pytorch_has_them():
     differ from another's in the last bits: in the tests it reads no /proc/stat, so it keeps
     PyTorch's count (heavy.sh's OMP_NUM_THREADS, a module's ``one_thread``). tests/test_threads.py
     gives the policy fake readings."""
-    from kvcli import threads
+    from kvcli.runtime import threads
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(threads, "PROC_STAT", Path("/nonexistent/kvcli-tests/stat"))
@@ -101,8 +103,8 @@ def meta_engine(tiny_dir):
     """An :class:`kvcli.runtime.engine.Engine` over a 2-layer tiny llama whose weights live on PyTorch's
     ``meta`` device: shapes without data, any device but the CPU (a host tensor mixed in shows as a
     cross-device op; ``.item()`` raises)."""
-    from kvcli.runtime.engine import Engine
     from kvcli.model import load_model
+    from kvcli.runtime.engine import Engine
 
     lm = load_model(str(tiny_dir("llama", num_hidden_layers=2)), device="cpu", dtype="float32")
     lm.model.to("meta")

@@ -71,9 +71,9 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     """Session.ask -> Result.sources: the top source holds the unit with the largest citing score
     (the scores themselves: the next test)."""
     import kvcli.api
-    from kvcli.documents import document_from_text
     from kvcli.answer.pipeline import Pipeline
     from kvcli.cite.sources import DocumentUnits
+    from kvcli.documents import document_from_text
     from tests.helpers.stores import DOC, Q1, session_for
 
     lm = tiny_lm("llama")
@@ -101,9 +101,9 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
 def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    from kvcli.runtime.engine import Engine
     from kvcli.answer.pipeline import Pipeline, run
     from kvcli.answer.prompt import build_prompt, load_template
+    from kvcli.runtime.engine import Engine
     from tests.helpers.stores import DOC, Q1
 
     lm = tiny_lm("llama")
@@ -134,9 +134,9 @@ def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
 
 @pytest.mark.parametrize("knobs", ["retrieval=question", "filter_layer=2,answer_positions=ordered"])
 def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monkeypatch, knobs):
+    from kvcli.answer.pipeline import Pipeline
     from kvcli.caches.book import BookCache
     from kvcli.documents import document_from_text
-    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     lm = tiny_lm("llama")
@@ -178,8 +178,8 @@ def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monk
 
 
 def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm):
-    from kvcli.documents import document_from_text
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.documents import document_from_text
     from tests.helpers.stores import DOC, Q1, session_for
 
     spec = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,retrieval=step,filter_layer=-1"
@@ -192,9 +192,9 @@ def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm)
 def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, monkeypatch):
     """AdaKV's heads hold different counts (padding): the weights over a padded layer's slots,
     times its values, are the layer's attention output; positions are the heads' own."""
+    from kvcli.answer.pipeline import Pipeline
     from kvcli.caches.ragged import RaggedLayer
     from kvcli.documents import document_from_text
-    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     checked = []
@@ -241,8 +241,8 @@ SILENT = ["blocksparse"]  # its cache does not report what a decoding step reads
 
 @pytest.mark.parametrize("spec", CITING + SILENT)
 def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
-    from kvcli.documents import document_from_text
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.documents import document_from_text
     from tests.helpers.stores import DOC, Q1, session_for
 
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
@@ -267,9 +267,9 @@ def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
 def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch):
     """RazorAttention's two head groups (every token / sinks + window + a compensation token
     weighing N_d): the weights per KV head times the group's values are the layer's output."""
+    from kvcli.answer.pipeline import Pipeline
     from kvcli.caches.razor import RazorLayer
     from kvcli.documents import document_from_text
-    from kvcli.answer.pipeline import Pipeline
     from tests.helpers.stores import DOC, Q1, session_for
 
     checked = []

@@ -25,6 +25,7 @@ from kvcli.store import KVStore, book, take_lock
 from kvcli.store.keys import lock_path
 from tests.helpers.books import CHUNK, answer, entry_tensors
 from tests.helpers.cli_runner import run_cli
+from tests.helpers.stores import silent_notices  # noqa: F401  (autouse: the store's warnings silenced, forgotten after each test)
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,14 +34,6 @@ PWRITE = os.pwrite
 
 class Killed(BaseException):
     """Stands for SIGKILL in this process: nothing after it runs (no resume point is kept)."""
-
-
-@pytest.fixture(autouse=True)
-def fresh_notices():
-    notices.reset()
-    notices.set_sink(None)
-    yield
-    notices.reset()
 
 
 @pytest.fixture
@@ -119,10 +112,10 @@ def test_ctrl_c_keeps_the_finished_chunks_and_the_next_read_resumes_there(lm, re
 
 
 def _key(lm):
-    from kvcli.compressors import parse_one
-    from kvcli.runtime.engine import Engine
     from kvcli.answer.prefix import chunked_state
     from kvcli.answer.prompt import build_prompt
+    from kvcli.compressors import parse_one
+    from kvcli.runtime.engine import Engine
     from kvcli.store import make_key
     from tests.helpers.books import DOC, QUESTION, SPEC
 
@@ -173,8 +166,14 @@ def test_a_real_sigkill_mid_chunk_resumes_to_the_same_book(lm, reference, tiny_d
     folder = tiny_dir("llama", num_hidden_layers=4)
     cache = tmp_path / "c"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.books", str(folder), str(cache), str(kill_at)],
-                          env=env, cwd=REPO, timeout=300, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.books", str(folder), str(cache), str(kill_at)],
+        env=env,
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     entries, [partial] = _files(cache)
     assert entries == [] and read_progress(partial)["tokens"] == (kill_at - 1) * CHUNK  # the chunks it finished

@@ -123,8 +123,11 @@ def test_grouped_ragged_and_block_caches_decode_without_copies(meta_engine, layo
         assert first.syncs == 0 and first.crossings == []
 
 
-@pytest.mark.parametrize("spec, layout", [("blocksparse", _blocks), ("decoding:interval=100,budget=40", None)],
-                         ids=["blocksparse", "decoding"])
+@pytest.mark.parametrize(
+    "spec, layout",
+    [("blocksparse", _blocks), ("decoding:interval=100,budget=40", None)],
+    ids=["blocksparse", "decoding"],
+)
 def test_methods_that_own_decoding_take_the_token_where_it_is(meta_engine, spec, layout):
     """Block-sparse retrieval and DecodingPress run their own decoding step on the token the last
     argmax left on the device (``device_token``): no upload of the id, no synchronisation."""

@@ -265,8 +265,7 @@ def test_html_visible_text(tmp_path):
     doc = load_document(path)
     assert doc.kind == "html"
     assert doc.text == (
-        "Main heading\n\nFish & chips <3 café \u2014 bold text\n\none\ntwo\n\nline\nbreak\n\n"
-        "  keep\n    spacing"
+        "Main heading\n\nFish & chips <3 café \u2014 bold text\n\none\ntwo\n\nline\nbreak\n\n  keep\n    spacing"
     )
     for hidden in ("Hidden title", "color", "hidden", "alert"):
         assert hidden not in doc.text
@@ -366,7 +365,9 @@ def test_control_characters_without_nul_are_refused_but_text_with_a_few_is_read(
     (tmp_path / "noise.txt").write_bytes(noise + b" some words" * 10)
     assert "control characters" in error_of(tmp_path / "noise.txt")
     # a text with form feeds, an escape sequence and a stray control character is text
-    (tmp_path / "old.txt").write_bytes(b"Chapter 1\x0c\nThe keeper \x1b[1mwrote\x1b[0m.\x07\n" + b"More lines of text.\n" * 20)
+    (tmp_path / "old.txt").write_bytes(
+        b"Chapter 1\x0c\nThe keeper \x1b[1mwrote\x1b[0m.\x07\n" + b"More lines of text.\n" * 20
+    )
     assert "The keeper" in load_document(tmp_path / "old.txt").text
     # UTF-16 holds NUL bytes but is text: with a BOM, or without (every other byte NUL)
     (tmp_path / "utf16.txt").write_bytes("Der Leuchtturm steht.".encode("utf-16"))

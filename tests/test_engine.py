@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from kvcli.runtime.attention import causal_mask, last_query_scores
 from kvcli.caches import KVCache
+from kvcli.runtime.attention import causal_mask, last_query_scores
 from kvcli.runtime.engine import Engine
 from tests.helpers.reference import hf_logits
 from tests.helpers.runs import random_ids

@@ -68,7 +68,10 @@ def cases() -> list[tuple[str, bytes]]:
         ("whitespace.txt", b" \t\n\r\n  \x0c \n"),
         ("zero-width.txt", "a\u200bb\u200dc\ufeffd".encode()),
         ("one-long-line.txt", b"word " * 40000),
-        ("html-broken.html", b"<html><body><p>open <b>bold <i>both</p></div></span><script>var x = '</p>';</script>tail"),
+        (
+            "html-broken.html",
+            b"<html><body><p>open <b>bold <i>both</p></div></span><script>var x = '</p>';</script>tail",
+        ),
         ("html-nul.html", b"<html><body>\x00\x00<p>text</p></body></html>"),
         ("html-entities.html", b"<p>&amp;&lt;&#x1F600;&#0;&#xD800;&bogus;&#99999999;</p>"),
         ("html-empty.htm", b"<html><head><title>only a title</title></head><body><script>x()</script></body></html>"),
@@ -104,7 +107,11 @@ def _run_child(paths: list[Path]) -> tuple[list[dict], str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, *map(str, paths)], env=env, capture_output=True, text=True, timeout=CASE_SECONDS * len(paths)
+            [sys.executable, "-c", CHILD, *map(str, paths)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CASE_SECONDS * len(paths),
         )
     except subprocess.TimeoutExpired as e:
         lines = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -133,9 +140,27 @@ def test_fuzzed_documents_are_read_cleanly_or_refused_in_one_line(tmp_path):
             assert r["ok_map"] and not r["empty"], r
     by_name = {Path(r["path"]).name: r for r in results}
     # what must be refused, and what must be read
-    for name in ("random-5000.txt", "random-5000.md", "random-5000.html", "high-bytes.txt", "high-bytes.html", "html-nul.html", "random-5000.pdf"):
+    for name in (
+        "random-5000.txt",
+        "random-5000.md",
+        "random-5000.html",
+        "high-bytes.txt",
+        "high-bytes.html",
+        "html-nul.html",
+        "random-5000.pdf",
+    ):
         assert "error" in by_name[name], by_name[name]
-    for name in ("utf16-le-bom.txt", "utf16-be-bom.md", "utf16-no-bom.txt", "utf8-bom.txt", "cp1252.txt", "crlf-cr.md", "one-long-line.txt", "html-broken.html", "refcard-prefixed.pdf"):
+    for name in (
+        "utf16-le-bom.txt",
+        "utf16-be-bom.md",
+        "utf16-no-bom.txt",
+        "utf8-bom.txt",
+        "cp1252.txt",
+        "crlf-cr.md",
+        "one-long-line.txt",
+        "html-broken.html",
+        "refcard-prefixed.pdf",
+    ):
         assert "error" not in by_name[name], by_name[name]
     assert "is empty" in by_name["whitespace.txt"]["error"] and "is empty" in by_name["only-bom.txt"]["error"]
 

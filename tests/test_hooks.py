@@ -4,18 +4,16 @@ the decode-step hook, the per-layer engine API and the explicit attention mask."
 from __future__ import annotations
 
 import pytest
-
-from kvcli.compressors.base import Runtime
 import torch
 
-from kvcli.runtime import attention
-from kvcli.caches import KVCache
-from kvcli.compressors import Compressor, register
-from kvcli.compressors.base import REGISTRY
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
+from kvcli.caches import KVCache
+from kvcli.compressors import Compressor, register
+from kvcli.compressors.base import REGISTRY, Runtime
+from kvcli.errors import UsageError
+from kvcli.runtime import attention
+from kvcli.runtime.engine import Engine
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
 TOL = 1e-4
@@ -159,7 +157,12 @@ def test_compressing_after_a_method_that_owns_the_prefill_is_refused(spec):
 
 
 def test_chains_that_work_are_accepted():
-    for spec in ("gemfilter:k=64+snapkv:budget=32", "gemfilter:k=64+blocksparse", "gemfilter:k=64+lazyllm", "snapkv+h2o"):
+    for spec in (
+        "gemfilter:k=64+snapkv:budget=32",
+        "gemfilter:k=64+blocksparse",
+        "gemfilter:k=64+lazyllm",
+        "snapkv+h2o",
+    ):
         stages = Pipeline.parse(spec).stages
         assert [s.name for s in stages] == [part.split(":")[0] for part in spec.split("+")], spec
 
@@ -170,7 +173,9 @@ def test_gemfilter_then_a_prefill_owner_runs_on_the_selected_tokens(tiny_lm, sec
     result = answer(lm, f"gemfilter:k=40,layer=2+{second}", max_new_tokens=3)
     assert result.selection.n_kept == 40 and len(result.answer_ids) == 3
     mask = result.kept_mask()
-    assert not mask[:, :, [i for i in range(result.prompt.n_tokens) if i not in set(result.selection.kept.tolist())]].any()
+    assert not mask[
+        :, :, [i for i in range(result.prompt.n_tokens) if i not in set(result.selection.kept.tolist())]
+    ].any()
 
 
 def test_an_attending_observer_attends_only_where_the_attention_is_plain_causal():

@@ -51,8 +51,16 @@ def fake_flash(monkeypatch):
         assert q.shape[2] % k.shape[2] == 0 and q.shape[2] > k.shape[2]  # (b, s, h, d), GQA not expanded
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         assert dropout_p == 0.0 and not kw.get("return_attn_probs", False)
-        calls.append(dict(q_len=q.shape[1], kv_len=k.shape[1], heads=q.shape[2], causal=causal,
-                          scale=softmax_scale, window=tuple(window_size)))
+        calls.append(
+            dict(
+                q_len=q.shape[1],
+                kv_len=k.shape[1],
+                heads=q.shape[2],
+                causal=causal,
+                scale=softmax_scale,
+                window=tuple(window_size),
+            )
+        )
         return flash_reference(q, k, v, softmax_scale, causal, window_size)
 
     def install():
@@ -76,15 +84,19 @@ def test_flash_kernel_calls_flash_attn_as_documented(tiny_lm, fake_flash, family
     engine.kernel = "flash"
     calls = fake_flash()
     cache = KVCache()
-    parts = [engine.logits(engine.forward(ids[:20], torch.arange(20), cache)),
-             engine.logits(engine.forward(ids[20:29], torch.arange(20, 29), cache)),
-             engine.logits(engine.forward(ids[29:], torch.tensor([29]), cache))]
+    parts = [
+        engine.logits(engine.forward(ids[:20], torch.arange(20), cache)),
+        engine.logits(engine.forward(ids[20:29], torch.arange(20, 29), cache)),
+        engine.logits(engine.forward(ids[29:], torch.tensor([29]), cache)),
+    ]
     assert torch.allclose(torch.cat(parts), ref, atol=1e-4)
     scale = engine.layers[0].self_attn.scaling
     expected_window = (-1, -1) if window is None else (window - 1, 0)
     assert [(c["q_len"], c["kv_len"]) for c in calls] == [(20, 20)] * 4 + [(9, 29)] * 4 + [(1, 30)] * 4
-    assert all(c["causal"] and c["scale"] == scale and c["window"] == expected_window and c["heads"] == lm.n_heads
-               for c in calls)
+    assert all(
+        c["causal"] and c["scale"] == scale and c["window"] == expected_window and c["heads"] == lm.n_heads
+        for c in calls
+    )
 
 
 def test_razor_head_probe_stays_on_the_query_device():

@@ -34,7 +34,9 @@ def import_graph() -> dict[str, set[str]]:
                         graph[name].add(dep)
             elif isinstance(node, ast.Import):
                 graph[name].update(a.name for a in node.names if a.name in modules and a.name != name)
-    return {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}  # a module may import its own package
+    return {
+        m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()
+    }  # a module may import its own package
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 
-from kvcli.runtime import kernels
 from kvcli.caches import KVCache
+from kvcli.runtime import kernels
 from tests.helpers.runs import random_ids
 
 

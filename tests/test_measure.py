@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.runtime import measure
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import KVCache
+from kvcli.runtime import measure
 from kvcli.runtime.engine import Engine
 from kvcli.runtime.measure import long_lived, reading_prompt
-from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import prompt_for
 
 BIG = torch.zeros(1, 3, 2048, 64)  # 1.5 MiB: over the 1 MiB mapping size
@@ -72,7 +72,9 @@ def test_memory_layouts_change_no_number(tiny_lm, spec, low_memory, monkeypatch)
         calls: list[int] = []
         real = measure._set_mmap_threshold
         with monkeypatch.context() as m:  # maps=False: glibc's threshold is never changed, nothing is mapped
-            m.setattr(measure, "_set_mmap_threshold", (lambda n: calls.append(n) or real(n)) if maps else (lambda n: False))
+            m.setattr(
+                measure, "_set_mmap_threshold", (lambda n: calls.append(n) or real(n)) if maps else (lambda n: False)
+            )
             pipeline = Pipeline.parse(spec)
             pipeline.configure(lm)
             result = run(engine, prompt, pipeline, max_new_tokens=6, stop_ids=set(), **kw)

@@ -26,7 +26,9 @@ def test_cuda_times_follow_a_synchronize_and_report_the_reserved_peak(monkeypatc
 
 
 def test_cpu_has_no_reserved_peak_and_no_synchronize(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (_ for _ in ()).throw(AssertionError("synchronize on the CPU")))
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device=None: (_ for _ in ()).throw(AssertionError("synchronize on the CPU"))
+    )
     with measure.measure("cpu") as m:
         assert m.elapsed() >= 0
     assert m.peak_mem_reserved_mb is None and m.peak_mem_mb > 0

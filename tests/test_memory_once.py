@@ -106,5 +106,7 @@ def test_phi3_prefill_holds_no_projection(tiny_lm):
     ids = prompt_for(lm).ids
     cache, _ = engine.prefill(ids)
     assert len(cache.values) == lm.n_layers
-    for k, v in zip(cache.keys, cache.values):
-        assert v.untyped_storage().nbytes() <= 2 * v.numel() * v.element_size()  # its own buffer (room to spare at most)
+    for _k, v in zip(cache.keys, cache.values):
+        assert (
+            v.untyped_storage().nbytes() <= 2 * v.numel() * v.element_size()
+        )  # its own buffer (room to spare at most)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import blocks
 from kvcli.compressors.base import Runtime
 from kvcli.compressors.blocksparse import BlockSparse
 from kvcli.runtime.engine import Engine
-from kvcli.answer.pipeline import Pipeline, run
-from tests.helpers.runs import prompt_for
+from tests.helpers.runs import prompt_for, random_ids
 from tests.helpers.tiny_models import FAMILIES
-from tests.helpers.runs import random_ids
 
 SMALL = "block_size=8,initial=4,local_window=8,topk=2,chunk=8"
 
@@ -26,11 +25,18 @@ def test_prefill_by_layer_is_the_chunked_prefill_bit_for_bit(tiny_lm, family):
     prefix = engine.prefix_kv(ids[:20])
     ref = prefix.copy()
     for s in range(20, 70, 16):
-        ref, ref_logits = engine.prefill(ids[s : min(70, s + 16)], positions=torch.arange(s, min(70, s + 16)), cache=ref)
+        ref, ref_logits = engine.prefill(
+            ids[s : min(70, s + 16)], positions=torch.arange(s, min(70, s + 16)), cache=ref
+        )
     order = []
-    cache, logits = engine.prefill_by_layer(ids[20:], torch.arange(20, 70), prefix.copy(), 16,
-                                            before_layer=lambda i: order.append(("start", i)),
-                                            after_layer=lambda i: order.append(("end", i)))
+    cache, logits = engine.prefill_by_layer(
+        ids[20:],
+        torch.arange(20, 70),
+        prefix.copy(),
+        16,
+        before_layer=lambda i: order.append(("start", i)),
+        after_layer=lambda i: order.append(("end", i)),
+    )
     assert torch.equal(logits, ref_logits)
     assert cache.positions.tolist() == ref.positions.tolist() == list(range(70))
     for l in range(engine.n_layers):
@@ -45,10 +51,16 @@ def test_offloaded_blocksparse_moves_each_layer_once_and_stages_its_gathers(tiny
     plain = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL}"), max_new_tokens=6, stop_ids=set())
     events = []
     real_update, real_offload = blocks.OffloadKVCache.update, blocks.OffloadKVCache.offload
-    monkeypatch.setattr(blocks.OffloadKVCache, "update",
-                        lambda self, k, v, layer, *a, **kw: events.append(("update", layer)) or real_update(self, k, v, layer))
-    monkeypatch.setattr(blocks.OffloadKVCache, "offload",
-                        lambda self, layer: events.append(("offload", layer)) or real_offload(self, layer))
+    monkeypatch.setattr(
+        blocks.OffloadKVCache,
+        "update",
+        lambda self, k, v, layer, *a, **kw: events.append(("update", layer)) or real_update(self, k, v, layer),
+    )
+    monkeypatch.setattr(
+        blocks.OffloadKVCache,
+        "offload",
+        lambda self, layer: events.append(("offload", layer)) or real_offload(self, layer),
+    )
     monkeypatch.setattr(BlockSparse, "offloaded", lambda self, engine: True)  # as on a CUDA model
     pipeline = Pipeline.parse(f"blocksparse:{SMALL}")
     pipeline.stages[0].runtime = Runtime(kv_offload="cpu")

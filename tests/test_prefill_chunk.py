@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.runtime import prefill as prefill_mod
 from kvcli.runtime.engine import Engine
-from kvcli.answer.pipeline import Pipeline, run
-from tests.helpers.runs import prompt_for
+from tests.helpers.runs import prompt_for, random_ids
 from tests.helpers.tiny_models import FAMILIES
-from tests.helpers.runs import random_ids
 
 
 @pytest.fixture
@@ -97,8 +96,11 @@ def test_chunked_prefix_pass_is_the_chunk_by_chunk_arithmetic(chunked, family):
     engine = chunked(family, 8)
     rows = []
     hook = engine.layers[1].self_attn.register_forward_pre_hook(
-        lambda m, args, kwargs: rows.append(kwargs["hidden_states"].shape[-2] if "hidden_states" in kwargs else args[0].shape[-2]),
-        with_kwargs=True)
+        lambda m, args, kwargs: rows.append(
+            kwargs["hidden_states"].shape[-2] if "hidden_states" in kwargs else args[0].shape[-2]
+        ),
+        with_kwargs=True,
+    )
     try:
         with engine.reserving(5):
             cache = engine.prefix_kv(ids)
@@ -114,7 +116,10 @@ def test_chunked_prefix_pass_is_the_chunk_by_chunk_arithmetic(chunked, family):
         assert torch.equal(cache.keys[l], ref.keys[l]) and torch.equal(cache.values[l], ref.values[l])
         assert torch.allclose(cache.keys[l], whole.keys[l], atol=1e-5, rtol=0)
         assert torch.allclose(cache.values[l], whole.values[l], atol=1e-5, rtol=0)
-        assert cache.keys[l].untyped_storage().nbytes() == cache.keys[l].element_size() * cache.keys[l][0, :, :1].numel() * 50
+        assert (
+            cache.keys[l].untyped_storage().nbytes()
+            == cache.keys[l].element_size() * cache.keys[l][0, :, :1].numel() * 50
+        )
 
 
 def test_question_and_answer_append_in_the_reserved_buffers(chunked):
@@ -153,4 +158,8 @@ def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
     engine.prefill_chunk = 64  # longer than the prefix: one pass, as unchunked
     assert chunked_state(engine, ids, state) is state
     engine.prefill_chunk = 16
-    assert chunked_state(engine, ids, state) == {**state, "prefill_chunk": 16} != chunked_state(chunked("llama", 8), ids, state)
+    assert (
+        chunked_state(engine, ids, state)
+        == {**state, "prefill_chunk": 16}
+        != chunked_state(chunked("llama", 8), ids, state)
+    )

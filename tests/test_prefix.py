@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.answer.prefix import Prefix, report
 from kvcli.compressors import REGISTRY, parse_one
 from kvcli.compressors.base import Compressor, Runtime
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.prefix import Prefix, report
+from kvcli.runtime.engine import Engine
 from kvcli.store import KVStore, make_key
 from tests.helpers.runs import prompt_for
 
@@ -82,14 +82,15 @@ def test_extend_is_one_pass_over_the_whole_prompt(tiny_lm, tmp_path, family, win
         seen, ran = [], []
         prefix = Prefix.of(engine, prompt, full, store, {})
         observers = {0: [lambda q, k: seen.append(q.shape[2])]}
-        cache, logits = prefix.extend(prompt.ids, query_window=window, observers=observers,
-                                      after_layer=lambda c, i: ran.append(i))
+        cache, logits = prefix.extend(
+            prompt.ids, query_window=window, observers=observers, after_layer=lambda c, i: ran.append(i)
+        )
         assert torch.allclose(logits, ref_logits, atol=TOL)
         assert seen == [max(window, n - n_prefix)] and ran == list(range(lm.n_layers))
         assert torch.equal(cache.positions, torch.arange(n))
         for layer in range(lm.n_layers):
             k = cache.keys[layer]
-            assert torch.allclose(k, ref_cache.keys[layer][:, :, -k.shape[2]:], atol=TOL)
+            assert torch.allclose(k, ref_cache.keys[layer][:, :, -k.shape[2] :], atol=TOL)
             assert k.shape[2] == n - cache.dropped.get(layer, 0)
 
 

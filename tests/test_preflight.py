@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvcli import notices
-from kvcli.errors import DocumentError
 from kvcli.answer.pipeline import Pipeline, check_window
 from kvcli.answer.prompt import build_prompt
+from kvcli.errors import DocumentError
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_finch
     notices.set_sink(said.append)
     try:
         prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
-        check_window(prompt, lm, 4, configured(lm, "auto", prompt))  # Finch can (infllm's span does not fit 1,024): no error
+        check_window(
+            prompt, lm, 4, configured(lm, "auto", prompt)
+        )  # Finch can (infllm's span does not fit 1,024): no error
         [line] = said
         assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
         assert "1,024-token window" in line and "finch" in line

@@ -31,7 +31,15 @@ def test_readme_example_files_exist():
 def test_readme_is_a_short_guide_whose_links_exist():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 300
-    for needle in ("8,192 tokens", "15-17-page PDF", "not cached", "kvcli chat", "## Choosing a method", "## Errors and exit codes", "## More"):
+    for needle in (
+        "8,192 tokens",
+        "15-17-page PDF",
+        "not cached",
+        "kvcli chat",
+        "## Choosing a method",
+        "## Errors and exit codes",
+        "## More",
+    ):
         assert needle in text, needle
     links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)", text)
     assert "docs/methods.md" in links and "docs/benchmarks.md" in links

@@ -3,14 +3,13 @@ GPU's bfloat16); float32 keys (the CPU's) as before; H2O's blocks large off the 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvcli.compressors import expected_attention, kvzip, lazyllm, scoring
 from kvcli.runtime import kernels
 from kvcli.runtime.attention import last_query_scores
-from kvcli.compressors import expected_attention, kvzip, lazyllm, scoring
 
 
 class Upcasts(TorchDispatchMode):
@@ -23,8 +22,13 @@ class Upcasts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and src is not None
-                and src.dtype != torch.float32 and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
+        if (
+            func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+            and src is not None
+            and src.dtype != torch.float32
+            and isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+        ):
             self.largest = max(self.largest, out.numel())
         return out
 

@@ -12,7 +12,6 @@ import pytest
 from kvcli import notices
 from kvcli.errors import ModelError, UsageError
 
-
 # --- --template ------------------------------------------------------------------------------
 
 
@@ -59,9 +58,9 @@ def test_a_knob_for_a_method_without_knobs_says_it_takes_none():
 def test_kept_spans_header_counts_in_the_right_number(n, words):
     from rich.console import Console
 
+    from kvcli.answer.selection import Span
     from kvcli.documents import document_from_text
     from kvcli.report import terminal as render
-    from kvcli.answer.selection import Span
 
     doc = document_from_text("alpha beta gamma delta " * 40)
     pieces = [(0, 5), (400, 405)][:n]
@@ -107,10 +106,14 @@ def fake_conversion(tmp_path, monkeypatch):
         OSError(errno.ENOSPC, "No space left on device"),
         OSError(errno.EDQUOT, "Disk quota exceeded"),
         # safetensors' serialisation wraps the OSError of a full disk
-        Exception('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+        Exception(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
     ],
 )
-def test_a_full_disk_during_the_conversion_falls_back_to_a_temporary_one_with_one_warning(fake_conversion, tmp_path, error):
+def test_a_full_disk_during_the_conversion_falls_back_to_a_temporary_one_with_one_warning(
+    fake_conversion, tmp_path, error
+):
     embedded, failures, said = fake_conversion
     failures["error"] = error
     folder, sha = embedded.ensure_converted(tmp_path / "cache")
@@ -118,7 +121,9 @@ def test_a_full_disk_during_the_conversion_falls_back_to_a_temporary_one_with_on
     folder2, _ = embedded.ensure_converted(tmp_path / "cache")  # again: converted again, said once
     assert folder2 != folder
     [line] = said
-    assert f"cannot write to the cache directory {tmp_path / 'cache'}" in line and ("No space left" in line or "quota" in line)
+    assert f"cannot write to the cache directory {tmp_path / 'cache'}" in line and (
+        "No space left" in line or "quota" in line
+    )
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # nothing half-written left behind
     # the same as a cache directory that cannot be written at all
     failures.clear()

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvcli.cite.bm25 import bm25_scores, words
-from kvcli.documents import Document, document_from_text
 from kvcli.cite.sources import (
     MAX_SOURCE_UNITS,
     DocumentUnits,
@@ -19,6 +18,7 @@ from kvcli.cite.sources import (
     sources_from_tokens,
     split_units,
 )
+from kvcli.documents import Document, document_from_text
 
 
 @pytest.fixture(scope="module")

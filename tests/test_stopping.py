@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.runtime.engine import Engine
 from kvcli.answer.pipeline import Pipeline
 from kvcli.answer.policy import BEYOND_WINDOW, FALLBACK, AutoPolicy
 from kvcli.answer.stopping import AnswerGuard
+from kvcli.runtime.engine import Engine
 from tests.helpers.tiny_models import _tokenizer
 
 
@@ -85,7 +85,10 @@ def test_an_echoed_template_line_is_cut():
     # cut while it is being written, not only once whole; the rest never matters
     assert run_guard(guard, text + " Be brief. The secret word is") == "The secret word is PELICAN."
     # a template's line is an echo only after some answer, and only that template's lines
-    assert run_guard(guard, "Answer the question using only the document above.") == "Answer the question using only the document above."
+    assert (
+        run_guard(guard, "Answer the question using only the document above.")
+        == "Answer the question using only the document above."
+    )
     assert run_guard(AnswerGuard(_tokenizer(), "{document}\n{question}"), text) == text
     assert run_guard(AnswerGuard(_tokenizer()), text) == text
     # an answer line that merely starts like it, but goes elsewhere, is kept
@@ -131,18 +134,26 @@ def test_a_number_repeated_word_for_word_is_stopped_after_its_first():
     assert run_guard(guard, "The steps are:\n1. 1. 1. 1. 1. 1. 1. 1.") == "The steps are:\n1."
     # not runs: three copies, a numbered list, a number repeated once, numbers that differ
     assert run_guard(guard, "1. 1. 1.") == "1. 1. 1."
-    for legit in ("1. apples 2. pears", "It costs 1 euro and weighs 1 kg.", "1, 1, 2, 3, 5, 8",
-                  "1. 2. 3. 4. 5. 6.", "Version 1.1 fixed it; version 1.1.1 broke it again."):
+    for legit in (
+        "1. apples 2. pears",
+        "It costs 1 euro and weighs 1 kg.",
+        "1, 1, 2, 3, 5, 8",
+        "1. 2. 3. 4. 5. 6.",
+        "Version 1.1 fixed it; version 1.1.1 broke it again.",
+    ):
         assert run_guard(guard, legit) == legit
         assert run_guard(guard, legit, at_limit=True) == legit
 
 
-@pytest.mark.parametrize("loop", [
-    "The answer is: 1\n\nThe answer is: 1",  # -c finch, twice, then the end of turn
-    "The answer is: 1\nThe answer is: 1",
-    "The answer is: 1 The answer is: 1",
-    "The answer is: 1\n\nTHE ANSWER IS: 1",  # case and spacing aside
-])
+@pytest.mark.parametrize(
+    "loop",
+    [
+        "The answer is: 1\n\nThe answer is: 1",  # -c finch, twice, then the end of turn
+        "The answer is: 1\nThe answer is: 1",
+        "The answer is: 1 The answer is: 1",
+        "The answer is: 1\n\nTHE ANSWER IS: 1",  # case and spacing aside
+    ],
+)
 def test_an_answer_said_twice_is_cut_to_once(loop):
     guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
     assert run_guard(guard, loop) == "The answer is: 1"
@@ -167,10 +178,11 @@ def test_a_repeated_sentence_and_a_restated_answer_are_cut():
 
 def test_at_the_limit_an_answer_never_ends_on_a_word_it_cannot_end_on():
     guard = AnswerGuard(_tokenizer(), QA_TEMPLATE)
-    for text, cut in (("The function is called with the argument x, which is",
-                       "The function is called with the argument x"),
-                      ("The imaxima package which is", "The imaxima package"),
-                      ("Maxima's Emacs mode is the mode of the", "Maxima's Emacs mode is the mode")):
+    for text, cut in (
+        ("The function is called with the argument x, which is", "The function is called with the argument x"),
+        ("The imaxima package which is", "The imaxima package"),
+        ("Maxima's Emacs mode is the mode of the", "Maxima's Emacs mode is the mode"),
+    ):
         assert run_guard(guard, text, at_limit=True) == cut
     # a list marker is no whole sentence: the limit ends the answer after the sentence before it
     first = "1. Read.table and scan controls whether C-style escapes are interpreted."
@@ -243,11 +255,18 @@ def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
     assert Pipeline.parse("full").resolve(short, lm, 8).chosen_by is None
 
 
-@pytest.mark.parametrize("model, knobs, want", [
-    ("llama", {"max_position_embeddings": 2048}, "infllm"),  # its span (512 + 128 + 512) fits: the stored book
-    ("llama", {"max_position_embeddings": 1024}, "finch"),  # 512 + 128 + 512 > 1,024: Finch reads it
-    ("gemma3", {"max_position_embeddings": 2048}, "finch"),  # a sliding-window hybrid: infllm refuses, Finch reads it
-])
+@pytest.mark.parametrize(
+    "model, knobs, want",
+    [
+        ("llama", {"max_position_embeddings": 2048}, "infllm"),  # its span (512 + 128 + 512) fits: the stored book
+        ("llama", {"max_position_embeddings": 1024}, "finch"),  # 512 + 128 + 512 > 1,024: Finch reads it
+        (
+            "gemma3",
+            {"max_position_embeddings": 2048},
+            "finch",
+        ),  # a sliding-window hybrid: infllm refuses, Finch reads it
+    ],
+)
 def test_auto_beyond_the_window_reads_with_infllm_where_it_can(tiny_lm, model, knobs, want):
     from kvcli.answer.prompt import build_prompt
 

@@ -13,23 +13,22 @@ import pytest
 import torch
 
 from kvcli import notices
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache
 from kvcli.runtime.engine import Engine
-from kvcli.answer.prompt import build_prompt
 from kvcli.store import FORMAT_VERSION, KVStore, make_key, parse_size
-from tests.helpers.stores import DOC, Q1, Q2, ask, entry_files, session_for
+from tests.helpers.stores import (
+    DOC,
+    Q1,
+    Q2,
+    ask,
+    entry_files,
+    session_for,
+    silent_notices,  # noqa: F401  (autouse: the store\'s warnings silenced, forgotten after each test)
+)
 
 SPECS = ["full", "gemfilter:layer=2,k=24"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def fresh_notices():
-    notices.reset()
-    notices.set_sink(None)
-    yield
-    notices.reset()
-    notices.set_sink(None)
 
 
 # --- warm == cold == no cache ----------------------------------------------------------------
@@ -241,16 +240,26 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     model = str(tiny_dir("llama", num_hidden_layers=4))
     # every entry says it took 1000 s to compute: a hit then saves 1000 s less its load time
     real_save = KVStore._save
-    monkeypatch.setattr(KVStore, "_save", lambda self, key, c, meta, compute_s, *rest, **kw: real_save(self, key, c, meta, 1000.0, *rest, **kw))
+    monkeypatch.setattr(
+        KVStore,
+        "_save",
+        lambda self, key, c, meta, compute_s, *rest, **kw: real_save(self, key, c, meta, 1000.0, *rest, **kw),
+    )
     for doc in (doc_a, doc_b):
-        code, out, err = _cli(["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch)
+        code, out, err = _cli(
+            ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch
+        )
         assert code == 0, err
         record = json.loads(out)
         assert record["cache"] == "miss" and record["cache_entry_bytes"] > 0
-    code, out, err = _cli(["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch)
+    code, out, err = _cli(
+        ["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q"], capsys, monkeypatch
+    )
     record = json.loads(out)
     assert record["cache"] == "hit" and 900 < record["cache_saved_s"] < 1000 and err == ""
-    code, out, _ = _cli(["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "--no-cache"], capsys, monkeypatch)
+    code, out, _ = _cli(
+        ["ask", doc_a, Q2, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "--no-cache"], capsys, monkeypatch
+    )
     assert json.loads(out)["cache"] == "off"
 
     code, out, _ = _cli(["cache", "path", "--cache-dir", cache], capsys, monkeypatch)
@@ -272,7 +281,9 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert json.loads(out)["metadata"]["fields"]["n_tokens"] == rows[1]["n_tokens"]
 
     # prune to a size that fits one entry: the least recently used (b) goes
-    code, out, _ = _cli(["cache", "prune", "--max-size", str(rows[0]["size_bytes"]), "--cache-dir", cache], capsys, monkeypatch)
+    code, out, _ = _cli(
+        ["cache", "prune", "--max-size", str(rows[0]["size_bytes"]), "--cache-dir", cache], capsys, monkeypatch
+    )
     assert code == 0 and out.startswith("removed 1 entry, ")
     remaining = KVStore.open(cache).entries()
     assert [e.meta["document"] for e in remaining] == [str(doc_a)]
@@ -298,8 +309,25 @@ def test_four_concurrent_processes_share_one_valid_entry(tiny_dir, tmp_path):
     model = str(tiny_dir("llama", num_hidden_layers=4))
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVCLI_CACHE_DIR": str(cache)}
-    args = [sys.executable, "-m", "kvcli", "ask", str(doc), Q1, "-m", model, "-c", "full", "--json", "-q", "--max-new-tokens", "8"]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    args = [
+        sys.executable,
+        "-m",
+        "kvcli",
+        "ask",
+        str(doc),
+        Q1,
+        "-m",
+        model,
+        "-c",
+        "full",
+        "--json",
+        "-q",
+        "--max-new-tokens",
+        "8",
+    ]
+    procs = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [o[1] for o in outputs]
     records = [json.loads(out) for out, _ in outputs]
@@ -337,7 +365,11 @@ def _terminal_stdout(monkeypatch):
 
     import kvcli.cli.cache
 
-    monkeypatch.setattr(kvcli.cli.cache, "stdout", Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True))
+    monkeypatch.setattr(
+        kvcli.cli.cache,
+        "stdout",
+        Console(force_terminal=True, color_system=None, width=160, highlight=False, soft_wrap=True),
+    )
 
 
 @pytest.mark.e2e
@@ -351,7 +383,13 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
     kv, model = cache / "kv", str(tiny_dir("llama", num_hidden_layers=4))
     ask_args = ["ask", str(doc), Q1, "-m", model, "-c", "full", "--cache-dir", str(cache), "--max-new-tokens", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", KILLED_BEFORE_RENAME, *ask_args, "-q"], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_RENAME, *ask_args, "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     [killed] = kv.glob(".*.tmp")
     killed_bytes = killed.stat().st_size
@@ -369,8 +407,17 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
         assert (code, err) == (0, "")
         info = json.loads(out)
         assert (info["entries"], info["size_bytes"]) == (0, 0)
-        assert (info["reclaimed_temp_files"], info["reclaimed_bytes"], info["reclaimed_lock_files"]) == (2, killed_bytes, 1)
-        assert (info["writes_in_progress"], info["in_progress_bytes"], info["lock_files"], info["disk_bytes"]) == (1, 1000, 1, 1000)
+        assert (info["reclaimed_temp_files"], info["reclaimed_bytes"], info["reclaimed_lock_files"]) == (
+            2,
+            killed_bytes,
+            1,
+        )
+        assert (info["writes_in_progress"], info["in_progress_bytes"], info["lock_files"], info["disk_bytes"]) == (
+            1,
+            1000,
+            1,
+            1000,
+        )
         assert [p.name for p in kv.glob(".*.tmp")] == [live.name]
         assert [p.name for p in (kv / "locks").glob("*.lock")] == [f"{'b' * 64}.lock"]
         _terminal_stdout(monkeypatch)
@@ -435,7 +482,11 @@ def _make_entries(lm, cache_dir: Path, n: int) -> list[str]:
     for i in range(n):
         ids = torch.arange(8 + i)
         key = make_key(lm, ids, {"kind": "kv", "layers": 1})
-        store.fetch(key, lambda: engine.prefix_kv(ids, 1), {"document": f"/docs/doc{i}.txt", "method": "full", "model_name": lm.name})
+        store.fetch(
+            key,
+            lambda: engine.prefix_kv(ids, 1),
+            {"document": f"/docs/doc{i}.txt", "method": "full", "model_name": lm.name},
+        )
         keys.append(key.digest)
     return keys
 
@@ -448,7 +499,11 @@ def test_rm_and_info_keys_must_name_one_entry(tiny_lm, tmp_path, capsys, monkeyp
 
     def one_error_line(args, code):
         got, out, err = _cli([*args, "--cache-dir", tmp_path], capsys, monkeypatch)
-        assert (got, out) == (code, "") and err.startswith("kvcli: error: ") and len(err.splitlines()) == 1, (got, out, err)
+        assert (got, out) == (code, "") and err.startswith("kvcli: error: ") and len(err.splitlines()) == 1, (
+            got,
+            out,
+            err,
+        )
         assert len(KVStore.open(tmp_path).entries()) == 20  # nothing removed
         return err
 
@@ -469,8 +524,12 @@ def test_rm_and_info_keys_must_name_one_entry(tiny_lm, tmp_path, capsys, monkeyp
     assert (code, err) == (0, "") and out.startswith("removed 1 entry, ")
     assert keys[3] not in {e.key for e in KVStore.open(tmp_path).entries()}
     # one name matches, one does not: the first is removed, the second said, exit 1
-    code, out, err = _cli(["cache", "rm", "--key", keys[4], "--key", unused * 8, "--cache-dir", tmp_path], capsys, monkeypatch)
-    assert code == 1 and out.startswith("removed 1 entry, ") and err.startswith("kvcli: error: no cache entries for key")
+    code, out, err = _cli(
+        ["cache", "rm", "--key", keys[4], "--key", unused * 8, "--cache-dir", tmp_path], capsys, monkeypatch
+    )
+    assert (
+        code == 1 and out.startswith("removed 1 entry, ") and err.startswith("kvcli: error: no cache entries for key")
+    )
     code, out, _ = _cli(["cache", "rm", "--all", "--cache-dir", tmp_path], capsys, monkeypatch)
     assert code == 0 and out.startswith("removed 18 entries, ")
     code, out, err = _cli(["cache", "rm", "--all", "--key", keys[0], "--cache-dir", tmp_path], capsys, monkeypatch)
@@ -529,7 +588,11 @@ def test_files_follow_the_umask_for_a_cache_shared_by_a_group(tiny_lm, tmp_path,
         os.umask(old)
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(folder) == 0o775
-    assert {p.name: mode(p) for p in folder.iterdir()} == {"model.safetensors": 0o664, "config.json": 0o664, "kvcli-source.json": 0o664}
+    assert {p.name: mode(p) for p in folder.iterdir()} == {
+        "model.safetensors": 0o664,
+        "config.json": 0o664,
+        "kvcli-source.json": 0o664,
+    }
     assert mode(tmp_path / "shared" / "kv" / f"{entry_key}.safetensors") == 0o664
     assert mode(tmp_path / "shared" / "gguf-sha256.json") == 0o664
 
@@ -552,7 +615,7 @@ def test_a_16_bit_model_stores_its_kv_in_16_bits_and_answers_the_same(tiny_dir, 
     assert cold.answer_ids == warm.answer_ids == off.answer_ids
     [entry] = entry_files(tmp_path / "16")
     with safe_open(str(entry), framework="pt") as f:
-        kv = {name: f.get_tensor(name).dtype for name in f.keys() if name[:2] in ("k.", "v.")}
+        kv = {name: f.get_tensor(name).dtype for name in f if name[:2] in ("k.", "v.")}
     assert kv and set(kv.values()) == {getattr(torch, dtype)}
     ask(session_for(lm32, tmp_path / "32"), "full")
     [entry32] = entry_files(tmp_path / "32")

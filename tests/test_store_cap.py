@@ -11,16 +11,15 @@ import pytest
 
 from kvcli import notices
 from tests.helpers.cli_runner import run_cli
-from tests.helpers.stores import DOC, Q1, Q2, ask, entry_files, session_for
-
-
-@pytest.fixture(autouse=True)
-def fresh_notices():
-    notices.reset()
-    notices.set_sink(None)
-    yield
-    notices.reset()
-    notices.set_sink(None)
+from tests.helpers.stores import (
+    DOC,
+    Q1,
+    Q2,
+    ask,
+    entry_files,
+    session_for,
+    silent_notices,  # noqa: F401  (autouse: the store\'s warnings silenced, forgotten after each test)
+)
 
 
 def _docs(n: int) -> list[str]:
@@ -42,7 +41,9 @@ def test_the_cap_removes_the_least_recently_used_entries_after_each_write(tiny_l
     first, second = sorted(entry_files(tmp_path), key=lambda p: p.stat().st_mtime)
     time.sleep(0.02)
     session.store.forget()
-    assert ask(session, "full", doc=docs[0]).extra["cache"]["status"] == "hit"  # doc 0 used again: now doc 1 is the oldest
+    assert (
+        ask(session, "full", doc=docs[0]).extra["cache"]["status"] == "hit"
+    )  # doc 0 used again: now doc 1 is the oldest
     time.sleep(0.02)
     ask(session, "full", doc=docs[2])
     left = entry_files(tmp_path)
@@ -65,7 +66,12 @@ def test_an_entry_over_the_cap_is_not_kept_and_said_once(tiny_lm, tmp_path):
     session = session_for(lm, tmp_path)
     session.store.max_bytes = 1000
     cold = ask(session, "full")
-    assert entry_files(tmp_path) == [] and len(warnings) == 1 and "over the cache cap" in warnings[0] and "--cache-max" in warnings[0]
+    assert (
+        entry_files(tmp_path) == []
+        and len(warnings) == 1
+        and "over the cache cap" in warnings[0]
+        and "--cache-max" in warnings[0]
+    )
     again = ask(session, "full", Q2)
     assert again.extra["cache"]["status"] == "miss" and len(warnings) == 1
     assert cold.answer_ids == ask(session_for(lm, None, use_cache=False), "full").answer_ids
@@ -75,8 +81,8 @@ def test_resolve_cap(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from kvcli.store.capacity import DEFAULT_CAP_BYTES, resolve_cap
     from kvcli.errors import UsageError
+    from kvcli.store.capacity import DEFAULT_CAP_BYTES, resolve_cap
 
     monkeypatch.delenv("KVCLI_CACHE_MAX", raising=False)
     usage = namedtuple("usage", "total used free")
@@ -103,7 +109,9 @@ def test_cache_max_on_the_command_line(tiny_dir, tmp_path, capsys, monkeypatch):
     doc.write_text(DOC)
     args = ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q", "--max-new-tokens", "2"]
     code, out, err = run_cli([*args, "--cache-max", "lots"], capsys, monkeypatch)
-    assert code == 2 and out == "" and err.startswith("kvcli: error: size must look like") and len(err.splitlines()) == 1
+    assert (
+        code == 2 and out == "" and err.startswith("kvcli: error: size must look like") and len(err.splitlines()) == 1
+    )
     code, out, err = run_cli([*args, "--cache-max", "1K"], capsys, monkeypatch)
     assert code == 0 and json.loads(out)["cache"] == "miss" and entry_files(cache) == []
     monkeypatch.setenv("KVCLI_CACHE_MAX", "1K")
@@ -134,7 +142,12 @@ def test_an_entry_over_the_cap_removes_no_other_entry(tiny_lm, tmp_path):
     result = ask(session, "full", doc=DOC.replace("ships", "dinghies"))
     assert result.extra["cache"]["status"] == "miss" and result.extra["cache"]["entry_bytes"] is None
     assert {p: p.read_bytes() for p in entry_files(tmp_path)} == before  # all three, untouched
-    assert len(said) == 1 and "over the cache cap" in said[0] and "not kept" in said[0] and "no other entry was removed" in said[0]
+    assert (
+        len(said) == 1
+        and "over the cache cap" in said[0]
+        and "not kept" in said[0]
+        and "no other entry was removed" in said[0]
+    )
     # a stored book over the cap: the same
     session.store.max_bytes = 10_000
     ask(session, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12")
@@ -165,11 +178,14 @@ def test_the_cap_makes_room_only_for_an_entry_it_keeps_and_says_what_went(tiny_l
 def test_cache_info_shows_the_room_left_and_what_goes_next(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     model = str(tiny_dir("llama", num_hidden_layers=4))
     cache = tmp_path / "cache"
-    for i, word in enumerate(("ships", "boats")):
+    for _i, word in enumerate(("ships", "boats")):
         doc = tmp_path / f"{word}.txt"
         doc.write_text(DOC.replace("ships", word))
-        code, _, _ = run_cli(["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "-q", "--max-new-tokens", "1"],
-                             capsys, monkeypatch)
+        code, _, _ = run_cli(
+            ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "-q", "--max-new-tokens", "1"],
+            capsys,
+            monkeypatch,
+        )
         assert code == 0
         time.sleep(0.02)
     monkeypatch.setenv("KVCLI_CACHE_MAX", "10M")

@@ -46,7 +46,9 @@ def test_write_safetensors_is_read_back_by_the_safetensors_library(tmp_path):
     # the library's own writer makes a file of the same length (same header fields, same padding)
     from safetensors.torch import save
 
-    assert path.stat().st_size == len(save({k: v.contiguous() for k, v in tensors.items()}, metadata={"kvcli": '{"a": 1}'}))
+    assert path.stat().st_size == len(
+        save({k: v.contiguous() for k, v in tensors.items()}, metadata={"kvcli": '{"a": 1}'})
+    )
 
 
 # A process that writes one big entry through the store, as `kvcli ask` does on a miss

@@ -51,7 +51,7 @@ def test_an_upload_leaves_room_for_what_follows_the_prefix(tiny_lm, tmp_path):
     assert fetched.status == "hit" and got.positions.tolist() == list(range(5))
     row_bytes = 2 * 4 * 4  # heads x head_dim x float32
     assert [k.untyped_storage().nbytes() for k in got.keys + got.values] == [12 * row_bytes] * 4
-    for step in range(7):
+    for _step in range(7):
         for layer in range(2):
             got.update(torch.zeros(1, 2, 1, 4, device="meta"), torch.zeros(1, 2, 1, 4, device="meta"), layer)
     assert [k.shape[-2] for k in got.keys] == [12, 12]

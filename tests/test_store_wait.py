@@ -8,28 +8,24 @@ import threading
 import time
 from io import StringIO
 
-import pytest
 from rich.console import Console
 
-from kvcli import notices
+from kvcli.answer.pipeline import Pipeline
 from kvcli.cli import live
 from kvcli.documents import document_from_text
-from kvcli.answer.pipeline import Pipeline
 from kvcli.store import Holder, take_lock
 from kvcli.store.keys import lock_path
 from kvcli.store.locks import write_holder
 from tests.helpers.books import DOC as BOOK
 from tests.helpers.books import SPEC as BOOK_SPEC
-from tests.helpers.stores import DOC, Q1, Q2, session_for
+from tests.helpers.stores import (
+    DOC,
+    Q1,
+    Q2,
+    session_for,
+    silent_notices,  # noqa: F401  (autouse: the store\'s warnings silenced, forgotten after each test)
+)
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
-
-
-@pytest.fixture(autouse=True)
-def fresh_notices():
-    notices.reset()
-    notices.set_sink(None)
-    yield
-    notices.reset()
 
 
 def _until(condition, timeout: float = 30.0) -> None:
@@ -49,16 +45,20 @@ def test_a_run_waiting_for_another_process_says_which_document_and_how_far(tiny_
     said, results = [], []
     with take_lock(lock_path(tmp_path / "kv", digest)) as handle:  # another process computes it
         write_holder(handle, holder)
-        asking = threading.Thread(target=lambda: results.append(
-            session.ask(document_from_text(DOC), Q2, Pipeline.parse("full"), on_wait=said.append)))
+        asking = threading.Thread(
+            target=lambda: results.append(
+                session.ask(document_from_text(DOC), Q2, Pipeline.parse("full"), on_wait=said.append)
+            )
+        )
         asking.start()
         _until(lambda: said)
         holder.done = 18122
         write_holder(handle, holder)
         _until(lambda: any("18,122" in (s or "") for s in said))
     asking.join(timeout=60)
-    assert said[0] == ("waiting for another kvcli process (pid 4242 on elsewhere) reading manual.pdf: "
-                       "9,061/36,245 tokens (25%)")
+    assert said[0] == (
+        "waiting for another kvcli process (pid 4242 on elsewhere) reading manual.pdf: 9,061/36,245 tokens (25%)"
+    )
     assert said[-1] is None  # the wait is over
     assert results and results[0].extra["cache"]["status"] == "miss"
 
@@ -69,8 +69,9 @@ def test_a_hit_says_nothing_of_a_read(tiny_lm, tmp_path):
         session = session_for(lm, tmp_path / spec.split(":")[0])
         cold, warm = [], []
         session.ask(document_from_text(doc), Q1, Pipeline.parse(spec), on_progress=cold.append)
-        result = session_for(lm, tmp_path / spec.split(":")[0]).ask(document_from_text(doc), Q2, Pipeline.parse(spec),
-                                                                     on_progress=warm.append)
+        result = session_for(lm, tmp_path / spec.split(":")[0]).ask(
+            document_from_text(doc), Q2, Pipeline.parse(spec), on_progress=warm.append
+        )
         assert result.extra["cache"]["status"] == "hit" and cold and cold[-1] > 0.9
         assert warm == [], (spec, warm)  # before: "3/36,245 tokens (0%)" on a stored book
 
@@ -89,8 +90,10 @@ def test_the_live_display_shows_the_wait_and_a_resumed_read():
         reading.t0 -= 10
         reading.on_progress(0.75)
     lines = err.file.getvalue().splitlines()
-    assert lines[:2] == ["kvcli: waiting for another kvcli process (pid 7) reading a.pdf: 2,000/20,000 tokens (10%)",
-                         "kvcli: waiting for another kvcli process (pid 7) reading a.pdf: 9,000/20,000 tokens (45%)"]
+    assert lines[:2] == [
+        "kvcli: waiting for another kvcli process (pid 7) reading a.pdf: 2,000/20,000 tokens (10%)",
+        "kvcli: waiting for another kvcli process (pid 7) reading a.pdf: 9,000/20,000 tokens (45%)",
+    ]
     # 3,000 tokens in 10 s since it resumed at 12,000: 300 tok/s, 5,000 left
     assert lines[2] == "kvcli: infllm · 20,000 tokens: 15,000/20,000 tokens (75%) · 300 tok/s · 0m 16s left"
     terminal = Console(file=StringIO(), force_terminal=True, width=200)

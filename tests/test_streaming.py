@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.api import AskOptions, Session
-from kvcli.runtime.decode import DecodeStep
-from kvcli.documents import document_from_text
-from kvcli.runtime.engine import Engine
 from kvcli.answer.pipeline import Pipeline
 from kvcli.answer.stopping import AnswerGuard
 from kvcli.answer.streaming import AnswerStream
+from kvcli.api import AskOptions, Session
+from kvcli.documents import document_from_text
+from kvcli.runtime.decode import DecodeStep
+from kvcli.runtime.engine import Engine
 from tests.helpers.tiny_models import _tokenizer
 
 STOP = 0  # a token id the scripts below never produce, standing for the model's end of turn
@@ -41,8 +41,9 @@ def decode_script(text: str, *, guard: bool, max_new_tokens: int | None = None, 
         return out
 
     step = lambda token, position, cache: logits_for(position + 1)  # noqa: E731  position i -> token i+1
-    answer_ids = Engine.decode(None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=DecodeStep(step),
-                               guard=g)
+    answer_ids = Engine.decode(
+        None, logits_for(0), None, 0, limit, {STOP}, stream.on_token, step=DecodeStep(step), guard=g
+    )
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
     during = len(pieces)
     stream.close(answer)
@@ -67,8 +68,10 @@ CASES = {
     "answer said twice": ("The answer is: 1\n\nThe answer is: 1", None),
     "said twice, restated": ("The answer is 1 The answer is 1\nAnswer: 1. The answer is 1.", None),
     "limit after a dangling word": ("Maxima's mode for Emacs, which is", 10),
-    "limit after a list marker": ("1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The",
-                                  20),
+    "limit after a list marker": (
+        "1. Read.table and scan controls whether C-style escapes are interpreted.\n2. The",
+        20,
+    ),
 }
 
 
@@ -98,7 +101,9 @@ def test_the_guard_cases_do_cut():
     assert cut["limit after a list marker"] == CASES["limit after a list marker"][0].split("\n")[0]
     assert cut["limit after a dangling word"] == "Maxima's mode for Emacs"
     text, limit = CASES["limit keeps a list"]
-    assert cut["limit keeps a list"] == _tokenizer().decode(ids(text)[:limit]).strip()  # no whole sentence to end at: all of it
+    assert (
+        cut["limit keeps a list"] == _tokenizer().decode(ids(text)[:limit]).strip()
+    )  # no whole sentence to end at: all of it
     assert cut["trailing space"] == "Ann keeps it."
 
 
@@ -124,12 +129,16 @@ def test_held_back_text():
     assert settled("It says:\nQuest") == "It says:"
     assert settled("It says:\nQuestions are") == "It says:"  # no turn, but may end as a lead-in ("Questions are:")
     # too long for a lead-in: all but the last few characters, which may still begin a run of items
-    assert settled("It says:\nQuestions are welcome to everyone who reads the long manual here").startswith("It says:\nQuestions are welcome to everyone who reads the long manual")
+    assert settled("It says:\nQuestions are welcome to everyone who reads the long manual here").startswith(
+        "It says:\nQuestions are welcome to everyone who reads the long manual"
+    )
     assert settled("The keeper is Ann Lee. The keeper") == "The keeper is Ann Lee."  # may repeat
     assert settled("The keeper is Ann Lee. She lit") == "The keeper is Ann Lee."  # the limit would cut it
     assert settled("Yes. She lit the lamp") == "Yes."  # may still end as a lead-in ("She lit the lamp:")
     assert settled("She lit the lamp") == "She lit the lamp"  # a first sentence is no lead-in
-    assert settled("Ann Lee\nAnswer the question using only the document above. ") == "Ann Lee"  # an echo, cut at the next token
+    assert (
+        settled("Ann Lee\nAnswer the question using only the document above. ") == "Ann Lee"
+    )  # an echo, cut at the next token
     long_line = "Ann Lee\nAnswer: yes, she is the keeper of the lighthouse on the north rock"
     assert settled(long_line).startswith("Ann Lee\nAnswer: yes, she is the keeper of the")  # no echo
     assert settled("It is Chapter 10: Chapter 11: Chap") == "It is Chapter 10:"  # may become a run of items
@@ -137,11 +146,20 @@ def test_held_back_text():
 
 
 def test_session_streams_the_answer_of_a_real_model(tiny_dir):
-    session = Session.open(AskOptions(model=str(tiny_dir("llama", num_hidden_layers=4)), use_cache=False, max_new_tokens=24))
+    session = Session.open(
+        AskOptions(model=str(tiny_dir("llama", num_hidden_layers=4)), use_cache=False, max_new_tokens=24)
+    )
     doc = document_from_text(" ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships." for i in range(30)))
     pieces: list[str] = []
     prompts, progress = [], []
-    result = session.ask(doc, "How many ships?", Pipeline.parse("auto"), on_text=pieces.append, on_prompt=lambda m, n: prompts.append((m, n)), on_progress=progress.append)
+    result = session.ask(
+        doc,
+        "How many ships?",
+        Pipeline.parse("auto"),
+        on_text=pieces.append,
+        on_prompt=lambda m, n: prompts.append((m, n)),
+        on_progress=progress.append,
+    )
     assert "".join(pieces) == result.answer
     assert prompts == [("full attention", result.prompt.n_tokens)]
     assert progress and progress == sorted(progress) and progress[-1] == 1.0  # the whole prompt, every layer

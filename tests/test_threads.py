@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import threads
 from kvcli.errors import UsageError
+from kvcli.runtime import threads
 from kvcli.runtime.threads import CpuTimes, ThreadPolicy
 from tests.helpers.cli_runner import assert_one_line_error
 
@@ -21,8 +21,9 @@ ctxt 99
 
 
 # --- parsing ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, expected",
-                         [("auto", None), (" AUTO ", None), (None, None), ("1", 1), ("3", 3), (2, 2)])
+@pytest.mark.parametrize(
+    "value, expected", [("auto", None), (" AUTO ", None), (None, None), ("1", 1), ("3", 3), (2, 2)]
+)
 def test_parse_threads(value, expected):
     assert threads.parse_threads(value) == expected
 
@@ -79,12 +80,24 @@ def test_cgroup_quota(tmp_path):
     assert threads.cgroup_cores(tmp_path / "none") is None
 
 
-@pytest.mark.parametrize("free, ceiling, phase, expected", [
-    (2.0, 2, "prefill", 2), (1.6, 2, "prefill", 2), (1.4, 2, "prefill", 1), (1.0, 2, "prefill", 1),
-    (0.0, 2, "prefill", 1), (8.0, 4, "prefill", 4), (3.7, 16, "prefill", 4),
-    (2.0, 2, "decode", 2), (1.8, 2, "decode", 2), (1.6, 2, "decode", 1), (1.33, 2, "decode", 1),
-    (3.7, 16, "decode", 3), (0.2, 2, "decode", 1),
-])
+@pytest.mark.parametrize(
+    "free, ceiling, phase, expected",
+    [
+        (2.0, 2, "prefill", 2),
+        (1.6, 2, "prefill", 2),
+        (1.4, 2, "prefill", 1),
+        (1.0, 2, "prefill", 1),
+        (0.0, 2, "prefill", 1),
+        (8.0, 4, "prefill", 4),
+        (3.7, 16, "prefill", 4),
+        (2.0, 2, "decode", 2),
+        (1.8, 2, "decode", 2),
+        (1.6, 2, "decode", 1),
+        (1.33, 2, "decode", 1),
+        (3.7, 16, "decode", 3),
+        (0.2, 2, "decode", 1),
+    ],
+)
 def test_threads_for(free, ceiling, phase, expected):
     assert threads.threads_for(free, ceiling, phase) == expected
 
@@ -113,8 +126,15 @@ class Machine:
         self.threads = n
 
     def policy(self, **kw) -> ThreadPolicy:
-        return ThreadPolicy(read=self.read, clock=lambda: self.wall, set_threads=self.set,
-                            get_threads=lambda: self.threads, cpus=self.cpus, quota=None, **kw)
+        return ThreadPolicy(
+            read=self.read,
+            clock=lambda: self.wall,
+            set_threads=self.set,
+            get_threads=lambda: self.threads,
+            cpus=self.cpus,
+            quota=None,
+            **kw,
+        )
 
 
 def test_auto_quiet_machine_keeps_every_core():
@@ -177,8 +197,9 @@ def test_auto_short_window_keeps_the_last_estimate():
 
 def test_auto_without_readings_keeps_pytorchs_count():
     m = Machine(threads_now=2)
-    p = ThreadPolicy(read=lambda: None, clock=lambda: m.wall, set_threads=m.set, get_threads=lambda: m.threads,
-                     cpus=2, quota=None)
+    p = ThreadPolicy(
+        read=lambda: None, clock=lambda: m.wall, set_threads=m.set, get_threads=lambda: m.threads, cpus=2, quota=None
+    )
     with p.phase("prefill"):
         assert m.threads == 2
     assert m.calls == []
@@ -281,8 +302,9 @@ def test_cli_json_reports_the_threads(cli, tmp_path, tiny_dir):
     model = tiny_dir("llama")
     doc = tmp_path / "d.txt"
     doc.write_text("Cats sleep a lot. " * 10)
-    code, out, err = cli("ask", doc, "What?", "-m", model, "--threads", "1", "--json", "--no-cache",
-                         "--max-new-tokens", "3")
+    code, out, err = cli(
+        "ask", doc, "What?", "-m", model, "--threads", "1", "--json", "--no-cache", "--max-new-tokens", "3"
+    )
     assert code == 0, err
     import json
 

@@ -25,8 +25,9 @@ CONFIGS = [(family, {}) for family in FAMILIES] + [
 ]
 
 
-@pytest.mark.parametrize("family, overrides", CONFIGS,
-                         ids=[f"{f}-{'-'.join(map(str, o.values()))}" for f, o in CONFIGS])
+@pytest.mark.parametrize(
+    "family, overrides", CONFIGS, ids=[f"{f}-{'-'.join(map(str, o.values()))}" for f, o in CONFIGS]
+)
 def test_the_windows_are_those_the_attention_modules_apply(family, overrides):
     from transformers import AutoModelForCausalLM
 

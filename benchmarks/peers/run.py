@@ -47,6 +47,7 @@ PEERS = ROOT / ".peers"
 
 QUESTION_2 = "What does the author say about the people he worked with? Answer in one sentence."
 
+
 # method -> (kvcli spec at ratio r, has a kvpress twin)
 def kvcli_spec(method: str, ratio: float) -> str:
     b = round(1.0 / ratio, 6)
@@ -63,10 +64,10 @@ def kvcli_spec(method: str, ratio: float) -> str:
 
 
 def build_cases(lengths: list[int], new_tokens: int, work: Path) -> list[dict]:
-    from kvcli.bench.needle import make_case
-    from kvcli.api import AskOptions, Session
-    from kvcli.model.embedded import _embedded_gguf_file, embedded_model_path
     from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
+    from kvcli.api import AskOptions, Session
+    from kvcli.bench.needle import make_case
+    from kvcli.model.embedded import _embedded_gguf_file, embedded_model_path
 
     session = Session.open(AskOptions(use_cache=False))
     tok = session.lm.tokenizer
@@ -115,7 +116,9 @@ def checkout(rev: str) -> Path:
     dest = ROOT / "benchmarks" / "out" / f"kvcli-{rev}"
     if not dest.exists():
         dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvcli", "prompts"], capture_output=True, check=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev, "kvcli", "prompts"], capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
 
@@ -129,8 +132,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--before", default=None, help="git revision: its kvcli rows too, as 'kvcli@REV'")
-    ap.add_argument("--low-memory", action="store_true", help="also the kvcli rows with --low-memory, as 'kvcli --low-memory'")
-    ap.add_argument("--quants", default="", help="also the kvcli rows with --quant Q for each Q (e.g. none,8bit), as 'kvcli --quant Q'")
+    ap.add_argument(
+        "--low-memory", action="store_true", help="also the kvcli rows with --low-memory, as 'kvcli --low-memory'"
+    )
+    ap.add_argument(
+        "--quants",
+        default="",
+        help="also the kvcli rows with --quant Q for each Q (e.g. none,8bit), as 'kvcli --quant Q'",
+    )
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--no-kvpress", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "peers"))
@@ -161,8 +170,15 @@ def main() -> None:
     rows: list[dict] = []
 
     def record(peer, method, spec, case, result, scenario="cold"):
-        row = {"peer": peer, "method": method, "spec": spec, "length": case["length"], "n_prompt": len(case["ids"]),
-               "scenario": scenario, **result}
+        row = {
+            "peer": peer,
+            "method": method,
+            "spec": spec,
+            "length": case["length"],
+            "n_prompt": len(case["ids"]),
+            "scenario": scenario,
+            **result,
+        }
         if "answer_ids" in row:
             row["has_key"] = case["key"] in _decode(row["answer_ids"])
         rows.append(row)
@@ -178,7 +194,7 @@ def main() -> None:
         "reps": args.reps,
         "command": "python benchmarks/peers/run.py " + " ".join(sys.argv[1:]),
     }
-    for rep in range(args.reps):
+    for _rep in range(args.reps):
         for case in [c for c in cases if c["question_index"] == 0]:
             for method in shared + only:
                 for peer, env in kvclis:
@@ -187,21 +203,62 @@ def main() -> None:
                     spec = kvcli_spec(method, args.ratio)
                     record(peer, method, spec, case, run_worker(kvcli_py, "worker_kvcli.py", case, spec, env=env))
                 if use_kvpress and method in shared:
-                    record("kvpress", method, method, case, run_worker(kvpress_py, "worker_kvpress.py", {**case, "ratio": args.ratio} | _rewrite(case, work, ratio=args.ratio), method))
+                    record(
+                        "kvpress",
+                        method,
+                        method,
+                        case,
+                        run_worker(
+                            kvpress_py,
+                            "worker_kvpress.py",
+                            {**case, "ratio": args.ratio} | _rewrite(case, work, ratio=args.ratio),
+                            method,
+                        ),
+                    )
             if use_llama:
                 record("llama.cpp", "full", "full", case, run_worker(llama_py, "worker_llamacpp.py", case, "full"))
             # the repeat question: q1 fills the prompt cache, q2 (another question) reads it in a new process
             q2 = next(c for c in cases if c["length"] == case["length"] and c["question_index"] == 1)
             with tempfile.TemporaryDirectory(prefix="kvcli-peers-store-") as store:
-                record("kvcli", "full", "full", case, run_worker(kvcli_py, "worker_kvcli.py", case, "full", ["--store", store]), "repeat q1 (fills cache)")
-                record("kvcli", "full", "full", q2, run_worker(kvcli_py, "worker_kvcli.py", q2, "full", ["--store", store]), "repeat q2 (from cache)")
+                record(
+                    "kvcli",
+                    "full",
+                    "full",
+                    case,
+                    run_worker(kvcli_py, "worker_kvcli.py", case, "full", ["--store", store]),
+                    "repeat q1 (fills cache)",
+                )
+                record(
+                    "kvcli",
+                    "full",
+                    "full",
+                    q2,
+                    run_worker(kvcli_py, "worker_kvcli.py", q2, "full", ["--store", store]),
+                    "repeat q2 (from cache)",
+                )
             if use_llama:
                 with tempfile.TemporaryDirectory(prefix="kvcli-peers-llama-") as tmp:
                     state = str(Path(tmp) / "prompt.cache")
-                    record("llama.cpp", "full", "full", case, run_worker(llama_py, "worker_llamacpp.py", case, "full", ["--save-prefix", state]), "repeat q1 (fills cache)")
-                    record("llama.cpp", "full", "full", q2, run_worker(llama_py, "worker_llamacpp.py", q2, "full", ["--load-prefix", state]), "repeat q2 (from cache)")
+                    record(
+                        "llama.cpp",
+                        "full",
+                        "full",
+                        case,
+                        run_worker(llama_py, "worker_llamacpp.py", case, "full", ["--save-prefix", state]),
+                        "repeat q1 (fills cache)",
+                    )
+                    record(
+                        "llama.cpp",
+                        "full",
+                        "full",
+                        q2,
+                        run_worker(llama_py, "worker_llamacpp.py", q2, "full", ["--load-prefix", state]),
+                        "repeat q2 (from cache)",
+                    )
     table = make_table(rows)
-    (out / "peers_table.md").write_text(f"Peers, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table)
+    (out / "peers_table.md").write_text(
+        f"Peers, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table
+    )
     (out / "peers_compact.md").write_text(compact_table(rows, tuple(lengths)))  # the README's table
     print(table)
 
@@ -227,9 +284,10 @@ def _decode(ids: list[int]) -> str:
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
@@ -240,7 +298,9 @@ def make_table(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["length"], r["scenario"], r["method"], r["peer"]), []).append(r)
-    full = {(r["length"], r["peer"]): r.get("answer_ids") for r in rows if r["method"] == "full" and r["scenario"] == "cold"}
+    full = {
+        (r["length"], r["peer"]): r.get("answer_ids") for r in rows if r["method"] == "full" and r["scenario"] == "cold"
+    }
     full_ttft = {}
     for (length, scenario, method, peer), rs in groups.items():
         if method == "full" and scenario == "cold":
@@ -251,8 +311,12 @@ def make_table(rows: list[dict]) -> str:
         "| prompt tokens | run | method | peer | TTFT s | TTFT / own full | decode tok/s | total s | peak MiB | ratio | answer = own full |",
         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    med = lambda rs, k: statistics.median([r[k] for r in rs if r.get(k) is not None]) if any(r.get(k) is not None for r in rs) else None  # noqa: E731
-    for (length, scenario, method, peer), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "cold", kv[0][1], kv[0][2] != "full", kv[0][2], kv[0][3])):
+    med = lambda rs, k: (
+        statistics.median([r[k] for r in rs if r.get(k) is not None]) if any(r.get(k) is not None for r in rs) else None
+    )  # noqa: E731
+    for (length, scenario, method, peer), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "cold", kv[0][1], kv[0][2] != "full", kv[0][2], kv[0][3])
+    ):
         errors = [r["error"] for r in rs if "error" in r]
         ok = [r for r in rs if "error" not in r]
         n = ok[0]["n_prompt"] if ok else rs[0]["n_prompt"]
@@ -269,9 +333,13 @@ def make_table(rows: list[dict]) -> str:
         ratio = med(ok, "compression_ratio")
         dec = med(ok, "decode_tokens_per_s")
         lines.append(
-            f"| {n:,} | {scenario} | `{method}` | {peer} | {ttft:.2f} | {ttft / base:.2f} |" if base else f"| {n:,} | {scenario} | `{method}` | {peer} | {ttft:.2f} | — |"
+            f"| {n:,} | {scenario} | `{method}` | {peer} | {ttft:.2f} | {ttft / base:.2f} |"
+            if base
+            else f"| {n:,} | {scenario} | `{method}` | {peer} | {ttft:.2f} | — |"
         )
-        lines[-1] += f" {dec:.1f} | {med(ok, 'total_s'):.1f} | {med(ok, 'peak_mib'):,.0f} | {ratio if ratio is not None else '—'} | {same} |"
+        lines[-1] += (
+            f" {dec:.1f} | {med(ok, 'total_s'):.1f} | {med(ok, 'peak_mib'):,.0f} | {ratio if ratio is not None else '—'} | {same} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -285,8 +353,12 @@ def compact_table(rows: list[dict], lengths: tuple[int, ...] = (4096, 8000)) -> 
     errors = {(r["scenario"], r["method"], r["peer"], r["length"]) for r in rows if "error" in r}
     med = lambda rs, k: statistics.median([r[k] for r in rs])  # noqa: E731
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
-    keys = sorted({k[:3] for k in groups | dict.fromkeys(errors)}, key=lambda k: (k[0] != "cold", order.get(k[1], 99), k[2]))
-    head = " | ".join(f"{length // 1000}k {c}" for length in lengths for c in ("TTFT s", "decode tok/s", "total s", "peak MiB"))
+    keys = sorted(
+        {k[:3] for k in groups | dict.fromkeys(errors)}, key=lambda k: (k[0] != "cold", order.get(k[1], 99), k[2])
+    )
+    head = " | ".join(
+        f"{length // 1000}k {c}" for length in lengths for c in ("TTFT s", "decode tok/s", "total s", "peak MiB")
+    )
     lines = [f"| method | peer | {head} |", "|---|---|" + "---:|" * (4 * len(lengths))]
     for scenario, method, peer in keys:
         label = f"`{method}`" + (" (repeat question, from the cache)" if scenario != "cold" else "")
@@ -294,7 +366,12 @@ def compact_table(rows: list[dict], lengths: tuple[int, ...] = (4096, 8000)) -> 
         for length in lengths:
             rs = groups.get((scenario, method, peer, length))
             if rs:
-                cells += [f"{med(rs, 'ttft_s'):.2f}", f"{med(rs, 'decode_tokens_per_s'):.1f}", f"{med(rs, 'total_s'):.1f}", f"{med(rs, 'peak_mib'):,.0f}"]
+                cells += [
+                    f"{med(rs, 'ttft_s'):.2f}",
+                    f"{med(rs, 'decode_tokens_per_s'):.1f}",
+                    f"{med(rs, 'total_s'):.1f}",
+                    f"{med(rs, 'peak_mib'):,.0f}",
+                ]
             else:
                 cells += ["error" if (scenario, method, peer, length) in errors else "", "", "", ""]
         lines.append(f"| {label} | {peer} | " + " | ".join(cells) + " |")

@@ -18,9 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("KVCLI_SRC"):  # measure another kvcli tree: bypass the editable install's finder
     sys.meta_path = [f for f in sys.meta_path if "editable" not in str(f)]
     sys.path.insert(0, os.environ["KVCLI_SRC"])
-from common import Clock, emit, read_case, reset_peak  # noqa: E402
-
 import torch  # noqa: E402
+from common import Clock, emit, read_case, reset_peak  # noqa: E402
 
 import kvcli  # noqa: E402
 from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
@@ -46,14 +45,27 @@ def main() -> None:
         session.ask(warm, case["question"], parse_pipeline("full"), max_new_tokens=4, use_store=False)
     reset_peak()
     clock = Clock()
-    result = session.ask(doc, case["question"], parse_pipeline(spec), on_token=lambda _t: clock.first(),
-                         max_new_tokens=case["new_tokens"], force_tokens=True, use_store=store is not None)
+    result = session.ask(
+        doc,
+        case["question"],
+        parse_pipeline(spec),
+        on_token=lambda _t: clock.first(),
+        max_new_tokens=case["new_tokens"],
+        force_tokens=True,
+        use_store=store is not None,
+    )
     clock.done()
     if result.prompt.ids.tolist() != case["ids"]:
         raise SystemExit("kvcli built other prompt ids than the case's")
-    emit(case, clock, result.answer_ids, kvcli_src=os.path.dirname(kvcli.__file__),
-         compression_ratio=round(result.compression_ratio, 3) if hasattr(result, "compression_ratio") else None,
-         cache=(result.extra.get("cache") or {}).get("status"), threads=torch.get_num_threads())
+    emit(
+        case,
+        clock,
+        result.answer_ids,
+        kvcli_src=os.path.dirname(kvcli.__file__),
+        compression_ratio=round(result.compression_ratio, 3) if hasattr(result, "compression_ratio") else None,
+        cache=(result.extra.get("cache") or {}).get("status"),
+        threads=torch.get_num_threads(),
+    )
 
 
 if __name__ == "__main__":

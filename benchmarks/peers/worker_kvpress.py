@@ -18,13 +18,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Clock, emit, read_case, reset_peak  # noqa: E402
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-
 import kvpress  # noqa: E402
+import torch  # noqa: E402
+from common import Clock, emit, read_case, reset_peak  # noqa: E402
 from kvpress import FinchPress, PyramidKVPress, SnapKVPress, StreamingLLMPress  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 
 def make_press(spec: str, ratio: float):
@@ -62,7 +60,9 @@ def generate(model, press, context_ids, question_ids, new_tokens, clock=None):
 def main() -> None:
     case, spec, _ = read_case()
     tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
-    model = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        case["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     factory = make_press(spec, case["ratio"])
     press = factory() if factory else None
     ids = case["ids"]
@@ -77,16 +77,27 @@ def main() -> None:
     as_tensor = lambda x: torch.tensor([x], dtype=torch.long)  # noqa: E731
     # warm-up on a short prompt (one-time costs are not the method's)
     warm = ids[:200] + (sep if isinstance(press, FinchPress) else []) + ids[prefix:question_end]
-    generate(model, press, as_tensor(warm), as_tensor(ids[question_end:] if isinstance(press, FinchPress) else ids[prefix:]), 2)
+    generate(
+        model,
+        press,
+        as_tensor(warm),
+        as_tensor(ids[question_end:] if isinstance(press, FinchPress) else ids[prefix:]),
+        2,
+    )
     reset_peak()
     clock = Clock()
     generated, cache = generate(model, press, as_tensor(context), as_tensor(question), case["new_tokens"], clock)
     clock.done()
     # prompt entries held: mean over layers of the cache length before the decoded tokens
     held = sum(cache.get_seq_length(l) for l in range(len(cache))) / len(cache) - (case["new_tokens"] - 1)
-    emit(case, clock, generated, kvpress_version=getattr(kvpress, "__version__", "0.5.5"),
-         compression_ratio=round(len(ids) / held, 3),
-         threads=torch.get_num_threads())
+    emit(
+        case,
+        clock,
+        generated,
+        kvpress_version=getattr(kvpress, "__version__", "0.5.5"),
+        compression_ratio=round(len(ids) / held, 3),
+        threads=torch.get_num_threads(),
+    )
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Clock, emit, read_case, reset_peak  # noqa: E402
-
-import numpy as np  # noqa: E402
 import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import Clock, emit, read_case, reset_peak  # noqa: E402
 
 
 def last_logits(llm) -> np.ndarray:
@@ -34,8 +33,9 @@ def main() -> None:
     save = extra[extra.index("--save-prefix") + 1] if "--save-prefix" in extra else None
     load = extra[extra.index("--load-prefix") + 1] if "--load-prefix" in extra else None
     threads = os.cpu_count()
-    llm = llama_cpp.Llama(model_path=case["gguf"], n_ctx=case["n_ctx"], n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=case["gguf"], n_ctx=case["n_ctx"], n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     ids, prefix = case["ids"], case["prefix_len"]
     llm.eval(ids[:64])  # warm-up
     llm.reset()
@@ -64,8 +64,14 @@ def main() -> None:
         llm.eval([generated[-1]])
         generated.append(int(np.argmax(last_logits(llm))))
     clock.done()
-    emit(case, clock, generated, llama_cpp_python=llama_cpp.__version__, threads=threads,
-         prompt_cache=os.path.getsize(save or load) if (save or load) else None)
+    emit(
+        case,
+        clock,
+        generated,
+        llama_cpp_python=llama_cpp.__version__,
+        threads=threads,
+        prompt_cache=os.path.getsize(save or load) if (save or load) else None,
+    )
 
 
 if __name__ == "__main__":

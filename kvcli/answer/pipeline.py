@@ -16,29 +16,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from .. import notices
-from ..runtime.attention import listening
+from ..caches import KVCache
 from ..cite.attribution import CitingHeads
 from ..compressors import Compressor, FullAttention, owned_phases, parse_one
-from ..caches import KVCache
 from ..compressors.base import Runtime
-from ..runtime.decode import DecodeStep
 from ..errors import DocumentError, UsageError
+from ..runtime.attention import listening
+from ..runtime.decode import DecodeStep
 from ..runtime.measure import measure, reading_prompt
+from ..runtime.threads import ThreadPolicy, in_phase
+from ..runtime.windows import Windows
+from ..store import KVStore
 from .policy import NAME as AUTO
 from .policy import AutoPolicy, reads
 from .prefix import Prefix
 from .prefix import report as prefix_report
 from .prompt import Prompt
 from .selection import Selection
-from ..store import KVStore
-from ..runtime.windows import Windows
-from ..runtime.threads import ThreadPolicy, in_phase
 
 SEPARATOR = "+"
 
@@ -51,7 +51,7 @@ class Pipeline:
     chosen_by: str | None = None  # "auto" when the policy chose these stages
 
     @classmethod
-    def parse(cls, spec: str) -> "Pipeline":
+    def parse(cls, spec: str) -> Pipeline:
         if spec.strip().lower() == AUTO:
             return cls([], policy=AutoPolicy())
         parts = [p for p in spec.split(SEPARATOR)]
@@ -93,12 +93,18 @@ class Pipeline:
             return AUTO
         return SEPARATOR.join(s.spec() for s in self.stages)
 
-    def resolve(self, prompt: Prompt, lm, max_new_tokens: int) -> "Pipeline":
+    def resolve(self, prompt: Prompt, lm, max_new_tokens: int) -> Pipeline:
         """The pipeline that answers ``prompt``: itself, or for ``auto`` the policy's choice."""
         if self.policy is None:
             return self
-        chosen = Pipeline.parse(self.policy.choose(prompt.n_tokens, lm.max_context, max_new_tokens,
-                                                   reads=lambda spec: reads(spec, lm, prompt, max_new_tokens)))
+        chosen = Pipeline.parse(
+            self.policy.choose(
+                prompt.n_tokens,
+                lm.max_context,
+                max_new_tokens,
+                reads=lambda spec: reads(spec, lm, prompt, max_new_tokens),
+            )
+        )
         return Pipeline(chosen.stages, chosen_by=AUTO)
 
     def configure(self, lm, runtime: Runtime | None = None) -> None:
@@ -219,12 +225,14 @@ def default_prefill(engine, ids: torch.Tensor, prefix: Prefix | None, compressor
         cache = KVCache()
         return engine.prefill(ids, cache=cache, observers=observers, after_layer=functools.partial(after_layer, cache))
     window = max((stage.query_window(lm) for stage in compressors), default=0)
-    return prefix.extend(ids, query_window=window, observers=observers, after_layer=after_layer,
-                         by_layer=bool(by_layer))
+    return prefix.extend(
+        ids, query_window=window, observers=observers, after_layer=after_layer, by_layer=bool(by_layer)
+    )
 
 
-def check_window(prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None,
-                 stored: bool = False) -> None:
+def check_window(
+    prompt: Prompt, lm, max_new_tokens: int, pipeline: Pipeline | None = None, stored: bool = False
+) -> None:
     """Refuse a prompt the model's window cannot hold. With a (configured) ``pipeline``, its reader
     says how many positions it needs (``Compressor.window_needed``): Finch reads longer documents,
     and says so before it starts (one warning with the token count: it takes a while). ``stored``:
@@ -312,7 +320,9 @@ def run(
         selection = Selection(torch.arange(prompt.n_tokens))
         for i, stage in enumerate(pipeline.selectors()):
             # only the first selector sees the prompt itself; later ones see its selection
-            sub = stage.select_tokens(engine, ids[selection.kept], protected=prompt.n_after_document, prefix=prefix if i == 0 else None)
+            sub = stage.select_tokens(
+                engine, ids[selection.kept], protected=prompt.n_after_document, prefix=prefix if i == 0 else None
+            )
             if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
@@ -331,7 +341,9 @@ def run(
         owner = pipeline.owner("prefill")
         compressors = pipeline.compressors()
         if owner is not None:
-            cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=second_prefix, protected=prompt.n_after_document)
+            cache, logits, next_position = owner.prefill(
+                engine, kept_ids, prefix=second_prefix, protected=prompt.n_after_document
+            )
         else:
             cache, logits = default_prefill(engine, kept_ids, second_prefix, compressors)
             next_position = kept_ids.numel()
@@ -346,8 +358,9 @@ def run(
             step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
         reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
         with in_phase(threads, "decode", engine), listening({} if reader is None else reader.observers()):
-            answer_ids = engine.decode(logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step,
-                                       guard=guard)
+            answer_ids = engine.decode(
+                logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard
+            )
         total = m.elapsed(since=start)
     decode_s = total - ttft
     return Result(
@@ -368,9 +381,13 @@ def run(
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
             "method_stats": cache.stats(),
-            "citing": None if reader is None else {
+            "citing": None
+            if reader is None
+            else {
                 "scores": reader.prompt_scores(prompt.n_tokens, selection.kept if pipeline.selectors() else None),
-                "unsupported": reader.unsupported, "seconds": reader.seconds, "steps": reader.steps,
+                "unsupported": reader.unsupported,
+                "seconds": reader.seconds,
+                "steps": reader.steps,
                 "heads": cite.source,
             },
         },

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..runtime import accelerator
 from ..caches import KVCache
 from ..compressors.base import Compressor, owned_phases
 from ..errors import UsageError
-from .prompt import Prompt
+from ..runtime import accelerator
 from ..store import Fetched, KVStore, make_key
+from .prompt import Prompt
 
 
 def chunked_state(engine, ids: torch.Tensor, state: dict) -> dict:
@@ -53,8 +53,15 @@ class Prefix:
     """The question-agnostic start of a prompt and the reader's state of it, fetched the first time
     the run asks for it (see the module docstring)."""
 
-    def __init__(self, engine, ids: torch.Tensor, reader: Compressor, state: dict, store: KVStore | None = None,
-                 meta: dict | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        ids: torch.Tensor,
+        reader: Compressor,
+        state: dict,
+        store: KVStore | None = None,
+        meta: dict | None = None,
+    ) -> None:
         """``ids``: the prefix tokens (n,); ``state``: ``reader.prefix_state`` (what the state depends
         on); ``store``: the disk store (None: compute the state every time); ``meta``: facts recorded
         with a new store entry (document, method)."""
@@ -72,7 +79,7 @@ class Prefix:
         self._state = None
 
     @classmethod
-    def of(cls, engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> "Prefix | None":
+    def of(cls, engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> Prefix | None:
         """The prefix of ``prompt`` for ``reader``; None when the method keeps no prefix state (or the
         prompt has no prefix)."""
         state = reader.prefix_state(engine.lm)
@@ -126,8 +133,15 @@ class Prefix:
         return self._state.copy()
 
     # --- the rest of the prompt on top of it -------------------------------------------------------
-    def extend(self, ids: torch.Tensor, *, query_window: int = 0, observers: dict | None = None,
-               after_layer: Callable[[object, int], None] | None = None, by_layer: bool = False):
+    def extend(
+        self,
+        ids: torch.Tensor,
+        *,
+        query_window: int = 0,
+        observers: dict | None = None,
+        after_layer: Callable[[object, int], None] | None = None,
+        by_layer: bool = False,
+    ):
         """Run the prompt ``ids`` (n,), whose first :attr:`n_tokens` are this prefix, on top of the
         state; returns (cache, logits of the last position).
 
@@ -144,8 +158,9 @@ class Prefix:
         if by_layer and self.full_kv and not self.stored and self._state is None:
             t0 = time.perf_counter()
             cache = KVCache()
-            out = engine.prefill_on_prefix(ids, self.n_tokens, start, cache, observers,
-                                           after_layer=_bound(after_layer, cache))
+            out = engine.prefill_on_prefix(
+                ids, self.n_tokens, start, cache, observers, after_layer=_bound(after_layer, cache)
+            )
             self.fetched = Fetched("off", time.perf_counter() - t0)  # computed with the rest of the prompt
             return out
         cache = self.take()

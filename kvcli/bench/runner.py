@@ -18,14 +18,14 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
+from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..answer.pipeline import Pipeline
 from .needle import make_case
 
 PROMPT_OVERHEAD = 64  # template + question tokens, roughly: documents get length - this
@@ -41,7 +41,7 @@ def split_methods(methods: str | Iterable[str]) -> list[str]:
     parts = methods.split(";") if isinstance(methods, str) else list(methods)
     specs = list(dict.fromkeys(p.strip() for p in parts if p.strip()))
     if not specs:
-        raise UsageError("--methods: name at least one method, e.g. \"full;gemfilter:k=256\"")
+        raise UsageError('--methods: name at least one method, e.g. "full;gemfilter:k=256"')
     for spec in specs:
         Pipeline.parse(spec)  # unknown methods or knobs: a one-line UsageError, before any model loads
     return specs
@@ -118,7 +118,7 @@ class ResultsFile:
         self.rows = [r for r in self.rows if not r.get("error")]
 
     @classmethod
-    def read(cls, path: Path, key_fields: tuple[str, ...]) -> "ResultsFile":
+    def read(cls, path: Path, key_fields: tuple[str, ...]) -> ResultsFile:
         if not Path(path).exists():
             raise UsageError(f"no results at {path}; run the benchmark first")
         return cls(path, key_fields, resume=True)
@@ -214,7 +214,9 @@ def run_cells(
 def ask(session, document, question: str, pipeline: Pipeline, max_new_tokens: int, force_tokens: bool = False):
     """A cold :meth:`kvcli.api.Session.ask` (no disk store); ``force_tokens``: ignore the stop
     tokens and generate exactly ``max_new_tokens`` (so decode tokens/s measures that many steps)."""
-    return session.ask(document, question, pipeline, max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False)
+    return session.ask(
+        document, question, pipeline, max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False
+    )
 
 
 def warm_up(session, specs: Iterable[str] = ("full",)) -> None:
@@ -292,7 +294,13 @@ class NeedleBench:
         case, document = self.case(cell)
         result = ask(self.session, document, case.question, Pipeline.parse(cell["method"]), self.max_new_tokens)
         correct = case.is_correct(result.answer)
-        return {"key": case.key, "answer": result.answer, "correct": correct, "score": float(correct), **result_fields(result)}
+        return {
+            "key": case.key,
+            "answer": result.answer,
+            "correct": correct,
+            "score": float(correct),
+            **result_fields(result),
+        }
 
 
 def _mean(values) -> float | None:
@@ -378,7 +386,9 @@ def needle_table(rows: list[dict], baseline: str = "full") -> str:
         cells = []
         for n in lengths:
             e = entries.get((method, n))
-            cells.append("" if e is None else f"{e['correct']}/{e['cases']}" + (f" ({e['errors']} err)" if e["errors"] else ""))
+            cells.append(
+                "" if e is None else f"{e['correct']}/{e['cases']}" + (f" ({e['errors']} err)" if e["errors"] else "")
+            )
         correct, cases = sum(e["correct"] for e in group), sum(e["cases"] for e in group)
         cells.append(f"{correct}/{cases} ({correct / cases:.0%})" if cases else "")
         if has_base:

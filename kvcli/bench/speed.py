@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 
-from ..documents import document_from_text
 from ..answer.pipeline import Pipeline
+from ..documents import document_from_text
 from .needle import make_case
 from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, _f, ask, result_fields
 
@@ -21,7 +21,9 @@ MEASURES = ("ttft_s", "total_s", "decode_tokens_per_s", "peak_mem_mb", "kv_cache
 
 
 def speed_cells(specs, lengths, new_tokens: int, haystack: str = "essays") -> list[dict]:
-    return [{"haystack": haystack, "method": spec, "length": n, "new_tokens": new_tokens} for n in lengths for spec in specs]
+    return [
+        {"haystack": haystack, "method": spec, "length": n, "new_tokens": new_tokens} for n in lengths for spec in specs
+    ]
 
 
 def _median(values):
@@ -39,7 +41,9 @@ class SpeedBench:
     def document(self, length: int, haystack: str):
         key = (length, haystack)
         if key not in self._docs:
-            case = make_case(self.session.lm.tokenizer, length - PROMPT_OVERHEAD, 0.5, seed=self.seed, haystack=haystack)
+            case = make_case(
+                self.session.lm.tokenizer, length - PROMPT_OVERHEAD, 0.5, seed=self.seed, haystack=haystack
+            )
             self._docs = {key: (case, document_from_text(case.text, source=f"speed-{length}"))}
         return self._docs[key]
 
@@ -47,7 +51,14 @@ class SpeedBench:
         case, document = self.document(cell["length"], cell.get("haystack", "essays"))
         runs = []
         for _ in range(self.repeat):
-            result = ask(self.session, document, case.question, Pipeline.parse(cell["method"]), cell["new_tokens"], force_tokens=True)
+            result = ask(
+                self.session,
+                document,
+                case.question,
+                Pipeline.parse(cell["method"]),
+                cell["new_tokens"],
+                force_tokens=True,
+            )
             runs.append(result_fields(result))
         row = {**runs[-1], "repeat": self.repeat}
         for name in MEASURES:
@@ -59,7 +70,16 @@ class SpeedBench:
 def speed_table(rows: list[dict], baseline: str = "full") -> str:
     """Markdown: one line per (length, method): TTFT, TTFT / full, decode tokens/s, peak and KV MiB."""
     stats = [name for name in STAT_COLUMNS if any(name in r.get("method_stats", {}) for r in rows)]
-    head = ["tokens", "method", "TTFT s", "TTFT / full", "decode tok/s", "peak MiB", "KV MiB", *(STAT_COLUMNS[s] for s in stats)]
+    head = [
+        "tokens",
+        "method",
+        "TTFT s",
+        "TTFT / full",
+        "decode tok/s",
+        "peak MiB",
+        "KV MiB",
+        *(STAT_COLUMNS[s] for s in stats),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     base = {r["length"]: r["ttft_s"] for r in rows if r["method"] == baseline and not r.get("error")}
     for r in sorted(rows, key=lambda r: r["length"]):  # stable: methods keep their order

@@ -2,15 +2,30 @@
 with the disk store (:data:`CACHE_TYPES`). See :mod:`kvcli.caches.base` for the contract."""
 
 from .base import CACHE_TYPES, CacheBase, LayerKV, LayerView, cache_type
-from .book import BookCache, BookLayer
 from .blocks import BlockCache, BlockLayer, OffloadKVCache, ScoredKVCache
+from .book import BookCache, BookLayer
 from .kv import KVCache
 from .lazy import LazyCache
 from .ragged import RaggedCache, RaggedLayer
 from .razor import RazorCache, RazorLayer, compensated_attention
 
 __all__ = [
-    "CACHE_TYPES", "CacheBase", "LayerKV", "LayerView", "cache_type", "KVCache", "RazorCache", "RazorLayer",
-    "compensated_attention", "RaggedCache", "RaggedLayer", "BlockCache", "BlockLayer", "OffloadKVCache",
-    "ScoredKVCache", "LazyCache", "BookCache", "BookLayer",
+    "CACHE_TYPES",
+    "CacheBase",
+    "LayerKV",
+    "LayerView",
+    "cache_type",
+    "KVCache",
+    "RazorCache",
+    "RazorLayer",
+    "compensated_attention",
+    "RaggedCache",
+    "RaggedLayer",
+    "BlockCache",
+    "BlockLayer",
+    "OffloadKVCache",
+    "ScoredKVCache",
+    "LazyCache",
+    "BookCache",
+    "BookLayer",
 ]

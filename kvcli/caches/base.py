@@ -24,8 +24,9 @@ it needs one, in ``kvcli/caches/<name>.py`` (imported by ``kvcli/caches/__init__
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import ClassVar, Iterable, Mapping
+from typing import ClassVar
 
 import torch
 
@@ -148,7 +149,7 @@ def _room(t: torch.Tensor, rows: int) -> bool:
 
 
 # the storages of the buffers caches made here (:func:`_made`): their room holds finite entries only
-_FINITE: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+_FINITE: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
 def finite_room(t: torch.Tensor, rows: int) -> bool:
@@ -307,7 +308,9 @@ class LayerView:
         self.cache = cache
         self.layer_idx = layer_idx
 
-    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
         """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
         raise NotImplementedError
 

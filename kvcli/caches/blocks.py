@@ -67,7 +67,9 @@ def quest_upper_bound(query: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tenso
     """
     q = query.to(torch.float32)
     pos, neg = q.clamp(min=0), q.clamp(max=0)
-    return (kmax.to(torch.float32) @ pos.unsqueeze(-1)).squeeze(-1) + (kmin.to(torch.float32) @ neg.unsqueeze(-1)).squeeze(-1)
+    return (kmax.to(torch.float32) @ pos.unsqueeze(-1)).squeeze(-1) + (
+        kmin.to(torch.float32) @ neg.unsqueeze(-1)
+    ).squeeze(-1)
 
 
 def block_representatives(blocks: torch.Tensor, kind: str, num: int, votes: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +105,9 @@ def block_representatives(blocks: torch.Tensor, kind: str, num: int, votes: torc
     raise ValueError(f"unknown representative {kind!r}")
 
 
-def infllm_accumulate(total: torch.Tensor, query: torch.Tensor, key: torch.Tensor, local: int,
-                      row_lo: int, row_hi: int, chunk: int = 256) -> None:
+def infllm_accumulate(
+    total: torch.Tensor, query: torch.Tensor, key: torch.Tensor, local: int, row_lo: int, row_hi: int, chunk: int = 256
+) -> None:
     """Add the terms of InfLLM's representative score (Xiao et al. 2024, arXiv:2402.04617, §3.2,
     equation 1: ``r_m = 1/l_L sum_{j=1..l_L} q_{m+j} · k_m``) contributed by the query rows of one
     prefill pass to ``total`` (n_kv, >= kv_len) float32, in place: each query row g adds
@@ -192,7 +195,7 @@ class ScoredKVCache(KVCache):
         self.local = 0
 
     @classmethod
-    def of(cls, kv: KVCache, rep_sums: list[torch.Tensor], rows_scored: int, local: int) -> "ScoredKVCache":
+    def of(cls, kv: KVCache, rep_sums: list[torch.Tensor], rows_scored: int, local: int) -> ScoredKVCache:
         out = cls()
         out.keys, out.values, out.positions = list(kv.keys), list(kv.values), kv.positions
         out.rep_sums = [r[:, : kv.get_seq_length(0)].to("cpu") for r in rep_sums]
@@ -202,7 +205,7 @@ class ScoredKVCache(KVCache):
     def nbytes(self) -> int:
         return super().nbytes() + sum(r.numel() * r.element_size() for r in self.rep_sums)
 
-    def copy(self) -> "ScoredKVCache":
+    def copy(self) -> ScoredKVCache:
         other = ScoredKVCache.of(self, self.rep_sums, self.rows_scored, self.local)
         other.kept = None if self.kept is None else list(self.kept)
         return other
@@ -214,7 +217,7 @@ class ScoredKVCache(KVCache):
         return tensors, {**facts, "rows_scored": self.rows_scored, "local": self.local}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "ScoredKVCache":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> ScoredKVCache:
         reps = {name: t for name, t in tensors.items() if name.startswith("rep.")}
         rest = {name: t for name, t in tensors.items() if not name.startswith("rep.")}
         cache = super().from_tensors(rest, facts, device)
@@ -251,7 +254,7 @@ class OffloadKVCache(KVCache):
     def offload(self, layer: int) -> None:
         self.keys[layer], self.values[layer] = _to_storage(self.keys[layer]), _to_storage(self.values[layer])
 
-    def copy(self) -> "OffloadKVCache":
+    def copy(self) -> OffloadKVCache:
         other = OffloadKVCache()
         other.keys, other.values, other.positions, other.kept = list(self.keys), list(self.values), self.positions, None
         return other
@@ -263,9 +266,11 @@ class OffloadKVCache(KVCache):
 class BlockLayer(LayerView):
     """What :meth:`BlockCache.update` returns (as key and value) for one layer at a decode step."""
 
-    cache: "BlockCache"
+    cache: BlockCache
 
-    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
         """query (1, n_heads, 1, head_dim) -> output (1, 1, n_heads, head_dim). A hybrid's sliding
         layer (Gemma 2 / 3) retrieves nothing: it attends to its window, as full attention does
         (once cut back to its window, :meth:`BlockCache.drop_front`, it holds no blocks)."""
@@ -277,7 +282,9 @@ class BlockLayer(LayerView):
         else:
             key, value = cache.gather(layer, query)
         # one query row: no mask, any kernel is exact (kernels.attend: Gemma 2's soft-capping too)
-        return kernels.attend("eager" if kernel == "eager" else "sdpa", module, query, key.to(query.dtype), value.to(query.dtype), scaling)
+        return kernels.attend(
+            "eager" if kernel == "eager" else "sdpa", module, query, key.to(query.dtype), value.to(query.dtype), scaling
+        )
 
 
 class BlockCache(CacheBase):
@@ -290,9 +297,20 @@ class BlockCache(CacheBase):
     cuts_windows: ClassVar[bool] = True  # a sliding layer: its last entries, no blocks (drop_front)
     tensor_lists: ClassVar[tuple[str, ...]] = ("keys", "values", "fkeys", "fvalues", "reps")
 
-    def __init__(self, *, initial: int, block_size: int, n_blocks: int, representative: str, topk: int,
-                 head_select: str = "shared", dense_layers: int = 0, layer_step: int = 1, token_step: int = 1,
-                 offload: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        initial: int,
+        block_size: int,
+        n_blocks: int,
+        representative: str,
+        topk: int,
+        head_select: str = "shared",
+        dense_layers: int = 0,
+        layer_step: int = 1,
+        token_step: int = 1,
+        offload: bool = False,
+    ) -> None:
         self.initial, self.block_size, self.n_blocks = int(initial), int(block_size), int(n_blocks)
         self.representative, self.topk, self.head_select = representative, int(topk), head_select
         self.dense_layers, self.layer_step, self.token_step = int(dense_layers), int(layer_step), int(token_step)
@@ -319,9 +337,18 @@ class BlockCache(CacheBase):
 
     # --- building it ----------------------------------------------------------------------------
     @classmethod
-    def from_kv(cls, kv: KVCache, *, local: int, votes: list[torch.Tensor] | None = None,
-                candidates: list[torch.Tensor | None] | None = None, representative_num: int = 1,
-                compute_device=None, consume: bool = False, **config) -> "BlockCache":
+    def from_kv(
+        cls,
+        kv: KVCache,
+        *,
+        local: int,
+        votes: list[torch.Tensor] | None = None,
+        candidates: list[torch.Tensor | None] | None = None,
+        representative_num: int = 1,
+        compute_device=None,
+        consume: bool = False,
+        **config,
+    ) -> BlockCache:
         """Split a full prompt cache ``kv`` (every layer, the same tokens) into Initial / Context
         blocks / Local, with representatives per block. ``local``: the Local window (the tokens
         left over by the blocks are added to it); ``votes[l]`` (n_kv, n) accumulated attention of
@@ -427,7 +454,9 @@ class BlockCache(CacheBase):
         multiple of ``token_step`` and the layer the first of its ``layer_step`` group; otherwise
         the group's last selection is reused (the article's ``history_kvcache_after_retrieval``)."""
         group = self.selection_group(layer)
-        compute = (self.step % self.token_step == 0 and (layer - self.dense_layers) % self.layer_step == 0) or group not in self.history
+        compute = (
+            self.step % self.token_step == 0 and (layer - self.dense_layers) % self.layer_step == 0
+        ) or group not in self.history
         if not compute:
             self.reuses += 1
             top = self.history[group]
@@ -436,8 +465,15 @@ class BlockCache(CacheBase):
             top = self._select(layer, query)
             self.history[group] = top
         if self.trace is not None:
-            self.trace.append({"step": self.step, "layer": layer, "query": query[0, :, -1].detach().cpu(),
-                               "blocks": None if top is None else top.cpu(), "computed": compute})
+            self.trace.append(
+                {
+                    "step": self.step,
+                    "layer": layer,
+                    "query": query[0, :, -1].detach().cpu(),
+                    "blocks": None if top is None else top.cpu(),
+                    "computed": compute,
+                }
+            )
         return top
 
     def _select(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
@@ -551,7 +587,7 @@ class BlockCache(CacheBase):
             "kv_bytes": self.nbytes(),
         }
 
-    def copy(self) -> "BlockCache":
+    def copy(self) -> BlockCache:
         """A shallow copy: new lists and counters, same tensors (``update`` never writes in place)."""
         other = BlockCache.__new__(BlockCache)
         other.__dict__.update(self.__dict__)

@@ -67,8 +67,9 @@ except (AttributeError, RuntimeError):  # pragma: no cover - older PyTorch
     _FLASH_CPU = None
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scaling: float,
-                  fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scaling: float, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` (1, n_kv, rows, d) over ``k``, ``v`` (1, n_kv, keys, d), with an
     additive ``bias`` (rows, keys) or None: (output (1, n_kv, rows, d), log-sum-exp of each row's
     scaled scores (1, n_kv, rows) float32), so that attentions over disjoint key sets merge into
@@ -110,9 +111,11 @@ class ReadPoint:
 class BookLayer(LayerView):
     """What :meth:`BookCache.update` returns for one layer of a pass: it attends itself."""
 
-    cache: "BookCache"
+    cache: BookCache
 
-    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
         return self.cache.attend(self.layer_idx, module, query, scaling, kernel)
 
     def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -124,16 +127,37 @@ class BookCache(CacheBase):
     kind: ClassVar[str] = "book"
     tensor_lists: ClassVar[tuple[str, ...]] = ("tail_k", "tail_v")
 
-    def __init__(self, storage, n_doc: int, n_layers: int, n_kv: int, head_dim: int, *, initial: int, block_size: int,
-                 local: int, topk: int, repr_topk: int, retrieval: str = "step") -> None:
+    def __init__(
+        self,
+        storage,
+        n_doc: int,
+        n_layers: int,
+        n_kv: int,
+        head_dim: int,
+        *,
+        initial: int,
+        block_size: int,
+        local: int,
+        topk: int,
+        repr_topk: int,
+        retrieval: str = "step",
+    ) -> None:
         self.storage = storage
         self.n_doc = int(n_doc)  # tokens of the document the storage is laid out for
         self.n_layers_, self.n_kv, self.d = n_layers, n_kv, head_dim
-        self.initial, self.block_size, self.local, self.topk, self.repr_topk = initial, block_size, local, topk, repr_topk
+        self.initial, self.block_size, self.local, self.topk, self.repr_topk = (
+            initial,
+            block_size,
+            local,
+            topk,
+            repr_topk,
+        )
         self.retrieval = retrieval
         self.answer_topk = topk  # blocks a question / decoding step retrieves (the reading's topk unless set)
         self.answer_positions = "same"  # answering: "same" (InfLLM) or "ordered" (:meth:`_attend_memory`)
-        self.answer_scores = "representatives"  # the question's pass: "representatives" (InfLLM) or "tokens" (:meth:`choose`)
+        self.answer_scores = (
+            "representatives"  # the question's pass: "representatives" (InfLLM) or "tokens" (:meth:`choose`)
+        )
         self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
@@ -160,7 +184,7 @@ class BookCache(CacheBase):
         self.reads: torch.Tensor | None = None  # answering: (n_layers, n_kv, max_blocks) retrievals of each block
 
     # --- the transformers contract ----------------------------------------------------------------
-    def bind(self, engine) -> "BookCache":
+    def bind(self, engine) -> BookCache:
         if self.rotary is not engine.rotary_emb:
             self.rotary, self._table = engine.rotary_emb, None
         return self
@@ -390,7 +414,7 @@ class BookCache(CacheBase):
         lo, bs = self.initial, self.block_size
         _, n_heads, c, d = q_mem.shape
         g = n_heads // self.n_kv
-        scale = d ** -0.5 if scaling is None else scaling
+        scale = d**-0.5 if scaling is None else scaling
         out = torch.empty(self.n_kv, nb)
         for h in range(self.n_kv):
             keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
@@ -450,7 +474,9 @@ class BookCache(CacheBase):
                 lo = a - self.origin
                 bk = k[0, :, lo : lo + self.block_size]
                 self._write(layer, a, k[:, :, lo : lo + self.block_size], v[:, :, lo : lo + self.block_size])
-                top = torch.topk(score[:, lo : lo + self.block_size], min(self.repr_topk, self.block_size), dim=-1).indices
+                top = torch.topk(
+                    score[:, lo : lo + self.block_size], min(self.repr_topk, self.block_size), dim=-1
+                ).indices
                 reps = bk.gather(1, top[..., None].expand(-1, -1, self.d)).to(torch.float32)
                 self.repsum[layer][:, self.n_blocks + i] = reps.sum(dim=1)
             self.tail_k[layer], self.tail_v[layer] = k[:, :, cut:].clone(), v[:, :, cut:].clone()
@@ -490,12 +516,26 @@ class BookCache(CacheBase):
 
     def read_point(self) -> ReadPoint:
         """Where this read stands (call it at the end of a chunk): cheap, the tensors are held."""
-        return ReadPoint(self.n_tokens, self.origin, self.n_blocks, list(self.tail_k), list(self.tail_v),
-                         list(self.tail_score), list(self.repsum))
+        return ReadPoint(
+            self.n_tokens,
+            self.origin,
+            self.n_blocks,
+            list(self.tail_k),
+            list(self.tail_v),
+            list(self.tail_score),
+            list(self.repsum),
+        )
 
     def _geometry(self) -> dict:
-        return {"n_doc": self.n_doc, "n_layers": self.n_layers_, "n_kv": self.n_kv, "head_dim": self.d,
-                "initial": self.initial, "block_size": self.block_size, "local": self.local}
+        return {
+            "n_doc": self.n_doc,
+            "n_layers": self.n_layers_,
+            "n_kv": self.n_kv,
+            "head_dim": self.d,
+            "initial": self.initial,
+            "block_size": self.block_size,
+            "local": self.local,
+        }
 
     def save_point(self, point: ReadPoint, extra: dict | None = None) -> bytes:
         """Write what the storage lacks of ``point`` into it — Local's rows (at their final place)
@@ -508,9 +548,15 @@ class BookCache(CacheBase):
             self._write(layer, point.origin, point.tail_k[layer], point.tail_v[layer])
             for h in range(self.n_kv):
                 self.storage.write(f"repsum.{layer}", (h, 0, point.n_blocks), point.repsum[layer][h, : point.n_blocks])
-        facts = {**(extra or {}), **self._geometry(), "tokens": point.tokens, "origin": point.origin,
-                 "n_blocks": point.n_blocks, "local_len": point.tokens - point.origin,
-                 "tail_crc": _crc(point.tail_k, point.tail_v)}
+        facts = {
+            **(extra or {}),
+            **self._geometry(),
+            "tokens": point.tokens,
+            "origin": point.origin,
+            "n_blocks": point.n_blocks,
+            "local_len": point.tokens - point.origin,
+            "tail_crc": _crc(point.tail_k, point.tail_v),
+        }
         return pack(facts, b"".join(t.contiguous().numpy().tobytes() for t in point.tail_score))
 
     def resume(self, payload: bytes) -> dict:
@@ -524,8 +570,12 @@ class BookCache(CacheBase):
             raise ValueError("a resume point of another book")
         tokens, origin, n_blocks = int(facts["tokens"]), int(facts["origin"]), int(facts["n_blocks"])
         first_local = self.initial + n_blocks * self.block_size if n_blocks else 0
-        if not (0 <= n_blocks <= self.max_blocks and origin == first_local and origin <= tokens <= self.n_doc
-                and len(blob) == 4 * self.n_layers_ * self.n_kv * (tokens - origin)):
+        if not (
+            0 <= n_blocks <= self.max_blocks
+            and origin == first_local
+            and origin <= tokens <= self.n_doc
+            and len(blob) == 4 * self.n_layers_ * self.n_kv * (tokens - origin)
+        ):
             raise ValueError(f"an inconsistent resume point ({tokens} tokens, {n_blocks} blocks)")
         self.origin, self.n_blocks = origin, n_blocks
         self.tail_k = [self.storage_rows("k", layer, origin, tokens) for layer in range(self.n_layers_)]
@@ -533,7 +583,8 @@ class BookCache(CacheBase):
         if _crc(self.tail_k, self.tail_v) != facts["tail_crc"]:
             raise ValueError("its local window differs from what the point recorded")
         scores = (torch.frombuffer(bytearray(blob), dtype=torch.float32) if blob else torch.zeros(0)).view(
-            self.n_layers_, self.n_kv, tokens - origin)
+            self.n_layers_, self.n_kv, tokens - origin
+        )
         self.tail_score = list(scores.clone().unbind(0))
         if n_blocks:
             self.init_k = [self.storage_rows("k", layer, 0, self.initial) for layer in range(self.n_layers_)]
@@ -546,16 +597,52 @@ class BookCache(CacheBase):
 
     # --- the store ---------------------------------------------------------------------------------
     def facts(self) -> dict:
-        return {"n_doc": self.n_doc, "n_layers": self.n_layers_, "n_kv": self.n_kv, "head_dim": self.d,
-                "initial": self.initial, "block_size": self.block_size, "local": self.local, "topk": self.topk,
-                "repr_topk": self.repr_topk, "origin": self.origin, "n_blocks": self.n_blocks}
+        return {
+            "n_doc": self.n_doc,
+            "n_layers": self.n_layers_,
+            "n_kv": self.n_kv,
+            "head_dim": self.d,
+            "initial": self.initial,
+            "block_size": self.block_size,
+            "local": self.local,
+            "topk": self.topk,
+            "repr_topk": self.repr_topk,
+            "origin": self.origin,
+            "n_blocks": self.n_blocks,
+        }
 
     @classmethod
-    def from_storage(cls, storage, facts: dict, retrieval: str = "step") -> "BookCache":
+    def from_storage(cls, storage, facts: dict, retrieval: str = "step") -> BookCache:
         """The book a finished storage holds (a file of the disk store, or memory)."""
-        f = {k: int(facts[k]) for k in ("n_doc", "n_layers", "n_kv", "head_dim", "initial", "block_size", "local", "topk", "repr_topk", "origin", "n_blocks")}
-        book = cls(storage, f["n_doc"], f["n_layers"], f["n_kv"], f["head_dim"], initial=f["initial"], block_size=f["block_size"],
-                   local=f["local"], topk=f["topk"], repr_topk=f["repr_topk"], retrieval=retrieval)
+        f = {
+            k: int(facts[k])
+            for k in (
+                "n_doc",
+                "n_layers",
+                "n_kv",
+                "head_dim",
+                "initial",
+                "block_size",
+                "local",
+                "topk",
+                "repr_topk",
+                "origin",
+                "n_blocks",
+            )
+        }
+        book = cls(
+            storage,
+            f["n_doc"],
+            f["n_layers"],
+            f["n_kv"],
+            f["head_dim"],
+            initial=f["initial"],
+            block_size=f["block_size"],
+            local=f["local"],
+            topk=f["topk"],
+            repr_topk=f["repr_topk"],
+            retrieval=retrieval,
+        )
         if f["n_blocks"] != book.max_blocks or not 0 <= f["origin"] <= f["n_doc"]:
             raise ValueError(f"{f['n_blocks']} blocks, expected {book.max_blocks}")
         book.origin, book.n_blocks = f["origin"], f["n_blocks"]
@@ -570,7 +657,7 @@ class BookCache(CacheBase):
         return book
 
     @classmethod
-    def open_entry(cls, path, meta: dict) -> "BookCache":
+    def open_entry(cls, path, meta: dict) -> BookCache:
         """The book a disk-store entry holds (:mod:`kvcli.store.book`), read in place: its layout
         checked against the entry's metadata and its CRC-32 against the bytes (read back in
         pieces, never held); ValueError when anything differs."""
@@ -588,7 +675,7 @@ class BookCache(CacheBase):
             storage.close()
             raise
 
-    def copy(self) -> "BookCache":
+    def copy(self) -> BookCache:
         """A question's copy: shares the storage, Memory and representatives (never written after
         the read); its own Local (appending makes new tensors) and choices."""
         out = _copy.copy(self)

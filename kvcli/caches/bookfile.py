@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -71,7 +71,11 @@ class MemoryStorage:
 
     def __init__(self, specs: dict, tensors: dict | None = None) -> None:
         self.specs = specs
-        self.tensors = tensors if tensors is not None else {name: torch.zeros(shape, dtype=dt) for name, (dt, shape) in specs.items()}
+        self.tensors = (
+            tensors
+            if tensors is not None
+            else {name: torch.zeros(shape, dtype=dt) for name, (dt, shape) in specs.items()}
+        )
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
         """``tensor[name][head, lo:hi]`` (index = (head, lo, hi)) <- value (hi - lo, ...)."""
@@ -94,8 +98,9 @@ class MemoryStorage:
 class FileStorage:
     """The book's tensors in a safetensors file, written and read in place (see the module doc)."""
 
-    def __init__(self, path, specs: dict, fd: int, offsets: dict, data_start: int,
-                 resume: tuple[int, int] = (0, 0)) -> None:
+    def __init__(
+        self, path, specs: dict, fd: int, offsets: dict, data_start: int, resume: tuple[int, int] = (0, 0)
+    ) -> None:
         self.path = str(path)
         self.specs = specs
         self.fd = fd
@@ -111,13 +116,17 @@ class FileStorage:
         for name in sorted(specs, key=lambda n: (-torch.empty((), dtype=specs[n][0]).element_size(), n)):
             dt, shape = specs[name]
             size = torch.empty((), dtype=dt).element_size() * _numel(shape)
-            header[name] = {"dtype": _ST_DTYPES[str(dt).removeprefix("torch.")], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": _ST_DTYPES[str(dt).removeprefix("torch.")],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offsets[name] = offset
             offset += size
         return header, offsets
 
     @classmethod
-    def create(cls, path, specs: dict, resume_point: int = 0, metadata: dict | None = None) -> "FileStorage":
+    def create(cls, path, specs: dict, resume_point: int = 0, metadata: dict | None = None) -> FileStorage:
         """A new file of the final size (sparse until written), its header room reserved; with a
         resume region after the data for points of ``resume_point`` bytes at most
         (:func:`resume_region`), and its header (string ``metadata`` and the layout, the region
@@ -140,7 +149,7 @@ class FileStorage:
         return storage
 
     @classmethod
-    def open(cls, path, writable: bool = False) -> tuple["FileStorage", dict]:
+    def open(cls, path, writable: bool = False) -> tuple[FileStorage, dict]:
         """An existing book file and its ``__metadata__``; raises ValueError when it is not one. Its
         resume region: the ``resume`` tensor of a partial book's header, or — a read stopped between
         writing the final header and cutting the region off — the bytes after the data."""
@@ -198,7 +207,11 @@ class FileStorage:
 
     def whole(self, name: str) -> torch.Tensor:
         shape = self.specs[name][1]
-        return torch.stack([self.read(name, h, 0, shape[1]) for h in range(shape[0])]) if shape[0] else torch.empty(shape, dtype=self.specs[name][0])
+        return (
+            torch.stack([self.read(name, h, 0, shape[1]) for h in range(shape[0])])
+            if shape[0]
+            else torch.empty(shape, dtype=self.specs[name][0])
+        )
 
     # --- checksum and header ----------------------------------------------------------------------
     def crc32(self) -> int:
@@ -263,9 +276,9 @@ class FileStorage:
             if n > half - _SLOT_HEAD:
                 continue
             payload = os.pread(self.fd, n, at + _SLOT_HEAD)
-            if len(payload) == n and zlib.crc32(payload) == int.from_bytes(head[24:28], "little"):
-                if best is None or seq > best[0]:
-                    best = (seq, payload)
+            intact = len(payload) == n and zlib.crc32(payload) == int.from_bytes(head[24:28], "little")
+            if intact and (best is None or seq > best[0]):
+                best = (seq, payload)
         return best
 
     def nbytes(self) -> int:

@@ -78,7 +78,7 @@ class KVCache(LayerKV):
         return tensors, facts
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "KVCache":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> KVCache:
         """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
         n_layers, n_tokens = int(facts["n_layers"]), int(facts["n_tokens"])
         expected = {"positions", *(f"{t}.{i}" for i in range(n_layers) for t in "kv")}
@@ -121,14 +121,14 @@ class KVCache(LayerKV):
         if layer is None and self.positions is not None:
             self.positions = self.positions[:n_tokens]
 
-    def upload(self, device, room: int = 0) -> "KVCache":
+    def upload(self, device, room: int = 0) -> KVCache:
         """A copy on ``device``, each layer in a buffer with ``room`` more entries: what follows the
         prefix (the question, the answer) appends in place, no layer is moved to a larger buffer
         (which would hold it twice, and leave 1/32 of room behind)."""
         out = KVCache()
         out.positions = self.positions
         out.dropped = dict(self.dropped)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+        for _layer, (k, v) in enumerate(zip(self.keys, self.values)):
             out.reserve(k.shape[-2] + max(1, room))
             out._begin_reserved(k, v, device)
         out.reserve(None)
@@ -141,7 +141,7 @@ class KVCache(LayerKV):
         drop_rows(self, ("keys", "values"), layer, n)
         self.dropped = {**self.dropped, layer: self.dropped.get(layer, 0) + n}
 
-    def copy(self) -> "KVCache":
+    def copy(self) -> KVCache:
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
         other = KVCache()
         other.keys = list(self.keys)

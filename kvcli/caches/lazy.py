@@ -90,7 +90,9 @@ class LazyCache(LayerKV):
         extra = total - self.frontier.numel()
         if extra > 0:
             self.frontier = torch.cat([self.frontier, torch.zeros(extra, dtype=torch.long)])
-            self.computed = torch.cat([self.computed, torch.zeros(self.n_model_layers, extra, dtype=torch.int32)], dim=1)
+            self.computed = torch.cat(
+                [self.computed, torch.zeros(self.n_model_layers, extra, dtype=torch.int32)], dim=1
+            )
             self.revived = torch.cat([self.revived, torch.zeros(extra, dtype=torch.bool)])
 
     def note_computed(self, layer: int, pos: torch.Tensor) -> None:
@@ -207,19 +209,35 @@ class LazyCache(LayerKV):
             "decode_steps": self.decode_steps,
             "selecting_decode_steps": self.selecting_steps,
             "max_computations_per_layer": int(self.computed.max()) if self.computed.numel() else 0,
-            "schedule": {"layers": [l for l, _ in self.schedule], "keep": [k for _, k in self.schedule], "reselect": self.reselect},
+            "schedule": {
+                "layers": [l for l, _ in self.schedule],
+                "keep": [k for _, k in self.schedule],
+                "reselect": self.reselect,
+            },
         }
 
-    def copy(self) -> "LazyCache":
+    def copy(self) -> LazyCache:
         """A copy that shares the tensors (never written in place) and owns its counters."""
         other = LazyCache(self.n_model_layers)
         other.keys, other.values, other.slot_pos = list(self.keys), list(self.values), list(self.slot_pos)
-        other.frontier, other.computed, other.revived = self.frontier.clone(), self.computed.clone(), self.revived.clone()
+        other.frontier, other.computed, other.revived = (
+            self.frontier.clone(),
+            self.computed.clone(),
+            self.revived.clone(),
+        )
         other.aux = dict(self.aux)
         other.positions = self.positions
         other.schedule, other.n_prompt = list(self.schedule), self.n_prompt
-        other.prefill_tokens, other.revivals, other.decode_steps = list(self.prefill_tokens), self.revivals, self.decode_steps
-        other.selecting_steps, other.reselect, other.selection = self.selecting_steps, self.reselect, dict(self.selection)
+        other.prefill_tokens, other.revivals, other.decode_steps = (
+            list(self.prefill_tokens),
+            self.revivals,
+            self.decode_steps,
+        )
+        other.selecting_steps, other.reselect, other.selection = (
+            self.selecting_steps,
+            self.reselect,
+            dict(self.selection),
+        )
         other.window_from = dict(self.window_from)
         return other
 
@@ -250,7 +268,7 @@ class LazyCache(LayerKV):
         return tensors, facts
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "LazyCache":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> LazyCache:
         """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
         try:
             n_model, n_layers, n_tokens = int(facts["n_model_layers"]), int(facts["n_layers"]), int(facts["n_tokens"])
@@ -277,7 +295,11 @@ class LazyCache(LayerKV):
             if k.dim() != 4 or k.shape != v.shape or s.shape != (k.shape[2],):
                 raise ValueError(f"layer {i} has inconsistent shapes")
             held = (cache.frontier > i) & (torch.arange(n_tokens) >= window_from.get(i, 0))
-            if s.numel() != int(held.sum()) or bool(((s < 0) | (s >= n_tokens)).any()) or not bool(held[s.clamp(0, max(n_tokens - 1, 0))].all()):
+            if (
+                s.numel() != int(held.sum())
+                or bool(((s < 0) | (s >= n_tokens)).any())
+                or not bool(held[s.clamp(0, max(n_tokens - 1, 0))].all())
+            ):
                 raise ValueError(f"layer {i} does not hold the tokens its frontier says")
             cache.keys.append(k.to(device))
             cache.values.append(v.to(device))

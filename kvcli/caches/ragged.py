@@ -29,9 +29,11 @@ class RaggedLayer(LayerView):
     query head). SDPA (also for ``--attn flash``: flash-attn takes no arbitrary mask) or eager.
     """
 
-    cache: "RaggedCache"
+    cache: RaggedCache
 
-    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
         """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
         k, v = self.cache.keys[self.layer_idx], self.cache.values[self.layer_idx]
         n_heads, q_len, kv_len = query.shape[1], query.shape[2], k.shape[2]
@@ -95,7 +97,7 @@ class RaggedCache(LayerKV):
 
     # --- building it ------------------------------------------------------------------------------
     @classmethod
-    def from_selection(cls, cache: "KVCache", keep: list[torch.Tensor], consume: bool = False) -> "RaggedCache":
+    def from_selection(cls, cache: KVCache, keep: list[torch.Tensor], consume: bool = False) -> RaggedCache:
         """Keep, in each layer l of ``cache`` (a KVCache right after a prefill: prompt entries
         only), the entries where ``keep[l]`` (n_kv_heads, seq_len_l) bool is True, head by head.
 
@@ -218,7 +220,7 @@ class RaggedCache(LayerKV):
             "head_entries_max": int(max(int(l.max()) for l in self.lengths)) if heads else 0,
         }
 
-    def copy(self) -> "RaggedCache":
+    def copy(self) -> RaggedCache:
         """A shallow copy: new lists, same tensors (``update`` never writes in place)."""
         other = RaggedCache()
         other.keys, other.values = list(self.keys), list(self.values)
@@ -243,10 +245,14 @@ class RaggedCache(LayerKV):
         return tensors, facts
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "RaggedCache":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> RaggedCache:
         """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
         try:
-            n_layers, n_tokens, n_compressed = int(facts["n_layers"]), int(facts["n_tokens"]), int(facts["n_compressed"])
+            n_layers, n_tokens, n_compressed = (
+                int(facts["n_layers"]),
+                int(facts["n_tokens"]),
+                int(facts["n_compressed"]),
+            )
             after_dropped = [int(x) for x in facts.get("after_dropped", [0] * n_layers)]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"ragged cache facts are incomplete: {e}") from None
@@ -262,7 +268,12 @@ class RaggedCache(LayerKV):
         ref = None
         for i in range(n_layers):
             k, v, kept, lengths = (tensors[f"{t}.{i}"] for t in ("k", "v", "kept", "lengths"))
-            if kept.dim() != 2 or kept.dtype != torch.long or lengths.dtype != torch.long or lengths.shape != kept.shape[:1]:
+            if (
+                kept.dim() != 2
+                or kept.dtype != torch.long
+                or lengths.dtype != torch.long
+                or lengths.shape != kept.shape[:1]
+            ):
                 raise ValueError(f"layer {i}: kept {tuple(kept.shape)} / lengths {tuple(lengths.shape)}")
             n_kv, slots = kept.shape
             want = (1, n_kv, slots + n_tokens - n_compressed - after_dropped[i])
@@ -274,7 +285,9 @@ class RaggedCache(LayerKV):
             valid = torch.arange(slots)[None, :] < lengths[:, None]
             if bool((lengths < 0).any() or (lengths > slots).any()) or (slots and int(lengths.max()) != slots):
                 raise ValueError(f"layer {i}: head lengths do not match the slots")
-            if bool((kept[~valid] != -1).any() or (kept[valid] < 0).any() or (kept[valid] >= max(n_compressed, 1)).any()):
+            if bool(
+                (kept[~valid] != -1).any() or (kept[valid] < 0).any() or (kept[valid] >= max(n_compressed, 1)).any()
+            ):
                 raise ValueError(f"layer {i}: kept positions out of range")
             cache.keys.append(k.to(device))
             cache.values.append(v.to(device))

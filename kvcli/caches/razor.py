@@ -35,7 +35,7 @@ class RazorLayer(LayerView):
       the paper: ``(N_d e^{q k̂} v̂ + Σ_kept e^{q k_n} v_n) / (N_d e^{q k̂} + Σ_kept e^{q k_n})``.
     """
 
-    cache: "RazorCache"
+    cache: RazorCache
 
     @property
     def protected_keys(self) -> torch.Tensor:
@@ -53,7 +53,9 @@ class RazorLayer(LayerView):
     def compressed_values(self) -> torch.Tensor:
         return self.cache.cv[self.layer_idx]
 
-    def attend(self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
         """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
         cache, layer = self.cache, self.layer_idx
         n_heads, q_len = query.shape[1], query.shape[2]
@@ -70,7 +72,6 @@ class RazorLayer(LayerView):
             bias = cache.compressed_bias(q_len, k.shape[2], query.dtype, query.device)
             out.index_copy_(2, q_comp, compensated_attention(q, k, v, bias, scaling, eager=kernel == "eager"))
         return out
-
 
     def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decoding step's weights per KV head over its group's rows (:meth:`LayerView.read_weights`):
@@ -89,8 +90,12 @@ class RazorLayer(LayerView):
         groups = []
         for heads, keys, pos, bias in (
             (torch.nonzero(prot).flatten(), cache.pk[layer], seen[getattr(cache, "dropped", {}).get(layer, 0) :], 0.0),
-            (torch.nonzero(~prot).flatten(), cache.ck[layer], compressed,
-             math.log(cache.n_dropped) if cache.compensated else 0.0),
+            (
+                torch.nonzero(~prot).flatten(),
+                cache.ck[layer],
+                compressed,
+                math.log(cache.n_dropped) if cache.compensated else 0.0,
+            ),
         ):
             if heads.numel():
                 logits = torch.matmul(q[heads.to(q.device)], keys[0].to(torch.float32).transpose(-1, -2)) / math.sqrt(d)
@@ -146,8 +151,15 @@ class RazorCache(CacheBase):
     cuts_windows: ClassVar[bool] = True  # a layer whose every KV head is protected (drop_front)
     tensor_lists: ClassVar[tuple[str, ...]] = ("pk", "pv", "ck", "cv")
 
-    def __init__(self, protected: torch.Tensor, n_heads: int, n_dropped: int = 0, compensated: bool = False,
-                 sinks: int = 0, window: int = 0) -> None:
+    def __init__(
+        self,
+        protected: torch.Tensor,
+        n_heads: int,
+        n_dropped: int = 0,
+        compensated: bool = False,
+        sinks: int = 0,
+        window: int = 0,
+    ) -> None:
         self.protected = protected.detach().to("cpu", torch.bool)
         self.n_heads = int(n_heads)
         self.n_dropped = int(n_dropped)
@@ -164,8 +176,16 @@ class RazorCache(CacheBase):
 
     # --- building it ------------------------------------------------------------------------------
     @classmethod
-    def compress(cls, kv: KVCache, protected: torch.Tensor, n_heads: int, sinks: int, window: int,
-                 compensate: bool = True, consume: bool = False) -> "RazorCache":
+    def compress(
+        cls,
+        kv: KVCache,
+        protected: torch.Tensor,
+        n_heads: int,
+        sinks: int,
+        window: int,
+        compensate: bool = True,
+        consume: bool = False,
+    ) -> RazorCache:
         """Algorithm 1 of the paper on a full cache ``kv`` of N tokens (every layer): protected KV
         heads keep everything; the others keep the first ``sinks`` and the last ``window`` tokens,
         and (``compensate``) one token whose key and value are the means of the dropped ones.
@@ -293,7 +313,7 @@ class RazorCache(CacheBase):
         dropped = self.dropped
         for layer in range(self.n_layers):
             for head in range(n_kv):
-                pos = seen[dropped.get(layer, 0):] if self.protected[layer, head] else kept
+                pos = seen[dropped.get(layer, 0) :] if self.protected[layer, head] else kept
                 mask[layer, head, pos[pos < n_prompt]] = True
         return mask
 
@@ -328,7 +348,7 @@ class RazorCache(CacheBase):
         before, after = self.full_nbytes(), self.nbytes()
         return {"before": before, "after": after, "ratio": before / after if after else float("inf")}
 
-    def copy(self) -> "RazorCache":
+    def copy(self) -> RazorCache:
         """A shallow copy: new lists, same tensors (``update`` appends in place only into buffers
         the cache itself made: the copy makes its own on its first append)."""
         other = RazorCache(self.protected, self.n_heads, self.n_dropped, self.compensated, self.sinks, self.window)
@@ -361,7 +381,7 @@ class RazorCache(CacheBase):
         return tensors, facts
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> "RazorCache":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> RazorCache:
         """Inverse of :meth:`to_tensors`; ValueError when the tensors do not form such a cache."""
         try:
             n_layers, n_tokens = int(facts["n_layers"]), int(facts["n_tokens"])
@@ -374,7 +394,12 @@ class RazorCache(CacheBase):
         if set(tensors) != expected:
             raise ValueError("unexpected tensor names")
         protected = tensors["protected"]
-        if protected.dim() != 2 or protected.shape[0] != n_layers or protected.dtype != torch.uint8 or bool((protected > 1).any()):
+        if (
+            protected.dim() != 2
+            or protected.shape[0] != n_layers
+            or protected.dtype != torch.uint8
+            or bool((protected > 1).any())
+        ):
             raise ValueError("the protected-head mask does not match the layers")
         n_kv = protected.shape[1]
         if n_kv < 1 or n_heads % n_kv or n_dropped < 0 or (compensated and n_dropped == 0):
@@ -388,7 +413,12 @@ class RazorCache(CacheBase):
         ref = None
         for i in range(n_layers):
             n_p = int(protected[i].sum())
-            shapes = {"pk": (1, n_p, n_tokens), "pv": (1, n_p, n_tokens), "ck": (1, n_kv - n_p, kept), "cv": (1, n_kv - n_p, kept)}
+            shapes = {
+                "pk": (1, n_p, n_tokens),
+                "pv": (1, n_p, n_tokens),
+                "ck": (1, n_kv - n_p, kept),
+                "cv": (1, n_kv - n_p, kept),
+            }
             for name, want in shapes.items():
                 t = tensors[f"{name}.{i}"]
                 if t.dim() != 4 or tuple(t.shape[:3]) != want:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bm25 import bm25_scores
 from ..documents import Document
+from .bm25 import bm25_scores
 
 MAX_UNIT_CHARS = 400  # a wrapped sentence longer than this is cut at a line end
 SHORT_LINE = 50  # a line shorter than this ends its unit (not wrapped prose)

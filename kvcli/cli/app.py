@@ -40,6 +40,8 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True, help="Print kvcli's version and exit"),
+    version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print kvcli's version and exit"
+    ),
 ) -> None:
     """Ask questions about long documents with a local LLM, compressing the prompt and its KV cache."""

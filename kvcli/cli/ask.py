@@ -7,21 +7,37 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
 from .. import api, batch, executors
-from ..report import terminal as render
 from ..errors import UsageError
+from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
 from .options import (
-    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
-    DtypeOpt, ModelOpt, NoCacheOpt, Offload, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options,
-    max_new_tokens_option, usage,
+    AnswerGuardOpt,
+    Attn,
+    AttnOpt,
+    CacheDirOpt,
+    CacheMaxOpt,
+    CompressorOpt,
+    Device,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    NoCacheOpt,
+    Offload,
+    Quant,
+    QuantOpt,
+    SourcesOpt,
+    TemplateOpt,
+    ThreadsOpt,
+    ask_options,
+    max_new_tokens_option,
+    usage,
 )
 
 ASK_HELP = """Answer a question from documents.
@@ -48,36 +64,81 @@ Examples:
 @app.command(help=ASK_HELP, cls=usage("[OPTIONS] DOCUMENT... QUESTION", "[OPTIONS] DOCUMENT... --questions FILE"))
 def ask(
     inputs: list[str] = typer.Argument(
-        ..., metavar="DOCUMENT... QUESTION", help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)", show_default=False
+        ...,
+        metavar="DOCUMENT... QUESTION",
+        help="Documents (files, folders, globs, - for stdin), then the question (none with --questions)",
+        show_default=False,
     ),
-    questions_file: Optional[str] = typer.Option(None, "--questions", help="File of questions, one per line or JSON Lines with a \"question\" field (- for stdin)"),
+    questions_file: str | None = typer.Option(
+        None, "--questions", help='File of questions, one per line or JSON Lines with a "question" field (- for stdin)'
+    ),
     compressor: str = CompressorOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text (always, for batches: JSON Lines)"),
-    show_selected: bool = typer.Option(False, "--show-selected", help="After the answer, show the kept tokens in context with page numbers (in JSON: selected_spans)"),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object instead of text (always, for batches: JSON Lines)"
+    ),
+    show_selected: bool = typer.Option(
+        False,
+        "--show-selected",
+        help="After the answer, show the kept tokens in context with page numbers (in JSON: selected_spans)",
+    ),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="In a batch, stop at the first failure"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"),
-    cache_dir: Optional[Path] = CacheDirOpt,
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Nothing on stderr but errors (and in a batch, nothing at all)"
+    ),
+    cache_dir: Path | None = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
-    cache_max: Optional[str] = CacheMaxOpt,
-    kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU"),
+    cache_max: str | None = CacheMaxOpt,
+    kv_offload: Offload = typer.Option(
+        Offload.none,
+        "--kv-offload",
+        help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU",
+    ),
     answer_guard: bool = AnswerGuardOpt,
     sources: bool = SourcesOpt,
-    low_memory: bool = typer.Option(False, "--low-memory", help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)"),
-    ray_address: Optional[str] = typer.Option(None, "--ray", help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'"),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)"),
+    low_memory: bool = typer.Option(
+        False,
+        "--low-memory",
+        help="CPU: hand each freed prompt activation back to the OS at once: a lower memory peak (up to ~200 MiB less at 8k tokens on the embedded model), a slower first token (+15-30%)",
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Answer on a Ray cluster, one model per worker: auto (the running cluster), ray://HOST:PORT, or local (a Ray instance for this run); output as a batch's. Needs pip install 'kvcli[ray]'",
+    ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)",
+    ),
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, kv_offload,
-                          answer_guard, low_memory, cache_max, sources, threads)
+    options = ask_options(
+        model,
+        device,
+        quant,
+        attn,
+        dtype,
+        max_new_tokens,
+        template,
+        cache_dir,
+        no_cache,
+        kv_offload,
+        answer_guard,
+        low_memory,
+        cache_max,
+        sources,
+        threads,
+    )
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")
     if ray_address is not None:
@@ -94,7 +155,7 @@ def ask(
         paths, questions = inputs, batch.read_questions(questions_file)
     elif len(inputs) < 2:
         raise UsageError(
-            "give a document and a question, e.g. kvcli ask book.pdf \"Who wrote it?\", or --questions FILE "
+            'give a document and a question, e.g. kvcli ask book.pdf "Who wrote it?", or --questions FILE '
             "(see 'kvcli ask --help')"
         )
     else:
@@ -135,12 +196,15 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
-        render.selected_spans(view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens,
-                              verb=verb)
+        render.selected_spans(
+            view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens, verb=verb
+        )
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
-def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None) -> None:
+def _ask_batch(
+    err, options, pipeline, items, questions, show_selected, fail_fast, spec: str, ray_address=None, workers=None
+) -> None:
     """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed. Answered
     here (the model loaded once), or with --ray on the workers of a Ray cluster."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -175,7 +239,13 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
                 progress.update(task, description=f"{Path(source).name}: {question[:40]}")
 
             for record in executors.run_batch(
-                executor, items, questions, pipeline, include_spans=show_selected, fail_fast=fail_fast, on_start=on_start
+                executor,
+                items,
+                questions,
+                pipeline,
+                include_spans=show_selected,
+                fail_fast=fail_fast,
+                on_start=on_start,
             ):
                 stdout.out(json.dumps(record, ensure_ascii=False))
                 sys.stdout.flush()
@@ -191,8 +261,12 @@ def _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fas
         where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""
     where = f" · {where}" if where else ""
-    err.print(f"{done - failed:,} answered, {failed:,} failed{stopped} · {batch_methods(methods, spec)}{where}",
-              style="dim", markup=False, highlight=False)
+    err.print(
+        f"{done - failed:,} answered, {failed:,} failed{stopped} · {batch_methods(methods, spec)}{where}",
+        style="dim",
+        markup=False,
+        highlight=False,
+    )
     if failed:
         raise typer.Exit(1)
 
@@ -203,5 +277,3 @@ def batch_methods(methods: Counter, spec: str) -> str:
     if len(methods) <= 1:
         return next(iter(methods), spec)
     return ", ".join(f"{label} ×{n:,}" for label, n in methods.most_common())
-
-

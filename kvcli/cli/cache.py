@@ -6,14 +6,13 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from .. import api
-from ..store import parse_size, resolve_cap
-from ..report import terminal as render
 from ..errors import KvcliError, UsageError
+from ..report import terminal as render
+from ..store import parse_size, resolve_cap
 from .app import app
 from .console import stdout
 from .options import KvcliCommand
@@ -25,10 +24,12 @@ cache_app = typer.Typer(
 )
 app.add_typer(cache_app, name="cache")
 
-CacheDir = typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)")
+CacheDir = typer.Option(
+    None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)"
+)
 
 
-def _open_cache(cache_dir: Optional[Path]):
+def _open_cache(cache_dir: Path | None):
     """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
     a mistyped --cache-dir would otherwise look like an empty cache."""
     from ..model import default_cache_dir
@@ -60,14 +61,14 @@ def _match_key(entries, key: str) -> list:
 
 
 @cache_app.command("path", cls=KvcliCommand)
-def cache_path(cache_dir: Optional[Path] = CacheDir) -> None:
+def cache_path(cache_dir: Path | None = CacheDir) -> None:
     """Print the folder the KV cache entries live in."""
     stdout.out(str(api.open_store(cache_dir).root))
 
 
 @cache_app.command("ls", cls=KvcliCommand)
 def cache_ls(
-    cache_dir: Optional[Path] = CacheDir,
+    cache_dir: Path | None = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per entry (JSON Lines)"),
 ) -> None:
     """List the entries, most recently used first.
@@ -88,8 +89,10 @@ def cache_ls(
 
 @cache_app.command("info", cls=KvcliCommand)
 def cache_info(
-    key: Optional[str] = typer.Argument(None, metavar="[KEY]", help="An entry's key (or its first characters); none: totals", show_default=False),
-    cache_dir: Optional[Path] = CacheDir,
+    key: str | None = typer.Argument(
+        None, metavar="[KEY]", help="An entry's key (or its first characters); none: totals", show_default=False
+    ),
+    cache_dir: Path | None = CacheDir,
 ) -> None:
     """Show the totals of the cache, or one entry's metadata, as JSON.
 
@@ -119,8 +122,9 @@ def cache_info(
             "max_bytes": cap,
             "room_bytes": None if cap is None else max(0, cap - size),  # what a new entry takes before any goes
             # the entry the cap removes first when a new one needs room (the least recently used)
-            "evicts_next": None if evicts is None else {
-                k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
+            "evicts_next": None
+            if evicts is None
+            else {k: evicts.to_json()[k] for k in ("key", "document", "size_bytes", "last_use")},
             "reclaimed_temp_files": store.reclaimed.temp_files,
             "reclaimed_bytes": store.reclaimed.temp_bytes,
             "reclaimed_lock_files": store.reclaimed.lock_files,
@@ -135,10 +139,17 @@ def cache_info(
 
 @cache_app.command("rm", cls=KvcliCommand)
 def cache_rm(
-    documents: Optional[list[Path]] = typer.Argument(None, metavar="[DOCUMENT]...", help="Remove the entries of these documents (by path, or by text if the file moved)", show_default=False),
-    key: Optional[list[str]] = typer.Option(None, "--key", help="Remove the entry with this key (or an unambiguous prefix of it); repeatable"),
+    documents: list[Path] | None = typer.Argument(
+        None,
+        metavar="[DOCUMENT]...",
+        help="Remove the entries of these documents (by path, or by text if the file moved)",
+        show_default=False,
+    ),
+    key: list[str] | None = typer.Option(
+        None, "--key", help="Remove the entry with this key (or an unambiguous prefix of it); repeatable"
+    ),
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
-    cache_dir: Optional[Path] = CacheDir,
+    cache_dir: Path | None = CacheDir,
 ) -> None:
     """Remove entries by document, by key, or all of them.
 
@@ -168,13 +179,18 @@ def cache_rm(
     if chosen or all_entries:
         line = f"removed {_plural(len(chosen) - len(running), 'entry', 'entries')}, {render.human_bytes(freed)}"
         if running:
-            left = _plural(len(running), 'partial entry', 'partial entries')
+            left = _plural(len(running), "partial entry", "partial entries")
             line += f"; left {left} another kvcli process is reading into"
         if all_entries:
             left = store.reclaim(explicit=True)
-            temps, temp_bytes = store.reclaimed.temp_files + left.temp_files, store.reclaimed.temp_bytes + left.temp_bytes
+            temps, temp_bytes = (
+                store.reclaimed.temp_files + left.temp_files,
+                store.reclaimed.temp_bytes + left.temp_bytes,
+            )
             if temps:
-                line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+                line += (
+                    f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
+                )
         stdout.out(line)
     if unmatched:
         raise KvcliError(f"no cache entries for {', '.join(unmatched)} (see 'kvcli cache ls')")
@@ -182,8 +198,13 @@ def cache_rm(
 
 @cache_app.command("prune", cls=KvcliCommand)
 def cache_prune(
-    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, e.g. 500M or 2G; least recently used go first", show_default=False),
-    cache_dir: Optional[Path] = CacheDir,
+    max_size: str = typer.Option(
+        ...,
+        "--max-size",
+        help="Keep at most this much, e.g. 500M or 2G; least recently used go first",
+        show_default=False,
+    ),
+    cache_dir: Path | None = CacheDir,
 ) -> None:
     """Remove the least recently used entries down to --max-size.
 
@@ -199,5 +220,3 @@ def cache_prune(
     if temps:
         line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
     stdout.out(f"{line}; {render.human_bytes(store.total_bytes())} left")
-
-

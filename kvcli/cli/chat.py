@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,8 +17,24 @@ from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
 from .options import (
-    AnswerGuardOpt, SourcesOpt, Attn, AttnOpt, CacheDirOpt, CacheMaxOpt, CompressorOpt, Device, DeviceOpt,
-    DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option,
+    AnswerGuardOpt,
+    Attn,
+    AttnOpt,
+    CacheDirOpt,
+    CacheMaxOpt,
+    CompressorOpt,
+    Device,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    NoCacheOpt,
+    Quant,
+    QuantOpt,
+    SourcesOpt,
+    TemplateOpt,
+    ThreadsOpt,
+    ask_options,
+    max_new_tokens_option,
     usage,
 )
 
@@ -51,36 +66,55 @@ HISTORY_FILE = "chat_history"
 HISTORY_LENGTH = 1000
 
 
-@app.command(help=CHAT_HELP, short_help="Ask questions about one document at a prompt.", cls=usage("[OPTIONS] DOCUMENT"))
+@app.command(
+    help=CHAT_HELP, short_help="Ask questions about one document at a prompt.", cls=usage("[OPTIONS] DOCUMENT")
+)
 def chat(
     document: str = typer.Argument(..., metavar="DOCUMENT", help="A .pdf, .txt, .md or .html file", show_default=False),
     compressor: str = CompressorOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per answer (JSON Lines), as kvcli ask's batches"),
+    as_json: bool = typer.Option(
+        False, "--json", help="One JSON object per answer (JSON Lines), as kvcli ask's batches"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors"),
-    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir: Path | None = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
-    cache_max: Optional[str] = CacheMaxOpt,
+    cache_max: str | None = CacheMaxOpt,
     answer_guard: bool = AnswerGuardOpt,
     sources: bool = SourcesOpt,
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache,
-                          answer_guard=answer_guard, cache_max=cache_max, sources=sources, threads=threads)
+    options = ask_options(
+        model,
+        device,
+        quant,
+        attn,
+        dtype,
+        max_new_tokens,
+        template,
+        cache_dir,
+        no_cache,
+        answer_guard=answer_guard,
+        cache_max=cache_max,
+        sources=sources,
+        threads=threads,
+    )
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")
     pipeline = api.parse_pipeline(compressor)
     items = batch.expand_inputs([document])
     if len(items) != 1:
-        raise UsageError(f"kvcli chat answers about one document; {document} holds {len(items):,} (kvcli ask answers about many)")
+        raise UsageError(
+            f"kvcli chat answers about one document; {document} holds {len(items):,} (kvcli ask answers about many)"
+        )
     doc = batch.read_input(items[0], sys.stdin.read)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
@@ -132,7 +166,9 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
     readline = _readline(history)
     err.print(
         f"{doc.source} · {doc.n_pages:,} page(s) · {session.lm.name} · ask a question (Ctrl-C cancels an answer, Ctrl-D leaves)",
-        style="dim", markup=False, highlight=False,
+        style="dim",
+        markup=False,
+        highlight=False,
     )
     stream = not as_json and stdout.is_terminal
     try:

@@ -32,8 +32,6 @@ def stderr(quiet: bool) -> Console:
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
-
-
 def _click_exception_types() -> tuple[type, ...]:
     """Click's exception base class(es): Typer >= 0.2x vendors click as ``typer._click``, whose
     exceptions are not ``click.ClickException``; older Typer raises click's own."""

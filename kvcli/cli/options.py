@@ -5,15 +5,14 @@ once, and the help format (:class:`KvcliCommand`)."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional
 
 import typer
 from typer.core import TyperCommand
 
 from .. import api
 from ..answer import policy
-from ..store import NO_CAP, parse_size
 from ..runtime.threads import requested_threads
+from ..store import NO_CAP, parse_size
 
 
 class Device(str, Enum):
@@ -52,54 +51,83 @@ QuantOpt = typer.Option(
 )
 AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
 DtypeOpt = typer.Option(
-    "auto", help="auto (float32 on the CPU, bfloat16 with 4/8-bit weights; on CUDA bfloat16 where supported, "
+    "auto",
+    help="auto (float32 on the CPU, bfloat16 with 4/8-bit weights; on CUDA bfloat16 where supported, "
     "else float16), float32, bfloat16 or float16",
 )
 TemplateOpt = typer.Option("qa", help="Prompt template name in prompts/ or a path")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors")
 CompressorOpt = typer.Option(
-    "auto", "--compressor", "-c", envvar="KVCLI_COMPRESSOR",
+    "auto",
+    "--compressor",
+    "-c",
+    envvar="KVCLI_COMPRESSOR",
     help=f"Method spec, e.g. full or snapkv:budget=0.25; auto: {policy.DESCRIPTION} (see docs/methods.md); "
     "`kvcli compressors` lists the methods",
 )
 SourcesOpt = typer.Option(
-    True, "--sources/--no-sources",
+    True,
+    "--sources/--no-sources",
     help="After the answer, the document's pages (or lines) it comes from (in JSON: sources); "
     "--no-sources: none, and nothing read for them",
 )
 AnswerGuardOpt = typer.Option(
-    True, "--answer-guard/--no-answer-guard",
+    True,
+    "--answer-guard/--no-answer-guard",
     help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit",
 )
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
 CacheMaxOpt = typer.Option(
-    None, "--cache-max", envvar="KVCLI_CACHE_MAX",
+    None,
+    "--cache-max",
+    envvar="KVCLI_CACHE_MAX",
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
 ThreadsOpt = typer.Option(
-    None, "--threads", show_default=False,
-    help=("CPU threads: auto (reading the prompt and decoding each on the cores other processes leave "
-          "free; docs/cpu.md) or a number; default: $KVCLI_THREADS, else auto"),
+    None,
+    "--threads",
+    show_default=False,
+    help=(
+        "CPU threads: auto (reading the prompt and decoding each on the cores other processes leave "
+        "free; docs/cpu.md) or a number; default: $KVCLI_THREADS, else auto"
+    ),
 )
 
 
 def cache_dir_option(what: str = "converted models and the disk KV cache are kept"):
     """``--cache-dir``: ``what`` the folder holds for this command."""
-    return typer.Option(None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help=f"Where {what} (default: $XDG_CACHE_HOME/kvcli)")
+    return typer.Option(
+        None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help=f"Where {what} (default: $XDG_CACHE_HOME/kvcli)"
+    )
 
 
-def max_new_tokens_option(default: int = 64, help: str = "Longest answer, in tokens", envvar: Optional[str] = "KVCLI_MAX_NEW_TOKENS"):
+def max_new_tokens_option(
+    default: int = 64, help: str = "Longest answer, in tokens", envvar: str | None = "KVCLI_MAX_NEW_TOKENS"
+):
     return typer.Option(default, "--max-new-tokens", min=1, envvar=envvar, help=help)
 
 
 CacheDirOpt = cache_dir_option()
 
 
-def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_tokens, template,
-                 cache_dir, no_cache: bool, kv_offload: Offload = Offload.none, answer_guard: bool = True,
-                low_memory: bool = False, cache_max: Optional[str] = None, sources: bool = True,
-                threads: Optional[str] = None) -> api.AskOptions:
+def ask_options(
+    model,
+    device: Device,
+    quant: Quant,
+    attn: Attn,
+    dtype,
+    max_new_tokens,
+    template,
+    cache_dir,
+    no_cache: bool,
+    kv_offload: Offload = Offload.none,
+    answer_guard: bool = True,
+    low_memory: bool = False,
+    cache_max: str | None = None,
+    sources: bool = True,
+    threads: str | None = None,
+) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
         parse_size(cache_max)  # a usage error now, not after loading the model
@@ -121,7 +149,6 @@ def ask_options(model, device: Device, quant: Quant, attn: Attn, dtype, max_new_
         threads=threads,
         sources=sources,
     )
-
 
 
 class KvcliCommand(TyperCommand):
@@ -202,4 +229,3 @@ def _argument_label(param) -> str:
 def usage(*lines: str):
     """``cls=`` for a command with these usage lines."""
     return type("KvcliCommand", (KvcliCommand,), {"usage": lines})
-

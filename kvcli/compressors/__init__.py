@@ -3,6 +3,8 @@ package registers every method. A method is one policy file here (its knobs, its
 hooks; ``keep_all`` for the contract test) plus, only if it needs a new cache layout, one file in
 :mod:`kvcli.caches`; per-model calibration sits beside its method (``razor_heads.py``)."""
 
+# the registration order is the order `kvcli compressors` lists the methods in
+# isort: off
 from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one, register
 
 # --- token selection and prefill-owning methods
@@ -29,10 +31,32 @@ from .kvzip import KVzip
 
 # --- decoding-time compression
 from .decoding import Decoding
+# isort: on
 
 __all__ = [
-    "REGISTRY", "Compressor", "describe_knobs", "owned_phases", "parse_one", "register",
-    "FullAttention", "Finch", "GemFilter", "LazyLLM", "Razor", "BlockSparse", "DuoAttention", "InfLLM",
-    "SnapKV", "PyramidKV", "H2O", "StreamingLLM", "TOVA", "KNorm", "KeyDiff", "AdaKV",
-    "ExpectedAttention", "KVzip", "Decoding",
+    "REGISTRY",
+    "Compressor",
+    "describe_knobs",
+    "owned_phases",
+    "parse_one",
+    "register",
+    "FullAttention",
+    "Finch",
+    "GemFilter",
+    "LazyLLM",
+    "Razor",
+    "BlockSparse",
+    "DuoAttention",
+    "InfLLM",
+    "SnapKV",
+    "PyramidKV",
+    "H2O",
+    "StreamingLLM",
+    "TOVA",
+    "KNorm",
+    "KeyDiff",
+    "AdaKV",
+    "ExpectedAttention",
+    "KVzip",
+    "Decoding",
 ]

@@ -49,8 +49,12 @@ def parse_base(owner: str, text: str) -> Eviction:
     if name.strip().lower() == owner:
         raise UsageError(f"{owner}: base cannot be {owner} itself")
     base = parse_one(name + (":" + rest.replace(BASE_KNOB_SEPARATOR, ",") if rest else ""))
-    if (not isinstance(base, Eviction) or type(base).compress is not Eviction.compress or type(base).keep is not Eviction.keep
-            or type(base).final_scores is not Eviction.final_scores):
+    if (
+        not isinstance(base, Eviction)
+        or type(base).compress is not Eviction.compress
+        or type(base).keep is not Eviction.keep
+        or type(base).final_scores is not Eviction.final_scores
+    ):
         raise UsageError(
             f"{owner}: base must be an eviction scorer (snapkv, pyramidkv, tova, knorm, keydiff, streamingllm), got '{base.name}'"
         )
@@ -73,14 +77,23 @@ class AdaKV(Eviction):
     arXiv:2407.11550."""
 
     name: ClassVar[str] = "adakv"
-    paper: ClassVar[str] = "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
+    paper: ClassVar[str] = (
+        "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a per-head budget of the whole prompt (default base: snapkv)
 
-    base: str = knob("snapkv", "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'")
-    safeguard: float = knob(0.2, "every KV head keeps at least this fraction of the per-head budget (its own best entries)")
+    base: str = knob(
+        "snapkv",
+        "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'",
+    )
+    safeguard: float = knob(
+        0.2, "every KV head keeps at least this fraction of the per-head budget (its own best entries)"
+    )
 
     _base: Eviction | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-    _lm: object = dataclasses.field(default=None, init=False, repr=False, compare=False)  # configure's model (its windows)
+    _lm: object = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )  # configure's model (its windows)
 
     def check_knobs(self) -> None:
         self._base = parse_base(self.name, self.base)
@@ -115,7 +128,8 @@ class AdaKV(Eviction):
         masks = [
             # a hybrid's sliding layer (no scores): its window, as full attention holds it
             self._lm.windows.holds(layer, n, cache.keys[layer].device).expand(cache.keys[layer].shape[1], -1)
-            if s is None else adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard)
+            if s is None
+            else adaptive_mask(entry_scores(cache, layer, s), k_layer, self.safeguard)
             for layer, (s, k_layer) in enumerate(zip(scores, budgets))
         ]
         return RaggedCache.from_selection(cache, masks, consume=True)  # the pipeline keeps only the result

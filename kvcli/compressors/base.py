@@ -66,11 +66,11 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime import windows
-from ..errors import UsageError
 from ..answer.selection import Selection
+from ..errors import UsageError
+from ..runtime import windows
 
-REGISTRY: dict[str, type["Compressor"]] = {}
+REGISTRY: dict[str, type[Compressor]] = {}
 
 # hooks that at most one method of a pipeline may own
 EXCLUSIVE_PHASES = ("build_prefix", "prefill", "decode_step")
@@ -119,7 +119,7 @@ class Compressor:
         Raise :class:`UsageError` for knob values that cannot work with this model.
         """
 
-    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> "Selection":
+    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> Selection:
         """Choose prompt tokens to keep: a Selection of sorted indices into ``prompt_ids`` (n,)
         (and the per-token scores, if any). The last ``protected`` tokens are the user prompt after the
         document (instructions, question) and
@@ -232,8 +232,8 @@ def register(cls: type[Compressor]) -> type[Compressor]:
         raise ValueError(f"{cls.__name__} has no name")
     if not isinstance(vars(cls).get("keep_all"), str):
         raise TypeError(
-            f"{cls.__name__} ({cls.name}) declares no keep_all: give it `keep_all: ClassVar[str] = \"...\"`, "
-            "the knobs with which it keeps every entry (\"\" for the defaults; see Compressor.keep_all)"
+            f'{cls.__name__} ({cls.name}) declares no keep_all: give it `keep_all: ClassVar[str] = "..."`, '
+            'the knobs with which it keeps every entry ("" for the defaults; see Compressor.keep_all)'
         )
     REGISTRY[cls.name] = cls
     return cls
@@ -278,8 +278,7 @@ def _parse_value(cls: type[Compressor], field: dataclasses.Field, text: str):
         return text
     except ValueError:
         raise UsageError(
-            f"{cls.name}: knob '{field.name}' expects {base.__name__}"
-            f"{' or auto' if optional else ''}, got '{text}'"
+            f"{cls.name}: knob '{field.name}' expects {base.__name__}{' or auto' if optional else ''}, got '{text}'"
         ) from None
 
 

@@ -94,8 +94,8 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime import accelerator
 from .. import notices
+from ..caches import KVCache
 from ..caches.blocks import (
     HEAD_SELECT,
     REPRESENTATIVES,
@@ -106,8 +106,8 @@ from ..caches.blocks import (
     infllm_scores,
     partition,
 )
-from ..caches import KVCache
 from ..errors import UsageError
+from ..runtime import accelerator
 from .base import Compressor, knob, register, require_full_layers
 from .scoring import group_mean, window_attention
 
@@ -121,8 +121,15 @@ PRESETS = {
     # "Setting block_size to 1 and preselect_block to True results in a version of SnapKV without pooling"
     "snapkv": {"block_size": 1, "preselect": True, "initial": 0, "head_select": "separate"},
     # "Setting representative_type to Quest, preselect_block to False, and head_select_mode to SEPARATE"
-    "quest": {"representative": "quest", "preselect": False, "head_select": "separate", "block_size": 16,
-              "initial": 0, "local_window": 16, "dense_layers": 2},
+    "quest": {
+        "representative": "quest",
+        "preselect": False,
+        "head_select": "separate",
+        "block_size": 16,
+        "initial": 0,
+        "local_window": 16,
+        "dense_layers": 2,
+    },
 }
 
 
@@ -135,7 +142,9 @@ def default_local(max_context: int | None) -> int:
 
 def default_topk(max_context: int | None, block_size: int) -> int:
     """The article's 96 blocks of 128 tokens for 128K contexts: the same share of the model's window."""
-    tokens = ARTICLE_BLOCKS * ARTICLE_BLOCK_SIZE * min(max_context or ARTICLE_CONTEXT, ARTICLE_CONTEXT) / ARTICLE_CONTEXT
+    tokens = (
+        ARTICLE_BLOCKS * ARTICLE_BLOCK_SIZE * min(max_context or ARTICLE_CONTEXT, ARTICLE_CONTEXT) / ARTICLE_CONTEXT
+    )
     return max(1, round(tokens / block_size))
 
 
@@ -157,12 +166,24 @@ class BlockSparse(Compressor):
     # the n tokens) makes every decoding step score and attend to all of them: full attention
     keep_all: ClassVar[str] = "block_size=16,initial=0,local_window=0,topk={n}"
 
-    preset: str = knob("none", "none, snapkv (block_size 1 + preselect = SnapKV without pooling) or quest (quest representatives, separate heads); fills knobs not set")
+    preset: str = knob(
+        "none",
+        "none, snapkv (block_size 1 + preselect = SnapKV without pooling) or quest (quest representatives, separate heads); fills knobs not set",
+    )
     block_size: int = knob(128, "tokens per Context block (article: 128)")
     initial: int = knob(128, "Initial tokens at the start, always attended (InfLLM: 128)")
-    local_window: int | None = knob(None, "Local tokens at the end of the prompt, always attended; auto = the article's 4096 of 128K scaled to the model's window")
-    topk: int | None = knob(None, "Context blocks attended per step; auto = the article's 96 blocks of 128 tokens (of 128K) scaled to the model's window")
-    representative: str = knob("dynamic", "representative keys of a block: max, mean, quest, dynamic (the article's: attention of the last window prompt queries, i.e. the question's), infllm (InfLLM's eq. 1: mean q·k from each token's local_window successors in the prefill, question-independent) or fixed")
+    local_window: int | None = knob(
+        None,
+        "Local tokens at the end of the prompt, always attended; auto = the article's 4096 of 128K scaled to the model's window",
+    )
+    topk: int | None = knob(
+        None,
+        "Context blocks attended per step; auto = the article's 96 blocks of 128 tokens (of 128K) scaled to the model's window",
+    )
+    representative: str = knob(
+        "dynamic",
+        "representative keys of a block: max, mean, quest, dynamic (the article's: attention of the last window prompt queries, i.e. the question's), infllm (InfLLM's eq. 1: mean q·k from each token's local_window successors in the prefill, question-independent) or fixed",
+    )
     representative_num: int = knob(1, "representatives per block (max/mean: pieces of the block; quest: always 2)")
     preselect: bool = knob(False, "SnapKV-style preselection of blocks by the question before decoding")
     preselect_blocks: int | None = knob(None, "blocks kept by the preselection; auto = 2 * topk")
@@ -186,13 +207,25 @@ class BlockSparse(Compressor):
         if self.representative == "fix":
             self.representative = "fixed"
         if self.representative not in REPRESENTATIVES:
-            raise UsageError(f"blocksparse: representative must be one of {', '.join(REPRESENTATIVES)}, got '{self.representative}'")
+            raise UsageError(
+                f"blocksparse: representative must be one of {', '.join(REPRESENTATIVES)}, got '{self.representative}'"
+            )
         self.head_select = str(self.head_select).strip().lower()
         if self.head_select not in HEAD_SELECT:
             raise UsageError(f"blocksparse: head_select must be shared or separate, got '{self.head_select}'")
-        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 0), ("topk", 1), ("representative_num", 1),
-                          ("preselect_blocks", 1), ("window", 1), ("dense_layers", 0), ("layer_step", 1),
-                          ("token_step", 1), ("chunk", 1)):
+        for name, low in (
+            ("block_size", 1),
+            ("initial", 0),
+            ("local_window", 0),
+            ("topk", 1),
+            ("representative_num", 1),
+            ("preselect_blocks", 1),
+            ("window", 1),
+            ("dense_layers", 0),
+            ("layer_step", 1),
+            ("token_step", 1),
+            ("chunk", 1),
+        ):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise UsageError(f"blocksparse: {name} must be at least {low}, got {value}")
@@ -217,11 +250,17 @@ class BlockSparse(Compressor):
         if self.preselect_blocks is None:
             self.preselect_blocks = 2 * self.topk
         if self.representative == "quest" and "representative_num" in explicit and self.representative_num != 2:
-            raise UsageError(f"blocksparse: quest representatives are always 2 (max and min), got representative_num={self.representative_num}")
+            raise UsageError(
+                f"blocksparse: quest representatives are always 2 (max and min), got representative_num={self.representative_num}"
+            )
         if self.representative != "quest" and self.representative_num > self.block_size:
-            raise UsageError(f"blocksparse: representative_num={self.representative_num} exceeds block_size={self.block_size}")
+            raise UsageError(
+                f"blocksparse: representative_num={self.representative_num} exceeds block_size={self.block_size}"
+            )
         if self.representative == "infllm" and self.local_window < 1:
-            raise UsageError("blocksparse: infllm representatives are scored by each token's local_window successors; local_window must be at least 1")
+            raise UsageError(
+                "blocksparse: infllm representatives are scored by each token's local_window successors; local_window must be at least 1"
+            )
         require_full_layers(lm, "blocksparse")
         if self.dense_layers > lm.n_layers:
             raise UsageError(f"blocksparse: dense_layers={self.dense_layers} exceeds the model's {lm.n_layers} layers")
@@ -303,7 +342,9 @@ class BlockSparse(Compressor):
                 start = resume
                 if infllm:
                     scored = pc.rows_scored
-                    self._rep_sums = {layer: self._sums_from(r, n, engine.device) for layer, r in enumerate(pc.rep_sums)}
+                    self._rep_sums = {
+                        layer: self._sums_from(r, n, engine.device) for layer, r in enumerate(pc.rep_sums)
+                    }
                 if start < pc.n_tokens:
                     pc.truncate(start)
                 if offload:
@@ -320,12 +361,20 @@ class BlockSparse(Compressor):
             observers = {layer: [functools.partial(self._observe, layer)] for layer in range(lm.n_layers)}
         if infllm:
             for layer in range(lm.n_layers):
-                self._rep_sums.setdefault(layer, torch.zeros(lm.n_kv_heads, n, dtype=torch.float32, device=engine.device))
+                self._rep_sums.setdefault(
+                    layer, torch.zeros(lm.n_kv_heads, n, dtype=torch.float32, device=engine.device)
+                )
                 observers.setdefault(layer, []).append(functools.partial(self._observe_infllm, layer))
         if offload:  # layer by layer: each layer on the GPU during its chunks, offloaded once
-            cache, logits = engine.prefill_by_layer(ids[start:], torch.arange(start, n), cache, self.chunk, observers,
-                                                    before_layer=lambda i: cache.onload(i, engine.device),
-                                                    after_layer=cache.offload)
+            cache, logits = engine.prefill_by_layer(
+                ids[start:],
+                torch.arange(start, n),
+                cache,
+                self.chunk,
+                observers,
+                before_layer=lambda i: cache.onload(i, engine.device),
+                after_layer=cache.offload,
+            )
             return cache, logits, n
         logits = None
         for s in range(start, n, self.chunk):
@@ -370,13 +419,20 @@ class BlockSparse(Compressor):
         votes = None
         if self.needs_queries():
             if len(self._qtail) != cache.n_layers:
-                raise UsageError("blocksparse: the prompt's last queries were not observed (another method ran the prefill); use blocksparse's own prefill")
-            votes = [self.token_votes(self._qtail[layer], cache.keys[layer].to(engine.device)) for layer in range(cache.n_layers)]
+                raise UsageError(
+                    "blocksparse: the prompt's last queries were not observed (another method ran the prefill); use blocksparse's own prefill"
+                )
+            votes = [
+                self.token_votes(self._qtail[layer], cache.keys[layer].to(engine.device))
+                for layer in range(cache.n_layers)
+            ]
         self._qtail = {}
         scores = votes if self.representative == "dynamic" else None
         if self.representative == "infllm":
             if len(self._rep_sums) != cache.n_layers:
-                raise UsageError("blocksparse: the prefill's queries were not observed (another method ran the prefill); use blocksparse's own prefill")
+                raise UsageError(
+                    "blocksparse: the prefill's queries were not observed (another method ran the prefill); use blocksparse's own prefill"
+                )
             scores = self.infllm_scores()
             self._rep_sums = {}
         candidates = None

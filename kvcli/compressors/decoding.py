@@ -37,8 +37,8 @@ from typing import ClassVar
 import torch
 
 from ..caches import KVCache, LayerView
-from ..runtime import windows
 from ..errors import UsageError
+from ..runtime import windows
 from .adakv import base_spec, parse_base
 from .base import Compressor, knob, register
 from .scoring import Eviction, evict, parse_budget
@@ -63,11 +63,20 @@ class Decoding(Compressor):
     tokens, an eviction scorer keeps the best budget entries per KV head."""
 
     name: ClassVar[str] = "decoding"
-    paper: ClassVar[str] = "NVIDIA kvpress DecodingPress (Devoto et al. 2025, arXiv:2510.00636, decoding-phase compression)"
-    keep_all: ClassVar[str] = "interval=1,budget=1000000"  # a budget above prompt + answer never evicts, though checked after every step
+    paper: ClassVar[str] = (
+        "NVIDIA kvpress DecodingPress (Devoto et al. 2025, arXiv:2510.00636, decoding-phase compression)"
+    )
+    keep_all: ClassVar[str] = (
+        "interval=1,budget=1000000"  # a budget above prompt + answer never evicts, though checked after every step
+    )
 
-    base: str = knob("knorm", "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'")
-    budget: str | int | float = knob("1024", "entries each KV head keeps after a compression: a token count or a ratio of the prompt")
+    base: str = knob(
+        "knorm",
+        "the scorer: snapkv, pyramidkv, tova, knorm, keydiff or streamingllm, its knobs after ':' separated by ';'",
+    )
+    budget: str | int | float = knob(
+        "1024", "entries each KV head keeps after a compression: a token count or a ratio of the prompt"
+    )
     interval: int = knob(64, "decoding steps between compressions")
     buffer: int = knob(256, "the last decoding steps (since the previous compression) whose queries score the keys")
 
@@ -101,15 +110,25 @@ class Decoding(Compressor):
         recorded queries per layer, the budget (resolved against the prompt length)."""
         if self._run.get("cache") is None or self._run["cache"]() is not cache:
             if not isinstance(cache, KVCache):
-                raise UsageError(f"{self.name}: compresses a plain KV cache while decoding, not a {type(cache).__name__}; use it without that method")
+                raise UsageError(
+                    f"{self.name}: compresses a plain KV cache while decoding, not a {type(cache).__name__}; use it without that method"
+                )
             n = cache.n_tokens
             k = max(1, round(self.budget * n)) if isinstance(self.budget, float) else self.budget
-            self._run = {"cache": weakref.ref(cache), "steps": 0, "queries": {}, "budget": max(k, self._base.always_kept()), "compressions": 0}
+            self._run = {
+                "cache": weakref.ref(cache),
+                "steps": 0,
+                "queries": {},
+                "budget": max(k, self._base.always_kept()),
+                "compressions": 0,
+            }
         return self._run
 
     def _record(self, run: dict, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if isinstance(key, LayerView):
-            raise UsageError(f"{self.name}: compresses a plain KV cache while decoding; it cannot follow a method with a grouped cache")
+            raise UsageError(
+                f"{self.name}: compresses a plain KV cache while decoding; it cannot follow a method with a grouped cache"
+            )
         held = run["queries"].get(layer)
         q = query if held is None else torch.cat([held, query], dim=2)
         run["queries"][layer] = q[:, :, -self.buffer :]
@@ -123,8 +142,13 @@ class Decoding(Compressor):
         if self._base.uses_attention:
             observers = {layer: [functools.partial(self._record, run, layer)] for layer in range(engine.n_layers)}
         ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
-        hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache, observers=observers,
-                                recorded=torch.tensor([position]))
+        hidden = engine.forward(
+            ids,
+            engine.device_positions(position, position + 1),
+            cache,
+            observers=observers,
+            recorded=torch.tensor([position]),
+        )
         cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers: their window
         run["steps"] += 1
         if run["steps"] >= self.interval:

@@ -41,12 +41,11 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..runtime.attention import StopForward
 from ..caches import RazorCache
 from ..errors import UsageError
+from ..runtime.attention import StopForward
 from ..texts import filler_text
-from .base import Compressor, knob, register
-from .base import require_full_layers
+from .base import Compressor, knob, register, require_full_layers
 from .scoring import prerope
 
 FORMAT = 1
@@ -134,20 +133,27 @@ class DuoProfile:
     def save(self, path: Path) -> None:
         from ..files import save_safetensors_atomic
 
-        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": self.tokens, "length": self.length,
-                "paper": "Xiao et al. 2024, DuoAttention, arXiv:2410.10819 (kvpress's on-the-fly estimate)"}
-        save_safetensors_atomic(Path(path), {"scores": self.scores.contiguous()}, {_META_KEY: json.dumps(meta, sort_keys=True)})
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "tokens": self.tokens,
+            "length": self.length,
+            "paper": "Xiao et al. 2024, DuoAttention, arXiv:2410.10819 (kvpress's on-the-fly estimate)",
+        }
+        save_safetensors_atomic(
+            Path(path), {"scores": self.scores.contiguous()}, {_META_KEY: json.dumps(meta, sort_keys=True)}
+        )
         self.path = Path(path)
 
     @classmethod
-    def load(cls, path: Path, lm) -> "DuoProfile":
+    def load(cls, path: Path, lm) -> DuoProfile:
         """ValueError when the file is damaged or belongs to another model."""
         from safetensors import safe_open
 
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get(_META_KEY, "null"))
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                tensors = {name: f.get_tensor(name) for name in f}
         except Exception as e:  # safetensors raises its own errors for truncated files
             raise ValueError(f"unreadable DuoAttention profile: {e}") from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or set(tensors) != {"scores"}:
@@ -163,8 +169,8 @@ class DuoProfile:
 def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = None) -> DuoProfile:
     """The model's profile from ``<cache_dir>/heads/`` (kvcli.compressors.razor_heads' folder and naming), else
     computed and stored there; a damaged file is a warning and is recomputed."""
-    from .razor_heads import profile_path
     from ..model import default_cache_dir
+    from .razor_heads import profile_path
 
     lm = engine.lm
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -179,7 +185,9 @@ def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = N
     try:
         profile.save(path)
     except OSError as e:
-        notices.warn(f"cannot store the DuoAttention profile in {path.parent} ({e.strerror or e}); it will be recomputed next time")
+        notices.warn(
+            f"cannot store the DuoAttention profile in {path.parent} ({e.strerror or e}); it will be recomputed next time"
+        )
     return profile
 
 
@@ -192,7 +200,9 @@ class DuoAttention(Compressor):
     arXiv:2410.10819."""
 
     name: ClassVar[str] = "duo"
-    paper: ClassVar[str] = "Xiao et al. 2024, DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, arXiv:2410.10819"
+    paper: ClassVar[str] = (
+        "Xiao et al. 2024, DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, arXiv:2410.10819"
+    )
     # no streaming heads: every KV head is a retrieval head and keeps the whole prefix — sinks=0 and
     # recent=0: it is the head split that keeps everything, not sinks + recent covering the prompt
     keep_all: ClassVar[str] = "streaming=0,sinks=0,recent=0"
@@ -256,4 +266,6 @@ class DuoAttention(Compressor):
     def build_prefix(self, engine, prefix_ids: torch.Tensor) -> RazorCache:
         """Full KV of the prefix, then streaming heads cut to sinks + recent (no compensation)."""
         kv = engine.prefix_kv(prefix_ids)
-        return RazorCache.compress(kv, self.retrieval_heads(engine), engine.lm.n_heads, self.sinks, self.recent, compensate=False, consume=True)
+        return RazorCache.compress(
+            kv, self.retrieval_heads(engine), engine.lm.n_heads, self.sinks, self.recent, compensate=False, consume=True
+        )

@@ -51,7 +51,9 @@ from .base import knob, register
 from .scoring import PrefixEviction, prerope
 
 
-def query_statistics(query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def query_statistics(
+    query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean (n_heads, d) and covariance (n_heads, d, d) of the pre-RoPE query rows ``first..``
     of ``query`` (1, n_heads, n, d) observed at positions 0..n-1 with (cos, sin) (n, rot)."""
     q = prerope(query[0, :, first:], cos[first:], sin[first:])  # (n_heads, m, d) float32
@@ -84,8 +86,16 @@ def mean_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.
     return apply_rotation(eye, cos.mean(dim=0, keepdim=True), sin.mean(dim=0, keepdim=True)).T
 
 
-def expected_scores(mu: torch.Tensor, cov: torch.Tensor | None, rot: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, sinks: int, vnorm: bool, epsilon: float = 0.0) -> torch.Tensor:
+def expected_scores(
+    mu: torch.Tensor,
+    cov: torch.Tensor | None,
+    rot: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: int,
+    vnorm: bool,
+    epsilon: float = 0.0,
+) -> torch.Tensor:
     """Scores (n_kv, n) of one layer's keys/values (1, n_kv, n, d) for future queries ~ N(mu, cov)
     (n_heads, d[, d]) rotated by ``rot`` (d, d), ``(expected attention + epsilon) · ‖v‖`` with
     ``vnorm``; the first ``sinks`` entries +inf."""
@@ -118,15 +128,23 @@ class ExpectedAttention(PrefixEviction):
     later question. arXiv:2510.00636."""
 
     name: ClassVar[str] = "expectedattention"
-    paper: ClassVar[str] = "Devoto, Jeblick & Jégou 2025, Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution, arXiv:2510.00636"
-    keep_all: ClassVar[str] = "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
+    paper: ClassVar[str] = (
+        "Devoto, Jeblick & Jégou 2025, Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution, arXiv:2510.00636"
+    )
+    keep_all: ClassVar[str] = (
+        "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
+    )
 
     sinks: int = knob(4, "first tokens always kept and left out of the statistics and the softmax")
     future: int = knob(512, "future positions the query rotation is averaged over")
-    queries: int | None = knob(None, "statistics from the last N prefix tokens' queries; auto = every token after the sinks")
+    queries: int | None = knob(
+        None, "statistics from the last N prefix tokens' queries; auto = every token after the sinks"
+    )
     covariance: bool = knob(True, "use the queries' covariance (false: the mean alone)")
     vnorm: bool = knob(True, "weight the expected attention by the value norm")
-    epsilon: float = knob(0.0, "vnorm: scores are (expected attention + epsilon) x value norm (kvpress; its leaderboard uses 0.01)")
+    epsilon: float = knob(
+        0.0, "vnorm: scores are (expected attention + epsilon) x value norm (kvpress; its leaderboard uses 0.01)"
+    )
 
     def check_knobs(self) -> None:
         if self.sinks < 0:
@@ -176,5 +194,16 @@ class ExpectedAttention(PrefixEviction):
         scores = []
         for layer in range(lm.n_layers):
             _, mu, cov = stats.pop(layer)
-            scores.append(expected_scores(mu, cov if self.covariance else None, rots[layer], kv.keys[layer], kv.values[layer], sinks, self.vnorm, self.epsilon))
+            scores.append(
+                expected_scores(
+                    mu,
+                    cov if self.covariance else None,
+                    rots[layer],
+                    kv.keys[layer],
+                    kv.values[layer],
+                    sinks,
+                    self.vnorm,
+                    self.epsilon,
+                )
+            )
         return kv, scores

@@ -69,9 +69,9 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.attention import StopForward
 from ..caches import KVCache
 from ..errors import DocumentError, UsageError
+from ..runtime.attention import StopForward
 from ..runtime.rope import rerotate_table, rope_cos_sin
 from .base import Compressor, knob, register
 from .scoring import parse_budget, pool, resolve_budget
@@ -101,7 +101,9 @@ def kept_counts(bounds: list[tuple[int, int]], target: int) -> list[int]:
     return [min(end, math.ceil(target * end / total)) for _, end in bounds]
 
 
-def question_scores(query: torch.Tensor, key: torch.Tensor, n_question: int, n_candidates: int, scaling: float) -> torch.Tensor:
+def question_scores(
+    query: torch.Tensor, key: torch.Tensor, n_question: int, n_candidates: int, scaling: float
+) -> torch.Tensor:
     """Finch's per-token relevance at one layer: (n_candidates,) float32.
 
     query (1, n_heads, q_len, d) with the question in its last ``n_question`` rows; key
@@ -137,7 +139,9 @@ class Finch(Compressor):
     10.1162/tacl_a_00716 (arXiv:2408.00167)."""
 
     name: ClassVar[str] = "finch"
-    paper: ClassVar[str] = "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
+    paper: ClassVar[str] = (
+        "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
+    )
     keep_all: ClassVar[str] = "target={n}"  # a target at least the context: no chunk compresses anything
 
     target: str | int | float | None = knob(
@@ -169,7 +173,9 @@ class Finch(Compressor):
         if not window or isinstance(self.target, float):
             return  # a ratio: checked per prompt (window_needed, prefill)
         if self.target >= window:
-            raise UsageError(f"finch: target={self.target} does not fit the {window:,}-token window of {lm.name}; use target < {window}")
+            raise UsageError(
+                f"finch: target={self.target} does not fit the {window:,}-token window of {lm.name}; use target < {window}"
+            )
         if "chunk" not in self.explicit_knobs:
             room = min(QUESTION_ROOM, window // 4)
             self.chunk = max(1, min(self.chunk, window - self.target - room))
@@ -254,7 +260,9 @@ class Finch(Compressor):
 
                 def fn(query: torch.Tensor, key: torch.Tensor) -> None:
                     s = scaling if scaling is not None else query.shape[-1] ** -0.5
-                    scores[layer] = pool(question_scores(query, key, n_question, n_candidates, s)[None], kernel, "max")[0]
+                    scores[layer] = pool(question_scores(query, key, n_question, n_candidates, s)[None], kernel, "max")[
+                        0
+                    ]
                     if layer == n_layers - 1:
                         raise StopForward  # the last layer's output is never needed
 
@@ -274,7 +282,9 @@ class Finch(Compressor):
                 cos, sin = tables[layer]
                 idx = torch.topk(scores[layer], keep).indices.sort().values
                 k_all, v_all = cache.keys[layer], cache.values[layer]
-                cache.keys[layer] = rerotate_table(k_all.index_select(2, idx), idx.to(cos.device), slots.to(cos.device), cos, sin)
+                cache.keys[layer] = rerotate_table(
+                    k_all.index_select(2, idx), idx.to(cos.device), slots.to(cos.device), cos, sin
+                )
                 cache.values[layer] = v_all.index_select(2, idx)
                 kept_positions[layer] = torch.cat([kept_positions[layer], chunk_pos])[idx.cpu()]
             cache.positions = torch.arange(keep)

@@ -33,9 +33,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..runtime.attention import StopForward, last_query_scores
-from ..errors import UsageError
 from ..answer.selection import Selection
+from ..errors import UsageError
+from ..runtime.attention import StopForward, last_query_scores
 from .base import Compressor, knob, register
 
 PAPER_K = 1024  # the paper's budget for 8B models with 32k-128k contexts
@@ -112,7 +112,9 @@ class GemFilter(Compressor):
 
     name: ClassVar[str] = "gemfilter"
     paper: ClassVar[str] = "Shi et al. 2024, Discovering the Gems in Early Layers, arXiv:2409.17422"
-    keep_all: ClassVar[str] = "k={n}"  # the top-k of the filter layer is every prompt token (an explicit k may not exceed the prompt)
+    keep_all: ClassVar[str] = (
+        "k={n}"  # the top-k of the filter layer is every prompt token (an explicit k may not exceed the prompt)
+    )
 
     layer: int | None = knob(
         None,
@@ -120,9 +122,14 @@ class GemFilter(Compressor):
         "layer r's queries and keys score it; auto = the paper's (Llama-3.1-8B 13, Mistral-Nemo 19, Phi-3.5-mini 19), "
         "the measured one (SmolLM2-135M 15), else ~13/32 of the depth",
     )
-    k: int | None = knob(None, "number of prompt tokens kept for the second pass; auto = 1024 (the paper's), or the value measured for the model")
+    k: int | None = knob(
+        None,
+        "number of prompt tokens kept for the second pass; auto = 1024 (the paper's), or the value measured for the model",
+    )
     kernel: int = knob(5, "width of the average pool over the scores (odd; 1 = none)")
-    keep_question: bool = knob(True, "always keep every token after the document (instructions, question, chat template tail)")
+    keep_question: bool = knob(
+        True, "always keep every token after the document (instructions, question, chat template tail)"
+    )
     span: int = knob(1, "keep whole windows of this many tokens around the best scores (1 = plain top-k)")
 
     def __post_init__(self) -> None:

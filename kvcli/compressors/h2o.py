@@ -53,8 +53,8 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.attention import Attending
 from ..errors import UsageError
+from ..runtime.attention import Attending
 from .base import knob, register
 from .scoring import Eviction, attention_and_column_sums, column_sums, group_mean
 
@@ -68,7 +68,9 @@ class H2O(Eviction):
     most recent tokens. arXiv:2306.14048."""
 
     name: ClassVar[str] = "h2o"
-    paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, arXiv:2306.14048"
+    paper: ClassVar[str] = (
+        "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, arXiv:2306.14048"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     recent: float = knob(0.5, "fraction of the budget given to the most recent tokens (the rest: heavy hitters)")
@@ -88,10 +90,14 @@ class H2O(Eviction):
 
     def prefill_observers(self, lm, n_tokens: int) -> dict:
         # each layer's observer attends too: the softmax weights that sum to the scores give its output
-        return {layer: [Attending(fn, functools.partial(self._attend, layer)) for fn in fns]
-                for layer, fns in super().prefill_observers(lm, n_tokens).items()}
+        return {
+            layer: [Attending(fn, functools.partial(self._attend, layer)) for fn in fns]
+            for layer, fns in super().prefill_observers(lm, n_tokens).items()
+        }
 
-    def _attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         out, sums = attention_and_column_sums(query, key, value, scaling)
         self._scores[layer] = group_mean(sums)
         return out

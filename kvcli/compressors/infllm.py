@@ -52,18 +52,23 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime import accelerator
 from ..caches.blocks import partition
 from ..caches.book import BookCache
 from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, tensor_specs
 from ..errors import UsageError
+from ..runtime import accelerator
 from .base import Compressor, knob, register
 
 INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
 # knobs a preset fills when not given: local_window (at most half the window), topk (blocks, at
 # most a quarter of the window), retrieval
 PRESETS = {
-    "paper": {"local_window": 4096, "topk": 16, "retrieval": "step", "filter": False},  # InfLLM's n_local, topk; per-step retrieval
+    "paper": {
+        "local_window": 4096,
+        "topk": 16,
+        "retrieval": "step",
+        "filter": False,
+    },  # InfLLM's n_local, topk; per-step retrieval
     # measured on a 2-core CPU (docs/books.md); the question's blocks chosen once by the model's
     # filter layer (FILTER_LAYERS) where one is measured
     "cpu": {"local_window": 1024, "topk": 8, "retrieval": "question", "filter": True},
@@ -87,30 +92,60 @@ class InfLLM(Compressor):
     each question retrieves the blocks its queries score highest."""
 
     name: ClassVar[str] = "infllm"
-    paper: ClassVar[str] = "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory (arXiv:2402.04617)"
+    paper: ClassVar[str] = (
+        "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory (arXiv:2402.04617)"
+    )
     holds_whole_kv: ClassVar[bool] = False
     writes_prefix: ClassVar[bool] = True  # the book, read into its store entry (stored_bytes, read)
     # a Local window as long as the prompt: no block ever leaves it, every query attends to every
     # token before it at its own position — full attention (and the KV stored in the model's dtype)
     keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
 
-    preset: str = knob("auto", "auto (cpu on the CPU, paper on an accelerator), cpu (local_window=1024, topk=8, retrieval=question) or paper (InfLLM's 4096, 16, step); fills the knobs not given")
+    preset: str = knob(
+        "auto",
+        "auto (cpu on the CPU, paper on an accelerator), cpu (local_window=1024, topk=8, retrieval=question) or paper (InfLLM's 4096, 16, step); fills the knobs not given",
+    )
     block_size: int = knob(128, "tokens per Memory block (InfLLM: 128)")
     initial: int = knob(128, "Initial tokens, always attended (InfLLM: n_init 128)")
-    local_window: int | None = knob(None, "Local window in tokens (InfLLM: n_local 4096); auto = the preset's (cpu 1024, paper 4096), at most half the model's window")
-    topk: int | None = knob(None, "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = the preset's (cpu 8, paper 16), at most a quarter of the window")
-    answer_topk: int | None = knob(None, "Memory blocks a question (and a decoding step) retrieves; auto = topk (InfLLM: the same)")
+    local_window: int | None = knob(
+        None,
+        "Local window in tokens (InfLLM: n_local 4096); auto = the preset's (cpu 1024, paper 4096), at most half the model's window",
+    )
+    topk: int | None = knob(
+        None,
+        "Memory blocks each chunk / step retrieves (InfLLM: 16); auto = the preset's (cpu 8, paper 16), at most a quarter of the window",
+    )
+    answer_topk: int | None = knob(
+        None, "Memory blocks a question (and a decoding step) retrieves; auto = topk (InfLLM: the same)"
+    )
     repr_topk: int = knob(4, "representative tokens per block (InfLLM: repr_topk 4)")
     chunk: int = knob(512, "tokens read per pass (InfLLM: exc_block_size 512)")
     kv_dtype: str = knob("float16", "stored KV precision: float16, bfloat16 or model (the model's dtype)")
-    retrieval: str | None = knob(None, "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)")
-    answer_scores: str = knob("representatives", "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key")
-    filter_layer: int | None = knob(None, "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; -1 = each layer retrieves its own (InfLLM); auto = the preset's (cpu: the model's measured filter layer, else -1; paper: -1)")
-    answer_positions: str | None = knob(None, "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window); auto = ordered with a filter layer (one set of blocks, as GemFilter re-positions its selection), else same")
+    retrieval: str | None = knob(
+        None,
+        "answering: step (each decoding step retrieves, InfLLM) or question (the question's blocks for the whole answer, KTransformers); auto = the preset's (cpu question, paper step)",
+    )
+    answer_scores: str = knob(
+        "representatives",
+        "how the question scores a block: representatives (InfLLM's equation 2), tokens (its best token against the question's summed queries) or attention (the question's attention over every stored key, KTransformers' preselection); tokens and attention read every stored key",
+    )
+    filter_layer: int | None = knob(
+        None,
+        "answering: a probe pass of the question selects answer_topk blocks once, by the attention of this layer's queries over every stored key (GemFilter's filter layer), and every layer attends to them; -1 = each layer retrieves its own (InfLLM); auto = the preset's (cpu: the model's measured filter layer, else -1; paper: -1)",
+    )
+    answer_positions: str | None = knob(
+        None,
+        "answering: same (InfLLM: every Initial and Memory token at distance local_window) or ordered (Initial, the retrieved blocks in document order and Local at consecutive positions, within the model's window); auto = ordered with a filter layer (one set of blocks, as GemFilter re-positions its selection), else same",
+    )
 
     def __post_init__(self) -> None:
-        choices = {"preset": ("auto", *PRESETS), "kv_dtype": tuple(KV_DTYPES), "retrieval": RETRIEVALS,
-                   "answer_scores": ANSWER_SCORES, "answer_positions": ANSWER_POSITIONS}
+        choices = {
+            "preset": ("auto", *PRESETS),
+            "kv_dtype": tuple(KV_DTYPES),
+            "retrieval": RETRIEVALS,
+            "answer_scores": ANSWER_SCORES,
+            "answer_positions": ANSWER_POSITIONS,
+        }
         for name, allowed in choices.items():  # None: auto, filled by configure()
             value = getattr(self, name)
             if value is not None:
@@ -118,7 +153,15 @@ class InfLLM(Compressor):
                 setattr(self, name, value)
                 if value not in allowed:
                     raise UsageError(f"infllm: {name} must be one of {', '.join(allowed)}, got '{value}'")
-        for name, low in (("block_size", 1), ("initial", 0), ("local_window", 1), ("topk", 1), ("answer_topk", 1), ("repr_topk", 1), ("chunk", 1)):
+        for name, low in (
+            ("block_size", 1),
+            ("initial", 0),
+            ("local_window", 1),
+            ("topk", 1),
+            ("answer_topk", 1),
+            ("repr_topk", 1),
+            ("chunk", 1),
+        ):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
@@ -145,7 +188,9 @@ class InfLLM(Compressor):
         if self.answer_positions is None:
             self.answer_positions = "ordered" if self.filter_layer >= 0 else "same"
         if not -1 <= self.filter_layer < lm.n_layers:
-            raise UsageError(f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1} (or -1: none), got {self.filter_layer}")
+            raise UsageError(
+                f"infllm: filter_layer must be a layer index from 0 to {lm.n_layers - 1} (or -1: none), got {self.filter_layer}"
+            )
         if self.repr_topk > self.block_size:
             raise UsageError(f"infllm: repr_topk={self.repr_topk} exceeds block_size={self.block_size}")
 
@@ -160,9 +205,17 @@ class InfLLM(Compressor):
 
     def prefix_state(self, lm) -> dict:
         self.configure(lm)
-        return {"kind": "book", "layers": lm.n_layers, "block_size": self.block_size, "initial": self.initial,
-                "local_window": self.local_window, "topk": self.topk, "repr_topk": self.repr_topk, "chunk": self.chunk,
-                "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch.")}
+        return {
+            "kind": "book",
+            "layers": lm.n_layers,
+            "block_size": self.block_size,
+            "initial": self.initial,
+            "local_window": self.local_window,
+            "topk": self.topk,
+            "repr_topk": self.repr_topk,
+            "chunk": self.chunk,
+            "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch."),
+        }
 
     def specs(self, lm, n: int) -> dict:
         _, n_blocks, _ = partition(n, self.initial, self.local_window, self.block_size)
@@ -191,8 +244,11 @@ class InfLLM(Compressor):
     def reading_note(self, lm, n_prompt: int) -> str:
         """What the over-window warning says without a disk store (with one, the store says once
         that it stores the book: :func:`kvcli.store.fetch_book`)."""
-        how = (f"the {self.answer_topk} its layer-{self.filter_layer} attention selects, in document order"
-               if self.filter_layer >= 0 else f"the {self.answer_topk} its queries score highest")
+        how = (
+            f"the {self.answer_topk} its layer-{self.filter_layer} attention selects, in document order"
+            if self.filter_layer >= 0
+            else f"the {self.answer_topk} its queries score highest"
+        )
         return f"infllm reads it in {self.chunk}-token chunks into blocks, of which a question reads {how}"
 
     # --- reading -----------------------------------------------------------------------------------
@@ -207,9 +263,19 @@ class InfLLM(Compressor):
         into = InMemory() if into is None else into
 
         def new(storage) -> BookCache:
-            return BookCache(storage, n, lm.n_layers, lm.n_kv_heads, lm.head_dim, initial=self.initial,
-                             block_size=self.block_size, local=self.local_window, topk=self.topk,
-                             repr_topk=self.repr_topk, retrieval=self.retrieval).bind(engine)
+            return BookCache(
+                storage,
+                n,
+                lm.n_layers,
+                lm.n_kv_heads,
+                lm.head_dim,
+                initial=self.initial,
+                block_size=self.block_size,
+                local=self.local_window,
+                topk=self.topk,
+                repr_topk=self.repr_topk,
+                retrieval=self.retrieval,
+            ).bind(engine)
 
         room = BookCache.point_bytes(n, lm.n_layers, lm.n_kv_heads, self.initial, self.local_window, self.block_size)
         book = into.start(self.specs(lm, n), room, new)
@@ -241,7 +307,11 @@ class InfLLM(Compressor):
         else:
             book, start = self.read(engine, ids[:0]), 0
         book = book.bind(engine)
-        book.retrieval, book.answer_topk, book.answer_positions = self.retrieval, self.answer_topk, self.answer_positions
+        book.retrieval, book.answer_topk, book.answer_positions = (
+            self.retrieval,
+            self.answer_topk,
+            self.answer_positions,
+        )
         book.answer_scores = self.answer_scores
         if start >= n:
             raise UsageError("infllm: the prompt has no tokens after the document to answer from")

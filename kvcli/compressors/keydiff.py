@@ -41,7 +41,9 @@ class KeyDiff(KeyScorer):
     normalised key (plus the last window prompt tokens). arXiv:2504.15364."""
 
     name: ClassVar[str] = "keydiff"
-    paper: ClassVar[str] = "Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference, arXiv:2504.15364"
+    paper: ClassVar[str] = (
+        "Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference, arXiv:2504.15364"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     window: int = knob(32, "last prompt tokens always kept (the question); 0 = the paper's rule alone")

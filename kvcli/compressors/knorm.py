@@ -58,7 +58,9 @@ class KNorm(KeyScorer):
     window prompt tokens). arXiv:2406.11430."""
 
     name: ClassVar[str] = "knorm"
-    paper: ClassVar[str] = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv:2406.11430"
+    paper: ClassVar[str] = (
+        "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv:2406.11430"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     window: int = knob(32, "last prompt tokens always kept (the question); 0 = the paper's rule alone")

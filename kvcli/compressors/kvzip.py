@@ -39,9 +39,9 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..runtime.attention import StopForward
 from ..caches import KVCache
 from ..errors import UsageError
+from ..runtime.attention import StopForward
 from .base import knob, register
 from .scoring import QUERY_CHUNK, PrefixEviction
 
@@ -63,7 +63,9 @@ def template_pieces(tokenizer) -> tuple[list[int], list[int]]:
     return _encode(tokenizer, head), _encode(tokenizer, tail)
 
 
-def reconstruction_inputs(tokenizer, context: torch.Tensor, chunk: int, overlap: int) -> list[tuple[int, int, torch.Tensor]]:
+def reconstruction_inputs(
+    tokenizer, context: torch.Tensor, chunk: int, overlap: int
+) -> list[tuple[int, int, torch.Tensor]]:
     """``(start, end, ids)`` per chunk of ``context`` (ids of the tokens to reconstruct): the
     repeat prompt, the end of the user turn, then the chunk itself (teacher-forced)."""
     _, tail = template_pieces(tokenizer)
@@ -79,8 +81,9 @@ def reconstruction_inputs(tokenizer, context: torch.Tensor, chunk: int, overlap:
     return out
 
 
-def chunk_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, start: int, end: int, scaling: float,
-                 rows: int = QUERY_CHUNK) -> torch.Tensor:
+def chunk_scores(
+    query: torch.Tensor, key: torch.Tensor, sinks: int, start: int, end: int, scaling: float, rows: int = QUERY_CHUNK
+) -> torch.Tensor:
     """KVzip's score of the prefix entries start..end-1 (n_kv, end - start): the maximum, over the
     reconstruction queries and each KV head's query heads, of their softmax attention over
     [sink keys, keys start..end-1, the reconstruction's own keys (causal)].
@@ -89,7 +92,9 @@ def chunk_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, start: int,
     _, n_heads, r, d = query.shape
     n_kv = key.shape[1]
     k = key[0]
-    sub = torch.cat([k[:, :sinks], k[:, start:end], k[:, -r:]], dim=1).to(torch.float32)  # (n_kv, m, d): sliced, then upcast
+    sub = torch.cat([k[:, :sinks], k[:, start:end], k[:, -r:]], dim=1).to(
+        torch.float32
+    )  # (n_kv, m, d): sliced, then upcast
     ctx = slice(sinks, sinks + end - start)
     q = query[0].to(torch.float32).reshape(n_kv, n_heads // n_kv, r, d)
     best = torch.zeros(n_kv, end - start, dtype=torch.float32, device=key.device)
@@ -112,11 +117,21 @@ class KVzip(PrefixEviction):
     Question-agnostic: the compressed cache serves every later question. arXiv:2505.23416."""
 
     name: ClassVar[str] = "kvzip"
-    paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, arXiv:2505.23416"
-    keep_all: ClassVar[str] = "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
+    paper: ClassVar[str] = (
+        "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, arXiv:2505.23416"
+    )
+    keep_all: ClassVar[str] = (
+        "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
+    )
 
-    allocation: str = knob("global", "global: budget x KV heads x layers over the whole model (the paper); adaptive: per layer (AdaKV split); uniform: every KV head keeps budget")
-    sinks: int | None = knob(None, "first tokens never evicted and in every chunk's softmax; auto = the chat template's head (system prompt + user turn start)")
+    allocation: str = knob(
+        "global",
+        "global: budget x KV heads x layers over the whole model (the paper); adaptive: per layer (AdaKV split); uniform: every KV head keeps budget",
+    )
+    sinks: int | None = knob(
+        None,
+        "first tokens never evicted and in every chunk's softmax; auto = the chat template's head (system prompt + user turn start)",
+    )
     chunk: int = knob(2000, "context tokens reconstructed per pass")
     overlap: int = knob(8, "tokens of the previous chunk quoted in the next chunk's prompt")
 
@@ -137,7 +152,9 @@ class KVzip(PrefixEviction):
             head, _ = template_pieces(lm.tokenizer)
             self.sinks = len(head) or DEFAULT_SINKS
         if isinstance(self.budget, int) and self.budget < self.always_kept():
-            raise UsageError(f"{self.name}: budget={self.budget} is smaller than the {self.sinks} sink tokens it always keeps")
+            raise UsageError(
+                f"{self.name}: budget={self.budget} is smaller than the {self.sinks} sink tokens it always keeps"
+            )
 
     def chunk_within_window(self, lm, n: int) -> int:
         """``chunk``, shrunk so that the prefix (n tokens), the reconstruction prompt and the chunk

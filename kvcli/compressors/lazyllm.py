@@ -72,10 +72,9 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime import attention
 from ..caches.lazy import LazyCache
-from ..runtime import windows
 from ..errors import UsageError
+from ..runtime import attention, windows
 from ..runtime.kernels import by_keys
 from .base import Compressor, knob, register
 
@@ -129,7 +128,9 @@ def _rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return hidden.index_select(1, idx.to(hidden.device))
 
 
-GATHER_BELOW = 0.8  # a pass with revived rows reads S_l's rows (a copy) when they are fewer than this share of the held slots
+GATHER_BELOW = (
+    0.8  # a pass with revived rows reads S_l's rows (a copy) when they are fewer than this share of the held slots
+)
 
 
 def _layer_pass(slots: torch.Tensor, batch_pos: torch.Tensor, selected: torch.Tensor, window: int | None = None):
@@ -256,7 +257,13 @@ def run_tokens(
         window = engine.windows.attention_window(layer)
         slots = cache.slots(layer)
         # the layers between two pruning layers hold the same slots: one pass plan serves them all
-        if plan is None or plan[0] is not selected or plan[1] is not batch_pos or plan[2] != window or not torch.equal(plan[3], slots):
+        if (
+            plan is None
+            or plan[0] is not selected
+            or plan[1] is not batch_pos
+            or plan[2] != window
+            or not torch.equal(plan[3], slots)
+        ):
             plan = (selected, batch_pos, window, slots, *_layer_pass(slots, batch_pos, selected, window))
         key_pos, gather, mask, visible = plan[4:]
         observers = None
@@ -293,7 +300,9 @@ def _parse_list(name: str, text: str, kind, example: str) -> list:
     try:
         return [kind(p.strip()) for p in text.split("/")]
     except ValueError:
-        raise UsageError(f"lazyllm: {name} expects values separated by '/', e.g. {name}={example}, got '{text}'") from None
+        raise UsageError(
+            f"lazyllm: {name} expects values separated by '/', e.g. {name}={example}, got '{text}'"
+        ) from None
 
 
 @register
@@ -305,7 +314,9 @@ class LazyLLM(Compressor):
     tokens from an Aux Cache of hidden states. arXiv:2407.14057."""
 
     name: ClassVar[str] = "lazyllm"
-    paper: ClassVar[str] = "Fu et al. 2024, LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference, arXiv:2407.14057"
+    paper: ClassVar[str] = (
+        "Fu et al. 2024, LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference, arXiv:2407.14057"
+    )
     keep_all: ClassVar[str] = "keep=1/1/1"  # no token is pruned at any of the (default) three pruning layers
 
     layers: str | None = knob(
@@ -327,7 +338,9 @@ class LazyLLM(Compressor):
 
     def __post_init__(self) -> None:
         if isinstance(self.reselect, bool) or not isinstance(self.reselect, int) or self.reselect < 0:
-            raise UsageError(f"lazyllm: reselect expects a whole number of decoding steps >= 0 (1: every step), got '{self.reselect}'")
+            raise UsageError(
+                f"lazyllm: reselect expects a whole number of decoding steps >= 0 (1: every step), got '{self.reselect}'"
+            )
         if self.layers is not None:
             _parse_list("layers", self.layers, int, "8/16/24")
         if self.keep is not None:
@@ -335,7 +348,9 @@ class LazyLLM(Compressor):
             if any(not 0 < k <= 1 for k in keep):
                 raise UsageError(f"lazyllm: keep ratios must be in (0, 1], got '{self.keep}'")
             if any(b > a for a, b in zip(keep, keep[1:])):
-                raise UsageError(f"lazyllm: keep ratios must not increase from one pruning layer to the next, got '{self.keep}'")
+                raise UsageError(
+                    f"lazyllm: keep ratios must not increase from one pruning layer to the next, got '{self.keep}'"
+                )
 
     def configure(self, lm) -> None:
         n_layers = lm.n_layers
@@ -350,13 +365,17 @@ class LazyLLM(Compressor):
         else:
             layers = _parse_list("layers", self.layers, int, "8/16/24")
             if any(not 1 <= l < n_layers for l in layers):
-                raise UsageError(f"lazyllm: pruning layers must be in 1..{n_layers - 1} for {lm.name} ({n_layers} layers), got '{self.layers}'")
+                raise UsageError(
+                    f"lazyllm: pruning layers must be in 1..{n_layers - 1} for {lm.name} ({n_layers} layers), got '{self.layers}'"
+                )
             if any(b <= a for a, b in zip(layers, layers[1:])):
                 raise UsageError(f"lazyllm: pruning layers must be increasing, got '{self.layers}'")
         if keep is None:
             keep = default_keep(len(layers))
         if len(keep) != len(layers):
-            raise UsageError(f"lazyllm: {len(layers)} pruning layers but {len(keep)} keep ratios; give one ratio per layer")
+            raise UsageError(
+                f"lazyllm: {len(layers)} pruning layers but {len(keep)} keep ratios; give one ratio per layer"
+            )
         self.layers = "/".join(str(l) for l in layers)
         self.keep = "/".join(f"{k:g}" for k in keep)
 
@@ -409,7 +428,9 @@ class LazyLLM(Compressor):
             raise ValueError(f"lazyllm: decoding step at position {position}, expected {cache.n_tokens}")
         step = cache.decode_steps + 1  # the prefill is step 0, a selecting step
         select = self.reselect == 1 or (self.reselect > 1 and step % self.reselect == 0)
-        hidden = run_tokens(engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select)
+        hidden = run_tokens(
+            engine, torch.tensor([token]), cache, self.schedule(engine.lm), decoding=True, select=select
+        )
         cache.decode_steps = step
         cache.selecting_steps += select
         cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)  # a hybrid's sliding layers: their window

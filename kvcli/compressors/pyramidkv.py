@@ -55,7 +55,9 @@ class PyramidKV(SnapKV):
     arithmetically with depth (same total). arXiv:2406.02069."""
 
     name: ClassVar[str] = "pyramidkv"
-    paper: ClassVar[str] = "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, arXiv:2406.02069"
+    paper: ClassVar[str] = (
+        "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, arXiv:2406.02069"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt: every layer of the pyramid holds it all
 
     beta: float = knob(20.0, "the top layer selects (budget - window) / beta entries; larger = steeper pyramid")

@@ -80,19 +80,32 @@ class Razor(Compressor):
     cache serves every later question from the disk store. arXiv:2407.15891."""
 
     name: ClassVar[str] = "razor"
-    paper: ClassVar[str] = "Tang et al. 2024, RazorAttention: Efficient KV Cache Compression Through Retrieval Heads, arXiv:2407.15891"
+    paper: ClassVar[str] = (
+        "Tang et al. 2024, RazorAttention: Efficient KV Cache Compression Through Retrieval Heads, arXiv:2407.15891"
+    )
     # every head protected (all are retrieval heads), so none is cut to sinks + window — window=1:
     # it is the protection that keeps everything, not a window covering the prompt
     keep_all: ClassVar[str] = "induction=1,window=1"
 
-    order: str = knob("paper", "paper: prefill the whole prompt with full attention, compress before decoding (Algorithm 1; first answer token = full attention's); prefix: compress the document before the question (question-agnostic, the compressed cache is stored for any question)")
+    order: str = knob(
+        "paper",
+        "paper: prefill the whole prompt with full attention, compress before decoding (Algorithm 1; first answer token = full attention's); prefix: compress the document before the question (question-agnostic, the compressed cache is stored for any question)",
+    )
     induction: float = knob(0.14, "fraction of all query heads protected for their induction score (paper: top 14%)")
     echo: float = knob(0.01, "fraction of all query heads protected for their echo score (paper: top 1%)")
     sinks: int = knob(4, "sink tokens N_0 kept at the start by every non-retrieval head")
-    window: int | None = knob(None, "S_0: non-retrieval heads keep the last max(S_0, N/C) tokens; auto = 4000 scaled to the model's context (32k -> 4000)")
+    window: int | None = knob(
+        None,
+        "S_0: non-retrieval heads keep the last max(S_0, N/C) tokens; auto = 4000 scaled to the model's context (32k -> 4000)",
+    )
     ratio: float = knob(5.0, "C: compression ratio of the window, L_h = max(S_0, N/C) (paper: 5)")
-    compensate: bool = knob(True, "merge the dropped tokens into one compensation token (equation 5); false = just drop them")
-    tokens: int | None = knob(None, "K random tokens of the head probe (repeated 4 times); auto = 512 under 1B parameters, 1024 under 4B, else 2500")
+    compensate: bool = knob(
+        True, "merge the dropped tokens into one compensation token (equation 5); false = just drop them"
+    )
+    tokens: int | None = knob(
+        None,
+        "K random tokens of the head probe (repeated 4 times); auto = 512 under 1B parameters, 1024 under 4B, else 2500",
+    )
     seed: int = knob(0, "seed of the head probe's random tokens")
 
     def __post_init__(self) -> None:
@@ -201,6 +214,8 @@ class Razor(Compressor):
     def compress_kv(self, kv, n_heads: int, order: str = "prefix") -> RazorCache:
         """Algorithm 1 on the full cache ``kv`` of N tokens: L_h = max(S_0, N / C)."""
         n = kv.n_tokens  # (a hybrid's layer 0 may be a sliding layer cut back to its window)
-        cache = RazorCache.compress(kv, self.protected, n_heads, self.sinks, self.window_for(n), self.compensate, consume=True)
+        cache = RazorCache.compress(
+            kv, self.protected, n_heads, self.sinks, self.window_for(n), self.compensate, consume=True
+        )
         cache.order = order
         return cache

@@ -142,7 +142,9 @@ def echo_induction_scores(
         for offset, total in ((0, echo), (1, induction)):
             idx = back + offset
             valid = (back >= 0) & allowed.gather(1, idx.clamp(min=0))
-            picked = scores.gather(-1, idx.clamp(min=0)[None, None].expand(n_kv, group, -1, -1))  # (n_kv, group, c, n_back)
+            picked = scores.gather(
+                -1, idx.clamp(min=0)[None, None].expand(n_kv, group, -1, -1)
+            )  # (n_kv, group, c, n_back)
             weights = torch.exp(picked - lse).masked_fill(~valid, 0.0)
             total += weights.sum(dim=(-1, -2)).reshape(n_heads).to(acc)
     n_rows = n - period
@@ -274,14 +276,14 @@ class HeadProfile:
         self.path = path
 
     @classmethod
-    def load(cls, path: Path, lm=None) -> "HeadProfile":
+    def load(cls, path: Path, lm=None) -> HeadProfile:
         """Read a profile; ValueError if it is damaged or (with ``lm``) belongs to another model."""
         from safetensors import safe_open
 
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get(_META_KEY, "null"))
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                tensors = {name: f.get_tensor(name) for name in f}
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own errors for truncated files
@@ -297,7 +299,9 @@ class HeadProfile:
         if shape[1] % int(meta["n_kv_heads"]):
             raise ValueError("head profile: heads are not a multiple of the KV heads")
         if lm is not None and (
-            meta["fingerprint"] != lm.fingerprint or shape != (lm.n_layers, lm.n_heads) or int(meta["n_kv_heads"]) != lm.n_kv_heads
+            meta["fingerprint"] != lm.fingerprint
+            or shape != (lm.n_layers, lm.n_heads)
+            or int(meta["n_kv_heads"]) != lm.n_kv_heads
         ):
             raise ValueError("head profile belongs to another model")
         return cls(
@@ -370,7 +374,9 @@ def load_or_compute(
     try:
         profile.save(path)
     except OSError as e:
-        notices.warn(f"cannot store the head profile in {path.parent} ({e.strerror or e}); it will be recomputed next time")
+        notices.warn(
+            f"cannot store the head profile in {path.parent} ({e.strerror or e}); it will be recomputed next time"
+        )
     return profile
 
 

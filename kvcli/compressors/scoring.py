@@ -31,9 +31,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..runtime import accelerator
 from ..caches import KVCache, LayerView, RaggedCache
 from ..errors import UsageError
+from ..runtime import accelerator
 from ..runtime.kernels import by_keys
 from ..runtime.measure import long_lived
 from .base import Compressor, knob, require_full_layers
@@ -132,8 +132,9 @@ def column_sums(query: torch.Tensor, key: torch.Tensor, chunk: int | None = None
     return _column_sums(query, key, None, 1.0 / math.sqrt(query.shape[-1]), chunk)[1]
 
 
-def attention_and_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                              chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_and_column_sums(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's causal attention and :func:`column_sums` from the same blocks of softmax
     weights (one computation instead of the kernel's plus the observer's): returns the output
     (1, q_len, n_heads, d) in ``query``'s dtype — what :func:`kvcli.runtime.kernels.attend` returns, up to
@@ -167,7 +168,11 @@ def _column_sums(query, key, value, scaling, chunk):
     rows = chunk or (accelerator_block_rows if accelerator.on_accelerator(key.device) else block_rows)(group, kv_len)
     q_all = _grouped(query, n_kv) * scaling  # (n_kv, group, q_len, d)
     total = torch.zeros(n_kv, group, kv_len, dtype=torch.float32, device=key.device)
-    out = None if value is None else torch.empty(n_kv, group, q_len, value.shape[-1], dtype=torch.float32, device=key.device)
+    out = (
+        None
+        if value is None
+        else torch.empty(n_kv, group, q_len, value.shape[-1], dtype=torch.float32, device=key.device)
+    )
     # one buffer for every block's weights (the softmax runs in place, row by row)
     work = torch.empty(group * min(rows, q_len) * kv_len, dtype=torch.float32, device=key.device)
     future = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu(1)
@@ -220,7 +225,9 @@ def snap_scores(query: torch.Tensor, key: torch.Tensor, window: int, kernel: int
 
 def require_kv_cache(method: str, cache) -> KVCache:
     if not isinstance(cache, KVCache):
-        raise UsageError(f"{method}: evicts entries of a plain KV cache, not of a {type(cache).__name__}; use it without that method")
+        raise UsageError(
+            f"{method}: evicts entries of a plain KV cache, not of a {type(cache).__name__}; use it without that method"
+        )
     return cache
 
 
@@ -302,7 +309,9 @@ class Eviction(Compressor):
     :attr:`scorer` and chooses the entries its own way in :meth:`keep`; the observers and the
     checks of :meth:`compress` serve both."""
 
-    budget: str | int | float = knob("1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)")
+    budget: str | int | float = knob(
+        "1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)"
+    )
     _scores: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     # the final pass in progress: its prompt length, its layer budgets and the layers compress_layer evicted
     _pass: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -340,7 +349,7 @@ class Eviction(Compressor):
         return [k] * lm.n_layers
 
     @property
-    def scorer(self) -> "Eviction":
+    def scorer(self) -> Eviction:
         """The method whose scores rank the entries: the method itself (AdaKV: its base)."""
         return self
 
@@ -370,7 +379,9 @@ class Eviction(Compressor):
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if isinstance(key, LayerView):
-            raise UsageError(f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache")
+            raise UsageError(
+                f"{self.name}: evicts entries of a plain KV cache; it cannot follow a method with a grouped cache"
+            )
         self._scores[layer] = self.scorer.layer_scores(query, key)
 
     def compresses_by_layer(self) -> bool:
@@ -390,7 +401,11 @@ class Eviction(Compressor):
         sliding = engine.windows.window(layer) is not None
         if k >= n or (self.scorer.uses_attention and layer not in self._scores) or sliding:
             return  # keeps everything, or not scored (compress reports what is missing), or a sliding layer
-        scores = self._scores.pop(layer) if self.scorer.uses_attention else self.scorer.static_scores(n, cache.keys[layer].shape[1])
+        scores = (
+            self._scores.pop(layer)
+            if self.scorer.uses_attention
+            else self.scorer.static_scores(n, cache.keys[layer].shape[1])
+        )
         if "budgets" not in self._pass:
             self._pass["budgets"] = self.layer_budgets(engine.lm, n, k)
         keep_top(cache, layer, self.final_scores(scores, n), self._pass["budgets"][layer])
@@ -416,7 +431,10 @@ class Eviction(Compressor):
         if not scorer.uses_attention:
             static = scorer.static_scores(n, lm.n_kv_heads)
             scores = {layer: static for layer in full}
-        ranked = [None if layer in evicted or layer not in scores else self.final_scores(scores[layer], n) for layer in range(cache.n_layers)]
+        ranked = [
+            None if layer in evicted or layer not in scores else self.final_scores(scores[layer], n)
+            for layer in range(cache.n_layers)
+        ]
         cache = self.keep(cache, ranked, self.layer_budgets(lm, n, k))
         if isinstance(cache, KVCache):
             complete_kept(cache)
@@ -503,15 +521,23 @@ class PrefixEviction(Compressor):
 
     Subclasses define :meth:`prefix_scores` (the full KV of the prefix and per-layer scores)."""
 
-    budget: str | int | float = knob("1024", "entries kept per layer and KV head of the document prefix (the question is never compressed): a token count or a ratio of the prefix")
-    allocation: str = knob("uniform", "uniform: every KV head keeps budget; adaptive: AdaKV, budget x KV heads per layer split by score; global: budget x KV heads x layers over the whole model")
+    budget: str | int | float = knob(
+        "1024",
+        "entries kept per layer and KV head of the document prefix (the question is never compressed): a token count or a ratio of the prefix",
+    )
+    allocation: str = knob(
+        "uniform",
+        "uniform: every KV head keeps budget; adaptive: AdaKV, budget x KV heads per layer split by score; global: budget x KV heads x layers over the whole model",
+    )
     safeguard: float = knob(0.2, "adaptive: every KV head keeps at least this fraction of the budget")
 
     def __post_init__(self) -> None:
         self.budget = parse_budget(self.name, self.budget)
         self.allocation = str(self.allocation).strip().lower()
         if self.allocation not in ALLOCATIONS:
-            raise UsageError(f"{self.name}: allocation must be one of {', '.join(ALLOCATIONS)}, got '{self.allocation}'")
+            raise UsageError(
+                f"{self.name}: allocation must be one of {', '.join(ALLOCATIONS)}, got '{self.allocation}'"
+            )
         if not 0.0 <= self.safeguard <= 1.0:
             raise UsageError(f"{self.name}: safeguard must be between 0 and 1, got {self.safeguard}")
         self.check_knobs()
@@ -559,7 +585,8 @@ class PrefixEviction(Compressor):
         full = lm.windows.full_layers
         chosen = dict(zip(full, allocate([scores[layer] for layer in full], k, self.allocation, self.safeguard)))
         masks = [
-            chosen[layer] if layer in chosen
+            chosen[layer]
+            if layer in chosen
             else lm.windows.holds(layer, n, scores[layer].device).expand_as(scores[layer])
             for layer in range(len(scores))
         ]

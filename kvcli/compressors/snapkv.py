@@ -44,7 +44,9 @@ class SnapKV(Eviction):
     head, the entries to keep. arXiv:2404.14469."""
 
     name: ClassVar[str] = "snapkv"
-    paper: ClassVar[str] = "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation, arXiv:2404.14469"
+    paper: ClassVar[str] = (
+        "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation, arXiv:2404.14469"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
 
     window: int = knob(32, "observation window: the last prompt tokens whose attention votes (always kept)")

@@ -31,7 +31,9 @@ class StreamingLLM(Eviction):
     arXiv:2309.17453."""
 
     name: ClassVar[str] = "streamingllm"
-    paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv:2309.17453"
+    paper: ClassVar[str] = (
+        "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv:2309.17453"
+    )
     keep_all: ClassVar[str] = "budget={n}"  # sinks + recent window cover the whole prompt
     uses_attention: ClassVar[bool] = False
 

@@ -39,6 +39,15 @@ from .fingerprint import compute_fingerprint
 from .load import load_model
 
 __all__ = [
-    "ATTNS", "DTYPES", "EMBEDDED_MODEL", "QUANTS", "LoadedModel", "compute_fingerprint", "default_cache_dir",
-    "embedded_model_path", "load_model", "resolve_device", "set_progress_sink",
+    "ATTNS",
+    "DTYPES",
+    "EMBEDDED_MODEL",
+    "QUANTS",
+    "LoadedModel",
+    "compute_fingerprint",
+    "default_cache_dir",
+    "embedded_model_path",
+    "load_model",
+    "resolve_device",
+    "set_progress_sink",
 ]

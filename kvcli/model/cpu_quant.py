@@ -115,7 +115,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", scale.to(dtype))
 
     @classmethod
-    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
+    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
         return cls(*quantize_int8(linear.weight), linear.bias, dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,9 @@ def pack_int4(weight: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[tor
     return packed, torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
-def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int, group: int) -> torch.Tensor:
+def unpack_int4(
+    packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int, group: int
+) -> torch.Tensor:
     """The weights of :func:`pack_int4`'s output unpacked, transposed, in ``scale_zero``'s dtype:
     (in, out). The CPU packing (torch 2.13, ``_convert_weight_to_int4pack_for_cpu``) stores each
     block of :data:`PACK_ROWS` output rows as (in, 32) bytes, byte j of input k holding row j (low
@@ -190,7 +192,7 @@ class Int4Linear(QuantLinear):
             self.dense_rows = None  # a layout :func:`unpack_int4` does not read: the kernel for every call
 
     @classmethod
-    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
+    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
         return cls(linear.weight, linear.bias, dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,7 @@ def resolve_device(device: str) -> torch.device:
             raise ModelError(f"--device {device}: no CUDA GPU is available on this machine")
         dev = torch.device(d)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ModelError(
-                f"--device {device}: this machine has only {torch.cuda.device_count()} CUDA GPU(s)"
-            )
+            raise ModelError(f"--device {device}: this machine has only {torch.cuda.device_count()} CUDA GPU(s)")
         return dev
     if d == "mps":
         mps = getattr(torch.backends, "mps", None)
@@ -78,7 +76,9 @@ def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
     why = kernel_error(4 if quant == "4bit" else 8)
     if why is not None:
         other = "--quant 8bit or --quant none" if quant == "4bit" else "--quant none"
-        raise ModelError(f"--quant {quant}: this PyTorch has no {quant[:-3]}-bit CPU kernel on this machine ({why}); use {other}")
+        raise ModelError(
+            f"--quant {quant}: this PyTorch has no {quant[:-3]}-bit CPU kernel on this machine ({why}); use {other}"
+        )
     return DTYPE
 
 

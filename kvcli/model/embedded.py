@@ -12,8 +12,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import notices
 from ..errors import ModelError, one_line
@@ -88,7 +89,9 @@ def gguf_fact(gguf: Path, cache_dir: Path, name: str, kind: type, compute: Calla
     entry[name] = value = compute(gguf)
     memo[key] = entry
     with contextlib.suppress(OSError):
-        atomic_write(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8"))
+        atomic_write(
+            sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8")
+        )
     return value
 
 
@@ -113,7 +116,7 @@ def _share_like_umask(folder: Path) -> None:
     mkdtemp makes the folder 0700 and safetensors writes the weights 0600, which would lock the
     other users of a cache folder shared by a group out of the converted model."""
     fmode, dmode = file_mode(), dir_mode()
-    for root, dirs, files in os.walk(folder):
+    for root, _dirs, files in os.walk(folder):
         os.chmod(root, dmode)
         for name in files:
             os.chmod(os.path.join(root, name), fmode)
@@ -159,13 +162,19 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
         if _is_converted(target):
             return target, sha
         models_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-"):
+            pass
     except OSError as e:
         return _convert_without_cache(gguf, cache_dir, e)
 
     try:
-        convert_once(target, f"the embedded model {EMBEDDED_MODEL}", lambda folder: gguf, {"gguf_file": str(gguf), "gguf_sha256": sha, "name": EMBEDDED_MODEL}, "~30 s")
+        convert_once(
+            target,
+            f"the embedded model {EMBEDDED_MODEL}",
+            lambda folder: gguf,
+            {"gguf_file": str(gguf), "gguf_sha256": sha, "name": EMBEDDED_MODEL},
+            "~30 s",
+        )
     except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
         return _convert_without_cache(gguf, cache_dir, e)
     return target, sha
@@ -247,7 +256,9 @@ def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
     """Convert the embedded model into a temporary folder removed when the process exits."""
     tmp = Path(tempfile.mkdtemp(prefix="kvcli-model-"))
     atexit.register(shutil.rmtree, tmp, True)
-    _progress(f"converting the embedded model {EMBEDDED_MODEL} (~30 s; again on every run while the cache directory is not writable)")
+    _progress(
+        f"converting the embedded model {EMBEDDED_MODEL} (~30 s; again on every run while the cache directory is not writable)"
+    )
     try:
         _convert_gguf(gguf, tmp)
     except MemoryError as e:

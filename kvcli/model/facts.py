@@ -16,8 +16,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-
-
 QUANTS = ("auto", "none", "4bit", "8bit")
 
 

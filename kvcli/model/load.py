@@ -10,23 +10,22 @@ import torch
 
 from ..errors import ModelError, UsageError, one_line
 from ..runtime.measure import malloc_trim
+from .cpu_quant import quantize_model
 from .device import (
     check_attn,
     check_cpu_quant,
-    requested_dtype,
     quant_config,
+    requested_dtype,
     require_bitsandbytes,
     resolve_device,
     resolve_dtype,
 )
-from .embedded import EMBEDDED_MODEL, ensure_converted
+from .embedded import EMBEDDED_MODEL, _embedded_gguf_file, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel
 from .fingerprint import compute_fingerprint, weights_identity
-from .embedded import _embedded_gguf_file
 from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
-from .cpu_quant import quantize_model
 
 
 def check_structure(model: Any, name: str, config: Any) -> None:

@@ -94,10 +94,14 @@ def _score_strip(ins: Inspection, profile: list[dict]) -> str:
 def _read_layers_table(ins: Inspection) -> str:
     """Where layers read different blocks: per layer, the tokens read and the pages."""
     n = max(ins.n_prompt, 1)
-    rows = [('<details class="layers">'
-             "<summary>read per layer (0-based): tokens (mean over KV heads) and pages</summary>"
-             '<table class="layers"><tr><th>layer</th><th>read</th><th></th>'
-             '<th style="text-align:left">pages</th></tr>')]
+    rows = [
+        (
+            '<details class="layers">'
+            "<summary>read per layer (0-based): tokens (mean over KV heads) and pages</summary>"
+            '<table class="layers"><tr><th>layer</th><th>read</th><th></th>'
+            '<th style="text-align:left">pages</th></tr>'
+        )
+    ]
     for row in ins.read_layers:
         pct = 100 * row.n_read / n
         rows.append(
@@ -207,7 +211,9 @@ def render(ins: Inspection) -> str:
         None: "",
     }[ins.score_kind]
     verb = "read" if ins.view == "read" else "kept"
-    legend = "".join(f'<span class="k{i}">{label}</span>' for i, label in enumerate(("low", "", "", "high")[: len(PALETTE)]))
+    legend = "".join(
+        f'<span class="k{i}">{label}</span>' for i, label in enumerate(("low", "", "", "high")[: len(PALETTE)])
+    )
     answer = f'<p class="meta">answer: <b>{_e(ins.answer)}</b></p>' if ins.answer is not None else ""
     head = (
         f'<h1 title="{_e(ins.method)}">What {_e(ins.label)} {verb} of {_e(doc_name)}</h1>'

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..api import read_mask, spec_label
-from ..documents import Document
 from ..answer.pipeline import Pipeline
 from ..answer.prompt import Prompt
 from ..answer.selection import Selection, Span
+from ..api import read_mask, spec_label
+from ..documents import Document
 
 # --------------------------------------------------------------------------- what was kept
 
@@ -39,11 +39,16 @@ class LayerKept:
     kept_max: int
 
     def to_json(self) -> dict:
-        return {"layer": self.layer, "kept_min": self.kept_min, "kept_mean": round(self.kept_mean, 2), "kept_max": self.kept_max}
+        return {
+            "layer": self.layer,
+            "kept_min": self.kept_min,
+            "kept_mean": round(self.kept_mean, 2),
+            "kept_max": self.kept_max,
+        }
 
 
 def page_ranges(spans) -> str:
-    """"p.1, p.12-13, p.40": the pages of ``spans`` (in document order), a page said once."""
+    """ "p.1, p.12-13, p.40": the pages of ``spans`` (in document order), a page said once."""
     ranges: list[list[int]] = []
     for s in spans:
         if ranges and s.page <= ranges[-1][1]:
@@ -65,9 +70,12 @@ class LayerRead:
         return page_ranges(self.spans)
 
     def to_json(self) -> dict:
-        return {"layer": self.layer, "n_read_tokens": round(self.n_read, 2),
-                "pages": [[s.page, s.last_page] for s in self.spans],
-                "spans": [[s.start, s.end] for s in self.spans]}
+        return {
+            "layer": self.layer,
+            "n_read_tokens": round(self.n_read, 2),
+            "pages": [[s.page, s.last_page] for s in self.spans],
+            "spans": [[s.start, s.end] for s in self.spans],
+        }
 
 
 @dataclass
@@ -166,8 +174,9 @@ def _uniform(mask: torch.Tensor) -> bool:
     return bool((flat == flat[:1]).all())
 
 
-def inspect_kept(session, document: Document, question: str, pipeline: Pipeline, generate: bool = False,
-                 **callbacks) -> Inspection:
+def inspect_kept(
+    session, document: Document, question: str, pipeline: Pipeline, generate: bool = False, **callbacks
+) -> Inspection:
     """Run ``pipeline`` on (document, question) and report what it kept (see the module doc).
 
     Without ``generate`` only the selection and the prefill run (``max_new_tokens=1``); with it
@@ -199,8 +208,11 @@ def inspect_kept(session, document: Document, question: str, pipeline: Pipeline,
         view = "read"
         if not _uniform(read):
             read_layers = [
-                LayerRead(i, float(layer.sum()) / layer.shape[0],
-                          Selection(torch.nonzero(layer.any(dim=0)).flatten()).spans(prompt, document))
+                LayerRead(
+                    i,
+                    float(layer.sum()) / layer.shape[0],
+                    Selection(torch.nonzero(layer.any(dim=0)).flatten()).spans(prompt, document),
+                )
                 for i, layer in enumerate(read)
             ]
     elif mask is None or not mask.numel() or _uniform(mask):

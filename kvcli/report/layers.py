@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..answer.pipeline import Pipeline
+from ..answer.prompt import Prompt, build_prompt
 from ..compressors.gemfilter import GemFilter, gem_scores, top_k_positions
 from ..documents import Document
 from ..errors import UsageError
-from ..answer.pipeline import Pipeline
-from ..answer.prompt import Prompt, build_prompt
 
 # --------------------------------------------------------------------------- what was kept
 
@@ -127,7 +127,12 @@ def layer_scores(engine, ids: torch.Tensor, kernel: int) -> list[torch.Tensor]:
 
 
 def rank_layers(
-    per_layer: list[torch.Tensor], groups: list[list[int]], k: int, protected: int, keep_question: bool = True, span: int = 1
+    per_layer: list[torch.Tensor],
+    groups: list[list[int]],
+    k: int,
+    protected: int,
+    keep_question: bool = True,
+    span: int = 1,
 ) -> list[LayerScore]:
     """Per layer: where the needle ranks in GemFilter's scores and whether its top-k keeps it."""
     rows = []

@@ -20,8 +20,12 @@ MARKS = ("⟦", "⟧")  # around kept text where colours do not show (a pipe, NO
 def marks_legend(console: Console, verb: str = "kept") -> None:
     """One line saying what ⟦ ⟧ mean, where the text is marked with them instead of colours."""
     if console.color_system is None:
-        console.print(f"{MARKS[0]} {MARKS[1]} mark the {verb} text (no colours: the output is not a terminal)",
-                      style="dim", markup=False, highlight=False)
+        console.print(
+            f"{MARKS[0]} {MARKS[1]} mark the {verb} text (no colours: the output is not a terminal)",
+            style="dim",
+            markup=False,
+            highlight=False,
+        )
 
 
 def _flat(text: str) -> str:
@@ -52,16 +56,19 @@ def word_spans(text: str, spans) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def selected_spans(console: Console, spans, document, n_kept: float, n_total: int, max_spans: int | None = None,
-                   verb: str = "kept") -> None:
+def selected_spans(
+    console: Console, spans, document, n_kept: float, n_total: int, max_spans: int | None = None, verb: str = "kept"
+) -> None:
     """Print the kept (``verb``: or read) document spans highlighted inside a little of their
     context, with pages; without colours (a pipe) marked ⟦ ⟧, with a line saying so.
 
     Spans whose context would overlap share one row (the text between them shown once, dim), so
     no part of the document is printed twice; highlights fall on word boundaries (:func:`word_spans`)."""
     per = " per layer and KV head" if verb == "read" else ""
-    console.rule(f"[bold]{verb} {n_kept:,.0f} of {n_total:,} prompt tokens{per} ({n_kept / max(n_total, 1):.1%}) — "
-                 f"{len(spans)} document span{'' if len(spans) == 1 else 's'}")
+    console.rule(
+        f"[bold]{verb} {n_kept:,.0f} of {n_total:,} prompt tokens{per} ({n_kept / max(n_total, 1):.1%}) — "
+        f"{len(spans)} document span{'' if len(spans) == 1 else 's'}"
+    )
     marks_legend(console, verb)
     plain = console.color_system is None
     text = document.text
@@ -123,19 +130,29 @@ def _cache_rows(entries) -> list[dict[str, Text]]:
     rows = []
     for e in entries:
         j = e.to_json()
-        rows.append({
-            "key": Text(j["key"][:12]),
-            "document": Text(Path(j["document"]).name) if j["document"] else Text(f"damaged: {e.error}", style="red"),
-            "model": Text(Path(j["model"]).name if j["model"] else "-"),
-            "method": Text((j["method"] or "-").split(":")[0]),
-            # a partial entry (a book read that stopped): how far it got, and whether its read runs now
-            "state": Text(_cache_state(j["state"])
-                          + (" · reading" if j["reading"] else " · partial" if j["partial"] else "")),
-            "tokens": Text(f"{j['read_tokens'] or 0:,}/{j['n_tokens']:,}" if j["partial"] and j["n_tokens"] is not None
-                           else f"{j['n_tokens']:,}" if j["n_tokens"] is not None else "-"),
-            "size": Text(human_bytes(j["size_bytes"])),
-            "last use": Text(j["last_use"][5:16].replace("T", " ")),  # MM-DD HH:MM
-        })
+        rows.append(
+            {
+                "key": Text(j["key"][:12]),
+                "document": Text(Path(j["document"]).name)
+                if j["document"]
+                else Text(f"damaged: {e.error}", style="red"),
+                "model": Text(Path(j["model"]).name if j["model"] else "-"),
+                "method": Text((j["method"] or "-").split(":")[0]),
+                # a partial entry (a book read that stopped): how far it got, and whether its read runs now
+                "state": Text(
+                    _cache_state(j["state"]) + (" · reading" if j["reading"] else " · partial" if j["partial"] else "")
+                ),
+                "tokens": Text(
+                    f"{j['read_tokens'] or 0:,}/{j['n_tokens']:,}"
+                    if j["partial"] and j["n_tokens"] is not None
+                    else f"{j['n_tokens']:,}"
+                    if j["n_tokens"] is not None
+                    else "-"
+                ),
+                "size": Text(human_bytes(j["size_bytes"])),
+                "last use": Text(j["last_use"][5:16].replace("T", " ")),  # MM-DD HH:MM
+            }
+        )
     return rows
 
 
@@ -172,7 +189,9 @@ def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> No
     widths = _cache_layout(rows, console.width)
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
     for col, w in widths.items():
-        table.add_column(col, justify="right" if col in ("tokens", "size") else "left", width=w, no_wrap=True, overflow="ellipsis")
+        table.add_column(
+            col, justify="right" if col in ("tokens", "size") else "left", width=w, no_wrap=True, overflow="ellipsis"
+        )
     for row in rows:
         cells = []
         for col, w in widths.items():
@@ -236,8 +255,12 @@ def compressor_table(console: Console) -> None:
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
     name_width = max(map(len, REGISTRY))
     table.add_column("method", no_wrap=True, style="bold", width=name_width)
-    table.add_column("what it does; its main knobs (default)", no_wrap=True, overflow="ellipsis",
-                     width=max(20, console.width - name_width - 2))
+    table.add_column(
+        "what it does; its main knobs (default)",
+        no_wrap=True,
+        overflow="ellipsis",
+        width=max(20, console.width - name_width - 2),
+    )
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
         knobs = cls.knobs()
@@ -247,8 +270,12 @@ def compressor_table(console: Console) -> None:
         about.append(f"  {shown}{more}" if knobs else "  no knobs", style="dim")
         table.add_row(name, about)
     console.print(table)
-    console.print("kvcli compressors NAME: a method's every knob, what it means, and its paper; "
-                  "-c NAME:knob=value,... sets them (e.g. -c snapkv:budget=0.25)", style="dim", markup=False)
+    console.print(
+        "kvcli compressors NAME: a method's every knob, what it means, and its paper; "
+        "-c NAME:knob=value,... sets them (e.g. -c snapkv:budget=0.25)",
+        style="dim",
+        markup=False,
+    )
 
 
 def compressor_detail(console: Console, name: str) -> None:
@@ -309,14 +336,26 @@ def inspect_summary(console: Console, ins) -> None:
 
 def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
     """Per layer: prompt tokens its KV heads hold (min / mean / max over heads)."""
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), title="kept per layer (0-based), over KV heads", title_justify="left")
+    table = Table(
+        show_header=True,
+        header_style="bold",
+        box=None,
+        padding=(0, 1),
+        title="kept per layer (0-based), over KV heads",
+        title_justify="left",
+    )
     for col in ("layer", "min", "mean", "max", "share"):
         table.add_column(col, justify="right")
     table.add_column("", justify="left")
     for row in layers:
         share = row.kept_mean / max(n_prompt, 1)
         table.add_row(
-            str(row.layer), f"{row.kept_min:,}", f"{row.kept_mean:,.1f}", f"{row.kept_max:,}", f"{share:.1%}", "█" * max(1, round(share * 30))
+            str(row.layer),
+            f"{row.kept_min:,}",
+            f"{row.kept_mean:,.1f}",
+            f"{row.kept_max:,}",
+            f"{share:.1%}",
+            "█" * max(1, round(share * 30)),
         )
     console.print(table)
 
@@ -324,8 +363,14 @@ def layer_kept_table(console: Console, layers, n_prompt: int) -> None:
 def layer_read_table(console: Console, layers, n_prompt: int) -> None:
     """Per layer (where layers read different blocks): prompt tokens it read (mean over its KV
     heads), their share, and the pages of the document it read."""
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1),
-                  title="read per layer (0-based), over KV heads", title_justify="left")
+    table = Table(
+        show_header=True,
+        header_style="bold",
+        box=None,
+        padding=(0, 1),
+        title="read per layer (0-based), over KV heads",
+        title_justify="left",
+    )
     for col in ("layer", "read", "share"):
         table.add_column(col, justify="right")
     table.add_column("pages read", justify="left", overflow="fold")
@@ -369,7 +414,14 @@ def document_view(console: Console, ins, verb: str = "kept") -> None:
 def layer_scan_table(console: Console, report) -> None:
     """``kvcli inspect --layers``: per layer, whether GemFilter's top-k there keeps the needle."""
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
-    for col, justify in (("layer", "right"), ("best rank", "right"), ("k needed", "right"), (f"in top-{report.k}", "right"), ("found", "left"), ("distance", "right")):
+    for col, justify in (
+        ("layer", "right"),
+        ("best rank", "right"),
+        ("k needed", "right"),
+        (f"in top-{report.k}", "right"),
+        ("found", "left"),
+        ("distance", "right"),
+    ):
         table.add_column(col, justify=justify)
     for row in report.layers:
         table.add_row(
@@ -388,7 +440,11 @@ def layer_scan_table(console: Console, report) -> None:
     console.print(table)
     first = report.first_found
     console.print(
-        (f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]" if first is not None else f"no layer's top-{report.k} keeps the whole needle")
+        (
+            f"first layer whose top-{report.k} keeps the whole needle: [bold]{first}[/bold]"
+            if first is not None
+            else f"no layer's top-{report.k} keeps the whole needle"
+        )
         + f" · first layer with distance 0: {'-' if report.first_touched is None else report.first_touched}"
         + f" · smallest k needed: layer {report.best_layer} (layers are gemfilter:layer= indices, 0-based)"
     )
@@ -425,8 +481,11 @@ def head_table(console, profile, induction: float, echo: float, score: str = "in
         cells.append(kept or "-")
         table.add_row(str(layer), *cells)
     console.print(table)
-    where = f"loaded from {profile.path}" if profile.loaded else f"computed in {profile.compute_s:.1f}s" + (
-        f", stored in {profile.path}" if profile.path is not None else ""
+    where = (
+        f"loaded from {profile.path}"
+        if profile.loaded
+        else f"computed in {profile.compute_s:.1f}s"
+        + (f", stored in {profile.path}" if profile.path is not None else "")
     )
     console.print(
         f"{profile.model_name}: {s['n_protected_query_heads']}/{s['n_query_heads']} query heads protected "

@@ -26,14 +26,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..caches.base import LayerView
 from .kernels import KERNELS, attend, by_keys, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
-
 
 # observer(query, key) is called with the tensors documented above, before attention is computed.
 Observer = Callable[[torch.Tensor, torch.Tensor], None]
@@ -80,11 +79,15 @@ class AttentionContext:
 
 
 _CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVar(
-    "kvcli_attention", default=AttentionContext()
+    "kvcli_attention",
+    default=AttentionContext(),  # noqa: B039  (never mutated: a pass sets its own context)
 )
 # observers that see every pass run inside :func:`listening`, whatever context each pass sets
 # (the answer's citations: every decoding step, the engine's or a method's own)
-_LISTENING: contextvars.ContextVar[dict[int, list[Observer]]] = contextvars.ContextVar("kvcli_listening", default={})
+_LISTENING: contextvars.ContextVar[dict[int, list[Observer]]] = contextvars.ContextVar(
+    "kvcli_listening",
+    default={},  # noqa: B039  (never mutated: listening() sets its own dict)
+)
 
 
 @contextlib.contextmanager
@@ -139,8 +142,12 @@ def kvcli_attention(
         scaling = 1.0 / math.sqrt(query.shape[-1])
     out = None
     for fn in ctx.observers.get(module.layer_idx, ()):
-        if out is None and isinstance(fn, Attending) and _plain_causal(ctx, query, key, sliding_window) \
-                and getattr(module, "kvcli_softcap", None) is None:
+        if (
+            out is None
+            and isinstance(fn, Attending)
+            and _plain_causal(ctx, query, key, sliding_window)
+            and getattr(module, "kvcli_softcap", None) is None
+        ):
             out = fn.attend(query, key, value, scaling)
         else:
             fn(query, key)
@@ -153,7 +160,16 @@ def kvcli_attention(
     # and returns (batch, q_len, n_heads, head_dim). Observers above receive that view as ``key``.
     if isinstance(key, LayerView):
         return key.attend(module, query, scaling, sliding_window, ctx.kernel), None
-    return attend(ctx.kernel, module, query, key, value, scaling, sliding_window, mask=None if ctx.mask is None else ctx.mask.to(query.device)), None
+    return attend(
+        ctx.kernel,
+        module,
+        query,
+        key,
+        value,
+        scaling,
+        sliding_window,
+        mask=None if ctx.mask is None else ctx.mask.to(query.device),
+    ), None
 
 
 def _plain_causal(ctx: AttentionContext, query: torch.Tensor, key, sliding_window: int | None) -> bool:
@@ -176,7 +192,11 @@ def install(model) -> None:
     # Gemma 2 soft-caps its attention scores (``softcap`` in the call, from the config): the kernels
     # read it off the module, so caches that attend themselves apply it too
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    softcap = getattr(text, "attn_logit_softcapping", None) if str(getattr(text, "model_type", "")).startswith("gemma2") else None
+    softcap = (
+        getattr(text, "attn_logit_softcapping", None)
+        if str(getattr(text, "model_type", "")).startswith("gemma2")
+        else None
+    )
     for sub in model.modules():
         if hasattr(sub, "layer_idx") and hasattr(sub, "scaling"):  # an attention module
             sub.kvcli_softcap = softcap

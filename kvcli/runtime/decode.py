@@ -9,8 +9,8 @@ methods call :func:`step` and :func:`greedy`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -27,7 +27,7 @@ class DecodeStep:
     device_token: bool = False
 
     @classmethod
-    def full_attention(cls, engine) -> "DecodeStep":
+    def full_attention(cls, engine) -> DecodeStep:
         """The engine's own step (:func:`step` through ``engine.step``), which takes the token where it is."""
         return cls(engine.step, device_token=True)
 
@@ -40,8 +40,9 @@ def step(engine, token: int | torch.Tensor, position: int, cache) -> torch.Tenso
     no synchronisation. A hybrid's sliding layers are cut back to their window every
     :data:`~kvcli.runtime.windows.WINDOW_SLACK` steps."""
     ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
-    hidden = engine.forward(ids, engine.device_positions(position, position + 1), cache,
-                            recorded=torch.tensor([position]))
+    hidden = engine.forward(
+        ids, engine.device_positions(position, position + 1), cache, recorded=torch.tensor([position])
+    )
     cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)
     return engine.logits(hidden)[-1]
 

@@ -21,13 +21,13 @@ Shapes:
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from ..caches import KVCache
 from . import attention, decode, prefill
 from .attention import AttentionContext, Observer, StopForward
-from ..caches import KVCache
 from .decode import DecodeStep
 
 
@@ -59,7 +59,9 @@ class Engine:
             raise ValueError(f"{type(self.rotary_emb).__name__} takes a layer type, but the config lists none")
         # the name a decoder layer takes its cache by: ``cache`` from transformers 5.24 on (where
         # ``past_key_values`` still works, with a FutureWarning on stderr), ``past_key_values`` before
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.layers[0].forward).parameters else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.layers[0].forward).parameters else "past_key_values"
+        )
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.windows = lm.windows  # each layer's sliding window (kvcli.runtime.windows)
         self.device = next(model.parameters()).device
@@ -199,8 +201,13 @@ class Engine:
         return logits
 
     # --- the prompt's passes (kvcli.runtime.prefill) and decoding (kvcli.runtime.decode) --------------------------
-    def prefix_kv(self, ids: torch.Tensor, n_layers: int | None = None,
-                  observers: dict[int, list[Observer]] | None = None, window_room: int | None = None) -> KVCache:
+    def prefix_kv(
+        self,
+        ids: torch.Tensor,
+        n_layers: int | None = None,
+        observers: dict[int, list[Observer]] | None = None,
+        window_room: int | None = None,
+    ) -> KVCache:
         """:func:`kvcli.runtime.prefill.prefix_kv`: the KV of the first ``n_layers`` layers for ``ids``."""
         return prefill.prefix_kv(self, ids, n_layers, observers, window_room)
 
@@ -208,22 +215,39 @@ class Engine:
         """:func:`kvcli.runtime.prefill.reserving`: a chunked :meth:`prefix_kv` leaves ``room`` entries."""
         return prefill.reserving(self, room)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                observers: dict[int, list[Observer]] | None = None,
-                after_layer: Callable[[int], None] | None = None) -> tuple[KVCache, torch.Tensor]:
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        observers: dict[int, list[Observer]] | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[KVCache, torch.Tensor]:
         """:func:`kvcli.runtime.prefill.prefill`: every layer over ``ids``; (cache, last logits)."""
         return prefill.prefill(self, ids, positions, cache, observers, after_layer)
 
-    def prefill_by_layer(self, ids: torch.Tensor, positions: torch.Tensor, cache, chunk: int,
-                         observers: dict[int, list[Observer]] | None = None,
-                         before_layer: Callable[[int], None] | None = None,
-                         after_layer: Callable[[int], None] | None = None) -> tuple[object, torch.Tensor]:
+    def prefill_by_layer(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        chunk: int,
+        observers: dict[int, list[Observer]] | None = None,
+        before_layer: Callable[[int], None] | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[object, torch.Tensor]:
         """:func:`kvcli.runtime.prefill.prefill_by_layer`: the prefill, layer by layer over chunks."""
         return prefill.prefill_by_layer(self, ids, positions, cache, chunk, observers, before_layer, after_layer)
 
-    def prefill_on_prefix(self, ids: torch.Tensor, n_prefix: int, start: int, cache: KVCache | None = None,
-                          observers: dict[int, list[Observer]] | None = None,
-                          after_layer: Callable[[int], None] | None = None) -> tuple[KVCache, torch.Tensor]:
+    def prefill_on_prefix(
+        self,
+        ids: torch.Tensor,
+        n_prefix: int,
+        start: int,
+        cache: KVCache | None = None,
+        observers: dict[int, list[Observer]] | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[KVCache, torch.Tensor]:
         """:func:`kvcli.runtime.prefill.prefill_on_prefix`: a prefix and the rest, layer by layer together."""
         return prefill.prefill_on_prefix(self, ids, n_prefix, start, cache, observers, after_layer)
 
@@ -231,8 +255,16 @@ class Engine:
         """:func:`kvcli.runtime.decode.step`: one decoding step of full attention; the logits (vocab,)."""
         return decode.step(self, token, position, cache)
 
-    def decode(self, first_logits: torch.Tensor, cache, next_position: int, max_new_tokens: int,
-               stop_ids: set[int], on_token: Callable[[int], None] | None = None, step: DecodeStep | None = None,
-               guard=None) -> list[int]:
+    def decode(
+        self,
+        first_logits: torch.Tensor,
+        cache,
+        next_position: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        on_token: Callable[[int], None] | None = None,
+        step: DecodeStep | None = None,
+        guard=None,
+    ) -> list[int]:
         """:func:`kvcli.runtime.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
         return decode.greedy(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard)

@@ -24,9 +24,8 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> 
     Query i sits at key index ``kv_len - q_len + i``; it sees every key up to and including itself,
     and with a sliding window only the last ``sliding_window`` of them.
     """
-    if sliding_window is None or sliding_window >= kv_len:
-        if q_len == 1 or q_len == kv_len:
-            return None  # q_len == 1 sees everything; square means the standard causal triangle
+    if (sliding_window is None or sliding_window >= kv_len) and (q_len == 1 or q_len == kv_len):
+        return None  # q_len == 1 sees everything; square means the standard causal triangle
     offset = kv_len - q_len
     rows = torch.arange(q_len, device=device)[:, None] + offset
     cols = torch.arange(kv_len, device=device)[None, :]
@@ -90,8 +89,13 @@ def _bucketed(key, value, mask, q_len: int):
 
     kv_len = key.shape[2]
     padded = -(-kv_len // KEY_BUCKET) * KEY_BUCKET
-    if q_len != 1 or mask is not None or key.shape[0] != 1 or padded == kv_len \
-            or not (finite_room(key, padded) and finite_room(value, padded)):
+    if (
+        q_len != 1
+        or mask is not None
+        or key.shape[0] != 1
+        or padded == kv_len
+        or not (finite_room(key, padded) and finite_room(value, padded))
+    ):
         return key, value
     widen = lambda t: t.as_strided((*t.shape[:2], padded, t.shape[3]), t.stride())  # noqa: E731
     return widen(key), widen(value)
@@ -184,7 +188,10 @@ def softcapped(query, key, value, mask, scaling, softcap: float):
     out = query.new_empty(b, n_kv, group, q_len, value.shape[-1])
     for a in range(0, q_len, SOFTCAP_ROWS):
         e = min(q_len, a + SOFTCAP_ROWS)
-        s = torch.matmul(q[:, :, :, a:e].to(torch.float32), key.to(torch.float32).unsqueeze(2).transpose(-1, -2)) * scaling
+        s = (
+            torch.matmul(q[:, :, :, a:e].to(torch.float32), key.to(torch.float32).unsqueeze(2).transpose(-1, -2))
+            * scaling
+        )
         s = torch.tanh(s / softcap) * softcap
         if mask is not None:
             s = s.masked_fill(~(mask[..., a:e, :]), float("-inf"))
@@ -203,8 +210,12 @@ def flash(module, query, key, value, scaling, sliding_window):
 
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     return flash_attn_func(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        softmax_scale=scaling, causal=True, window_size=window,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scaling,
+        causal=True,
+        window_size=window,
     )
 
 
@@ -230,20 +241,40 @@ def _by_query_blocks(kernel: str, module, query, key, value, scaling: float, sli
     for a in range(0, q_len, block):
         e = min(q_len, a + block)
         first = max(0, offset + a - sliding_window + 1)  # the earliest key the block's first query sees
-        out[:, a:e] = attend(kernel, module, query[:, :, a:e], key[:, :, first : offset + e],
-                             value[:, :, first : offset + e], scaling, sliding_window)
+        out[:, a:e] = attend(
+            kernel,
+            module,
+            query[:, :, a:e],
+            key[:, :, first : offset + e],
+            value[:, :, first : offset + e],
+            scaling,
+            sliding_window,
+        )
     return out
 
 
-def attend(kernel: str, module, query, key, value, scaling: float, sliding_window: int | None = None,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    kernel: str,
+    module,
+    query,
+    key,
+    value,
+    scaling: float,
+    sliding_window: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal (sliding-window) attention with ``kernel``; ``mask``: an explicit boolean mask,
     True where allowed (broadcast over heads), which flash-attn cannot take: SDPA runs it then.
     A layer with soft-capped scores (``module.kvcli_softcap``, set by :func:`kvcli.runtime.attention.install`
     for Gemma 2) runs :func:`softcapped` whatever the kernel."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mask is None and sliding_window is not None and kernel != "flash" and sliding_window < kv_len \
-            and (q_len > 2 * window_block(sliding_window) or (q_len > 1 and kv_len - q_len > sliding_window)):
+    if (
+        mask is None
+        and sliding_window is not None
+        and kernel != "flash"
+        and sliding_window < kv_len
+        and (q_len > 2 * window_block(sliding_window) or (q_len > 1 and kv_len - q_len > sliding_window))
+    ):
         # a long pass; or a few queries (a prefill chunk, a question) on a prefix longer than the
         # window: only the keys the window reaches, not a q_len x kv_len mask over all of them
         # (measured: Gemma 3 270M, 17k tokens in chunks of 2,048 on one thread: TTFT 155 -> 62 s)
@@ -257,6 +288,8 @@ def attend(kernel: str, module, query, key, value, scaling: float, sliding_windo
         if kernel == "flash":
             return flash(module, query, key, value, scaling, sliding_window)
         if kernel == "eager":
-            return eager(query, key, value, causal_mask(query.shape[2], key.shape[2], sliding_window, query.device), scaling)
+            return eager(
+                query, key, value, causal_mask(query.shape[2], key.shape[2], sliding_window, query.device), scaling
+            )
         mask = causal(query.shape[2], key.shape[2], sliding_window, query.device)
     return (eager if kernel == "eager" else sdpa)(query, key, value, mask, scaling)

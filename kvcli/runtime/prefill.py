@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from ..caches import KVCache
 from . import accelerator, attention
 from .attention import Observer, StopForward
-from ..caches import KVCache
 
 ENV_PREFILL_CHUNK = "KVCLI_PREFILL_CHUNK"
 ACCELERATOR_PREFILL_CHUNK = 8192  # the default off the CPU; on the CPU: off (answers and speed as they were) ...
@@ -62,7 +62,7 @@ def default_prefill_chunk(device: torch.device, hybrid: bool = False) -> int | N
 # --- the MLP chunk -------------------------------------------------------------------------------
 # decoder layer MLP -> [its chunk] (None: all tokens at once); one per module, shared by every
 # engine on the model, whose patched forward reads it
-_CHUNKS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_CHUNKS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
 
 
 def chunk_mlps(layers: Iterable[torch.nn.Module]) -> None:
@@ -118,8 +118,13 @@ def _stop(query: torch.Tensor, key: torch.Tensor) -> None:
 
 
 # --- the passes ----------------------------------------------------------------------------------
-def prefix_kv(engine, ids: torch.Tensor, n_layers: int | None = None,
-              observers: dict[int, list[Observer]] | None = None, window_room: int | None = None) -> KVCache:
+def prefix_kv(
+    engine,
+    ids: torch.Tensor,
+    n_layers: int | None = None,
+    observers: dict[int, list[Observer]] | None = None,
+    window_room: int | None = None,
+) -> KVCache:
     """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
 
     ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to the last
@@ -158,8 +163,9 @@ def prefix_kv(engine, ids: torch.Tensor, n_layers: int | None = None,
         cache.reserve(n + engine.kv_room)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            engine.forward(ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers,
-                           after_layer=trim)
+            engine.forward(
+                ids[s:e], torch.arange(s, e), cache, layers=range(n_layers), observers=observers, after_layer=trim
+            )
         cache.reserve(None)  # later layers (none here) and copies: as usual
     if trim is not None:  # the last layer, if the pass stopped inside it
         cache.trim_windows(windows, room=window_room)

@@ -76,7 +76,9 @@ def rerotate(key: torch.Tensor, old_positions: torch.Tensor, new_positions: torc
     return apply_rotation(key, cos_d, sin_d)
 
 
-def rerotate_table(key: torch.Tensor, old_index: torch.Tensor, new_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rerotate_table(
+    key: torch.Tensor, old_index: torch.Tensor, new_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """:func:`rerotate` with a precomputed (cos, sin) table of :func:`rope_cos_sin` over positions
     0..L-1: ``old_index``/``new_index`` (n,) index into it. For many layers moved in one step."""
     cos_d, sin_d = delta_rotation(cos[old_index], sin[old_index], cos[new_index], sin[new_index])

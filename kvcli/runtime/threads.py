@@ -88,9 +88,12 @@ class CpuTimes:
     own: float  # this process's CPU seconds, all its threads
 
 
-def read_cpu_times(stat: Path | None = None, cpus: set[int] | None = None,
-                   clock: Callable[[], float] = time.monotonic,
-                   own: Callable[[], float] = time.process_time) -> CpuTimes | None:
+def read_cpu_times(
+    stat: Path | None = None,
+    cpus: set[int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    own: Callable[[], float] = time.process_time,
+) -> CpuTimes | None:
     """The ``cpuN`` lines of ``stat`` (default :data:`PROC_STAT`) for ``cpus`` (default: the CPUs
     this process may use), with this process's CPU time; None where ``stat`` cannot be read or
     lists none of them."""

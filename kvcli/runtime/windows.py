@@ -61,7 +61,7 @@ class Windows:
         object.__setattr__(self, "sliding_layers", tuple(i for i, w in enumerate(layers) if w is not None))
 
     @classmethod
-    def of_config(cls, config, n_layers: int) -> "Windows":
+    def of_config(cls, config, n_layers: int) -> Windows:
         """The windows a transformers text config gives its ``n_layers`` decoder layers."""
         window = getattr(config, "sliding_window", None)  # an optional field of the config
         types = getattr(config, "layer_types", None)  # listed by the families that mix layer kinds
@@ -72,7 +72,7 @@ class Windows:
         return cls(attention, int(config.max_position_embeddings))
 
     @classmethod
-    def none(cls, n_layers: int, max_context: int | None = None) -> "Windows":
+    def none(cls, n_layers: int, max_context: int | None = None) -> Windows:
         """A model whose every layer attends to the whole context."""
         return cls((None,) * n_layers, max_context)
 

@@ -14,7 +14,23 @@ from .kvstore import Fetched, KVStore, Loaded, Watcher
 from .locks import Holder, LocksUnsupported, take_lock
 
 __all__ = [
-    "CAP_ENV", "FORMAT_VERSION", "NO_CAP", "DamagedEntry", "Entry", "Fetched", "Holder", "KVStore", "Leftovers",
-    "Loaded", "LocksUnsupported", "StoreKey", "Watcher", "fetch_book", "least_recently_used", "make_key", "parse_size",
-    "resolve_cap", "take_lock",
+    "CAP_ENV",
+    "FORMAT_VERSION",
+    "NO_CAP",
+    "DamagedEntry",
+    "Entry",
+    "Fetched",
+    "Holder",
+    "KVStore",
+    "Leftovers",
+    "Loaded",
+    "LocksUnsupported",
+    "StoreKey",
+    "Watcher",
+    "fetch_book",
+    "least_recently_used",
+    "make_key",
+    "parse_size",
+    "resolve_cap",
+    "take_lock",
 ]

@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .. import notices
 from ..caches.bookfile import Destination, FileStorage, InMemory, resume_region
@@ -62,7 +62,9 @@ def no_room(store: KVStore, key: StoreKey, size: int) -> str | None:
     return None
 
 
-def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: dict, what: str) -> tuple[object, Fetched]:
+def fetch_book(
+    store: KVStore, key: StoreKey, read: Callable, size: int, meta: dict, what: str
+) -> tuple[object, Fetched]:
     """The book under ``key``: opened when stored, else ``read(destination)`` into a new entry (a
     :class:`PartialRead`, resumed when an earlier read stopped), or ``read(None)``: into memory,
     not stored. ``size``: the entry's bytes; ``what``: the book in words for the lines said to the
@@ -81,8 +83,11 @@ def fetch_book(store: KVStore, key: StoreKey, read: Callable, size: int, meta: d
             return _in_memory(read)
         why = no_room(store, key, size)
         if why is not None:
-            notices.warn(f"storing {what} would take {human(size)}, {why}: answering without storing it "
-                         "(every question reads the document again)", key=("book-no-room", key.digest))
+            notices.warn(
+                f"storing {what} would take {human(size)}, {why}: answering without storing it "
+                "(every question reads the document again)",
+                key=("book-no-room", key.digest),
+            )
             return _in_memory(read)
         try:
             store.root.mkdir(parents=True, exist_ok=True)
@@ -117,16 +122,25 @@ class PartialRead(Destination):
     def start(self, specs: dict, room: int, new: Callable) -> object:
         book = self._resume(specs, room, new)
         if book is None:
-            head = {**self.meta, "format": FORMAT_VERSION, "key": self.key.digest, "fields": self.key.fields,
-                    "cache_kind": "book", "partial": True, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            head = {
+                **self.meta,
+                "format": FORMAT_VERSION,
+                "key": self.key.digest,
+                "fields": self.key.fields,
+                "cache_kind": "book",
+                "partial": True,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
             try:
                 storage = FileStorage.create(self.path, specs, room, {META_KEY: json.dumps(head, sort_keys=True)})
                 os.chmod(self.path, file_mode())  # not 0600: in a cache shared by a group, others resume it too
             except OSError as e:  # read-only, full disk: in memory, not stored
                 self.store.turn_off(e)
                 return InMemory().start(specs, room, new)
-            notices.warn(f"storing {self.what} in the disk store for later questions: {human(self.size)}",
-                         key=("book-store", self.key.digest))
+            notices.warn(
+                f"storing {self.what} in the disk store for later questions: {human(self.size)}",
+                key=("book-store", self.key.digest),
+            )
             book = new(storage)
         self.book = book
         self.t0 = time.perf_counter()
@@ -155,15 +169,19 @@ class PartialRead(Destination):
         except (ValueError, KeyError, TypeError, OSError) as e:
             if storage is not None:
                 storage.close()
-            notices.warn(f"the partial read of {self.what} in the disk store is damaged ({one_line(e)}); "
-                         "reading it from the start")
+            notices.warn(
+                f"the partial read of {self.what} in the disk store is damaged ({one_line(e)}); "
+                "reading it from the start"
+            )
             return None
         self.seq, self.kept, self.point = slot[0] + 1, book.n_tokens, None
         self.earlier_s = float(facts.get("seconds", 0.0))
         n = self.key.fields["n_tokens"]
-        notices.warn(f"resuming the read of {self.what} at {book.n_tokens:,}/{n:,} tokens "
-                     f"({100 * book.n_tokens / max(1, n):.0f}%): an earlier read stopped there",
-                     key=("book-resume", self.key.digest))
+        notices.warn(
+            f"resuming the read of {self.what} at {book.n_tokens:,}/{n:,} tokens "
+            f"({100 * book.n_tokens / max(1, n):.0f}%): an earlier read stopped there",
+            key=("book-resume", self.key.digest),
+        )
         self.store.watcher.resumed(book.n_tokens, n)
         return book
 

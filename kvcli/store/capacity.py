@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .keys import SUFFIX
 
@@ -58,8 +58,9 @@ def least_recently_used(items: list, max_bytes: int, size: Callable, last_use: C
     return out
 
 
-def room_for(items: list, size: int, max_bytes: int, size_of: Callable, last_use: Callable,
-             removable: Callable) -> list | None:
+def room_for(
+    items: list, size: int, max_bytes: int, size_of: Callable, last_use: Callable, removable: Callable
+) -> list | None:
     """The items to remove, least recently used first, for a new entry of ``size`` bytes to fit beside
     the rest in ``max_bytes``; None when it cannot, whatever goes (it alone, or with the items that
     cannot be removed, is over): then nothing is removed and the entry is not kept."""

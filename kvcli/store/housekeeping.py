@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from .entries import Entry
 from .keys import SUFFIX, TEMP_NAME, digest_of, is_partial, lock_path

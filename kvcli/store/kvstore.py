@@ -34,17 +34,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
-from ..runtime import accelerator
 from .. import notices
 from ..caches import KVCache
 from ..caches.book import BookCache
 from ..errors import one_line
+from ..runtime import accelerator
 from . import entries as entry_files
 from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
@@ -138,7 +138,7 @@ class KVStore:
     _held: tuple | None = field(default=None, repr=False)  # (lock handle, Holder, when last said)
 
     @classmethod
-    def open(cls, cache_dir: Path, max_bytes: int | None = None) -> "KVStore":
+    def open(cls, cache_dir: Path, max_bytes: int | None = None) -> KVStore:
         """The store under ``cache_dir``, after removing what killed runs left in it (:meth:`reclaim`).
         ``max_bytes``: its cap (:func:`kvcli.store.resolve_cap`; None: no cap)."""
         store = cls(Path(cache_dir).expanduser() / "kv", max_bytes=max_bytes)
@@ -146,7 +146,9 @@ class KVStore:
         return store
 
     # --- the one call the pipeline makes ------------------------------------------------------
-    def fetch(self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu", room: int = 0) -> tuple[object, Fetched]:
+    def fetch(
+        self, key: StoreKey, compute: Callable[[], object], meta: dict, device="cpu", room: int = 0
+    ) -> tuple[object, Fetched]:
         """The state under ``key``: loaded when a valid entry exists, else ``compute()`` d and saved.
         ``room``: entries a plain KV uploaded to an accelerator leaves per layer for what follows it.
 
@@ -315,7 +317,11 @@ class KVStore:
             self.turn_off(e)
             return None
         # the memo stays on the host (see _on): the tensors just written are host copies already
-        host = type(cache).from_tensors(entry.tensors, entry.meta["facts"], device=_HOST) if accelerator.on_accelerator(device) else cache
+        host = (
+            type(cache).from_tensors(entry.tensors, entry.meta["facts"], device=_HOST)
+            if accelerator.on_accelerator(device)
+            else cache
+        )
         self.remember(key.digest, Loaded(host, entry.meta, size, path))
         self.make_room(path)
         return size
@@ -399,7 +405,9 @@ class KVStore:
         entries = self.entries()
         entries = [e for e in entries if not e.reading]  # a partial entry whose read runs stays
         removed = [e for e in entries if e.error]
-        removed += least_recently_used([e for e in entries if not e.error], max_bytes, size=lambda e: e.size, last_use=lambda e: e.last_use)
+        removed += least_recently_used(
+            [e for e in entries if not e.error], max_bytes, size=lambda e: e.size, last_use=lambda e: e.last_use
+        )
         self.remove(removed)
         return removed, self.reclaim(explicit=True)
 

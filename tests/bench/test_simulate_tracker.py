@@ -75,13 +75,12 @@ def test_data_dependent_shapes_are_syncs_and_raise_on_meta():
 
 def test_host_to_device_copies_explicit_and_implicit():
     t = Tracker("meta")
-    with t:
-        with phase(t, "decode:0"):
-            pos = torch.arange(4).to("meta")  # explicit copy
-            base = torch.empty(8, 2, device="meta")
-            picked = base[torch.tensor([1, 3])]  # CPU indices into a device op: implicit copy
-            same = torch.arange(3) + 1  # on the CPU: nothing
-            scaled = base * 3  # on the device: nothing
+    with t, phase(t, "decode:0"):
+        pos = torch.arange(4).to("meta")  # explicit copy
+        base = torch.empty(8, 2, device="meta")
+        picked = base[torch.tensor([1, 3])]  # CPU indices into a device op: implicit copy
+        same = torch.arange(3) + 1  # on the CPU: nothing
+        scaled = base * 3  # on the device: nothing
     counts = t.phases["decode:0"]
     assert counts.h2d == 2 and counts.syncs == 0
     assert t.counts("decode").h2d == 2 and t.counts("prefill").h2d == 0

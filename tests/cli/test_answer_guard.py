@@ -27,7 +27,19 @@ def test_ask_cuts_the_answer_and_no_answer_guard_does_not(cli, tmp_path_factory,
     model = str(make_parrot_model(tmp_path_factory.mktemp("parrot"), loop))
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC, encoding="utf-8")
-    common = ["ask", doc, "Is the light on?", "-m", model, "--max-new-tokens", "30", "-c", "full", "--json", "--no-cache"]
+    common = [
+        "ask",
+        doc,
+        "Is the light on?",
+        "-m",
+        model,
+        "--max-new-tokens",
+        "30",
+        "-c",
+        "full",
+        "--json",
+        "--no-cache",
+    ]
     code, out, err = cli(*common)
     assert code == 0, err
     guarded = json.loads(out)["answer"]

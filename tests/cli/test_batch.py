@@ -41,7 +41,11 @@ def cli(capsys, monkeypatch, model, tmp_path):
     def run(*args, stdin: str | None = None):
         if stdin is not None:
             monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-        code, out, err = run_cli(["ask", *args, "-m", model, "-c", "full", "--max-new-tokens", "3", "--cache-dir", tmp_path / "cache"], capsys, monkeypatch)
+        code, out, err = run_cli(
+            ["ask", *args, "-m", model, "-c", "full", "--max-new-tokens", "3", "--cache-dir", tmp_path / "cache"],
+            capsys,
+            monkeypatch,
+        )
         return code, [json.loads(line) for line in out.splitlines()], err
 
     return run
@@ -65,7 +69,9 @@ def test_folder_with_a_corrupt_file_gives_records_for_all_and_exit_1(cli, folder
     assert err.splitlines()[-1] == "3 answered, 1 failed · full"
 
 
-def test_questions_file_asks_every_question_of_every_document_loading_the_model_once(cli, folder, tmp_path, monkeypatch):
+def test_questions_file_asks_every_question_of_every_document_loading_the_model_once(
+    cli, folder, tmp_path, monkeypatch
+):
     loads = []
     real = api.load_model
     monkeypatch.setattr(api, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
@@ -97,9 +103,8 @@ def run_stdin_batch(cli):
 def _write_questions() -> str:
     import tempfile
 
-    f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
-    f.write('{"question": "Who was the keeper?"}\n"How many ships?"\n')
-    f.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write('{"question": "Who was the keeper?"}\n"How many ships?"\n')
     return f.name
 
 
@@ -120,7 +125,11 @@ def test_fail_fast_stops_at_the_first_failure(cli, folder):
 
 def test_batch_summary_counts_what_ran_and_shows_the_resolved_spec(folder, model, tmp_path, capsys, monkeypatch):
     def run(*args):
-        return run_cli(["ask", *args, "-m", model, "--max-new-tokens", "2", "--no-cache", "-c", "gemfilter:layer=2"], capsys, monkeypatch)
+        return run_cli(
+            ["ask", *args, "-m", model, "--max-new-tokens", "2", "--no-cache", "-c", "gemfilter:layer=2"],
+            capsys,
+            monkeypatch,
+        )
 
     code, out, err = run(folder / "missing.txt", folder / "a.txt", folder / "b.md", "Who?", "--fail-fast")
     assert code == 1 and len(out.splitlines()) == 1
@@ -138,8 +147,14 @@ def test_batch_summary_counts_what_ran_and_shows_the_resolved_spec(folder, model
 def test_an_error_that_does_not_name_the_document_gets_its_name_once():
     from kvcli.batch import error_line
 
-    assert error_line({"document": "/x/a.pdf", "error": "'/x/a.pdf' is not a valid PDF"}) == "'/x/a.pdf' is not a valid PDF"
-    assert error_line({"document": "/x/a.txt", "error": "the prompt is longer than the window"}) == "/x/a.txt: the prompt is longer than the window"
+    assert (
+        error_line({"document": "/x/a.pdf", "error": "'/x/a.pdf' is not a valid PDF"})
+        == "'/x/a.pdf' is not a valid PDF"
+    )
+    assert (
+        error_line({"document": "/x/a.txt", "error": "the prompt is longer than the window"})
+        == "/x/a.txt: the prompt is longer than the window"
+    )
     assert error_line({"document": "-", "error": "stdin is empty"}) == "stdin is empty"
 
 
@@ -151,7 +166,11 @@ def test_glob_pattern_and_usage_errors(cli, folder, capsys):
     code, records, _ = cli(str(folder / "*.nothing"), folder / "a.txt", "Who?")  # in a batch: a record
     assert code == 1 and "no files match" in records[0]["error"] and "answer" in records[1]
     # usage errors: exit 2, one line, before any model work
-    for args in ([folder, "--questions", folder / "nope.txt"], [folder, "Who?", "--template", "nosuch-template"], ["-", "-", "Who?"]):
+    for args in (
+        [folder, "--questions", folder / "nope.txt"],
+        [folder, "Who?", "--template", "nosuch-template"],
+        ["-", "-", "Who?"],
+    ):
         code, records, err = cli(*args)
         assert code == 2 and records == [] and err.startswith("kvcli: error:") and len(err.splitlines()) == 1
 
@@ -164,7 +183,15 @@ def test_records_stream_in_input_order_as_soon_as_every_earlier_document_is_done
     consumed = []
 
     def events():  # job 2 finishes first, then job 0 record by record, then job 1
-        for event in [(2, {"r": "2a"}), (2, None), (0, {"r": "0a"}), (0, {"r": "0b"}), (0, None), (1, {"r": "1a"}), (1, None)]:
+        for event in [
+            (2, {"r": "2a"}),
+            (2, None),
+            (0, {"r": "0a"}),
+            (0, {"r": "0b"}),
+            (0, None),
+            (1, {"r": "1a"}),
+            (1, None),
+        ]:
             consumed.append(event)
             yield event
 
@@ -198,7 +225,7 @@ def _script_env(model: str, tmp_path: Path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     launcher = bin_dir / "kvcli"
-    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} -m kvcli \"$@\"\n")
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvcli "$@"\n')
     launcher.chmod(0o755)
     return {
         **os.environ,
@@ -219,7 +246,10 @@ def run_example(script: str, model: str, tmp_path: Path, *args) -> str:
     """Run examples/<script> with kvcli on PATH (tiny model, private cache); its stdout."""
     out = subprocess.run(
         ["bash", str(REPO / "examples" / script), *map(str, args)],
-        capture_output=True, text=True, env=_script_env(model, tmp_path), timeout=300,
+        capture_output=True,
+        text=True,
+        env=_script_env(model, tmp_path),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -236,7 +266,10 @@ def test_example_folder_script_runs(model, folder, tmp_path):
 def test_example_questions_script_runs(model, folder, tmp_path):
     questions = tmp_path / "q.txt"
     questions.write_text("# two questions\nWho was the keeper?\nHow many ships?\n")
-    rows = [line.split("\t") for line in run_example("ask_questions.sh", model, tmp_path, folder / "a.txt", questions).splitlines()]
+    rows = [
+        line.split("\t")
+        for line in run_example("ask_questions.sh", model, tmp_path, folder / "a.txt", questions).splitlines()
+    ]
     assert [(r[0], r[2]) for r in rows] == [("Who was the keeper?", "miss"), ("How many ships?", "hit")]
 
 

@@ -17,7 +17,9 @@ def test_a_broken_document_asked_two_questions_is_said_once(tmp_path, model, cap
     questions = tmp_path / "q.txt"
     questions.write_text("Who was the keeper?\nHow many ships?\n")
     code, out, err = run_cli(
-        ["ask", folder, "--questions", questions, "-m", model, "-c", "full", "--max-new-tokens", "2", "--no-cache"], capsys, monkeypatch
+        ["ask", folder, "--questions", questions, "-m", model, "-c", "full", "--max-new-tokens", "2", "--no-cache"],
+        capsys,
+        monkeypatch,
     )
     records = [json.loads(line) for line in out.splitlines()]
     errors = [r for r in records if "error" in r]
@@ -34,5 +36,9 @@ def test_error_lines_are_per_document_and_message():
     assert lines.line(a1) == "'a.pdf' is not a valid PDF"
     assert lines.line({**a1, "question": "q2"}) is None
     # another document, or another error of the same document (a question that failed), is said
-    assert lines.line({**a1, "document": "b.pdf", "error": "'b.pdf' is not a valid PDF"}) == "'b.pdf' is not a valid PDF"
-    assert lines.line({**a1, "question": "q3", "error": "the question is too long"}) == "a.pdf: the question is too long"
+    assert (
+        lines.line({**a1, "document": "b.pdf", "error": "'b.pdf' is not a valid PDF"}) == "'b.pdf' is not a valid PDF"
+    )
+    assert (
+        lines.line({**a1, "question": "q3", "error": "the question is too long"}) == "a.pdf: the question is too long"
+    )

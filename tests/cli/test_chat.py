@@ -62,14 +62,18 @@ def _capsys_monkeypatch(cli):
 def test_text_over_a_pipe_and_a_failing_question(cli, doc, model):
     long_question = "Which entry " + "really " * 300 + "mentions storms?"
     stdin = f"{QUESTIONS[0]}\n{long_question}\n{QUESTIONS[1]}\n"
-    code, out, err = cli("chat", doc, "-m", model, "--max-new-tokens", "6", "-c", "full", "--no-cache", "--json", "-q", stdin=stdin)
+    code, out, err = cli(
+        "chat", doc, "-m", model, "--max-new-tokens", "6", "-c", "full", "--no-cache", "--json", "-q", stdin=stdin
+    )
     assert code == 1
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["question"] for r in records] == [QUESTIONS[0], long_question, QUESTIONS[1]]
     assert "answer" in records[0] and "answer" in records[2]
     assert records[1]["error_type"] == "DocumentError" and "window" in records[1]["error"]
     assert err.splitlines() == [f"kvcli: error: {records[1]['error']}"]
-    code, out, err = cli("chat", doc, "-m", model, "--max-new-tokens", "6", "-c", "full", "--no-cache", "-q", stdin=f"{QUESTIONS[0]}\n")
+    code, out, err = cli(
+        "chat", doc, "-m", model, "--max-new-tokens", "6", "-c", "full", "--no-cache", "-q", stdin=f"{QUESTIONS[0]}\n"
+    )
     assert code == 0 and out.endswith("\n") and out.count("\n") >= 1 and err == ""
 
 
@@ -115,9 +119,17 @@ def test_at_the_prompt_ctrl_c_cancels_the_answer_not_the_chat(cli, doc, model, m
 
     monkeypatch.setattr(api.Session, "ask", ask)
     monkeypatch.setattr("builtins.input", fake_input)
-    monkeypatch.setattr(kvcli.cli.chat, "stdout", __import__("rich.console").console.Console(force_terminal=True, highlight=False, soft_wrap=True))
+    monkeypatch.setattr(
+        kvcli.cli.chat,
+        "stdout",
+        __import__("rich.console").console.Console(force_terminal=True, highlight=False, soft_wrap=True),
+    )
     monkeypatch.setattr("sys.stdin", _Terminal())
-    code, out, err = run_cli(("chat", doc, "-m", model, "--max-new-tokens", "6", "--no-answer-guard", "--cache-dir", tmp_path / "c"), capsys, monkeypatch)
+    code, out, err = run_cli(
+        ("chat", doc, "-m", model, "--max-new-tokens", "6", "--no-answer-guard", "--cache-dir", tmp_path / "c"),
+        capsys,
+        monkeypatch,
+    )
     assert code == 0, err
     assert err.count("(answer cancelled)") == 1
     assert err.count(" · cache ") == 2  # two answers' figures: the cancelled one has none

@@ -18,7 +18,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 QUESTION = "Who keeps the lighthouse?"
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)"),
+]
 
 
 class Pane:
@@ -29,7 +33,12 @@ class Pane:
         subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
 
     def wait(self, predicate, what: str, timeout: float = 300.0) -> str:
         end = time.monotonic() + timeout
@@ -77,7 +86,9 @@ def test_chat_in_a_terminal(tmp_path):
         screen = pane.wait(lambda s: "full attention · " in s, "the spinner naming the method")
         assert "tokens" in screen.split("full attention · ", 1)[1].splitlines()[0]
         pane.keys("C-c")
-        screen = pane.wait(lambda s: "(answer cancelled)" in s and _prompts(s) == 2, "the cancelled answer and a new prompt")
+        screen = pane.wait(
+            lambda s: "(answer cancelled)" in s and _prompts(s) == 2, "the cancelled answer and a new prompt"
+        )
         assert "Traceback" not in screen and not exit_file.exists()
 
         # asked again: answered (and the document's KV stored)

@@ -24,7 +24,7 @@ from tests.helpers.cli_runner import assert_user_error, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
-WORDS = "alpha beta gamma delta harbour blue passkey river stone lamp".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "harbour", "blue", "passkey", "river", "stone", "lamp"]
 
 JSON_KEYS = (
     "answer",
@@ -188,7 +188,13 @@ def test_attn_flash(cli, files, model):
 def test_document_longer_than_the_model_window(cli, files, tiny_dir):
     short = str(tiny_dir("llama", num_hidden_layers=4, max_position_embeddings=256))
     # the refusal names the option that works
-    assert_user_error(cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "-c", "full"), 1, "256", "window", "-c finch")
+    assert_user_error(
+        cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "-c", "full"),
+        1,
+        "256",
+        "window",
+        "-c finch",
+    )
     # the default reads it: -c auto hands a document longer than the window to Finch
     code, out, err = cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "--json")
     assert code == 0, err
@@ -384,10 +390,31 @@ def test_real_entry_point_matches_in_process(cli, files, model):
 
 @pytest.mark.parametrize(
     "spec, note",
-    [("full", "--kv-offload cpu has no effect on full: only blocksparse"), ("blocksparse", "--kv-offload cpu has no effect: the model runs on the cpu")],
+    [
+        ("full", "--kv-offload cpu has no effect on full: only blocksparse"),
+        ("blocksparse", "--kv-offload cpu has no effect: the model runs on the cpu"),
+    ],
 )
 def test_kv_offload_without_effect_says_so_once(spec, note, files, model, capsys, monkeypatch):
-    code, out, err = run_cli(["ask", files["doc"], "Who keeps the light?", "--model", model, "-c", spec, "--kv-offload", "cpu", "--json", "--max-new-tokens", "2", "--no-cache"], capsys, monkeypatch)
+    code, out, err = run_cli(
+        [
+            "ask",
+            files["doc"],
+            "Who keeps the light?",
+            "--model",
+            model,
+            "-c",
+            spec,
+            "--kv-offload",
+            "cpu",
+            "--json",
+            "--max-new-tokens",
+            "2",
+            "--no-cache",
+        ],
+        capsys,
+        monkeypatch,
+    )
     assert code == 0, err
     record = json.loads(out)
     assert any(note in w for w in record["warnings"]), record["warnings"]
@@ -401,10 +428,16 @@ def test_a_question_with_questions_file_is_a_usage_error(cli, files, tmp_path):
     questions = tmp_path / "q.txt"
     questions.write_text("Who keeps the light?\n")
     for extra in ("Extra?", "What is it", "notes"):  # not documents: a glob that matches nothing, words
-        line = assert_user_error(cli("ask", files["doc"], extra, "--questions", questions, "-m", "/nonexistent/model"), 2, f"'{extra}'")
+        line = assert_user_error(
+            cli("ask", files["doc"], extra, "--questions", questions, "-m", "/nonexistent/model"), 2, f"'{extra}'"
+        )
         assert "a QUESTION and --questions exclude each other" in line
     # documents that cannot be read stay documents (exit 1, named)
-    assert_user_error(cli("ask", files["doc"].with_name("gone.txt"), "--questions", questions, "-m", "/nonexistent/model"), 1, "gone.txt")
+    assert_user_error(
+        cli("ask", files["doc"].with_name("gone.txt"), "--questions", questions, "-m", "/nonexistent/model"),
+        1,
+        "gone.txt",
+    )
 
 
 @pytest.mark.parametrize("question", ["", "   ", "\n"])
@@ -426,7 +459,9 @@ def test_the_embedded_models_conversion_is_announced_when_stderr_is_not_a_termin
     code, out, err = cli("ask", files["doc"], "What is it?", "--cache-dir", tmp_path / "fresh")
     lines = err.splitlines()
     assert code == 1 and out == "" and len(lines) == 2, err
-    assert lines[0].startswith("kvcli: converting the embedded model smollm2-135m-instruct for its first use (once, ~30 s) into ")
+    assert lines[0].startswith(
+        "kvcli: converting the embedded model smollm2-135m-instruct for its first use (once, ~30 s) into "
+    )
     assert lines[1].startswith("kvcli: error: cannot convert the embedded model")
     code, out, err = cli("ask", files["doc"], "What is it?", "--cache-dir", tmp_path / "fresh", "--quiet")
     assert code == 1 and err.startswith("kvcli: error: cannot convert") and len(err.splitlines()) == 1

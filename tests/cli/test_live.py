@@ -23,8 +23,18 @@ def doc(tmp_path):
 
 
 def test_ask_on_a_terminal_streams_the_answer_piece_by_piece(cli, doc, model, monkeypatch):
-    args = ("ask", doc, "How many ships?", "-m", model, "--max-new-tokens", "16", "--no-answer-guard", "--no-cache",
-            "--no-sources")
+    args = (
+        "ask",
+        doc,
+        "How many ships?",
+        "-m",
+        model,
+        "--max-new-tokens",
+        "16",
+        "--no-answer-guard",
+        "--no-cache",
+        "--no-sources",
+    )
     code, out, err = cli(*args, "--json")
     answer = json.loads(out)["answer"]
     assert code == 0 and answer

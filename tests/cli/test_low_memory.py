@@ -17,7 +17,18 @@ def test_low_memory_maps_the_prompt_phase_and_gives_the_same_answer(cli, model, 
     calls: list[int] = []
     real = measure._set_mmap_threshold
     monkeypatch.setattr(measure, "_set_mmap_threshold", lambda n: calls.append(int(n)) or real(n))
-    args = ["ask", doc, "How many ships?", "-m", model, "--max-new-tokens", "6", "--json", "--no-cache", "--no-answer-guard"]
+    args = [
+        "ask",
+        doc,
+        "How many ships?",
+        "-m",
+        model,
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--no-cache",
+        "--no-answer-guard",
+    ]
     code, out, err = cli(*args)
     assert code == 0, err
     plain = json.loads(out)

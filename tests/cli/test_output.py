@@ -15,9 +15,11 @@ from kvcli.answer.pipeline import Pipeline
 
 
 def test_a_spec_is_shown_by_its_name_and_the_knobs_the_user_set():
-    full = ("infllm:preset=auto,block_size=128,initial=128,local_window=1024,topk=8,answer_topk=50,repr_topk=4,"
-            "chunk=512,kv_dtype=float16,retrieval=question,answer_scores=tokens,filter_layer=17,"
-            "answer_positions=ordered")
+    full = (
+        "infllm:preset=auto,block_size=128,initial=128,local_window=1024,topk=8,answer_topk=50,repr_topk=4,"
+        "chunk=512,kv_dtype=float16,retrieval=question,answer_scores=tokens,filter_layer=17,"
+        "answer_positions=ordered"
+    )
     assert len(full) > 200
     assert api.spec_label(full, Pipeline.parse("infllm:answer_topk=50")) == "infllm:answer_topk=50"
     assert api.spec_label(full, Pipeline.parse("infllm")) == "infllm"
@@ -55,8 +57,17 @@ def test_a_batch_summary_names_each_method_with_its_count(cli, two_sizes):
 
 def test_the_over_window_note_is_said_once_per_document_and_short(cli, two_sizes, tmp_path):
     model, folder = two_sizes
-    args = ("ask", folder / "b-long.txt", "How many gulls?", "-m", model, "--max-new-tokens", "2",
-            "--cache-dir", tmp_path / "c")
+    args = (
+        "ask",
+        folder / "b-long.txt",
+        "How many gulls?",
+        "-m",
+        model,
+        "--max-new-tokens",
+        "2",
+        "--cache-dir",
+        tmp_path / "c",
+    )
     code, out, err = cli(*args)
     assert code == 0, err
     assert "window" not in err and "storing the document's KV" in err  # the first read says it stores the book
@@ -77,8 +88,9 @@ def test_gemma_sliding_windows_are_named_beside_the_ratio(cli, tiny_dir, tmp_pat
     model = str(tiny_dir("gemma3", num_hidden_layers=4))
     doc = tmp_path / "log.txt"
     doc.write_text(" ".join(f"Entry {i}: the keeper logged {i % 13} ships." for i in range(30)))
-    code, out, err = cli("ask", doc, "How many ships?", "-m", model, "-c", "full", "--max-new-tokens", "2",
-                         "--no-cache")
+    code, out, err = cli(
+        "ask", doc, "How many ships?", "-m", model, "-c", "full", "--max-new-tokens", "2", "--no-cache"
+    )
     assert code == 0, err
     kept = re.search(r"KV kept ([\d,]+)/([\d,]+) tokens \(sliding windows; 1\.0× compression vs full attention\)", err)
     assert kept and int(kept[1].replace(",", "")) < int(kept[2].replace(",", "")), err
@@ -87,8 +99,19 @@ def test_gemma_sliding_windows_are_named_beside_the_ratio(cli, tiny_dir, tmp_pat
 def test_piped_show_selected_has_a_legend_for_its_marks(cli, model, tmp_path):
     doc = tmp_path / "log.txt"
     doc.write_text(" ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships and {i % 5} storms." for i in range(40)))
-    code, out, err = cli("ask", doc, "How many ships?", "-m", model, "-c", "gemfilter:k=200", "--max-new-tokens", "2",
-                         "--no-cache", "--show-selected")
+    code, out, err = cli(
+        "ask",
+        doc,
+        "How many ships?",
+        "-m",
+        model,
+        "-c",
+        "gemfilter:k=200",
+        "--max-new-tokens",
+        "2",
+        "--no-cache",
+        "--show-selected",
+    )
     assert code == 0, err
     lines = out.splitlines()
     legend = [i for i, line in enumerate(lines) if line.startswith("⟦ ⟧ mark the kept text")]

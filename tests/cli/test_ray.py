@@ -14,16 +14,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from kvcli import notices
 from kvcli.api import AskOptions, Session, parse_pipeline
 from kvcli.batch import expand_inputs
-from kvcli.executors import run_batch
-from kvcli.executors import LocalExecutor, RayExecutor
+from kvcli.executors import LocalExecutor, RayExecutor, run_batch
 from tests.helpers.cli_runner import run_cli
 
 try:
@@ -35,7 +34,16 @@ except ImportError:
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'kvcli[ray]')")
 QUESTIONS = ["Who was the keeper?", "How many ships arrived?", "What colour is the light?"]
 # what differs from run to run (timings, memory) or names the worker
-VOLATILE = {"ttft_s", "total_s", "decode_tokens_per_s", "peak_mem_mb", "cache_saved_s", "cache_entry_bytes", "worker", "sources_s"}  # entry bytes: the header holds compute_s
+VOLATILE = {
+    "ttft_s",
+    "total_s",
+    "decode_tokens_per_s",
+    "peak_mem_mb",
+    "cache_saved_s",
+    "cache_entry_bytes",
+    "worker",
+    "sources_s",
+}  # entry bytes: the header holds compute_s
 
 
 def _text(i: int, repeat: int) -> str:
@@ -91,8 +99,25 @@ def test_ray_batch_records_equal_the_local_batch_and_each_document_stays_on_one_
     questions.write_text("\n".join(QUESTIONS) + "\n")
 
     def ask(*extra, cache):
-        code, out, err = run_cli(["ask", folder, "--questions", questions, "-m", model, "-c", "full", "--max-new-tokens", "3",
-                                  "--cache-dir", tmp_path / cache, *extra], capsys, monkeypatch)
+        code, out, err = run_cli(
+            [
+                "ask",
+                folder,
+                "--questions",
+                questions,
+                "-m",
+                model,
+                "-c",
+                "full",
+                "--max-new-tokens",
+                "3",
+                "--cache-dir",
+                tmp_path / cache,
+                *extra,
+            ],
+            capsys,
+            monkeypatch,
+        )
         return code, [json.loads(line) for line in out.splitlines()], err
 
     code, local, local_err = ask(cache="local")
@@ -160,7 +185,9 @@ def _by_pair(records: list[dict]) -> dict[tuple[str, str], int]:
 
 @pytest.mark.ray
 @needs_ray
-def test_a_killed_actor_s_document_is_retried_on_another_and_every_record_comes_once(ray_cluster, model, folder, tmp_path):
+def test_a_killed_actor_s_document_is_retried_on_another_and_every_record_comes_once(
+    ray_cluster, model, folder, tmp_path
+):
     slow_text = _text(9, 4)
     slow, feed = _fifo_document(tmp_path, slow_text)
     inputs = [str(folder), str(slow)]  # the FIFO outside the folder (a folder lists files only)
@@ -197,7 +224,17 @@ def test_a_killed_actor_s_document_is_retried_on_another_and_every_record_comes_
     assert {r["worker"] for r in slow_records} != set(killed)  # answered by the other actor
     # longest first: doc1 (9 lines), doc5 (7), doc3 (5), ...; the FIFO (0 bytes) last, then its retry
     names = [Path(items[i].source).name for i in dispatched]
-    assert names == ["doc1.txt", "doc5.txt", "doc3.txt", "doc4.txt", "doc0.txt", "doc2.txt", "broken.pdf", "slow.txt", "slow.txt"]
+    assert names == [
+        "doc1.txt",
+        "doc5.txt",
+        "doc3.txt",
+        "doc4.txt",
+        "doc0.txt",
+        "doc2.txt",
+        "broken.pdf",
+        "slow.txt",
+        "slow.txt",
+    ]
 
 
 @pytest.mark.ray
@@ -218,11 +255,17 @@ def test_a_document_that_kills_every_worker_is_one_error_record_per_question(ray
     executor.on_dispatch = on_dispatch
     try:
         with executor:
-            records = list(run_batch(executor, expand_inputs([str(folder / "a.txt"), str(poison)]), QUESTIONS, parse_pipeline("full")))
+            records = list(
+                run_batch(
+                    executor, expand_inputs([str(folder / "a.txt"), str(poison)]), QUESTIONS, parse_pipeline("full")
+                )
+            )
     finally:
         _release(poison, feed)
     assert len(killed) == 2 and len(set(killed)) == 2  # tried once, then once on the other worker
-    assert [("error" in r, r["question"]) for r in records] == [(False, q) for q in QUESTIONS] + [(True, q) for q in QUESTIONS]
+    assert [("error" in r, r["question"]) for r in records] == [(False, q) for q in QUESTIONS] + [
+        (True, q) for q in QUESTIONS
+    ]
     errors = records[3:]
     assert {r["error_type"] for r in errors} == {"WorkerError"}
     assert errors[0]["error"] == "failed on 2 Ray workers (worker killed; worker killed)"
@@ -230,7 +273,9 @@ def test_a_document_that_kills_every_worker_is_one_error_record_per_question(ray
 
 @pytest.mark.ray
 @needs_ray
-def test_an_interrupted_ray_batch_kills_its_busy_workers_and_leaves_no_partial_cache_files(ray_cluster, model, folder, tmp_path):
+def test_an_interrupted_ray_batch_kills_its_busy_workers_and_leaves_no_partial_cache_files(
+    ray_cluster, model, folder, tmp_path
+):
     from kvcli.store import KVStore
 
     cache = tmp_path / "cache"
@@ -302,9 +347,8 @@ def test_ctrl_c_while_a_worker_writes_an_entry_leaves_no_torn_entry(ray_cluster,
                 raise KeyboardInterrupt
 
         executor.on_dispatch = on_dispatch
-        with executor:
-            with pytest.raises(KeyboardInterrupt):
-                list(run_batch(executor, expand_inputs([str(folder)]), QUESTIONS, parse_pipeline("full")))
+        with executor, pytest.raises(KeyboardInterrupt):
+            list(run_batch(executor, expand_inputs([str(folder)]), QUESTIONS, parse_pipeline("full")))
         in_flight = [Path(line) for line in marker.read_text(encoding="utf-8").split()]
         assert in_flight and all(p.exists() for p in in_flight)  # killed between the bytes and the rename
         kv = cache / "kv"
@@ -337,7 +381,9 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(folder, model, capsys,
     assert (code, out) == (2, "")
     assert err == "kvcli: error: --ray needs Ray, an optional extra: pip install 'kvcli[ray]'\n"
     code, out, err = run_cli(["ask", folder, "Who?", "-m", model, "--workers", "2"], capsys, monkeypatch)
-    assert code == 2 and out == "" and err.startswith("kvcli: error: --workers needs --ray") and len(err.splitlines()) == 1
+    assert (
+        code == 2 and out == "" and err.startswith("kvcli: error: --workers needs --ray") and len(err.splitlines()) == 1
+    )
 
 
 # --- the store on a filesystem without flock --------------------------------------------------
@@ -345,9 +391,9 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(folder, model, capsys,
 
 def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_lm, tmp_path, monkeypatch):
     from kvcli import store as store_module
+    from kvcli.answer.prompt import load_template
     from kvcli.documents import document_from_text
     from kvcli.runtime.engine import Engine
-    from kvcli.answer.prompt import load_template
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -359,8 +405,13 @@ def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_
     try:
         lm = tiny_lm("llama")
         store = store_module.KVStore.open(tmp_path)
-        session = Session(lm=lm, engine=Engine(lm), options=AskOptions(max_new_tokens=3, cache_dir=tmp_path),
-                          template=load_template(), store=store)
+        session = Session(
+            lm=lm,
+            engine=Engine(lm),
+            options=AskOptions(max_new_tokens=3, cache_dir=tmp_path),
+            template=load_template(),
+            store=store,
+        )
         doc = document_from_text(_text(0, 3))
         first = session.ask(doc, QUESTIONS[0], parse_pipeline("full"))
         second = session.ask(doc, QUESTIONS[1], parse_pipeline("full"))

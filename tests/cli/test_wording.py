@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import io
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvcli.errors import ModelError
-from kvcli.model import hub
-from kvcli.model import load_model
+from kvcli.model import hub, load_model
 from tests.helpers.cli_runner import assert_user_error
 
 
@@ -33,10 +33,11 @@ def test_max_new_tokens_names_the_environment_variable_only_when_the_value_came_
 
 
 def test_a_pdf_on_stdin_is_told_to_give_the_file(cli, monkeypatch):
-    pdf = open("tests/data/groff-pdfmark.pdf", "rb").read()
+    pdf = Path("tests/data/groff-pdfmark.pdf").read_bytes()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(pdf), encoding="utf-8", errors="surrogateescape"))
-    line = assert_user_error(cli("ask", "-", "What is it?"), 1, "stdin holds a PDF",
-                             "give the PDF file's path instead of -")
+    line = assert_user_error(
+        cli("ask", "-", "What is it?"), 1, "stdin holds a PDF", "give the PDF file's path instead of -"
+    )
     assert "kvcli reads PDF" not in line
 
 

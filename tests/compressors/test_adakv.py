@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import KVCache, RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.pipeline import Pipeline, run
+from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 from tests.helpers.runs import decode_logits, prefill_and_compress, prompt_for
 
@@ -31,7 +31,9 @@ def test_spec_round_trip_and_errors():
     ada = parse_one("adakv")
     assert ada.spec() == "adakv:budget=1024,base=snapkv:window=32;kernel=7;pool=max,safeguard=0.2"
     spec = "adakv:budget=0.25,base=pyramidkv:window=8;beta=10,safeguard=0.1"
-    assert parse_one(spec).spec() == "adakv:budget=0.25,base=pyramidkv:window=8;kernel=7;pool=max;beta=10.0,safeguard=0.1"
+    assert (
+        parse_one(spec).spec() == "adakv:budget=0.25,base=pyramidkv:window=8;kernel=7;pool=max;beta=10.0,safeguard=0.1"
+    )
     assert parse_one(parse_one(spec).spec()).spec() == parse_one(spec).spec()
     assert parse_one("adakv:base=knorm:window=4,budget=16").scorer.window == 4
     for spec, message in [
@@ -129,7 +131,9 @@ def naive_adakv(scores: torch.Tensor, k: int, safeguard: float) -> list[set[int]
     n_kv, n = scores.shape
     safe = math.floor(safeguard * k)
     kept = [set(sorted(range(n), key=lambda j: -float(scores[h, j]))[:safe]) for h in range(n_kv)]
-    rest = sorted(((float(scores[h, j]), h, j) for h in range(n_kv) for j in range(n) if j not in kept[h]), reverse=True)
+    rest = sorted(
+        ((float(scores[h, j]), h, j) for h in range(n_kv) for j in range(n) if j not in kept[h]), reverse=True
+    )
     for _, h, j in rest[: k * n_kv - sum(len(s) for s in kept)]:
         kept[h].add(j)
     return kept
@@ -148,7 +152,10 @@ def assert_same_choice(got: list[set[int]], want: list[set[int]], scores: torch.
         assert len(got[h]) >= safe, h
         if safe:
             floor = min(float(scores[h, j]) for j in forced[h])
-            assert all(j in got[h] for j in range(n) if float(scores[h, j]) > floor + tol), (h, "a forced entry is missing")
+            assert all(j in got[h] for j in range(n) if float(scores[h, j]) > floor + tol), (
+                h,
+                "a forced entry is missing",
+            )
     chosen = [float(scores[h, j]) for h in range(n_kv) for j in got[h] - forced[h]]
     left = [float(scores[h, j]) for h in range(n_kv) for j in range(n) if j not in got[h]]
     if chosen and left:
@@ -161,7 +168,10 @@ def assert_same_choice(got: list[set[int]], want: list[set[int]], scores: torch.
 PYRAMID_4_LAYERS_30_4 = [55, 38, 22, 5]
 
 
-@pytest.mark.parametrize("family, base, budget, safeguard", [("qwen2", "snapkv", 30, 0.3), ("llama", "snapkv", 24, 0.8), ("qwen2", "pyramidkv", 30, 0.8)])
+@pytest.mark.parametrize(
+    "family, base, budget, safeguard",
+    [("qwen2", "snapkv", 30, 0.3), ("llama", "snapkv", 24, 0.8), ("qwen2", "pyramidkv", 30, 0.8)],
+)
 def test_selection_is_adakvs_allocation(tiny_lm, family, base, budget, safeguard):
     """(A safeguard of 0.8 binds on these prompts: without it the selection differs.)"""
     window = 4
@@ -187,8 +197,12 @@ def test_a_concentrated_head_gives_its_room_to_a_spread_one():
     near-zero entries in head 0; AdaKV (safeguard 1 entry per head) moves them to head 1."""
     from kvcli.compressors.scoring import adaptive_mask, top_mask
 
-    scores = torch.tensor([[5.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09],
-                           [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]])
+    scores = torch.tensor(
+        [
+            [5.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09],
+            [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1],
+        ]
+    )
     ada, uni = adaptive_mask(scores, 4, 0.25), top_mask(scores, 4)
     assert ada[0].nonzero().flatten().tolist() == [0]
     assert ada[1].nonzero().flatten().tolist() == list(range(7))
@@ -202,14 +216,18 @@ def test_adakv_never_keeps_less_vote_mass_than_snapkv(tiny_lm, family):
     (uniform top-k is one of the splits AdaKV chooses the best of; the safeguard is inside every
     head's top-k), votes recomputed from the Hugging Face model's attention."""
     window, budget = 4, 24
-    lm, engine, prompt, ada = ragged(tiny_lm, family, f"adakv:budget={budget},base=snapkv:window={window};kernel=1,safeguard=0.2")
+    lm, engine, prompt, ada = ragged(
+        tiny_lm, family, f"adakv:budget={budget},base=snapkv:window={window};kernel=1,safeguard=0.2"
+    )
     snap, _ = prefill_and_compress(engine, prompt.ids, f"snapkv:budget={budget},window={window},kernel=1")
     n = prompt.n_tokens
     gained = 0.0
     for l, (q, k, attn) in enumerate(reference_qk(lm, prompt.ids)):
         probs = causal_softmax(q, k, 1 / math.sqrt(attn.head_dim))[0]
         votes = probs[:, -window:, : n - window].sum(dim=1).view(lm.n_kv_heads, -1, n - window).mean(dim=1)
-        mass = lambda kept: sum(float(votes[h, [j for j in kept[h] if j < n - window]].sum()) for h in range(lm.n_kv_heads))
+        mass = lambda kept: sum(
+            float(votes[h, [j for j in kept[h] if j < n - window]].sum()) for h in range(lm.n_kv_heads)
+        )
         got = mass([cache_row[: int(ada.lengths[l][h])].tolist() for h, cache_row in enumerate(ada.kept[l])])
         want = mass([snap.kept[l][h].tolist() for h in range(lm.n_kv_heads)])
         assert got >= want - 1e-5
@@ -246,7 +264,9 @@ def test_inspect_reports_per_head_counts(tiny_dir):
     from tests.helpers.runs import DOC
 
     session = api.Session.open(api.AskOptions(model=str(tiny_dir("llama", num_hidden_layers=4)), use_cache=False))
-    ins = inspect_kept(session, document_from_text(DOC), "How many gulls?", api.parse_pipeline("adakv:budget=40,base=snapkv:window=8"))
+    ins = inspect_kept(
+        session, document_from_text(DOC), "How many gulls?", api.parse_pipeline("adakv:budget=40,base=snapkv:window=8")
+    )
     assert ins.view == "per-head" and len(ins.layers) == 4
     assert all(row.kept_mean == 40 for row in ins.layers)
     assert any(row.kept_min < row.kept_max for row in ins.layers)
@@ -266,7 +286,13 @@ def test_chains(tiny_lm):
             assert set(cache.kept[l][h][: int(cache.lengths[l][h])].tolist()) <= set(snap.kept[l][h].tolist())
     # nothing evicts entries of a ragged cache
     with pytest.raises(UsageError, match="not of a RaggedCache"):
-        run(engine, prompt, Pipeline.parse("adakv:budget=40,base=snapkv:window=8+snapkv:budget=20,window=8"), max_new_tokens=2, stop_ids=set())
+        run(
+            engine,
+            prompt,
+            Pipeline.parse("adakv:budget=40,base=snapkv:window=8+snapkv:budget=20,window=8"),
+            max_new_tokens=2,
+            stop_ids=set(),
+        )
 
 
 def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path):
@@ -288,7 +314,9 @@ def test_ragged_cache_round_trip(tiny_lm, tmp_path):
     tensors, facts = cache.to_tensors()
     save_file(tensors, str(tmp_path / "e.safetensors"))
     back = RaggedCache.from_tensors(load_file(str(tmp_path / "e.safetensors")), json.loads(json.dumps(facts)))
-    for a, b in zip((*back.keys, *back.values, *back.kept, *back.lengths), (*cache.keys, *cache.values, *cache.kept, *cache.lengths)):
+    for a, b in zip(
+        (*back.keys, *back.values, *back.kept, *back.lengths), (*cache.keys, *cache.values, *cache.kept, *cache.lengths)
+    ):
         assert torch.equal(a, b)
     token = torch.tensor([7])
     position = torch.tensor([prompt.n_tokens])

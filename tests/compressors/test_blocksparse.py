@@ -9,11 +9,12 @@ import json
 import math
 
 import pytest
-
-from kvcli.compressors.base import Runtime
 import torch
 
 from kvcli import notices
+from kvcli.answer.pipeline import Pipeline, default_prefill, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches.blocks import (
     BlockCache,
     ScoredKVCache,
@@ -24,12 +25,10 @@ from kvcli.caches.blocks import (
     quest_upper_bound,
 )
 from kvcli.compressors import parse_one
+from kvcli.compressors.base import Runtime
 from kvcli.compressors.blocksparse import BlockSparse, default_local, default_topk
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.pipeline import Pipeline, default_prefill, run
-from kvcli.answer.prefix import Prefix
-from kvcli.answer.prompt import build_prompt
+from kvcli.runtime.engine import Engine
 from kvcli.store import KVStore
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 
@@ -102,7 +101,9 @@ def test_preselecting_every_block_reproduces_full_attention(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     ids = prompt_for(lm).ids
-    got, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=1000,preselect=true,preselect_blocks=1000,head_select=separate", ids)
+    got, cache = blocksparse_logits(
+        engine, f"blocksparse:{SMALL},topk=1000,preselect=true,preselect_blocks=1000,head_select=separate", ids
+    )
     assert cache.stats()["preselected_blocks"] == 25
     assert_same_logits(got, full_logits(engine, ids))
 
@@ -290,7 +291,13 @@ def test_preset_snapkv_is_snapkv_without_pooling(tiny_lm, family):
     n, w, budget = ids.numel(), 8, 40
     stage = stage_for(lm, f"blocksparse:preset=snapkv,window={w},preselect_blocks={budget - w}")
     assert (stage.block_size, stage.preselect, stage.initial, stage.local_window, stage.head_select, stage.topk) == (
-        1, True, 0, w, "separate", budget - w)
+        1,
+        True,
+        0,
+        w,
+        "separate",
+        budget - w,
+    )
     snap, snap_out = snapkv_cache(engine, ids, f"snapkv:budget={budget},window={w},kernel=1")
     got, cache = blocksparse_logits(engine, f"blocksparse:preset=snapkv,window={w},preselect_blocks={budget - w}", ids)
     assert cache.n_blocks == n - w
@@ -311,7 +318,12 @@ def test_preset_quest_selects_blocks_per_kv_head_by_the_upper_bound(tiny_lm):
     spec = "blocksparse:preset=quest,topk=2"
     stage = stage_for(lm, spec)
     assert (stage.representative, stage.preselect, stage.head_select, stage.block_size, stage.dense_layers) == (
-        "quest", False, "separate", 16, 2)
+        "quest",
+        False,
+        "separate",
+        16,
+        2,
+    )
     _, cache = blocksparse_logits(engine, spec, ids, trace=True)
     group = lm.n_heads // lm.n_kv_heads
     by_layer = cache.stats()["kv_attended_frac_by_layer"]
@@ -337,7 +349,9 @@ def test_preset_quest_selects_blocks_per_kv_head_by_the_upper_bound(tiny_lm):
 # --- the selection with few blocks, every representative, against a reference -------------------------
 
 
-def reference_representatives(keys: torch.Tensor, kind: str, num: int, votes: torch.Tensor | None, block_size: int) -> torch.Tensor:
+def reference_representatives(
+    keys: torch.Tensor, kind: str, num: int, votes: torch.Tensor | None, block_size: int
+) -> torch.Tensor:
     """The article's representatives written out block by block: keys (n_blocks * block_size, d)
     of one KV head's Context -> (n_blocks, num, d); ``votes`` (n_blocks * block_size,) for dynamic."""
     out = []
@@ -358,7 +372,10 @@ def reference_representatives(keys: torch.Tensor, kind: str, num: int, votes: to
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("rep, heads", [("dynamic", "shared"), ("max", "shared"), ("mean", "separate"), ("fixed", "shared"), ("dynamic", "separate")])
+@pytest.mark.parametrize(
+    "rep, heads",
+    [("dynamic", "shared"), ("max", "shared"), ("mean", "separate"), ("fixed", "shared"), ("dynamic", "separate")],
+)
 def test_few_blocks_are_the_best_scored_by_a_reference(tiny_lm, rep, heads):
     """topk=2 of 25 blocks: at every decode step and layer, the two chosen blocks (per KV head, or
     one pair for the layer when shared) are the two best by InfLLM's equation 2 — sum over the
@@ -390,7 +407,11 @@ def test_few_blocks_are_the_best_scored_by_a_reference(tiny_lm, rep, heads):
         for h in range(scores.shape[0]):
             chosen = torch.zeros(25, dtype=torch.bool)
             chosen[blocks[h]] = True
-            assert float(scores[h][chosen].min()) >= float(scores[h][~chosen].max()) - 1e-4, (entry["step"], entry["layer"], h)
+            assert float(scores[h][chosen].min()) >= float(scores[h][~chosen].max()) - 1e-4, (
+                entry["step"],
+                entry["layer"],
+                h,
+            )
     picked = {tuple(e["blocks"].flatten().tolist()) for e in cache.trace}
     assert len(picked) > 1  # the choice changes with the layer or the step: it is not a fixed pair
 
@@ -401,7 +422,9 @@ def test_few_blocks_are_the_best_scored_by_a_reference(tiny_lm, rep, heads):
 def test_dense_layers_attend_to_everything(tiny_lm):
     lm = tiny_lm("qwen2")
     engine = Engine(lm)
-    _, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=1,dense_layers=2,representative=mean", prompt_for(lm).ids)
+    _, cache = blocksparse_logits(
+        engine, f"blocksparse:{SMALL},topk=1,dense_layers=2,representative=mean", prompt_for(lm).ids
+    )
     by_layer = cache.stats()["kv_attended_frac_by_layer"]
     assert by_layer[:2] == [1.0, 1.0] and all(f < 0.2 for f in by_layer[2:])
     assert cache.selections == 5 * 2
@@ -410,8 +433,12 @@ def test_dense_layers_attend_to_everything(tiny_lm):
 def test_layer_step_and_token_step_reuse_selections(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
-    _, cache = blocksparse_logits(engine, f"blocksparse:{SMALL},topk=2,layer_step=2,token_step=2,head_select=separate",
-                                  prompt_for(lm).ids, trace=True)
+    _, cache = blocksparse_logits(
+        engine,
+        f"blocksparse:{SMALL},topk=2,layer_step=2,token_step=2,head_select=separate",
+        prompt_for(lm).ids,
+        trace=True,
+    )
     # selections at steps 0, 2, 4 in layers 0 and 2; the other 14 (step, layer) pairs reuse them
     assert cache.stats()["decode_steps"] == 5
     assert (cache.selections, cache.reuses) == (6, 14)
@@ -454,13 +481,28 @@ def test_end_to_end_pipeline(tiny_lm):
     engine = Engine(lm)
     prompt = prompt_for(lm)
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=6, stop_ids=set())
-    same = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64"), max_new_tokens=6, stop_ids=set())
+    same = run(
+        engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64"), max_new_tokens=6, stop_ids=set()
+    )
     assert same.answer_ids == ref.answer_ids
-    infllm = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64,representative=infllm"), max_new_tokens=6, stop_ids=set())
+    infllm = run(
+        engine,
+        prompt,
+        Pipeline.parse(f"blocksparse:{SMALL},topk=1000,chunk=64,representative=infllm"),
+        max_new_tokens=6,
+        stop_ids=set(),
+    )
     assert infllm.answer_ids == ref.answer_ids and infllm.extra["method_stats"]["representative"] == "infllm"
     # after a selector the selected tokens are scored from scratch (no prefix state applies)
-    picked = run(engine, prompt, Pipeline.parse("gemfilter:k=120,layer=2+blocksparse:block_size=8,initial=4,local_window=8,topk=2,representative=infllm"),
-                 max_new_tokens=3, stop_ids=set())
+    picked = run(
+        engine,
+        prompt,
+        Pipeline.parse(
+            "gemfilter:k=120,layer=2+blocksparse:block_size=8,initial=4,local_window=8,topk=2,representative=infllm"
+        ),
+        max_new_tokens=3,
+        stop_ids=set(),
+    )
     assert picked.selection.n_kept == 120 and len(picked.answer_ids) == 3
     sparse = run(engine, prompt, Pipeline.parse(f"blocksparse:{SMALL},topk=2"), max_new_tokens=6, stop_ids=set())
     assert len(sparse.answer_ids) == 6 and isinstance(sparse.cache, BlockCache)
@@ -496,13 +538,16 @@ def test_offloaded_block_cache_holds_the_context_in_storage_and_gathers_the_chos
     engine = Engine(lm)
     kv = engine.prefix_kv(prompt_for(lm).ids)
     n = kv.get_seq_length(0)
-    cache = BlockCache.from_kv(kv, local=8, initial=4, block_size=8, representative="max", topk=2,
-                               head_select="separate", offload=True)
+    cache = BlockCache.from_kv(
+        kv, local=8, initial=4, block_size=8, representative="max", topk=2, head_select="separate", offload=True
+    )
     assert cache.offload and cache.stats()["kv_offload"] == "cpu" and cache.n_blocks == 25
     for layer in range(lm.n_layers):
         k = kv.keys[layer]
         assert cache.keys[layer].untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # a view, no copy
-        assert torch.equal(cache.keys[layer], k[:, :, 4:204]) and torch.equal(cache.values[layer], kv.values[layer][:, :, 4:204])
+        assert torch.equal(cache.keys[layer], k[:, :, 4:204]) and torch.equal(
+            cache.values[layer], kv.values[layer][:, :, 4:204]
+        )
         assert torch.equal(cache.fkeys[layer], torch.cat([k[:, :, :4], k[:, :, 204:]], dim=2))
     cache.trace = []
     cache.step = 0
@@ -573,7 +618,12 @@ def test_knobs_checked_against_the_model(tiny_lm, spec, message):
 def test_defaults_and_presets_fill_only_unset_knobs(tiny_lm):
     lm = tiny_lm("llama")  # 4096-token window
     stage = stage_for(lm, "blocksparse")
-    assert (stage.block_size, stage.representative, stage.head_select, stage.preselect) == (128, "dynamic", "shared", False)
+    assert (stage.block_size, stage.representative, stage.head_select, stage.preselect) == (
+        128,
+        "dynamic",
+        "shared",
+        False,
+    )
     assert stage.local_window == default_local(4096) == 128 and stage.topk == default_topk(4096, 128) == 3
     assert default_local(131072) == 4096 and default_topk(131072, 128) == 96  # the article's values at 128K
     assert stage.preselect_blocks == 6

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcli.compressors.base import Runtime
-
-from kvcli.api import compute_fractions
-from kvcli.compressors.base import REGISTRY
-from kvcli.runtime.engine import Engine
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
+from kvcli.api import compute_fractions
+from kvcli.compressors.base import REGISTRY, Runtime
+from kvcli.runtime.engine import Engine
 from tests.helpers.specs import COMPRESSING, HOLDS_EVERYTHING
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i}." for i in range(30))

@@ -32,25 +32,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.api import compute_fractions, result_record
 from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
 from kvcli.documents import document_from_text
-from kvcli.answer.pipeline import Pipeline, run
-from kvcli.store import KVStore
 from kvcli.errors import UsageError
+from kvcli.store import KVStore
 from tests.helpers.documented import json_fields
 from tests.helpers.reference import assert_same_logits
+from tests.helpers.runs import DOC, RecordingEngine, configured, full_references, prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
-from tests.helpers.runs import DOC, prompt_for
-from tests.helpers.runs import RecordingEngine, configured, full_references
 from tests.helpers.stores import session_for
-from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
+from tests.helpers.tiny_models import FAMILIES, HYBRID_FAMILIES  # every family kvcli supports (b) runs on
 
 METHODS = sorted(REGISTRY)
 # the methods whose state depends on the question (nothing to keep on disk), written out: every
 # other method must store its prefix state and read it back
-NO_PREFIX_STATE = {"h2o", "finch"}  # H2O scores every query row, the question's too; Finch's chunks are read with the question
+NO_PREFIX_STATE = {
+    "h2o",
+    "finch",
+}  # H2O scores every query row, the question's too; Finch's chunks are read with the question
 STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token
@@ -271,7 +273,7 @@ def test_kept_mask_and_stats_agree_with_n_kept_tokens(name, kept_all, stored, ti
         if family in HYBRID_FAMILIES:
             for layer in range(lm.n_layers):
                 w = lm.windows.window(layer)
-                assert mask[layer, :, n - (n if w is None else w - 1):].all(), (family, layer)
+                assert mask[layer, :, n - (n if w is None else w - 1) :].all(), (family, layer)
             assert everything.n_kept_tokens >= full_held(n, lm) and everything.compression_ratio <= 1.0 + 1e-9
         else:
             assert mask.all(), family
@@ -308,7 +310,9 @@ def check_record(record: dict) -> None:
     for key in ("prompt_computed_frac", "kv_attended_frac"):
         assert record[key] is None or 0.0 <= record[key] <= 1.0, key
     for key in ("ttft_s", "total_s", "peak_mem_mb"):
-        assert isinstance(record[key], (int, float)) and not isinstance(record[key], bool) and math.isfinite(record[key]), key
+        assert (
+            isinstance(record[key], (int, float)) and not isinstance(record[key], bool) and math.isfinite(record[key])
+        ), key
     assert 0 <= record["ttft_s"] <= record["total_s"]
     assert record["decode_tokens_per_s"] is None or record["decode_tokens_per_s"] > 0
     assert record["cache"] == "off" and record["cache_saved_s"] is None and record["cache_entry_bytes"] is None
@@ -321,7 +325,9 @@ def test_ask_json_record_has_every_documented_field(name, stored):
     record = stored(name)["record"]
     check_record(record)
     off = stored(name)["off"]
-    assert record["n_kept_tokens"] == round(off.n_kept_tokens, 2) and record["n_selected_tokens"] == off.selection.n_kept
+    assert (
+        record["n_kept_tokens"] == round(off.n_kept_tokens, 2) and record["n_selected_tokens"] == off.selection.n_kept
+    )
     assert record["compressor"] == off.extra["compressor"]
 
 
@@ -333,8 +339,18 @@ def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
     doc.write_text(DOC, encoding="utf-8")
     model = tiny_dir(STORE_FAMILY, num_hidden_layers=4)  # tiny_lm(STORE_FAMILY)'s folder
     code, out, err = cli(
-        "ask", doc, QUESTION, "-m", model, "-c", COMPRESSING[name], "--json",
-        "--max-new-tokens", str(STEPS), "--no-cache", "--no-answer-guard",
+        "ask",
+        doc,
+        QUESTION,
+        "-m",
+        model,
+        "-c",
+        COMPRESSING[name],
+        "--json",
+        "--max-new-tokens",
+        str(STEPS),
+        "--no-cache",
+        "--no-answer-guard",
     )
     assert code == 0, err
     assert out.count("\n") == 1, out  # one JSON object, one line
@@ -342,5 +358,13 @@ def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
     check_record(record)
     library = stored(name)["record"]
     assert record.keys() == library.keys()
-    for key in ("answer", "compressor", "n_context_tokens", "n_kept_tokens", "n_selected_tokens", "kv_cache_bytes", "method_stats"):
+    for key in (
+        "answer",
+        "compressor",
+        "n_context_tokens",
+        "n_kept_tokens",
+        "n_selected_tokens",
+        "kv_cache_bytes",
+        "method_stats",
+    ):
         assert record[key] == library[key], key

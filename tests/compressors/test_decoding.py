@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import KVCache
 from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.pipeline import Pipeline, run
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
 from tests.helpers.runs import prompt_for
 
@@ -70,7 +70,16 @@ def test_never_compressing_reproduces_full_attention(tiny_lm, family, base):
     assert_same_logits(got, plain)
     assert_same_logits(want, plain)
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=6, stop_ids=set())
-    assert run(engine, prompt, Pipeline.parse(f"decoding:base={base},budget=1024,interval=2"), max_new_tokens=6, stop_ids=set()).answer_ids == ref.answer_ids
+    assert (
+        run(
+            engine,
+            prompt,
+            Pipeline.parse(f"decoding:base={base},budget=1024,interval=2"),
+            max_new_tokens=6,
+            stop_ids=set(),
+        ).answer_ids
+        == ref.answer_ids
+    )
 
 
 def test_knorm_keeps_the_lowest_norms_of_the_grown_cache(tiny_lm):

@@ -8,19 +8,17 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from kvcli.compressors.base import Runtime
 import torch
 
 from kvcli import notices
 from kvcli.caches import RazorCache
 from kvcli.compressors import parse_one
+from kvcli.compressors.base import Runtime
 from kvcli.compressors.duo import DuoProfile, calibration_ids
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import assert_same_logits
-from tests.helpers.runs import prompt_for
-from tests.helpers.runs import full_reference, greedy_logits
+from tests.helpers.runs import full_reference, greedy_logits, prompt_for
 
 SMALL = "tokens=64,length=40"
 
@@ -34,7 +32,10 @@ def duo_for(lm, tmp_path, spec):
 
 def test_spec_round_trip_and_errors(tiny_lm, tmp_path):
     assert parse_one("duo").spec() == "duo:streaming=0.5,sinks=128,recent=256,tokens=auto,length=500"
-    assert duo_for(tiny_lm("llama"), tmp_path, "duo").spec() == "duo:streaming=0.5,sinks=128,recent=256,tokens=2048,length=500"
+    assert (
+        duo_for(tiny_lm("llama"), tmp_path, "duo").spec()
+        == "duo:streaming=0.5,sinks=128,recent=256,tokens=2048,length=500"
+    )
     for spec, message in [
         ("duo:streaming=1.5", "between 0 and 1"),
         ("duo:sinks=-1", "sinks must be at least 0"),

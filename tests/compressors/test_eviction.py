@@ -9,18 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli.compressors import parse_one
-from kvcli.compressors.pyramidkv import pyramid_budgets
-from kvcli.runtime import attention
-from kvcli.compressors import scoring
-from kvcli.compressors.scoring import attention_and_column_sums, column_sums, window_attention
-from kvcli.runtime.kernels import attend
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.pipeline import default_prefill as scoring_default_prefill
 from kvcli.caches import KVCache
-from kvcli.answer.pipeline import Pipeline, default_prefill as scoring_default_prefill, run
+from kvcli.compressors import parse_one, scoring
+from kvcli.compressors.pyramidkv import pyramid_budgets
+from kvcli.compressors.scoring import attention_and_column_sums, column_sums, window_attention
+from kvcli.errors import UsageError
+from kvcli.runtime import attention
+from kvcli.runtime.engine import Engine
+from kvcli.runtime.kernels import attend
 from tests.helpers.reference import causal_softmax, reference_qk
-from tests.helpers.runs import prompt_for, prefill_and_compress, assert_top_k
+from tests.helpers.runs import assert_top_k, prefill_and_compress, prompt_for
 
 TOL = 1e-4
 METHODS = ["snapkv", "pyramidkv", "h2o", "streamingllm"]
@@ -146,10 +146,14 @@ def test_attention_and_column_sums_equal_the_kernel_and_the_attention_matrix(chu
     out, sums = attention_and_column_sums(q, k, v, 1 / math.sqrt(8), chunk)
     assert out.shape == (1, 50, 6, 8) and out.is_contiguous()
     torch.testing.assert_close(out, attend("sdpa", None, q, k, v, 1 / math.sqrt(8)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(out[0], torch.matmul(attn, v[0].repeat_interleave(3, dim=0)).transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out[0], torch.matmul(attn, v[0].repeat_interleave(3, dim=0)).transpose(0, 1), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(sums.reshape(6, kv_len), attn.sum(dim=1), atol=1e-5, rtol=0)
     assert torch.equal(sums, column_sums(q, k, chunk))  # the observer alone sums the same weights
-    half = attention_and_column_sums(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), 1 / math.sqrt(8), chunk)
+    half = attention_and_column_sums(
+        q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), 1 / math.sqrt(8), chunk
+    )
     assert half[0].dtype == torch.bfloat16 and half[1].dtype == torch.float32
 
 
@@ -174,7 +178,9 @@ def test_gqa_shapes_after_compression(tiny_lm, method, budget):
     engine = Engine(lm)
     prompt = prompt_for(lm)
     n = prompt.n_tokens
-    cache, _ = prefill_and_compress(engine, prompt.ids, f"{method}:budget={budget},window=8" if "kv" in method[-2:] else f"{method}:budget={budget}")
+    cache, _ = prefill_and_compress(
+        engine, prompt.ids, f"{method}:budget={budget},window=8" if "kv" in method[-2:] else f"{method}:budget={budget}"
+    )
     k = 48 if budget == "48" else round(0.25 * n)
     sizes = [cache.seq_len(l) for l in range(lm.n_layers)]
     if method == "pyramidkv":
@@ -187,7 +193,13 @@ def test_gqa_shapes_after_compression(tiny_lm, method, budget):
         assert all(row == sorted(row) and row[-1] == n - 1 for row in cache.kept[l].tolist())
     # every prompt position is still recorded: decoding continues at the prompt length
     assert cache.positions.tolist() == list(range(n))
-    result = run(engine, prompt, Pipeline.parse(f"{method}:budget={budget}" + (",window=8" if method.endswith("kv") else "")), max_new_tokens=4, stop_ids=set())
+    result = run(
+        engine,
+        prompt,
+        Pipeline.parse(f"{method}:budget={budget}" + (",window=8" if method.endswith("kv") else "")),
+        max_new_tokens=4,
+        stop_ids=set(),
+    )
     assert len(result.answer_ids) == 4
 
 
@@ -236,13 +248,21 @@ def test_gemfilter_then_snapkv(tiny_lm):
     engine = Engine(lm)
     prompt = prompt_for(lm)
     n = prompt.n_tokens
-    result = run(engine, prompt, Pipeline.parse("gemfilter:k=64,layer=2+snapkv:budget=24,window=8"), max_new_tokens=3, stop_ids=set())
+    result = run(
+        engine,
+        prompt,
+        Pipeline.parse("gemfilter:k=64,layer=2+snapkv:budget=24,window=8"),
+        max_new_tokens=3,
+        stop_ids=set(),
+    )
     # GemFilter read 64 tokens, SnapKV then held 24 of them per layer and head
     assert result.selection.n_kept == 64 and result.n_kept_tokens == 24 and len(result.answer_ids) == 3
     assert result.extra["kv_cache_bytes"] == lm.n_layers * 2 * lm.n_kv_heads * (24 + 2) * lm.head_dim * 4
     # everything kept by both: full attention
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
-    both = run(engine, prompt, Pipeline.parse(f"gemfilter:k={n},layer=2+snapkv:budget={n}"), max_new_tokens=5, stop_ids=set())
+    both = run(
+        engine, prompt, Pipeline.parse(f"gemfilter:k={n},layer=2+snapkv:budget={n}"), max_new_tokens=5, stop_ids=set()
+    )
     assert both.answer_ids == ref.answer_ids
 
 
@@ -301,7 +321,9 @@ def test_spec_and_registry():
 # --- disk store -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "streamingllm:budget=40"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "streamingllm:budget=40"]
+)
 def test_warm_disk_cache_equals_cold(tiny_lm, tmp_path, spec):
     from tests.helpers.stores import ask, session_for
 
@@ -331,22 +353,31 @@ def test_h2o_keeps_no_prefix_state(tiny_lm, tmp_path):
 
 
 LAYER_BY_LAYER = [
-    "snapkv:budget=40,window=8", "pyramidkv:budget=40,window=8", "h2o:budget=40", "streamingllm:budget=40",
-    "snapkv:budget=60,window=8+h2o:budget=30", "snapkv:budget=60,window=8+adakv:budget=30,base=snapkv:window=8",
+    "snapkv:budget=40,window=8",
+    "pyramidkv:budget=40,window=8",
+    "h2o:budget=40",
+    "streamingllm:budget=40",
+    "snapkv:budget=60,window=8+h2o:budget=30",
+    "snapkv:budget=60,window=8+adakv:budget=30,base=snapkv:window=8",
 ]
 NO_PREFIX_STATE = {"h2o:budget=40"}  # H2O scores every query row of the prompt: nothing to store
 
 
-@pytest.mark.parametrize("spec, prefix", [
-    (spec, prefix) for prefix in (None, "computed here", "held by the store") for spec in LAYER_BY_LAYER
-    if prefix is None or spec not in NO_PREFIX_STATE
-])
+@pytest.mark.parametrize(
+    "spec, prefix",
+    [
+        (spec, prefix)
+        for prefix in (None, "computed here", "held by the store")
+        for spec in LAYER_BY_LAYER
+        if prefix is None or spec not in NO_PREFIX_STATE
+    ],
+)
 def test_layer_by_layer_eviction_equals_eviction_after_the_pass(tiny_lm, monkeypatch, spec, prefix):
     """Each layer evicted as soon as the pass ran it (kvcli's default) keeps the very entries that
     evicting after the whole pass keeps, and the pass never holds the uncompressed KV of every
     layer: with the prefix state computed in the pass (no store), not even for an instant."""
-    from kvcli.compressors.base import Compressor
     from kvcli.answer.prefix import Prefix
+    from kvcli.compressors.base import Compressor
 
     lm = tiny_lm("qwen2")
     engine = Engine(lm)

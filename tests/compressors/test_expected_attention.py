@@ -10,14 +10,13 @@ import math
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.pipeline import Pipeline, run
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import assert_same_logits
-from tests.helpers.runs import prompt_for
-from tests.helpers.runs import full_reference, greedy_logits
+from tests.helpers.runs import full_reference, greedy_logits, prompt_for
 
 
 def build(lm, spec):
@@ -28,7 +27,10 @@ def build(lm, spec):
 
 def test_spec_round_trip_and_errors():
     ea = parse_one("expectedattention")
-    assert ea.spec() == "expectedattention:budget=1024,allocation=uniform,safeguard=0.2,sinks=4,future=512,queries=auto,covariance=true,vnorm=true,epsilon=0.0"
+    assert (
+        ea.spec()
+        == "expectedattention:budget=1024,allocation=uniform,safeguard=0.2,sinks=4,future=512,queries=auto,covariance=true,vnorm=true,epsilon=0.0"
+    )
     spec = "expectedattention:budget=0.3,allocation=adaptive,sinks=2,future=64,queries=100,covariance=false"
     assert parse_one(parse_one(spec).spec()).spec() == parse_one(spec).spec()
     for spec, message in [
@@ -53,9 +55,24 @@ def test_keep_everything_reproduces_full_attention(tiny_lm, family):
     got = greedy_logits(engine, cache, prompt.ids[prompt.prefix_len :], steps=5)
     assert_same_logits(got, full_reference(engine, prompt, steps=5))
     ref = run(engine, prompt, Pipeline.parse("full"), max_new_tokens=5, stop_ids=set())
-    assert run(engine, prompt, Pipeline.parse(f"expectedattention:budget={prompt.prefix_len}"), max_new_tokens=5, stop_ids=set()).answer_ids == ref.answer_ids
+    assert (
+        run(
+            engine,
+            prompt,
+            Pipeline.parse(f"expectedattention:budget={prompt.prefix_len}"),
+            max_new_tokens=5,
+            stop_ids=set(),
+        ).answer_ids
+        == ref.answer_ids
+    )
     with pytest.raises(UsageError, match="larger than the document prefix"):
-        run(engine, prompt, Pipeline.parse(f"expectedattention:budget={prompt.prefix_len + 1}"), max_new_tokens=1, stop_ids=set())
+        run(
+            engine,
+            prompt,
+            Pipeline.parse(f"expectedattention:budget={prompt.prefix_len + 1}"),
+            max_new_tokens=1,
+            stop_ids=set(),
+        )
 
 
 # --- the paper's scores, naively --------------------------------------------------------------------
@@ -90,14 +107,18 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
             scores = torch.zeros(lm.n_kv_heads, n, dtype=torch.float64)
             for head in range(lm.n_heads):
                 g = head // group
-                rows = q[head, sinks if queries is None else max(sinks, n - queries):]
+                rows = q[head, sinks if queries is None else max(sinks, n - queries) :]
                 mu = rows.mean(dim=0)
                 cov = (rows - mu).T @ (rows - mu) / rows.shape[0]
                 mu_f, cov_f = R @ mu, R @ cov @ R.T
-                logit = torch.tensor([
-                    float(k[g, j] @ mu_f) / math.sqrt(d) + (float(k[g, j] @ cov_f @ k[g, j]) / (2 * d) if covariance else 0.0)
-                    for j in range(sinks, n)
-                ], dtype=torch.float64)
+                logit = torch.tensor(
+                    [
+                        float(k[g, j] @ mu_f) / math.sqrt(d)
+                        + (float(k[g, j] @ cov_f @ k[g, j]) / (2 * d) if covariance else 0.0)
+                        for j in range(sinks, n)
+                    ],
+                    dtype=torch.float64,
+                )
                 scores[g, sinks:] += torch.softmax(logit, dim=0) / group
             if vnorm:  # kvpress: (scores + epsilon) * ||v||
                 scores[:, sinks:] = (scores[:, sinks:] + epsilon) * v[:, sinks:].norm(dim=-1)
@@ -106,8 +127,17 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
     return out
 
 
-@pytest.mark.parametrize("family, knobs, chunk", [("llama", "", None), ("qwen2", "", None), ("qwen2", ",covariance=false,vnorm=false", None),
-                                                  ("llama", ",epsilon=0.01", None), ("llama", "", 8), ("qwen2", ",queries=20", 7)])
+@pytest.mark.parametrize(
+    "family, knobs, chunk",
+    [
+        ("llama", "", None),
+        ("qwen2", "", None),
+        ("qwen2", ",covariance=false,vnorm=false", None),
+        ("llama", ",epsilon=0.01", None),
+        ("llama", "", 8),
+        ("qwen2", ",queries=20", 7),
+    ],
+)
 def test_selection_is_the_expected_attention(tiny_lm, family, knobs, chunk):
     """``chunk``: the prefix read chunk by chunk (as off the CPU), the query statistics merged across chunks."""
     lm = tiny_lm(family)
@@ -120,8 +150,16 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs, chunk):
     cache = method.build_prefix(engine, ids)
     assert isinstance(cache, RaggedCache) and all(int(l.min()) == int(l.max()) == budget for l in cache.lengths)
     epsilon = 0.01 if "epsilon" in knobs else 0.0
-    want = naive_expected_scores(lm, ids, sinks, future, covariance="covariance=false" not in knobs, vnorm="vnorm=false" not in knobs,
-                                 epsilon=epsilon, queries=20 if "queries=20" in knobs else None)
+    want = naive_expected_scores(
+        lm,
+        ids,
+        sinks,
+        future,
+        covariance="covariance=false" not in knobs,
+        vnorm="vnorm=false" not in knobs,
+        epsilon=epsilon,
+        queries=20 if "queries=20" in knobs else None,
+    )
     # the method's own scores equal the naive ones (float32 vs float64)
     _, got_scores = method.prefix_scores(engine, ids)
     for g, w in zip(got_scores, want):
@@ -156,10 +194,14 @@ def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
             m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
         return m
 
-    q_pre = torch.randn(n_heads, n, d, generator=gen, dtype=torch.float64) + torch.linspace(-1, 1, d, dtype=torch.float64)
+    q_pre = torch.randn(n_heads, n, d, generator=gen, dtype=torch.float64) + torch.linspace(
+        -1, 1, d, dtype=torch.float64
+    )
     q = torch.stack([torch.stack([R(p) @ q_pre[h, p] for p in range(n)]) for h in range(n_heads)])  # as observed
     key = torch.randn(n_kv, n, d, generator=gen, dtype=torch.float64)
-    value = torch.randn(n_kv, n, d, generator=gen, dtype=torch.float64) * torch.rand(n_kv, n, 1, generator=gen, dtype=torch.float64)
+    value = torch.randn(n_kv, n, d, generator=gen, dtype=torch.float64) * torch.rand(
+        n_kv, n, 1, generator=gen, dtype=torch.float64
+    )
     R_bar = sum(R(p) for p in range(n, n + future)) / future
     want = torch.zeros(n_kv, n, dtype=torch.float64)
     for h in range(n_heads):
@@ -167,7 +209,9 @@ def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
         rows = q_pre[h, sinks:]
         mu, cov = rows.mean(0), (rows - rows.mean(0)).T @ (rows - rows.mean(0)) / rows.shape[0]
         mu_f, cov_f = R_bar @ mu, R_bar @ cov @ R_bar.T
-        logits = torch.stack([key[g, j] @ mu_f / math.sqrt(d) + key[g, j] @ cov_f @ key[g, j] / (2 * d) for j in range(sinks, n)])
+        logits = torch.stack(
+            [key[g, j] @ mu_f / math.sqrt(d) + key[g, j] @ cov_f @ key[g, j] / (2 * d) for j in range(sinks, n)]
+        )
         want[g, sinks:] += torch.softmax(logits, 0) / group
     want[:, sinks:] = (want[:, sinks:] + epsilon) * value[:, sinks:].norm(dim=-1)
 
@@ -177,7 +221,16 @@ def test_scores_and_selection_are_kvpress_formula_on_a_hand_built_case():
 
     cos, sin = table(range(n))
     mu, cov = query_statistics(q[None].float(), cos, sin, sinks)
-    got = expected_scores(mu, cov, mean_rotation(*table(range(n, n + future)), d), key[None].float(), value[None].float(), sinks, True, epsilon)
+    got = expected_scores(
+        mu,
+        cov,
+        mean_rotation(*table(range(n, n + future)), d),
+        key[None].float(),
+        value[None].float(),
+        sinks,
+        True,
+        epsilon,
+    )
     assert torch.isinf(got[:, :sinks]).all()
     torch.testing.assert_close(got[:, sinks:].double(), want[:, sinks:], rtol=1e-4, atol=1e-7)
     mask = allocate([got], k, "uniform", 0.2)[0]
@@ -212,7 +265,13 @@ def test_what_inspect_reads(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
     prompt = prompt_for(lm)
-    result = run(engine, prompt, Pipeline.parse("expectedattention:budget=0.25,allocation=adaptive"), max_new_tokens=3, stop_ids=set())
+    result = run(
+        engine,
+        prompt,
+        Pipeline.parse("expectedattention:budget=0.25,allocation=adaptive"),
+        max_new_tokens=3,
+        stop_ids=set(),
+    )
     k = round(0.25 * prompt.prefix_len)
     mask = result.kept_mask()
     assert mask.shape == (lm.n_layers, lm.n_kv_heads, prompt.n_tokens)
@@ -233,7 +292,13 @@ def test_chaining_an_eviction_after_it_is_refused(tiny_lm):
     lm = tiny_lm("qwen2")
     engine = Engine(lm)
     with pytest.raises(UsageError, match="cannot be cut back|not of a RaggedCache"):
-        run(engine, prompt_for(lm), Pipeline.parse("expectedattention:budget=40+snapkv:budget=30,window=8"), max_new_tokens=2, stop_ids=set())
+        run(
+            engine,
+            prompt_for(lm),
+            Pipeline.parse("expectedattention:budget=40+snapkv:budget=30,window=8"),
+            max_new_tokens=2,
+            stop_ids=set(),
+        )
     with pytest.raises(UsageError, match="selects tokens before expectedattention"):
         Pipeline.parse("gemfilter+expectedattention")
 
@@ -242,7 +307,6 @@ def test_statistics_merged_across_chunks_are_those_of_all_rows():
     """The query mean and covariance of a prefix read in chunks (each chunk's own statistics,
     merged pairwise) are those of all its rows at once."""
     from kvcli.compressors.expected_attention import merge_statistics, query_statistics
-    from kvcli.runtime.rope import rope_cos_sin
 
     g = torch.Generator().manual_seed(3)
     n, heads, d, first = 50, 3, 8, 4

@@ -7,19 +7,19 @@ import random
 import pytest
 import torch
 
-from kvcli.compressors import parse_one
-from kvcli.compressors.finch import DEFAULT_CHUNK, DEFAULT_KERNEL, chunk_bounds, kept_counts, question_scores
-from kvcli.runtime.engine import Engine
-from kvcli.errors import DocumentError, UsageError
 from kvcli.answer.pipeline import Pipeline, check_window, run
 from kvcli.answer.prompt import build_prompt
+from kvcli.compressors import parse_one
+from kvcli.compressors.finch import DEFAULT_CHUNK, DEFAULT_KERNEL, chunk_bounds, kept_counts, question_scores
+from kvcli.errors import DocumentError, UsageError
+from kvcli.runtime.engine import Engine
 from kvcli.runtime.rope import rerotate
 from tests.helpers.reference import causal_softmax, finch_reference, reference_qk
 from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
-WORDS = "harbour lamp keeper gull tide stone rope boat night wind salt bell".split()
+WORDS = ["harbour", "lamp", "keeper", "gull", "tide", "stone", "rope", "boat", "night", "wind", "salt", "bell"]
 
 
 def words(n: int, seed: int = 0) -> str:
@@ -138,7 +138,9 @@ def test_chunks_keep_the_papers_selection_and_rerotated_keys(tiny_lm, monkeypatc
     f = finch(lm, f"finch:target={target},chunk={chunk},kernel={kernel}")
     cache, logits, next_position = f.prefill(engine, prompt.ids, protected=n_question)
     choices.take()
-    kept, keys, values, ref_logits, steps = finch_reference(lm, prompt.ids, n_question, chunk, target, kernel, follow=choices)
+    kept, keys, values, ref_logits, steps = finch_reference(
+        lm, prompt.ids, n_question, chunk, target, kernel, follow=choices
+    )
     assert steps == len(choices) == -(-n_context // chunk)
     assert next_position == target + n_question
     for layer in range(lm.n_layers):
@@ -214,7 +216,11 @@ def test_default_chunk_is_in_the_papers_range_and_target_may_be_a_ratio(tiny_lm)
     keep = round(0.25 * prompt.doc_end)
     assert next_position == keep + prompt.n_after_document
     assert all(k.numel() == keep for k in cache.kept_positions)
-    for spec, needle in [("finch:target=1.5", "target"), ("finch:target=-0.1", "target"), ("finch:target=abc", "target")]:
+    for spec, needle in [
+        ("finch:target=1.5", "target"),
+        ("finch:target=-0.1", "target"),
+        ("finch:target=abc", "target"),
+    ]:
         with pytest.raises(UsageError, match=needle):
             parse_one(spec)
 
@@ -226,7 +232,9 @@ def test_the_user_prompt_after_the_document_is_never_compressed(tiny_lm):
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, words(600, seed=4), "Which word comes first?")
     assert prompt.n_after_document > prompt.n_suffix  # the template's middle: the instructions
-    cache, _, next_position = finch(lm, "finch:target=40,chunk=128").prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    cache, _, next_position = finch(lm, "finch:target=40,chunk=128").prefill(
+        engine, prompt.ids, protected=prompt.n_after_document
+    )
     assert cache.suffix_positions.tolist() == list(range(prompt.doc_end, prompt.n_tokens))
     assert next_position == 40 + prompt.n_after_document
     for kept in cache.kept_positions:
@@ -264,7 +272,9 @@ def check_rerotation(lm):
     shifted = KVCache()
     engine.forward(ids, torch.arange(n) + 517, shifted)
     for layer in range(engine.n_layers):
-        moved = rerotate(a.keys[layer], torch.arange(n), torch.arange(n) + 517, engine.rotary(layer))  # each layer its own RoPE (Gemma 3: local / global bases)
+        moved = rerotate(
+            a.keys[layer], torch.arange(n), torch.arange(n) + 517, engine.rotary(layer)
+        )  # each layer its own RoPE (Gemma 3: local / global bases)
         assert torch.allclose(moved, shifted.keys[layer], atol=1e-4), layer
         assert torch.allclose(a.values[layer], shifted.values[layer], atol=1e-4), layer  # values carry no position
 
@@ -292,7 +302,12 @@ def test_rerotation_with_yarn_attention_scaling(tmp_path_factory):
     folder = make_tiny_model(
         "llama",
         tmp_path_factory.mktemp("yarn"),
-        rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 2048},
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 2048,
+        },
     )
     lm = load_model(str(folder))
     assert abs(Engine(lm).rotary_emb.attention_scaling - 1.0) > 0.01
@@ -339,7 +354,9 @@ def test_compressed_cache_shapes(tiny_lm):
     lm = tiny_lm("qwen3")
     engine = Engine(lm)
     prompt = build_prompt(lm.tokenizer, words(600, seed=1), "Which word?")
-    cache, logits, next_position = finch(lm, "finch:target=50,chunk=100").prefill(engine, prompt.ids, protected=prompt.n_after_document)
+    cache, logits, next_position = finch(lm, "finch:target=50,chunk=100").prefill(
+        engine, prompt.ids, protected=prompt.n_after_document
+    )
     q = prompt.n_after_document
     assert logits.shape == (lm.model.config.vocab_size,)
     assert next_position == 50 + q
@@ -356,7 +373,13 @@ def test_compressed_cache_shapes(tiny_lm):
 
 def test_knob_errors(tiny_lm):
     lm = tiny_lm("llama")
-    for spec, needle in [("finch:target=0", "target"), ("finch:chunk=0", "chunk"), ("finch:target=x", "target"), ("finch:kernel=4", "kernel"), ("finch:kernel=0", "kernel")]:
+    for spec, needle in [
+        ("finch:target=0", "target"),
+        ("finch:chunk=0", "chunk"),
+        ("finch:target=x", "target"),
+        ("finch:kernel=4", "kernel"),
+        ("finch:kernel=0", "kernel"),
+    ]:
         with pytest.raises(UsageError, match=needle):
             parse_one(spec)
     with pytest.raises(UsageError, match="window"):
@@ -374,7 +397,11 @@ def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
     f = pipeline.stages[0]
     seen = []
     real = f.prefill
-    monkeypatch.setattr(f, "prefill", lambda engine, ids, prefix=None, protected=0: seen.append(protected) or real(engine, ids, prefix, protected))
+    monkeypatch.setattr(
+        f,
+        "prefill",
+        lambda engine, ids, prefix=None, protected=0: seen.append(protected) or real(engine, ids, prefix, protected),
+    )
     run(engine, prompt, pipeline, max_new_tokens=1, stop_ids=set())
     assert seen == [prompt.n_after_document]
 
@@ -389,7 +416,9 @@ def test_cli_reads_a_document_longer_than_the_window_with_finch_only(tiny_dir, t
     doc.write_text(words(2000, seed=1) + "\n", encoding="utf-8")
     code, out, err = run_cli(["ask", doc, "q", "-m", short, "--max-new-tokens", "4", "-c", "full"], capsys, monkeypatch)
     assert code == 1 and "window" in err and "Traceback" not in err
-    code, out, err = run_cli(["ask", doc, "q", "-m", short, "--max-new-tokens", "4", "-c", "finch", "--json"], capsys, monkeypatch)
+    code, out, err = run_cli(
+        ["ask", doc, "q", "-m", short, "--max-new-tokens", "4", "-c", "finch", "--json"], capsys, monkeypatch
+    )
     assert code == 0, err
     record = json.loads(out)
     assert record["compressor"].startswith("finch:") and record["n_context_tokens"] > 256

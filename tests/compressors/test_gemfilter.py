@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli.compressors import parse_one
-from kvcli.compressors.gemfilter import default_filter_layer, top_k_positions
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prefix import Prefix
 from kvcli.answer.prompt import build_prompt, stop_token_ids
+from kvcli.compressors import parse_one
+from kvcli.compressors.gemfilter import default_filter_layer, top_k_positions
+from kvcli.errors import UsageError
+from kvcli.runtime.engine import Engine
 from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4
@@ -170,7 +170,10 @@ def test_second_pass_reads_only_the_kept_tokens_and_keeps_the_question(tiny_lm):
     assert len(kept) == 32 and kept == sorted(kept)
     suffix = list(range(prompt.n_tokens - prompt.n_suffix, prompt.n_tokens))
     assert set(suffix) <= set(kept)
-    assert result.extra["kv_cache_bytes"] < run(engine, prompt, Pipeline.parse("full"), max_new_tokens=3, stop_ids=set()).extra["kv_cache_bytes"]
+    assert (
+        result.extra["kv_cache_bytes"]
+        < run(engine, prompt, Pipeline.parse("full"), max_new_tokens=3, stop_ids=set()).extra["kv_cache_bytes"]
+    )
 
 
 def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
@@ -181,7 +184,11 @@ def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
     gem = pipeline.stages[0]
     seen = []
     real = gem.select_tokens
-    monkeypatch.setattr(gem, "select_tokens", lambda engine, ids, protected=0, prefix=None: seen.append(protected) or real(engine, ids, protected, prefix))
+    monkeypatch.setattr(
+        gem,
+        "select_tokens",
+        lambda engine, ids, protected=0, prefix=None: seen.append(protected) or real(engine, ids, protected, prefix),
+    )
     run(engine, prompt, pipeline, max_new_tokens=1, stop_ids=set())
     assert seen == [prompt.n_after_document]
 

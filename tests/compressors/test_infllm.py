@@ -7,23 +7,20 @@ a partial one that the next read resumes (tests/test_book_resume.py); knob error
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvcli import notices
+from kvcli.answer.pipeline import Pipeline, run
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
 from kvcli.caches.bookfile import HEADER_ROOM, NewFile
 from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.pipeline import Pipeline, run
-from kvcli.answer.prompt import build_prompt
-from kvcli.store import KVStore
+from kvcli.runtime.engine import Engine
 from kvcli.runtime.windows import Windows
+from kvcli.store import KVStore
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(10))
@@ -49,8 +46,25 @@ class _Prefix:
 # --------------------------------------------------------------------------- the reference
 
 
-def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, topk, repr_topk, chunk, follow=None, tol=1e-5,
-                     answer_topk=None, ordered=False, token_scores=False, attention_scores=False, filter_layer=None):
+def infllm_reference(
+    lm,
+    doc_ids,
+    question_ids,
+    *,
+    initial,
+    block_size,
+    local,
+    topk,
+    repr_topk,
+    chunk,
+    follow=None,
+    tol=1e-5,
+    answer_topk=None,
+    ordered=False,
+    token_scores=False,
+    attention_scores=False,
+    filter_layer=None,
+):
     """InfLLM (Xiao et al. 2024) on a llama's own modules, one query at a time.
 
     The document runs in chunks of ``chunk``. Before a chunk starting at s, Memory holds the blocks
@@ -105,8 +119,11 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
             scores = []
             for t in range(lo, lo + block_size):
                 kt = rot(pre_k[layer][:, h : h + 1, t : t + 1], [t])[0, 0, 0]
-                qs = [rot(pre_q[layer][:, h * group + g : h * group + g + 1, u : u + 1], [u])[0, 0, 0]
-                      for u in range(t + 1, t + local + 1) for g in range(group)]
+                qs = [
+                    rot(pre_q[layer][:, h * group + g : h * group + g + 1, u : u + 1], [u])[0, 0, 0]
+                    for u in range(t + 1, t + local + 1)
+                    for g in range(group)
+                ]
                 scores.append(float((torch.stack(qs) @ kt).sum()) / len(qs))
             top = sorted(range(block_size), key=lambda i: -scores[i])[:repr_topk]
             out[h] = sum(pre_k[layer][0, h, lo + i] for i in top)
@@ -114,7 +131,9 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
 
     chosen_by_question = []
     edges = list(range(0, n_doc, chunk)) + [n_doc]
-    passes = list(zip(edges[:-1], edges[1:])) + ([("probe", n_doc, n)] if filter_layer is not None else []) + [(n_doc, n)]
+    passes = (
+        list(zip(edges[:-1], edges[1:])) + ([("probe", n_doc, n)] if filter_layer is not None else []) + [(n_doc, n)]
+    )
     shared = None
     reps: list[dict] = [dict() for _ in model.layers]
     logits = None
@@ -145,7 +164,13 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     for hh in range(n_kv):
                         for gg in range(group):
                             for i in range(c):
-                                w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                                w += torch.softmax(
+                                    torch.stack(
+                                        [q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]
+                                    )
+                                    * attn.scaling,
+                                    dim=0,
+                                )
                     top = torch.topk(w.view(len(blocks), block_size).sum(dim=1), min(answer_topk, len(blocks))).indices
                     shared = sorted(blocks[int(i)] for i in top)
                     break
@@ -154,15 +179,32 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     qsum = q_mem[0].sum(dim=1).reshape(n_kv, group, d).sum(dim=1)
                     for hh in range(n_kv):
                         if attention_scores and e > n_doc:
-                            mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                            mem_t = [
+                                t
+                                for j in blocks
+                                for t in range(initial + j * block_size, initial + (j + 1) * block_size)
+                            ]
                             w = torch.zeros(len(mem_t))
                             for gg in range(group):
                                 for i in range(c):
-                                    w += torch.softmax(torch.stack([q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]) * attn.scaling, dim=0)
+                                    w += torch.softmax(
+                                        torch.stack(
+                                            [q_mem[0, hh * group + gg, i] @ pre_k[layer_i][0, hh, t] for t in mem_t]
+                                        )
+                                        * attn.scaling,
+                                        dim=0,
+                                    )
                             sc = w.view(len(blocks), block_size).sum(dim=1)
                         elif token_scores and e > n_doc:
-                            sc = torch.tensor([max(float(qsum[hh] @ pre_k[layer_i][0, hh, t]) for t in range(initial + j * block_size, initial + (j + 1) * block_size))
-                                              for j in blocks])
+                            sc = torch.tensor(
+                                [
+                                    max(
+                                        float(qsum[hh] @ pre_k[layer_i][0, hh, t])
+                                        for t in range(initial + j * block_size, initial + (j + 1) * block_size)
+                                    )
+                                    for j in blocks
+                                ]
+                            )
                         else:
                             sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
                         k_pass = answer_topk if e > n_doc and answer_topk else topk  # the question's own budget
@@ -171,7 +213,14 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                         if follow is not None:
                             theirs = follow[(s, layer_i)][hh]
                             kth = float(sc[top].min())
-                            assert all(float(sc[blocks.index(j)]) >= kth - tol * (1 + abs(kth)) for j in theirs), (s, layer_i, hh, theirs, pick, [float(sc[blocks.index(j)]) for j in theirs + pick])
+                            assert all(float(sc[blocks.index(j)]) >= kth - tol * (1 + abs(kth)) for j in theirs), (
+                                s,
+                                layer_i,
+                                hh,
+                                theirs,
+                                pick,
+                                [float(sc[blocks.index(j)]) for j in theirs + pick],
+                            )
                             pick = theirs
                         picks.append(pick)
                 if e > n_doc and not probe:
@@ -182,7 +231,11 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
                     for hh in range(n_kv):
                         mem = []
                         if blocks:
-                            mem = list(range(initial)) + [t for j in picks[hh] for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
+                            mem = list(range(initial)) + [
+                                t
+                                for j in picks[hh]
+                                for t in range(initial + j * block_size, initial + (j + 1) * block_size)
+                            ]
                         loc = list(range(origin, p + 1))
                         in_order = ordered and e > n_doc and mem
                         k_mem = pre_k[layer_i][0, hh, mem]
@@ -202,17 +255,20 @@ def infllm_reference(lm, doc_ids, question_ids, *, initial, block_size, local, t
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize("answer_topk, positions, scores, filter_layer", [
-    (None, "same", "representatives", None), (6, "same", "representatives", None), (6, "ordered", "representatives", None),
-    (3, "same", "tokens", None), (3, "ordered", "attention", None), (3, "ordered", "representatives", 1),
-])
-def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores, filter_layer):
-    lm = tiny_lm("llama")
-    engine = Engine(lm)
-    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
-    ids, n_doc = prompt.ids, prompt.prefix_len
-    s = stage(lm, SPEC + (f",answer_topk={answer_topk}" if answer_topk else "") + f",answer_positions={positions},answer_scores={scores}"
-              + (f",filter_layer={filter_layer}" if filter_layer is not None else ""))
+@pytest.mark.parametrize(
+    "answer_topk, positions, scores, filter_layer",
+    [
+        (None, "same", "representatives", None),
+        (6, "same", "representatives", None),
+        (6, "ordered", "representatives", None),
+        (3, "same", "tokens", None),
+        (3, "ordered", "attention", None),
+        (3, "ordered", "representatives", 1),
+    ],
+)
+def read_traced(s, engine, ids):
+    """``s.read(engine, ids)`` with the book (and the copies made of it) recording every retrieval
+    into one list: (book, trace)."""
     trace = []
     original = BookCache.__init__
 
@@ -222,14 +278,44 @@ def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, pos
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(BookCache, "__init__", traced)
-        book = s.read(engine, ids[:n_doc])
+        book = s.read(engine, ids)
+    return book, trace
+
+
+def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores, filter_layer):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
+    ids, n_doc = prompt.ids, prompt.prefix_len
+    s = stage(
+        lm,
+        SPEC
+        + (f",answer_topk={answer_topk}" if answer_topk else "")
+        + f",answer_positions={positions},answer_scores={scores}"
+        + (f",filter_layer={filter_layer}" if filter_layer is not None else ""),
+    )
+    book, trace = read_traced(s, engine, ids[:n_doc])
     assert book.n_blocks > 3 and book.n_blocks == partition(n_doc, 4, 16, 8)[1]
     cache, logits, _ = s.prefill(engine, ids, prefix=_Prefix(book, n_doc))
     follow = {(start, layer): chosen for start, layer, chosen in trace}
     assert len(follow) == len(trace) > 40  # every pass of every layer after the first block retrieved
-    want, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2, chunk=12, follow=follow,
-                                    answer_topk=answer_topk, ordered=positions == "ordered", token_scores=scores == "tokens",
-                                    attention_scores=scores == "attention", filter_layer=filter_layer)
+    want, chosen = infllm_reference(
+        lm,
+        ids[:n_doc],
+        ids[n_doc:],
+        initial=4,
+        block_size=8,
+        local=16,
+        topk=3,
+        repr_topk=2,
+        chunk=12,
+        follow=follow,
+        answer_topk=answer_topk,
+        ordered=positions == "ordered",
+        token_scores=scores == "tokens",
+        attention_scores=scores == "attention",
+        filter_layer=filter_layer,
+    )
     for layer, picks in enumerate(chosen):
         assert cache.question_blocks()[layer].tolist() == picks
         assert len(picks[0]) == min(answer_topk or 3, book.n_blocks)
@@ -273,7 +359,13 @@ def test_stored_book_is_16_bit_opened_in_place_and_answers_the_same(tiny_lm, tmp
     assert any("storing the document's KV" in m and "KiB" in m for m in said)
     files = list((tmp_path / "kv").glob("*.safetensors"))
     assert len(files) == 1 and cold.extra["cache"]["status"] == "miss"
-    assert files[0].stat().st_size == cold.extra["cache"]["entry_bytes"] == stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2").stored_bytes(lm, cold.prompt.prefix_len)
+    assert (
+        files[0].stat().st_size
+        == cold.extra["cache"]["entry_bytes"]
+        == stage(lm, "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2").stored_bytes(
+            lm, cold.prompt.prefix_len
+        )
+    )
     from safetensors import safe_open
 
     with safe_open(str(files[0]), framework="pt") as f:  # an ordinary safetensors file
@@ -333,7 +425,10 @@ def test_the_stored_size_is_known_before_reading(tiny_lm, tmp_path):
     for n in (10, 200, 1000):
         _, n_blocks, _ = partition(n, 4, 16, 8)
         per_token = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * 2
-        assert s.stored_bytes(lm, n) == 8 + HEADER_ROOM + n * per_token + lm.n_layers * lm.n_kv_heads * n_blocks * lm.head_dim * 4
+        assert (
+            s.stored_bytes(lm, n)
+            == 8 + HEADER_ROOM + n * per_token + lm.n_layers * lm.n_kv_heads * n_blocks * lm.head_dim * 4
+        )
 
 
 def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
@@ -346,16 +441,19 @@ def test_the_span_needed_is_bounded_by_the_window_not_the_document(tiny_lm):
     assert s.window_needed(lm, 10 * lm.max_context, 20, 16) == 128 + 2 * 128 + 64 + 128 + 36
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
-    ("infllm:retrieval=sometimes", "retrieval must be one of step, question"),
-    ("infllm:answer_positions=shuffled", "answer_positions must be one of same, ordered"),
-    ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3 \\(or -1: none\\)"),
-    ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
-    ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
-    ("infllm:block_size=0", "block_size must be at least 1"),
-    ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("infllm:kv_dtype=int3", "kv_dtype must be one of"),
+        ("infllm:retrieval=sometimes", "retrieval must be one of step, question"),
+        ("infllm:answer_positions=shuffled", "answer_positions must be one of same, ordered"),
+        ("infllm:filter_layer=99", "filter_layer must be a layer index from 0 to 3 \\(or -1: none\\)"),
+        ("infllm:answer_scores=mean", "answer_scores must be one of representatives, tokens, attention"),
+        ("infllm:preset=gpu", "preset must be one of auto, paper, cpu"),
+        ("infllm:block_size=0", "block_size must be at least 1"),
+        ("infllm:repr_topk=9,block_size=8", "repr_topk=9 exceeds block_size=8"),
+    ],
+)
 def test_knob_errors_are_one_line(tiny_lm, spec, needle):
     with pytest.raises(UsageError, match=needle):
         stage(tiny_lm("llama"), spec)
@@ -397,21 +495,29 @@ def test_attention_parts_merge_into_one_softmax():
     k1, v1, k2, v2 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
     allowed = torch.ones(6, 9, dtype=torch.bool).tril(3)
     bias = torch.zeros(6, 9).masked_fill(~allowed, float("-inf"))
-    scores = torch.cat([q2 @ k1.transpose(-1, -2), (q @ k2.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))], dim=-1) * 0.3
+    scores = (
+        torch.cat([q2 @ k1.transpose(-1, -2), (q @ k2.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))], dim=-1)
+        * 0.3
+    )
     want = scores.softmax(-1) @ torch.cat([v1, v2], dim=2)
     for fused in (True, False):
-        got = merge_lse(attention_lse(q, k2, v2, bias, 0.3, fused=fused), attention_lse(q2, k1, v1, None, 0.3, fused=fused))
+        got = merge_lse(
+            attention_lse(q, k2, v2, bias, 0.3, fused=fused), attention_lse(q2, k1, v1, None, 0.3, fused=fused)
+        )
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("device, spec, want", [
-    ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
-    ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
-    ("cpu", "infllm:preset=paper", (4096, 16, "step")),
-    ("meta", "infllm:preset=cpu", (1024, 8, "question")),
-    ("cpu", "infllm:preset=paper,topk=3,retrieval=question", (4096, 3, "question")),  # a knob given wins
-    ("cpu", "infllm:local_window=64", (64, 8, "question")),
-])
+@pytest.mark.parametrize(
+    "device, spec, want",
+    [
+        ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
+        ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
+        ("cpu", "infllm:preset=paper", (4096, 16, "step")),
+        ("meta", "infllm:preset=cpu", (1024, 8, "question")),
+        ("cpu", "infllm:preset=paper,topk=3,retrieval=question", (4096, 3, "question")),  # a knob given wins
+        ("cpu", "infllm:local_window=64", (64, 8, "question")),
+    ],
+)
 def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     from types import SimpleNamespace
 
@@ -420,8 +526,9 @@ def test_the_preset_fills_the_knobs_not_given(device, spec, want):
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
     assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
-    small = SimpleNamespace(device=torch.device(device), max_context=2048, name="m", n_layers=30,
-                            windows=Windows.none(30))
+    small = SimpleNamespace(
+        device=torch.device(device), max_context=2048, name="m", n_layers=30, windows=Windows.none(30)
+    )
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
     assert (s.local_window, s.topk) == (1024, 4)
@@ -435,11 +542,34 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
     from kvcli.caches.bookfile import MemoryStorage, tensor_specs
 
     bs, d = 4, 2
-    book = BookCache(MemoryStorage(tensor_specs(1, 1, 3 * bs, d, 3, torch.float32)), 3 * bs, 1, 1, d, initial=0, block_size=bs,
-                     local=0, topk=1, repr_topk=1)
-    logits = torch.tensor([10.0, -10, -10, -10,  # one key far above the rest
-                           1.5, 1.5, 1.5, 1.5,  # many middling keys
-                           2.5, -10, -10, -10])  # one key a little above them
+    book = BookCache(
+        MemoryStorage(tensor_specs(1, 1, 3 * bs, d, 3, torch.float32)),
+        3 * bs,
+        1,
+        1,
+        d,
+        initial=0,
+        block_size=bs,
+        local=0,
+        topk=1,
+        repr_topk=1,
+    )
+    logits = torch.tensor(
+        [
+            10.0,
+            -10,
+            -10,
+            -10,  # one key far above the rest
+            1.5,
+            1.5,
+            1.5,
+            1.5,  # many middling keys
+            2.5,
+            -10,
+            -10,
+            -10,
+        ]
+    )  # one key a little above them
     book.storage.write("k.0", (0, 0, 3 * bs), torch.stack([logits, torch.zeros(3 * bs)], dim=1))
     book.n_blocks = 3
     q_mem = torch.tensor([1.0, 0.0]).expand(1, 2, 2, d)  # two query heads of one KV head, two queries each
@@ -449,22 +579,32 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
     assert got[0].argsort(descending=True).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("device, spec, want", [
-    ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
-    ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
-    ("cpu", "infllm:preset=paper", (-1, "same")),
-    ("cpu", "infllm:filter_layer=-1", (-1, "same")),  # off: InfLLM's retrieval and positions
-    ("cpu", "infllm:filter_layer=-1,answer_positions=ordered", (-1, "ordered")),
-    ("cpu", "infllm:answer_positions=same", (17, "same")),
-    ("meta", "infllm:filter_layer=5", (5, "ordered")),
-])
+@pytest.mark.parametrize(
+    "device, spec, want",
+    [
+        ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
+        ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
+        ("cpu", "infllm:preset=paper", (-1, "same")),
+        ("cpu", "infllm:filter_layer=-1", (-1, "same")),  # off: InfLLM's retrieval and positions
+        ("cpu", "infllm:filter_layer=-1,answer_positions=ordered", (-1, "ordered")),
+        ("cpu", "infllm:answer_positions=same", (17, "same")),
+        ("meta", "infllm:filter_layer=5", (5, "ordered")),
+    ],
+)
 def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="smollm2-135m-instruct", n_layers=30,
-                         windows=Windows.none(30))
+    lm = SimpleNamespace(
+        device=torch.device(device),
+        max_context=8192,
+        name="smollm2-135m-instruct",
+        n_layers=30,
+        windows=Windows.none(30),
+    )
     s = parse_one(spec)
     s.configure(lm)
     assert (s.filter_layer, s.answer_positions) == want
     note = s.reading_note(lm, 100_000)  # the over-window line says how a question is answered
-    assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (want[0] >= 0)
+    assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (
+        want[0] >= 0
+    )

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches import RaggedCache
 from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.answer.prompt import build_prompt
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import reference_qk
 from tests.helpers.runs import prompt_for
 
@@ -26,7 +26,9 @@ def build(lm, spec):
 
 
 def test_spec_round_trip_and_errors(tiny_lm):
-    assert parse_one("kvzip").spec() == "kvzip:budget=1024,allocation=global,safeguard=0.2,sinks=auto,chunk=2000,overlap=8"
+    assert (
+        parse_one("kvzip").spec() == "kvzip:budget=1024,allocation=global,safeguard=0.2,sinks=auto,chunk=2000,overlap=8"
+    )
     spec = "kvzip:budget=0.2,allocation=uniform,sinks=4,chunk=512,overlap=0"
     assert parse_one(parse_one(spec).spec()).spec() == parse_one(spec).spec()
     lm = tiny_lm("llama")
@@ -62,13 +64,18 @@ def naive_kvzip_scores(lm, prefix, sinks, chunk, overlap):
     context = prefix[sinks:].tolist()
     for i, start in enumerate(range(0, len(context), chunk)):
         piece = context[start : start + chunk]
-        ask = enc("Repeat the previous context exactly.") if i == 0 else enc("Repeat the part of the previous context exactly, starting with ") + context[max(0, start - overlap) : start]
+        ask = (
+            enc("Repeat the previous context exactly.")
+            if i == 0
+            else enc("Repeat the part of the previous context exactly, starting with ")
+            + context[max(0, start - overlap) : start]
+        )
         rep = ask + tail + piece
         r = len(rep)
         seq = torch.cat([prefix, torch.tensor(rep)])
         a, b = sinks + start, sinks + start + len(piece)
         cols = list(range(sinks)) + list(range(a, b)) + list(range(n, n + r))
-        for l, (q, k, attn) in enumerate(reference_qk(lm, seq)):
+        for l, (q, k, _attn) in enumerate(reference_qk(lm, seq)):
             for h in range(lm.n_heads):
                 logits = q[0, h, n:].double() @ k[0, h, cols].double().T / math.sqrt(lm.head_dim)  # (r, |cols|)
                 for row in range(r):

@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from kvcli.compressors import parse_one
-from kvcli.caches import LazyCache
-from kvcli.compressors.lazyllm import default_keep, default_layers, last_token_attention, n_keep
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prefix import Prefix
 from kvcli.answer.prompt import build_prompt
+from kvcli.caches import LazyCache
+from kvcli.compressors import parse_one
+from kvcli.compressors.lazyllm import default_keep, default_layers, last_token_attention, n_keep
+from kvcli.errors import UsageError
+from kvcli.runtime.engine import Engine
 from kvcli.store import KVStore
 
 TOL = 1e-4
@@ -157,7 +157,7 @@ def test_revived_token_gets_the_kv_of_the_aux_cache_path(tiny_lm, family):
     cache.trace = []
     token = int(torch.argmax(first))
     method.decode_step(engine, token, n, cache)
-    (layer, selected), = cache.trace[0]
+    ((layer, selected),) = cache.trace[0]
     assert layer == 2
     revived = torch.nonzero(pruned & selected[:n]).flatten()
     assert revived.numel() > 0 and cache.revived[revived].all() and cache.stats()["revived"] == revived.numel()
@@ -193,7 +193,9 @@ def test_revived_token_gets_the_kv_of_the_aux_cache_path(tiny_lm, family):
 def test_each_token_is_computed_at_most_once_per_layer(tiny_lm, family):
     lm, engine, prompt = setup(tiny_lm, family)
     n = prompt.n_tokens
-    result = run(engine, prompt, Pipeline.parse("lazyllm:layers=1/2/3,keep=0.6/0.4/0.2"), max_new_tokens=12, stop_ids=set())
+    result = run(
+        engine, prompt, Pipeline.parse("lazyllm:layers=1/2/3,keep=0.6/0.4/0.2"), max_new_tokens=12, stop_ids=set()
+    )
     cache, stats = result.cache, result.extra["method_stats"]
     assert isinstance(cache, LazyCache) and len(result.answer_ids) == 12
     total = n + 11  # prompt + the decoded tokens that ran as queries

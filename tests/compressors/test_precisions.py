@@ -19,9 +19,9 @@ import functools
 import pytest
 import torch
 
+from kvcli.answer.pipeline import Pipeline, run
 from kvcli.compressors.base import REGISTRY, Runtime, keep_all_spec
 from kvcli.model import load_model
-from kvcli.answer.pipeline import Pipeline, run
 from tests.helpers.runs import RecordingEngine, full_references, prompt_for
 from tests.helpers.specs import COMPRESSING
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from kvcli import notices
-from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
-from kvcli.compressors.base import Runtime
+from kvcli.answer.pipeline import Pipeline, default_prefill, run
+from kvcli.answer.prefix import Prefix
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache, LayerView, RazorCache
 from kvcli.compressors import FullAttention, parse_one
+from kvcli.compressors.base import Runtime
 from kvcli.compressors.razor import Razor, default_window
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.compressors.razor_heads import (
     HeadProfile,
     compute_profile,
@@ -30,12 +30,12 @@ from kvcli.compressors.razor_heads import (
     probe_ids,
     top_fraction,
 )
-from kvcli.answer.pipeline import Pipeline, default_prefill, run
-from kvcli.answer.prefix import Prefix
-from kvcli.answer.prompt import build_prompt
+from kvcli.errors import UsageError
+from kvcli.runtime.attention import AttentionContext, attention_context, kvcli_attention
+from kvcli.runtime.engine import Engine
 from kvcli.store import make_key
 from tests.helpers.reference import assert_same_logits, causal_softmax, reference_qk
-from tests.helpers.runs import greedy_logits, full_reference
+from tests.helpers.runs import full_reference, greedy_logits
 
 TOL = 1e-4
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
@@ -370,15 +370,21 @@ def test_scores_rank_a_handmade_induction_head_and_echo_head_first():
     # occurs at position 0, which followed nothing (r / (r+1)); the echo head splits its mass
     # between the r earlier occurrences and the current token itself (r / (r+1))
     split = sum(r / (r + 1) for r in (1, 2, 3))
-    torch.testing.assert_close(induction[0].double(), torch.tensor(((K - 1) * 3 + split) / (3 * K), dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        induction[0].double(), torch.tensor(((K - 1) * 3 + split) / (3 * K), dtype=torch.float64), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(echo[1].double(), torch.tensor(split / 3, dtype=torch.float64), atol=1e-5, rtol=0)
     assert echo[0] < 1e-5 and induction[1] < 1e-5  # each looks at the other's tokens not at all
     # uniform heads: row i puts 1/(i+1) on each of its r earlier occurrences, and on each follower
     uniform = sum((i // K) / (i + 1) for i in range(K, 4 * K)) / (3 * K)
     for h in (2, 3):
-        assert echo[h].item() == pytest.approx(uniform, abs=1e-6) and induction[h].item() == pytest.approx(uniform, abs=1e-6)
+        assert echo[h].item() == pytest.approx(uniform, abs=1e-6) and induction[h].item() == pytest.approx(
+            uniform, abs=1e-6
+        )
     # the protection rule picks exactly those heads (one layer of 4 query heads, 2 KV heads)
-    profile = HeadProfile("f", "m", n_kv_heads=2, tokens=K, seed=0, echo=echo.view(1, 4), induction=induction.view(1, 4))
+    profile = HeadProfile(
+        "f", "m", n_kv_heads=2, tokens=K, seed=0, echo=echo.view(1, 4), induction=induction.view(1, 4)
+    )
     by_ind, by_echo = profile.protected_query_heads(0.25, 0.25)
     assert by_ind.tolist() == [[True, False, False, False]] and by_echo.tolist() == [[False, True, False, False]]
     assert profile.protected_kv_heads(0.25, 0.25).tolist() == [[True, False]]
@@ -444,7 +450,11 @@ def test_memory_saving_is_real(tiny_lm, tmp_path):
     assert cache.nbytes() == expected
     assert cache.full_nbytes() == full.nbytes()
     report = cache.kv_bytes()
-    assert report["before"] == full.nbytes() and report["after"] == expected and report["ratio"] == full.nbytes() / expected > 1.5
+    assert (
+        report["before"] == full.nbytes()
+        and report["after"] == expected
+        and report["ratio"] == full.nbytes() / expected > 1.5
+    )
     # the tensors really are that small: no full-length tensor for compressed heads, no GQA expansion
     for layer, p in enumerate(n_protected):
         assert cache.pk[layer].shape == (1, p, n, d) and cache.ck[layer].shape == (1, 2 - p, kept, d)
@@ -504,7 +514,10 @@ def test_prefix_state_names_what_the_cache_depends_on(tiny_lm, tmp_path):
 
 def test_knobs_defaults_and_errors(tiny_lm, tmp_path):
     razor = razor_for(tiny_lm("llama"), tmp_path, "razor")
-    assert razor.spec() == "razor:order=paper,induction=0.14,echo=0.01,sinks=4,window=500,ratio=5.0,compensate=true,tokens=512,seed=0"
+    assert (
+        razor.spec()
+        == "razor:order=paper,induction=0.14,echo=0.01,sinks=4,window=500,ratio=5.0,compensate=true,tokens=512,seed=0"
+    )
     assert razor.window_for(100) == 500 and razor.window_for(10_000) == 2000  # max(S_0, N/C)
     assert default_window(8192) == 1000 and default_window(131072) == 4000
     for spec, message in [
@@ -536,13 +549,17 @@ def test_heads_command_computes_once_then_shows(tiny_dir, tmp_path, capsys, monk
     assert second["loaded"] and second["induction"] == first["induction"]
     code, out, err = run_cli(["heads", model, "--tokens", "8", "--cache-dir", tmp_path], capsys, monkeypatch)
     assert code == 0 and "layer" in out and "loaded from" in out
-    assert_user_error(run_cli(["heads", str(tmp_path / "nope"), "--cache-dir", tmp_path], capsys, monkeypatch), 1, "no such directory")
-    assert_user_error(run_cli(["heads", model, "--score", "x", "--cache-dir", tmp_path], capsys, monkeypatch), 2, "--score")
+    assert_user_error(
+        run_cli(["heads", str(tmp_path / "nope"), "--cache-dir", tmp_path], capsys, monkeypatch), 1, "no such directory"
+    )
+    assert_user_error(
+        run_cli(["heads", model, "--score", "x", "--cache-dir", tmp_path], capsys, monkeypatch), 2, "--score"
+    )
 
 
 def test_a_selector_before_razor_is_refused():
-    from kvcli.errors import UsageError
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.errors import UsageError
 
     with pytest.raises(UsageError, match="selects tokens before razor"):
         Pipeline.parse("gemfilter+razor")
@@ -574,5 +591,8 @@ def test_decoding_appends_in_place_and_never_over_a_copy():
     assert torch.equal(cache.cv[0][:, :, -2:], torch.cat([v[:, 1:] for _, v in rows[1:3]], dim=2))
     before.update(*rows[3], 0)  # the copy writes elsewhere
     assert before.pk[0].data_ptr() != ptrs[0]
-    assert all(torch.equal(a[:, :, : b.shape[2]], b) for a, b in zip((cache.pk[0], cache.pv[0], cache.ck[0], cache.cv[0]), held))
+    assert all(
+        torch.equal(a[:, :, : b.shape[2]], b)
+        for a, b in zip((cache.pk[0], cache.pv[0], cache.ck[0], cache.cv[0]), held)
+    )
     assert torch.equal(before.pk[0][:, :, -1:], rows[3][0][:, :1])

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from kvcli.compressors import parse_one
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.answer.pipeline import Pipeline, run
+from kvcli.compressors import parse_one
+from kvcli.errors import UsageError
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import causal_softmax, reference_qk
 from tests.helpers.runs import assert_top_k, prefill_and_compress, prompt_for
 
@@ -157,7 +157,20 @@ def test_cli_ask_and_inspect(cli, tiny_dir, tmp_path, spec):
     model = str(tiny_dir("llama", num_hidden_layers=4))
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC)
-    code, out, err = cli("ask", doc, "How many gulls?", "-c", spec, "--model", model, "--json", "--max-new-tokens", "4", "--cache-dir", tmp_path / "c")
+    code, out, err = cli(
+        "ask",
+        doc,
+        "How many gulls?",
+        "-c",
+        spec,
+        "--model",
+        model,
+        "--json",
+        "--max-new-tokens",
+        "4",
+        "--cache-dir",
+        tmp_path / "c",
+    )
     assert code == 0, err
     record = json.loads(out)
     assert record["compressor"].split(":")[0] == spec.split(":")[0] and record["cache"] == "miss"

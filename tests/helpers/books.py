@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from kvcli.runtime.engine import Engine
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
+from kvcli.runtime.engine import Engine
 from kvcli.store import KVStore
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls near rock {i % 5}." for i in range(16))
@@ -27,8 +27,15 @@ def answer(lm, store: KVStore | None, engine: Engine | None = None):
     pipeline = Pipeline.parse(SPEC)
     pipeline.configure(lm)
     prompt = build_prompt(lm.tokenizer, DOC, QUESTION)
-    return run(engine or Engine(lm), prompt, pipeline, max_new_tokens=4, stop_ids=set(), store=store,
-               meta={"document": "doc.txt"})
+    return run(
+        engine or Engine(lm),
+        prompt,
+        pipeline,
+        max_new_tokens=4,
+        stop_ids=set(),
+        store=store,
+        meta={"document": "doc.txt"},
+    )
 
 
 def entry_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -36,7 +43,7 @@ def entry_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: f.get_tensor(name) for name in f}
 
 
 def main() -> None:

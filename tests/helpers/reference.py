@@ -103,7 +103,13 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
         positions = torch.arange(start, start + step_ids.numel())
         # the model's cache keyword: ``cache`` from transformers 5.24 on (``past_key_values`` warns there)
         kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        out = model(step_ids.view(1, -1), **{kwarg: past if start else None}, position_ids=positions.view(1, -1), output_hidden_states=True, use_cache=True)
+        out = model(
+            step_ids.view(1, -1),
+            **{kwarg: past if start else None},
+            position_ids=positions.view(1, -1),
+            output_hidden_states=True,
+            use_cache=True,
+        )
         qkv = []
         for l, layer in enumerate(layers):
             attn = layer.self_attn
@@ -131,7 +137,9 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
                 s = state[l]
                 pre = k_pre[:, :, :c] if s["pre"] is None else torch.cat([s["pre"], k_pre[:, :, :c]], dim=2)
                 vals = v[:, :, :c] if s["v"] is None else torch.cat([s["v"], v[:, :, :c]], dim=2)
-                keys = torch.cat([rope(pre, torch.arange(m + c)), rope(k_pre[:, :, c:], torch.arange(m + c, kv_len))], dim=2)
+                keys = torch.cat(
+                    [rope(pre, torch.arange(m + c)), rope(k_pre[:, :, c:], torch.arange(m + c, kv_len))], dim=2
+                )
                 keys = repeat_kv(keys, attn.num_key_value_groups)
                 logits = torch.matmul(q[:, :, -n_question:], keys.transpose(-1, -2)).float() * attn.scaling
                 rows = torch.arange(m + c, kv_len)[:, None]

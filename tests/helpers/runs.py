@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
+from kvcli.answer.pipeline import Pipeline, default_prefill
+from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache
 from kvcli.compressors.base import Runtime
 from kvcli.runtime.decode import DecodeStep
 from kvcli.runtime.engine import Engine
-from kvcli.answer.pipeline import Pipeline, default_prefill
-from kvcli.answer.prompt import build_prompt
 
 DOC = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} gulls." for i in range(12))
 
@@ -50,7 +50,7 @@ def assert_top_k(kept, scores, k, tail, tol=1e-5):
     kept = kept.tolist()
     assert kept == sorted(kept) and kept[-len(tail) :] == list(tail) and len(kept) == k + len(tail)
     chosen = torch.zeros(scores.numel(), dtype=torch.bool)
-    chosen[kept[: k]] = True
+    chosen[kept[:k]] = True
     assert scores[chosen].min() >= scores[~chosen].max() - tol
 
 
@@ -86,7 +86,9 @@ class RecordingEngine(Engine):
     """The engine of one pipeline run that keeps the logits every answer token was chosen from: the
     prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
 
-    def decode(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None):
+    def decode(
+        self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None
+    ):
         inner = DecodeStep.full_attention(self) if step is None else step
         self.seen = [first_logits]
 
@@ -96,8 +98,9 @@ class RecordingEngine(Engine):
             return logits
 
         recording_step = DecodeStep(recording, device_token=inner.device_token)
-        return super().decode(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token,
-                              step=recording_step, guard=guard)
+        return super().decode(
+            first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording_step, guard=guard
+        )
 
 
 def random_ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -109,5 +112,7 @@ def random_ids(n: int, seed: int = 0) -> torch.Tensor:
 def configured(spec: str, lm, profiles: Path) -> Pipeline:
     """The pipeline of ``spec`` configured on ``lm``, its per-model head profiles under ``profiles``."""
     pipeline = Pipeline.parse(spec)
-    pipeline.configure(lm, Runtime(cache_dir=profiles))  # per-model head profiles (razor, duo): computed once per session
+    pipeline.configure(
+        lm, Runtime(cache_dir=profiles)
+    )  # per-model head profiles (razor, duo): computed once per session
     return pipeline

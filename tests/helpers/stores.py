@@ -5,17 +5,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from kvcli import notices
+from kvcli.answer.pipeline import Pipeline
+from kvcli.answer.prompt import load_template
 from kvcli.api import AskOptions, Session
 from kvcli.documents import document_from_text
 from kvcli.runtime.engine import Engine
-from kvcli.answer.pipeline import Pipeline
-from kvcli.answer.prompt import load_template
 from kvcli.store import KVStore
 
 DOC = " ".join(f"Entry {i}: the keeper logged {i * 7 % 13} ships and {i * 5 % 11} storms." for i in range(30))
 
 
 Q1, Q2 = "How many ships were logged?", "Which entry mentions storms first?"
+
+
+@pytest.fixture(autouse=True)
+def silent_notices():
+    """The store's warnings go nowhere and are forgotten after each test (they are read from
+    ``notices.collected()``). Import it into a test module to apply it there (autouse)."""
+    notices.reset()
+    notices.set_sink(None)
+    yield
+    notices.reset()
+    notices.set_sink(None)
 
 
 def session_for(lm, cache_dir: Path | None, use_cache: bool = True) -> Session:

@@ -53,12 +53,24 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "phi3": dict(original_max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0),
     # Gemma 2: sandwich norms, sqrt(hidden) embedding scale, soft-capped attention and final logits,
     # query_pre_attn_scalar != head_dim, sliding layers alternating with full ones (tiny_config)
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=HYBRID_WINDOW,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=HYBRID_WINDOW,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
     # Gemma 3: q/k norms, local / global RoPE bases per layer type
-    "gemma3": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=HYBRID_WINDOW,
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "gemma3": dict(
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=HYBRID_WINDOW,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 
@@ -138,9 +150,7 @@ def make_tiny_model(family: str, tmp_path: Path, seed: int = 0, **overrides: Any
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-    )
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     tmp = folder.with_name(folder.name + ".partial")
     model.save_pretrained(str(tmp))
     _tokenizer().save_pretrained(str(tmp))

@@ -23,7 +23,9 @@ def test_models_lists_both_embedded_models_with_their_windows(capsys, monkeypatc
 
 def test_gemma_without_its_packages_names_the_pip_line(capsys, monkeypatch, tmp_path):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a)
+    )
     doc = tmp_path / "doc.txt"
     doc.write_text("The keeper counted seven gulls.")
     code, out, err = run_cli(["ask", doc, "Who?", "-m", "gemma3-270m", "--cache-dir", tmp_path], capsys, monkeypatch)

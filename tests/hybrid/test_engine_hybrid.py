@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.runtime import windows as windows_mod
 from kvcli.caches import KVCache
+from kvcli.runtime import windows as windows_mod
 from kvcli.runtime.engine import Engine
 from kvcli.runtime.kernels import softcapped
-from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.reference import hf_logits
 from tests.helpers.runs import random_ids
+from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 
 TOL = 1e-4
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from kvcli.caches import KVCache
-from kvcli.runtime.engine import Engine
 from kvcli.errors import ModelError
-from kvcli.model import load_model
-from kvcli.model import ggufs
+from kvcli.model import ggufs, load_model
+from kvcli.runtime.engine import Engine
 from tests.helpers.reference import hf_logits
 
 pytestmark = pytest.mark.slow

@@ -8,15 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.compressors.base import REGISTRY
-from kvcli.runtime.engine import Engine
-from kvcli.errors import UsageError
 from kvcli.answer.pipeline import Pipeline, run
-from tests.helpers.runs import configured
-from tests.helpers.runs import prompt_for
+from kvcli.compressors.base import REGISTRY
+from kvcli.errors import UsageError
+from kvcli.runtime.engine import Engine
+from tests.helpers.runs import configured, prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS  # the latter refused in one line: test_contract checks it
-from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
+from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 
 # not the prompt's last w - 1 tokens in a sliding layer: LazyLLM's (its sets; here every sliding
 # layer is scored for the next pruning layer, so it keeps its slots: test_window_layouts),
@@ -30,7 +29,9 @@ def test_compressing_on_a_hybrid(tiny_lm, isolated_cache_dir, family, name):
     lm = tiny_lm(family)
     prompt = prompt_for(lm)
     n = prompt.n_tokens
-    result = run(Engine(lm), prompt, configured(COMPRESSING[name], lm, isolated_cache_dir), max_new_tokens=3, stop_ids=set())
+    result = run(
+        Engine(lm), prompt, configured(COMPRESSING[name], lm, isolated_cache_dir), max_new_tokens=3, stop_ids=set()
+    )
     assert result.answer_ids
     mask = result.kept_mask()
     if mask is None:
@@ -41,7 +42,18 @@ def test_compressing_on_a_hybrid(tiny_lm, isolated_cache_dir, family, name):
             assert held == list(range(n - (HYBRID_WINDOW - 1), n)), (layer, held)
     if name == "full":
         assert result.compression_ratio == pytest.approx(1.0)
-    elif name not in {"blocksparse", "razor", "duo"} and name in {"snapkv", "pyramidkv", "h2o", "tova", "knorm", "keydiff", "adakv", "expectedattention", "kvzip", "streamingllm"}:
+    elif name not in {"blocksparse", "razor", "duo"} and name in {
+        "snapkv",
+        "pyramidkv",
+        "h2o",
+        "tova",
+        "knorm",
+        "keydiff",
+        "adakv",
+        "expectedattention",
+        "kvzip",
+        "streamingllm",
+    }:
         # the full-attention layers were compressed: fewer entries than the prompt
         for layer in (1, 3):
             assert mask[layer].sum(dim=-1).max() < n

@@ -11,17 +11,16 @@ import json
 import pytest
 import torch
 
-from kvcli.caches.base import SPARE_SLOTS
-from kvcli.runtime import windows
-from kvcli.compressors.base import REGISTRY
-from kvcli.runtime.engine import Engine
 from kvcli.answer.pipeline import run
+from kvcli.caches.base import SPARE_SLOTS
+from kvcli.compressors.base import REGISTRY
+from kvcli.runtime import windows
+from kvcli.runtime.engine import Engine
 from kvcli.store import KVStore
-from tests.helpers.runs import configured
-from tests.helpers.runs import prompt_for
+from tests.helpers.runs import configured, prompt_for
 from tests.helpers.specs import COMPRESSING, NOT_ON_HYBRIDS
-from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
+from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 
 W = HYBRID_WINDOW
 SLIDING = (0, 2)
@@ -43,7 +42,14 @@ def _run(lm, spec, profiles, store, room, monkeypatch):
             return cache
 
         m.setattr(Engine, "prefix_kv", prefix_kv)
-        result = run(Engine(lm), prompt_for(lm), configured(spec, lm, profiles), max_new_tokens=STEPS, stop_ids=set(), store=store)
+        result = run(
+            Engine(lm),
+            prompt_for(lm),
+            configured(spec, lm, profiles),
+            max_new_tokens=STEPS,
+            stop_ids=set(),
+            store=store,
+        )
     return result, logits, prefixes
 
 
@@ -61,7 +67,9 @@ def test_every_method_answers_alike_on_a_cut_prefix(tiny_lm, isolated_cache_dir,
     whole, ref, _ = _run(lm, spec, isolated_cache_dir, None, None, monkeypatch)
     # rooms of 40 and 4: the query windows here (TOVA 1, SnapKV 8, blocksparse 32) go on from the
     # cut prefix with the first; with the second all but TOVA's run the whole prompt again
-    for attempt, (room, store) in enumerate([(40, None), (4, None), (40, KVStore.open(tmp_path / "s")), (40, KVStore.open(tmp_path / "s"))]):
+    for attempt, (room, store) in enumerate(
+        [(40, None), (4, None), (40, KVStore.open(tmp_path / "s")), (40, KVStore.open(tmp_path / "s"))]
+    ):
         cut, logits, _ = _run(lm, spec, isolated_cache_dir, store, room, monkeypatch)
         assert cut.answer_ids == whole.answer_ids, attempt
         _same(logits, ref)
@@ -89,7 +97,9 @@ def test_a_query_window_past_the_room_runs_the_whole_prompt(tiny_lm, isolated_ca
         with monkeypatch.context() as m:
             seen = []
             original = Engine.prefill
-            m.setattr(Engine, "prefill", lambda self, ids, *a, **k: seen.append(ids.numel()) or original(self, ids, *a, **k))
+            m.setattr(
+                Engine, "prefill", lambda self, ids, *a, **k: seen.append(ids.numel()) or original(self, ids, *a, **k)
+            )
             cut, logits, _ = _run(lm, spec, isolated_cache_dir, KVStore.open(tmp_path / str(room)), room, monkeypatch)
         assert cut.answer_ids == whole.answer_ids
         _same(logits, ref)
@@ -111,7 +121,7 @@ def test_the_cut_prefix_frees_its_buffers_goes_through_the_store_and_cuts_back_b
             assert k.shape[2] == W - 1 + 4 and cut.dropped[layer] == 200 - (W - 1 + 4)
             row = k[:, :, :1].numel() * k.element_size()
             assert k.untyped_storage().nbytes() <= (W - 1 + 4 + SPARE_SLOTS) * row
-            assert torch.equal(k, whole.keys[layer][:, :, -(W - 1 + 4):])
+            assert torch.equal(k, whole.keys[layer][:, :, -(W - 1 + 4) :])
         else:
             assert torch.equal(k, whole.keys[layer]) and layer not in cut.dropped
     tensors, facts = cut.to_tensors()

@@ -9,17 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.answer.pipeline import run
 from kvcli.caches.base import CacheBase
 from kvcli.caches.blocks import BlockCache
 from kvcli.caches.lazy import LazyCache
 from kvcli.caches.ragged import RaggedCache
 from kvcli.runtime.engine import Engine
-from kvcli.answer.pipeline import run
 from kvcli.runtime.windows import WINDOW_SLACK
-from tests.helpers.runs import configured
-from tests.helpers.runs import prompt_for
-from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
+from tests.helpers.runs import configured, prompt_for
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
+from tests.helpers.tiny_models import HYBRID_FAMILIES, HYBRID_WINDOW
 
 W = HYBRID_WINDOW
 SLIDING = (0, 2)
@@ -67,7 +66,9 @@ def _run(lm, spec, profiles, steps, monkeypatch, trimmed: bool):
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 @pytest.mark.parametrize("spec", list(CASES))
-def test_a_sliding_layer_keeps_its_window_and_the_logits_do_not_change(tiny_lm, isolated_cache_dir, monkeypatch, family, spec):
+def test_a_sliding_layer_keeps_its_window_and_the_logits_do_not_change(
+    tiny_lm, isolated_cache_dir, monkeypatch, family, spec
+):
     lm = tiny_lm(family)
     bounded = CASES[spec][1]
     trimmed, logits, held = _run(lm, spec, isolated_cache_dir, STEPS, monkeypatch, trimmed=True)
@@ -106,7 +107,9 @@ def test_a_sliding_layer_keeps_its_window_and_the_logits_do_not_change(tiny_lm, 
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_full_attention_is_1_after_a_long_answer_and_a_method_is_credited_for_its_evictions(tiny_lm, isolated_cache_dir, family):
+def test_full_attention_is_1_after_a_long_answer_and_a_method_is_credited_for_its_evictions(
+    tiny_lm, isolated_cache_dir, family
+):
     """The answer's tokens push the prompt out of the sliding layers (cut back every WINDOW_SLACK
     steps); compression_ratio counts full attention's own holding after as many steps, so full
     attention stays 1.0 whatever the answer's length, and SnapKV gets (what full holds) / (what
@@ -116,7 +119,13 @@ def test_full_attention_is_1_after_a_long_answer_and_a_method_is_credited_for_it
     n = prompt.n_tokens
     for steps in (1, W + WINDOW_SLACK + 20):
         full = run(Engine(lm), prompt, configured("full", lm, isolated_cache_dir), max_new_tokens=steps, stop_ids=set())
-        snap = run(Engine(lm), prompt, configured("snapkv:budget=0.25,window=8", lm, isolated_cache_dir), max_new_tokens=steps, stop_ids=set())
+        snap = run(
+            Engine(lm),
+            prompt,
+            configured("snapkv:budget=0.25,window=8", lm, isolated_cache_dir),
+            max_new_tokens=steps,
+            stop_ids=set(),
+        )
         for result in (full, snap):
             mask = result.kept_mask()
             assert result.n_kept_tokens == pytest.approx(float(mask.sum()) / (mask.shape[0] * mask.shape[1]))

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli.runtime import kernels
 from kvcli.errors import ModelError, UsageError
 from kvcli.model import load_model
 from kvcli.model.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
 from kvcli.model.load import auto_quant
+from kvcli.runtime import kernels
 
 
 def q4_1_weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +85,12 @@ def test_int8_linear_multiplies_by_its_weights(rows, monkeypatch):
     assert torch.equal(layer.dense(), (q.bfloat16() * scale.bfloat16()[:, None]).t())
     # which path ran: the kernel for fewer rows than dense_rows, the dense product from there on
     ran = []
-    monkeypatch.setattr(Int8Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 24, dtype=r.dtype))
-    monkeypatch.setattr(Int8Linear, "dense", lambda self: ran.append("dense") or torch.zeros(64, 24, dtype=torch.bfloat16))
+    monkeypatch.setattr(
+        Int8Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 24, dtype=r.dtype)
+    )
+    monkeypatch.setattr(
+        Int8Linear, "dense", lambda self: ran.append("dense") or torch.zeros(64, 24, dtype=torch.bfloat16)
+    )
     layer(x)
     assert ran == (["kernel"] if rows < layer.dense_rows else ["dense"])
 
@@ -106,13 +110,17 @@ def test_int4_linear_unpacks_its_weights_for_a_prefill(rows, monkeypatch):
     dense = layer.dense()
     assert dense.shape == (96, 128) and dense.dtype == torch.bfloat16
     # bfloat16 rounding of the weight and of low = zero - 8 * scale: within 2 ulps of the largest
-    assert float((dense.double().t() - deq).abs().max()) <= 2 ** -6 * float(deq.abs().max())
+    assert float((dense.double().t() - deq).abs().max()) <= 2**-6 * float(deq.abs().max())
     x = torch.randn(rows, 96)
     want = x.bfloat16().double() @ deq.T
     assert float((layer(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())
     ran = []
-    monkeypatch.setattr(Int4Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 128, dtype=r.dtype))
-    monkeypatch.setattr(Int4Linear, "dense", lambda self: ran.append("dense") or torch.zeros(96, 128, dtype=torch.bfloat16))
+    monkeypatch.setattr(
+        Int4Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 128, dtype=r.dtype)
+    )
+    monkeypatch.setattr(
+        Int4Linear, "dense", lambda self: ran.append("dense") or torch.zeros(96, 128, dtype=torch.bfloat16)
+    )
     layer(x)
     assert ran == (["kernel"] if rows < 128 else ["dense"])
 
@@ -179,12 +187,18 @@ def test_grouped_kernel_is_attention():
                 assert got.shape == (b, q_len, h, d)
                 assert float((got.double() - want).abs().max()) < 0.03, (q_len, mask is None)
         # SDPA routes small 16-bit queries on the CPU here: the same numbers
-        assert torch.equal(kernels.sdpa(q, key_view, value_view, None, 1 / math.sqrt(d)),
-                           kernels.grouped(q, key_view, value_view, None, 1 / math.sqrt(d)))
+        assert torch.equal(
+            kernels.sdpa(q, key_view, value_view, None, 1 / math.sqrt(d)),
+            kernels.grouped(q, key_view, value_view, None, 1 / math.sqrt(d)),
+        )
     # float32 keeps PyTorch's fused kernel (the float32 path is unchanged)
     q32 = torch.randn(1, h, 1, d)
-    assert torch.equal(kernels.sdpa(q32, buf_k[:, :, :n], buf_v[:, :, :n], None, 0.25),
-                       F.scaled_dot_product_attention(q32, buf_k[:, :, :n], buf_v[:, :, :n], scale=0.25, enable_gqa=True).transpose(1, 2).contiguous())
+    assert torch.equal(
+        kernels.sdpa(q32, buf_k[:, :, :n], buf_v[:, :, :n], None, 0.25),
+        F.scaled_dot_product_attention(q32, buf_k[:, :, :n], buf_v[:, :, :n], scale=0.25, enable_gqa=True)
+        .transpose(1, 2)
+        .contiguous(),
+    )
 
 
 def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():

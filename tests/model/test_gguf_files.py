@@ -53,7 +53,10 @@ def write_tiny_llama_gguf(folder: Path, path: Path) -> None:
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
             sub = field.types[1]
-            values = [bytes(field.parts[i]).decode("utf-8") if sub == GGUFValueType.STRING else field.parts[i][0].item() for i in field.data]
+            values = [
+                bytes(field.parts[i]).decode("utf-8") if sub == GGUFValueType.STRING else field.parts[i][0].item()
+                for i in field.data
+            ]
             w.add_array(key, values)
         elif kind == GGUFValueType.STRING:
             w.add_string(key, bytes(field.parts[field.data[0]]).decode("utf-8"))

@@ -10,18 +10,18 @@ import time
 import pytest
 import torch
 
-from kvcli.model import embedded, hub
-from kvcli.model.device import require_bitsandbytes
 from kvcli.errors import ModelError, UsageError
 from kvcli.model import (
     EMBEDDED_MODEL,
     LoadedModel,
     default_cache_dir,
+    embedded,
     embedded_model_path,
+    hub,
     load_model,
     resolve_device,
 )
-
+from kvcli.model.device import require_bitsandbytes
 from tests.helpers import tiny_models
 from tests.helpers.tiny_models import FAMILIES, make_tiny_model
 
@@ -129,7 +129,9 @@ def test_unsupported_architecture(tiny_root, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=49152, n_positions=64)).save_pretrained(folder)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=49152, n_positions=64)).save_pretrained(
+        folder
+    )
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(make_tiny_model("llama", tiny_root) / f, folder / f)
     with pytest.raises(ModelError) as e:
@@ -371,4 +373,4 @@ def _answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> str:
     )
     with torch.inference_mode():
         out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    return lm.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return lm.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -12,11 +12,10 @@ import re
 import pytest
 import torch
 
-from kvcli.caches.blocks import partition
-from kvcli.caches.book import BookCache
-from kvcli.runtime.engine import Engine
 from kvcli.answer.prompt import build_prompt
-from tests.compressors.test_infllm import DOC, SPEC, _Prefix, infllm_reference, stage
+from kvcli.caches.blocks import partition
+from kvcli.runtime.engine import Engine
+from tests.compressors.test_infllm import DOC, SPEC, _Prefix, infllm_reference, read_traced, stage
 from tests.helpers.cli_runner import assert_user_error
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 from tests.report.test_inspect import make_pdf
@@ -41,23 +40,25 @@ def test_the_read_set_is_what_a_retrieval_by_q_k_picks(tiny_lm, scores):
     prompt = build_prompt(lm.tokenizer, DOC, "How many gulls near rock 3?")
     ids, n_doc = prompt.ids, prompt.prefix_len
     s = stage(lm, SPEC + f",answer_scores={scores}")
-    trace = []
-    original = BookCache.__init__
-
-    def traced(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.trace = trace
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(BookCache, "__init__", traced)
-        book = s.read(engine, ids[:n_doc])
+    book, trace = read_traced(s, engine, ids[:n_doc])
     assert book.read_mask(n_doc) is None  # nothing answered yet: nothing read
     cache, _, _ = s.prefill(engine, ids, prefix=_Prefix(book, n_doc))
     # the reference scores every block itself; where two blocks tie within its tolerance it
     # checks kvcli's pick is one of its top-k and goes on with it
     follow = {(start, layer): blocks for start, layer, blocks in trace}
-    _, chosen = infllm_reference(lm, ids[:n_doc], ids[n_doc:], initial=4, block_size=8, local=16, topk=3, repr_topk=2,
-                                 chunk=12, follow=follow, token_scores=scores == "tokens")
+    _, chosen = infllm_reference(
+        lm,
+        ids[:n_doc],
+        ids[n_doc:],
+        initial=4,
+        block_size=8,
+        local=16,
+        topk=3,
+        repr_topk=2,
+        chunk=12,
+        follow=follow,
+        token_scores=scores == "tokens",
+    )
     n = ids.numel()
     want = expected_read(n, chosen, initial=4, block_size=8, origin=cache.origin)
     assert cache.origin < n_doc and book.n_blocks == partition(n_doc, 4, 16, 8)[1] > 3
@@ -161,8 +162,18 @@ def test_inspect_shows_what_the_question_read_with_pages(cli, small_window, book
 
 
 def test_ask_show_selected_and_the_stats_line_say_what_was_read(cli, small_window, book_pdf):
-    args = ("ask", book_pdf, "How many gulls near rock 3?", "-m", small_window, "-c", BOOK_SPEC, "--no-cache",
-            "--max-new-tokens", "4")
+    args = (
+        "ask",
+        book_pdf,
+        "How many gulls near rock 3?",
+        "-m",
+        small_window,
+        "-c",
+        BOOK_SPEC,
+        "--no-cache",
+        "--max-new-tokens",
+        "4",
+    )
     code, out, err = cli(*args, "--json", "--show-selected")
     assert code == 0, err
     record = json.loads(out)

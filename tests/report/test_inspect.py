@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from kvcli import api
+from kvcli.answer.prompt import build_prompt
 from kvcli.compressors import parse_one
 from kvcli.documents import document_from_text, load_document
 from kvcli.report.inspection import inspect_kept
 from kvcli.report.layers import find_needle, rank_layers
-from kvcli.answer.prompt import build_prompt
 
 PAGES = [
     "The keeper's log begins on the first page. The relief boat brought flour, lamp oil and two crates "
@@ -49,8 +49,6 @@ def make_pdf(path: Path, pages: list[str]) -> Path:
         pdf.multi_cell(0, 8, text)
     pdf.output(str(path))
     return path
-
-
 
 
 def assert_user_error(result, code: int, *needles: str) -> None:
@@ -175,10 +173,20 @@ def test_answer_only_when_asked(session, document):
 
 
 def test_cli_json_schema(cli, model, pdf, document):
-    code, out, err = cli("inspect", pdf, QUESTION, "-c", "gemfilter:layer=2,k=50", "--model", model, "--json", "--no-cache")
+    code, out, err = cli(
+        "inspect", pdf, QUESTION, "-c", "gemfilter:layer=2,k=50", "--model", model, "--json", "--no-cache"
+    )
     assert code == 0, err
     record = json.loads(out)
-    for key in ("compressor", "model", "n_prompt_tokens", "n_document_tokens", "n_kept_tokens", "compression_ratio", "spans"):
+    for key in (
+        "compressor",
+        "model",
+        "n_prompt_tokens",
+        "n_document_tokens",
+        "n_kept_tokens",
+        "compression_ratio",
+        "spans",
+    ):
         assert key in record, key
     assert record["compressor"].startswith("gemfilter:layer=2,k=50")
     assert record["n_kept_tokens"] == 50
@@ -190,14 +198,29 @@ def test_cli_json_schema(cli, model, pdf, document):
         assert document.text[s["start"] : s["end"]] == s["text"]
         assert s["page"] == document.page_of(s["start"])
 
-    code, out, _ = cli("inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--json", "--no-cache", "--answer", "--max-new-tokens", "3")
+    code, out, _ = cli(
+        "inspect",
+        pdf,
+        QUESTION,
+        "-c",
+        "snapkv:budget=48",
+        "--model",
+        model,
+        "--json",
+        "--no-cache",
+        "--answer",
+        "--max-new-tokens",
+        "3",
+    )
     record = json.loads(out)
     assert code == 0 and record["view"] == "per-head" and "answer" in record
     assert all(row["kept_min"] == row["kept_max"] == 48 for row in record["layers"])
 
 
 def test_cli_terminal_views(cli, model, pdf):
-    code, out, err = cli("inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--no-cache", "--show-selected")
+    code, out, err = cli(
+        "inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--no-cache", "--show-selected"
+    )
     assert code == 0, err
     assert "kept per layer" in out and "compression" in out
     assert "page 2" in out and "ZEBRA" in out  # the whole document, page by page
@@ -216,7 +239,19 @@ def test_html_is_self_contained_and_escaped(cli, session, model, tmp_path):
     src = tmp_path / "doc.txt"
     src.write_text(text, encoding="utf-8")
     out_file = tmp_path / "kept.html"
-    code, out, err = cli("inspect", src, "How many gulls <now>?", "-c", "gemfilter:layer=2,k=80", "--model", model, "--no-cache", "--html", out_file, "--json")
+    code, out, err = cli(
+        "inspect",
+        src,
+        "How many gulls <now>?",
+        "-c",
+        "gemfilter:layer=2,k=80",
+        "--model",
+        model,
+        "--no-cache",
+        "--html",
+        out_file,
+        "--json",
+    )
     assert code == 0, err
     page = out_file.read_text(encoding="utf-8")
     record = json.loads(out)
@@ -231,7 +266,10 @@ def test_html_is_self_contained_and_escaped(cli, session, model, tmp_path):
     # the marks hold exactly the kept spans' text (a span may be cut at a page or bucket anchor)
     doc = load_document(src)
     assert "".join(_marks(page)) == "".join(s["text"] for s in record["spans"])
-    assert html.unescape(re.sub(r"<[^>]+>", "", page.split("<main>")[1].split("</main>")[0]).replace("page 1", "", 1)) == doc.text
+    assert (
+        html.unescape(re.sub(r"<[^>]+>", "", page.split("<main>")[1].split("</main>")[0]).replace("page 1", "", 1))
+        == doc.text
+    )
 
 
 def test_html_stays_small_for_a_long_document(session):
@@ -246,7 +284,9 @@ def test_html_stays_small_for_a_long_document(session):
 
 
 def test_html_unwritable_path_is_one_line(cli, model, pdf, tmp_path):
-    assert_user_error(cli("inspect", pdf, QUESTION, "--model", model, "--html", tmp_path / "no" / "such" / "x.html"), 2, "--html")
+    assert_user_error(
+        cli("inspect", pdf, QUESTION, "--model", model, "--html", tmp_path / "no" / "such" / "x.html"), 2, "--html"
+    )
     assert_user_error(cli("inspect", pdf, QUESTION, "--model", model, "--html", tmp_path), 2, "--html")
 
 
@@ -259,7 +299,12 @@ def _png_pixels(path: Path):
         n = int.from_bytes(data[pos : pos + 4], "big")
         kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
-            width, height, depth, color = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big"), body[8], body[9]
+            width, height, depth, color = (
+                int.from_bytes(body[:4], "big"),
+                int.from_bytes(body[4:8], "big"),
+                body[8],
+                body[9],
+            )
             assert depth == 8 and color in (2, 6) and body[12] == 0
         elif kind == b"IDAT":
             idat += body
@@ -305,10 +350,19 @@ def test_html_renders_the_highlight_in_headless_chromium(session, tmp_path):
     page = tmp_path / "kept.html"
     report_html.write(ins, page)
     shot = tmp_path / "shot.png"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--force-color-profile=srgb", f"--user-data-dir={tmp_path / 'profile'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--force-color-profile=srgb",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     subprocess.run(
         [CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1000,800", page.as_uri()],
-        capture_output=True, timeout=90, check=False,
+        capture_output=True,
+        timeout=90,
+        check=False,
     )
     assert shot.exists(), "chromium wrote no screenshot"
     width, height, bpp, rows = _png_pixels(shot)
@@ -342,7 +396,13 @@ def test_rank_layers_reproduces_figure_5_distance():
     good[[7, 8]] = 5.0  # the needle scores best
     bad = torch.arange(n, dtype=torch.float32)  # the later the better: the needle is far from the top-k
     rows = rank_layers([good, bad], [[7, 8]], k=5, protected=protected)
-    assert (rows[0].found, rows[0].best_rank, rows[0].k_needed, rows[0].n_in_topk, rows[0].distance) == (True, 1, 4, 2, 0)
+    assert (rows[0].found, rows[0].best_rank, rows[0].k_needed, rows[0].n_in_topk, rows[0].distance) == (
+        True,
+        1,
+        4,
+        2,
+        0,
+    )
     # layer 2: picks (k - 2 forced = 3) are 17, 16, 15 -> nearest is 15, distance |15 - 8| = 7
     assert rows[1].found is False and rows[1].n_in_topk == 0 and rows[1].distance == 7
     assert rows[1].best_rank == 17 - 8 + 1 - 0 and rows[1].k_needed == (17 - 7 + 1) + 2
@@ -350,16 +410,31 @@ def test_rank_layers_reproduces_figure_5_distance():
 
 def test_cli_layers_table_plot_and_json(cli, model, pdf, document, tmp_path):
     png = tmp_path / "layers.png"
-    code, out, err = cli("inspect", "--layers", pdf, QUESTION, "--needle", "4417", "--model", model, "-c", "gemfilter:k=40", "--plot", png)
+    code, out, err = cli(
+        "inspect",
+        "--layers",
+        pdf,
+        QUESTION,
+        "--needle",
+        "4417",
+        "--model",
+        model,
+        "-c",
+        "gemfilter:k=40",
+        "--plot",
+        png,
+    )
     assert code == 0, err
     assert "best rank" in out and "distance" in out and "4417" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
-    code, out, err = cli("inspect", "--layers", pdf, QUESTION, "--needle", "4417", "--model", model, "--k", "40", "--json")
+    code, out, err = cli(
+        "inspect", "--layers", pdf, QUESTION, "--needle", "4417", "--model", model, "--k", "40", "--json"
+    )
     assert code == 0, err
     record = json.loads(out)
     assert record["k"] == 40 and record["needle"] == "4417" and len(record["layers"]) == 4
-    (start, end), = record["needle_chars"]
+    ((start, end),) = record["needle_chars"]
     assert document.text[start:end] == "4417"
     session = api.Session.open(api.AskOptions(model=model, use_cache=False))
     prompt = build_prompt(session.lm.tokenizer, document.text, QUESTION, session.template)
@@ -378,7 +453,7 @@ def test_find_needle_maps_every_occurrence(session):
     prompt = build_prompt(session.lm.tokenizer, doc.text, "What is the pass key?", session.template)
     chars, groups = find_needle(prompt, doc, "71432")
     assert [doc.text[a:b] for a, b in chars] == ["71432", "71432"] and len(groups) == 2
-    for (a, b), group in zip(chars, groups):
+    for (_a, _b), group in zip(chars, groups):
         covered = "".join(doc.text[slice(*prompt.char_span(i))] for i in group)
         assert "71432" in covered
 
@@ -389,8 +464,15 @@ def test_find_needle_maps_every_occurrence(session):
 def test_errors_are_one_line(cli, model, pdf, tmp_path):
     assert_user_error(cli("inspect", tmp_path / "missing.pdf", QUESTION, "--model", model), 1, "missing.pdf")
     assert_user_error(cli("inspect", pdf, QUESTION, "-c", "nosuchmethod", "--model", model), 2, "nosuchmethod")
-    assert_user_error(cli("inspect", "--layers", pdf, QUESTION, "--needle", "no such text", "--model", model), 2, "--needle", "not in the document")
-    assert_user_error(cli("inspect", pdf, QUESTION, "--plot", tmp_path / "x.png", "--model", model), 2, "--plot needs --layers")
+    assert_user_error(
+        cli("inspect", "--layers", pdf, QUESTION, "--needle", "no such text", "--model", model),
+        2,
+        "--needle",
+        "not in the document",
+    )
+    assert_user_error(
+        cli("inspect", pdf, QUESTION, "--plot", tmp_path / "x.png", "--model", model), 2, "--plot needs --layers"
+    )
     assert_user_error(cli("inspect", pdf, "--model", model), 2, "give a document and a question")
     assert_user_error(cli("inspect", "--needle-test", "512", pdf, QUESTION), 2, "--needle-test")
     assert_user_error(cli("inspect", "--layers", pdf, QUESTION, "--html", tmp_path / "x.html"), 2, "--layers")
@@ -410,7 +492,9 @@ def test_layers_without_needle_uses_the_full_attention_answer(cli, model, pdf, m
         return real(self, document, question, pipeline, *args, **kwargs)
 
     monkeypatch.setattr(api.Session, "ask", fake)
-    assert_user_error(cli("inspect", "--layers", pdf, QUESTION, "--model", model), 2, "not in the document", "--needle TEXT")
+    assert_user_error(
+        cli("inspect", "--layers", pdf, QUESTION, "--model", model), 2, "not in the document", "--needle TEXT"
+    )
     code, out, err = cli("inspect", "--layers", pdf, QUESTION, "--model", model, "--k", "40", "--json")
     assert code == 0, err
     assert json.loads(out)["needle"] == "4417"
@@ -443,7 +527,17 @@ def test_document_view_highlights_whole_words_and_merges_what_overlaps():
     g, d, n = t.index("GNOME"), t.index("desktop"), t.index("Nothing")
     # token pieces: "NO" and "ME" of GNOME (adjacent), "desk" and "top" of desktop (each widens to
     # the word, then they overlap), the "thin" of "Nothing" and the "4" of "42"
-    spans = _spans_at(doc, [(g + 1, g + 3), (g + 3, g + 5), (d, d + 4), (d + 4, d + 7), (n + 2, n + 6), (t.index("42"), t.index("42") + 1)])
+    spans = _spans_at(
+        doc,
+        [
+            (g + 1, g + 3),
+            (g + 3, g + 5),
+            (d, d + 4),
+            (d + 4, d + 7),
+            (n + 2, n + 6),
+            (t.index("42"), t.index("42") + 1),
+        ],
+    )
     console = _plain_console()
     render.document_view(console, SimpleNamespace(document=doc, spans=spans, score_kind=None))
     out = console.file.getvalue()
@@ -475,6 +569,8 @@ def test_kept_spans_list_shows_each_piece_of_text_once():
 
 
 def test_cli_show_selected_marks_whole_words(cli, model, pdf):
-    code, out, err = cli("inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--no-cache", "--show-selected")
+    code, out, err = cli(
+        "inspect", pdf, QUESTION, "-c", "snapkv:budget=48", "--model", model, "--no-cache", "--show-selected"
+    )
     assert code == 0, err
     assert "⟦" in out and not re.search(r"\w⟦\w|\w⟧\w", out)

@@ -12,7 +12,10 @@ def memory_cells(configs, weights, specs, lengths, kv_offload: str = "none") -> 
     """Config-major, then weights, then length, then method: one model built per (config, weights)."""
     return [
         {"config": c, "weights": w, "method": m, "tokens": n, "kv_offload": kv_offload}
-        for c in configs for w in weights for n in lengths for m in specs
+        for c in configs
+        for w in weights
+        for n in lengths
+        for m in specs
     ]
 
 
@@ -26,8 +29,10 @@ def _n(v) -> str:
 
 def memory_table(rows: list[dict]) -> str:
     """Markdown: one line per row; sizes in GiB (2^30 bytes)."""
-    head = ("| config | weights | method | tokens | offload | peak GiB | weights GiB | KV GiB | held after prefill GiB "
-            "| syncs / decode step | h2d / decode step | syncs / prefill layer | SDPA math calls (prefill) | reads answered | error |")
+    head = (
+        "| config | weights | method | tokens | offload | peak GiB | weights GiB | KV GiB | held after prefill GiB "
+        "| syncs / decode step | h2d / decode step | syncs / prefill layer | SDPA math calls (prefill) | reads answered | error |"
+    )
     lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         math = (r.get("sdpa_backends") or {}).get("prefill", {}).get("math", 0)
@@ -47,9 +52,23 @@ DECODE_METHODS = ("full", "snapkv", "pyramidkv", "streamingllm", "gemfilter", "f
 
 def _find(rows, method, tokens, offload="none"):
     base = method.split(":")[0]
-    exact = [r for r in rows if r["method"] == method and r["tokens"] == tokens and r.get("kv_offload", "none") == offload]
-    return exact[0] if exact else next(
-        (r for r in rows if r["method"].split(":")[0] == base and r["tokens"] == tokens and r.get("kv_offload", "none") == offload), None)
+    exact = [
+        r for r in rows if r["method"] == method and r["tokens"] == tokens and r.get("kv_offload", "none") == offload
+    ]
+    return (
+        exact[0]
+        if exact
+        else next(
+            (
+                r
+                for r in rows
+                if r["method"].split(":")[0] == base
+                and r["tokens"] == tokens
+                and r.get("kv_offload", "none") == offload
+            ),
+            None,
+        )
+    )
 
 
 def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[dict]:
@@ -60,34 +79,64 @@ def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[di
     def peak(what, method, tokens, limit_gib, offload="none"):
         r = _find(rows, method, tokens, offload)
         value = None if r is None or r.get("error") else r["peak_bytes"] / GIB
-        out.append({"target": what, "limit": f"<= {limit_gib} GiB", "measured": "not run" if r is None else (r.get("error") or f"{value:.2f} GiB"),
-                    "met": value is not None and value <= limit_gib})
+        out.append(
+            {
+                "target": what,
+                "limit": f"<= {limit_gib} GiB",
+                "measured": "not run" if r is None else (r.get("error") or f"{value:.2f} GiB"),
+                "met": value is not None and value <= limit_gib,
+            }
+        )
 
     peak(f"full attention, {length_label(long)}", "full", long, 23)
     peak(f"GemFilter, {length_label(long)}", "gemfilter", long, 14)
     peak(f"Finch target=4096, {length_label(long)}", "finch:target=4096", long, 9)
     peak(f"block-sparse + --kv-offload cpu, {length_label(long)}", "blocksparse", long, 9, offload="cpu")
     short_rows = [r for r in rows if r["tokens"] == short and r.get("kv_offload", "none") == "none"]
-    over = [f"{r['method']} ({'error' if r.get('error') else format(r['peak_bytes'] / GIB, '.2f') + ' GiB'})"
-            for r in short_rows if r.get("error") or r["peak_bytes"] > 12 * GIB]
-    out.append({"target": f"every method, {length_label(short)}", "limit": "<= 12 GiB",
-                "measured": f"{len(short_rows) - len(over)}/{len(short_rows)} methods within" + (f"; over or failed: {', '.join(over)}" if over else ""),
-                "met": bool(short_rows) and not over})
+    over = [
+        f"{r['method']} ({'error' if r.get('error') else format(r['peak_bytes'] / GIB, '.2f') + ' GiB'})"
+        for r in short_rows
+        if r.get("error") or r["peak_bytes"] > 12 * GIB
+    ]
+    out.append(
+        {
+            "target": f"every method, {length_label(short)}",
+            "limit": "<= 12 GiB",
+            "measured": f"{len(short_rows) - len(over)}/{len(short_rows)} methods within"
+            + (f"; over or failed: {', '.join(over)}" if over else ""),
+            "met": bool(short_rows) and not over,
+        }
+    )
     for method in DECODE_METHODS:
-        r = _find(rows, method, long) or _find(rows, method, short) or next(
-            (x for x in rows if x["method"].split(":")[0] == method and x.get("kv_offload", "none") == "none"), None)
+        r = (
+            _find(rows, method, long)
+            or _find(rows, method, short)
+            or next(
+                (x for x in rows if x["method"].split(":")[0] == method and x.get("kv_offload", "none") == "none"), None
+            )
+        )
         if r is None:
-            out.append({"target": f"{method}: decode syncs <= 1, h2d = 0", "limit": "", "measured": "not run", "met": False})
+            out.append(
+                {"target": f"{method}: decode syncs <= 1, h2d = 0", "limit": "", "measured": "not run", "met": False}
+            )
             continue
         s, h = r.get("syncs_per_decode_step"), r.get("h2d_copies_per_decode_step")
         measured = r["error"] if r.get("error") else f"{s} syncs, {h} h2d per step ({length_label(r['tokens'])})"
-        out.append({"target": f"{method}: decode syncs <= 1, h2d = 0", "limit": "<= 1 / 0", "measured": measured,
-                    "met": not r.get("error") and s is not None and s <= 1 and h == 0})
+        out.append(
+            {
+                "target": f"{method}: decode syncs <= 1, h2d = 0",
+                "limit": "<= 1 / 0",
+                "measured": measured,
+                "met": not r.get("error") and s is not None and s <= 1 and h == 0,
+            }
+        )
     return out
 
 
 def targets_table(checks: list[dict]) -> str:
     lines = ["| target | limit | measured | met |", "|---|---|---|---|"]
     for c in checks:
-        lines.append(f"| {c['target']} | {c['limit']} | {str(c['measured']).replace('|', '/')} | {'yes' if c['met'] else 'no'} |")
+        lines.append(
+            f"| {c['target']} | {c['limit']} | {str(c['measured']).replace('|', '/')} | {'yes' if c['met'] else 'no'} |"
+        )
     return "\n".join(lines)

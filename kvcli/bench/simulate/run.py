@@ -93,14 +93,21 @@ def open_model(config: str, weights: str, kv_offload: str = "none", cache_dir: P
     return open_loaded(_model(config, weights), config, weights, CONFIGS[config][0], kv_offload, cache_dir)
 
 
-def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "none", cache_dir: Path | None = None,
-                engine_cls: type = SimEngine) -> SimModel:
+def open_loaded(
+    model,
+    config: str,
+    weights: str,
+    name: str,
+    kv_offload: str = "none",
+    cache_dir: Path | None = None,
+    engine_cls: type = SimEngine,
+) -> SimModel:
     """A session on ``model`` (any device: meta for the simulation, the CPU for the fidelity test,
     a GPU for ``benchmarks/gpu_measure.py`` with ``engine_cls=Engine``: no tracker), with the
     simulator's tokenizer and no disk store."""
+    from ...answer.prompt import load_template
     from ...api import AskOptions, Session
     from ...model import LoadedModel
-    from ...answer.prompt import load_template
 
     cfg = model.config
     eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else (cfg.eos_token_id or 2)
@@ -121,21 +128,24 @@ def open_loaded(model, config: str, weights: str, name: str, kv_offload: str = "
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="kvcli-sim-"))
     # no sources: a meta run has no attention weights to cite from (their memory, a float per prompt token
     # and one layer's step weights, is within the simulator's error)
-    options = AskOptions(model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir,
-                         sources=False)
+    options = AskOptions(
+        model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir, sources=False
+    )
     session = Session(lm=lm, engine=engine, options=options, template=load_template(options.template), store=None)
     return SimModel(config, weights, session, engine, weight_tensors(model))
 
 
 def document_of(tokenizer, tokens: int, steps: int, template: str):
     """A document whose prompt (template + question) is ``tokens - steps`` tokens long."""
-    from ...documents import document_from_text
     from ...answer.prompt import build_prompt
+    from ...documents import document_from_text
 
     overhead = build_prompt(tokenizer, "w0", QUESTION, template).n_tokens - 1
     n_doc = tokens - steps - overhead
     if n_doc < 1:
-        raise ValueError(f"{tokens} tokens leave no room for a document ({overhead} of template and question, {steps} generated)")
+        raise ValueError(
+            f"{tokens} tokens leave no room for a document ({overhead} of template and question, {steps} generated)"
+        )
     words = " ".join(f"w{i % 9973}" for i in range(n_doc))
     return document_from_text(words, source=f"simulated-{tokens}")
 
@@ -144,6 +154,7 @@ def _layer_hooks(engine: SimEngine):
     tracker = engine.tracker
     handles = []
     for i, layer in enumerate(engine.layers):
+
         def pre(_module, _args, i=i):
             if tracker.phase.startswith("prefill"):
                 tracker.phase = f"prefill:L{i}"
@@ -180,12 +191,20 @@ def _bias_outside_modes():
         kernels.causal_lower_right = made
 
 
-def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS, *, sdpa: str | None = None,
-             efficient_gqa: bool = False, fixed_token: int = 0) -> dict:
+def simulate(
+    sim: SimModel,
+    method: str,
+    tokens: int,
+    steps: int = DEFAULT_STEPS,
+    *,
+    sdpa: str | None = None,
+    efficient_gqa: bool = False,
+    fixed_token: int = 0,
+) -> dict:
     """Run ``method`` on a ``tokens``-long sequence (prompt + ``steps`` generated) of ``sim``;
     returns the row (``error`` set when the method cannot run on the simulated device)."""
-    from ...answer.pipeline import Pipeline
     from ... import notices
+    from ...answer.pipeline import Pipeline
 
     session, engine = sim.session, sim.engine
     lm = session.lm
@@ -200,9 +219,15 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     tracker.reset_peak()
     mode = CudaSdpa(backend=sdpa, efficient_gqa=efficient_gqa, tracker=tracker)
     row: dict = {
-        "config": sim.config, "weights": sim.weights, "method": method, "tokens": tokens,
-        "kv_offload": session.options.kv_offload, "model": lm.name, "steps": steps,
-        "weights_bytes": weights_bytes, "error": None,
+        "config": sim.config,
+        "weights": sim.weights,
+        "method": method,
+        "tokens": tokens,
+        "kv_offload": session.options.kv_offload,
+        "model": lm.name,
+        "steps": steps,
+        "weights_bytes": weights_bytes,
+        "error": None,
     }
     handles = _layer_hooks(engine)
     notices.reset()  # each cell is a run of its own: warnings said once per run, not per process
@@ -210,7 +235,9 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
         with _bias_outside_modes(), mode, tracker:
-            result = session.ask(document, QUESTION, Pipeline.parse(method), max_new_tokens=steps, force_tokens=True, use_store=False)
+            result = session.ask(
+                document, QUESTION, Pipeline.parse(method), max_new_tokens=steps, force_tokens=True, use_store=False
+            )
         row["method_spec"] = result.extra.get("compressor")
         row["n_prompt_tokens"] = result.prompt.n_tokens
     except Exception as e:  # the row says why the method cannot run on the simulated device
@@ -222,7 +249,9 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
             h.remove()
     warned = notices.drain()
     if any("--kv-offload cpu has no effect" in w for w in warned) and row["error"] is None:
-        row["error"] = "--kv-offload cpu is ignored on the simulated device: kvcli/compressors/blocksparse.py offloads only when engine.device.type == 'cuda'"
+        row["error"] = (
+            "--kv-offload cpu is ignored on the simulated device: kvcli/compressors/blocksparse.py offloads only when engine.device.type == 'cuda'"
+        )
     row.update(_measures(tracker, engine, lm.n_layers, weights_bytes, mode, steps))
     if row["error"]:  # the peak up to the failure only: not the method's
         row["peak_bytes_before_error"], row["peak_bytes"] = row["peak_bytes"], None
@@ -231,7 +260,9 @@ def simulate(sim: SimModel, method: str, tokens: int, steps: int = DEFAULT_STEPS
     return row
 
 
-def _measures(tracker: Tracker, engine: SimEngine, n_layers: int, weights_bytes: int, mode: CudaSdpa, steps: int) -> dict:
+def _measures(
+    tracker: Tracker, engine: SimEngine, n_layers: int, weights_bytes: int, mode: CudaSdpa, steps: int
+) -> dict:
     dev = tracker.device
     decode = [tracker.phases[f"decode:{j}"] for j in range(steps - 1) if f"decode:{j}" in tracker.phases]
     prefill = tracker.counts("prefill")

@@ -75,13 +75,19 @@ class CudaSdpa(TorchFunctionMode):
             if attn_mask.variant == CausalVariant.LOWER_RIGHT and attn_mask.seq_len_q != attn_mask.seq_len_kv:
                 lower_right = True
             attn_mask, is_causal = None, True
-        backend = self.backend or choose(query, key, value, attn_mask, is_causal and not lower_right, enable_gqa, self.efficient_gqa)
+        backend = self.backend or choose(
+            query, key, value, attn_mask, is_causal and not lower_right, enable_gqa, self.efficient_gqa
+        )
         if lower_right and backend == "math":  # CausalBias materialises its mask for math
-            attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril(key.shape[-2] - query.shape[-2])
+            attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril(
+                key.shape[-2] - query.shape[-2]
+            )
             is_causal = False
         self.calls[(self.tracker.phase if self.tracker is not None else "", backend)] += 1
         if backend == "flash":
-            out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[
+                0
+            ]
             return out
         if backend == "efficient":
             bias = None
@@ -94,7 +100,9 @@ class CudaSdpa(TorchFunctionMode):
                     bias = F.pad(bias, (0, pad))[..., : bias.shape[-1]]
                 bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
             # GQA (efficient_gqa): the kernel reads each KV head for its query group, nothing repeated
-            return aten._scaled_dot_product_efficient_attention(query, key, value, bias, False, dropout_p, is_causal, scale=scale)[0]
+            return aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, False, dropout_p, is_causal, scale=scale
+            )[0]
         return aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]

@@ -43,8 +43,16 @@ aten = torch.ops.aten
 
 # ops whose output shape depends on the values of their input: a sync on CUDA, no answer on meta
 DATA_DEPENDENT = {
-    "nonzero", "nonzero_static", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-    "bincount", "histc", "repeat_interleave",
+    "nonzero",
+    "nonzero_static",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "bincount",
+    "histc",
+    "repeat_interleave",
 }
 # ops that take CPU indices into a device tensor on CUDA (copied over implicitly); any other op
 # mixing a CPU tensor (but a 0-dim one, read as a scalar) with device tensors raises on CUDA
@@ -82,7 +90,13 @@ def kvcli_line(tb=None) -> str | None:
     return None
 
 
-_READS = (torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.item)
+_READS = (
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__float__,
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+)
 
 
 class _MetaReads(TorchFunctionMode):
@@ -126,8 +140,15 @@ class Tracker(TorchDispatchMode):
     ``host``: also keep live/peak bytes of CPU tensors (the fidelity test compares a CPU run with a
     meta run that way). ``phase`` (settable at any time) is where events are attributed."""
 
-    def __init__(self, device: str = "meta", *, fixed_value: int = 0, sites: bool = True, host_limit: int | None = None,
-                 max_ops: int | None = None) -> None:
+    def __init__(
+        self,
+        device: str = "meta",
+        *,
+        fixed_value: int = 0,
+        sites: bool = True,
+        host_limit: int | None = None,
+        max_ops: int | None = None,
+    ) -> None:
         super().__init__()
         # ATen ops dispatched (each a kernel launch on a GPU, views aside); past max_ops the run stops
         self.ops, self.max_ops = 0, max_ops
@@ -246,7 +267,9 @@ class Tracker(TorchDispatchMode):
         self.ops += 1
         self.phases[self.phase].ops += 1
         if self.max_ops is not None and self.ops > self.max_ops:
-            raise RuntimeError(f"over {self.max_ops:,} ATen ops dispatched: too many to simulate here (each is a kernel launch on a GPU)")
+            raise RuntimeError(
+                f"over {self.max_ops:,} ATen ops dispatched: too many to simulate here (each is a kernel launch on a GPU)"
+            )
         tensors = _tensors(kwargs.values(), _tensors(args, []))
         for t in tensors:  # storages made outside any op (literals on the device)
             self._register(t, op="(literal)")
@@ -304,7 +327,13 @@ class Tracker(TorchDispatchMode):
         if dst is None and name == "_copy_from":
             dst = args[1].device
         if dst is None and name == "to" and len(args) > 1:  # to.device(self, device, ...) / to.other(self, other)
-            dst = args[1].device if isinstance(args[1], torch.Tensor) else args[1] if isinstance(args[1], (torch.device, str)) else None
+            dst = (
+                args[1].device
+                if isinstance(args[1], torch.Tensor)
+                else args[1]
+                if isinstance(args[1], (torch.device, str))
+                else None
+            )
         return src, torch.device(dst).type if dst is not None else src
 
     def _answer_scalar(self, dtype: torch.dtype):
@@ -325,7 +354,9 @@ class Tracker(TorchDispatchMode):
         dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None) or src.dtype
         nbytes = src.numel() * torch.empty((), dtype=dtype).element_size()
         make = torch.zeros if nbytes <= ZERO_LIMIT else torch.empty
-        self.answered["device->host copy -> zeros" if make is torch.zeros else "device->host copy (large) -> uninitialised"] += 1
+        self.answered[
+            "device->host copy -> zeros" if make is torch.zeros else "device->host copy (large) -> uninitialised"
+        ] += 1
         out = make(src.shape, dtype=dtype, device="cpu")
         self._register(out, op=f"d2h {name}")
         return out
