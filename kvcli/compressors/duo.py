@@ -153,7 +153,7 @@ class DuoProfile:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get(_META_KEY, "null"))
-                tensors = {name: f.get_tensor(name) for name in f}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open is not iterable)
         except Exception as e:  # safetensors raises its own errors for truncated files
             raise ValueError(f"unreadable DuoAttention profile: {e}") from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or set(tensors) != {"scores"}:

@@ -283,7 +283,7 @@ class HeadProfile:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get(_META_KEY, "null"))
-                tensors = {name: f.get_tensor(name) for name in f}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open is not iterable)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own errors for truncated files

@@ -394,11 +394,12 @@ def test_store_without_flock_computes_without_the_lock_and_reclaims_by_age(tiny_
     from kvcli.answer.prompt import load_template
     from kvcli.documents import document_from_text
     from kvcli.runtime.engine import Engine
+    from kvcli.store import locks as store_locks
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(store_module.fcntl, "flock", no_locks)
+    monkeypatch.setattr(store_locks.fcntl, "flock", no_locks)
     notices.reset()
     said: list[str] = []
     notices.set_sink(said.append)

@@ -255,17 +255,6 @@ def infllm_reference(
     return logits, chosen_by_question
 
 
-@pytest.mark.parametrize(
-    "answer_topk, positions, scores, filter_layer",
-    [
-        (None, "same", "representatives", None),
-        (6, "same", "representatives", None),
-        (6, "ordered", "representatives", None),
-        (3, "same", "tokens", None),
-        (3, "ordered", "attention", None),
-        (3, "ordered", "representatives", 1),
-    ],
-)
 def read_traced(s, engine, ids):
     """``s.read(engine, ids)`` with the book (and the copies made of it) recording every retrieval
     into one list: (book, trace)."""
@@ -282,6 +271,17 @@ def read_traced(s, engine, ids):
     return book, trace
 
 
+@pytest.mark.parametrize(
+    "answer_topk, positions, scores, filter_layer",
+    [
+        (None, "same", "representatives", None),
+        (6, "same", "representatives", None),
+        (6, "ordered", "representatives", None),
+        (3, "same", "tokens", None),
+        (3, "ordered", "attention", None),
+        (3, "ordered", "representatives", 1),
+    ],
+)
 def test_reading_and_question_match_infllm_written_out(tiny_lm, answer_topk, positions, scores, filter_layer):
     lm = tiny_lm("llama")
     engine = Engine(lm)

@@ -43,7 +43,7 @@ def entry_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f}
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open is not iterable)
 
 
 def main() -> None:
