@@ -43,7 +43,8 @@ VOLATILE = {
     "cache_entry_bytes",
     "worker",
     "sources_s",
-}  # entry bytes: the header holds compute_s
+    "threads",
+}  # entry bytes: the header holds compute_s; threads: what --threads auto found free (a Ray actor has one CPU)
 
 
 def _text(i: int, repeat: int) -> str:
