@@ -350,9 +350,8 @@ def result_record(
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
-    if (
-        include_spans
-    ):  # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
+    # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it
+    if include_spans:
         cited = [] if result.sources is None else result.sources.items
         record["selected_spans"] = [
             {**s.to_json(), "cited": any(c.start < s.end and s.start < c.end for c in cited)}

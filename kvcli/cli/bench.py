@@ -660,9 +660,8 @@ def _memory_report(rows, out: Path, draw, report, every_row=None) -> list[Path]:
     atomic_write(md, lambda tmp: Path(tmp).write_text(table + "\n", encoding="utf-8"))
     paths = [md, draw(rows, out / "memory.png")]
     every_row = rows if every_row is None else every_row
-    if any(
-        r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row
-    ):  # the memory targets (simulated Llama-3.1-8B, nf4)
+    # the memory targets (simulated Llama-3.1-8B, nf4)
+    if any(r["config"] == "llama-3.1-8b" and r["weights"] == "nf4" for r in every_row):
         checks = report.targets_table(report.targets(every_row))
         paths.append(out / "targets.md")
         atomic_write(paths[-1], lambda tmp: Path(tmp).write_text(checks + "\n", encoding="utf-8"))
