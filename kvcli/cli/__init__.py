@@ -10,7 +10,7 @@ Answers and JSON go to stdout; progress and errors go to stderr. A user error is
 from __future__ import annotations
 
 # isort: off
-from . import ask, chat, methods, inspect, cache, bench  # noqa: F401  (each registers its commands, in help order)
+from . import ask, chat, methods, inspect, cache, bench, bench_memory  # noqa: F401  (each registers its commands, in help order)
 
 # isort: on
 from .app import app

@@ -293,3 +293,34 @@ def attend(
             )
         mask = causal(query.shape[2], key.shape[2], sliding_window, query.device)
     return (eager if kernel == "eager" else sdpa)(query, key, value, mask, scaling)
+
+
+# --- attention over disjoint key sets, merged into one softmax (InfLLM's book: Local + Memory)
+try:  # PyTorch's fused CPU attention, which also returns each row's log-sum-exp
+    _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):  # pragma: no cover - older PyTorch
+    _FLASH_CPU = None
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scaling: float, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` (1, n_kv, rows, d) over ``k``, ``v`` (1, n_kv, keys, d), with an
+    additive ``bias`` (rows, keys) or None: (output (1, n_kv, rows, d), log-sum-exp of each row's
+    scaled scores (1, n_kv, rows) float32), so that attentions over disjoint key sets merge into
+    one softmax (:func:`merge_lse`). On the CPU PyTorch's fused kernel (no score matrix held);
+    elsewhere, or ``fused=False``, the scores of the rows (bounded by a pass) written out."""
+    if fused and _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=bias, scale=scaling)
+        return out, lse.to(torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(torch.float32) * scaling
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def merge_lse(*parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One softmax over the union of the parts' keys, from each part's (output, log-sum-exp)."""
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    return sum(out * torch.exp(lse - total)[..., None].to(out.dtype) for out, lse in parts)

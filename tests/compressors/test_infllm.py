@@ -488,7 +488,7 @@ def test_what_a_read_holds_in_memory_is_bounded_by_the_span_not_the_document(tin
 def test_attention_parts_merge_into_one_softmax():
     """attention_lse (fused on the CPU, written out elsewhere) + merge_lse = one softmax over the
     union of the keys, a causal bias included; checked against the scores written out."""
-    from kvcli.caches.book import attention_lse, merge_lse
+    from kvcli.runtime.kernels import attention_lse, merge_lse
 
     torch.manual_seed(0)
     q, q2 = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
