@@ -460,13 +460,7 @@ class BookCache(ResumableRead, CacheBase):
     # --- the store ---------------------------------------------------------------------------------
     def facts(self) -> dict:
         return {
-            "n_doc": self.n_doc,
-            "n_layers": self.n_layers_,
-            "n_kv": self.n_kv,
-            "head_dim": self.d,
-            "initial": self.initial,
-            "block_size": self.block_size,
-            "local": self.local,
+            **self._geometry(),  # the book's shape (:class:`~kvcli.caches.book_resume.ResumableRead`)
             "topk": self.topk,
             "repr_topk": self.repr_topk,
             "origin": self.origin,
