@@ -6,6 +6,7 @@ from .blocks import BlockCache, BlockLayer, OffloadKVCache, ScoredKVCache
 from .book import BookCache, BookLayer
 from .kv import KVCache
 from .lazy import LazyCache
+from .qkv import QuantKVCache, QuantLayer
 from .ragged import RaggedCache, RaggedLayer
 from .razor import RazorCache, RazorLayer, compensated_attention
 
@@ -26,6 +27,8 @@ __all__ = [
     "OffloadKVCache",
     "ScoredKVCache",
     "LazyCache",
+    "QuantKVCache",
+    "QuantLayer",
     "BookCache",
     "BookLayer",
 ]

@@ -72,6 +72,12 @@ class CacheBase:
     # state a query window reaches into: the prompt's last tokens then run again on top of it)
     truncatable: ClassVar[bool] = False
 
+    @property
+    def kv_bits(self) -> int:
+        """Bits each number of the KV is held in (``--kv-bits``): 16, the model's own dtype, unless
+        the layout quantizes (:class:`~kvcli.caches.qkv.QuantKVCache`, a book's quantized storage)."""
+        return 16
+
     def seq_len(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
 

@@ -36,32 +36,12 @@ class KVCache(LayerKV):
 
     # --- kvcli's own use ------------------------------------------------------------------------
     def kept_mask(self, n_prompt: int) -> torch.Tensor:
-        """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask`. Sources, in
-        order: ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
-        layer, the document slots, then the question's), ``positions``."""
-        n_kv = self.keys[0].shape[1] if self.keys else 0
-        mask = torch.zeros(self.n_layers, n_kv, n_prompt, dtype=torch.bool)
-        for layer in range(self.n_layers):
-            pos = self.held_positions(layer)
-            inside = pos < n_prompt
-            rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
-            mask[layer][rows[inside], pos[inside]] = True
-        return mask
+        """(n_layers, n_kv_heads, n_prompt) bool; see :meth:`CacheBase.kept_mask` and :func:`kept_mask`."""
+        return kept_mask(self, n_prompt, self.keys[0].shape[1] if self.keys else 0)
 
     def held_positions(self, layer: int) -> torch.Tensor:
-        """(n_kv, rows) the position of each row of ``layer`` (:meth:`CacheBase.held_positions`),
-        from ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per
-        layer, the document slots, then the question's), else ``positions``; a sliding layer's
-        first ``dropped`` entries are gone."""
-        n_kv = self.keys[0].shape[1] if self.keys else 0
-        if self.kept is not None:
-            pos = self.kept[layer]  # (n_kv, kept_l)
-        elif self.kept_positions is not None:
-            pos = torch.cat([self.kept_positions[layer], self.suffix_positions]).view(1, -1).expand(n_kv, -1)
-        else:
-            pos = self.positions.view(1, -1).expand(n_kv, -1)
-        dropped = self.dropped.get(layer, 0)  # the entries the window dropped: the first
-        return pos.to("cpu", torch.long)[:, dropped:]
+        """(n_kv, rows) the position of each row of ``layer``: :func:`held_positions`."""
+        return held_positions(self, layer, self.keys[0].shape[1] if self.keys else 0)
 
     # --- the disk store's contract ---------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -150,3 +130,31 @@ class KVCache(LayerKV):
         other.kept = None if self.kept is None else list(self.kept)  # eviction (see __init__)
         other.dropped = dict(self.dropped)
         return other
+
+
+def held_positions(cache, layer: int, n_kv: int) -> torch.Tensor:
+    """(n_kv, rows) the position of each row of ``layer`` of a plain cache (:class:`KVCache`, or
+    the same in 8 or 4 bits: :class:`~kvcli.caches.qkv.QuantKVCache`; :meth:`CacheBase.held_positions`),
+    from ``kept`` (eviction, per head), ``kept_positions`` + ``suffix_positions`` (Finch: per layer,
+    the document slots, then the question's), else ``positions``; a sliding layer's first
+    ``dropped`` entries are gone."""
+    if cache.kept is not None:
+        pos = cache.kept[layer]  # (n_kv, kept_l)
+    elif cache.kept_positions is not None:
+        pos = torch.cat([cache.kept_positions[layer], cache.suffix_positions]).view(1, -1).expand(n_kv, -1)
+    else:
+        pos = cache.positions.view(1, -1).expand(n_kv, -1)
+    dropped = cache.dropped.get(layer, 0)  # the entries the window dropped: the first
+    return pos.to("cpu", torch.long)[:, dropped:]
+
+
+def kept_mask(cache, n_prompt: int, n_kv: int) -> torch.Tensor:
+    """(n_layers, n_kv_heads, n_prompt) bool of a plain cache (:meth:`CacheBase.kept_mask`): where
+    :func:`held_positions` puts a row."""
+    mask = torch.zeros(cache.n_layers, n_kv, n_prompt, dtype=torch.bool)
+    for layer in range(cache.n_layers):
+        pos = held_positions(cache, layer, n_kv)
+        inside = pos < n_prompt
+        rows = torch.arange(n_kv).view(-1, 1).expand_as(pos)
+        mask[layer][rows[inside], pos[inside]] = True
+    return mask

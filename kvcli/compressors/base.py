@@ -91,6 +91,7 @@ class Runtime:
 
     cache_dir: Path | None = None  # per-model data (head profiles); None: kvcli.model.default_cache_dir()
     kv_offload: str = "none"  # "cpu": methods with ``holds_whole_kv`` keep the KV in CPU memory (--kv-offload)
+    kv_bits: int = 16  # bits the KV is held and stored in (--kv-bits; kvcli.caches.quant): 16, 8 or 4
 
 
 @dataclass

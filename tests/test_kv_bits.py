@@ -1,0 +1,174 @@
+"""Small KV (``--kv-bits 8|4``): the codec, attention read from the codes, and the quantized plain
+layout, each against an independent computation (numbers rounded by hand; attention over those
+numbers by SDPA; a plain cache holding the same rounded numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.caches import KVCache, QuantKVCache, QuantLayer, quant
+from kvcli.runtime.engine import Engine
+from tests.helpers.runs import random_ids
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("d", [64, 128, 96, 8])
+def test_codes_round_each_group_as_by_hand(bits, d):
+    torch.manual_seed(d + bits)
+    x = torch.randn(1, 2, 9, d) * 3 + torch.linspace(-2, 5, d)  # channels of different ranges
+    p = quant.quantize(x, bits)
+    g = quant.group_size(d)
+    assert p.codes.dtype == torch.uint8 and p.codes.shape[-1] == d * bits // 8
+    assert p.scale.shape == p.low.shape == (1, 2, 9, d // g)
+    got = quant.dequantize(p, d, torch.float32).reshape(1, 2, 9, d // g, g)
+    grp = x.reshape(1, 2, 9, d // g, g)
+    lo, hi = grp.amin(-1), grp.amax(-1)
+    step = (hi - lo) / (2**bits - 1)
+    scale, low = p.scale.float(), p.low.float()
+    # each group's grid covers its numbers (float16 rounded outward, by at most a few ulps) ...
+    assert (low <= lo).all() and (low >= lo - lo.abs() * 2**-8 - 1e-6).all()
+    assert (scale >= step).all() and (scale <= step * (1 + 2**-8) + 2**-20).all()
+    # ... and every number is its nearest point on that grid: low + scale * an integer code in range
+    codes = (got - low[..., None]) / scale[..., None]
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.min() > -1e-3 and codes.max() < 2**bits - 1 + 1e-3
+    assert ((got - grp).abs() <= scale[..., None] * 0.5 + 1e-5).all()
+    assert quant.row_bytes(d, bits) * 9 * 2 == p.nbytes()
+
+
+def test_bytes_per_row_against_16_bits():
+    assert quant.row_bytes(64, 8) / quant.row_bytes(64, 16) == pytest.approx(68 / 128)
+    assert quant.row_bytes(128, 4) / quant.row_bytes(128, 16) == pytest.approx(72 / 256)
+    with pytest.raises(ValueError):
+        quant.code_width(64, 3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", ["decode", "causal", "window", "softcap", "chunks"])
+def test_attention_from_codes_equals_attention_over_their_numbers(bits, case, monkeypatch):
+    torch.manual_seed(3)
+    n_heads, n_kv, d, kv_len = 8, 2, 64, 70
+    q_len = 1 if case == "decode" else 5
+    query = torch.randn(1, n_heads, q_len, d)
+    k, v = torch.randn(1, n_kv, kv_len, d), torch.randn(1, n_kv, kv_len, d)
+    kp, vp = quant.quantize(k, bits), quant.quantize(v, bits)
+    kd, vd = quant.dequantize(kp, d, torch.float32), quant.dequantize(vp, d, torch.float32)
+    rows = torch.arange(q_len)[:, None] + kv_len - q_len
+    cols = torch.arange(kv_len)[None, :]
+    mask = None if case == "decode" else cols <= rows
+    if case == "window":
+        mask = mask & (cols > rows - 20)
+    if case == "chunks":
+        monkeypatch.setattr(quant, "ROWS", 16)
+    softcap = 5.0 if case == "softcap" else None
+    kr, vr = kd.repeat_interleave(n_heads // n_kv, 1), vd.repeat_interleave(n_heads // n_kv, 1)
+    scores = query @ kr.transpose(-1, -2) * 0.125
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    want = (torch.softmax(scores, -1) @ vr).transpose(1, 2)
+    got = quant.attend(query, kp, vp, d, 0.125, mask, softcap)
+    assert torch.allclose(got, want, atol=TOL)
+    if case == "decode":
+        w = quant.read_weights(query, kp, 0.125)
+        assert torch.allclose(w.reshape(1, n_heads, 1, kv_len), torch.softmax(scores, -1), atol=TOL)
+
+
+class RoundedKV(KVCache):
+    """The reference: a plain cache holding each appended row rounded the same way."""
+
+    bits = 8
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        d = key.shape[-1]
+        key = quant.dequantize(quant.quantize(key, self.bits), d, key.dtype)
+        value = quant.dequantize(quant.quantize(value, self.bits), d, value.dtype)
+        return super().update(key, value, layer_idx, *args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_answers_as_a_cache_of_its_numbers(tiny_lm, family, bits):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    ids = random_ids(60, seed=4)
+    ref, qc = RoundedKV(), QuantKVCache(bits)
+    ref.bits = bits
+    for cache in (ref, qc):
+        engine.forward(ids[:40], torch.arange(40), cache)  # a prompt
+        engine.forward(ids[40:52], torch.arange(40, 52), cache)  # a question on top
+    outs = {}
+    for name, cache in (("ref", ref), ("q", qc)):
+        steps = [engine.logits(engine.forward(ids[i : i + 1], torch.tensor([i]), cache))[0] for i in range(52, 60)]
+        outs[name] = torch.stack(steps)
+    assert torch.allclose(outs["q"], outs["ref"], atol=TOL)
+    assert qc.get_seq_length() == 60 and qc.positions.tolist() == list(range(60))
+    assert qc.nbytes() == quant.row_bytes(lm.head_dim, bits) * 2 * 60 * qc.n_kv * qc.n_layers  # keys and values
+
+
+def test_a_decoding_step_reads_the_codes_and_a_pass_gets_the_layer():
+    cache = QuantKVCache(8)
+    k = torch.randn(1, 2, 20, 16)
+    k_out, _ = cache.update(k, k, 0)
+    assert isinstance(k_out, torch.Tensor) and k_out.shape == (1, 2, 20, 16)
+    view, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert isinstance(view, QuantLayer) and cache.get_seq_length(0) == 21
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_trips(bits, tiny_lm):
+    lm = tiny_lm("llama")
+    engine = Engine(lm)
+    ids = random_ids(30, seed=5)
+    plain = KVCache()
+    engine.forward(ids, torch.arange(30), plain)
+    plain.kept = [torch.arange(30).view(1, -1).expand(plain.keys[0].shape[1], -1)[:, ::2] for _ in plain.keys]
+    plain.keys = [k[:, :, ::2] for k in plain.keys]
+    plain.values = [v[:, :, ::2] for v in plain.values]
+    want_mask = plain.kept_mask(30)
+    keys = [quant.dequantize(quant.quantize(k, bits), k.shape[-1], k.dtype) for k in plain.keys]
+    q = QuantKVCache.of(plain, bits)
+    assert torch.equal(q.kept_mask(30), want_mask)
+    assert all(k.numel() == 0 for k in plain.keys)  # released as converted
+    dense = q.dense()
+    assert all(torch.equal(a, b) for a, b in zip(dense.keys, keys))
+    assert torch.equal(dense.kept_mask(30), want_mask)
+    # what the store writes (a prefix: nothing evicted) reads back the same
+    whole = KVCache()
+    engine.forward(ids, torch.arange(30), whole)
+    q = QuantKVCache.of(whole, bits)
+    tensors, facts = q.to_tensors()
+    back = QuantKVCache.from_tensors(tensors, facts)
+    assert back.to_tensors()[1] == facts
+    assert all(torch.equal(a, b) for a, b in zip(back.to_tensors()[0].values(), tensors.values()))
+
+
+def test_truncate_drop_front_and_copy():
+    cache = QuantKVCache(8)
+    rows = torch.randn(1, 2, 30, 16)
+    cache.update(rows, rows, 0)
+    cache.record_positions(torch.arange(30))
+    copy = cache.copy()
+    cache.truncate(12)
+    assert cache.get_seq_length() == 12 and cache.positions.numel() == 12 and copy.get_seq_length() == 30
+    copy.drop_front(0, 10)
+    assert copy.get_seq_length() == 20 and copy.held_positions(0)[0].tolist() == list(range(10, 30))
+    kept = quant.dequantize(copy.packed(0)[0], 16, torch.float32)
+    assert torch.equal(kept, quant.dequantize(quant.quantize(rows, 8), 16, torch.float32)[:, :, 10:])
+    cache.update(rows[:, :, :1], rows[:, :, :1], 0)  # appends after a truncation leave the copy alone
+    assert copy.get_seq_length() == 20
+
+
+def test_bad_facts_are_refused():
+    cache = QuantKVCache(4)
+    rows = torch.randn(1, 2, 5, 16)
+    cache.update(rows, rows, 0)
+    cache.record_positions(torch.arange(5))
+    tensors, facts = cache.to_tensors()
+    with pytest.raises(ValueError):
+        QuantKVCache.from_tensors(tensors, {**facts, "bits": 3})
+    with pytest.raises(ValueError):
+        QuantKVCache.from_tensors({**tensors, "kc.0": tensors["kc.0"][:, :, :4]}, facts)
