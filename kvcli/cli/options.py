@@ -11,6 +11,7 @@ from typer.core import TyperCommand
 
 from .. import api
 from ..answer import policy
+from ..caches import quant
 from ..runtime.threads import requested_threads
 from ..store import NO_CAP, parse_size
 
@@ -31,6 +32,12 @@ class Quant(str, Enum):
 class Offload(str, Enum):
     none = "none"
     cpu = "cpu"
+
+
+class KvBits(str, Enum):
+    sixteen = "16"
+    eight = "8"
+    four = "4"
 
 
 class Attn(str, Enum):
@@ -84,6 +91,12 @@ CacheMaxOpt = typer.Option(
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
+KvBitsOpt = typer.Option(
+    KvBits(str(quant.DEFAULT_KV_BITS)),
+    "--kv-bits",
+    envvar=quant.ENV_KV_BITS,
+    help=quant.KV_BITS_HELP,
+)
 ThreadsOpt = typer.Option(
     None,
     "--threads",
@@ -127,6 +140,7 @@ def ask_options(
     cache_max: str | None = None,
     sources: bool = True,
     threads: str | None = None,
+    kv_bits: KvBits = KvBits.sixteen,
 ) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
@@ -148,6 +162,7 @@ def ask_options(
         cache_max=cache_max,
         threads=threads,
         sources=sources,
+        kv_bits=int(kv_bits.value),
     )
 
 

@@ -67,6 +67,7 @@ from typing import ClassVar
 import torch
 
 from ..answer.selection import Selection
+from ..caches.qkv import QuantKVCache
 from ..errors import UsageError
 from ..runtime import windows
 
@@ -184,8 +185,11 @@ class Compressor:
 
     # --- the reusable state of the question-agnostic prefix (kvcli.store) ----------------------
     def prefix_state(self, lm) -> dict | None:
-        """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on."""
-        return {"kind": "kv", "layers": lm.n_layers}
+        """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on: with
+        ``--kv-bits 8|4``, ``kv_bits`` too (the KV is built and stored in those bits; a 16-bit
+        state's key stays as it was)."""
+        state = {"kind": "kv", "layers": lm.n_layers}
+        return state if self.runtime.kv_bits == 16 else {**state, "kv_bits": self.runtime.kv_bits}
 
     def prefix_device(self, engine) -> torch.device:
         """Where the prefix state is handed to this method (and loaded from the disk store): the
@@ -197,7 +201,10 @@ class Compressor:
         hybrid's sliding layers keep their window and :data:`~kvcli.runtime.windows.PREFIX_WINDOW_ROOM`
         entries more, all that a question pass on top reads)."""
         room = windows.PREFIX_WINDOW_ROOM
-        return engine.prefix_kv(prefix_ids, self.prefix_state(engine.lm)["layers"], window_room=room)
+        state = self.prefix_state(engine.lm)
+        bits = state.get("kv_bits", 16)
+        cache = None if bits == 16 else QuantKVCache(bits)  # quantized chunk by chunk, as it is read
+        return engine.prefix_kv(prefix_ids, state["layers"], window_room=room, cache=cache)
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod

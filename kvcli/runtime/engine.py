@@ -207,9 +207,10 @@ class Engine:
         n_layers: int | None = None,
         observers: dict[int, list[Observer]] | None = None,
         window_room: int | None = None,
+        cache=None,
     ) -> KVCache:
         """:func:`kvcli.runtime.prefill.prefix_kv`: the KV of the first ``n_layers`` layers for ``ids``."""
-        return prefill.prefix_kv(self, ids, n_layers, observers, window_room)
+        return prefill.prefix_kv(self, ids, n_layers, observers, window_room, cache)
 
     def reserving(self, room: int):
         """:func:`kvcli.runtime.prefill.reserving`: a chunked :meth:`prefix_kv` leaves ``room`` entries."""

@@ -124,8 +124,11 @@ def prefix_kv(
     n_layers: int | None = None,
     observers: dict[int, list[Observer]] | None = None,
     window_room: int | None = None,
+    cache=None,
 ) -> KVCache:
-    """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1.
+    """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1, into
+    ``cache`` (an empty plain layout: a :class:`KVCache` by default, or its 8/4-bit
+    :class:`~kvcli.caches.qkv.QuantKVCache`).
 
     ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to the last
     w - 1 + ``window_room`` entries (:meth:`~kvcli.caches.base.CacheBase.trim_windows`): all that a
@@ -149,7 +152,7 @@ def prefix_kv(
     n_layers = engine.n_layers if n_layers is None else n_layers
     if not 1 <= n_layers <= engine.n_layers:
         raise ValueError(f"n_layers must be in 1..{engine.n_layers}, got {n_layers}")
-    cache = KVCache()
+    cache = KVCache() if cache is None else cache
     observers = {layer: list(fns) for layer, fns in (observers or {}).items()}
     observers.setdefault(n_layers - 1, []).append(_stop)
     windows = engine.windows

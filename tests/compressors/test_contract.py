@@ -32,9 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.api import compute_fractions, result_record
-from kvcli.compressors.base import REGISTRY, Compressor, keep_all_spec, register
+from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec, register
 from kvcli.documents import document_from_text
 from kvcli.errors import UsageError
 from kvcli.store import KVStore
@@ -368,3 +369,36 @@ def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
         "method_stats",
     ):
         assert record[key] == library[key], key
+
+
+# --------------------------------------------------------------------------- (f) --kv-bits 8
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_runs_in_8_bits_or_says_it_keeps_16(name, tiny_lm, profiles, tmp_path):
+    """With ``--kv-bits 8`` a method decodes over 8-bit KV (bytes held: the quantized ones) or keeps
+    16 bits and says so once; cold and warm runs agree; an 8-bit run never reads a 16-bit entry."""
+    lm = tiny_lm(STORE_FAMILY)
+    document = document_from_text(DOC)
+
+    def ask(bits):
+        session = session_for(lm, profiles, kv_bits=bits)
+        session.store = KVStore.open(tmp_path)
+        return session.ask(document, QUESTION, Pipeline.parse(COMPRESSING[name]), max_new_tokens=STEPS)
+
+    sixteen = ask(16)
+    cold, warm = ask(8), ask(8)
+    warned = [line for line in notices.collected() if "--kv-bits 8" in line]
+    assert cold.answer_ids and cold.answer_ids == warm.answer_ids
+    assert cold.extra["kv_bits"] == warm.extra["kv_bits"]
+    pipeline = Pipeline.parse(COMPRESSING[name])
+    pipeline.configure(lm, Runtime(cache_dir=profiles, kv_bits=8))
+    state = pipeline.reader().prefix_state(lm)
+    if state is not None:  # a state built in 8 bits has a key of its own; one built in 16 is shared
+        assert sixteen.extra["cache"]["status"] == "miss"
+        assert cold.extra["cache"]["status"] == ("miss" if "kv_bits" in state else "hit")
+    if cold.extra["kv_bits"] == 8:
+        assert not warned
+        assert cold.extra["kv_cache_bytes"] == cold.cache.nbytes() < sixteen.extra["kv_cache_bytes"]
+    else:
+        assert cold.extra["kv_bits"] == 16 and len(warned) == 1 and "keeps its KV in 16 bits" in warned[0]

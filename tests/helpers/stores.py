@@ -32,9 +32,11 @@ def silent_notices():
     notices.set_sink(None)
 
 
-def session_for(lm, cache_dir: Path | None, use_cache: bool = True) -> Session:
+def session_for(lm, cache_dir: Path | None, use_cache: bool = True, kv_bits: int = 16) -> Session:
     # no answer guard: these tests compare whole 8-token answers of random tiny models
-    options = AskOptions(max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache, answer_guard=False)
+    options = AskOptions(
+        max_new_tokens=8, cache_dir=cache_dir, use_cache=use_cache, answer_guard=False, kv_bits=kv_bits
+    )
     store = KVStore.open(cache_dir) if use_cache else None
     return Session(lm=lm, engine=Engine(lm), options=options, template=load_template(), store=store)
 
