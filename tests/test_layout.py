@@ -88,7 +88,7 @@ def test_cycle_finder_finds_a_cycle():
 def test_importing_caches_registers_every_layout():
     code = "import kvcli.caches as c; print(sorted(c.CACHE_TYPES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["book", "kv", "kv+infllm", "lazyllm", "ragged", "razor"]
+    assert eval(out) == ["book", "kv", "kv+infllm", "lazyllm", "qkv", "ragged", "razor"]
 
 
 def test_only_the_benchmarks_and_the_cli_import_the_benchmark_code():

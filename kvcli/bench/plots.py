@@ -315,9 +315,8 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [r for r in rows if not r.get("error") and r.get("peak_bytes") is not None]
-    panels = list(dict.fromkeys((r["config"], r["weights"], r.get("kv_offload", "none")) for r in rows)) or [
-        ("", "", "none")
-    ]
+    panel = lambda r: (r["config"], r["weights"], r.get("kv_offload", "none"), r.get("kv_bits", 16))  # noqa: E731
+    panels = list(dict.fromkeys(panel(r) for r in rows)) or [("", "", "none", 16)]
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.8 * nrows + 0.6), squeeze=False)
@@ -328,10 +327,8 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     flat = [ax for line in axes for ax in line]
     for ax in flat[len(panels) :]:
         ax.axis("off")
-    for ax, (config, weights, offload) in zip(flat, panels):
-        mine = [
-            r for r in rows if (r["config"], r["weights"], r.get("kv_offload", "none")) == (config, weights, offload)
-        ]
+    for ax, (config, weights, offload, bits) in zip(flat, panels):
+        mine = [r for r in rows if panel(r) == (config, weights, offload, bits)]
         for method in methods:
             points = sorted((r["tokens"], r["peak_bytes"] / 2**30) for r in mine if r["method"] == method)
             if points:
@@ -342,7 +339,8 @@ def memory_plot(rows: list[dict], path: Path, model: str = "") -> Path:
         ax.set_xticks(ticks, [length_label(t) for t in ticks], rotation=45)
         ax.set_xlabel("tokens (prompt + generated)")
         ax.set_ylabel("simulated peak (GiB)")
-        ax.set_title(f"{config} · {weights}" + (" · offload cpu" if offload != "none" else ""), fontsize=10)
+        title = f"{config} · {weights}" + (" · offload cpu" if offload != "none" else "")
+        ax.set_title(title + ("" if bits == 16 else f" · {bits}-bit KV"), fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
     labels: dict = {}

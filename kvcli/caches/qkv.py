@@ -2,9 +2,9 @@
 each row quantized with its scales (:mod:`kvcli.caches.quant`) as it is appended.
 
 Per layer, six tensors, all (1, n_kv_heads, rows, ·) — the keys' and the values' :class:`Packed`
-codes, scales and low ends::
+codes, scales and zeros::
 
-    kc[l], ks[l], kl[l], vc[l], vs[l], vl[l]
+    kc[l], ks[l], kz[l], vc[l], vs[l], vz[l]
 
 so every row operation of the plain layout (append in place, cut a sliding layer's front, cut
 back to a prefix) applies to the six alike, exactly, and the bytes held are the quantized ones.
@@ -32,7 +32,7 @@ from . import quant
 from .base import CacheBase, LayerView, _made, _written, append_rows, cache_type, drop_rows
 from .kv import KVCache, held_positions, kept_mask
 
-NAMES = ("kc", "ks", "kl", "vc", "vs", "vl")
+NAMES = ("kc", "ks", "kz", "vc", "vs", "vz")
 _FIELDS = ("kept", "kept_positions", "suffix_positions")  # what a method kept, as in KVCache
 
 
@@ -98,8 +98,8 @@ class QuantKVCache(CacheBase):
         return self.kc[layer_idx].shape[-2] if layer_idx < len(self.kc) else 0
 
     def packed(self, layer: int) -> tuple[quant.Packed, quant.Packed]:
-        return quant.Packed(self.kc[layer], self.ks[layer], self.kl[layer]), quant.Packed(
-            self.vc[layer], self.vs[layer], self.vl[layer]
+        return quant.Packed(self.kc[layer], self.ks[layer], self.kz[layer]), quant.Packed(
+            self.vc[layer], self.vs[layer], self.vz[layer]
         )
 
     def dense_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +186,7 @@ class QuantKVCache(CacheBase):
 
     # --- the disk store's contract -----------------------------------------------------------------
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Named contiguous CPU tensors (``kc.<layer>`` ... ``vl.<layer>``, ``positions``) and facts."""
+        """Named contiguous CPU tensors (``kc.<layer>`` ... ``vz.<layer>``, ``positions``) and facts."""
         tensors = {"positions": self.positions.contiguous()}
         for name in NAMES:
             for i, t in enumerate(getattr(self, name)):

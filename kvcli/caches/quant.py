@@ -23,6 +23,7 @@ chunks by log-sum-exp): on a 2-core CPU that decodes as fast as the bfloat16 ker
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -82,10 +83,10 @@ class Packed(NamedTuple):
 
     codes: torch.Tensor
     scale: torch.Tensor
-    low: torch.Tensor
+    zero: torch.Tensor  # the number code 0 stands for
 
     def map(self, fn) -> Packed:
-        return Packed(fn(self.codes), fn(self.scale), fn(self.low))
+        return Packed(fn(self.codes), fn(self.scale), fn(self.zero))
 
     @property
     def rows(self) -> int:
@@ -101,45 +102,60 @@ def _rounded_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.to(torch.float32) < x, (x * (1 + 2**-9)).clamp(max=65504.0).to(SCALE_DTYPE), y)
 
 
+def _nearest(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) as the nearest float16 (within its range)."""
+    return x.clamp(-65504.0, 65504.0).to(SCALE_DTYPE)
+
+
 def _rounded_down(x: torch.Tensor) -> torch.Tensor:
     """``x`` (float32) as float16, never above ``x``."""
-    y = x.clamp(-65504.0, 65504.0).to(SCALE_DTYPE)
-    fix = (x - x.abs() * 2**-9 - 2**-24).clamp(-65504.0, 65504.0).to(SCALE_DTYPE)
+    y = _nearest(x)
+    fix = _nearest(x - x.abs() * 2**-9 - 2**-24)
     return torch.where(y.to(torch.float32) > x, fix, y)
 
 
 def quantize(x: torch.Tensor, bits: int) -> Packed:
     """``x`` (…, rows, d) -> :class:`Packed` codes of ``bits`` bits, each group of
-    :func:`group_size` channels of each row with its own min/max scale."""
+    :func:`group_size` channels of each row with its own scale and zero (min/max: 8-bit codes
+    -128..127 around the group's middle, 4-bit codes 0..15 up from its minimum)."""
     d = x.shape[-1]
     width, g = code_width(d, bits), group_size(d)
-    levels = (1 << bits) - 1
     xf = x.detach().to(torch.float32).reshape(*x.shape[:-1], d // g, g)
-    low = _rounded_down(xf.amin(dim=-1))
-    lowf = low.to(torch.float32)
-    scale = _rounded_up(((xf.amax(dim=-1) - lowf) / levels).clamp(min=2**-24))
-    codes = ((xf - lowf[..., None]) / scale.to(torch.float32)[..., None]).round_().clamp_(0, levels)
-    codes = codes.to(torch.uint8).reshape(*x.shape[:-1], d)
-    if bits == 4:
-        half = d // 2
-        codes = codes[..., :half] | (codes[..., half:] << 4)
+    lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+    if bits == 8:  # the zero in float16 first, then a scale that reaches both ends from it
+        zero = _nearest((lo + hi) / 2)
+        zf = zero.to(torch.float32)
+        scale = _rounded_up(torch.maximum((zf - lo) / 128, (hi - zf) / 127).clamp(min=2**-24))
+        first, last = -128, 127
+    else:
+        zero = _rounded_down(lo)
+        zf = zero.to(torch.float32)
+        scale = _rounded_up(((hi - zf) / 15).clamp(min=2**-24))
+        first, last = 0, 15
+    codes = ((xf - zf[..., None]) / scale.to(torch.float32)[..., None]).round_().clamp_(first, last)
+    codes = codes.reshape(*x.shape[:-1], d)
+    if bits == 8:
+        codes = codes.to(torch.int8).view(torch.uint8)  # stored as bytes; read as int8 (PyTorch's int8 kernels)
+    else:
+        codes = codes.to(torch.uint8)
+        codes = codes[..., : d // 2] | (codes[..., d // 2 :] << 4)
     assert codes.shape[-1] == width
-    return Packed(codes.contiguous(), scale, low)
+    return Packed(codes.contiguous(), scale, zero)
 
 
 def codes_of(p: Packed, d: int, dtype=torch.float32) -> torch.Tensor:
-    """The codes of ``p`` as numbers (…, rows, d) in ``dtype`` (4-bit: unpacked)."""
+    """The codes of ``p`` as numbers (…, rows, d) in ``dtype``: 8-bit signed, 4-bit unpacked."""
     c = p.codes
-    if c.shape[-1] != d:  # 4-bit: two codes a byte
-        c = torch.cat([c & 15, c >> 4], dim=-1)
-    return c.to(dtype)
+    if c.shape[-1] == d:
+        return c.view(torch.int8).to(dtype)
+    return torch.cat([c & 15, c >> 4], dim=-1).to(dtype)  # two codes a byte
 
 
 def dequantize(p: Packed, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """``p`` back to numbers (…, rows, d) in ``dtype``: ``low + scale · codes`` per group."""
+    """``p`` back to numbers (…, rows, d) in ``dtype``: ``zero + scale · code`` per group."""
     g = group_size(d)
     c = codes_of(p, d, torch.float32).reshape(*p.codes.shape[:-1], d // g, g)
-    x = c.mul_(p.scale.to(torch.float32)[..., None]).add_(p.low.to(torch.float32)[..., None])
+    x = c.mul_(p.scale.to(torch.float32)[..., None]).add_(p.zero.to(torch.float32)[..., None])
     return x.reshape(*p.codes.shape[:-1], d).to(dtype)
 
 
@@ -155,47 +171,123 @@ def attend(
     """Softmax attention of ``query`` (1, n_heads, q_len, d) over quantized ``key`` / ``value``
     (1, n_kv, kv_len, ·) — GQA as it is, the query heads of a KV head grouped — with ``mask``
     (q_len, kv_len) or per head (1, n_heads, q_len, kv_len), True where allowed, None: all; and
-    Gemma 2's soft-capped scores (``softcap``). The codes are read :data:`ROWS` keys at a time
-    and never dequantized (see the module doc). Returns (1, q_len, n_heads, d_v) in the query's dtype."""
+    Gemma 2's soft-capped scores (``softcap``). Read :data:`ROWS` keys at a time, the chunks' softmax
+    merged by log-sum-exp, never dequantized (see the module doc): 8-bit codes with 16-bit queries on
+    the CPU by PyTorch's int8 matrix kernel (:func:`_chunk_int8`), else converted to float32
+    (:func:`_chunk_float`). Returns (1, q_len, n_heads, d_v) in the query's dtype."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.codes.shape[1], key.codes.shape[2]
-    group = n_heads // n_kv
-    gk, gv = group_size(d), group_size(d_v)
-    q = (query.to(torch.float32) * scaling).reshape(n_kv, group * q_len, d // gk, gk)  # (n_kv, R, ng, g)
-    q_sum = q.sum(dim=-1)  # (n_kv, R, ng): the low ends' weight
+    rows = n_heads // n_kv * q_len
     if mask is not None:
-        mask = mask.expand(b, n_heads, q_len, kv_len).reshape(n_kv, group * q_len, kv_len)
+        mask = mask.expand(b, n_heads, q_len, kv_len).reshape(n_kv, rows, kv_len)
+    q = (query.to(torch.float32) * scaling).reshape(n_kv, rows, d)
+    int8 = key.codes.shape[-1] == d and query.dtype in (torch.bfloat16, torch.float16) and _INT8_MM is not None
+    chunk = _chunk_int8 if int8 and query.device.type == "cpu" else _chunk_float
     parts = []
     for a in range(0, kv_len, ROWS):
         e = min(kv_len, a + ROWS)
-        kp = key.map(lambda t: t[0, :, a:e])  # noqa: B023
-        ck = codes_of(kp, d).reshape(n_kv, e - a, d // gk, gk)
-        scores = torch.zeros(n_kv, group * q_len, e - a)
-        for j in range(d // gk):
-            s = torch.matmul(q[:, :, j], ck[:, :, j].transpose(-1, -2))  # (n_kv, R, rows)
-            scores += s * kp.scale[..., j].to(torch.float32)[:, None, :]
-            scores += q_sum[:, :, j : j + 1] * kp.low[..., j].to(torch.float32)[:, None, :]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask[..., a:e], float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (n_kv, R, 1)
-        w = torch.exp(scores - lse).nan_to_num_(0.0)  # a row with nothing allowed in this chunk: 0
-        vp = value.map(lambda t: t[0, :, a:e])  # noqa: B023
-        cv = codes_of(vp, d_v).reshape(n_kv, e - a, d_v // gv, gv)
-        out = torch.empty(n_kv, group * q_len, d_v // gv, gv)
-        for j in range(d_v // gv):
-            ws = w * vp.scale[..., j].to(torch.float32)[:, None, :]
-            out[:, :, j] = torch.matmul(ws, cv[:, :, j])
-            out[:, :, j] += (w * vp.low[..., j].to(torch.float32)[:, None, :]).sum(dim=-1, keepdim=True)
-        parts.append((out.reshape(n_kv, group * q_len, d_v), lse[..., 0]))
-    if len(parts) == 1:
-        out = parts[0][0]
-    else:
-        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-        out = sum(o * torch.exp(lse - total).nan_to_num(0.0)[..., None] for o, lse in parts)
-    out = out.reshape(n_kv, group, q_len, d_v).reshape(1, n_heads, q_len, d_v)
+        k, v = key.map(lambda t: t[0, :, a:e]), value.map(lambda t: t[0, :, a:e])  # noqa: B023
+        part = chunk(q, k, v, d_v, None if mask is None else mask[..., a:e], softcap, query.dtype)
+        parts.append(part)
+    out = parts[0][0]
+    if len(parts) > 1:  # one softmax over all chunks: each chunk's output weighed by exp(its lse - the whole's)
+        lses = torch.stack([lse for _, lse in parts])  # (chunks, n_kv, R, 1)
+        weights = torch.exp(lses - torch.logsumexp(lses, dim=0)).nan_to_num_(0.0)
+        out = sum(o * wt for (o, _), wt in zip(parts, weights))
+    out = out.reshape(n_kv, n_heads // n_kv, q_len, d_v).reshape(1, n_heads, q_len, d_v)
     return out.transpose(1, 2).contiguous().to(query.dtype)
+
+
+_INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
+_SCRATCH = threading.local()
+
+
+def _scratch(shape, device) -> torch.Tensor:
+    """A float32 tensor of ``shape`` on the CPU, a view of a buffer this thread keeps (grown, never
+    shrunk: at most :data:`ROWS` keys of one layer, e.g. 3 MB for SmolLM2 at 4k tokens)."""
+    n = math.prod(shape)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float32, device=device)
+    return buf[:n].view(shape)  # x (m, k) @ (w (n, k) int8 · scale (n,))ᵀ, on the CPU
+
+
+def _softmax(scores: torch.Tensor, mask, softcap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised softmax weights of float32 ``scores`` (…, R, t), their row sums and maxima."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).clamp_(min=-3e38)  # a row with nothing allowed here: weights 0
+    w = scores.sub_(top).exp_()
+    return w, w.sum(dim=-1, keepdim=True), top
+
+
+def _finish(out: torch.Tensor, total: torch.Tensor, top: torch.Tensor):
+    """The chunk's softmax output and its log-sum-exp (a row with nothing allowed here: -inf)."""
+    return out.div_(total.clamp(min=1e-30)), top + total.log()
+
+
+def _chunk_float(q, k: Packed, v: Packed, d_v: int, mask, softcap, dtype):
+    """One chunk's attention, the codes converted to float32: ``q`` (n_kv, R, d) float32 (scaled);
+    ``k``/``v`` (n_kv, t, ·); ``mask`` (n_kv, R, t) or None. Returns (output (n_kv, R, d_v), lse (n_kv, R, 1))."""
+    n_kv, rows, d = q.shape
+    gk = group_size(d)
+    qg = q.view(n_kv, rows, d // gk, gk)
+    # q·k = Σ_g s_g (q_g·c_g) + z_g Σ q_g, group by group (SmolLM2's heads: one group)
+    codes = codes_of(k, d)
+    scores = torch.bmm(qg.sum(dim=-1), k.zero.to(torch.float32).transpose(1, 2))  # (n_kv, R, t)
+    scale = k.scale.to(torch.float32)
+    for j in range(d // gk):
+        part = torch.bmm(qg[..., j, :], codes[..., j * gk : (j + 1) * gk].transpose(1, 2))
+        scores.addcmul_(part, scale[:, None, :, j])
+    w, total, top = _softmax(scores, mask, softcap)
+    return _finish(_values(w, v, d_v), total, top)
+
+
+def _values(w: torch.Tensor, v: Packed, d_v: int) -> torch.Tensor:
+    """Σ_t w_t v_t = Σ_t (w_t s_tg) c_tg + Σ_t w_t z_tg, group by group: ``w`` (n_kv, R, t) float32
+    weights over ``v`` (n_kv, t, ·), the codes converted to float32 -> (n_kv, R, d_v). On the CPU
+    8-bit codes are converted into a buffer kept from call to call (:func:`_scratch`: a new 3 MB
+    block per layer and step, mapped and faulted in afresh, cost more than the product itself)."""
+    gv = group_size(d_v)
+    scale = v.scale.to(torch.float32)
+    if v.codes.shape[-1] == d_v and v.codes.device.type == "cpu":  # 8-bit
+        codes = _scratch(v.codes.shape, v.codes.device).copy_(v.codes.view(torch.int8))
+    else:
+        codes = codes_of(v, d_v)
+    zero = torch.bmm(w, v.zero.to(torch.float32))  # (n_kv, R, ng)
+    if gv == d_v:
+        return torch.bmm(w * scale[:, None, :, 0], codes).add_(zero)
+    out = zero.repeat_interleave(gv, dim=-1)  # (n_kv, R, d_v)
+    for j in range(d_v // gv):
+        out[..., j * gv : (j + 1) * gv] += torch.bmm(w * scale[:, None, :, j], codes[..., j * gv : (j + 1) * gv])
+    return out
+
+
+def _chunk_int8(q, k: Packed, v: Packed, d_v: int, mask, softcap, dtype):
+    """:func:`_chunk_float`'s attention for 8-bit codes on the CPU, the scores from PyTorch's int8
+    matrix kernel KV head by KV head with a 16-bit (``dtype``) query, as the CPU's 16-bit attention
+    has it: x·cᵀ over the signed codes times each row's scale, the zeros added apart.
+    The values as :func:`_chunk_float` reads them (the int8 kernel would want them transposed)."""
+    n_kv, rows, d = q.shape
+    gk = group_size(d)
+    q16 = q.to(dtype)
+    q_sum = q.view(n_kv, rows, d // gk, gk).sum(dim=-1)  # (n_kv, R, ng)
+    # Σ_g s_g (q_g·c_g) + z_g Σ q_g: the second term one small product
+    scores = torch.bmm(q_sum, k.zero.to(torch.float32).transpose(1, 2))  # (n_kv, R, t)
+    codes, scale = k.codes.view(torch.int8), k.scale.to(dtype)
+    for j in range(d // gk):
+        cols = slice(j * gk, (j + 1) * gk)
+        part = [
+            _INT8_MM(q16[h], codes[h], scale[h, :, 0])
+            if gk == d
+            else _INT8_MM(q16[h][:, cols].contiguous(), codes[h][:, cols].contiguous(), scale[h, :, j].contiguous())
+            for h in range(n_kv)
+        ]
+        scores += torch.stack(part)
+    w, total, top = _softmax(scores, mask, softcap)
+    return _finish(_values(w, v, d_v), total, top)
 
 
 def read_weights(query: torch.Tensor, key: Packed, scaling: float | None = None) -> torch.Tensor:

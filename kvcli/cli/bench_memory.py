@@ -11,6 +11,7 @@ import typer
 
 from ..bench import runner
 from ..bench.runner import ResultsFile, length_label
+from ..caches import quant
 from ..compressors import REGISTRY
 from ..errors import UsageError
 from .bench import OutOpt, PlotOnlyOpt, ResumeOpt, _progress, bench_app
@@ -64,6 +65,9 @@ def memory(
     kv_offload: Offload = typer.Option(
         Offload.none, "--kv-offload", help="As kvcli ask --kv-offload (blocksparse keeps its KV in CPU memory)"
     ),
+    kv_bits: str = typer.Option(
+        "16", "--kv-bits", help="KV bits, comma-separated: 16, 8 and/or 4 (as kvcli ask --kv-bits)"
+    ),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
@@ -97,6 +101,10 @@ def memory(
         else runner.split_methods(methods or MEMORY_METHODS)
     )
     grid = runner.parse_lengths(lengths or MEMORY_LENGTHS)
+    try:
+        bits_grid = [quant.check_bits(b.strip()) for b in kv_bits.split(",") if b.strip()] or [16]
+    except ValueError as e:
+        raise UsageError(f"--kv-bits: {e}") from None
     results = ResultsFile(path, MEMORY_KEY, resume=resume)
     results.meta = {
         "simulated": "meta device, kvcli.bench.simulate",
@@ -104,7 +112,7 @@ def memory(
         "fixed_token": 0,
         "sdpa": "CUDA selection (flash > efficient > math), efficient without GQA",
     }
-    cells = report.memory_cells(configs, weight_kinds, specs, grid, kv_offload.value)
+    cells = report.memory_cells(configs, weight_kinds, specs, grid, kv_offload.value, bits_grid)
     if resume and path.exists():  # failed rows of other grids stay in the file (ResultsFile drops them to re-run)
         ours = {runner.cell_key(c, MEMORY_KEY) for c in cells}
         results.rows += [
@@ -119,10 +127,16 @@ def memory(
         task = progress.add_task("simulating", total=len(pending))
         sim = None
         for cell in pending:
+            bits = report.bits_of(cell)
             label = f"{cell['config']} {cell['weights']} {length_label(cell['tokens'])} · {cell['method']}"
+            label += "" if bits == 16 else f" · {bits}-bit KV"
             progress.update(task, description=label)
-            if sim is None or (sim.config, sim.weights) != (cell["config"], cell["weights"]):
-                sim = open_model(cell["config"], cell["weights"], kv_offload.value)
+            if sim is None or (sim.config, sim.weights, sim.session.options.kv_bits) != (
+                cell["config"],
+                cell["weights"],
+                bits,
+            ):
+                sim = open_model(cell["config"], cell["weights"], kv_offload.value, kv_bits=bits)
             row = simulate_cell(sim, cell["method"], cell["tokens"], steps)
             results.add(row)
             if row["error"]:

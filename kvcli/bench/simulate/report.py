@@ -6,17 +6,29 @@ from __future__ import annotations
 from ..runner import length_label
 
 GIB = 2**30
+KV_BITS_LIMITS = {8: 15, 4: 11.5}  # GiB: full attention at 128k with 8/4-bit KV (16-bit: 23)
 
 
-def memory_cells(configs, weights, specs, lengths, kv_offload: str = "none") -> list[dict]:
-    """Config-major, then weights, then length, then method: one model built per (config, weights)."""
+def memory_cells(configs, weights, specs, lengths, kv_offload: str = "none", kv_bits=(16,)) -> list[dict]:
+    """Config-major, then weights, then KV bits, then length, then method: one model built per
+    (config, weights, bits). ``kv_bits`` is in a cell only where it is not 16 (the rows of a grid
+    simulated before --kv-bits keep their keys)."""
     return [
-        {"config": c, "weights": w, "method": m, "tokens": n, "kv_offload": kv_offload}
+        {"config": c, "weights": w, "method": m, "tokens": n, "kv_offload": kv_offload, **_bits(b)}
         for c in configs
         for w in weights
+        for b in kv_bits
         for n in lengths
         for m in specs
     ]
+
+
+def _bits(b: int) -> dict:
+    return {} if b == 16 else {"kv_bits": b}
+
+
+def bits_of(row: dict) -> int:
+    return row.get("kv_bits", 16)
 
 
 def _gib(v) -> str:
@@ -38,7 +50,7 @@ def memory_table(rows: list[dict]) -> str:
         math = (r.get("sdpa_backends") or {}).get("prefill", {}).get("math", 0)
         error = (r.get("error") or "").replace("|", "\\|")
         lines.append(
-            f"| {r['config']} | {r['weights']} | `{r['method']}` | {length_label(r['tokens'])} | {r.get('kv_offload', 'none')} "
+            f"| {r['config']} | {r['weights']} | `{r['method']}`{_bits_label(r)} | {length_label(r['tokens'])} | {r.get('kv_offload', 'none')} "
             f"| {_gib(r.get('peak_bytes')) if not error else '—'} | {_gib(r.get('weights_bytes'))} | {_gib(r.get('kv_bytes'))} "
             f"| {_gib(r.get('held_after_prefill_bytes'))} | {_n(r.get('syncs_per_decode_step'))} "
             f"| {_n(r.get('h2d_copies_per_decode_step'))} | {_n(r.get('syncs_per_prefill_layer'))} | {math} | {r.get('reads_answered', 0)} | {error} |"
@@ -46,12 +58,17 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _bits_label(row: dict) -> str:
+    return "" if bits_of(row) == 16 else f" ({bits_of(row)}-bit KV)"
+
+
 # the methods whose decoding the targets check: Llama-3.1-8B, nf4 weights
 DECODE_METHODS = ("full", "snapkv", "pyramidkv", "streamingllm", "gemfilter", "finch", "razor")
 
 
-def _find(rows, method, tokens, offload="none"):
+def _find(rows, method, tokens, offload="none", kv_bits=16):
     base = method.split(":")[0]
+    rows = [r for r in rows if bits_of(r) == kv_bits]
     exact = [
         r for r in rows if r["method"] == method and r["tokens"] == tokens and r.get("kv_offload", "none") == offload
     ]
@@ -76,8 +93,8 @@ def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[di
     rows = [r for r in rows if r["config"] == "llama-3.1-8b" and r["weights"] == "nf4"]
     out = []
 
-    def peak(what, method, tokens, limit_gib, offload="none"):
-        r = _find(rows, method, tokens, offload)
+    def peak(what, method, tokens, limit_gib, offload="none", kv_bits=16):
+        r = _find(rows, method, tokens, offload, kv_bits)
         value = None if r is None or r.get("error") else r["peak_bytes"] / GIB
         out.append(
             {
@@ -92,6 +109,10 @@ def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[di
     peak(f"GemFilter, {length_label(long)}", "gemfilter", long, 14)
     peak(f"Finch target=4096, {length_label(long)}", "finch:target=4096", long, 9)
     peak(f"block-sparse + --kv-offload cpu, {length_label(long)}", "blocksparse", long, 9, offload="cpu")
+    for bits, limit in KV_BITS_LIMITS.items():  # --kv-bits (issue 40): where such rows were simulated
+        if any(bits_of(r) == bits for r in rows):
+            peak(f"full attention, {length_label(long)}, {bits}-bit KV", "full", long, limit, kv_bits=bits)
+    rows = [r for r in rows if bits_of(r) == 16]  # the rest: the model's own KV
     short_rows = [r for r in rows if r["tokens"] == short and r.get("kv_offload", "none") == "none"]
     over = [
         f"{r['method']} ({'error' if r.get('error') else format(r['peak_bytes'] / GIB, '.2f') + ' GiB'})"

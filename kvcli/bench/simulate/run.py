@@ -36,7 +36,7 @@ QUESTION = "What is the special magic number mentioned in the document?"
 DEFAULT_STEPS = 8
 HOST_LIMIT = 4 * 2**30  # real CPU memory a simulated run may hold (Tracker.host_limit)
 MAX_OPS = 1_500_000  # ATen ops a cell may dispatch (Tracker.max_ops): minutes of this CPU
-MEMORY_KEY = ("config", "weights", "method", "tokens", "kv_offload")
+MEMORY_KEY = ("config", "weights", "method", "tokens", "kv_offload", "kv_bits")  # kv_bits: absent at 16
 
 
 class SimEngine(Engine):
@@ -88,9 +88,12 @@ class SimModel:
     weights_list: list
 
 
-def open_model(config: str, weights: str, kv_offload: str = "none", cache_dir: Path | None = None) -> SimModel:
+def open_model(
+    config: str, weights: str, kv_offload: str = "none", cache_dir: Path | None = None, kv_bits: int = 16
+) -> SimModel:
     """A session on the simulated ``config`` (a key of :data:`~.models.CONFIGS`) with ``weights``."""
-    return open_loaded(_model(config, weights), config, weights, CONFIGS[config][0], kv_offload, cache_dir)
+    model = _model(config, weights)
+    return open_loaded(model, config, weights, CONFIGS[config][0], kv_offload, cache_dir, kv_bits=kv_bits)
 
 
 def open_loaded(
@@ -101,6 +104,7 @@ def open_loaded(
     kv_offload: str = "none",
     cache_dir: Path | None = None,
     engine_cls: type = SimEngine,
+    kv_bits: int = 16,
 ) -> SimModel:
     """A session on ``model`` (any device: meta for the simulation, the CPU for the fidelity test,
     a GPU for ``benchmarks/gpu_measure.py`` with ``engine_cls=Engine``: no tracker), with the
@@ -129,7 +133,13 @@ def open_loaded(
     # no sources: a meta run has no attention weights to cite from (their memory, a float per prompt token
     # and one layer's step weights, is within the simulator's error)
     options = AskOptions(
-        model=lm.name, kv_offload=kv_offload, use_cache=False, answer_guard=False, cache_dir=cache_dir, sources=False
+        model=lm.name,
+        kv_offload=kv_offload,
+        use_cache=False,
+        answer_guard=False,
+        cache_dir=cache_dir,
+        sources=False,
+        kv_bits=kv_bits,
     )
     session = Session(lm=lm, engine=engine, options=options, template=load_template(options.template), store=None)
     return SimModel(config, weights, session, engine, weight_tensors(model))
@@ -224,6 +234,7 @@ def simulate(
         "method": method,
         "tokens": tokens,
         "kv_offload": session.options.kv_offload,
+        **({} if session.options.kv_bits == 16 else {"kv_bits": session.options.kv_bits}),
         "model": lm.name,
         "steps": steps,
         "weights_bytes": weights_bytes,
