@@ -35,7 +35,8 @@ successors' queries: a key's successors in a pass are consecutive queries, so it
 moves Initial out of Local.
 
 Everything a token ever needs is written to the storage (:mod:`kvcli.caches.bookfile`) when it
-leaves Local: the keys before RoPE and the values in 16 bits (``kv_dtype``). After the document,
+leaves Local: the keys before RoPE and the values in 16 bits (``kv_dtype``), or in 8 or 4
+(``--kv-bits``: :class:`~kvcli.caches.bookfile.QuantRows`; Local stays in 16). After the document,
 the tail still in Local is written too: the storage then holds the whole document, and a question
 runs on top of it (:meth:`BookCache.copy`: Local grows with the question and the answer, and
 every step retrieves its own blocks — or, ``retrieval=question``, the blocks the question chose).
@@ -56,7 +57,8 @@ from ..runtime.kernels import attention_lse, merge_lse
 from ..runtime.rope import rerotate_table, rope_cos_sin
 from .base import CacheBase, LayerView, cache_type
 from .blocks import partition
-from .book_resume import ResumableRead
+from .book_resume import GEOMETRY, ResumableRead
+from .bookfile import bits_of, kv_rows, precision_facts, precision_of
 
 
 class BookLayer(LayerView):
@@ -92,6 +94,7 @@ class BookCache(ResumableRead, CacheBase):
         topk: int,
         repr_topk: int,
         retrieval: str = "step",
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.storage = storage
         self.n_doc = int(n_doc)  # tokens of the document the storage is laid out for
@@ -109,7 +112,8 @@ class BookCache(ResumableRead, CacheBase):
         self.answer_scores = (
             "representatives"  # the question's pass: "representatives" (InfLLM) or "tokens" (:meth:`choose`)
         )
-        self.dtype = storage.specs["k.0"][0] if n_layers else torch.float16
+        self.dtype = dtype or (storage.specs["k.0"][0] if n_layers else torch.float16)  # Local's, the rows read
+        self.rows = kv_rows(storage, head_dim, self.dtype)  # the keys and values stored (8 or 4 bits: QuantRows)
         self.origin = 0  # absolute position of the first Local token
         self.n_blocks = 0  # blocks in Memory
         _, self.max_blocks, _ = partition(self.n_doc, initial, local, block_size)
@@ -143,6 +147,10 @@ class BookCache(ResumableRead, CacheBase):
     @property
     def n_layers(self) -> int:
         return self.n_layers_
+
+    @property
+    def kv_bits(self) -> int:
+        return bits_of(self.storage.specs, self.d)
 
     @property
     def local_len(self) -> int:
@@ -352,7 +360,7 @@ class BookCache(ResumableRead, CacheBase):
         lo, bs = self.initial, self.block_size
         out = torch.empty(self.n_kv, nb)
         for h in range(self.n_kv):
-            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            keys = self.rows.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
             out[h] = (keys @ q[h]).view(nb, bs).amax(dim=1)
         return out
 
@@ -368,7 +376,7 @@ class BookCache(ResumableRead, CacheBase):
         scale = d**-0.5 if scaling is None else scaling
         out = torch.empty(self.n_kv, nb)
         for h in range(self.n_kv):
-            keys = self.storage.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
+            keys = self.rows.read(f"k.{layer}", h, lo, lo + nb * bs).to(torch.float32)
             rows = q_mem[0, h * g : (h + 1) * g].reshape(g * c, d).to(torch.float32).cpu()
             votes = torch.zeros(nb * bs)
             for r in range(0, rows.shape[0], 32):
@@ -395,13 +403,10 @@ class BookCache(ResumableRead, CacheBase):
         """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""
         bs, ks, vs = self.block_size, [], []
         for h in range(self.n_kv):
-            hk, hv = [], []
-            for b in blocks[h].tolist():
-                lo = self.initial + b * bs
-                hk.append(self.storage.read(f"k.{layer}", h, lo, lo + bs))
-                hv.append(self.storage.read(f"v.{layer}", h, lo, lo + bs))
-            ks.append(torch.cat(hk) if hk else torch.zeros(0, self.d, dtype=self.dtype))
-            vs.append(torch.cat(hv) if hv else torch.zeros(0, self.d, dtype=self.dtype))
+            spans = [(self.initial + b * bs, self.initial + (b + 1) * bs) for b in blocks[h].tolist()]
+            none = torch.zeros(0, self.d, dtype=self.dtype)
+            ks.append(self.rows.read_spans(f"k.{layer}", h, spans) if spans else none)
+            vs.append(self.rows.read_spans(f"v.{layer}", h, spans) if spans else none)
         return torch.stack(ks)[None], torch.stack(vs)[None]
 
     # --- reading: Local -> Memory -------------------------------------------------------------------
@@ -440,18 +445,21 @@ class BookCache(ResumableRead, CacheBase):
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for h in range(self.n_kv):
-            self.storage.write(f"k.{layer}", (h, start, start + k.shape[2]), k[0, h])
-            self.storage.write(f"v.{layer}", (h, start, start + v.shape[2]), v[0, h])
+            self.rows.write(f"k.{layer}", (h, start, start + k.shape[2]), k[0, h])
+            self.rows.write(f"v.{layer}", (h, start, start + v.shape[2]), v[0, h])
 
     def storage_rows(self, t: str, layer: int, lo: int, hi: int) -> torch.Tensor:
-        return torch.stack([self.storage.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
+        return torch.stack([self.rows.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
 
     def finish_read(self) -> None:
-        """The document is read: write the tail still in Local and the representatives."""
+        """The document is read: write the tail still in Local and the representatives; Local is then
+        the tail as stored (8 or 4 bits: rounded), as in the book opened from the store (:meth:`from_storage`)."""
         if self.origin + self.local_len != self.n_doc:
             raise ValueError(f"read {self.origin + self.local_len} tokens of a {self.n_doc}-token book")
         for layer in range(self.n_layers_):
             self._write(layer, self.origin, self.tail_k[layer], self.tail_v[layer])
+            self.tail_k[layer] = self.storage_rows("k", layer, self.origin, self.n_doc)
+            self.tail_v[layer] = self.storage_rows("v", layer, self.origin, self.n_doc)
             for h in range(self.n_kv):
                 self.storage.write(f"repsum.{layer}", (h, 0, self.max_blocks), self.repsum[layer][h])
         self.tail_score = [torch.zeros(self.n_kv, 0)] * self.n_layers_
@@ -465,27 +473,14 @@ class BookCache(ResumableRead, CacheBase):
             "repr_topk": self.repr_topk,
             "origin": self.origin,
             "n_blocks": self.n_blocks,
+            **precision_facts(self.storage.specs, self.d, self.dtype),  # 8 or 4 bits: those, the rows' dtype
         }
 
     @classmethod
     def from_storage(cls, storage, facts: dict, retrieval: str = "step") -> BookCache:
         """The book a finished storage holds (a file of the disk store, or memory)."""
-        f = {
-            k: int(facts[k])
-            for k in (
-                "n_doc",
-                "n_layers",
-                "n_kv",
-                "head_dim",
-                "initial",
-                "block_size",
-                "local",
-                "topk",
-                "repr_topk",
-                "origin",
-                "n_blocks",
-            )
-        }
+        f = {k: int(facts[k]) for k in (*GEOMETRY, "topk", "repr_topk", "origin", "n_blocks")}
+        dtype = precision_of(facts, storage.specs, f["head_dim"])  # its bits checked against its tensors
         book = cls(
             storage,
             f["n_doc"],
@@ -498,6 +493,7 @@ class BookCache(ResumableRead, CacheBase):
             topk=f["topk"],
             repr_topk=f["repr_topk"],
             retrieval=retrieval,
+            dtype=dtype,
         )
         if f["n_blocks"] != book.max_blocks or not 0 <= f["origin"] <= f["n_doc"]:
             raise ValueError(f"{f['n_blocks']} blocks, expected {book.max_blocks}")

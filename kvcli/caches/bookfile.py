@@ -23,6 +23,13 @@ The result is an ordinary safetensors file (``safe_open`` reads it; ``kvcli cach
 Tensors, per layer ``l``: ``k.l`` and ``v.l`` (n_kv, n, d) — the keys *before* RoPE (see
 :mod:`kvcli.caches.book`) and the values of every token, in 16 bits; ``repsum.l`` (n_kv,
 n_blocks, d) float32 — the sum of each block's representative keys. Data, never code.
+
+A book in 8 or 4 bits (``--kv-bits``, :mod:`kvcli.caches.quant`) holds each of ``k.l`` and ``v.l``
+as the three tensors of its :class:`~kvcli.caches.quant.Packed` rows instead: ``k.l.codes`` (n_kv,
+n, d·bits/8) uint8, ``k.l.scale`` and ``k.l.low`` (n_kv, n, d/G) float16 (``repsum.l`` stays
+float32). Either storage holds them; :class:`QuantRows` is how the book reads and writes such rows
+— quantized as they are written, dequantized a block at a time as they are read, never the whole
+book.
 """
 
 from __future__ import annotations
@@ -35,22 +42,99 @@ from collections.abc import Callable
 import torch
 
 from ..files import _ST_DTYPES
+from . import quant
 
 HEADER_ROOM = 1 << 16  # bytes reserved for the JSON header (the metadata is written last)
 _CRC_READ = 8 << 20  # bytes per read while checksumming
 RESUME = "resume"  # a partial book's resume region, in its header: a U8 tensor after the data
 _SLOT_MAGIC = b"kvcli-rp"
 _SLOT_HEAD = 32  # magic, sequence number (8 bytes), payload length (8), CRC-32 of the payload (4), padding
+PART_DTYPES = (torch.uint8, quant.SCALE_DTYPE, quant.SCALE_DTYPE)  # of a quantized row's codes, scale, low
 
 
-def tensor_specs(n_layers: int, n_kv: int, n: int, d: int, n_blocks: int, dtype: torch.dtype) -> dict:
-    """name -> (dtype, shape) of a book of ``n`` tokens with ``n_blocks`` memory blocks."""
+def tensor_specs(n_layers: int, n_kv: int, n: int, d: int, n_blocks: int, dtype: torch.dtype, bits: int = 16) -> dict:
+    """name -> (dtype, shape) of a book of ``n`` tokens with ``n_blocks`` memory blocks, its keys and
+    values in ``dtype`` (16 bits) or quantized to ``bits`` (8, 4: :class:`QuantRows`)."""
     specs = {}
     for layer in range(n_layers):
-        specs[f"k.{layer}"] = (dtype, (n_kv, n, d))
-        specs[f"v.{layer}"] = (dtype, (n_kv, n, d))
+        for t in ("k", "v"):
+            if bits == 16:
+                specs[f"{t}.{layer}"] = (dtype, (n_kv, n, d))
+            else:
+                groups = d // quant.group_size(d)
+                shapes = ((n_kv, n, quant.code_width(d, bits)), (n_kv, n, groups), (n_kv, n, groups))
+                for part, part_dtype, shape in zip(quant.Packed._fields, PART_DTYPES, shapes):
+                    specs[f"{t}.{layer}.{part}"] = (part_dtype, shape)
         specs[f"repsum.{layer}"] = (torch.float32, (n_kv, n_blocks, d))
     return specs
+
+
+def bits_of(specs: dict, d: int) -> int:
+    """The bits a book's keys and values are stored in, by its tensors (``d``: the head size):
+    16 (``k.0`` in its dtype; a book of no layers too), or 8 or 4 (``k.0.codes``)."""
+    codes = specs.get("k.0.codes")
+    if codes is None:
+        return 16
+    return 8 if codes[1][-1] == d else 4
+
+
+class Spans:
+    """Reading several spans of rows of one head at once (a step's retrieved blocks): one after
+    another, unless the class knows better (:class:`QuantRows`: dequantized together)."""
+
+    def read_spans(self, name: str, head: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.cat([self.read(name, head, lo, hi) for lo, hi in spans])
+
+
+class QuantRows(Spans):
+    """The keys and values (``k.l``, ``v.l``) of a book stored in ``bits`` bits, as the book reads
+    and writes them — ``write(name, (head, lo, hi), rows)`` and ``read(name, head, lo, hi)``, the
+    storage's own calls on rows (hi - lo, d) in ``dtype`` — over the three tensors of their
+    :class:`~kvcli.caches.quant.Packed` rows in ``storage``: each row is quantized on its own as it
+    is written (its bytes do not depend on the rows written with it) and only the rows read are
+    dequantized."""
+
+    def __init__(self, storage, d: int, dtype: torch.dtype, bits: int) -> None:
+        self.storage, self.d, self.dtype, self.bits = storage, d, dtype, bits
+
+    def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
+        for part, tensor in zip(quant.Packed._fields, quant.quantize(value, self.bits)):
+            self.storage.write(f"{name}.{part}", index, tensor)
+
+    def read(self, name: str, head: int, lo: int, hi: int) -> torch.Tensor:
+        return self.read_spans(name, head, [(lo, hi)])
+
+    def read_spans(self, name: str, head: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+        parts = (self.storage.read_spans(f"{name}.{part}", head, spans) for part in quant.Packed._fields)
+        return quant.dequantize(quant.Packed(*parts), self.d, self.dtype)
+
+
+def kv_rows(storage, d: int, dtype: torch.dtype):
+    """What a book reads and writes its keys and values through: ``storage`` itself (16 bits: its
+    rows are the numbers), or a :class:`QuantRows` over it (8 or 4 bits, rows in ``dtype``)."""
+    bits = bits_of(storage.specs, d)
+    return storage if bits == 16 else QuantRows(storage, d, dtype, bits)
+
+
+def precision_facts(specs: dict, d: int, dtype: torch.dtype) -> dict:
+    """What a book's facts say of its precision: nothing at 16 bits (its tensors' dtype says it, and a
+    16-bit book's header stays as it was), else its ``bits`` and the ``dtype`` its rows are read in."""
+    bits = bits_of(specs, d)
+    return {} if bits == 16 else {"bits": bits, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def precision_of(facts: dict, specs: dict, d: int) -> torch.dtype | None:
+    """The dtype a stored book's rows are read back in (None: its tensors'), its facts'
+    :func:`precision_facts` checked against its tensors; ValueError when they differ."""
+    bits, held = int(facts.get("bits", 16)), bits_of(specs, d)
+    if bits != held:
+        raise ValueError(f"its facts say {bits}-bit keys and values, its tensors hold {held} bits")
+    if bits == 16:
+        return None
+    dtype = getattr(torch, str(facts.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"bad dtype {facts.get('dtype')!r} to read its rows in")
+    return dtype
 
 
 def nbytes_of(specs: dict) -> int:
@@ -64,7 +148,7 @@ def _numel(shape) -> int:
     return out
 
 
-class MemoryStorage:
+class MemoryStorage(Spans):
     """The book's tensors in memory (preallocated; nothing written to disk)."""
 
     path = None
@@ -95,7 +179,7 @@ class MemoryStorage:
         pass
 
 
-class FileStorage:
+class FileStorage(Spans):
     """The book's tensors in a safetensors file, written and read in place (see the module doc)."""
 
     def __init__(
@@ -112,8 +196,10 @@ class FileStorage:
     @staticmethod
     def _layout(specs: dict) -> tuple[dict, dict]:
         header, offsets, offset = {}, {}, 0
-        # largest element first (aligned), then by name: as kvcli.files.write_safetensors orders them
-        for name in sorted(specs, key=lambda n: (-torch.empty((), dtype=specs[n][0]).element_size(), n)):
+        # largest element first (aligned), then by name: as kvcli.files.write_safetensors orders them;
+        # the resume region after all of them (cut off at the end: a book's uint8 codes stay before it)
+        order = sorted(specs, key=lambda n: (n == RESUME, -torch.empty((), dtype=specs[n][0]).element_size(), n))
+        for name in order:
             dt, shape = specs[name]
             size = torch.empty((), dtype=dt).element_size() * _numel(shape)
             header[name] = {

@@ -15,7 +15,8 @@ Context Memory" (arXiv:2402.04617), as the KTransformers long-context article
 2. A block joins Memory once ``local_window`` tokens follow it; its representatives are its
    ``repr_topk`` tokens with the highest representative score (InfLLM's equation 1, the mean
    q·k of a token's ``local_window`` successors), scored during this same read.
-3. The KV of every token (keys before RoPE, values; ``kv_dtype``, 16 bits by default) and the
+3. The KV of every token (keys before RoPE, values; ``kv_dtype``, 16 bits by default, or 8 or 4
+   with ``--kv-bits``: :class:`~kvcli.caches.bookfile.QuantRows`) and the
    blocks' representatives go to the disk store as they leave Local (:mod:`kvcli.caches.bookfile`):
    the entry depends on the document only, so every later question reuses it; a read that stops
    keeps what it read and the next one resumes it (:mod:`kvcli.store.book`).
@@ -201,11 +202,17 @@ class InfLLM(Compressor):
 
     # --- what is stored -----------------------------------------------------------------------------
     def storage_dtype(self, lm) -> torch.dtype:
+        """The dtype of the keys and values stored (16 bits), or of the rows read back (8 or 4 bits)."""
         return KV_DTYPES[self.kv_dtype] or next(lm.model.parameters()).dtype
+
+    def storage_precision(self, lm) -> str:
+        """The stored keys' and values' precision in words: ``float16`` (16 bits: the dtype), ``8-bit``."""
+        bits = self.runtime.kv_bits
+        return str(self.storage_dtype(lm)).removeprefix("torch.") if bits == 16 else f"{bits}-bit"
 
     def prefix_state(self, lm) -> dict:
         self.configure(lm)
-        return {
+        state = {
             "kind": "book",
             "layers": lm.n_layers,
             "block_size": self.block_size,
@@ -216,10 +223,14 @@ class InfLLM(Compressor):
             "chunk": self.chunk,
             "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch."),
         }
+        if self.runtime.kv_bits != 16:  # only then: the keys of 16-bit books stay as they were
+            state["kv_bits"] = self.runtime.kv_bits
+        return state
 
     def specs(self, lm, n: int) -> dict:
         _, n_blocks, _ = partition(n, self.initial, self.local_window, self.block_size)
-        return tensor_specs(lm.n_layers, lm.n_kv_heads, n, lm.head_dim, n_blocks, self.storage_dtype(lm))
+        dtype, bits = self.storage_dtype(lm), self.runtime.kv_bits
+        return tensor_specs(lm.n_layers, lm.n_kv_heads, n, lm.head_dim, n_blocks, dtype, bits)
 
     def stored_bytes(self, lm, n: int) -> int:
         """Bytes of the stored book's file for an ``n``-token prefix (known before reading it)."""
@@ -261,6 +272,7 @@ class InfLLM(Compressor):
         self.configure(lm)
         n = ids.numel()
         into = InMemory() if into is None else into
+        dtype = self.storage_dtype(lm)
 
         def new(storage) -> BookCache:
             return BookCache(
@@ -275,9 +287,13 @@ class InfLLM(Compressor):
                 topk=self.topk,
                 repr_topk=self.repr_topk,
                 retrieval=self.retrieval,
+                dtype=dtype,
             ).bind(engine)
 
-        room = BookCache.point_bytes(n, lm.n_layers, lm.n_kv_heads, self.initial, self.local_window, self.block_size)
+        carried = BookCache.carried_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, dtype, self.runtime.kv_bits)
+        room = BookCache.point_bytes(
+            n, lm.n_layers, lm.n_kv_heads, self.initial, self.local_window, self.block_size, carried
+        )
         book = into.start(self.specs(lm, n), room, new)
         try:
             book.reading = True
