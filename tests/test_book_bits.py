@@ -140,7 +140,7 @@ def test_an_entry_is_served_to_runs_of_its_own_precision_only(tiny_lm, tmp_path)
     assert small == stage(lm, 8).stored_bytes(lm, n) and max(files) == stage(lm, 16).stored_bytes(lm, n)
     tensors = entry_tensors(files[small])  # an ordinary safetensors file
     assert tensors["k.0.codes"].dtype == torch.uint8 and tensors["k.0.codes"].shape == (lm.n_kv_heads, n, lm.head_dim)
-    assert tensors["v.0.scale"].dtype == tensors["v.0.low"].dtype == torch.float16 and "k.0" not in tensors
+    assert tensors["v.0.scale"].dtype == tensors["v.0.zero"].dtype == torch.float16 and "k.0" not in tensors
     # the KV held: the 8-bit book and the question's and answer's Local, in 16 bits as the 16-bit run's
     local = sixteen.extra["kv_cache_bytes"] - nbytes_of(stage(lm, 16).specs(lm, n))
     assert local > 0 and cold.extra["kv_cache_bytes"] == nbytes_of(stage(lm, 8).specs(lm, n)) + local

@@ -113,7 +113,7 @@ class Prefix:
             from ..store import fetch_book
 
             lm = engine.lm
-            what = f"the document's KV ({ids.numel():,} tokens, {str(reader.storage_dtype(lm)).removeprefix('torch.')})"
+            what = f"the document's KV ({ids.numel():,} tokens, {reader.storage_precision(lm)})"
             read = functools.partial(reader.read, engine, ids)
             return fetch_book(self.store, key, read, reader.stored_bytes(lm, ids.numel()), self.meta, what)
         return self.store.fetch(key, compute, self.meta, device=self.device, room=engine.kv_room)

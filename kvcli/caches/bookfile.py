@@ -26,7 +26,7 @@ n_blocks, d) float32 — the sum of each block's representative keys. Data, neve
 
 A book in 8 or 4 bits (``--kv-bits``, :mod:`kvcli.caches.quant`) holds each of ``k.l`` and ``v.l``
 as the three tensors of its :class:`~kvcli.caches.quant.Packed` rows instead: ``k.l.codes`` (n_kv,
-n, d·bits/8) uint8, ``k.l.scale`` and ``k.l.low`` (n_kv, n, d/G) float16 (``repsum.l`` stays
+n, d·bits/8) uint8, ``k.l.scale`` and ``k.l.zero`` (n_kv, n, d/G) float16 (``repsum.l`` stays
 float32). Either storage holds them; :class:`QuantRows` is how the book reads and writes such rows
 — quantized as they are written, dequantized a block at a time as they are read, never the whole
 book.
@@ -49,7 +49,7 @@ _CRC_READ = 8 << 20  # bytes per read while checksumming
 RESUME = "resume"  # a partial book's resume region, in its header: a U8 tensor after the data
 _SLOT_MAGIC = b"kvcli-rp"
 _SLOT_HEAD = 32  # magic, sequence number (8 bytes), payload length (8), CRC-32 of the payload (4), padding
-PART_DTYPES = (torch.uint8, quant.SCALE_DTYPE, quant.SCALE_DTYPE)  # of a quantized row's codes, scale, low
+PART_DTYPES = (torch.uint8, quant.SCALE_DTYPE, quant.SCALE_DTYPE)  # of a quantized row's codes, scale, zero
 
 
 def tensor_specs(n_layers: int, n_kv: int, n: int, d: int, n_blocks: int, dtype: torch.dtype, bits: int = 16) -> dict:

@@ -102,7 +102,7 @@ class Compressor:
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
-    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_dtype(lm)``)
+    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)
     writes_prefix: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
     # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
