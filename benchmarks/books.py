@@ -208,6 +208,8 @@ def cli_ask(args, pdf: Path, question: str, cache_dir: Path) -> tuple[dict, floa
             "--json",
             "--max-new-tokens",
             str(args.max_new_tokens),
+            "--kv-bits",
+            str(args.kv_bits),
         ],
         capture_output=True,
         text=True,
@@ -287,7 +289,9 @@ def run_infllm(args, base: Session, doc, pdf, document) -> list[dict]:
     stored book); one more question in a new process (cold process, warm store) unless
     ``--no-repeat``. The model is ``base``'s (loaded once)."""
     cache_dir = store_dir(args.store) if args.store else fresh_cache_dir()
-    options = AskOptions(cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none")
+    options = AskOptions(
+        cache_dir=cache_dir, max_new_tokens=args.max_new_tokens, cache_max="none", kv_bits=args.kv_bits
+    )
     session = Session(
         lm=base.lm, engine=base.engine, options=options, template=base.template, store=KVStore.open(cache_dir)
     )
@@ -466,6 +470,7 @@ def main() -> None:
         help="skip Finch on longer documents (it reads every token per question)",
     )
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4), help="infllm: the stored book's bits")
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--memory", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument(

@@ -4,6 +4,8 @@ numbers by SDPA; a plain cache holding the same rounded numbers)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -175,3 +177,39 @@ def test_bad_facts_are_refused():
         QuantKVCache.from_tensors(tensors, {**facts, "bits": 3})
     with pytest.raises(ValueError):
         QuantKVCache.from_tensors({**tensors, "kc.0": tensors["kc.0"][:, :, :4]}, facts)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_cli_kv_bits_error_is_one_line_naming_the_choices(cli, tmp_path, monkeypatch):
+    doc = tmp_path / "d.txt"
+    doc.write_text("Hello there.")
+    for command in ("ask", "inspect"):
+        code, out, err = cli(command, doc, "What?", "--kv-bits", "3")
+        assert code == 2 and not out and err.count("\n") == 1 and err.startswith("kvcli: error: ")
+        assert all(b in err for b in ("'16'", "'8'", "'4'"))
+    monkeypatch.setenv(quant.ENV_KV_BITS, "2")
+    code, out, err = cli("ask", doc, "What?")
+    assert code == 2 and err.count("\n") == 1 and ("KVCLI_KV_BITS" in err or "--kv-bits" in err)
+    code, _, err = cli("bench", "memory", "--simulate", "--kv-bits", "16,3", "--out", tmp_path / "m")
+    assert code == 2 and err.count("\n") == 1 and "--kv-bits" in err
+
+
+def test_cli_json_reports_the_bits_and_the_smaller_entry(cli, tmp_path, tiny_dir):
+    model = tiny_dir("llama")
+    doc = tmp_path / "d.txt"
+    doc.write_text("Cats sleep a lot. " * 40)
+    records = {}
+    for bits in ("16", "8", "4"):
+        code, out, err = cli(
+            "ask", doc, "What?", "-m", model, "--kv-bits", bits, "--json", "--max-new-tokens", "3",
+            "--cache-dir", tmp_path / "cache", "--no-sources",
+        )  # fmt: skip
+        assert code == 0, err
+        records[bits] = json.loads(out)
+    assert [r["kv_bits"] for r in records.values()] == [16, 8, 4]
+    assert [r["cache"] for r in records.values()] == ["miss", "miss", "miss"]  # a key per precision
+    sizes = [r["cache_entry_bytes"] for r in records.values()]
+    kv = [r["kv_cache_bytes"] for r in records.values()]
+    assert sizes[0] > sizes[1] > sizes[2] and kv[0] > kv[1] > kv[2]

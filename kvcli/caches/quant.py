@@ -259,7 +259,7 @@ def _values(w: torch.Tensor, v: Packed, d_v: int) -> torch.Tensor:
     zero = torch.bmm(w, v.zero.to(torch.float32))  # (n_kv, R, ng)
     if gv == d_v:
         return torch.bmm(w * scale[:, None, :, 0], codes).add_(zero)
-    out = zero.repeat_interleave(gv, dim=-1)  # (n_kv, R, d_v)
+    out = zero[..., None].expand(*zero.shape, gv).reshape(*zero.shape[:-1], d_v)  # each group's zero over its channels
     for j in range(d_v // gv):
         out[..., j * gv : (j + 1) * gv] += torch.bmm(w * scale[:, None, :, j], codes[..., j * gv : (j + 1) * gv])
     return out
