@@ -33,9 +33,7 @@ def main() -> None:
     else:
         doc = document_from_text("\n\n".join([(ROOT / "examples" / "lighthouse.md").read_text()] * 4))
     cache = tempfile.mkdtemp(prefix="kvcli-bits-")
-    sessions = {
-        b: Session.open(AskOptions(kv_bits=b, cache_dir=cache, sources=False, threads="2")) for b in bits_list
-    }
+    sessions = {b: Session.open(AskOptions(kv_bits=b, cache_dir=cache, sources=False, threads="2")) for b in bits_list}
     for b in bits_list:  # the misses: each precision stores its entry
         sessions[b].ask(doc, QUESTION, parse_pipeline("full"), max_new_tokens=2, force_tokens=True)
     speeds = {b: [] for b in bits_list}
