@@ -83,7 +83,10 @@ def sim_rows(path: Path | None) -> dict:
         return {}
     rows = json.loads(path.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
-    return {(r["config"], r["weights"], r["method"], r["tokens"], r.get("kv_offload", "none")): r for r in rows}
+    return {
+        (r["config"], r["weights"], r["method"], r["tokens"], r.get("kv_offload", "none"), r.get("kv_bits", 16)): r
+        for r in rows
+    }
 
 
 def main() -> int:
@@ -93,6 +96,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--methods", default="full;gemfilter;snapkv;finch;blocksparse")
     ap.add_argument("--kv-offload", default="none")
+    ap.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4), help="as kvcli ask --kv-bits")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sim", default="docs/bench/gpu-sim/memory.json")
@@ -127,7 +131,15 @@ def main() -> int:
     if cuda:
         torch.cuda.synchronize()
     print(f"built {args.config} {args.weights} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    sim = open_loaded(model, args.config, args.weights, CONFIGS[args.config][0], args.kv_offload, engine_cls=Engine)
+    sim = open_loaded(
+        model,
+        args.config,
+        args.weights,
+        CONFIGS[args.config][0],
+        args.kv_offload,
+        engine_cls=Engine,
+        kv_bits=args.kv_bits,
+    )
     session = sim.session
     weights_bytes = (
         torch.cuda.memory_allocated() if cuda else sum(t.numel() * t.element_size() for t in sim.weights_list)
@@ -146,6 +158,7 @@ def main() -> int:
                 "method": method,
                 "tokens": tokens,
                 "kv_offload": args.kv_offload,
+                **({} if args.kv_bits == 16 else {"kv_bits": args.kv_bits}),
                 "steps": args.steps,
                 "weights_bytes": weights_bytes,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -184,7 +197,7 @@ def main() -> int:
             if cuda and row.get("peak_bytes") is None:  # failed: the peak up to the failure
                 row["peak_bytes_before_error"] = torch.cuda.max_memory_allocated()
             row["warnings"] = notices.drain()
-            s = sims.get((args.config, args.weights, method, tokens, args.kv_offload))
+            s = sims.get((args.config, args.weights, method, tokens, args.kv_offload, args.kv_bits))
             if s is not None and not args.layers:
                 row["sim_peak_bytes"] = s.get("peak_bytes")
                 row["sim_kv_bytes"] = s.get("kv_bytes")
@@ -193,8 +206,8 @@ def main() -> int:
             rows = [
                 r
                 for r in rows
-                if (r["config"], r["weights"], r["method"], r["tokens"], r["kv_offload"])
-                != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"])
+                if (r["config"], r["weights"], r["method"], r["tokens"], r["kv_offload"], r.get("kv_bits", 16))
+                != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"], args.kv_bits)
             ] + [row]
             path.write_text(json.dumps(rows, indent=1))
             gib = 2**30
