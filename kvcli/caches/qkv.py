@@ -166,7 +166,7 @@ class QuantKVCache(CacheBase):
             out.head_dim = k.shape[-1]
             for name, t in zip(NAMES, (*quant.quantize(k, bits), *quant.quantize(v, bits))):
                 getattr(out, name).append(t)
-            cache.keys[layer] = cache.values[layer] = k[..., :0, :]
+            cache.keys[layer] = cache.values[layer] = k.new_empty(*k.shape[:-2], 0, k.shape[-1])  # its buffer freed
         return out
 
     def dense(self) -> KVCache:
@@ -180,8 +180,9 @@ class QuantKVCache(CacheBase):
             k, v = self.dense_layer(layer)
             out.keys.append(k)
             out.values.append(v)
-            for name in NAMES:
-                getattr(self, name)[layer] = getattr(self, name)[layer][..., :0, :]
+            for name in NAMES:  # a new empty tensor: a view would keep the layer's buffer alive
+                t = getattr(self, name)[layer]
+                getattr(self, name)[layer] = t.new_empty(*t.shape[:-2], 0, t.shape[-1])
         return out
 
     # --- the disk store's contract -----------------------------------------------------------------

@@ -152,11 +152,22 @@ def codes_of(p: Packed, d: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def dequantize(p: Packed, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """``p`` back to numbers (…, rows, d) in ``dtype``: ``zero + scale · code`` per group."""
-    g = group_size(d)
+    """``p`` back to numbers (…, rows, d) in ``dtype``: ``zero + scale · code`` per group, computed in
+    float32 :data:`ROWS` rows at a time (a layer of 128k tokens would otherwise hold a float32 copy
+    of itself, twice its 16-bit size, beside the result)."""
+    g, rows = group_size(d), p.codes.shape[-2]
+    if rows <= ROWS:
+        return _dequantized(p, d, g).to(dtype)
+    out = torch.empty(*p.codes.shape[:-1], d, dtype=dtype, device=p.codes.device)
+    for a in range(0, rows, ROWS):
+        out[..., a : a + ROWS, :] = _dequantized(p.map(lambda t: t[..., a : a + ROWS, :]), d, g)  # noqa: B023
+    return out
+
+
+def _dequantized(p: Packed, d: int, g: int) -> torch.Tensor:
     c = codes_of(p, d, torch.float32).reshape(*p.codes.shape[:-1], d // g, g)
     x = c.mul_(p.scale.to(torch.float32)[..., None]).add_(p.zero.to(torch.float32)[..., None])
-    return x.reshape(*p.codes.shape[:-1], d).to(dtype)
+    return x.reshape(*p.codes.shape[:-1], d)
 
 
 def attend(
