@@ -36,8 +36,8 @@ def _run(lm, spec, profiles, store, room, monkeypatch):
         original_logits, original_prefix = Engine.logits, Engine.prefix_kv
         m.setattr(Engine, "logits", lambda self, hidden: logits.append(original_logits(self, hidden)) or logits[-1])
 
-        def prefix_kv(self, ids, n_layers=None, observers=None, window_room=None):
-            cache = original_prefix(self, ids, n_layers, observers, window_room)
+        def prefix_kv(self, ids, n_layers=None, observers=None, window_room=None, cache=None):
+            cache = original_prefix(self, ids, n_layers, observers, window_room, cache)
             prefixes.append((ids.numel(), [cache.get_seq_length(i) for i in SLIDING if i < cache.n_layers]))
             return cache
 
