@@ -235,6 +235,36 @@ def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:
         getattr(owner, name)[layer] = t
 
 
+def truncate_rows(owner, names: tuple[str, ...], n_tokens: int, layer: int | None = None) -> None:
+    """Keep, in every layer (or ``layer`` only) of the lists of ``owner`` named in ``names``, only
+    the rows of the first ``n_tokens`` tokens, and with every layer their positions; a sliding
+    layer cut back to its window holds ``owner.dropped[layer]`` fewer (the plain layouts' ``truncate``)."""
+    dropped = owner.dropped
+    for i in range(owner.n_layers) if layer is None else (layer,):
+        d = dropped.get(i, 0)
+        for name in names:
+            getattr(owner, name)[i] = getattr(owner, name)[i][:, :, : max(0, n_tokens - d)]
+        if d > n_tokens:
+            owner.dropped = {**dropped, i: n_tokens}
+            dropped = owner.dropped
+    if layer is None and owner.positions is not None:
+        owner.positions = owner.positions[:n_tokens]
+
+
+def dropped_facts(dropped: Mapping[int, int]) -> dict:
+    """``dropped`` as an entry's facts store it: {"dropped": {"layer": entries}} where any, else {}."""
+    out = {str(layer): n for layer, n in sorted(dropped.items()) if n}
+    return {"dropped": out} if out else {}
+
+
+def read_dropped(facts: dict, n_layers: int, n_tokens: int) -> dict[int, int]:
+    """The ``dropped`` of an entry's facts (:func:`dropped_facts`); ValueError outside the cache."""
+    dropped = {int(layer): int(n) for layer, n in facts.get("dropped", {}).items()}
+    if any(not 0 <= layer < n_layers or not 0 < n <= n_tokens for layer, n in dropped.items()):
+        raise ValueError("dropped entries outside the cache")
+    return dropped
+
+
 class LayerKV(CacheBase):
     """Per-layer key and value tensors, appended as the layers run — the transformers contract
     shared by :class:`KVCache` and caches that keep different tokens per layer (LazyLLM):

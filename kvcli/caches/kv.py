@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import LayerKV, cache_type, drop_rows
+from .base import LayerKV, cache_type, drop_rows, dropped_facts, read_dropped, truncate_rows
 
 
 @cache_type
@@ -51,11 +51,7 @@ class KVCache(LayerKV):
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
             tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
-        facts = {"n_layers": self.n_layers, "n_tokens": self.n_tokens}
-        dropped = {str(layer): n for layer, n in sorted(self.dropped.items()) if n}
-        if dropped:
-            facts["dropped"] = dropped
-        return tensors, facts
+        return tensors, {"n_layers": self.n_layers, "n_tokens": self.n_tokens, **dropped_facts(self.dropped)}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], facts: dict, device="cpu") -> KVCache:
@@ -68,10 +64,7 @@ class KVCache(LayerKV):
         cache.positions = tensors["positions"].to(torch.long)
         if cache.positions.shape != (n_tokens,):
             raise ValueError("positions do not match the token count")
-        dropped = {int(layer): int(n) for layer, n in facts.get("dropped", {}).items()}
-        if any(not 0 <= layer < n_layers or not 0 < n <= n_tokens for layer, n in dropped.items()):
-            raise ValueError("dropped entries outside the cache")
-        cache.dropped = dropped
+        cache.dropped = dropped = read_dropped(facts, n_layers, n_tokens)
         shape = None
         for i in range(n_layers):
             k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
@@ -90,16 +83,7 @@ class KVCache(LayerKV):
         the positions are the caller's). A sliding layer cut back to its window (``dropped``) holds
         fewer: whether what it still holds is enough for a pass that goes on from there is
         :meth:`kvcli.runtime.windows.Windows.can_resume`'s question."""
-        dropped = self.dropped
-        for i in range(self.n_layers) if layer is None else (layer,):
-            d = dropped.get(i, 0)
-            self.keys[i] = self.keys[i][:, :, : max(0, n_tokens - d)]
-            self.values[i] = self.values[i][:, :, : max(0, n_tokens - d)]
-            if d > n_tokens:
-                self.dropped = {**dropped, i: n_tokens}
-                dropped = self.dropped
-        if layer is None and self.positions is not None:
-            self.positions = self.positions[:n_tokens]
+        truncate_rows(self, ("keys", "values"), n_tokens, layer)
 
     def upload(self, device, room: int = 0) -> KVCache:
         """A copy on ``device``, each layer in a buffer with ``room`` more entries: what follows the

@@ -29,7 +29,18 @@ import torch
 from ..runtime import kernels
 from ..runtime.measure import long_lived
 from . import quant
-from .base import CacheBase, LayerView, _made, _written, append_rows, cache_type, drop_rows
+from .base import (
+    CacheBase,
+    LayerView,
+    _made,
+    _written,
+    append_rows,
+    cache_type,
+    drop_rows,
+    dropped_facts,
+    read_dropped,
+    truncate_rows,
+)
 from .kv import KVCache, held_positions, kept_mask
 
 NAMES = ("kc", "ks", "kz", "vc", "vs", "vz")
@@ -198,10 +209,8 @@ class QuantKVCache(CacheBase):
             "bits": self.bits,
             "head_dim": self.head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
+            **dropped_facts(self.dropped),
         }
-        dropped = {str(layer): n for layer, n in sorted(self.dropped.items()) if n}
-        if dropped:
-            facts["dropped"] = dropped
         return tensors, facts
 
     @classmethod
@@ -219,10 +228,7 @@ class QuantKVCache(CacheBase):
         cache.positions = tensors["positions"].to(torch.long)
         if cache.positions.shape != (n_tokens,):
             raise ValueError("positions do not match the token count")
-        dropped = {int(layer): int(n) for layer, n in facts.get("dropped", {}).items()}
-        if any(not 0 <= layer < n_layers or not 0 < n <= n_tokens for layer, n in dropped.items()):
-            raise ValueError("dropped entries outside the cache")
-        cache.dropped = dropped
+        cache.dropped = dropped = read_dropped(facts, n_layers, n_tokens)
         width, ng = quant.code_width(d, bits), d // quant.group_size(d)
         for i in range(n_layers):
             ts = [tensors[f"{n}.{i}"] for n in NAMES]
@@ -240,16 +246,7 @@ class QuantKVCache(CacheBase):
     # --- cutting it back ---------------------------------------------------------------------------
     def truncate(self, n_tokens: int, layer: int | None = None) -> None:
         """Keep only the rows of the first ``n_tokens`` tokens (as :meth:`KVCache.truncate`)."""
-        dropped = self.dropped
-        for i in range(self.n_layers) if layer is None else (layer,):
-            d = dropped.get(i, 0)
-            for name in NAMES:
-                getattr(self, name)[i] = getattr(self, name)[i][:, :, : max(0, n_tokens - d)]
-            if d > n_tokens:
-                self.dropped = {**dropped, i: n_tokens}
-                dropped = self.dropped
-        if layer is None and self.positions is not None:
-            self.positions = self.positions[:n_tokens]
+        truncate_rows(self, NAMES, n_tokens, layer)
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest rows of ``layer`` (a sliding layer's, as :meth:`KVCache.drop_front`)."""
