@@ -16,6 +16,12 @@ from tests.helpers.runs import random_ids
 TOL = 1e-4
 
 
+def hadamard_by_hand(g: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix entry by entry, (-1)^popcount(i & j) / sqrt(g): an independent
+    construction of the rotation the codec applies to each group."""
+    return torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(g)] for i in range(g)]) / g**0.5
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("d", [64, 128, 96, 8])
 def test_codes_round_each_group_as_by_hand(bits, d):
@@ -25,8 +31,11 @@ def test_codes_round_each_group_as_by_hand(bits, d):
     g = quant.group_size(d)
     assert p.codes.dtype == torch.uint8 and p.codes.shape[-1] == d * bits // 8
     assert p.scale.shape == p.zero.shape == (1, 2, 9, d // g)
-    got = quant.dequantize(p, d, torch.float32).reshape(1, 2, 9, d // g, g)
-    grp = x.reshape(1, 2, 9, d // g, g)
+    h = hadamard_by_hand(g)
+    assert torch.allclose(h @ h, torch.eye(g), atol=1e-6)
+    back = quant.dequantize(p, d, torch.float32).reshape(1, 2, 9, d // g, g)
+    # the codes are of each group turned by H (its own inverse): compare in the turned space
+    got, grp = back @ h, x.reshape(1, 2, 9, d // g, g) @ h
     lo, hi = grp.amin(-1), grp.amax(-1)
     step = (hi - lo) / (2**bits - 1)
     scale, zero = p.scale.float(), p.zero.float()
@@ -39,6 +48,9 @@ def test_codes_round_each_group_as_by_hand(bits, d):
     assert torch.allclose(codes, codes.round(), atol=1e-3)
     assert codes.min() > first - 1e-3 and codes.max() < last + 1e-3
     assert ((got - grp).abs() <= scale[..., None] * 0.5 + 1e-5).all()
+    # the numbers given back are the rounded ones turned back: as far from x as they are from x·H
+    err = (back - x.reshape(back.shape)).norm(dim=-1)
+    assert torch.allclose(err, (got - grp).norm(dim=-1), atol=1e-4)
     assert quant.row_bytes(d, bits) * 9 * 2 == p.nbytes()
 
 
@@ -59,10 +71,12 @@ def test_bytes_per_row_against_16_bits():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("case", ["decode", "causal", "window", "softcap", "chunks"])
+@pytest.mark.parametrize("case", ["decode", "causal", "window", "softcap", "chunks", "groups"])
 def test_attention_from_codes_equals_attention_over_their_numbers(bits, case, monkeypatch):
     torch.manual_seed(3)
     n_heads, n_kv, d, kv_len = 8, 2, 64, 70
+    if case == "groups":  # heads of two groups, each turned by its own rotation
+        d = 128
     q_len = 1 if case == "decode" else 5
     query = torch.randn(1, n_heads, q_len, d)
     k, v = torch.randn(1, n_kv, kv_len, d), torch.randn(1, n_kv, kv_len, d)
@@ -78,6 +92,8 @@ def test_attention_from_codes_equals_attention_over_their_numbers(bits, case, mo
     softcap = 5.0 if case == "softcap" else None
     kr, vr = kd.repeat_interleave(n_heads // n_kv, 1), vd.repeat_interleave(n_heads // n_kv, 1)
     scores = query @ kr.transpose(-1, -2) * 0.125
+    if case == "groups":
+        assert quant.group_size(d) == 64
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

@@ -67,6 +67,7 @@ from typing import ClassVar
 import torch
 
 from ..answer.selection import Selection
+from ..caches import quant
 from ..caches.qkv import QuantKVCache
 from ..errors import UsageError
 from ..runtime import windows
@@ -186,10 +187,9 @@ class Compressor:
     # --- the reusable state of the question-agnostic prefix (kvcli.store) ----------------------
     def prefix_state(self, lm) -> dict | None:
         """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on: with
-        ``--kv-bits 8|4``, ``kv_bits`` too (the KV is built and stored in those bits; a 16-bit
-        state's key stays as it was)."""
-        state = {"kind": "kv", "layers": lm.n_layers}
-        return state if self.runtime.kv_bits == 16 else {**state, "kv_bits": self.runtime.kv_bits}
+        ``--kv-bits 8|4``, the bits and their codec too (:func:`kvcli.caches.quant.state`: the KV is
+        built and stored in those bits; a 16-bit state's key stays as it was)."""
+        return {"kind": "kv", "layers": lm.n_layers, **quant.state(self.runtime.kv_bits)}
 
     def prefix_device(self, engine) -> torch.device:
         """Where the prefix state is handed to this method (and loaded from the disk store): the

@@ -95,7 +95,7 @@ from typing import ClassVar
 import torch
 
 from .. import notices
-from ..caches import KVCache
+from ..caches import KVCache, quant
 from ..caches.blocks import (
     HEAD_SELECT,
     REPRESENTATIVES,
@@ -294,12 +294,11 @@ class BlockSparse(Compressor):
         if self.runtime.kv_offload == "cpu" and accelerator.on_accelerator(lm.device):
             # read offloaded in this method's chunks (build_prefix): not -c full's pass, bit for bit,
             # and in 16 bits
-            state = {k: v for k, v in state.items() if k != "kv_bits"}
-            state = {**state, "read": f"offloaded in chunks of {self.chunk}"}
+            state = {**quant.without_bits(state), "read": f"offloaded in chunks of {self.chunk}"}
         if self.representative != "infllm":
             return state  # without offload: shared with -c full
         self.configure(lm)
-        state = {k: v for k, v in state.items() if k != "kv_bits"}  # its own build_prefix reads 16 bits
+        state = quant.without_bits(state)  # its own build_prefix reads 16 bits
         return {**state, "kind": "kv+infllm", "local_window": self.local_window}
 
     def build_prefix(self, engine, prefix_ids: torch.Tensor):

@@ -53,6 +53,7 @@ from typing import ClassVar
 
 import torch
 
+from ..caches import quant
 from ..caches.blocks import partition
 from ..caches.book import BookCache
 from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, tensor_specs
@@ -222,9 +223,8 @@ class InfLLM(Compressor):
             "repr_topk": self.repr_topk,
             "chunk": self.chunk,
             "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch."),
+            **quant.state(self.runtime.kv_bits),  # nothing at 16: the keys of 16-bit books stay as they were
         }
-        if self.runtime.kv_bits != 16:  # only then: the keys of 16-bit books stay as they were
-            state["kv_bits"] = self.runtime.kv_bits
         return state
 
     def specs(self, lm, n: int) -> dict:
