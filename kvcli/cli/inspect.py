@@ -44,7 +44,8 @@ from .options import (
 INSPECT_HELP = """Show what a method keeps of a document, without answering (unless --answer).
 
 --show-selected prints the document with the kept text highlighted, --json the kept spans
-(characters, page, text, score), --html one self-contained page with a score strip.
+(characters, page, text, score), --html one self-contained page with a score strip. With
+--answer the answer's sources come too, marked apart from the kept text in every view.
 
 \b
   kvcli inspect book.pdf "Who is it?" -c gemfilter --show-selected
@@ -93,7 +94,9 @@ def inspect_command(
         False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"
     ),
     answer: bool = typer.Option(
-        False, "--answer", help="Also generate the answer (default: selection and prefill only)"
+        False,
+        "--answer",
+        help="Also generate the answer and cite its sources, marked in every view (default: selection and prefill only)",
     ),
     max_new_tokens: int = max_new_tokens_option(help="Longest answer with --answer, in tokens"),
     as_json: bool = typer.Option(
@@ -236,6 +239,8 @@ def inspect_command(
         render.layer_read_table(view, ins.read_layers, ins.n_prompt)
     if show_selected:
         render.document_view(view, ins, verb="read" if ins.view == "read" else "kept")
+    if ins.sources is not None:
+        render.sources_list(view, ins.sources)
     max_spans = None if show_selected else 20
     if ins.view == "read":
         render.selected_spans(view, ins.spans, document, ins.n_read, ins.n_prompt, max_spans=max_spans, verb="read")

@@ -6,7 +6,8 @@ styles). It shows a header (method, model, question, kept tokens, compression ra
 its best token score as a grey bar and the share of its tokens kept as a coloured bar; click a
 bucket to jump to it), the per-layer summary for per-layer/per-head methods, and the document text
 with the kept spans in ``<mark>`` elements coloured by score (:data:`PALETTE`, low to high) and a
-marker at each page start.
+marker at each page start. With ``inspect --answer`` the answer's sources are listed in the
+header (links) and outlined in the text (``<span class="cite">``), apart from the kept marks.
 
 Size stays linear in the document: one ``<mark>`` per kept span (split only at page starts and
 bucket anchors), never one element per token.
@@ -19,7 +20,7 @@ import html
 from pathlib import Path
 
 from ..errors import UsageError
-from .inspection import Inspection, document_profile, span_levels
+from .inspection import Inspection, cited_at, cited_ranges, document_profile, span_levels
 
 # kept-span backgrounds, lowest score first: saturated, so kept text stands out (and a screenshot
 # test can count its pixels)
@@ -42,6 +43,10 @@ table.layers .bar{display:inline-block;height:9px;background:#ff8a1f}
 main{padding:12px 20px 40px 20px;white-space:pre-wrap;font-family:ui-monospace,"DejaVu Sans Mono",monospace;
 font-size:14px;line-height:1.55;max-width:120ch}
 mark{border-radius:2px;padding:0}
+.cite{outline:2px solid #1f6feb;outline-offset:1px}
+.cite-n{font-family:system-ui,sans-serif;font-size:11px;font-weight:bold;color:#fff;background:#1f6feb;
+padding:0 4px;margin-right:2px;border-radius:2px}
+.sources a{color:#1f6feb}
 .page{display:block;margin:14px 0 6px 0;padding:2px 6px;font-family:system-ui,sans-serif;font-size:11px;color:#666;
 border-top:1px dashed #bbb}
 """ + "".join(
@@ -146,7 +151,8 @@ def _document_body(ins: Inspection, profile: list[dict]) -> str:
         while 0 < at < len(text) and not text[at - 1].isspace():
             at += 1
         bucket_at.setdefault(at, []).append(i)
-    cuts = {0, len(text)} | set(page_at) | set(bucket_at)
+    cited = cited_ranges(ins)
+    cuts = {0, len(text)} | set(page_at) | set(bucket_at) | {c for a, b, _ in cited for c in (a, b)}
     for s in spans:
         cuts.add(s.start)
         cuts.add(s.end)
@@ -175,10 +181,29 @@ def _document_body(ins: Inspection, profile: list[dict]) -> str:
                 score = f", score {s.score:.3g}"
             verb = "read" if ins.view == "read" else "kept"
             title = f"{verb}: {s.n_tokens} tokens, chars {s.start:,}-{s.end:,}, {pages}{score}"
-            out.append(f'<mark class="k{levels[j]}" title="{_e(title)}">{piece}</mark>')
-        else:
-            out.append(piece)
+            piece = f'<mark class="k{levels[j]}" title="{_e(title)}">{piece}</mark>'
+        source = cited_at(cited, a)
+        if source is not None:  # the answer's source: outlined, its rank where it starts
+            first = a == source[0]
+            label = f'<span class="cite-n">{source[2]}</span>' if first else ""
+            anchor = f' id="src-{source[2]}"' if first else ""
+            piece = f'{label}<span class="cite"{anchor} title="source {source[2]} of the answer">{piece}</span>'
+        out.append(piece)
     return "".join(out)
+
+
+def _sources(ins: Inspection) -> str:
+    """The header's line of the answer's sources, each a link to its place in the text."""
+    if ins.sources is None:
+        return ""
+    items = ins.sources.items
+    if not items:
+        return f'<p class="meta sources">sources: {_e(ins.sources.reason or "none")}</p>'
+    links = " · ".join(
+        f'<a href="#src-{i}"><b>[{i}]</b> {_e(s.where())}: “{_e(s.quote(60))}”</a>' for i, s in enumerate(items, 1)
+    )
+    lead = "no clear source; the answer read most: " if not ins.sources.clear else "sources: "
+    return f'<p class="meta sources">{lead}{links}</p>'
 
 
 def render(ins: Inspection) -> str:
@@ -220,7 +245,7 @@ def render(ins: Inspection) -> str:
         f'<p class="meta">model <b>{_e(ins.model)}</b> · {ins.document.n_pages} page(s) · '
         f"{ins.n_document:,} document tokens · question: <b>{_e(ins.question)}</b></p>"
         f'<p class="meta">{kept_line} · {len(ins.spans):,} {verb} document spans</p>'
-        f"{answer}"
+        f"{answer}{_sources(ins)}"
         f'<p class="meta legend">{legend} {_e(score_note)}</p>'
         f"{_score_strip(ins, profile)}"
     )

@@ -11,10 +11,15 @@ Memory blocks a retrieval chose, Local) is shown by what the question and its an
 (view ``read``): the spans read by any (layer, KV head), scored by the share of pairs that read
 them, the share of the prompt read, and — where layers read different blocks — each layer's
 pages. What it holds (``n_kept``, the compression ratio) stays all of it.
+
+With ``generate`` (``inspect --answer``) the answer's sources come too (:mod:`kvcli.cite.sources`):
+the spans the answer was read from, which the views mark apart from the merely kept ones
+(:func:`cited_ranges`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -100,6 +105,7 @@ class Inspection:
     # view "read": tokens read per layer and KV head (mean), and per layer where layers differ
     n_read: float | None = None
     read_layers: list[LayerRead] | None = None
+    sources: object | None = None  # kvcli.cite.sources.Sources of the answer (with --answer), else None
 
     @property
     def read_share(self) -> float | None:
@@ -161,6 +167,9 @@ class Inspection:
                 record["read_layers"] = [row.to_json() for row in self.read_layers]
         if self.answer is not None:
             record["answer"] = self.answer
+        if self.sources is not None:  # as ask --json has them: best first, and why none / none clear
+            record["sources"] = self.sources.to_json()
+            record["sources_note"] = self.sources.reason
         record["method_stats"] = self.method_stats
         return record
 
@@ -184,7 +193,8 @@ def inspect_kept(
     ``callbacks``: Session.ask's (``on_prompt``, ``on_progress``, ...: what the CLI shows meanwhile)."""
     if not generate:
         session = dataclasses.replace(session, options=dataclasses.replace(session.options, max_new_tokens=1))
-    result = session.ask(document, question, pipeline, **callbacks)
+    cite = generate and session.options.sources  # sources of a one-token answer would say nothing
+    result = session.ask(document, question, pipeline, sources=cite, **callbacks)
     prompt = result.prompt
     n = prompt.n_tokens
     selection = result.selection
@@ -244,8 +254,23 @@ def inspect_kept(
         method_stats=result.extra.get("method_stats", {}),
         n_read=n_read,
         read_layers=read_layers,
+        sources=result.sources if cite else None,
         label=spec_label(result.extra["compressor"], pipeline),
     )
+
+
+def cited_ranges(ins: Inspection) -> list[tuple[int, int, int]]:
+    """The answer's sources as (start, end, rank) character ranges of the document, in document
+    order (rank 1: the best source); none without sources or where none stands out."""
+    if ins.sources is None:
+        return []
+    return sorted((s.start, s.end, i + 1) for i, s in enumerate(ins.sources.items))
+
+
+def cited_at(ranges: list[tuple[int, int, int]], char: int) -> tuple[int, int, int] | None:
+    """The range of ``ranges`` (:func:`cited_ranges`) that holds ``char``, else None."""
+    j = bisect.bisect_right([a for a, _, _ in ranges], char) - 1
+    return ranges[j] if j >= 0 and ranges[j][0] <= char < ranges[j][1] else None
 
 
 def document_profile(ins: Inspection, n_buckets: int = 200) -> list[dict]:

@@ -381,19 +381,30 @@ def layer_read_table(console: Console, layers, n_prompt: int) -> None:
 
 def document_view(console: Console, ins, verb: str = "kept") -> None:
     """The whole document with the kept (``verb``: or read) tokens highlighted (colour: the best
-    score level of the merged spans), on word boundaries (:func:`word_spans`), a rule per page."""
-    from .inspection import span_levels
+    score level of the merged spans), on word boundaries (:func:`word_spans`), a rule per page;
+    the answer's sources (``inspect --answer``) underlined after their rank, ``[1]`` ... ``[/1]``
+    where colours do not show."""
+    from .inspection import cited_at, cited_ranges, span_levels
 
     text, doc = ins.document.text, ins.document
     levels = span_levels(ins, len(LEVEL_STYLES))
     pieces = [(a, b, max(levels[i] for i in members)) for a, b, members in word_spans(text, ins.spans)]
-    cuts = sorted({0, len(text)} | set(doc.page_starts) | {c for a, b, _ in pieces for c in (a, b)})
+    cited = cited_ranges(ins)
+    cuts = {0, len(text)} | set(doc.page_starts) | {c for a, b, _ in pieces for c in (a, b)}
+    cuts = sorted(cuts | {c for a, b, _ in cited for c in (a, b) if 0 <= c <= len(text)})
     page_at = {start: i + 1 for i, start in enumerate(doc.page_starts)}
     starts = [a for a, _, _ in pieces]
 
     # without colours (a pipe, NO_COLOR) the highlight would vanish: mark kept text with ⟦ ⟧
     plain = console.color_system is None
     marks_legend(console, verb)
+    if cited:
+        console.print(
+            "[n] marks the answer's n-th source" + (" up to [/n]" if plain else ", underlined"),
+            style="dim",
+            markup=False,
+            highlight=False,
+        )
     line = Text()
     for a, b in zip(cuts, cuts[1:]):
         if a in page_at:
@@ -403,12 +414,31 @@ def document_view(console: Console, ins, verb: str = "kept") -> None:
             console.rule(f"[cyan]page {page_at[a]}[/cyan]", align="left", style="dim")
         j = bisect.bisect_right(starts, a) - 1
         inside = j >= 0 and pieces[j][0] <= a < pieces[j][1]
+        source = cited_at(cited, a)
+        if source is not None and a == source[0]:
+            line.append(f"[{source[2]}]", style="" if plain else "bold blue")
         if inside and plain:
             line.append((MARKS[0] if a == pieces[j][0] else "") + text[a:b] + (MARKS[1] if b == pieces[j][1] else ""))
         else:
-            line.append(text[a:b], style=LEVEL_STYLES[pieces[j][2]] if inside else "")
+            style = LEVEL_STYLES[pieces[j][2]] if inside else ""
+            line.append(text[a:b], style=f"{style} underline".strip() if source is not None else style)
+        if source is not None and plain and b == source[1]:
+            line.append(f"[/{source[2]}]")
     if line:
         console.print(line, overflow="fold")
+
+
+def sources_list(console: Console, sources) -> None:
+    """The answer's sources (``inspect --answer``), numbered as the document view marks them."""
+    console.print("sources:", style="bold")
+    lines = sources.lines()
+    if not sources.items:
+        console.print(f"  {lines[0]}", markup=False, highlight=False)
+        return
+    if not sources.clear:
+        console.print(f"  {lines[0]}", markup=False, highlight=False)
+    for i, src in enumerate(sources.items, 1):
+        console.print(f'  [{i}] {src.where()}: "{src.quote()}"', markup=False, highlight=False)
 
 
 def layer_scan_table(console: Console, report) -> None:

@@ -539,7 +539,7 @@ def test_document_view_highlights_whole_words_and_merges_what_overlaps():
         ],
     )
     console = _plain_console()
-    render.document_view(console, SimpleNamespace(document=doc, spans=spans, score_kind=None))
+    render.document_view(console, SimpleNamespace(document=doc, spans=spans, score_kind=None, sources=None))
     out = console.file.getvalue()
     assert "The ⟦GNOME⟧ ⟦desktop⟧ ran fine. ⟦Nothing⟧ else: x_y and ⟦42⟧ items." in out
     assert not re.search(r"\w⟦\w|\w⟧\w", out)
@@ -574,3 +574,52 @@ def test_cli_show_selected_marks_whole_words(cli, model, pdf):
     )
     assert code == 0, err
     assert "⟦" in out and not re.search(r"\w⟦\w|\w⟧\w", out)
+
+
+def _cited(page: str) -> dict[int, str]:
+    """The text of each outlined source in an HTML page, by rank (a source may be cut into pieces
+    at a page or bucket anchor; the pieces are joined)."""
+    main = page.split("<main>")[1].split("</main>")[0]
+    main = re.sub(r'<span class="cite-n">\d+</span>', "", main)
+    out: dict[int, str] = {}
+    for n, inner in re.findall(
+        r'<span class="cite"[^>]*title="source (\d+) of the answer">(.*?)</span>', main, flags=re.S
+    ):
+        out[int(n)] = out.get(int(n), "") + html.unescape(re.sub(r"<[^>]+>", "", inner))
+    return out
+
+
+def test_answer_sources_are_marked_apart_from_the_kept_text(cli, model, pdf, document, tmp_path):
+    """inspect --answer: the JSON's sources as ask --json has them; the HTML outlines exactly their
+    text (and still marks exactly the kept spans); --show-selected puts [n] ... [/n] around exactly
+    their text; without --answer there are none."""
+    page_file = tmp_path / "cited.html"
+    args = ("inspect", pdf, QUESTION, "-c", "snapkv:budget=60", "--model", model, "--no-cache")
+    code, out, err = cli(*args, "--answer", "--max-new-tokens", "6", "--json", "--html", page_file)
+    assert code == 0, err
+    record = json.loads(out)
+    sources = record["sources"]
+    assert sources, record.get("sources_note")
+    for s in sources:
+        assert set(s) == {"pages", "start", "end", "text", "score"}
+        assert document.text[s["start"] : s["end"]] == s["text"]
+        assert s["pages"] == [document.page_of(s["start"]), document.page_of(s["end"] - 1)]
+    page = page_file.read_text(encoding="utf-8")
+    assert _cited(page) == {i: s["text"] for i, s in enumerate(sources, 1)}
+    assert "".join(_marks(page)) == "".join(s["text"] for s in record["spans"])
+    assert all(f'href="#src-{i}"' in page and f'id="src-{i}"' in page for i in range(1, len(sources) + 1))
+
+    code, out, err = cli(*args, "--answer", "--max-new-tokens", "6", "--show-selected")
+    assert code == 0, err
+    view = out.replace("⟦", "").replace("⟧", "")
+    flat = " ".join(view.split())
+    for i, s in enumerate(sources, 1):
+        inner = re.search(rf"\[{i}\](.*?)\[/{i}\]", view, flags=re.S)
+        assert inner is not None, i
+        # the terminal folds long lines and draws a rule at each page start: compare the words
+        assert " ".join(re.sub(r"─*\s*page \d+\s*─+", " ", inner.group(1)).split()) == " ".join(s["text"].split())
+        assert f"[{i}] p. {s['pages'][0]}" in flat or f"[{i}] pp. {s['pages'][0]}-" in flat
+    assert "sources:" in out
+
+    code, out, err = cli(*args, "--json")
+    assert code == 0 and "sources" not in json.loads(out)
