@@ -31,10 +31,10 @@ def test_codes_round_each_group_as_by_hand(bits, d):
     g = quant.group_size(d)
     assert p.codes.dtype == torch.uint8 and p.codes.shape[-1] == d * bits // 8
     assert p.scale.shape == p.zero.shape == (1, 2, 9, d // g)
-    h = hadamard_by_hand(g)
+    h = hadamard_by_hand(g) if bits == 4 else torch.eye(g)
     assert torch.allclose(h @ h, torch.eye(g), atol=1e-6)
     back = quant.dequantize(p, d, torch.float32).reshape(1, 2, 9, d // g, g)
-    # the codes are of each group turned by H (its own inverse): compare in the turned space
+    # 4-bit codes are of each group turned by H (its own inverse): compare in the turned space
     got, grp = back @ h, x.reshape(1, 2, 9, d // g, g) @ h
     lo, hi = grp.amin(-1), grp.amax(-1)
     step = (hi - lo) / (2**bits - 1)
@@ -61,6 +61,14 @@ def test_dequantizing_by_chunks_of_rows_is_the_same(bits, monkeypatch):
     whole = quant.dequantize(p, 64, torch.bfloat16)
     monkeypatch.setattr(quant, "ROWS", 16)
     assert torch.equal(quant.dequantize(p, 64, torch.bfloat16), whole)
+
+
+def test_store_keys_name_the_format():
+    """16 bits adds nothing to a key and 8 bits only its bits (the keys written before the 4-bit
+    rotation stay valid); 4 bits names its codec, so no entry of the unrotated 4-bit codes is read."""
+    assert quant.state(16) == {} and quant.state(8) == {"kv_bits": 8}
+    assert quant.state(4) == {"kv_bits": 4, "kv_codec": "rows-hadamard"}
+    assert quant.without_bits({"kind": "kv", **quant.state(4)}) == {"kind": "kv"}
 
 
 def test_bytes_per_row_against_16_bits():

@@ -4,20 +4,21 @@ read straight from those codes.
 The format (chosen by measurement, docs/kv-bits.md): every row of a layer — one token of one KV
 head, ``head_dim`` numbers — is cut into groups of :data:`GROUP` channels (fewer where the head is
 smaller), and each group is stored as unsigned codes ``c`` of ``bits`` bits with a float16 scale
-``s`` and low end ``m``, asymmetric min/max, of the group turned by a Hadamard rotation ``H``
-(orthonormal and its own inverse): ``x ≈ (m + s·c) H``. Keys and values alike, one row at a time, as
-llama.cpp's ``q8_0``/``q4_1`` KV caches do: a row is quantized the moment it is appended and never
-again, so every cache operation (append, gather an eviction's kept rows, cut a sliding layer's
-front, truncate a prefix) moves a row's codes and scales together, exactly. 4-bit codes pack two to
-a byte: the first half of a row's channels in the low nibbles, the second half in the high.
+``s`` and low end ``m``, asymmetric min/max: ``x ≈ m + s·c``. Keys and values alike, one row at a
+time, as llama.cpp's ``q8_0``/``q4_1`` KV caches do: a row is quantized the moment it is appended
+and never again, so every cache operation (append, gather an eviction's kept rows, cut a sliding
+layer's front, truncate a prefix) moves a row's codes and scales together, exactly. 4-bit codes pack
+two to a byte: the first half of a row's channels in the low nibbles, the second half in the high.
 
-The rotation is QuaRot's (Ashkboos et al. 2024) answer to what KIVI (Liu et al. 2024) found: a few
-channels of the keys are far larger than the rest, so one scale per token wastes a 4-bit grid on
-them. KIVI quantizes keys per channel over groups of tokens instead; turning each group of channels
-by ``H`` spreads an outlier over all of them and keeps the format per row. Measured on SmolLM2
-(docs/kv-bits.md): at 4 bits the logits' KL divergence from 16 bits falls from 0.096 to 0.016
-(KIVI's per-channel keys: 0.034). Attention turns the query instead of the keys — ``q·(yH) = (qH)·y``
-— and its output once at the end.
+At 4 bits each group is first turned by a Hadamard rotation ``H`` (orthonormal and its own
+inverse), ``x ≈ (m + s·c) H``: QuaRot's (Ashkboos et al. 2024) answer to what KIVI (Liu et al.
+2024) found, that a few channels of the keys are far larger than the rest and waste one scale's 16
+levels. KIVI quantizes keys per channel over groups of tokens instead; the rotation spreads an
+outlier over its group and keeps the format per row. Measured on SmolLM2 (``python
+benchmarks/kv_bits_codecs.py``, docs/kv-bits.md): it halves the 4-bit error (KL from 16 bits 0.009
+-> 0.0044; KIVI's keys 0.0049) and changes nothing at 8 bits, which stay unrotated
+(:data:`ROTATED`). Attention turns the query instead of the keys — ``q·(yH) = (qH)·y`` — and its
+output once at the end.
 
 Bytes per row against 16 bits: 8-bit ``d + 4·d/G`` (0.53x at G=64), 4-bit ``d/2 + 4·d/G`` (0.28x).
 
@@ -40,13 +41,14 @@ import torch
 KV_BITS = (16, 8, 4)  # the choices of --kv-bits; 16: the model's own dtype (no quantization)
 DEFAULT_KV_BITS = 16
 ENV_KV_BITS = "KVCLI_KV_BITS"
-CODEC = "rows-hadamard"  # the format's name in store keys (:func:`state`): a stored KV of another codec is never read
+ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before they are quantized
+CODECS = {4: "rows-hadamard"}  # a format's name in store keys (:func:`state`), where it changed since the first
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16
 KV_BITS_HELP = (
     "Bits the KV is held in, in memory and in the disk cache: 16 (the model's own dtype), 8 or 4 "
-    "(each row's groups of 64 numbers, rotated, with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
+    "(each row's groups of 64 numbers with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
     "methods whose KV layout is not quantized keep 16 and say so"
 )
 
@@ -64,8 +66,11 @@ def check_bits(bits) -> int:
 
 def state(bits: int) -> dict:
     """What a stored KV's key says of its precision: nothing at 16 bits (the keys of 16-bit entries
-    stay as they were), else the bits and :data:`CODEC`."""
-    return {} if bits == 16 else {"kv_bits": bits, "kv_codec": CODEC}
+    stay as they were), else the bits and, where it is not the first 8-bit one, the codec (:data:`CODECS`):
+    a stored KV of another format is never read."""
+    if bits == 16:
+        return {}
+    return {"kv_bits": bits, **({"kv_codec": CODECS[bits]} if bits in CODECS else {})}
 
 
 def without_bits(state_: dict) -> dict:
@@ -96,6 +101,11 @@ def rotate(x: torch.Tensor, g: int) -> torch.Tensor:
     inverse: rotating twice gives ``x`` back)."""
     d = x.shape[-1]
     return (x.reshape(*x.shape[:-1], d // g, g) @ hadamard(g, x.device)).reshape(x.shape)
+
+
+def bits_of(p: Packed, d: int) -> int:
+    """The bits ``p`` holds rows of ``d`` channels in (its codes' width says)."""
+    return 8 if p.codes.shape[-1] == d else 4
 
 
 def group_size(d: int) -> int:
@@ -162,12 +172,13 @@ def _rounded_down(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, bits: int) -> Packed:
     """``x`` (…, rows, d) -> :class:`Packed` codes of ``bits`` bits, each group of
-    :func:`group_size` channels of each row rotated (:func:`rotate`) and given its own scale and
-    zero (min/max: 8-bit codes -128..127 around the group's middle, 4-bit codes 0..15 up from its
-    minimum)."""
+    :func:`group_size` channels of each row with its own scale and zero (min/max: 8-bit codes
+    -128..127 around the group's middle, 4-bit codes 0..15 up from its minimum, of the group turned
+    by :func:`rotate`)."""
     d = x.shape[-1]
     width, g = code_width(d, bits), group_size(d)
-    xf = rotate(x.detach().to(torch.float32), g).reshape(*x.shape[:-1], d // g, g)
+    xf = x.detach().to(torch.float32)
+    xf = (rotate(xf, g) if bits in ROTATED else xf).reshape(*x.shape[:-1], d // g, g)
     lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
     if bits == 8:  # the zero in float16 first, then a scale that reaches both ends from it
         zero = _nearest((lo + hi) / 2)
@@ -199,7 +210,8 @@ def codes_of(p: Packed, d: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def dequantize(p: Packed, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """``p`` back to numbers (…, rows, d) in ``dtype``: ``(zero + scale · code) H`` per group, computed in
+    """``p`` back to numbers (…, rows, d) in ``dtype``: ``zero + scale · code`` per group (turned
+    back by :func:`rotate` at 4 bits), computed in
     float32 :data:`ROWS` rows at a time (a layer of 128k tokens would otherwise hold a float32 copy
     of itself, twice its 16-bit size, beside the result)."""
     g, rows = group_size(d), p.codes.shape[-2]
@@ -214,7 +226,8 @@ def dequantize(p: Packed, d: int, dtype: torch.dtype) -> torch.Tensor:
 def _dequantized(p: Packed, d: int, g: int) -> torch.Tensor:
     c = codes_of(p, d, torch.float32).reshape(*p.codes.shape[:-1], d // g, g)
     x = c.mul_(p.scale.to(torch.float32)[..., None]).add_(p.zero.to(torch.float32)[..., None])
-    return (x @ hadamard(g, x.device)).reshape(*p.codes.shape[:-1], d)
+    x = x.reshape(*p.codes.shape[:-1], d)
+    return rotate(x, g) if bits_of(p, d) in ROTATED else x
 
 
 def attend(
@@ -230,8 +243,8 @@ def attend(
     (1, n_kv, kv_len, ·) — GQA as it is, the query heads of a KV head grouped — with ``mask``
     (q_len, kv_len) or per head (1, n_heads, q_len, kv_len), True where allowed, None: all; and
     Gemma 2's soft-capped scores (``softcap``). Read :data:`ROWS` keys at a time, the chunks' softmax
-    merged by log-sum-exp, never dequantized (see the module doc; the query turned by the keys'
-    rotation, the output by the values'): 8-bit codes with 16-bit queries on
+    merged by log-sum-exp, never dequantized (see the module doc; at 4 bits the query turned by the
+    keys' rotation, the output by the values'): 8-bit codes with 16-bit queries on
     the CPU by PyTorch's int8 matrix kernel (:func:`_chunk_int8`), else converted to float32
     (:func:`_chunk_float`). Returns (1, q_len, n_heads, d_v) in the query's dtype."""
     b, n_heads, q_len, d = query.shape
@@ -239,7 +252,8 @@ def attend(
     rows = n_heads // n_kv * q_len
     if mask is not None:
         mask = mask.expand(b, n_heads, q_len, kv_len).reshape(n_kv, rows, kv_len)
-    q = rotate(query.to(torch.float32) * scaling, group_size(d)).reshape(n_kv, rows, d)
+    q = query.to(torch.float32) * scaling
+    q = (rotate(q, group_size(d)) if bits_of(key, d) in ROTATED else q).reshape(n_kv, rows, d)
     int8 = key.codes.shape[-1] == d and query.dtype in (torch.bfloat16, torch.float16) and _INT8_MM is not None
     chunk = _chunk_int8 if int8 and query.device.type == "cpu" else _chunk_float
     parts = []
@@ -253,7 +267,8 @@ def attend(
         lses = torch.stack([lse for _, lse in parts])  # (chunks, n_kv, R, 1)
         weights = torch.exp(lses - torch.logsumexp(lses, dim=0)).nan_to_num_(0.0)
         out = sum(o * wt for (o, _), wt in zip(parts, weights))
-    out = rotate(out, group_size(d_v))
+    if bits_of(value, d_v) in ROTATED:
+        out = rotate(out, group_size(d_v))
     out = out.reshape(n_kv, n_heads // n_kv, q_len, d_v).reshape(1, n_heads, q_len, d_v)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
