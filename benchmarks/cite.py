@@ -15,7 +15,8 @@ Sets:
   distractors); a source hits when it overlaps a gold paragraph (their character offsets come
   from kvcli's generator, ``Instance.spans``).
 
-Methods: ``bm25`` (the question as the query over the pages, or over the paragraphs of an unpaged
+Methods: ``oracle`` (books: full attention on the answer's page alone: the answers the model can
+give; no sources scored), ``bm25`` (the question as the query over the pages, or over the paragraphs of an unpaged
 text: :func:`kvcli.cite.sources.bm25_sources`), ``bm25-units`` (BM25 over the document's units,
 ranked and merged as the attention's are), and any ``-c`` spec (``full``, ``auto``,
 ``snapkv:budget=0.25``, ``finch``, ``infllm``): the model answers, and its sources
@@ -218,6 +219,8 @@ def run(args) -> list[dict]:
                 rows.append(scored(case, method, sources, {"sources_s": round(time.perf_counter() - t0, 4)}))
             elif method == "contextcite":
                 rows.append(contextcite(session, case, args))
+            elif method == "oracle":
+                rows.append(oracle(session, case, args))
             else:
                 rows += ask(session, case, method, args)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -321,9 +324,9 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
     kept = {}
     real = kvcli.api.cite
 
-    def keep(document, result, question=""):
+    def keep(document, result, question="", **kwargs):
         kept["scores"] = result.extra["citing"]["scores"].clone()
-        return real(document, result, question)
+        return real(document, result, question, **kwargs)
 
     kvcli.api.cite = keep
     if PER_HEAD.path is not None:
@@ -380,6 +383,28 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
     return rows
 
 
+def oracle(session, case: dict, args) -> dict:
+    """Books: full attention on the text of the answer's page alone, the most this model gets from
+    the book (docs/bench/books); its sources are not scored (they are on that page)."""
+    from kvcli.api import parse_pipeline
+
+    page = document_from_text(page_text(case["doc"], case["gold_pages"][0]))
+    result = session.ask(page, case["question"], parse_pipeline("full"), max_new_tokens=args.max_new_tokens)
+    return {
+        "set": case["set"],
+        "document": case["document"],
+        "question": case["question"],
+        "method": "oracle",
+        "gold": case["gold_pages"],
+        "answer": result.answer,
+        "right": right(result.answer, case["accept"], case["question"]),
+        "n_tokens": result.prompt.n_tokens,
+        "ttft_s": round(result.ttft_s, 3),
+        "total_s": round(result.total_s, 3),
+        "load": round(load(), 2),
+    }
+
+
 def lasso(x: np.ndarray, y: np.ndarray, alpha: float = 0.01, steps: int = 2000) -> np.ndarray:
     """ContextCite's surrogate: min 1/(2n) |y - x w - b|^2 + alpha |w|_1, by ISTA (x centred)."""
     xc, yc = x - x.mean(0), y - y.mean()
@@ -401,7 +426,7 @@ def contextcite(session, case: dict, args) -> dict:
 
     from kvcli.answer.prompt import build_prompt
     from kvcli.api import parse_pipeline
-    from kvcli.cite.sources import Source, Sources, passages
+    from kvcli.cite.sources import Source, Sources
 
     t0 = time.perf_counter()
     doc, tok = case["doc"], session.lm.tokenizer
@@ -413,7 +438,7 @@ def contextcite(session, case: dict, args) -> dict:
         max_new_tokens=case.get("max_new_tokens", args.max_new_tokens),
     )
     answer = torch.tensor(result.answer_ids)
-    cuts = passages(doc)
+    cuts = doc.passages()
     rng = np.random.default_rng(0)
     masks = rng.random((args.ablations, len(cuts))) < 0.5
     logps = []
@@ -534,6 +559,10 @@ def table(rows: list[dict]) -> str:
     for s, m in keys:
         rs = [r for r in rows if (r["set"], r["method"]) == (s, m)]
         n = len(rs)
+        if "hit1" not in rs[0]:  # the oracle: answers only
+            right_ = [r["right"] for r in rs]
+            lines.append(f"| {s} | {m} | {n} | — | — | — | — | {sum(right_)}/{n} | — | — | — |")
+            continue
         clear = [r for r in rs if r["clear"]]
         unclear = [r for r in rs if not r["clear"]]
 

@@ -141,7 +141,9 @@ class Session:
         :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         sources = self.options.sources if sources is None else sources
-        prompt = build_prompt(self.lm.tokenizer, document.text, question, self.template, answer_prefix)
+        prompt = build_prompt(
+            self.lm.tokenizer, document.text, question, self.template, answer_prefix, document.page_starts
+        )
         pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(
@@ -194,7 +196,8 @@ class Session:
         if stream is not None:
             stream.close(result.answer)
         if sources:
-            result.sources = cite(document, result, question)
+            reads_passages = bool(pipeline.stages) and pipeline.stages[0].reads_passages
+            result.sources = cite(document, result, question, by_passage=reads_passages)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
@@ -215,10 +218,12 @@ def spec_label(spec: str, given: Pipeline | None = None) -> str:
     return SEPARATOR.join(parts)
 
 
-def cite(document: Document, result: Result, question: str = "") -> Sources:
+def cite(document: Document, result: Result, question: str = "", by_passage: bool = False) -> Sources:
     """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
     out), ranked with the question's BM25 by :data:`kvcli.cite.sources.LEXICAL_WEIGHT`; the time they
-    added (reading and ranking) in ``result.extra["sources_s"]``."""
+    added (reading and ranking) in ``result.extra["sources_s"]``. ``by_passage``: the method read
+    whole passages chosen by their BM25 score (``pages``: ``result.selection.scores``): one source
+    per passage, the passages in that order (:func:`kvcli.cite.sources.sources_from_tokens`)."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")
     if citing["unsupported"]:
@@ -230,7 +235,8 @@ def cite(document: Document, result: Result, question: str = "") -> Sources:
             citing["scores"].numpy(),
             question=question,
             lexical=LEXICAL_WEIGHT,
-            signal="attention+bm25" if LEXICAL_WEIGHT else "attention",
+            passage_scores=result.selection.scores.numpy() if by_passage else None,
+            signal=("passages by bm25, " if by_passage else "") + ("attention+bm25" if LEXICAL_WEIGHT else "attention"),
         )
     result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
     return found

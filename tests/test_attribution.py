@@ -80,9 +80,9 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     seen = {}
     real = kvcli.api.cite
 
-    def spy(document, result, question=""):
+    def spy(document, result, question="", **kwargs):
         seen["scores"] = result.extra["citing"]["scores"].clone()
-        return real(document, result, question)
+        return real(document, result, question, **kwargs)
 
     monkeypatch.setattr(kvcli.api, "cite", spy)
     monkeypatch.setattr(kvcli.api, "LEXICAL_WEIGHT", 0.0)  # the attention alone ranks

@@ -52,7 +52,7 @@ def test_a_long_document_gets_the_document_advice_not_the_question_one(lm):
     assert "-c finch" in str(info.value) and "question is too long" not in str(info.value)
 
 
-def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_finch_reads_it(lm):
+def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_pages_reads_it(lm):
     said: list[str] = []
     notices.reset()
     notices.set_sink(said.append)
@@ -60,10 +60,10 @@ def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_finch
         prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
         check_window(
             prompt, lm, 4, configured(lm, "auto", prompt)
-        )  # Finch can (infllm's span does not fit 1,024): no error
+        )  # pages reads a page of it (the text has no paragraphs: its first 512 tokens): no error
         [line] = said
         assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
-        assert "1,024-token window" in line and "finch" in line
+        assert "1,024-token window" in line and "pages reads the page" in line and "512 tokens" in line
         # within the window: nothing said
         said.clear()
         notices.reset()

@@ -132,6 +132,20 @@ def test_rank_merges_adjacent_units_and_orders_by_score():
     assert (s.items[0].first, s.items[0].last, s.items[0].where()) == (1, 2, "pp. 1-2")
 
 
+def test_rank_by_passage_opens_one_source_a_passage_in_the_passages_order():
+    """groups: the best units of page 1 would make all three sources; one a page instead, and
+    the pages in group_order's order (page 3 before page 1) whatever their units score."""
+    doc = paged(["A one. B two. C three.", "D four. E five.", "F six."])
+    du = DocumentUnits.of(doc)
+    scores = np.array([5.0, 0.1, 4.0, 0.2, 0.3, 1.0])
+    plain = rank(du, scores, top=3, clear_ratio=1.0)
+    assert [x.first for x in plain.items] == [1, 1, 3]  # "A one." and "C three." (not adjacent) both open one
+    groups = np.array([0, 0, 0, 1, 1, 2])
+    order = np.array([2.0, 2.0, 2.0, 1.0, 1.0, 3.0])  # page 3 first, then 1, then 2
+    s = rank(du, scores, top=3, clear_ratio=1.0, groups=groups, group_order=order)
+    assert [(x.text, x.first) for x in s.items] == [("F six.", 3), ("A one.", 1), ("D four. E five.", 2)]
+
+
 def test_rank_caps_a_source_and_says_when_nothing_stands_out():
     doc = document_from_text(" ".join(f"S{i} x." for i in range(12)))
     du = DocumentUnits.of(doc)

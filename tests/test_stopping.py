@@ -231,11 +231,11 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     assert until >= 3 and got == plain[: until - 2]
 
 
-def test_auto_policy_full_within_the_window_infllm_beyond_finch_where_infllm_cannot_read():
+def test_auto_policy_full_within_the_window_pages_beyond_finch_where_pages_cannot_read():
     policy = AutoPolicy()
     assert policy.choose(1000, 8192, 64) == "full"
     assert policy.choose(8192 - 64, 8192, 64) == "full"
-    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW == "infllm"
+    assert policy.choose(8192 - 63, 8192, 64) == BEYOND_WINDOW == "pages"
     assert policy.choose(8192 - 63, 8192, 64, reads=lambda spec: False) == FALLBACK == "finch"
     assert policy.choose(100_000, None, 64) == "full"  # no known window
     # the hook for a model where compression measured lossless
@@ -258,16 +258,13 @@ def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
 @pytest.mark.parametrize(
     "model, knobs, want",
     [
-        ("llama", {"max_position_embeddings": 2048}, "infllm"),  # its span (512 + 128 + 512) fits: the stored book
-        ("llama", {"max_position_embeddings": 1024}, "finch"),  # 512 + 128 + 512 > 1,024: Finch reads it
-        (
-            "gemma3",
-            {"max_position_embeddings": 2048},
-            "finch",
-        ),  # a sliding-window hybrid: infllm refuses, Finch reads it
+        ("llama", {"max_position_embeddings": 2048}, "pages"),  # half the window for the pages it reads
+        ("llama", {"max_position_embeddings": 1024}, "pages"),
+        ("gemma3", {"max_position_embeddings": 2048}, "pages"),  # a sliding-window hybrid reads it as well
+        ("llama", {"max_position_embeddings": 64}, "finch"),  # the template alone fills half of it: Finch
     ],
 )
-def test_auto_beyond_the_window_reads_with_infllm_where_it_can(tiny_lm, model, knobs, want):
+def test_auto_beyond_the_window_reads_with_pages_where_it_can(tiny_lm, model, knobs, want):
     from kvcli.answer.prompt import build_prompt
 
     lm = tiny_lm(model, **knobs)

@@ -79,6 +79,9 @@ class Pipeline:
                 f"after it; use {prefill_owner.name} alone"
             )
         selectors = self.selectors()
+        late = [s.name for s in selectors[1:] if s.reads_passages]
+        if late:  # only the first selector sees the prompt itself, and so its passages
+            raise UsageError(f"pipeline: {late[0]} ranks the document's passages, so it must come first")
         prefix_owner = self.owner("build_prefix")
         if selectors and prefix_owner is not None and prefix_owner is not prefill_owner:
             # the selector reads the prompt first: the other method's prefix state would never be built
@@ -303,8 +306,8 @@ def check_window(
         raise DocumentError(
             f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document) plus "
             f"{max_new_tokens} to generate, over the {limit:,}-token window of {lm.name}; "
-            "use -c auto, which reads a longer document chunk by chunk (-c infllm, or -c finch where infllm "
-            "cannot), or shorten the document"
+            "use -c auto, which reads the page the question points to (-c pages; -c infllm reads the whole "
+            "book once, -c finch chunk by chunk), or shorten the document"
         )
 
 
@@ -347,7 +350,11 @@ def run(
         for i, stage in enumerate(pipeline.selectors()):
             # only the first selector sees the prompt itself; later ones see its selection
             sub = stage.select_tokens(
-                engine, ids[selection.kept], protected=prompt.n_after_document, prefix=prefix if i == 0 else None
+                engine,
+                ids[selection.kept],
+                protected=prompt.n_after_document,
+                prefix=prefix if i == 0 else None,
+                **({"prompt": prompt} if stage.reads_passages else {}),  # first, checked by check_collisions
             )
             if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
                 scores = torch.full((prompt.n_tokens,), float("nan"))

@@ -13,18 +13,32 @@ text and page.
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..documents import passages
 from ..errors import DocumentError, UsageError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "prompts"
 DEFAULT_TEMPLATE = "qa"
 _DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
 STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A passage of the document (a page, or a paragraph of an unpaged one) in the prompt: tokens
+    ``[start, end)`` (prompt indices), its text ``[char_start, char_end)`` of the document."""
+
+    start: int
+    end: int
+    char_start: int
+    char_end: int
+    text: str
 
 
 @dataclass
@@ -34,6 +48,10 @@ class Prompt:
     doc_end: int
     prefix_len: int  # ids[:prefix_len] do not depend on the question
     doc_offsets: list[tuple[int, int]]  # (start, end) character span in the document of each document token
+    question: str = ""  # the question as asked (stripped)
+    # the document's passages (pages, else paragraphs: kvcli.documents.passages), each as the prompt
+    # tokens it covers: what a method that ranks passages by the question reads (``pages``)
+    passages: tuple[Passage, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -109,10 +127,16 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def build_prompt(
-    tokenizer, document_text: str, question: str, template: str | None = None, answer_prefix: str = ""
+    tokenizer,
+    document_text: str,
+    question: str,
+    template: str | None = None,
+    answer_prefix: str = "",
+    page_starts: tuple[int, ...] = (0,),
 ) -> Prompt:
     """``answer_prefix``: text that starts the model's answer, after the generation prompt (RULER's
-    "The special magic number for ... is"); it is part of the suffix, never of the answer."""
+    "The special magic number for ... is"); it is part of the suffix, never of the answer.
+    ``page_starts``: the document's (:class:`kvcli.documents.Document`), for its passages."""
     head, middle, tail = render_pieces(tokenizer, template or load_template())
     enc = tokenizer(document_text, add_special_tokens=False, return_offsets_mapping=True)
     doc_ids = enc["input_ids"]
@@ -127,7 +151,22 @@ def build_prompt(
         doc_end=len(head_ids) + len(doc_ids),
         prefix_len=len(head_ids) + len(doc_ids) + len(middle_ids),
         doc_offsets=[tuple(o) for o in enc["offset_mapping"]],
+        question=question.strip(),
+        passages=_passages(document_text, page_starts, enc["offset_mapping"], len(head_ids)),
     )
+
+
+def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...]:
+    """The document's passages as prompt tokens: a token belongs to the passage its first
+    character is in (tokens between passages, whitespace, to none); ``first``: the document's first
+    prompt index."""
+    starts = [int(o[0]) for o in offsets]
+    out = []
+    for lo, hi in passages(text, page_starts):
+        a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+        if b > a:
+            out.append(Passage(first + a, first + b, lo, hi, text[lo:hi]))
+    return tuple(out)
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> set[int]:

@@ -231,11 +231,16 @@ def rank(
     top: int = DEFAULT_TOP,
     clear_ratio: float = DEFAULT_CLEAR_RATIO,
     signal: str = "",
+    groups: np.ndarray | None = None,
+    group_order: np.ndarray | None = None,
 ) -> Sources:
     """Ranked sources from unit scores (module docstring). ``read``: the units the method read
     (default: those with a non-zero score); none read: no source, and the reason. Units are taken
     best first: one next to a source joins it when it scores at least ``JOIN_SHARE`` of the
-    source's best unit, another opens a new source while fewer than ``top`` are open."""
+    source's best unit, another opens a new source while fewer than ``top`` are open. With
+    ``groups`` (a group id per unit: the passage it is in) a group opens one source at most, and
+    the sources come best ``group_order`` (a score per unit, the same within a group) first, their
+    own scores second."""
     scores = np.asarray(unit_scores, dtype=np.float64)
     read = scores != 0 if read is None else np.asarray(read, dtype=bool)
     if not read.any():
@@ -244,6 +249,7 @@ def rank(
     if not order:
         return Sources((), clear=False, reason="the answer read nothing of the document", signal=signal)
     runs: list[list[int]] = []
+    opened: set[int] = set()
     for i in order:  # best first
         run = next(
             (
@@ -252,16 +258,25 @@ def rank(
                 if len(r) < MAX_SOURCE_UNITS
                 and i in (r[0] - 1, r[-1] + 1)
                 and scores[i] >= JOIN_SHARE * scores[r].max()
+                and (groups is None or groups[i] == groups[r[0]])
             ),
             None,
         )
         if run is not None:
             run.insert(0, i) if i < run[0] else run.append(i)
+        elif groups is not None:
+            if len(runs) < top and int(groups[i]) not in opened:
+                runs.append([i])
+                opened.add(int(groups[i]))
         elif len(runs) < top:
             runs.append([i])
         elif scores[i] < JOIN_SHARE * min(scores[r].max() for r in runs):
             break  # it can join no source, nor can any unit after it
-    items = sorted((_source(doc_units, run, scores) for run in runs), key=lambda s: -s.score)
+    items = [_source(doc_units, run, scores) for run in runs]
+    if group_order is None:
+        items.sort(key=lambda s: -s.score)
+    else:
+        items.sort(key=lambda s: (-group_order[s.units[0]], -s.score))
     peak = float(scores[order[0]] / scores[read].mean()) if scores[read].mean() > 0 else None
     clear = peak is not None and peak >= clear_ratio
     reason = None if clear else "no clear source: the answer's attention is spread over what it read"
@@ -278,17 +293,39 @@ def _source(doc_units: DocumentUnits, run: list[int], scores: np.ndarray) -> Sou
 
 
 def sources_from_tokens(
-    document: Document, prompt, token_scores, *, question: str = "", lexical: float = 0.0, **kwargs
+    document: Document,
+    prompt,
+    token_scores,
+    *,
+    question: str = "",
+    lexical: float = 0.0,
+    passage_scores=None,
+    **kwargs,
 ) -> Sources:
     """Sources from one score per *prompt* token (NaN where the token was not read): the document
     tokens' scores mapped to units, then :func:`rank`. ``lexical`` > 0 adds that weight of the
-    units' BM25 score for ``question`` (:func:`fused`) to the attention's, over the units read."""
+    units' BM25 score for ``question`` (:func:`fused`) to the attention's, over the units read.
+
+    ``passage_scores``: one score per prompt token, the score of the passage (page or paragraph)
+    it is in, for a method that read whole passages chosen by it (``pages``): then each passage
+    read gives at most one source (its best run of units), and the sources come in the passages'
+    order — the signal that chose what was read, which on the manuals finds the answer's page far
+    more often than the answer's attention does (docs/bench/cite) — the units' own scores breaking
+    ties and choosing within a passage."""
     doc_units = DocumentUnits.of(document)
     values = np.asarray(token_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
     scores, read = doc_units.scores(prompt.doc_offsets, values)
     if lexical > 0:
         scores = fused(doc_units, scores, read, question, lexical)
-    return rank(doc_units, scores, read=read, **kwargs)
+    if passage_scores is None:
+        return rank(doc_units, scores, read=read, **kwargs)
+    prior = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
+    unit_prior, _ = doc_units.scores(prompt.doc_offsets, np.where(np.isnan(values), np.nan, prior))
+    counts, _ = doc_units.scores(prompt.doc_offsets, np.where(np.isnan(values), np.nan, 1.0))
+    unit_prior = np.divide(unit_prior, counts, out=np.zeros_like(unit_prior), where=counts > 0)  # the passage's score
+    starts = [a for a, _ in document.passages()]
+    groups = np.array([bisect.bisect_right(starts, u.start) - 1 for u in doc_units.units], dtype=np.int64)
+    return rank(doc_units, scores, read=read, groups=groups, group_order=unit_prior, **kwargs)
 
 
 def fused(
@@ -307,34 +344,10 @@ def fused(
 # --------------------------------------------------------------------------- lexical
 
 
-def passages(document: Document) -> list[tuple[int, int]]:
-    """The passages BM25 ranks: the pages of a paged document, the paragraphs (text between blank
-    lines) of one without pages; (start, end) of each, whitespace trimmed, empty ones left out."""
-    text = document.text
-    if document.n_pages > 1:
-        bounds = list(document.page_starts) + [len(text)]
-        cuts = list(itertools.pairwise(bounds))
-    else:
-        cuts, lo = [], 0
-        for m in re.finditer(r"\n[ \t]*\n", text):
-            cuts.append((lo, m.start()))
-            lo = m.end()
-        cuts.append((lo, len(text)))
-    out = []
-    for lo, hi in cuts:
-        while lo < hi and text[lo].isspace():
-            lo += 1
-        while hi > lo and text[hi - 1].isspace():
-            hi -= 1
-        if hi > lo:
-            out.append((lo, hi))
-    return out
-
-
 def bm25_sources(document: Document, question: str, top: int = DEFAULT_TOP) -> Sources:
-    """The ``top`` passages (:func:`passages`) by BM25 with the question as the query, best first;
+    """The ``top`` passages (:meth:`Document.passages`) by BM25 with the question as the query, best first;
     a passage no word of the question is in is never cited."""
-    cuts = passages(document)
+    cuts = document.passages()
     scores = bm25_scores([document.text[lo:hi] for lo, hi in cuts], question)
     doc_units = DocumentUnits(document, [])
     items = []

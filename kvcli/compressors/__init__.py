@@ -11,6 +11,7 @@ from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one,
 from .full import FullAttention
 from .finch import Finch
 from .gemfilter import GemFilter
+from .pages import Pages
 from .lazyllm import LazyLLM
 from .razor import Razor
 from .blocksparse import BlockSparse
@@ -43,6 +44,7 @@ __all__ = [
     "FullAttention",
     "Finch",
     "GemFilter",
+    "Pages",
     "LazyLLM",
     "Razor",
     "BlockSparse",

@@ -6,7 +6,9 @@ by :mod:`kvcli.answer.pipeline` in this order:
 
 ``select_tokens(engine, prompt_ids) -> kept``
     Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
-    with fresh, contiguous positions. Several selectors may chain.
+    with fresh, contiguous positions. Several selectors may chain. A selector that ranks the
+    document's passages by the question (``reads_passages``: ``pages``) is handed the ``prompt``
+    too, and must come first.
 ``prefill(engine, ids, prefix, protected) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
     ``protected``: the tokens after the document (instructions, question, generation prompt), as
@@ -102,6 +104,9 @@ class Compressor:
     paper: ClassVar[str] = ""
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
+    # a selector that ranks the document's passages against the question: ``select_tokens`` is
+    # handed the ``prompt`` (:class:`kvcli.answer.prompt.Prompt`: its ``passages`` and ``question``)
+    reads_passages: ClassVar[bool] = False
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
     # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)
     writes_prefix: ClassVar[bool] = False

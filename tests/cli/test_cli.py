@@ -195,11 +195,11 @@ def test_document_longer_than_the_model_window(cli, files, tiny_dir):
         "window",
         "-c finch",
     )
-    # the default reads it: -c auto hands a document longer than the window to Finch
+    # the default reads it: -c auto hands a document longer than the window to pages
     code, out, err = cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "--json")
     assert code == 0, err
     record = json.loads(out)
-    assert record["policy"] == "auto" and record["compressor"].startswith("finch:")
+    assert record["policy"] == "auto" and record["compressor"].startswith("pages:")
     assert record["n_context_tokens"] > 256 and record["compression_ratio"] > 1
 
 

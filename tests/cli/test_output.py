@@ -33,7 +33,7 @@ def test_a_spec_is_shown_by_its_name_and_the_knobs_the_user_set():
 @pytest.fixture
 def two_sizes(tmp_path, tiny_dir):
     """A folder with a short note and a document over the 2,048-token window of a tiny llama, on
-    which -c auto reads the long one with infllm (as on the embedded model past 8,192 tokens)."""
+    which -c auto reads the long one with pages (as on the embedded model past 8,192 tokens)."""
     model = str(tiny_dir("llama", num_hidden_layers=2, max_position_embeddings=2048))
     folder = tmp_path / "docs"
     folder.mkdir()
@@ -48,19 +48,22 @@ def test_a_batch_summary_names_each_method_with_its_count(cli, two_sizes):
     code, out, err = cli("ask", folder, "How many gulls?", "-m", model, "--max-new-tokens", "2", "--no-cache", "-q")
     assert code == 0 and err == "", err
     records = [json.loads(line) for line in out.splitlines()]
-    assert [r["compressor"].split(":")[0] for r in records] == ["full", "infllm"]
-    assert len(records[1]["compressor"]) > 100  # the JSON keeps every knob
+    assert [r["compressor"].split(":")[0] for r in records] == ["full", "pages"]
+    assert records[1]["compressor"] == "pages:pages=1,budget=1024"  # the JSON keeps every knob (half the window)
     code, out, err = cli("ask", folder, "How many gulls?", "-m", model, "--max-new-tokens", "2", "--no-cache")
     assert code == 0, err
-    assert err.splitlines()[-1] == "2 answered, 0 failed · full ×1, infllm ×1"
+    assert err.splitlines()[-1] == "2 answered, 0 failed · full ×1, pages ×1"
 
 
 def test_the_over_window_note_is_said_once_per_document_and_short(cli, two_sizes, tmp_path):
+    """A stored book (-c infllm) says it stores the book, then nothing on a cache hit."""
     model, folder = two_sizes
     args = (
         "ask",
         folder / "b-long.txt",
         "How many gulls?",
+        "-c",
+        "infllm",
         "-m",
         model,
         "--max-new-tokens",

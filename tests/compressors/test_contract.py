@@ -53,7 +53,9 @@ METHODS = sorted(REGISTRY)
 NO_PREFIX_STATE = {
     "h2o",
     "finch",
-}  # H2O scores every query row, the question's too; Finch's chunks are read with the question
+    "pages",
+}  # H2O scores every query row, the question's too; Finch's chunks are read with the question;
+# pages chooses its passages by the question (and runs no model pass before that)
 STORE_FAMILY = "llama"  # (c), (d) and (e) run on one family
 QUESTION = "How many gulls?"  # prompt_for's
 STEPS = 5  # greedy decoding steps after the prefill's token

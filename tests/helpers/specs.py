@@ -5,6 +5,7 @@ from __future__ import annotations
 COMPRESSING = {
     "full": "full",
     "gemfilter": "gemfilter:k=60,layer=1",  # layer 1: a full-attention layer of the tiny hybrids too
+    "pages": "pages:budget=60",  # the tests' documents are one paragraph: its first tokens
     "snapkv": "snapkv:budget=0.25,window=8",
     "pyramidkv": "pyramidkv:budget=0.25,window=8",
     "h2o": "h2o:budget=0.25",
