@@ -32,12 +32,11 @@ STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s
 @dataclass(frozen=True)
 class Passage:
     """A passage of the document (a page, or a paragraph of an unpaged one) in the prompt: tokens
-    ``[start, end)`` (prompt indices), its text ``[char_start, char_end)`` of the document."""
+    ``[start, end)`` (prompt indices), its text, which begins at ``char_start`` of the document."""
 
     start: int
     end: int
     char_start: int
-    char_end: int
     text: str
 
 
@@ -165,7 +164,7 @@ def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...
     for lo, hi in passages(text, page_starts):
         a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
         if b > a:
-            out.append(Passage(first + a, first + b, lo, hi, text[lo:hi]))
+            out.append(Passage(first + a, first + b, lo, text[lo:hi]))
     return tuple(out)
 
 

@@ -42,7 +42,8 @@ KV_BITS = (16, 8, 4)  # the choices of --kv-bits; 16: the model's own dtype (no 
 DEFAULT_KV_BITS = 16
 ENV_KV_BITS = "KVCLI_KV_BITS"
 ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before they are quantized
-CODECS = {4: "rows-hadamard"}  # a format's name in store keys (:func:`state`), where it changed since the first
+# a format's name in store keys (:func:`state`), where it changed since the first: the rotated ones
+CODECS = {bits: "rows-hadamard" for bits in ROTATED}
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16

@@ -319,13 +319,11 @@ def sources_from_tokens(
         scores = fused(doc_units, scores, read, question, lexical)
     if passage_scores is None:
         return rank(doc_units, scores, read=read, **kwargs)
-    prior = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
-    unit_prior, _ = doc_units.scores(prompt.doc_offsets, np.where(np.isnan(values), np.nan, prior))
-    counts, _ = doc_units.scores(prompt.doc_offsets, np.where(np.isnan(values), np.nan, 1.0))
-    unit_prior = np.divide(unit_prior, counts, out=np.zeros_like(unit_prior), where=counts > 0)  # the passage's score
-    starts = [a for a, _ in document.passages()]
+    # a unit's group: the prompt's passage it is in (units never cross one); its order: that passage's score
+    starts = [p.char_start for p in prompt.passages]
     groups = np.array([bisect.bisect_right(starts, u.start) - 1 for u in doc_units.units], dtype=np.int64)
-    return rank(doc_units, scores, read=read, groups=groups, group_order=unit_prior, **kwargs)
+    per_passage = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[[p.start for p in prompt.passages]]
+    return rank(doc_units, scores, read=read, groups=groups, group_order=per_passage[groups], **kwargs)
 
 
 def fused(
