@@ -47,7 +47,7 @@ def test_passages_are_pages_else_paragraphs():
 
 def test_the_best_passage_is_read_whole_with_everything_around_the_document(tiny_lm):
     lm = tiny_lm("llama")
-    prompt, sel = select(lm, "pages:pages=1")
+    prompt, sel = select(lm, "pages:pages=1,skim=0")
     kept = sel.kept
     outside = [i for i in range(prompt.n_tokens) if not prompt.doc_start <= i < prompt.doc_end]
     assert set(outside) <= set(kept.tolist())
@@ -62,14 +62,14 @@ def test_the_best_passage_is_read_whole_with_everything_around_the_document(tiny
 def test_pages_and_budget(tiny_lm):
     lm = tiny_lm("llama")
     # two passages: the padlock paragraph, then the one that says "oil store" too, in document order
-    prompt, sel = select(lm, "pages:pages=2")
+    prompt, sel = select(lm, "pages:pages=2,skim=0")
     assert kept_characters(prompt, sel.kept).split("\n\n") == [PARAS[1], PARAS[3]]
     # a budget with room for the head and one passage only: the second best is left out
     n_best = len(lm.tokenizer(PARAS[1] + "\n\n", add_special_tokens=False)["input_ids"])
-    prompt, sel = select(lm, f"pages:pages=2,budget={prompt.doc_start + n_best + 2}")
+    prompt, sel = select(lm, f"pages:pages=2,skim=0,budget={prompt.doc_start + n_best + 2}")
     assert kept_characters(prompt, sel.kept).strip() == PARAS[1]
     # the best passage alone over the budget: its first tokens, as many as fit
-    prompt, sel = select(lm, f"pages:pages=2,budget={prompt.doc_start + 5}")
+    prompt, sel = select(lm, f"pages:pages=2,skim=0,budget={prompt.doc_start + 5}")
     doc_kept = [i for i in sel.kept.tolist() if prompt.doc_start <= i < prompt.doc_end]
     assert len(doc_kept) == 5 and PARAS[1].startswith(kept_characters(prompt, sel.kept).lstrip())
 
@@ -81,10 +81,53 @@ def test_a_pdfs_pages_are_the_passages(tiny_lm):
     starts = (0, len(pages[0]) + 1, len(pages[0]) + len(pages[1]) + 2)
     doc = Document("log.pdf", text, starts, "pdf", "0" * 64)
     assert [text[a:b] for a, b in doc.passages()] == pages
-    prompt, sel = select(lm, "pages:pages=1", text, starts)
+    prompt, sel = select(lm, "pages:pages=1,skim=0", text, starts)
     doc_kept = [i for i in sel.kept.tolist() if prompt.doc_start <= i < prompt.doc_end]
     got = "".join(text[slice(*prompt.doc_offsets[i - prompt.doc_start])] for i in doc_kept)
     assert got.strip() == pages[1]
+
+
+SKIM = [
+    "The keeper's log begins with flour. Lamp oil came in March. Two crates of tinned herring arrived.",
+    "The padlock combination of the oil store is 4417. The spare padlock key hangs behind the door.",
+    "The gale arrived from the south west. The oil store roof leaked. The fog signal stuck on cold mornings.",
+    "The inspector praised the brass. Nothing else was noted.",
+]
+
+
+def kept_runs(prompt, kept: torch.Tensor, text: str) -> list[str]:
+    """Each run of adjacent kept document tokens as the text it covers (tokenizer offsets), stripped."""
+    doc = [i - prompt.doc_start for i in kept.tolist() if prompt.doc_start <= i < prompt.doc_end]
+    runs: list[list[int]] = []
+    for t in doc:
+        runs[-1].append(t) if runs and runs[-1][-1] == t - 1 else runs.append([t])
+    return [text[prompt.doc_offsets[r[0]][0] : prompt.doc_offsets[r[-1]][1]].strip() for r in runs]
+
+
+def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm):
+    """skim: after the best passage (read whole), the next passages by BM25 give only their best
+    sentence by BM25 among the passage's sentences, widened by whole neighbours (the next first)
+    while skim_tokens allow. The expected sentences are cut by hand here."""
+    lm = tiny_lm("llama")
+    text = "\n\n".join(SKIM)
+    from kvcli.cite.bm25 import bm25_scores
+
+    # BM25's order of the passages: the padlock one, then the oil store roof, then the lamp oil
+    order = sorted(range(4), key=lambda i: -bm25_scores(SKIM, QUESTION)[i])
+    assert order[:3] == [1, 2, 0]
+    prompt, sel = select(lm, "pages:pages=1,skim=2,skim_tokens=1", text)
+    assert kept_runs(prompt, sel.kept, text) == ["Lamp oil came in March.", SKIM[1], "The oil store roof leaked."]
+    # room for the whole of a skimmed passage but one token: the best sentence and the one after it
+    prompt, sel = select(lm, "pages:pages=1,skim=1,skim_tokens=1", text)
+    lo = text.index(SKIM[2])
+    whole = [t for t, (a, b) in enumerate(prompt.doc_offsets) if lo <= a and b <= lo + len(SKIM[2])]
+    prompt, sel = select(lm, f"pages:pages=1,skim=1,skim_tokens={len(whole) - 1}", text)
+    assert kept_runs(prompt, sel.kept, text) == [
+        SKIM[1],
+        "The oil store roof leaked. The fog signal stuck on cold mornings.",
+    ]
+    prompt, sel = select(lm, f"pages:pages=1,skim=1,skim_tokens={len(whole) + 5}", text)
+    assert kept_runs(prompt, sel.kept, text) == [SKIM[1] + "\n\n" + SKIM[2]]  # adjacent: one run
 
 
 def test_keeping_every_passage_keeps_the_whole_prompt(tiny_lm):
@@ -94,7 +137,7 @@ def test_keeping_every_passage_keeps_the_whole_prompt(tiny_lm):
 
 
 def test_usage_errors_are_one_line():
-    for spec in ("pages:pages=0", "pages:budget=0"):
+    for spec in ("pages:pages=0", "pages:budget=0", "pages:skim=-1", "pages:skim_tokens=0"):
         with pytest.raises(UsageError):
             parse_one(spec)
     with pytest.raises(UsageError, match="must come first"):
@@ -109,7 +152,7 @@ def test_ask_cites_within_the_pages_it_read(cli, tiny_dir, tmp_path):
         src,
         QUESTION,
         "-c",
-        "pages:pages=1",
+        "pages:pages=1,skim=0",
         "--model",
         str(tiny_dir("llama")),
         "--json",
@@ -131,9 +174,27 @@ def test_its_sources_come_one_a_passage_in_the_passages_order(cli, tiny_dir, tmp
     src.write_text(DOC, encoding="utf-8")
     model = str(tiny_dir("llama"))
     code, out, err = cli(
-        "ask", src, QUESTION, "-c", "pages:pages=2", "--model", model, "--json", "--no-cache", "--max-new-tokens", "4"
+        "ask",
+        src,
+        QUESTION,
+        "-c",
+        "pages:pages=2,skim=0",
+        "--model",
+        model,
+        "--json",
+        "--no-cache",
+        "--max-new-tokens",
+        "4",
     )
     assert code == 0, err
     got = [(s["start"], s["end"]) for s in json.loads(out)["sources"]]
     within = [next(i for i, p in enumerate(PARAS) if DOC.index(p) <= a and b <= DOC.index(p) + len(p)) for a, b in got]
     assert within == [1, 3]
+    # skimmed passages (the default) come after the one read whole, in BM25's order
+    code, out, err = cli(
+        "ask", src, QUESTION, "-c", "pages:pages=1", "--model", model, "--json", "--no-cache", "--max-new-tokens", "4"
+    )
+    assert code == 0, err
+    got = [(s["start"], s["end"]) for s in json.loads(out)["sources"]]
+    within = [next(i for i, p in enumerate(PARAS) if DOC.index(p) <= a and b <= DOC.index(p) + len(p)) for a, b in got]
+    assert within == [1, 3, 0]  # "oil store", then "lamp oil"
