@@ -32,7 +32,8 @@ NAME = "auto"
 # what the default policy does, in one sentence: `kvcli ask --help` (-c) shows it, the docs say the same
 DESCRIPTION = (
     f"full attention where the prompt and the answer fit the model's window; past it {BEYOND_WINDOW} "
-    f"(the page the question's words point to, read whole), or {FALLBACK} where {BEYOND_WINDOW} "
+    f"(the page the question's words point to, read whole, and the best sentences of the next two), "
+    f"or {FALLBACK} where {BEYOND_WINDOW} "
     "cannot read the prompt"
 )
 
