@@ -51,6 +51,7 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
     query, key = torch.randn(1, n_heads, 1, d, generator=g), torch.randn(1, n_kv, 4, d, generator=g)
     observers[1][0](torch.randn(1, n_heads, 3, d), key)  # a prompt pass: ignored
     observers[1][0](query, key)
+    reader.flush(1)  # a plain cache's steps wait for a batch (the next test)
     want = [0.0] * 7
     for head in range(n_heads):
         probs = explicit(query, key, head)
@@ -62,6 +63,44 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
     scores = reader.prompt_scores(9, kept=torch.tensor([0, 1, 2, 3, 5, 6, 8]))  # a selector kept 7 of 9
     assert [math.isnan(x) for x in scores.tolist()] == [False, False, False, True, True, True, False, True, False]
     assert scores[8] == reader.scores[6] and scores[6] == reader.scores[5]
+
+
+@pytest.mark.parametrize("batch_logits", [1 << 22, 40])
+def test_steps_added_in_batches_are_the_steps_one_by_one(monkeypatch, batch_logits):
+    """Five decoding steps: the keys grow by the step's row for three, then an eviction (fewer rows,
+    other positions) and two more. The scores are each step's explicit weights over the rows it
+    had, mapped through the positions held at that step; also with batches cut short (40 logits:
+    a flush every step or two)."""
+    import kvcli.cite.attribution as attribution
+
+    monkeypatch.setattr(attribution, "BATCH_LOGITS", batch_logits)
+    g = torch.Generator().manual_seed(2)
+    n_heads, n_kv, d = 4, 2, 8
+    weights = torch.zeros(1, n_heads)
+    weights[0] = torch.tensor([1.0, 0.5, 0.0, 2.0])
+    cache = FakeCache({0: torch.tensor([[0, 1, 3], [0, 2, 3]])})
+    reader = CitingHeads(HeadWeights(weights, "test"), n_positions=4, cache=cache)
+    [observe] = reader.observers()[0]
+    keys = torch.randn(1, n_kv, 6, d, generator=g)
+    want = [0.0] * 4
+    for step in range(5):
+        if step == 3:  # evicted: two prompt rows left, then this step's row
+            cache.rows[0] = torch.tensor([[1, 3], [0, 3]])
+            keys = torch.cat([keys[:, :, 1:3], torch.randn(1, n_kv, 1, d, generator=g)], dim=2)
+        rows = 3 + step + 1 if step < 3 else 2 + (step - 3) + 1
+        if step > 3:
+            keys = torch.cat([keys, torch.randn(1, n_kv, 1, d, generator=g)], dim=2)
+        key = keys[:, :, :rows]
+        query = torch.randn(1, n_heads, 1, d, generator=g)
+        held = cache.rows[0]
+        for head in range(n_heads):
+            probs = explicit(query, key, head)
+            for row, pos in enumerate(held[head // 2].tolist()):
+                want[pos] += float(weights[0, head]) * probs[row]
+        observe(query, key)
+    got = reader.prompt_scores(4)
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert reader.steps == 5
 
 
 # --- wired into decoding: full attention's citing scores against transformers' own attentions ------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,15 +45,40 @@ class HeadWeights:
         return cls(w, source)
 
 
+BATCH_LOGITS = 1 << 22  # logits (query heads x steps x rows) one flush computes at most: 16 MiB float32
+
+
+@dataclass
+class _Pending:
+    """A layer's decoding steps not yet added: each step's query heads (n_heads, d) and the rows its
+    keys had, the last step's keys (the earlier steps' are their first rows) and where the prompt
+    rows come from (:meth:`CacheBase.held_positions`, read at the first step)."""
+
+    queries: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    key: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
 class CitingHeads:
     """Accumulates the answer's attention per position of the sequence the cache was built from
-    (module docstring): ``n_positions`` of them (the prompt, or a selector's kept tokens)."""
+    (module docstring): ``n_positions`` of them (the prompt, or a selector's kept tokens).
+
+    A plain cache's steps are added in batches: while a layer's keys only grow by the step's own
+    row, each step's keys are the first rows of the last step's, so the steps' queries wait and
+    one matrix product per layer reads them all (each step masked to the rows it had) when the
+    layout changes (an eviction, a sliding window's cut), at ``BATCH_LOGITS``, or at the end
+    (:meth:`prompt_scores`): the same weights as step by step, without a small product and a
+    softmax per layer at every step (the cost of sources on a cache hit, docs/bench/cite). The
+    earlier steps' rows are still what they read: a cache's buffer is only ever written past the
+    rows it held (:func:`kvcli.caches.base.append_rows`), and an eviction writes new tensors."""
 
     def __init__(self, heads: HeadWeights, n_positions: int, cache) -> None:
         self.heads, self.n_positions, self.cache = heads, n_positions, cache
         self.scores = torch.zeros(n_positions, dtype=torch.float64)
         self.seen = torch.zeros(n_positions, dtype=torch.int32)  # how many rows some step read held it
         self.layers = heads.layers()
+        self.pending = {layer: _Pending() for layer in self.layers}
         self.steps = 0
         self.seconds = 0.0
         self.unsupported: str | None = None
@@ -62,8 +87,6 @@ class CitingHeads:
         return {layer: [self._observer(layer)] for layer in self.layers}
 
     def _observer(self, layer: int):
-        weights = self.heads.weights[layer]
-
         def observe(query: torch.Tensor, key) -> None:
             if query.shape[2] != 1 or self.unsupported:  # a prompt pass, not a decoding step
                 return
@@ -73,19 +96,48 @@ class CitingHeads:
                 if got is None:
                     self.unsupported = f"{type(key.cache).__name__} does not report what a decoding step reads"
                     return
-                positions, probs = got
+                self.add(*got, self.heads.weights[layer])
             else:
-                try:
-                    positions = self.cache.held_positions(layer)
-                except NotImplementedError as e:
-                    self.unsupported = str(e)
-                    return
-                probs = step_weights(query, key)[..., : positions.shape[1]]
-            self.add(positions, probs, weights)
+                pending, rows = self.pending[layer], key.shape[2]
+                if pending.rows and (
+                    rows != pending.rows[-1] + 1 or (len(pending.rows) + 1) * query.shape[1] * rows > BATCH_LOGITS
+                ):
+                    self.flush(layer)
+                    pending = self.pending[layer]
+                if not pending.rows:
+                    try:
+                        pending.positions = self.cache.held_positions(layer)
+                    except NotImplementedError as e:
+                        self.unsupported = str(e)
+                        return
+                pending.queries.append(query[0, :, -1, :])
+                pending.rows.append(rows)
+                pending.key = key
             self.steps += layer == self.layers[0]
             self.seconds += time.perf_counter() - t0
 
         return observe
+
+    def flush(self, layer: int) -> None:
+        """Add ``layer``'s waiting steps (class docstring): their softmax weights over the rows
+        each had, summed over the steps, through :meth:`add`."""
+        pending = self.pending[layer]
+        if not pending.rows:
+            return
+        queries = torch.stack(pending.queries)  # (steps, n_heads, d)
+        n_steps, n_heads, d = queries.shape
+        key = pending.key[0, :, : pending.rows[-1]].to(torch.float32)  # (n_kv, rows, d)
+        n_kv = key.shape[0]
+        group = n_heads // n_kv
+        q = queries.view(n_steps, n_kv, group, d).permute(1, 2, 0, 3).reshape(n_kv, group * n_steps, d)
+        logits = torch.bmm(q.to(torch.float32), key.transpose(1, 2)).view(n_kv, group, n_steps, -1) / math.sqrt(d)
+        if n_steps > 1:  # each step reads the rows it had
+            had = torch.tensor(pending.rows, device=key.device).view(-1, 1)
+            logits.masked_fill_(torch.arange(key.shape[1], device=key.device).view(1, -1) >= had, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        probs = probs[:, :, 0] if n_steps == 1 else probs.sum(dim=2)  # (n_kv, group, rows)
+        self.add(pending.positions, probs[..., : pending.positions.shape[1]], self.heads.weights[layer])
+        self.pending[layer] = _Pending()
 
     def add(self, positions: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> None:
         """``positions`` (n_kv, rows): the position each key row holds (-1 or past the sequence:
@@ -105,7 +157,12 @@ class CitingHeads:
 
     def prompt_scores(self, n_prompt: int, kept: torch.Tensor | None = None) -> torch.Tensor:
         """(n_prompt,) the scores at prompt indices (``kept``: the prompt index of each position,
-        a selector's kept tokens; None: the same), NaN where no step read the token."""
+        a selector's kept tokens; None: the same), NaN where no step read the token. The steps
+        still waiting are added first (their time counted in ``seconds``)."""
+        t0 = time.perf_counter()
+        for layer in self.layers:
+            self.flush(layer)
+        self.seconds += time.perf_counter() - t0
         out = torch.full((n_prompt,), math.nan, dtype=torch.float64)
         seen, scores = self.seen.cpu() > 0, self.scores.cpu().to(torch.float64)
         index = torch.arange(self.n_positions) if kept is None else kept.cpu()
