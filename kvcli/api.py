@@ -196,8 +196,7 @@ class Session:
         if stream is not None:
             stream.close(result.answer)
         if sources:
-            reads_passages = bool(pipeline.stages) and pipeline.stages[0].reads_passages
-            result.sources = cite(document, result, question, by_passage=reads_passages)
+            result.sources = cite(document, result, question, by_passage=pipeline.reads_passages())
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
         result.extra["policy"] = pipeline.chosen_by
         result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order

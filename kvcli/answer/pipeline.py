@@ -123,6 +123,12 @@ class Pipeline:
     def selectors(self) -> list[Compressor]:
         return [s for s in self.stages if "select_tokens" in owned_phases(type(s))]
 
+    def reads_passages(self) -> bool:
+        """Whether the first selector ranks the document's passages (``pages``): it is handed the
+        prompt, and the answer's sources come one per passage it read (:func:`kvcli.api.cite`)."""
+        selectors = self.selectors()
+        return bool(selectors) and selectors[0].reads_passages
+
     def compressors(self) -> list[Compressor]:
         return [s for s in self.stages if "compress" in owned_phases(type(s))]
 

@@ -104,10 +104,11 @@ class Sources:
     def to_json(self) -> list[dict]:
         return [s.to_json() for s in self.items]
 
-    def lines(self) -> list[str]:
+    def lines(self, numbered: bool = False) -> list[str]:
         """What a terminal shows after the answer: ``p. 42: "...the default is 4095..."``, one
-        source a line, best first; "no clear source" (then the best guesses) or why there is none."""
-        out = [f'{s.where()}: "{s.quote()}"' for s in self.items]
+        source a line, best first; "no clear source" (then the best guesses) or why there is none.
+        ``numbered``: each source's line starts ``[n]``, as ``inspect`` marks it in the document."""
+        out = [f'{f"[{i}] " if numbered else ""}{s.where()}: "{s.quote()}"' for i, s in enumerate(self.items, 1)]
         if not self.items:
             return [self.reason or "no sources"]
         return out if self.clear else ["no clear source; the answer read most:", *(f"  {line}" for line in out)]

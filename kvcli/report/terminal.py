@@ -431,14 +431,8 @@ def document_view(console: Console, ins, verb: str = "kept") -> None:
 def sources_list(console: Console, sources) -> None:
     """The answer's sources (``inspect --answer``), numbered as the document view marks them."""
     console.print("sources:", style="bold")
-    lines = sources.lines()
-    if not sources.items:
-        console.print(f"  {lines[0]}", markup=False, highlight=False)
-        return
-    if not sources.clear:
-        console.print(f"  {lines[0]}", markup=False, highlight=False)
-    for i, src in enumerate(sources.items, 1):
-        console.print(f'  [{i}] {src.where()}: "{src.quote()}"', markup=False, highlight=False)
+    for line in sources.lines(numbered=True):
+        console.print(f"  {line}", markup=False, highlight=False)
 
 
 def layer_scan_table(console: Console, report) -> None:
