@@ -25,6 +25,7 @@ from .answer.selection import Selection
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
 from .caches import quant
+from .caches.quant import DEFAULT_KV_BITS
 from .cite.attribution import citing_heads
 from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .compressors.base import Runtime
@@ -51,7 +52,8 @@ class AskOptions:
         None  # the store's cap, e.g. "2G" or "none" (None: $KVCLI_CACHE_MAX, else kvcli.store.capacity's default)
     )
     kv_offload: str = "none"  # "cpu": methods that keep the whole KV (blocksparse) hold it in CPU memory
-    kv_bits: int = 16  # bits the KV is held and stored in: 16, 8 or 4 (kvcli.caches.quant)
+    # bits the KV is held and stored in: 16, 8, 4, or auto (each method's Compressor.auto_kv_bits; kvcli.caches.quant)
+    kv_bits: int | str = DEFAULT_KV_BITS
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
     threads: str | None = (
@@ -151,7 +153,9 @@ class Session:
                 key="kv-offload-unused",
             )
         runtime = Runtime(
-            cache_dir=self.options.cache_dir, kv_offload=self.options.kv_offload, kv_bits=self.options.kv_bits
+            cache_dir=self.options.cache_dir,
+            kv_offload=self.options.kv_offload,
+            kv_bits=pipeline.kv_bits(self.options.kv_bits),
         )
         pipeline.configure(self.lm, runtime)
         check_window(

@@ -166,6 +166,29 @@ def test_an_entry_whose_facts_and_tensors_disagree_on_the_bits_is_refused(tiny_l
         BookCache.from_storage(sixteen.storage, {**sixteen.facts(), "bits": 8, "dtype": "float16"})
 
 
+def test_by_default_a_book_is_stored_in_8_bits_and_full_attention_in_16(cli, tmp_path, tiny_dir):
+    """--kv-bits auto, the default: the stored book's entry and the KV it answers from in 8 bits
+    (InfLLM.auto_kv_bits), full attention's in 16; the JSON says which."""
+    import json
+
+    doc = tmp_path / "d.txt"
+    doc.write_text(DOC)
+    got = {}
+    for spec in (SPEC, "full"):
+        code, out, err = cli(
+            "ask", doc, QUESTION, "-m", tiny_dir("llama"), "-c", spec, "--json", "--max-new-tokens", "3",
+            "--cache-dir", tmp_path / "cache", "--no-sources",
+        )  # fmt: skip
+        assert code == 0, err
+        got[spec] = json.loads(out)
+    assert got[SPEC]["kv_bits"] == 8 and got["full"]["kv_bits"] == 16
+    code, out, err = cli(
+        "ask", doc, QUESTION, "-m", tiny_dir("llama"), "-c", SPEC, "--json", "--max-new-tokens", "3",
+        "--cache-dir", tmp_path / "cache", "--no-sources", "--kv-bits", "8",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["cache"] == "hit"  # the same entry as an explicit 8
+
+
 def test_the_reading_message_and_the_key_say_the_bits(tiny_lm):
     lm = tiny_lm("llama")
     assert stage(lm, 16).storage_precision(lm) == "float16" and stage(lm, 8).storage_precision(lm) == "8-bit"

@@ -222,7 +222,7 @@ def test_cli_kv_bits_error_is_one_line_naming_the_choices(cli, tmp_path, monkeyp
     for command in ("ask", "inspect"):
         code, out, err = cli(command, doc, "What?", "--kv-bits", "3")
         assert code == 2 and not out and err.count("\n") == 1 and err.startswith("kvcli: error: ")
-        assert all(b in err for b in ("'16'", "'8'", "'4'"))
+        assert all(b in err for b in ("'16'", "'8'", "'4'", "'auto'"))
     monkeypatch.setenv(quant.ENV_KV_BITS, "2")
     code, out, err = cli("ask", doc, "What?")
     assert code == 2 and err.count("\n") == 1 and ("KVCLI_KV_BITS" in err or "--kv-bits" in err)
@@ -247,3 +247,26 @@ def test_cli_json_reports_the_bits_and_the_smaller_entry(cli, tmp_path, tiny_dir
     sizes = [r["cache_entry_bytes"] for r in records.values()]
     kv = [r["kv_cache_bytes"] for r in records.values()]
     assert sizes[0] > sizes[1] > sizes[2] and kv[0] > kv[1] > kv[2]
+
+
+# --------------------------------------------------------------------------- --kv-bits auto (the default)
+
+
+def test_auto_is_each_methods_declared_bits_and_the_help_names_them():
+    """auto resolves to the bits the reading stage declares (Compressor.auto_kv_bits): 8 for
+    InfLLM's stored book, 16 elsewhere; an explicit setting is kept. The help names every method
+    whose auto is not 16, and no other."""
+    from kvcli.answer.pipeline import Pipeline
+    from kvcli.compressors import REGISTRY
+
+    assert quant.DEFAULT_KV_BITS == quant.AUTO == quant.check_bits("Auto")
+    assert Pipeline.parse("infllm").kv_bits("auto") == 8
+    for spec in ("full", "snapkv", "pages", "finch", "gemfilter+snapkv", "blocksparse"):
+        assert Pipeline.parse(spec).kv_bits("auto") == 16, spec
+    assert Pipeline.parse("infllm").kv_bits(16) == 16 and Pipeline.parse("full").kv_bits(4) == 4
+    lower = {name for name, cls in REGISTRY.items() if cls.auto_kv_bits != 16}
+    assert lower == {"infllm"}
+    said = {name for name in REGISTRY if f"-c {name} " in quant.KV_BITS_HELP}
+    assert said == lower and "auto: 8" in quant.KV_BITS_HELP
+    with pytest.raises(ValueError, match="16, 8, 4 or auto"):
+        quant.check_bits("3")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import notices
-from ..caches import KVCache, QuantKVCache
+from ..caches import KVCache, QuantKVCache, quant
 from ..cite.attribution import CitingHeads
 from ..compressors import Compressor, FullAttention, owned_phases, parse_one
 from ..compressors.base import Runtime
@@ -156,6 +156,11 @@ class Pipeline:
         )
         notices.warn(f"--kv-bits {bits}: {method} keeps its KV in 16 bits ({why})", key=("kv-bits", method))
         return cache
+
+    def kv_bits(self, setting: int | str) -> int:
+        """The bits the KV is held in for ``--kv-bits setting``: the setting, or for ``auto`` what
+        the stage that reads the prompt declares (:attr:`Compressor.auto_kv_bits`)."""
+        return self.reader().auto_kv_bits if setting == quant.AUTO else int(setting)
 
     def reader(self) -> Compressor:
         """The stage that reads the whole prompt first, and so owns the prefix state: the first

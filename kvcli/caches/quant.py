@@ -38,8 +38,9 @@ from typing import NamedTuple
 
 import torch
 
-KV_BITS = (16, 8, 4)  # the choices of --kv-bits; 16: the model's own dtype (no quantization)
-DEFAULT_KV_BITS = 16
+KV_BITS = (16, 8, 4)  # the precisions of --kv-bits; 16: the model's own dtype (no quantization)
+AUTO = "auto"  # --kv-bits auto: each method's own choice (Compressor.auto_kv_bits)
+DEFAULT_KV_BITS = AUTO
 ENV_KV_BITS = "KVCLI_KV_BITS"
 ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before they are quantized
 # a format's name in store keys (:func:`state`), where it changed since the first: the rotated ones
@@ -50,18 +51,23 @@ SCALE_DTYPE = torch.float16
 KV_BITS_HELP = (
     "Bits the KV is held in, in memory and in the disk cache: 16 (the model's own dtype), 8 or 4 "
     "(each row's groups of 64 numbers with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
-    "methods whose KV layout is not quantized keep 16 and say so"
+    "methods whose KV layout is not quantized keep 16 and say so; auto: 8 for a book -c infllm stores "
+    "(as accurate as 16 there, half the disk), 16 elsewhere"
 )
 
 
-def check_bits(bits) -> int:
-    """``bits`` as one of :data:`KV_BITS`; ValueError naming the choices otherwise."""
+def check_bits(bits, auto: bool = True) -> int | str:
+    """``bits`` as one of :data:`KV_BITS`, or :data:`AUTO` (where ``auto``); ValueError naming the
+    choices otherwise."""
+    if auto and str(bits).strip().lower() == AUTO:
+        return AUTO
     try:
         value = int(bits)
     except (TypeError, ValueError):
         value = None
     if value not in KV_BITS:
-        raise ValueError(f"kv bits must be one of {', '.join(map(str, KV_BITS))}, not {bits!r}")
+        choices = ", ".join(map(str, KV_BITS)) + (f" or {AUTO}" if auto else "")
+        raise ValueError(f"kv bits must be one of {choices}, not {bits!r}")
     return value
 
 

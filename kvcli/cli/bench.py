@@ -20,6 +20,7 @@ from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
+from ..caches import quant as kv_quant
 from ..compressors import REGISTRY
 from ..errors import UsageError
 from .app import app
@@ -132,7 +133,7 @@ def _open_session(
         template=template,
         answer_guard=answer_guard,
         threads=threads,
-        kv_bits=16 if kv_bits is None else int(kv_bits.value),
+        kv_bits=kv_quant.DEFAULT_KV_BITS if kv_bits is None else kv_quant.check_bits(kv_bits.value),
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)

@@ -11,7 +11,7 @@ from typer.core import TyperCommand
 
 from .. import api
 from ..answer import policy
-from ..caches import quant
+from ..caches import quant as kv_quant
 from ..runtime.threads import requested_threads
 from ..store import NO_CAP, parse_size
 
@@ -34,10 +34,7 @@ class Offload(str, Enum):
     cpu = "cpu"
 
 
-class KvBits(str, Enum):
-    sixteen = "16"
-    eight = "8"
-    four = "4"
+KvBits = Enum("KvBits", {f"b{b}": str(b) for b in (*kv_quant.KV_BITS, kv_quant.AUTO)}, type=str)  # --kv-bits
 
 
 class Attn(str, Enum):
@@ -92,10 +89,10 @@ CacheMaxOpt = typer.Option(
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
 KvBitsOpt = typer.Option(
-    KvBits(str(quant.DEFAULT_KV_BITS)),
+    KvBits(str(kv_quant.DEFAULT_KV_BITS)),
     "--kv-bits",
-    envvar=quant.ENV_KV_BITS,
-    help=quant.KV_BITS_HELP,
+    envvar=kv_quant.ENV_KV_BITS,
+    help=kv_quant.KV_BITS_HELP,
 )
 ThreadsOpt = typer.Option(
     None,
@@ -140,7 +137,7 @@ def ask_options(
     cache_max: str | None = None,
     sources: bool = True,
     threads: str | None = None,
-    kv_bits: KvBits = KvBits.sixteen,
+    kv_bits: KvBits = KvBits(kv_quant.DEFAULT_KV_BITS),
 ) -> api.AskOptions:
     """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
     if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
@@ -162,7 +159,7 @@ def ask_options(
         cache_max=cache_max,
         threads=threads,
         sources=sources,
-        kv_bits=int(kv_bits.value),
+        kv_bits=kv_quant.check_bits(kv_bits.value),
     )
 
 

@@ -95,7 +95,7 @@ class Runtime:
 
     cache_dir: Path | None = None  # per-model data (head profiles); None: kvcli.model.default_cache_dir()
     kv_offload: str = "none"  # "cpu": methods with ``holds_whole_kv`` keep the KV in CPU memory (--kv-offload)
-    kv_bits: int = 16  # bits the KV is held and stored in (--kv-bits; kvcli.caches.quant): 16, 8 or 4
+    kv_bits: int = 16  # bits the KV is held and stored in (--kv-bits resolved: Pipeline.kv_bits): 16, 8 or 4
 
 
 @dataclass
@@ -107,6 +107,9 @@ class Compressor:
     # a selector that ranks the document's passages against the question: ``select_tokens`` is
     # handed the ``prompt`` (:class:`kvcli.answer.prompt.Prompt`: its ``passages`` and ``question``)
     reads_passages: ClassVar[bool] = False
+    # the bits ``--kv-bits auto`` (the default) holds and stores the method's KV in: 16, except where
+    # lower bits measured as accurate and save what matters (InfLLM's stored book: docs/kv-bits.md)
+    auto_kv_bits: ClassVar[int] = 16
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
     # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)
     writes_prefix: ClassVar[bool] = False
