@@ -8,6 +8,8 @@ the variants docs/kv-bits.md compares, run through ``kvcli bench ruler`` unchang
              g64-plain     groups of 64, not rotated (kvcli's 4-bit codec before the rotation)
              recent16      kvcli's codec for the document; the question's and the answer's KV in
                            16 bits (KIVI's full-precision window of recent tokens, as wide as they are)
+             k8v4, k4v8    keys in 8 bits and values in 4, or the reverse (where the 4-bit loss is:
+                           a diagnosis, 0.41x the bytes; a plain cache quantizes a key, then its value)
 
 e.g. ``python benchmarks/kv_bits_variants.py g32 --methods full --ratios none --lengths 1024,2048,4096
 --tasks niah_single_2,niah_single_3,niah_multikey_1 --samples 2 --kv-bits 4 --out /tmp/ruler-g32``.
@@ -39,7 +41,22 @@ def recent16() -> None:
     prefix.Prefix.__init__ = dense_taker
 
 
+def mixed(key_bits: int, value_bits: int) -> None:
+    """Each key in ``key_bits`` and each value in ``value_bits``: QuantKVCache quantizes a layer's
+    keys, then its values (kvcli/caches/qkv.py), so the calls alternate."""
+    real = quant.quantize
+    calls = [0]
+
+    def quantize(x, bits):
+        calls[0] += 1
+        return real(x, key_bits if calls[0] % 2 else value_bits)
+
+    quant.quantize = quantize
+
+
 VARIANTS = {
+    "k8v4": lambda: mixed(8, 4),
+    "k4v8": lambda: mixed(4, 8),
     "g32": lambda: setattr(quant, "GROUP", 32),
     "g32-plain": lambda: (setattr(quant, "GROUP", 32), setattr(quant, "ROTATED", ())),
     "g64-plain": lambda: setattr(quant, "ROTATED", ()),
