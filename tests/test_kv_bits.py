@@ -226,8 +226,9 @@ def test_cli_kv_bits_error_is_one_line_naming_the_choices(cli, tmp_path, monkeyp
     monkeypatch.setenv(quant.ENV_KV_BITS, "2")
     code, out, err = cli("ask", doc, "What?")
     assert code == 2 and err.count("\n") == 1 and ("KVCLI_KV_BITS" in err or "--kv-bits" in err)
-    code, _, err = cli("bench", "memory", "--simulate", "--kv-bits", "16,3", "--out", tmp_path / "m")
-    assert code == 2 and err.count("\n") == 1 and "--kv-bits" in err
+    for grid in ("16,3", "16,auto"):
+        code, _, err = cli("bench", "memory", "--simulate", "--kv-bits", grid, "--out", tmp_path / "m")
+        assert code == 2 and err.count("\n") == 1 and "--kv-bits" in err
 
 
 def test_cli_json_reports_the_bits_and_the_smaller_entry(cli, tmp_path, tiny_dir):

@@ -102,7 +102,8 @@ def memory(
     )
     grid = runner.parse_lengths(lengths or MEMORY_LENGTHS)
     try:
-        bits_grid = [quant.check_bits(b.strip()) for b in kv_bits.split(",") if b.strip()] or [16]
+        # the bits themselves: auto is no precision a simulated cell can be labelled with
+        bits_grid = [quant.check_bits(b.strip(), auto=False) for b in kv_bits.split(",") if b.strip()] or [16]
     except ValueError as e:
         raise UsageError(f"--kv-bits: {e}") from None
     results = ResultsFile(path, MEMORY_KEY, resume=resume)
