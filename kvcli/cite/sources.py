@@ -170,6 +170,12 @@ def _split_page(text: str, lo: int, hi: int, units: list[Unit]) -> None:
     close(hi)
 
 
+def owner_starts(units: list[Unit]) -> np.ndarray:
+    """The first character of each unit's share (``searchsorted(..., side="right") - 1`` of a
+    character is the unit owning it): the first unit owns everything before it too."""
+    return np.array([0] + [u.owns for u in units[:-1]], dtype=np.int64)
+
+
 @dataclass
 class DocumentUnits:
     """A document's units with the arrays that map characters to them."""
@@ -178,7 +184,7 @@ class DocumentUnits:
     units: list[Unit]
 
     def __post_init__(self) -> None:
-        self._owner_starts = np.array([0] + [u.owns for u in self.units[:-1]], dtype=np.int64)
+        self._owner_starts = owner_starts(self.units)
         self._newlines: list[int] | None = None
 
     @classmethod

@@ -41,14 +41,15 @@ over the window with ``pages`` (:mod:`kvcli.answer.policy`).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..answer.selection import Selection
 from ..cite.bm25 import bm25_scores
+from ..cite.sources import owner_starts, split_units
 from ..errors import UsageError
 from .base import Compressor, knob, register
 
@@ -160,9 +161,8 @@ class Pages(Compressor):
 def best_sentences(prompt, passage, a: int, b: int, tokens: int) -> tuple[int, int] | None:
     """The prompt tokens ``[lo, hi)`` of the passage's best unit (sentence or line,
     :func:`kvcli.cite.sources.split_units`) by BM25 for the question, widened by whole neighbouring
-    units (the next first) while at most ``tokens`` are read; None when no unit holds a word of it."""
-    from ..cite.sources import split_units
-
+    units (the next first) while at most ``tokens`` are read; None when no unit holds a word of it.
+    ``[a, b)``: the passage's prompt tokens."""
     units = split_units(passage.text)
     if not units:
         return None
@@ -170,31 +170,21 @@ def best_sentences(prompt, passage, a: int, b: int, tokens: int) -> tuple[int, i
     best = max(range(len(units)), key=lambda i: (scores[i], -i))
     if scores[best] <= 0:
         return None
-    # each unit's tokens: those whose last character it owns (as DocumentUnits.scores maps them)
-    base = passage.char_start
-    owner_starts = [base] + [base + u.owns for u in units[:-1]]
-    ends = [max(s, e - 1) for s, e in prompt.doc_offsets[a - prompt.doc_start : b - prompt.doc_start]]
-    first = [None] * len(units)
-    last = [None] * len(units)
-    for t, end in enumerate(ends):
-        u = bisect.bisect_right(owner_starts, end) - 1
-        if 0 <= u < len(units):
-            first[u] = t if first[u] is None else first[u]
-            last[u] = t
-    if first[best] is None:
+    # a unit's tokens: those whose last character it owns (as DocumentUnits.scores maps them), in order
+    ends = np.array([max(s, e - 1) for s, e in prompt.doc_offsets[a - prompt.doc_start : b - prompt.doc_start]])
+    owner = np.searchsorted(owner_starts(units), ends - passage.char_start, side="right") - 1
+    each = np.arange(len(units))
+    first, after = np.searchsorted(owner, each, side="left"), np.searchsorted(owner, each, side="right")
+    lo, hi = int(first[best]), int(after[best])
+    if lo == hi:
         return None
-    lo, hi = first[best], last[best] + 1
     below, above = best - 1, best + 1
     while True:
-        grew = False
-        for j in (above, below):
-            if 0 <= j < len(units) and first[j] is not None:
-                nlo, nhi = min(lo, first[j]), max(hi, last[j] + 1)
-                if nhi - nlo <= tokens:
-                    lo, hi, grew = nlo, nhi, True
-                    above, below = (above + 1, below) if j == above else (above, below - 1)
-                    break
-        if not grew:
+        if above < len(units) and after[above] - lo <= tokens:
+            hi, above = int(after[above]), above + 1
+        elif below >= 0 and hi - first[below] <= tokens:
+            lo, below = int(first[below]), below - 1
+        else:
             break
     return a + lo, a + hi  # the best unit whole, even when it alone is over ``tokens``
 
