@@ -9,13 +9,13 @@ and at 2x only GemFilter matches it, without saving time to first token. So the 
 
 * the prompt and the answer fit the model's window: **full attention**;
 * longer than the window: ``BEYOND_WINDOW``, ``pages`` (``-c pages``): the document's page (or
-  paragraph) that BM25 ranks first for the question, read whole with full attention. On 63
-  questions about six Debian manuals (docs/bench/cite, "Pages") it answered 18 — as many as the
-  oracle reading, the answer's page handed over (17) — where InfLLM's stored book, the default
-  before it, answered 8, taking a median 3.5 s a question on 2 cores where the stored book's first answer
-  took 4-11 minutes. Its sources hit the answer's page first for 81% of the questions. Where its
-  budget does not fit the window, ``FALLBACK``: Finch, which reads the document chunk by chunk into
-  a cache that fits.
+  paragraph) that BM25 ranks first for the question, read whole with full attention, and the best
+  sentences of the next two. On 63 questions about six Debian manuals (docs/bench/cite, "Pages") it
+  answered 17 (one page alone 18) — as many as the oracle reading, the answer's page handed over
+  (17) — where InfLLM's stored book, the default before it, answered 8, taking a median 3.7 s a
+  question on 2 cores where the stored book's first answer took 4-11 minutes. Its sources hit the
+  answer's page first for 81% of the questions, among three for 90%. Where its budget does not fit
+  the window, ``FALLBACK``: Finch, which reads the document chunk by chunk into a cache that fits.
 
 The choice is reported: ``kvcli ask --json``'s ``compressor`` is the resolved spec and ``policy``
 says ``auto``. Any explicit ``-c`` overrides it. ``AutoPolicy(compress_from=N, long=SPEC)`` is the
@@ -33,8 +33,7 @@ NAME = "auto"
 DESCRIPTION = (
     f"full attention where the prompt and the answer fit the model's window; past it {BEYOND_WINDOW} "
     f"(the page the question's words point to, read whole, and the best sentences of the next two), "
-    f"or {FALLBACK} where {BEYOND_WINDOW} "
-    "cannot read the prompt"
+    f"or {FALLBACK} where {BEYOND_WINDOW} cannot read the prompt"
 )
 
 
