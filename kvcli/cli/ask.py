@@ -15,7 +15,7 @@ from .. import api, batch, executors
 from ..errors import UsageError
 from ..report import terminal as render
 from .app import app
-from .console import route_warnings, stderr, stdout
+from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -39,6 +39,7 @@ from .options import (
     ThreadsOpt,
     ask_options,
     max_new_tokens_option,
+    sources_wanted,
     usage,
 )
 
@@ -170,19 +171,21 @@ def ask(
     items = batch.expand_inputs(paths)
     single = len(paths) == 1 and len(items) == 1 and items[0].source == paths[0] and len(questions) == 1
     if single and ray_address is None:
-        _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected)
+        _ask_one(err, options, pipeline, items[0], questions[0], as_json, show_selected, sources)
     else:
         _ask_batch(err, options, pipeline, items, questions, show_selected, fail_fast, compressor, ray_address, workers)
 
 
-def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> None:
+def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sources=None) -> None:
     """One document, one question: the answer as text (or one JSON object); errors end the run.
-    On a terminal (not --json) the answer is printed as it is decoded."""
+    On a terminal (not --json) the answer is printed as it is decoded, then its sources; in a pipe
+    stdout is the answer alone (its sources with --sources)."""
     document = batch.read_input(item, sys.stdin.read)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     stream = not as_json and stdout.is_terminal
-    result = answer(err, session, document, question, pipeline, stream)
+    compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
+    result = answer(err, session, document, question, pipeline, stream, sources=compute)
     if as_json:
         record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
@@ -191,8 +194,8 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected) -> 
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        stdout.out(result.answer)
-    if result.sources is not None:
+        write_answer(result.answer)
+    if shown and result.sources is not None:
         for line in result.sources.lines():
             stdout.out(line)
     if show_selected:

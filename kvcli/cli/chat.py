@@ -14,7 +14,7 @@ from .. import api, batch
 from ..errors import KvcliError, UsageError
 from ..model import default_cache_dir
 from .app import app
-from .console import route_warnings, stderr, stdout
+from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -37,6 +37,7 @@ from .options import (
     ThreadsOpt,
     ask_options,
     max_new_tokens_option,
+    sources_wanted,
     usage,
 )
 
@@ -124,12 +125,12 @@ def chat(
         session = api.Session.open(options)
     if sys.stdin.isatty():
         history = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / HISTORY_FILE
-        _at_the_prompt(err, session, doc, pipeline, as_json, history)
-    elif _over_a_pipe(err, session, doc, items[0].source, pipeline, as_json):
+        _at_the_prompt(err, session, doc, pipeline, as_json, history, sources)
+    elif _over_a_pipe(err, session, doc, items[0].source, pipeline, as_json, sources):
         raise typer.Exit(1)
 
 
-def _output(err, session, doc, source, pipeline, question, result, as_json, streamed) -> None:
+def _output(err, session, doc, source, pipeline, question, result, as_json, streamed, shown=True) -> None:
     if as_json:
         record = {"document": source, "question": question, **api.result_record(result, session, pipeline, doc)}
         record["document"] = source
@@ -137,23 +138,25 @@ def _output(err, session, doc, source, pipeline, question, result, as_json, stre
     elif streamed:
         sys.stdout.write("\n")
     else:
-        stdout.out(result.answer)
-    if not as_json and result.sources is not None:
+        write_answer(result.answer)
+    if shown and not as_json and result.sources is not None:
         for line in result.sources.lines():
             stdout.out(line)
     sys.stdout.flush()
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
 
 
-def _over_a_pipe(err, session, doc, source, pipeline, as_json) -> bool:
-    """One question per line of stdin; returns whether any failed."""
+def _over_a_pipe(err, session, doc, source, pipeline, as_json, sources=None) -> bool:
+    """One question per line of stdin; returns whether any failed. stdout in a pipe: the answers alone
+    (their sources with --sources), or JSON Lines."""
     failed = False
+    compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
     for line in sys.stdin:
         question = line.strip()
         if not question:
             continue
         try:
-            result = answer(err, session, doc, question, pipeline, stream=False)
+            result = answer(err, session, doc, question, pipeline, stream=False, sources=compute)
         except KvcliError as e:
             failed = True
             if as_json:
@@ -161,11 +164,11 @@ def _over_a_pipe(err, session, doc, source, pipeline, as_json) -> bool:
                 sys.stdout.flush()
             print(f"kvcli: error: {e}", file=sys.stderr)
             continue
-        _output(err, session, doc, source, pipeline, question, result, as_json, streamed=False)
+        _output(err, session, doc, source, pipeline, question, result, as_json, streamed=False, shown=shown)
     return failed
 
 
-def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
+def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=None) -> None:
     """The interactive loop: read a question (readline: editing, history), answer it, again."""
     readline = _readline(history)
     err.print(
@@ -175,6 +178,7 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
         highlight=False,
     )
     stream = not as_json and stdout.is_terminal
+    compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
     try:
         while True:
             try:
@@ -188,14 +192,14 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path) -> None:
             if not question.strip():
                 continue
             try:
-                result = answer(err, session, doc, question, pipeline, stream)
+                result = answer(err, session, doc, question, pipeline, stream, sources=compute)
             except KeyboardInterrupt:
                 err.print("(answer cancelled)", style="dim", markup=False, highlight=False)
                 continue
             except KvcliError as e:
                 print(f"kvcli: error: {e}", file=sys.stderr)
                 continue
-            _output(err, session, doc, doc.source, pipeline, question, result, as_json, streamed=stream)
+            _output(err, session, doc, doc.source, pipeline, question, result, as_json, streamed=stream, shown=shown)
     finally:
         if readline is not None:
             try:

@@ -16,6 +16,13 @@ from ..errors import KvcliError
 stdout = Console(highlight=False, soft_wrap=True)
 
 
+def write_answer(text: str) -> None:
+    """The answer on stdout exactly as the JSON's ``answer`` holds it, then a newline: no markup,
+    wrapping or control-code stripping between the model and a script capturing ``$(kvcli ask ...)``."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def route_warnings(quiet: bool) -> None:
     """Library warnings (kvcli.notices) as ``kvcli: warning: ...`` lines on stderr, and long
     one-time steps (the embedded model's conversion) as ``kvcli: ...`` lines, whether or not stderr

@@ -223,13 +223,14 @@ def writing_figures(n_answer: int, elapsed: float) -> str:
     return f"{n_answer:,} token{'' if n_answer == 1 else 's'}{rate}"
 
 
-def answer(err: Console, session, document, question: str, pipeline, stream: bool):
+def answer(err: Console, session, document, question: str, pipeline, stream: bool, sources: bool | None = None):
     """``session.ask`` with the spinner, the bar and (``stream``) the answer on stdout as it is
-    decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up."""
+    decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up. ``sources``:
+    whether to cite the answer's sources (None: the session's option)."""
     reading = Reading(err)
     try:
         with reading:
-            return session.ask(document, question, pipeline, **reading.callbacks(stream))
+            return session.ask(document, question, pipeline, sources=sources, **reading.callbacks(stream))
     except KeyboardInterrupt:
         if reading.wrote:
             sys.stdout.write("\n")

@@ -70,11 +70,25 @@ CompressorOpt = typer.Option(
     "`kvcli compressors` lists the methods",
 )
 SourcesOpt = typer.Option(
-    True,
+    None,
     "--sources/--no-sources",
-    help="After the answer, the document's pages (or lines) it comes from (in JSON: sources); "
-    "--no-sources: none, and nothing read for them",
+    show_default=False,
+    help="After the answer, the document's pages (or lines) it comes from: on a terminal by default, in a pipe "
+    "with --sources (stdout is then the answer alone); in JSON always (sources); --no-sources: none, and nothing "
+    "read for them",
 )
+
+
+def sources_wanted(sources: bool | None, as_json: bool, terminal: bool) -> tuple[bool, bool]:
+    """(compute, print) for ``--sources/--no-sources`` (None: neither given): JSON always holds them, text
+    shows them after the answer on a terminal and, in a pipe, only with ``--sources`` (stdout is the answer
+    alone, as a script captures it); ``--no-sources`` computes none."""
+    if sources is False:
+        return False, False
+    shown = not as_json and (sources is True or terminal)
+    return as_json or shown, shown
+
+
 AnswerGuardOpt = typer.Option(
     True,
     "--answer-guard/--no-answer-guard",
@@ -135,7 +149,7 @@ def ask_options(
     answer_guard: bool = True,
     low_memory: bool = False,
     cache_max: str | None = None,
-    sources: bool = True,
+    sources: bool | None = True,
     threads: str | None = None,
     kv_bits: KvBits = KvBits(kv_quant.DEFAULT_KV_BITS),
 ) -> api.AskOptions:
@@ -158,7 +172,7 @@ def ask_options(
         low_memory=low_memory,
         cache_max=cache_max,
         threads=threads,
-        sources=sources,
+        sources=sources is not False,
         kv_bits=kv_quant.check_bits(kv_bits.value),
     )
 
