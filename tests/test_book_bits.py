@@ -192,7 +192,7 @@ def test_by_default_a_book_is_stored_in_8_bits_and_full_attention_in_16(cli, tmp
 def test_the_reading_message_and_the_key_say_the_bits(tiny_lm):
     lm = tiny_lm("llama")
     assert stage(lm, 16).storage_precision(lm) == "float16" and stage(lm, 8).storage_precision(lm) == "8-bit"
-    assert "kv_bits" not in stage(lm, 16).prefix_state(lm)  # 16-bit keys as they were
+    assert stage(lm, 16).prefix_state(lm)["kv_codec"] == quant.CODECS[16]  # every key names its format
     assert stage(lm, 4).prefix_state(lm) == {**stage(lm, 16).prefix_state(lm), **quant.state(4)}
 
 

@@ -64,11 +64,12 @@ def test_dequantizing_by_chunks_of_rows_is_the_same(bits, monkeypatch):
 
 
 def test_store_keys_name_the_format():
-    """16 bits adds nothing to a key and 8 bits only its bits (the keys written before the 4-bit
-    rotation stay valid); 4 bits names its codec, so no entry of the unrotated 4-bit codes is read."""
-    assert quant.state(16) == {} and quant.state(8) == {"kv_bits": 8}
+    """Every precision names its bits and codec (the 8-bit codes changed from unsigned-from-the-minimum
+    to signed-around-the-middle: v2), so no entry of another format is read (tests/test_kv_codecs.py)."""
+    assert quant.state(16) == {"kv_bits": 16, "kv_codec": "dtype-cast-v1"}  # every precision names its codec
+    assert quant.state(8) == {"kv_bits": 8, "kv_codec": "rows-int8-mid-v2"}
     assert quant.state(4) == {"kv_bits": 4, "kv_codec": "rows-hadamard"}
-    assert quant.without_bits({"kind": "kv", **quant.state(4)}) == {"kind": "kv"}
+    assert quant.without_bits({"kind": "kv", **quant.state(4)}) == {"kind": "kv", **quant.state(16)}
 
 
 def test_bytes_per_row_against_16_bits():

@@ -80,7 +80,7 @@ def test_gemfilter_stores_only_layers_1_to_r_and_k_does_not_change_the_entry(tin
         names = set(f.keys())
         meta = json.loads(f.metadata()["kvcli"])
     assert names == {"positions", "k.0", "v.0", "k.1", "v.1"}  # layers 0..r=1 (r + 1 = 2) of 4
-    assert meta["fields"]["state"] == {"kind": "kv", "layers": 2}
+    assert meta["fields"]["state"] == {"kind": "kv", "layers": 2, "kv_bits": 16, "kv_codec": "dtype-cast-v1"}
     assert meta["format"] == FORMAT_VERSION
     # another filter layer is another state
     assert ask(session_for(lm, tmp_path), "gemfilter:layer=2,k=24").extra["cache"]["status"] == "miss"

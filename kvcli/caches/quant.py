@@ -43,8 +43,13 @@ AUTO = "auto"  # --kv-bits auto: each method's own choice (Compressor.auto_kv_bi
 DEFAULT_KV_BITS = AUTO
 ENV_KV_BITS = "KVCLI_KV_BITS"
 ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before they are quantized
-# a format's name in store keys (:func:`state`), where it changed since the first: the rotated ones
-CODECS = {bits: "rows-hadamard" for bits in ROTATED}
+# each precision's stored format, named with its version in every store key and header (:func:`state`):
+# 16 the tensors as they are in the dtype the key names (the model's, or the method's kv_dtype); 8 each
+# row's groups as signed codes around their middle (v1 was unsigned codes up from the minimum); 4 the
+# same groups turned by a Hadamard rotation, unsigned codes up from their minimum. A codec whose bytes
+# change (the golden bytes of tests/test_kv_codecs.py fail) gets a new name: an entry of the old
+# format is then a miss, never decoded.
+CODECS = {16: "dtype-cast-v1", 8: "rows-int8-mid-v2", 4: "rows-hadamard"}
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16
@@ -72,17 +77,32 @@ def check_bits(bits, auto: bool = True) -> int | str:
 
 
 def state(bits: int) -> dict:
-    """What a stored KV's key says of its precision: nothing at 16 bits (the keys of 16-bit entries
-    stay as they were), else the bits and, where it is not the first 8-bit one, the codec (:data:`CODECS`):
-    a stored KV of another format is never read."""
-    if bits == 16:
-        return {}
-    return {"kv_bits": bits, **({"kv_codec": CODECS[bits]} if bits in CODECS else {})}
+    """What a stored KV's key and header say of its format: the bits and their codec (:data:`CODECS`),
+    so a stored KV of another format is never read."""
+    return {"kv_bits": bits, "kv_codec": CODECS[bits]}
+
+
+def named(state_: dict) -> dict:
+    """``state_`` with its format named: a state that says no bits holds its KV in 16 (gemfilter's
+    layers, DuoAttention's cache, ...)."""
+    return state_ if "kv_bits" in state_ else {**state_, **state(16)}
+
+
+def other_format(state_) -> str | None:
+    """Why a stored state's format is not one this kvcli reads (its bits' codec renamed since, or
+    none named: written before formats were named), or None when it is."""
+    if not isinstance(state_, dict):
+        return None
+    bits, codec = state_.get("kv_bits", 16), state_.get("kv_codec")
+    if bits in CODECS and codec == CODECS[bits]:
+        return None
+    now = CODECS.get(bits)
+    return f"its {bits}-bit KV is in format {codec or 'unnamed (an older kvcli)'}, this kvcli's is {now}"
 
 
 def without_bits(state_: dict) -> dict:
-    """``state_`` less what :func:`state` put in (for a method that reads its prefix in 16 bits)."""
-    return {k: v for k, v in state_.items() if k not in ("kv_bits", "kv_codec")}
+    """``state_`` held in 16 bits (for a method that reads its prefix in 16 bits)."""
+    return {**{k: v for k, v in state_.items() if k not in ("kv_bits", "kv_codec")}, **state(16)}
 
 
 def hadamard(g: int, device=None) -> torch.Tensor:

@@ -195,8 +195,8 @@ class Compressor:
     # --- the reusable state of the question-agnostic prefix (kvcli.store) ----------------------
     def prefix_state(self, lm) -> dict | None:
         """What :meth:`build_prefix` computes, as the JSON-able parameters it depends on: with
-        ``--kv-bits 8|4``, the bits and their codec too (:func:`kvcli.caches.quant.state`: the KV is
-        built and stored in those bits; a 16-bit state's key stays as it was)."""
+        the bits and their codec too (:func:`kvcli.caches.quant.state`: the KV is built and stored in
+        those bits; an entry of another codec is never read)."""
         return {"kind": "kv", "layers": lm.n_layers, **quant.state(self.runtime.kv_bits)}
 
     def prefix_device(self, engine) -> torch.device:

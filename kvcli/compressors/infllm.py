@@ -226,7 +226,7 @@ class InfLLM(Compressor):
             "repr_topk": self.repr_topk,
             "chunk": self.chunk,
             "kv_dtype": str(self.storage_dtype(lm)).removeprefix("torch."),
-            **quant.state(self.runtime.kv_bits),  # nothing at 16: the keys of 16-bit books stay as they were
+            **quant.state(self.runtime.kv_bits),  # the bits and their codec, at 16 too (every key names its format)
         }
         return state
 

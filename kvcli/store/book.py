@@ -81,6 +81,7 @@ def fetch_book(
             return hit.cache, store.served(hit, t0)
         if not store.enabled:
             return _in_memory(read)
+        store.miss(key)
         why = no_room(store, key, size)
         if why is not None:
             notices.warn(

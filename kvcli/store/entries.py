@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..caches import CACHE_TYPES
+from ..caches import CACHE_TYPES, quant
 from ..caches.book import BookCache
 from ..caches.bookfile import read_progress
 from ..errors import one_line
@@ -35,6 +35,21 @@ META_KEY = "kvcli"  # the safetensors metadata field holding the entry's JSON
 
 class DamagedEntry(Exception):
     """A store file that cannot be trusted (torn, corrupted, foreign, old format)."""
+
+
+class OtherFormat(DamagedEntry):
+    """A store file whose KV is in a format this kvcli does not read (another codec or version): a
+    miss, never decoded."""
+
+
+def check_format(meta: dict) -> None:
+    """Raise :class:`OtherFormat` unless the header ``meta`` names this kvcli's store format and
+    its KV's codec (:func:`kvcli.caches.quant.other_format`)."""
+    if meta.get("format") != FORMAT_VERSION:
+        raise OtherFormat(f"store format {meta.get('format')}, this kvcli's is {FORMAT_VERSION}")
+    why = quant.other_format((meta.get("fields") or {}).get("state"))
+    if why is not None:
+        raise OtherFormat(why)
 
 
 def crc32(tensors: dict[str, torch.Tensor]) -> int:
@@ -104,8 +119,7 @@ def read_entry(path: Path, key: StoreKey, device):
             meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
             if not isinstance(meta, dict):
                 raise DamagedEntry("no kvcli metadata")
-            if meta.get("format") != FORMAT_VERSION:
-                raise DamagedEntry(f"store format {meta.get('format')}, expected {FORMAT_VERSION}")
+            check_format(meta)  # before a byte of its KV is decoded
             if meta.get("key") != key.digest or meta.get("fields") != key.fields:
                 raise DamagedEntry("it belongs to another key (model, document or method)")
             cls = CACHE_TYPES.get(meta.get("cache_kind"))

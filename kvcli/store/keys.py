@@ -4,8 +4,9 @@ A key (:func:`make_key`) hashes everything that changes the state: the store for
 model fingerprint (weights, config, tokenizer and chat template, dtype, quantisation), the device
 type and attention kernel, the prefix token ids (the document and the prompt template around it),
 the method's state parameters (e.g. ``{"kind": "kv", "layers": 16}``: GemFilter's k does not
-change what is stored, so ``gemfilter:k=256`` and ``gemfilter:k=512`` share an entry), and the
-question's tokens only for states that depend on it.
+change what is stored, so ``gemfilter:k=256`` and ``gemfilter:k=512`` share an entry) with the KV's
+format, its bits and codec (:func:`kvcli.caches.quant.state`; a state that names none is 16 bits),
+and the question's tokens only for states that depend on it.
 
 Names under ``<cache_dir>/kv``: the entry ``<key>.safetensors``; its temporary file while it is
 written ``.<key>.safetensors.<random>.tmp`` (:func:`kvcli.files.atomic_write`); the partial entry
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..caches import quant
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
@@ -49,7 +52,7 @@ def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tens
         "attn": lm.attn,
         "tokens": _ids_digest(prefix_ids),
         "n_tokens": int(prefix_ids.numel()),
-        "state": state,
+        "state": quant.named(state) if isinstance(state, dict) else state,
         "question": None if question_ids is None else _ids_digest(question_ids),
     }
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -48,11 +48,12 @@ from ..runtime import accelerator
 from . import entries as entry_files
 from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
-from .entries import DamagedEntry, Entry
+from .entries import DamagedEntry, Entry, OtherFormat
 from .housekeeping import Leftovers
 from .keys import SUFFIX, StoreKey, digest_of, entry_path, is_partial, lock_path
 from .locks import Holder, LocksUnsupported, read_holder, take_lock, write_holder
 
+_FORMAT_SAID = False  # a run says once that the store holds a state in another format (KVStore.miss)
 WAIT_POLL_S = 0.5  # how often a process waiting for another's lock looks again
 PROGRESS_EVERY_S = 1.0  # how often a lock's holder says how far it is
 
@@ -165,6 +166,7 @@ class KVStore:
             hit = self.load(key, device, room)  # another process may have written it meanwhile
             if hit is not None:
                 return hit.cache, self.served(hit, t0)
+            self.miss(key)
             cache, fetched = _compute(compute, "miss")
             if self.enabled:
                 fetched.entry_bytes = self._save(key, cache, meta, fetched.seconds, device)
@@ -193,6 +195,11 @@ class KVStore:
             return None
         try:
             cache, meta = entry_files.read_entry(path, key, _HOST if accelerator.on_accelerator(device) else device)
+        except OtherFormat as e:  # a codec changed under the same name: never decoded, rewritten
+            notices.warn(f"the disk cache's entry {path.name} is of another format ({e}); recomputing it")
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
         except DamagedEntry as e:
             notices.warn(f"cache entry {path.name} is damaged ({e}); recomputing it")
             with contextlib.suppress(OSError):
@@ -202,6 +209,30 @@ class KVStore:
             return None  # vanished (pruned by another process) or unreadable: recompute
         self.remember(key.digest, Loaded(cache, meta, size, path))
         return Loaded(_on(cache, device, room), meta, size, path)
+
+    def miss(self, key: StoreKey) -> None:
+        """``key`` is not stored: when the store holds the same state in another format (an older
+        kvcli's codec or store format), say so, once a run; that entry is never decoded (the cap or
+        ``kvcli cache prune`` removes it)."""
+        global _FORMAT_SAID
+        if _FORMAT_SAID:
+            return
+        mine = _sans_format(key.fields)
+        for path in self.root.glob(f"*{SUFFIX}"):
+            if is_partial(path) or path.name == self.path_of(key.digest).name:
+                continue
+            meta, _ = entry_files.read_meta(path)
+            if not meta or not isinstance(meta.get("fields"), dict) or _sans_format(meta["fields"]) != mine:
+                continue
+            try:
+                entry_files.check_format(meta)
+            except OtherFormat as e:
+                _FORMAT_SAID = True
+                notices.warn(
+                    f"the disk cache holds this document's KV in another format ({e}): not read; "
+                    "reading the document again"
+                )
+                return
 
     def served(self, hit: Loaded, t0: float) -> Fetched:
         """The :class:`Fetched` of a hit loaded since ``t0``; marks the entry used (for the cap)."""
@@ -441,6 +472,16 @@ def _named(path: Path, meta: dict | None) -> str:
     if not document:
         return path.name[:12]
     return "stdin" if document == "-" else Path(document).name
+
+
+def _sans_format(fields: dict) -> dict:
+    """An entry's key fields less its format (store version, KV bits' codec): what two formats of
+    the same state share."""
+    state = fields.get("state")
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k != "kv_codec"}
+        state.setdefault("kv_bits", 16)
+    return {**{k: v for k, v in fields.items() if k != "format"}, "state": state}
 
 
 def _compute(compute, status: str) -> tuple[object, Fetched]:
