@@ -37,7 +37,7 @@ from ..caches.bookfile import Destination, FileStorage, InMemory, resume_region
 from ..errors import one_line
 from ..files import file_mode
 from .capacity import CAP_ENV, human
-from .entries import META_KEY, header
+from .entries import META_KEY, DamagedEntry, check_format, header
 from .keys import FORMAT_VERSION, StoreKey, partial_path
 from .kvstore import Fetched, KVStore, Loaded
 
@@ -75,12 +75,16 @@ def fetch_book(
     hit = store.load(key)
     if hit is not None:
         return hit.cache, store.served(hit, t0)
-    with store.lock(key, meta):
+    with store.lock(key, meta) as owned:
         hit = store.load(key)  # another process may have stored it meanwhile
         if hit is not None:
             return hit.cache, store.served(hit, t0)
-        if not store.enabled:
+        if not store.enabled or not owned:  # not owned: a stopped holder may still write its partial entry
             return _in_memory(read)
+        if recover_finished(store, key):  # a read killed after its last write, before its rename
+            hit = store.load(key)
+            if hit is not None:
+                return hit.cache, store.served(hit, t0)
         store.miss(key)
         why = no_room(store, key, size)
         if why is not None:
@@ -102,6 +106,50 @@ def fetch_book(
     if entry_bytes is None:  # read, not kept (the store turned off, or the file was removed under it)
         return book, Fetched("off", seconds)
     return book, Fetched("miss", seconds, entry_bytes=entry_bytes, key=key.digest)
+
+
+def recover_finished(store: KVStore, key: StoreKey) -> bool:
+    """Make the partial entry of ``key`` the entry when its read had finished: killed at any point of
+    :meth:`PartialRead.finish` after the final header was written (before or after the resume
+    region was cut off, before the rename). The header is the final one (no ``partial`` mark, this
+    key, this format), the region is cut off if it was not, and the bytes' CRC-32 must be the
+    header's; then renamed into place. Returns whether it was; the book is not read again."""
+    path = partial_path(store.root, key.digest)
+    if not path.exists():
+        return False
+    try:
+        storage, metadata = FileStorage.open(path, writable=True)
+    except (OSError, ValueError):
+        return False
+    try:
+        head = json.loads(metadata.get(META_KEY, "null"))
+        if (
+            not isinstance(head, dict)
+            or head.get("partial")
+            or (head.get("key"), head.get("fields"))
+            != (
+                key.digest,
+                key.fields,
+            )
+        ):
+            return False
+        check_format(head)
+        if storage.resume_size:  # killed between the final header and the cut
+            os.ftruncate(storage.fd, storage.resume_at)
+            os.fsync(storage.fd)
+        if storage.crc32() != head.get("crc32"):
+            return False
+        os.fsync(storage.fd)
+    except (OSError, ValueError, DamagedEntry):
+        return False
+    finally:
+        storage.close()
+    try:
+        os.replace(path, store.path_of(key.digest))
+    except OSError:
+        return False
+    notices.warn(f"the read of {head.get('document') or 'a document'} that ended unrenamed was kept (not read again)")
+    return True
 
 
 class PartialRead(Destination):

@@ -30,7 +30,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .keys import SUFFIX
+from .keys import SUFFIX, held_bytes
 
 DEFAULT_CAP_BYTES = 10 << 30
 DEFAULT_CAP_SHARE = 0.25
@@ -93,7 +93,7 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
     held = 0
     for path in Path(root).expanduser().glob(f"kv/*{SUFFIX}"):
         try:
-            held += path.stat().st_size
+            held += held_bytes(path, path.stat())
         except OSError:  # removed meanwhile
             pass
     return min(DEFAULT_CAP_BYTES, int(DEFAULT_CAP_SHARE * (free + held)))

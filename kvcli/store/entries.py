@@ -28,7 +28,7 @@ from ..caches.book import BookCache
 from ..caches.bookfile import read_progress
 from ..errors import one_line
 from ..files import safetensors_size, save_safetensors_atomic
-from .keys import FORMAT_VERSION, SUFFIX, StoreKey, digest_of, is_partial
+from .keys import FORMAT_VERSION, SUFFIX, StoreKey, digest_of, held_bytes, is_partial
 
 META_KEY = "kvcli"  # the safetensors metadata field holding the entry's JSON
 
@@ -218,7 +218,7 @@ def list_entries(root: Path) -> list[Entry]:
         except OSError:
             continue
         meta, error = read_meta(path)
-        entry = Entry(path, st.st_size, st.st_mtime, meta, error, partial=is_partial(path))
+        entry = Entry(path, held_bytes(path, st), st.st_mtime, meta, error, partial=is_partial(path))
         if entry.partial:
             entry.read_tokens = (read_progress(path) or {}).get("tokens")
         out.append(entry)

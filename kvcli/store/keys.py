@@ -73,6 +73,17 @@ def is_partial(path: Path) -> bool:
     return path.name.endswith(PARTIAL + SUFFIX)
 
 
+def held_bytes(path: Path, st) -> int:
+    """The bytes the store file ``path`` (``st``: its ``os.stat``) holds on disk, as the cap counts
+    them: a whole entry its size; a partial one (a book read that stopped, created at its full size
+    as a sparse file, :meth:`kvcli.caches.bookfile.FileStorage.create`) the blocks written so far."""
+    if is_partial(path):
+        blocks = getattr(st, "st_blocks", None)
+        if blocks is not None:
+            return min(st.st_size, blocks * 512)
+    return st.st_size
+
+
 def digest_of(path: Path) -> str:
     """The key an entry's file (whole or partial) is named after."""
     return path.name[: -len(SUFFIX)].removesuffix(PARTIAL)

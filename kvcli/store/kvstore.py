@@ -50,8 +50,18 @@ from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
 from .entries import DamagedEntry, Entry, OtherFormat
 from .housekeeping import Leftovers
-from .keys import SUFFIX, StoreKey, digest_of, entry_path, is_partial, lock_path
-from .locks import Holder, LocksUnsupported, read_holder, take_lock, write_holder
+from .keys import SUFFIX, StoreKey, digest_of, entry_path, held_bytes, is_partial, lock_path
+from .locks import (
+    STALE_ENV,
+    Heartbeat,
+    Holder,
+    LocksUnsupported,
+    read_holder,
+    silent_for,
+    stale_after,
+    take_lock,
+    write_holder,
+)
 
 _FORMAT_SAID = False  # a run says once that the store holds a state in another format (KVStore.miss)
 WAIT_POLL_S = 0.5  # how often a process waiting for another's lock looks again
@@ -266,25 +276,43 @@ class KVStore:
         )
 
     @contextlib.contextmanager
-    def lock(self, key: StoreKey, meta: dict | None = None) -> Iterator[None]:
+    def lock(self, key: StoreKey, meta: dict | None = None) -> Iterator[bool]:
         """Exclusive per-key lock across processes (a no-op when it cannot be taken: without
         ``flock`` one warning; any other failure turns the store off). While another process holds
         it the watcher hears what that one says of itself (:class:`Holder`); once taken, this one
-        says it computes ``meta``'s document (and how far: :meth:`progress`)."""
-        handle = None
+        says it computes ``meta``'s document (and how far: :meth:`progress`) and beats
+        (:class:`kvcli.store.locks.Heartbeat`). A holder that stops beating for
+        :func:`kvcli.store.locks.stale_after` seconds (stopped, or on a host gone) is given up on,
+        with one line: the block runs without the lock and yields False (then nothing may be written
+        where the holder writes: a book is read into memory), else True."""
+        handle, heartbeat, owned = None, None, True
         try:
             path = lock_path(self.root, key.digest)
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = take_lock(path, blocking=False)
             while handle is None:  # another process computes it: say so, look again
-                self.watcher.waiting(read_holder(path))
+                holder = read_holder(path)
+                self.watcher.waiting(holder)
+                silent = silent_for(path)
+                if silent is not None and silent > stale_after():
+                    who = holder.describe() if holder is not None else "another kvcli process"
+                    notices.warn(
+                        f"{who} has given no sign of life for {silent:.0f}s (stopped or hung): not waiting for it, "
+                        f"reading the document here (the wait: {STALE_ENV}, now {stale_after():g}s)",
+                        key=("lock-stale", key.digest),
+                    )
+                    self.watcher.waited()
+                    owned = False
+                    break
                 time.sleep(WAIT_POLL_S)
                 handle = take_lock(path, blocking=False)
                 if handle is not None:
                     self.watcher.waited()
-            holder = Holder.me((meta or {}).get("document"), key.fields.get("n_tokens"))
-            write_holder(handle, holder)
-            self._held = (handle, holder, time.monotonic())
+            if handle is not None:
+                holder = Holder.me((meta or {}).get("document"), key.fields.get("n_tokens"))
+                write_holder(handle, holder)
+                self._held = (handle, holder, time.monotonic())
+                heartbeat = Heartbeat(path)
         except LocksUnsupported as e:  # compute without the lock: maybe twice, one entry kept
             notices.warn(
                 f"the cache directory {self.root} has no file locks ({e.strerror}); concurrent kvcli processes "
@@ -294,9 +322,11 @@ class KVStore:
         except OSError as e:
             self.turn_off(e)
         try:
-            yield
+            yield owned
         finally:
             self._held = None
+            if heartbeat is not None:
+                heartbeat.stop()
             if handle is not None:
                 handle.close()  # releases the flock
 
@@ -367,7 +397,8 @@ class KVStore:
                 continue
             with contextlib.suppress(OSError):
                 st = path.stat()
-                out.append((path, st.st_size, st.st_mtime, not (is_partial(path) and self.reading(path))))
+                removable = not (is_partial(path) and self.reading(path))
+                out.append((path, held_bytes(path, st), st.st_mtime, removable))
         return out
 
     def reading(self, path: Path) -> bool:

@@ -11,6 +11,14 @@ runs without locks (:meth:`kvcli.store.KVStore.lock`).
 The process holding a key's lock says in its lock file what it computes and how far it is (a
 :class:`Holder`, JSON: data, never code), so that a process waiting for it can tell its user
 which document it waits for instead of staying silent.
+
+A holder also beats (:class:`Heartbeat`): a thread touches its lock file every
+:data:`HEARTBEAT_S` (and every progress it says rewrites it). The kernel releases the lock of a
+process that dies, but not of one stopped (``kill -STOP``, a suspended laptop's job) or on an NFS
+client that went away: a waiter whose holder's lock file has not changed for :func:`stale_after`
+seconds (:data:`STALE_AFTER_S`, or ``$KVCLI_LOCK_STALE_S``) stops waiting, says so in one line and
+computes the state itself (:meth:`kvcli.store.KVStore.lock`). A holder whose process runs but whose
+work hangs still beats: that one is waited for.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ try:  # POSIX advisory locks; elsewhere concurrent runs may compute an entry twi
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
+
+HEARTBEAT_S = 5.0  # how often a lock's holder touches its lock file (at most a quarter of stale_after())
+STALE_AFTER_S = 120.0  # a lock file unchanged this long: its holder is stopped or gone (a waiter reads itself)
+STALE_ENV = "KVCLI_LOCK_STALE_S"  # overrides STALE_AFTER_S (seconds)
 
 # what flock raises on a filesystem without (working) locks: some NFS mounts, FUSE, SMB
 _NO_LOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
@@ -121,3 +133,47 @@ def read_holder(path: Path) -> Holder | None:
             return Holder(**json.loads(f.read(4096)))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def stale_after() -> float:
+    """Seconds without a heartbeat after which a waiter gives up on a lock's holder:
+    ``$KVCLI_LOCK_STALE_S`` when it is a positive number, else :data:`STALE_AFTER_S`."""
+    try:
+        value = float(os.environ.get(STALE_ENV, ""))
+    except ValueError:
+        return STALE_AFTER_S
+    return value if value > 0 else STALE_AFTER_S
+
+
+def silent_for(path: Path) -> float | None:
+    """Seconds since the lock file ``path`` last changed (its holder's last heartbeat); None when
+    it is gone."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except OSError:
+        return None
+
+
+class Heartbeat:
+    """A thread touching the lock file ``path`` every :data:`HEARTBEAT_S` (a quarter of
+    :func:`stale_after` at most) until :meth:`stop`: a stopped process stops beating with it."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        self.path = path
+        self.every = min(HEARTBEAT_S, stale_after() / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvcli-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # removed (reclaimed after we let go) or read-only: nothing to say
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
