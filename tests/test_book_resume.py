@@ -264,7 +264,7 @@ def test_cache_commands_show_and_remove_a_partial_entry_but_not_while_it_is_read
         assert listed.reading and store.next_evicted([listed]) is None
         assert store.prune(0)[0] == [] and partial.exists()
         assert store.remove([listed]) == 0 and partial.exists()
-    code, out, err = run_cli(["cache", "prune", "--max-size", "0", "--cache-dir", tmp_path], capsys, monkeypatch)
+    code, out, err = run_cli(["cache", "prune", "--cache-max", "0", "--cache-dir", tmp_path], capsys, monkeypatch)
     assert code == 0 and "removed 1 entry" in out and not partial.exists(), err
 
 

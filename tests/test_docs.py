@@ -88,7 +88,7 @@ def test_the_readme_cpu_table_is_the_one_docs_cpu_md_measured():
     cpu = (ROOT / "docs" / "cpu.md").read_text(encoding="utf-8").split("### The default and 4bit", 1)[1]
     rows = {
         "kvcli 8bit (default)": "| **kvcli (8bit, default)** |",
-        "kvcli 4bit": "| kvcli --quant 4bit |",
+        "kvcli 4bit": "| kvcli --quant 4 |",
         "llama.cpp, same GGUF": "| llama.cpp 0.3.36 (Q4_1) |",
     }
     for readme_label, cpu_label in rows.items():

@@ -210,7 +210,7 @@ def test_parse_size():
 
 @pytest.mark.parametrize("size", ["nan", "inf", "1e400", "-5M", ""])
 def test_prune_with_a_size_that_is_not_a_size_is_a_usage_error(size, tmp_path, capsys, monkeypatch):
-    code, out, err = _cli(["cache", "prune", "--max-size", size, "--cache-dir", tmp_path], capsys, monkeypatch)
+    code, out, err = _cli(["cache", "prune", "--cache-max", size, "--cache-dir", tmp_path], capsys, monkeypatch)
     assert (code, out) == (2, "") and err.startswith("kvcli: error: size ") and len(err.splitlines()) == 1, err
     assert "internal error" not in err and "Traceback" not in err
 
@@ -282,7 +282,7 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
 
     # prune to a size that fits one entry: the least recently used (b) goes
     code, out, _ = _cli(
-        ["cache", "prune", "--max-size", str(rows[0]["size_bytes"]), "--cache-dir", cache], capsys, monkeypatch
+        ["cache", "prune", "--cache-max", str(rows[0]["size_bytes"]), "--cache-dir", cache], capsys, monkeypatch
     )
     assert code == 0 and out.startswith("removed 1 entry, ")
     remaining = KVStore.open(cache).entries()
@@ -426,7 +426,7 @@ def test_a_run_killed_between_write_and_rename_leaves_nothing_behind(tiny_dir, t
     finally:
         holder.close()
     # its writer gone, the next open (here: prune) reclaims it too
-    code, out, _ = _cli(["cache", "prune", "--max-size", "1G", "--cache-dir", cache], capsys, monkeypatch)
+    code, out, _ = _cli(["cache", "prune", "--cache-max", "1G", "--cache-dir", cache], capsys, monkeypatch)
     assert code == 0 and out == "removed 0 entries, 0 B; reclaimed 1 temporary file of killed runs, 1,000 B; 0 B left\n"
     assert list(kv.glob(".*.tmp")) == [] and list((kv / "locks").glob("*.lock")) == []
     # the killed run's entry is computed again, and listed
@@ -541,7 +541,7 @@ def test_cache_commands_warn_about_a_cache_dir_that_is_not_a_folder(what, tmp_pa
     target = tmp_path / "nope"
     if what == "file":
         target.write_text("not a folder")
-    for args in (["ls"], ["ls", "--json"], ["info"], ["prune", "--max-size", "1G"]):
+    for args in (["ls"], ["ls", "--json"], ["info"], ["prune", "--cache-max", "1G"]):
         code, out, err = _cli(["cache", *args, "--cache-dir", target], capsys, monkeypatch)
         assert code == 0, err
         expected = f"the cache folder {target} does not exist" if what == "missing" else f"{target} is not a folder"

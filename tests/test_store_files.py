@@ -108,7 +108,7 @@ def _stray(kv: Path, name: str, size: int, idle_s: float) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", [["prune", "--max-size", "1G"], ["rm", "--all"]])
+@pytest.mark.parametrize("command", [["prune", "--cache-max", "1G"], ["rm", "--all"]])
 def test_files_that_are_not_entries_are_counted_and_reclaimed(tmp_path, capsys, monkeypatch, command):
     """A file under kv/ that is not an entry (a ``.tmpXXXXXX`` a killed run left, a stray copy)
     is counted by `cache info`'s disk_bytes; a run's open removes it once an hour idle, `cache

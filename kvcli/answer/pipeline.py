@@ -307,9 +307,10 @@ def check_window(
                 )
             if over and not (stored and reader.writes_prefix):
                 how = reader.reading_note(lm, prompt.n_tokens)
-                notices.warn(
+                notices.warn(  # once per document and method: a batch's next questions say it no more
                     f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document), "
-                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {how}"
+                    f"{prompt.n_tokens / limit:,.1f}x the {limit:,}-token window of {lm.name}: {how}",
+                    key=("over-window", reader.name, lm.name, _document_digest(prompt)),
                 )
             return
     # ---
@@ -320,6 +321,14 @@ def check_window(
             "use -c auto, which reads the page the question points to (-c pages; -c infllm reads the whole "
             "book once, -c finch chunk by chunk), or shorten the document"
         )
+
+
+def _document_digest(prompt) -> str:
+    """A digest of the prompt's question-agnostic prefix (the document in its template)."""
+    import hashlib
+
+    ids = prompt.ids[: prompt.prefix_len].to(torch.int64).contiguous().numpy()
+    return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
 def run(

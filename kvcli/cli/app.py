@@ -6,6 +6,8 @@ import platform
 
 import typer
 
+from .vocabulary import environment_help
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -14,6 +16,7 @@ app = typer.Typer(
     # terminal, example blocks after a \b line kept as written, no Typer type placeholders
     rich_markup_mode=None,
     help="Ask questions about long documents with a local LLM, compressing the prompt and its KV cache.",
+    epilog=environment_help(),
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ from .. import api
 from ..errors import KvcliError, UsageError
 from ..report import terminal as render
 from ..store import parse_size, resolve_cap
+from ..store.capacity import CAP_ENV
+from . import vocabulary
 from .app import app
 from .console import stdout
 from .options import KvcliCommand
@@ -25,8 +28,16 @@ cache_app = typer.Typer(
 app.add_typer(cache_app, name="cache")
 
 CacheDir = typer.Option(
-    None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help="The cache directory (default: $XDG_CACHE_HOME/kvcli)"
+    None,
+    "--cache-dir",
+    envvar=vocabulary.env("KVCLI_CACHE_DIR"),
+    help="The cache directory (default: $XDG_CACHE_HOME/kvcli)",
 )
+
+
+def _given_from_env(name: str, value: str) -> bool:
+    """Whether ``value`` is just ``$name`` (an explicit old-named option wins over the environment)."""
+    return os.environ.get(name) == value
 
 
 def _open_cache(cache_dir: Path | None):
@@ -198,20 +209,27 @@ def cache_rm(
 
 @cache_app.command("prune", cls=KvcliCommand)
 def cache_prune(
-    max_size: str = typer.Option(
-        ...,
-        "--max-size",
-        help="Keep at most this much, e.g. 500M or 2G; least recently used go first",
+    cache_max: str | None = typer.Option(
+        None,
+        "--cache-max",
+        envvar=vocabulary.env(CAP_ENV),
+        help="Keep at most this much, e.g. 500M or 2G; least recently used go first (the cap ask and chat keep)",
         show_default=False,
     ),
+    max_size: str | None = typer.Option(None, "--max-size", hidden=True),  # the old name, for one release
     cache_dir: Path | None = CacheDir,
 ) -> None:
-    """Remove the least recently used entries down to --max-size.
+    """Remove the least recently used entries down to --cache-max.
 
     Also removes what runs killed half-way left behind: temporary files whose writer is gone and
     lock files nobody holds.
     """
-    limit = parse_size(max_size)
+    if max_size is not None:
+        vocabulary.renamed("--max-size")
+        cache_max = max_size if cache_max is None or _given_from_env(CAP_ENV, cache_max) else cache_max
+    if cache_max is None:
+        raise UsageError("give the size to keep: kvcli cache prune --cache-max 2G (see 'kvcli cache prune --help')")
+    limit = parse_size(cache_max)
     store = _open_cache(cache_dir)
     removed, left = store.prune(limit)
     temps = store.reclaimed.temp_files + left.temp_files

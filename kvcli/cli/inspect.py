@@ -24,6 +24,7 @@ from .options import (
     Attn,
     AttnOpt,
     CacheDirOpt,
+    CompressorOpt,
     Device,
     DeviceOpt,
     DtypeOpt,
@@ -31,7 +32,6 @@ from .options import (
     KvBitsOpt,
     ModelOpt,
     NoCacheOpt,
-    Quant,
     QuantOpt,
     QuietOpt,
     TemplateOpt,
@@ -53,8 +53,9 @@ INSPECT_HELP = """Show what a method keeps of a document, without answering (unl
   kvcli inspect book.pdf "Who is it?" --json
   kvcli inspect book.pdf "Who is it?" --html kept.html
 
---layers scores every layer as GemFilter's filter (the paper's Figure 5): where the needle
-ranks, whether the top-k keeps it, its distance to the nearest kept token.
+The method defaults to -c auto, as for kvcli ask. --layers scores every layer as GemFilter's
+filter (the paper's Figure 5): where the needle ranks, whether the top-k keeps it, its distance to
+the nearest kept token (a gemfilter spec sets its k, kernel and span).
 
 \b
   kvcli inspect --layers notes.txt "What is the code?" --needle 4417
@@ -75,16 +76,10 @@ def inspect_command(
         help="A document (.pdf .txt .md .html, or - for stdin) and the question (none with --needle-test)",
         show_default=False,
     ),
-    compressor: str = typer.Option(
-        "gemfilter",
-        "--compressor",
-        "-c",
-        envvar="KVCLI_COMPRESSOR",
-        help="Method spec, e.g. gemfilter:k=256 or snapkv:budget=512; with --layers, a gemfilter spec sets k, kernel, span",
-    ),
+    compressor: str = CompressorOpt,
     model: str | None = ModelOpt,
     device: Device = DeviceOpt,
-    quant: Quant = QuantOpt,
+    quant: str = QuantOpt,
     attn: Attn = AttnOpt,
     dtype: str = DtypeOpt,
     threads: str | None = ThreadsOpt,

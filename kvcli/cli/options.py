@@ -12,8 +12,12 @@ from typer.core import TyperCommand
 from .. import api
 from ..answer import policy
 from ..caches import quant as kv_quant
-from ..runtime.threads import requested_threads
+from ..errors import UsageError
+from ..runtime.threads import ENV as THREADS_ENV
+from ..runtime.threads import parse_threads, requested_threads
 from ..store import NO_CAP, parse_size
+from ..store.capacity import CAP_ENV
+from . import vocabulary
 
 
 class Device(str, Enum):
@@ -22,7 +26,7 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-class Quant(str, Enum):
+class Quant(str, Enum):  # the library's names; the command line spells them as bits (vocabulary.QUANT_VALUES)
     auto = "auto"
     none = "none"
     four = "4bit"
@@ -45,12 +49,24 @@ class Attn(str, Enum):
 
 # --- options several commands declare alike ---------------------------------------------------
 MODEL_HELP = "smollm2-135m-instruct (the default) or gemma3-270m (embedded; see `kvcli models`), an HF id, a model folder or a .gguf file"
-ModelOpt = typer.Option(None, "--model", "-m", envvar="KVCLI_MODEL", help=MODEL_HELP)
+ModelOpt = typer.Option(None, "--model", "-m", envvar=vocabulary.env("KVCLI_MODEL"), help=MODEL_HELP)
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
+
+
+def _quant_checked(value: str) -> Quant:
+    """``--quant`` spelled in bits (``8``), the old ``8bit`` with a note, as the library's name."""
+    try:
+        return Quant(vocabulary.quant_value(value))
+    except UsageError as e:
+        raise typer.BadParameter(str(e).removeprefix("--quant ")) from None
+
+
 QuantOpt = typer.Option(
-    Quant.auto,
-    help="Weights in 4 or 8 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV, "
-    "on CUDA bitsandbytes (nf4 / int8); auto: 8bit on the CPU for the embedded model (a GGUF of Q4_1 "
+    "auto",
+    metavar="[" + "|".join(vocabulary.QUANT_CHOICES) + "]",
+    callback=lambda value: _quant_checked(value),
+    help="Weights in 8 or 4 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV, "
+    "on CUDA bitsandbytes (nf4 / int8); auto: 8 on the CPU for the embedded model (a GGUF of Q4_1 "
     "blocks), none elsewhere; none: the weights in --dtype (speed and accuracy of each: docs/cpu.md)",
 )
 AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
@@ -65,7 +81,7 @@ CompressorOpt = typer.Option(
     "auto",
     "--compressor",
     "-c",
-    envvar="KVCLI_COMPRESSOR",
+    envvar=vocabulary.env("KVCLI_COMPRESSOR"),
     help=f"Method spec, e.g. full or snapkv:budget=0.25; auto: {policy.DESCRIPTION} (see docs/methods.md); "
     "`kvcli compressors` lists the methods",
 )
@@ -98,23 +114,35 @@ NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the 
 CacheMaxOpt = typer.Option(
     None,
     "--cache-max",
-    envvar="KVCLI_CACHE_MAX",
+    envvar=vocabulary.env(CAP_ENV),
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
 KvBitsOpt = typer.Option(
     KvBits(str(kv_quant.DEFAULT_KV_BITS)),
     "--kv-bits",
-    envvar=kv_quant.ENV_KV_BITS,
+    envvar=vocabulary.env(kv_quant.ENV_KV_BITS),
     help=kv_quant.KV_BITS_HELP,
 )
+
+
+def _threads_checked(ctx, param, value):
+    """``--threads`` or ``$KVCLI_THREADS`` checked as it is parsed (the error names where it came from)."""
+    if value is not None:
+        source = ctx.get_parameter_source(param.name)
+        parse_threads(value, THREADS_ENV if getattr(source, "name", "") == "ENVIRONMENT" else "--threads")
+    return value
+
+
 ThreadsOpt = typer.Option(
     None,
     "--threads",
+    envvar=vocabulary.env(THREADS_ENV),
+    callback=_threads_checked,
     show_default=False,
     help=(
         "CPU threads: auto (reading the prompt and decoding each on the cores other processes leave "
-        "free; docs/cpu.md) or a number; default: $KVCLI_THREADS, else auto"
+        "free; docs/cpu.md) or a number; default: auto"
     ),
 )
 
@@ -122,14 +150,19 @@ ThreadsOpt = typer.Option(
 def cache_dir_option(what: str = "converted models and the disk KV cache are kept"):
     """``--cache-dir``: ``what`` the folder holds for this command."""
     return typer.Option(
-        None, "--cache-dir", envvar="KVCLI_CACHE_DIR", help=f"Where {what} (default: $XDG_CACHE_HOME/kvcli)"
+        None,
+        "--cache-dir",
+        envvar=vocabulary.env("KVCLI_CACHE_DIR"),
+        help=f"Where {what} (default: $XDG_CACHE_HOME/kvcli)",
     )
 
 
 def max_new_tokens_option(
     default: int = 64, help: str = "Longest answer, in tokens", envvar: str | None = "KVCLI_MAX_NEW_TOKENS"
 ):
-    return typer.Option(default, "--max-new-tokens", min=1, envvar=envvar, help=help)
+    return typer.Option(
+        default, "--max-new-tokens", min=1, envvar=None if envvar is None else vocabulary.env(envvar), help=help
+    )
 
 
 CacheDirOpt = cache_dir_option()
@@ -138,7 +171,7 @@ CacheDirOpt = cache_dir_option()
 def ask_options(
     model,
     device: Device,
-    quant: Quant,
+    quant: Quant | str,
     attn: Attn,
     dtype,
     max_new_tokens,
@@ -160,7 +193,7 @@ def ask_options(
     return api.AskOptions(
         model=model,
         device=device.value,
-        quant=quant.value,
+        quant=Quant(quant).value,
         attn=attn.value,
         dtype=dtype,
         max_new_tokens=max_new_tokens,

@@ -1,6 +1,6 @@
 """4- and 8-bit weights on the CPU, through PyTorch's own CPU kernels (no kernel of kvcli's).
 
-``--quant 4bit`` / ``8bit`` on the CPU replace every ``nn.Linear`` of the decoder layers:
+``--quant 4`` / ``8bit`` on the CPU replace every ``nn.Linear`` of the decoder layers:
 
 * **4bit** — :class:`Int4Linear`: groups of :data:`GROUP` weights along the input dimension, each
   ``scale · q + min`` with q in 0..15 (asymmetric, as llama.cpp's Q4_1), run by

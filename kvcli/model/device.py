@@ -62,7 +62,7 @@ def requested_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
-    """The activations' dtype of ``--quant 4bit|8bit`` on the CPU (bfloat16: PyTorch's int4/int8
+    """The activations' dtype of ``--quant 4|8`` on the CPU (bfloat16: PyTorch's int4/int8
     CPU kernels run 10-40x slower with float32 activations), or a one-line error: a dtype it cannot
     run with, or a PyTorch without the kernel on this CPU."""
     from .cpu_quant import DTYPE, kernel_error
@@ -75,7 +75,7 @@ def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
         )
     why = kernel_error(4 if quant == "4bit" else 8)
     if why is not None:
-        other = "--quant 8bit or --quant none" if quant == "4bit" else "--quant none"
+        other = "--quant 8 or --quant none" if quant == "4bit" else "--quant none"
         raise ModelError(
             f"--quant {quant}: this PyTorch has no {quant[:-3]}-bit CPU kernel on this machine ({why}); use {other}"
         )

@@ -165,7 +165,7 @@ def load_model(
     except ModelError:
         raise
     except torch.cuda.OutOfMemoryError as e:
-        raise ModelError(f"cannot load model '{name}' on {dev}: out of GPU memory; try --quant 4bit") from e
+        raise ModelError(f"cannot load model '{name}' on {dev}: out of GPU memory; try --quant 4") from e
     except MemoryError as e:
         raise ModelError(f"cannot load model '{name}': not enough memory") from e
     except (OSError, ValueError, KeyError, RuntimeError, ImportError, TypeError, AttributeError) as e:

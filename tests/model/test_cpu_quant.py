@@ -263,4 +263,4 @@ def test_missing_kernel_names_the_other_options(tiny_dir, monkeypatch):
     with pytest.raises(ModelError) as e:
         load_model(str(tiny_dir("llama")), quant="4bit")
     msg = str(e.value)
-    assert "\n" not in msg and "--quant 8bit or --quant none" in msg
+    assert "\n" not in msg and "--quant 8 or --quant none" in msg

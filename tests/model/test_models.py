@@ -353,7 +353,7 @@ def test_embedded_model_answers(embedded_cache):
 
 @pytest.mark.slow
 def test_embedded_model_4bit(embedded_cache):
-    """--quant 4bit on the CPU: the GGUF's own 4-bit weights through PyTorch's int4 CPU kernel."""
+    """--quant 4 on the CPU: the GGUF's own 4-bit weights through PyTorch's int4 CPU kernel."""
     cache, _, _ = embedded_cache
     lm = load_model(None, cache_dir=cache, quant="4bit")
     assert (lm.quant, lm.dtype) == ("4bit", torch.bfloat16)
