@@ -133,6 +133,7 @@ class Machine:
             get_threads=lambda: self.threads,
             cpus=self.cpus,
             quota=None,
+            cgroup=None,
             **kw,
         )
 
@@ -198,7 +199,13 @@ def test_auto_short_window_keeps_the_last_estimate():
 def test_auto_without_readings_keeps_pytorchs_count():
     m = Machine(threads_now=2)
     p = ThreadPolicy(
-        read=lambda: None, clock=lambda: m.wall, set_threads=m.set, get_threads=lambda: m.threads, cpus=2, quota=None
+        read=lambda: None,
+        clock=lambda: m.wall,
+        set_threads=m.set,
+        get_threads=lambda: m.threads,
+        cpus=2,
+        quota=None,
+        cgroup=None,
     )
     with p.phase("prefill"):
         assert m.threads == 2
