@@ -608,3 +608,48 @@ def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, wa
     assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (
         want[0] >= 0
     )
+
+
+def test_the_rope_table_is_built_once_per_device_however_often_the_device_switches(tiny_lm, monkeypatch):
+    """A pass on a GPU rotates on two devices (the chunk's keys and queries on the GPU, Local's keys
+    kept on the host): each device's table is built once, at the positions Local needs, never
+    rebuilt at a switch (it was, at twice its size: 25·2^k positions after k switches, a CUDA OOM).
+    ``meta`` stands for the other device; the rotations are the same numbers as the host's."""
+    import kvcli.caches.book as book_module
+    from kvcli.caches.bookfile import MemoryStorage, tensor_specs
+
+    lm = tiny_lm("llama")
+    n_kv, d, bs, local = lm.n_kv_heads, lm.head_dim, 8, 16
+    book = BookCache(
+        MemoryStorage(tensor_specs(1, n_kv, 64, d, 8, torch.float32)),
+        64,
+        1,
+        n_kv,
+        d,
+        initial=4,
+        block_size=bs,
+        local=local,
+        topk=3,
+        repr_topk=2,
+    ).bind(Engine(lm))
+    built = []
+    real = book_module.rope_cos_sin
+
+    def counting(rotary, positions, like):
+        built.append((like.device.type, positions.numel()))
+        return real(rotary, positions, like)
+
+    monkeypatch.setattr(book_module, "rope_cos_sin", counting)
+    x = torch.randn(1, n_kv, 5, d, generator=torch.Generator().manual_seed(0)).to(lm.device)
+    old, new = torch.arange(5), torch.arange(3, 8)
+    want = book.rotate(x, old, new)
+    for i in range(10):
+        got = book.rotate(x if i % 2 else x.to("meta"), old, new)
+        assert got.shape == x.shape
+        if got.device == x.device:
+            torch.testing.assert_close(got, want)
+    assert sorted(built) == sorted([(lm.device.type, local + bs + 1), ("meta", local + bs + 1)])
+    # a position past the table's end grows that device's table, and only then
+    book.rotate(x.to("meta"), old, new + local + bs)
+    book.rotate(x, old, new)
+    assert built[-1] == ("meta", 2 * (local + bs + 1)) and len(built) == 3
