@@ -508,7 +508,7 @@ def test_attention_parts_merge_into_one_softmax():
 
 
 @pytest.mark.parametrize(
-    "device, spec, want",
+    "where, spec, want",
     [
         ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
         ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
@@ -518,16 +518,16 @@ def test_attention_parts_merge_into_one_softmax():
         ("cpu", "infllm:local_window=64", (64, 8, "question")),
     ],
 )
-def test_the_preset_fills_the_knobs_not_given(device, spec, want):
+def test_the_preset_fills_the_knobs_not_given(where, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, windows=Windows.none(30))
+    lm = SimpleNamespace(device=torch.device(where), max_context=8192, name="m", n_layers=30, windows=Windows.none(30))
     s = parse_one(spec)
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
     assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
     small = SimpleNamespace(
-        device=torch.device(device), max_context=2048, name="m", n_layers=30, windows=Windows.none(30)
+        device=torch.device(where), max_context=2048, name="m", n_layers=30, windows=Windows.none(30)
     )
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
@@ -580,7 +580,7 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
 
 
 @pytest.mark.parametrize(
-    "device, spec, want",
+    "where, spec, want",
     [
         ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
         ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
@@ -591,11 +591,11 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
         ("meta", "infllm:filter_layer=5", (5, "ordered")),
     ],
 )
-def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
+def test_the_cpu_preset_answers_through_the_models_filter_layer(where, spec, want):
     from types import SimpleNamespace
 
     lm = SimpleNamespace(
-        device=torch.device(device),
+        device=torch.device(where),
         max_context=8192,
         name="smollm2-135m-instruct",
         n_layers=30,
