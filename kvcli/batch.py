@@ -22,12 +22,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .documents import SUPPORTED_SUFFIXES, Document, document_from_text, load_document
+from .documents import SUPPORTED_SUFFIXES, Document, document_from_text, load_document, read_stdin
 from .errors import DocumentError, KvcliError, UsageError
 
 STDIN = "-"
@@ -79,9 +78,12 @@ def read_questions(path: str) -> list[str]:
     """Questions from a file (``-``: stdin): one per line, or JSON Lines with a "question" field
     (or a JSON string per line). Blank lines and lines starting with ``#`` are skipped."""
     try:
-        text = sys.stdin.read() if path == STDIN else Path(path).expanduser().read_text(encoding="utf-8")
+        text = read_stdin() if path == STDIN else Path(path).expanduser().read_text(encoding="utf-8")
+        text.encode("utf-8")  # stdin's bytes that are not UTF-8 (lone surrogates) refused as a file's are
     except FileNotFoundError:
         raise UsageError(f"--questions: {path} does not exist") from None
+    except UnicodeEncodeError:
+        raise UsageError(f"--questions: cannot read {path}: it is not UTF-8 text") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--questions: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     questions = []
@@ -192,7 +194,7 @@ class Work:
         session,
         job: Job,
         on_start: Callable[[str, str], None] | None = None,
-        stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+        stdin_text: Callable[[], str] = read_stdin,
     ) -> Iterator[dict]:
         """The records of one document: one per question, in order (with ``fail_fast``, up to the
         first error record)."""

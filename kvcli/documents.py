@@ -35,6 +35,7 @@ import hashlib
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -124,6 +125,20 @@ def passages(text: str, page_starts: tuple[int, ...] = (0,)) -> list[tuple[int, 
         if hi > lo:
             out.append((lo, hi))
     return out
+
+
+def read_stdin(lines: bool = False):
+    """Stdin's text, read as bytes and decoded as UTF-8 with the bytes that are not kept as lone
+    surrogates (:func:`document_from_text` decodes those again), whatever the locale's encoding
+    (a strict one would raise on binary input). ``lines=True``: an iterator of its lines, each
+    decoded as it arrives (a question per line over a pipe). Without a byte stream (stdin
+    replaced by a text stream) the text as that stream gives it."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:
+        return iter(sys.stdin) if lines else sys.stdin.read()
+    if lines:
+        return (line.decode("utf-8", "surrogateescape") for line in buffer)
+    return buffer.read().decode("utf-8", "surrogateescape")
 
 
 def document_from_text(text: str, source: str = "-", kind: str = "text") -> Document:

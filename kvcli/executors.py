@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .batch import STDIN, Input, Job, Work
+from .documents import read_stdin
 from .errors import KvcliError, UsageError
 from .scheduler import Fail, Scheduler, worker_count
 
@@ -54,7 +54,7 @@ class Executor:
         work: Work,
         *,
         on_start: Callable[[str, str], None] | None = None,
-        stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+        stdin_text: Callable[[], str] = read_stdin,
     ) -> Iterator[tuple[int, dict | None]]:
         raise NotImplementedError
 
@@ -78,7 +78,7 @@ class LocalExecutor(Executor):
     def __init__(self, session) -> None:
         self.session = session
 
-    def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
+    def run(self, jobs, work, *, on_start=None, stdin_text=read_stdin):
         for job in jobs:
             yield from document_events(job.index, work.records(self.session, job, on_start, stdin_text))
 
@@ -298,7 +298,7 @@ class RayExecutor(Executor):
         self._started = False
 
     # --- the batch -----------------------------------------------------------------------------
-    def run(self, jobs, work, *, on_start=None, stdin_text=lambda: sys.stdin.read()):
+    def run(self, jobs, work, *, on_start=None, stdin_text=read_stdin):
         """The scheduler's actions as Ray calls, and Ray's results as its events."""
         self.start(len(jobs))
         ray = self._ray
@@ -397,7 +397,7 @@ def run_batch(
     include_spans: bool = False,
     fail_fast: bool = False,
     on_start: Callable[[str, str], None] | None = None,
-    stdin_text: Callable[[], str] = lambda: sys.stdin.read(),
+    stdin_text: Callable[[], str] = read_stdin,
 ) -> Iterator[dict]:
     """Yield one record per (document, question): the result fields of ``ask --json`` with the
     document and the question first, or an error record. Documents in input order, questions in

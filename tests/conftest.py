@@ -27,18 +27,24 @@ def pytest_configure(config):
     # initialises CUDA, which reads CUDA_VISIBLE_DEVICES once).
     if config.getoption("--device") == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    config.addinivalue_line(
+        "markers", "cpu_only(reason): a CPU-only behaviour (glibc mmap, a no-op note): skipped under --device cuda"
+    )
 
 
 @pytest.fixture(scope="session")
-def test_device(pytestconfig) -> str:
-    """The device the tests' models run on: ``cpu`` unless ``pytest --device cuda``."""
-    device = pytestconfig.getoption("--device")
-    if device == "cuda":
-        import torch
+def device(pytestconfig):
+    """The one place a test names its device: ``torch.device("cpu")`` unless ``pytest --device cuda``.
+    The tiny models and the embedded model are loaded there; a test's own tensors are made there
+    (``device=device``) or where the tensors they meet are (``x.device``, ``lm.device``), and a CLI
+    run gets ``--device str(device)``: nothing in a test hardcodes "cpu" but a CPU-only check
+    (marked ``cpu_only``, or loading its own model with ``device="cpu"``)."""
+    import torch
 
-        if not torch.cuda.is_available():
-            pytest.exit("pytest --device cuda: no CUDA GPU on this machine", returncode=4)
-    return device
+    name = pytestconfig.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.exit("pytest --device cuda: no CUDA GPU on this machine", returncode=4)
+    return torch.device(name)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -85,15 +91,15 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_lm(tiny_dir, test_device):
+def tiny_lm(tiny_dir, device):
     """``tiny_lm(family, attn="sdpa", **overrides)`` -> LoadedModel of a 4-layer tiny model,
-    float32 on the test device (:func:`test_device`)."""
+    float32 on the test device (:func:`device`)."""
     from kvcli.model import load_model
 
     @functools.cache
     def load(family: str, attn: str = "sdpa", **overrides):
         overrides.setdefault("num_hidden_layers", 4)
-        return load_model(str(tiny_dir(family, **overrides)), attn=attn, device=test_device, dtype="float32")
+        return load_model(str(tiny_dir(family, **overrides)), attn=attn, device=str(device), dtype="float32")
 
     return load
 
@@ -112,12 +118,12 @@ def meta_engine(tiny_dir):
 
 
 @pytest.fixture(scope="session")
-def embedded_session(test_device):
+def embedded_session(device):
     """The embedded SmolLM2 ready to answer (loaded once for the whole test session), float32 on
     the test device."""
     from kvcli.api import AskOptions, Session
 
-    return Session.open(AskOptions(max_new_tokens=24, device=test_device, dtype="float32"))
+    return Session.open(AskOptions(max_new_tokens=24, device=str(device), dtype="float32"))
 
 
 @pytest.fixture
@@ -152,9 +158,15 @@ def asks(monkeypatch):
     return Counter
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     # run the slow real-model tests last, so quick failures show first
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    if config.getoption("--device") != "cpu":
+        for item in items:
+            marker = item.get_closest_marker("cpu_only")
+            if marker is not None:
+                reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+                item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}"))
 
 
 __all__ = ["FAMILIES"]

@@ -141,10 +141,10 @@ def _check_in_place_appends():
     assert a.keys[0].shape[2] == 203 and a.keys[0][0, 1, -1, 0].item() == 8
 
 
-def test_models_are_float32_on_the_test_device(tiny_lm, embedded_session, test_device):
+def test_models_are_float32_on_the_test_device(tiny_lm, embedded_session, device):
     """The suite's numbers are float32 numbers: the models load on ``pytest --device`` (cpu unless
     asked), float32, and on the default the GPU is hidden from every test (device auto is CPU)."""
     for lm in (tiny_lm("llama"), embedded_session.lm):
-        assert lm.device.type == test_device and lm.model.dtype == torch.float32
-    if test_device == "cpu":
+        assert lm.device.type == device.type and lm.model.dtype == torch.float32
+    if device.type == "cpu":
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()

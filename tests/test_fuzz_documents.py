@@ -195,8 +195,13 @@ def test_fuzzed_documents_through_kvcli_ask_end_in_one_line(tmp_path, tiny_dir, 
     assert line.startswith("kvcli: error: ") and needle in line and name in line, line
 
 
-def test_binary_on_stdin_through_kvcli_ask_ends_in_one_line(tmp_path, tiny_dir):
+@pytest.mark.parametrize("encoding", [None, "utf-8:strict"])
+def test_binary_on_stdin_through_kvcli_ask_ends_in_one_line(tmp_path, tiny_dir, encoding):
+    """Refused in one line whatever the locale makes of stdin: ``utf-8:strict`` is what a regular
+    UTF-8 locale (en_US.UTF-8) gives, where C and C.UTF-8 keep undecodable bytes as surrogates."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if encoding:
+        env["PYTHONIOENCODING"] = encoding
     model = str(tiny_dir("llama", num_hidden_layers=4))
     for data in (random.Random(3).randbytes(5000), high_bytes(4, 5000)):
         args = [sys.executable, "-m", "kvcli", "ask", "-", "What?", "-m", model, "--max-new-tokens", "2", "--no-cache"]

@@ -27,8 +27,8 @@ def flash_reference(q, k, v, softmax_scale, causal, window_size):
     for head in range(h):
         kh = head // (h // hk)
         for i in range(sq):
-            j = torch.arange(sk)
-            ok = torch.ones(sk, dtype=torch.bool)
+            j = torch.arange(sk, device=q.device)
+            ok = torch.ones(sk, dtype=torch.bool, device=q.device)
             if right >= 0:
                 ok &= j <= i + sk - sq + right
             if left >= 0:

@@ -60,6 +60,7 @@ def test_cache_update_keeps_a_copy_only_when_mapped(monkeypatch):
     assert k is not key and torch.equal(k, key) and torch.equal(v, value)
 
 
+@pytest.mark.cpu_only("mapped allocations are glibc's: the host allocator, not the GPU's")
 @pytest.mark.parametrize("low_memory", [False, True])
 @pytest.mark.parametrize("spec", ["full", "snapkv:budget=0.5"])
 def test_memory_layouts_change_no_number(tiny_lm, spec, low_memory, monkeypatch):

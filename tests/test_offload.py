@@ -118,7 +118,7 @@ def test_offloaded_prefix_comes_from_the_store_to_the_host_and_leaves_its_memo_i
     assert store.memo.cache is memo and [(k.data_ptr(), k.shape) for k in memo.keys] == held
 
 
-def test_an_offloaded_prefix_has_its_own_store_key(meta_engine, tiny_lm):
+def test_an_offloaded_prefix_has_its_own_store_key(meta_engine, tiny_dir):
     """Read offloaded in blocksparse's chunks, the prefix KV is not -c full's pass bit for bit: its
     prefix state (hashed into the store key) differs on an accelerator; on the CPU (no offload)
     it is full attention's, shared."""
@@ -134,5 +134,9 @@ def test_an_offloaded_prefix_has_its_own_store_key(meta_engine, tiny_lm):
 
     on_gpu = dataclasses.replace(meta_engine.lm, device=torch.device("meta"))  # any device but the CPU
     assert state(on_gpu, "cpu") != FullAttention().prefix_state(on_gpu) == state(on_gpu, "none")
-    cpu = tiny_lm("llama")
+    from kvcli.model import load_model
+
+    cpu = load_model(
+        str(tiny_dir("llama", num_hidden_layers=4)), device="cpu", dtype="float32"
+    )  # on the CPU, whatever --device
     assert state(cpu, "cpu") == FullAttention().prefix_state(cpu)

@@ -125,7 +125,7 @@ class BookCache(ResumableRead, CacheBase):
         self.repsum = [torch.zeros(n_kv, self.max_blocks, head_dim) for _ in range(n_layers)]
         self.reading = False  # True while the document is read: score tokens, move blocks to Memory
         self.rotary = None  # the model's rotary embedding (:meth:`bind`)
-        self._table = None  # (cos, sin) of the rotary embedding at positions 0.. (:meth:`rotate`)
+        self._tables: dict[torch.device, tuple] = {}  # per device: (cos, sin) at positions 0.. (:meth:`rotate`)
         self._bias = None  # the causal mask of the pass in progress (:meth:`_causal_bias`)
         self.positions = None
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -141,7 +141,7 @@ class BookCache(ResumableRead, CacheBase):
     # --- the transformers contract ----------------------------------------------------------------
     def bind(self, engine) -> BookCache:
         if self.rotary is not engine.rotary_emb:
-            self.rotary, self._table = engine.rotary_emb, None
+            self.rotary, self._tables = engine.rotary_emb, {}
         return self
 
     @property
@@ -182,7 +182,8 @@ class BookCache(ResumableRead, CacheBase):
         raw = self.rotate(key, pos, torch.zeros(c, dtype=torch.long)).to(self.dtype)
         old = self._rotated.get(layer)
         if old is None or old.shape[2] != L or old.dtype != query.dtype:
-            old = self.rotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L))
+            tail = self.tail_k[layer].to(query.device, query.dtype)  # rotated where the queries are
+            old = self.rotate(tail, torch.zeros(L, dtype=torch.long), torch.arange(L))
         k_loc = torch.cat([old.to(query.device), key], dim=2)
         if not self.reading:  # answering: Local only grows, its keys keep their positions
             again = self.rotate(raw.to(query.dtype), torch.zeros(c, dtype=torch.long), pos)  # as the next pass would
@@ -267,7 +268,8 @@ class BookCache(ResumableRead, CacheBase):
         pos = torch.arange(L, L + 1)
         old = self._rotated.get(layer)
         if old is None or old.shape[2] != L or old.dtype != query.dtype:
-            old = self.rotate(self.tail_k[layer].to(query.dtype), torch.zeros(L, dtype=torch.long), torch.arange(L))
+            tail = self.tail_k[layer].to(query.device, query.dtype)  # rotated where the queries are
+            old = self.rotate(tail, torch.zeros(L, dtype=torch.long), torch.arange(L))
         k_loc = torch.cat([old.to(query.device), key], dim=2)[0].to(torch.float32)  # (n_kv, L + 1, d)
         q = query[0, :, -1].reshape(self.n_kv, g, d).to(torch.float32)
         logits = [torch.matmul(q, k_loc.transpose(-1, -2))]
@@ -312,15 +314,16 @@ class BookCache(ResumableRead, CacheBase):
         return self._bias[1]
 
     def rotate(self, x: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Keys or queries (..., n, d) at positions ``old`` (n,) -> at ``new`` (n,), from one table
-        of the model's rotary embedding over Local's positions (grown as Local grows)."""
+        """Keys or queries (..., n, d) at positions ``old`` (n,) -> at ``new`` (n,), from a table of
+        the model's rotary embedding over Local's positions: one per device (a pass on a GPU may
+        rotate on the host too), each built once and grown only when a position is past its end."""
         if x.shape[-2] == 0:
             return x
         need = int(max(old.max(), new.max())) + 1
-        table = self._table
-        if table is None or table[0].shape[0] < need or table[0].device != x.device:
+        table = self._tables.get(x.device)
+        if table is None or table[0].shape[0] < need:
             size = max(need, 2 * table[0].shape[0] if table is not None else 0, self.local + self.block_size + 1)
-            table = self._table = rope_cos_sin(self.rotary, torch.arange(size), x)
+            table = self._tables[x.device] = rope_cos_sin(self.rotary, torch.arange(size), x)
         return rerotate_table(x, old.to(x.device), new.to(x.device), *table)
 
     def choose(self, layer: int, q_mem: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -533,6 +536,7 @@ class BookCache(ResumableRead, CacheBase):
         out = _copy.copy(self)
         out.tail_k, out.tail_v, out.tail_score = list(self.tail_k), list(self.tail_v), list(self.tail_score)
         out._pending, out._chosen, out._rotated, out._cited_keys = {}, {}, {}, {}
+        out._tables = dict(self._tables)  # the tables built so far, shared; its own growth
         out.filter_layer, out.shared = None, None
         out.attended, out.steps, out.reads = 0.0, 0, None
         return out

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from .. import api, batch, executors
+from ..documents import read_stdin
 from ..errors import UsageError
 from ..report import terminal as render
 from .app import app
@@ -179,7 +180,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     """One document, one question: the answer as text (or one JSON object); errors end the run.
     On a terminal (not --json) the answer is printed as it is decoded, then its sources; in a pipe
     stdout is the answer alone (its sources with --sources)."""
-    document = batch.read_input(item, sys.stdin.read)
+    document = batch.read_input(item, read_stdin)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     stream = not as_json and stdout.is_terminal

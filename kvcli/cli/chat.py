@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from .. import api, batch
+from ..documents import read_stdin
 from ..errors import KvcliError, UsageError
 from ..model import default_cache_dir
 from .app import app
@@ -119,7 +120,7 @@ def chat(
         raise UsageError(
             f"kvcli chat answers about one document; {document} holds {len(items):,} (kvcli ask answers about many)"
         )
-    doc = batch.read_input(items[0], sys.stdin.read)
+    doc = batch.read_input(items[0], read_stdin)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if sys.stdin.isatty():
@@ -150,7 +151,7 @@ def _over_a_pipe(err, session, doc, source, pipeline, as_json, sources=None) -> 
     (their sources with --sources), or JSON Lines."""
     failed = False
     compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
-    for line in sys.stdin:
+    for line in read_stdin(lines=True):
         question = line.strip()
         if not question:
             continue

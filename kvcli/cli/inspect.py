@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from .. import api, batch, notices
+from ..documents import read_stdin
 from ..errors import UsageError
 from ..report import html as report_html
 from ..report import inspection
@@ -168,7 +168,7 @@ def inspect_command(
         items = batch.expand_inputs([inputs[0]])
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
-        document = batch.read_input(items[0], sys.stdin.read)
+        document = batch.read_input(items[0], read_stdin)
     options = ask_options(
         model,
         device,

@@ -144,6 +144,45 @@ def test_cpu_and_device_tensors_in_one_op_follow_cudas_rule():
     del ok
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda d, c: torch.bmm(d, c),  # a matrix product: no CPU operand, whatever its size
+        lambda d, c: torch.matmul(d, c),
+        lambda d, c: torch.cat([d, c]),
+        lambda d, c: torch.stack([d, c]),
+        lambda d, c: torch.cat([d, c.sum().expand(1, 3, 3)]),  # an expanded 0-dim: still a CPU tensor
+        lambda d, c: F.embedding(torch.tensor([0, 1]), d[0]),  # a CPU index into a device table
+        lambda d, c: d[0].gather(0, torch.zeros(3, 3, dtype=torch.long)),
+        lambda d, c: d[0].index_add(0, torch.tensor([0]), c[0][:1]),
+        lambda d, c: F.scaled_dot_product_attention(d[None], d[None], d[None], attn_mask=torch.ones(3, 3).bool()),
+        lambda d, c: F.embedding(torch.tensor(1), d[0]),  # a 0-dim CPU index is no scalar to an embedding
+        lambda d, c: torch.cat([d.flatten(), torch.tensor([2.0])]),
+    ],
+)
+def test_every_op_but_elementwise_scalars_and_indices_refuses_a_cpu_tensor(op):
+    """CUDA's rule on every op, as PyTorch's CUDA kernels apply it (meta alone checks none of it)."""
+    dev, cpu = torch.zeros(1, 3, 3, device="meta"), torch.zeros(1, 3, 3)
+    with Tracker("meta"), pytest.raises(RuntimeError, match="same device"):
+        op(dev, cpu)
+
+
+def test_what_cuda_accepts_from_the_cpu_passes():
+    t = Tracker("meta")
+    dev = torch.zeros(4, 3, device="meta")
+    with t:
+        kept = [
+            dev * torch.tensor(2.0),  # an elementwise op reads a 0-dim CPU tensor as a scalar
+            torch.where(dev > 0, dev, torch.tensor(0.0)),
+            dev[torch.tensor([0, 2])],  # CPU indices: copied over
+        ]
+        dev[torch.tensor([1])] = torch.tensor(5.0)  # a 0-dim value put with CPU indices
+        with pytest.raises(RuntimeError, match="same device"):
+            dev[torch.tensor([1])] = torch.ones(1, 3)  # values of more than one element: on the device
+    assert t.phases["setup"].h2d == 2
+    del kept
+
+
 def test_ops_are_counted_per_phase_and_capped():
     t = Tracker("meta", max_ops=5)
     x = torch.empty(4, device="meta")

@@ -414,6 +414,8 @@ def test_kv_offload_without_effect_says_so_once(spec, note, files, model, capsys
             "--max-new-tokens",
             "2",
             "--no-cache",
+            "--device",
+            "cpu",  # the notes are about a model on the CPU
         ],
         capsys,
         monkeypatch,

@@ -56,14 +56,16 @@ def test_spec_round_trip_and_errors():
 def padded_with_garbage(kv: KVCache, extra: list[int]) -> RaggedCache:
     """Every entry of ``kv`` kept, then ``extra[l]`` padding slots per layer filled with large random
     keys and values (a leak of even one of them into the softmax would show in the logits)."""
-    rag = RaggedCache.from_selection(kv, [torch.ones(k.shape[1], k.shape[2], dtype=torch.bool) for k in kv.keys])
-    gen = torch.Generator().manual_seed(0)
+    everything = [torch.ones(k.shape[1], k.shape[2], dtype=torch.bool, device=k.device) for k in kv.keys]
+    rag = RaggedCache.from_selection(kv, everything)
+    gen = torch.Generator().manual_seed(0)  # on the CPU: the same junk on every device
     for l, g in enumerate(extra):
         k = rag.keys[l]
-        junk = 50 * torch.randn(1, k.shape[1], g, k.shape[3], generator=gen)
+        junk = (50 * torch.randn(1, k.shape[1], g, k.shape[3], generator=gen)).to(k.device, k.dtype)
         rag.keys[l] = torch.cat([k, junk], dim=2)
         rag.values[l] = torch.cat([rag.values[l], -junk], dim=2)
-        rag.kept[l] = torch.cat([rag.kept[l], torch.full((k.shape[1], g), -1)], dim=1)
+        kept = rag.kept[l]
+        rag.kept[l] = torch.cat([kept, torch.full((k.shape[1], g), -1, dtype=kept.dtype, device=kept.device)], dim=1)
     return rag
 
 
@@ -104,10 +106,11 @@ def test_ragged_attention_is_a_per_head_softmax(tiny_lm, kernel):
     for layer in range(lm.n_layers):
         lengths = cache.lengths[layer].tolist()
         assert sum(lengths) == 30 * lm.n_kv_heads
-        new_k, new_v = torch.randn(1, lm.n_kv_heads, 3, lm.head_dim), torch.randn(1, lm.n_kv_heads, 3, lm.head_dim)
+        new_k = torch.randn(1, lm.n_kv_heads, 3, lm.head_dim).to(lm.device)  # drawn on the CPU: the same on any device
+        new_v = torch.randn(1, lm.n_kv_heads, 3, lm.head_dim).to(lm.device)
         grown = cache.copy()
         key, value = grown.update(new_k, new_v, layer)
-        query = torch.randn(1, lm.n_heads, 3, lm.head_dim)
+        query = torch.randn(1, lm.n_heads, 3, lm.head_dim).to(lm.device)
         with attention_context(AttentionContext(kernel=kernel)):
             out, _ = kvcli_attention(types.SimpleNamespace(layer_idx=layer), query, key, value, None, scaling=0.25)
         for h in range(lm.n_heads):
@@ -313,7 +316,9 @@ def test_ragged_cache_round_trip(tiny_lm, tmp_path):
     lm, engine, prompt, cache = ragged(tiny_lm)
     tensors, facts = cache.to_tensors()
     save_file(tensors, str(tmp_path / "e.safetensors"))
-    back = RaggedCache.from_tensors(load_file(str(tmp_path / "e.safetensors")), json.loads(json.dumps(facts)))
+    back = RaggedCache.from_tensors(
+        load_file(str(tmp_path / "e.safetensors")), json.loads(json.dumps(facts)), device=cache.keys[0].device
+    )
     for a, b in zip(
         (*back.keys, *back.values, *back.kept, *back.lengths), (*cache.keys, *cache.values, *cache.kept, *cache.lengths)
     ):

@@ -148,7 +148,7 @@ def naive_infllm(q: torch.Tensor, k: torch.Tensor, local: int, rows: int, n_kv: 
     KV head's query heads; -inf where no row follows. q, k: (1, H, n, d), k GQA-repeated."""
     dots = torch.matmul(q[0].double(), k[0].double().transpose(-1, -2))  # (H, n, n): [head, row g, key m]
     n = dots.shape[-1]
-    out = torch.full((dots.shape[0], n), float("-inf"), dtype=torch.float64)
+    out = torch.full((dots.shape[0], n), float("-inf"), dtype=torch.float64, device=dots.device)
     for m in range(n):
         successors = list(range(m + 1, min(m + local, rows - 1) + 1))
         if successors:
@@ -187,12 +187,12 @@ def test_infllm_representatives_equal_a_naive_reference(tiny_lm, family):
     assert cache.representative == "infllm" and cache.n_blocks == 25
     for layer, (q, k, _) in enumerate(reference_qk(lm, prompt.ids)):
         want = naive_infllm(q, k, local, rows, lm.n_kv_heads)
-        torch.testing.assert_close(scores[layer].double(), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(scores[layer].double().to(want.device), want, atol=1e-4, rtol=1e-5)
         ctx = cache.keys[layer][0]  # (n_kv, n_blocks * 8, d)
         for head in range(lm.n_kv_heads):
             for b in range(cache.n_blocks):
                 block = want[head, 4 + 8 * b : 4 + 8 * (b + 1)]
-                top = torch.sort(torch.topk(block, 2).indices).values
+                top = torch.sort(torch.topk(block, 2).indices).values.to(ctx.device)
                 torch.testing.assert_close(cache.reps[layer][head, b], ctx[head, 8 * b + top].float())
 
 
@@ -333,7 +333,7 @@ def test_preset_quest_selects_blocks_per_kv_head_by_the_upper_bound(tiny_lm):
     for entry in cache.trace:
         layer, q, blocks = entry["layer"], entry["query"], entry["blocks"]
         assert entry["computed"] and blocks.shape == (lm.n_kv_heads, 2)
-        ctx = cache.keys[layer][0].float()  # (n_kv, n_blocks * 16, d)
+        ctx = cache.keys[layer][0].float().cpu()  # (n_kv, n_blocks * 16, d), where the trace keeps the query
         for head in range(lm.n_kv_heads):
             k = ctx[head].reshape(cache.n_blocks, 16, -1)
             kmax, kmin = k.amax(dim=1), k.amin(dim=1)
@@ -397,16 +397,16 @@ def test_few_blocks_are_the_best_scored_by_a_reference(tiny_lm, rep, heads):
         votes = votes.view(n_kv, group, -1).mean(dim=1)
         reps.append(torch.stack([reference_representatives(ctx[h], rep, 2, votes[h], 8) for h in range(n_kv)]))
     for entry in cache.trace:
-        query = entry["query"].float().view(n_kv, group, -1)  # the step's query heads, by KV head
         r = reps[entry["layer"]]  # (n_kv, 25, 2, d)
+        query = entry["query"].float().view(n_kv, group, -1).to(r.device)  # the step's query heads, by KV head
         scores = torch.einsum("hgd,hbrd->hb", query, r)  # sum over the group's heads and the representatives
         if heads == "shared":
             scores = scores.sum(dim=0, keepdim=True)
         blocks = entry["blocks"]
         assert entry["computed"] and blocks.shape == (scores.shape[0], 2)
         for h in range(scores.shape[0]):
-            chosen = torch.zeros(25, dtype=torch.bool)
-            chosen[blocks[h]] = True
+            chosen = torch.zeros(25, dtype=torch.bool, device=scores.device)
+            chosen[blocks[h].to(scores.device)] = True
             assert float(scores[h][chosen].min()) >= float(scores[h][~chosen].max()) - 1e-4, (
                 entry["step"],
                 entry["layer"],
@@ -513,6 +513,7 @@ def test_end_to_end_pipeline(tiny_lm):
     assert len(quest.answer_ids) == 3 and quest.extra["method_stats"]["head_select"] == "separate"
 
 
+@pytest.mark.cpu_only("--kv-offload cpu does nothing only where the model already runs on the CPU")
 def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
     lm = tiny_lm("llama")
     engine = Engine(lm)
@@ -528,6 +529,7 @@ def test_kv_offload_on_cpu_is_a_noop_with_a_note(tiny_lm):
     notices.reset()
 
 
+@pytest.mark.cpu_only("the Context blocks are views of a KV already on the host; from a GPU they are copies")
 def test_offloaded_block_cache_holds_the_context_in_storage_and_gathers_the_chosen_blocks(tiny_lm):
     """The --kv-offload cpu layout, built on CPU (storage and compute on the same device here, so
     the copies can be checked, not the transfer): the Context blocks of a KV already in host

@@ -334,7 +334,7 @@ def test_ask_json_record_has_every_documented_field(name, stored):
     assert record["compressor"] == off.extra["compressor"]
 
 
-def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
+def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored, device):
     """`kvcli ask --json` prints :func:`result_record` (checked for one method, a two-stage pipeline):
     the same fields and, for the same model, document, question and method, the same answer."""
     name = "decoding"
@@ -354,6 +354,10 @@ def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored):
         str(STEPS),
         "--no-cache",
         "--no-answer-guard",
+        "--device",
+        str(device),
+        "--dtype",
+        "float32",  # as the library's record (tiny_lm): not the GPU's default bfloat16
     )
     assert code == 0, err
     assert out.count("\n") == 1, out  # one JSON object, one line

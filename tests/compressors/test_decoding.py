@@ -101,7 +101,7 @@ def test_knorm_keeps_the_lowest_norms_of_the_grown_cache(tiny_lm):
             norms = before[l][0, h].norm(dim=-1)[: n + 3 - window]  # entries before the window
             kept = cache.kept[l][h].tolist()
             assert kept[-window:] == list(range(n + 3 - window, n + 3))
-            chosen = torch.zeros(n + 3 - window, dtype=torch.bool)
+            chosen = torch.zeros(n + 3 - window, dtype=torch.bool, device=norms.device)
             chosen[kept[:-window]] = True  # the lowest norms (ties — zero keys — either way)
             assert int(chosen.sum()) == budget - window and norms[chosen].max() <= norms[~chosen].min() + 1e-6
     # and decoding goes on: 3 more steps, another compression
@@ -131,7 +131,7 @@ def test_snapkv_votes_with_the_decoded_queries(tiny_lm, family):
         for h in range(lm.n_kv_heads):
             kept = cache.kept[l][h].tolist()
             assert kept[-window:] == list(range(total - window, total)) and len(kept) == budget
-            chosen = torch.zeros(total - window, dtype=torch.bool)
+            chosen = torch.zeros(total - window, dtype=torch.bool, device=votes.device)
             chosen[kept[:-window]] = True
             assert votes[h][chosen].min() >= votes[h][~chosen].max() - 1e-6
 

@@ -69,15 +69,17 @@ def naive_scores(lm, tokens, length):
     """kvpress's duo_attention_on_the_fly on the calibration ids, with HF's projections, explicit
     per-position rotation matrices and loops: (n_layers, n_kv)."""
     model, d = lm.model, lm.head_dim
-    ids = calibration_ids(lm, tokens)
+    dev = lm.device  # every tensor of the reference where the model runs
+    ids = calibration_ids(lm, tokens).to(dev)
     group = lm.n_heads // lm.n_kv_heads
     half = d // 2
-    P = torch.zeros(d, d, dtype=torch.float64)
-    P[:half, half:], P[half:, :half] = -torch.eye(half, dtype=torch.float64), torch.eye(half, dtype=torch.float64)
-    out = torch.zeros(lm.n_layers, lm.n_kv_heads, dtype=torch.float64)
+    P = torch.zeros(d, d, dtype=torch.float64, device=dev)
+    eye = torch.eye(half, dtype=torch.float64, device=dev)
+    P[:half, half:], P[half:, :half] = -eye, eye
+    out = torch.zeros(lm.n_layers, lm.n_kv_heads, dtype=torch.float64, device=dev)
     with torch.inference_mode():
         hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
-        cos, sin = model.model.rotary_emb(hs[0], torch.arange(length).view(1, -1))
+        cos, sin = model.model.rotary_emb(hs[0], torch.arange(length, device=dev).view(1, -1))
         rot = [torch.diag(cos[0, p].double()) + torch.diag(sin[0, p].double()) @ P for p in range(length)]
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -98,7 +100,8 @@ def test_head_scores_are_kvpress_estimate(tiny_lm, tmp_path, family):
     engine = Engine(lm)
     duo = duo_for(lm, tmp_path, f"duo:{SMALL}")
     profile = duo.profile(engine)
-    torch.testing.assert_close(profile.scores, naive_scores(lm, 64, 40), rtol=1e-4, atol=1e-6)
+    want = naive_scores(lm, 64, 40).to(profile.scores.device)  # where the profile keeps its scores
+    torch.testing.assert_close(profile.scores, want, rtol=1e-4, atol=1e-6)
     # streaming heads: the lowest half of all KV heads
     streaming = profile.streaming_heads(0.5)
     assert int(streaming.sum()) == lm.n_layers * lm.n_kv_heads // 2

@@ -85,17 +85,19 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model, n, d = lm.model, ids.numel(), lm.head_dim
+    dev = lm.device  # every tensor of the reference where the model runs
+    ids = ids.to(dev)
     group = lm.n_heads // lm.n_kv_heads
     half = d // 2
-    P = torch.zeros(d, d, dtype=torch.float64)  # rotate_half as a matrix: P x = [-x2, x1]
-    P[:half, half:] = -torch.eye(half, dtype=torch.float64)
-    P[half:, :half] = torch.eye(half, dtype=torch.float64)
+    P = torch.zeros(d, d, dtype=torch.float64, device=dev)  # rotate_half as a matrix: P x = [-x2, x1]
+    P[:half, half:] = -torch.eye(half, dtype=torch.float64, device=dev)
+    P[half:, :half] = torch.eye(half, dtype=torch.float64, device=dev)
     out = []
     with torch.inference_mode():
         hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
-        cos_f, sin_f = model.model.rotary_emb(hs[0], torch.arange(n, n + future).view(1, -1))
+        cos_f, sin_f = model.model.rotary_emb(hs[0], torch.arange(n, n + future, device=dev).view(1, -1))
         R = sum(torch.diag(cos_f[0, p].double()) + torch.diag(sin_f[0, p].double()) @ P for p in range(future)) / future
-        cos, sin = model.model.rotary_emb(hs[0], torch.arange(n).view(1, -1))
+        cos, sin = model.model.rotary_emb(hs[0], torch.arange(n, device=dev).view(1, -1))
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hs[i])
@@ -104,7 +106,7 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
             v = attn.v_proj(h).view(1, n, -1, d).transpose(1, 2)[0].double()
             _, k = apply_rotary_pos_emb(q, k, cos, sin)
             q, k = q[0].double(), k[0].double()
-            scores = torch.zeros(lm.n_kv_heads, n, dtype=torch.float64)
+            scores = torch.zeros(lm.n_kv_heads, n, dtype=torch.float64, device=dev)
             for head in range(lm.n_heads):
                 g = head // group
                 rows = q[head, sinks if queries is None else max(sinks, n - queries) :]
@@ -118,6 +120,7 @@ def naive_expected_scores(lm, ids, sinks, future, covariance=True, vnorm=True, e
                         for j in range(sinks, n)
                     ],
                     dtype=torch.float64,
+                    device=dev,
                 )
                 scores[g, sinks:] += torch.softmax(logit, dim=0) / group
             if vnorm:  # kvpress: (scores + epsilon) * ||v||
@@ -163,12 +166,12 @@ def test_selection_is_the_expected_attention(tiny_lm, family, knobs, chunk):
     # the method's own scores equal the naive ones (float32 vs float64)
     _, got_scores = method.prefix_scores(engine, ids)
     for g, w in zip(got_scores, want):
-        torch.testing.assert_close(g[:, sinks:].double(), w[:, sinks:], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(g[:, sinks:].double().to(w.device), w[:, sinks:], rtol=1e-3, atol=1e-6)
     for l, scores in enumerate(want):
         for h in range(lm.n_kv_heads):
             kept = cache.kept[l][h].tolist()
             assert kept == sorted(kept) and kept[:sinks] == list(range(sinks))
-            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen = torch.zeros(n, dtype=torch.bool, device=scores.device)
             chosen[kept] = True
             assert scores[h][chosen].min() >= scores[h][~chosen].max() * (1 - 1e-4)
     engine.prefill_chunk = None

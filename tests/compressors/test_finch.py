@@ -66,7 +66,7 @@ def reference_scores(lm, ids: torch.Tensor, n_question: int) -> list[torch.Tenso
     (``non_zero_counts = arange(1, T + 1)[context:]``); summed over the rows."""
     n = ids.numel()
     n_context = n - n_question
-    non_zero_counts = torch.arange(1, n + 1)[n_context:]
+    non_zero_counts = torch.arange(1, n + 1, device=lm.device)[n_context:]
     out = []
     for q, k, attn in reference_qk(lm, ids):
         summed = causal_softmax(q, k, attn.scaling)[0].sum(0)  # heads summed: (n, n)
@@ -87,7 +87,7 @@ def test_one_step_keeps_the_papers_top_positions(tiny_lm, family):
     for layer, kept in enumerate(cache.kept_positions):
         # the kept set is a top-k of the reference scores (random tiny models give near-ties:
         # compare scores, with a tolerance, rather than indices)
-        s = ref[layer]
+        s = ref[layer].to(kept.device)  # where the kept positions are
         kth = torch.topk(s, keep).values[-1]
         assert kept.numel() == keep and bool((s[kept] >= kth - 1e-5).all()), layer
         dropped = torch.ones_like(s, dtype=torch.bool)
@@ -295,7 +295,7 @@ def engine_rot_dim(lm) -> int:
     return cos.shape[-1]
 
 
-def test_rerotation_with_yarn_attention_scaling(tmp_path_factory):
+def test_rerotation_with_yarn_attention_scaling(tmp_path_factory, device):
     """yarn multiplies cos and sin by attention_scaling != 1: the delta rotation must not."""
     from kvcli.model import load_model
 
@@ -309,7 +309,7 @@ def test_rerotation_with_yarn_attention_scaling(tmp_path_factory):
             "original_max_position_embeddings": 2048,
         },
     )
-    lm = load_model(str(folder))
+    lm = load_model(str(folder), device=str(device), dtype="float32")  # atol 1e-5: float32, not the GPU's bf16
     assert abs(Engine(lm).rotary_emb.attention_scaling - 1.0) > 0.01
     check_rerotation(lm)
 

@@ -70,7 +70,7 @@ def official_filter_qk(lm, ids, select_layer_idx):
     model.model.layers = original_layers[: select_layer_idx + 1]  # reduce_layer
     try:
         with torch.inference_mode():
-            model(ids.view(1, -1))
+            model(ids.view(1, -1).to(lm.device))
     finally:
         model.model.layers = original_layers  # recover_layer
         hook.remove()

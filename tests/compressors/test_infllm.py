@@ -508,7 +508,7 @@ def test_attention_parts_merge_into_one_softmax():
 
 
 @pytest.mark.parametrize(
-    "device, spec, want",
+    "where, spec, want",
     [
         ("cpu", "infllm", (1024, 8, "question")),  # auto on the CPU: the measured CPU span
         ("meta", "infllm", (4096, 16, "step")),  # auto on an accelerator: InfLLM's settings
@@ -518,16 +518,16 @@ def test_attention_parts_merge_into_one_softmax():
         ("cpu", "infllm:local_window=64", (64, 8, "question")),
     ],
 )
-def test_the_preset_fills_the_knobs_not_given(device, spec, want):
+def test_the_preset_fills_the_knobs_not_given(where, spec, want):
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(device=torch.device(device), max_context=8192, name="m", n_layers=30, windows=Windows.none(30))
+    lm = SimpleNamespace(device=torch.device(where), max_context=8192, name="m", n_layers=30, windows=Windows.none(30))
     s = parse_one(spec)
     s.configure(lm)
     assert (s.local_window, s.topk, s.retrieval) == want
     assert (s.filter_layer, s.answer_positions) == (-1, "same")  # no filter layer measured for this model
     small = SimpleNamespace(
-        device=torch.device(device), max_context=2048, name="m", n_layers=30, windows=Windows.none(30)
+        device=torch.device(where), max_context=2048, name="m", n_layers=30, windows=Windows.none(30)
     )
     s = parse_one("infllm:preset=paper")
     s.configure(small)  # scaled to a smaller window: half of it for Local, a quarter for Memory
@@ -580,7 +580,7 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
 
 
 @pytest.mark.parametrize(
-    "device, spec, want",
+    "where, spec, want",
     [
         ("cpu", "infllm", (17, "ordered")),  # the cpu preset: the model's measured filter layer, its blocks in order
         ("meta", "infllm", (-1, "same")),  # paper (an accelerator): InfLLM's per-layer retrieval, one position
@@ -591,11 +591,11 @@ def test_attention_scores_are_the_questions_softmax_weight_per_block():
         ("meta", "infllm:filter_layer=5", (5, "ordered")),
     ],
 )
-def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, want):
+def test_the_cpu_preset_answers_through_the_models_filter_layer(where, spec, want):
     from types import SimpleNamespace
 
     lm = SimpleNamespace(
-        device=torch.device(device),
+        device=torch.device(where),
         max_context=8192,
         name="smollm2-135m-instruct",
         n_layers=30,
@@ -608,3 +608,48 @@ def test_the_cpu_preset_answers_through_the_models_filter_layer(device, spec, wa
     assert ("attention selects, in document order" in note) == (want[0] >= 0) and (f"layer-{want[0]} " in note) == (
         want[0] >= 0
     )
+
+
+def test_the_rope_table_is_built_once_per_device_however_often_the_device_switches(tiny_lm, monkeypatch):
+    """A pass on a GPU rotates on two devices (the chunk's keys and queries on the GPU, Local's keys
+    kept on the host): each device's table is built once, at the positions Local needs, never
+    rebuilt at a switch (it was, at twice its size: 25·2^k positions after k switches, a CUDA OOM).
+    ``meta`` stands for the other device; the rotations are the same numbers as the host's."""
+    import kvcli.caches.book as book_module
+    from kvcli.caches.bookfile import MemoryStorage, tensor_specs
+
+    lm = tiny_lm("llama")
+    n_kv, d, bs, local = lm.n_kv_heads, lm.head_dim, 8, 16
+    book = BookCache(
+        MemoryStorage(tensor_specs(1, n_kv, 64, d, 8, torch.float32)),
+        64,
+        1,
+        n_kv,
+        d,
+        initial=4,
+        block_size=bs,
+        local=local,
+        topk=3,
+        repr_topk=2,
+    ).bind(Engine(lm))
+    built = []
+    real = book_module.rope_cos_sin
+
+    def counting(rotary, positions, like):
+        built.append((like.device.type, positions.numel()))
+        return real(rotary, positions, like)
+
+    monkeypatch.setattr(book_module, "rope_cos_sin", counting)
+    x = torch.randn(1, n_kv, 5, d, generator=torch.Generator().manual_seed(0)).to(lm.device)
+    old, new = torch.arange(5), torch.arange(3, 8)
+    want = book.rotate(x, old, new)
+    for i in range(10):
+        got = book.rotate(x if i % 2 else x.to("meta"), old, new)
+        assert got.shape == x.shape
+        if got.device == x.device:
+            torch.testing.assert_close(got, want)
+    assert sorted(built) == sorted([(lm.device.type, local + bs + 1), ("meta", local + bs + 1)])
+    # a position past the table's end grows that device's table, and only then
+    book.rotate(x.to("meta"), old, new + local + bs)
+    book.rotate(x, old, new)
+    assert built[-1] == ("meta", 2 * (local + bs + 1)) and len(built) == 3

@@ -80,7 +80,7 @@ def naive_kvzip_scores(lm, prefix, sinks, chunk, overlap):
                 logits = q[0, h, n:].double() @ k[0, h, cols].double().T / math.sqrt(lm.head_dim)  # (r, |cols|)
                 for row in range(r):
                     logits[row, sinks + (b - a) + row + 1 :] = float("-inf")  # causal among the repeat
-                probs = torch.softmax(logits, dim=-1)[:, sinks : sinks + b - a].max(dim=0).values
+                probs = torch.softmax(logits, dim=-1)[:, sinks : sinks + b - a].max(dim=0).values.cpu()  # scores: host
                 g = h // group
                 prev = scores[l][g, a:b]
                 scores[l][g, a:b] = probs.float() if h % group == 0 else torch.maximum(prev, probs.float())

@@ -102,7 +102,7 @@ def test_prefill_prunes_by_the_last_tokens_attention(tiny_lm):
     assert cache.slot_pos[2].tolist() == expected.tolist() == cache.slot_pos[3].tolist()
     assert cache.stats()["per_layer_prefill_tokens"] == [n, n, n_keep(0.4, n), n_keep(0.4, n)]
     mask = cache.kept_mask(n)
-    assert mask.shape == (4, 2, n) and mask[:2].all() and mask[2:, :, expected].all()
+    assert mask.shape == (4, 2, n) and mask[:2].all() and mask[2:, :, expected.to(mask.device)].all()
     assert int(mask[2, 0].sum()) == n_keep(0.4, n)
 
 
@@ -121,7 +121,7 @@ def _kv(layer, h, pos, lm):
     x = layer.input_layernorm(h)
     k = attn.k_proj(x).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2)
     v = attn.v_proj(x).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2)
-    cos, sin = rot(h, pos.view(1, -1))
+    cos, sin = rot(h, pos.to(h.device).view(1, -1))
     return _rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v
 
 
@@ -131,12 +131,12 @@ def _layer_out(layer, h, pos, keys, values, key_pos, lm):
     attn, rot = layer.self_attn, lm.model.model.rotary_emb
     x = layer.input_layernorm(h)
     q = attn.q_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-    cos, sin = rot(h, torch.tensor([[pos]]))
+    cos, sin = rot(h, torch.tensor([[pos]], device=h.device))
     q = _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
     groups = q.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     w = (q @ k.transpose(-1, -2)) * attn.scaling
-    w = w.masked_fill(~(key_pos <= pos).view(1, 1, 1, -1), float("-inf")).softmax(-1)
+    w = w.masked_fill(~(key_pos.to(w.device) <= pos).view(1, 1, 1, -1), float("-inf")).softmax(-1)
     o = attn.o_proj((w @ v).transpose(1, 2).reshape(1, 1, -1))
     h = h + o
     return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -165,10 +165,10 @@ def test_revived_token_gets_the_kv_of_the_aux_cache_path(tiny_lm, family):
 
     with torch.inference_mode():
         model = lm.model
-        seq = torch.cat([prompt.ids, torch.tensor([token])]).view(1, -1)
+        seq = torch.cat([prompt.ids, torch.tensor([token])]).view(1, -1).to(lm.device)
         hs = model(seq, output_hidden_states=True).hidden_states  # layers 0-1: full attention, all tokens
         layers = model.model.layers
-        all_pos = torch.arange(n + 1)
+        all_pos = torch.arange(n + 1, device=lm.device)
         k2, v2 = _kv(layers[2], hs[2], all_pos, lm)  # every token's layer-2 KV, recomputed
         members = torch.nonzero(selected).flatten()  # S_2 of the decoding step (the new token included)
         for j in revived.tolist():

@@ -328,8 +328,8 @@ def reference_scores(attn: torch.Tensor, ids: torch.Tensor, first_row: int) -> t
     after them. Each score sums the row's attention on those positions; rows ``first_row..n-1`` are
     averaged (the probe: repeats 2-4)."""
     n = ids.numel()
-    echo = torch.zeros(attn.shape[0], dtype=torch.float64)
-    induction = torch.zeros(attn.shape[0], dtype=torch.float64)
+    echo = torch.zeros(attn.shape[0], dtype=torch.float64, device=attn.device)
+    induction = torch.zeros(attn.shape[0], dtype=torch.float64, device=attn.device)
     for i in range(first_row, n):
         earlier = [m for m in range(i) if int(ids[m]) == int(ids[i])]
         echo += attn[:, i, earlier].double().sum(-1)
@@ -424,8 +424,9 @@ def test_profile_of_a_model_equals_the_definition_on_its_own_attention(tiny_lm):
     for layer, (q, k, attn) in enumerate(reference_qk(lm, ids)):
         weights = causal_softmax(q, k, attn.scaling)[0]
         want_echo, want_induction = reference_scores(weights, ids, K)
-        torch.testing.assert_close(profile.echo[layer].double(), want_echo, atol=1e-5, rtol=0)
-        torch.testing.assert_close(profile.induction[layer].double(), want_induction, atol=1e-5, rtol=0)
+        got_echo, got_induction = (s[layer].double().to(want_echo.device) for s in (profile.echo, profile.induction))
+        torch.testing.assert_close(got_echo, want_echo, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_induction, want_induction, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------- memory and the store
@@ -475,7 +476,9 @@ def test_to_tensors_round_trip(tiny_lm, tmp_path):
     json.dumps(facts)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors.values())
     save_file(tensors, str(tmp_path / "entry.safetensors"))
-    back = RazorCache.from_tensors(load_file(str(tmp_path / "entry.safetensors")), json.loads(json.dumps(facts)))
+    back = RazorCache.from_tensors(
+        load_file(str(tmp_path / "entry.safetensors")), json.loads(json.dumps(facts)), device=cache.pk[0].device
+    )
     assert back.kind == "razor" and back.n_tokens == cache.n_tokens and back.n_dropped == cache.n_dropped
     assert back.order == cache.order == "prefix"
     assert torch.equal(back.protected, cache.protected)

@@ -91,8 +91,8 @@ def test_keydiff_keeps_the_keys_least_like_the_mean(tiny_lm, family):
             cosine = (unit @ anchor) / anchor.norm()
             kept = cache.kept[l][h]
             assert kept.numel() == budget and kept.tolist() == sorted(kept.tolist())
-            chosen = torch.zeros(n, dtype=torch.bool)
-            chosen[kept] = True
+            chosen = torch.zeros(n, dtype=torch.bool, device=cosine.device)
+            chosen[kept.to(cosine.device)] = True
             assert cosine[chosen].max() <= cosine[~chosen].min() + 1e-5
     assert any(not torch.equal(kept[0], kept[1]) for kept in cache.kept)  # per KV head
 

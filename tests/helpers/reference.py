@@ -17,11 +17,12 @@ def reference_qk(lm, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
     model = lm.model
+    dev = lm.device  # every tensor of the reference where the model runs
     n = ids.numel()
     out = []
     with torch.inference_mode():
-        hs = model(ids.view(1, -1), output_hidden_states=True).hidden_states
-        pos = torch.arange(n).view(1, -1)
+        hs = model(ids.view(1, -1).to(dev), output_hidden_states=True).hidden_states
+        pos = torch.arange(n, device=dev).view(1, -1)
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hs[i])
@@ -39,7 +40,7 @@ def causal_softmax(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Te
     """(1, H, n, d) x (1, H, n, d) -> (1, H, n, n) float32 causal attention weights."""
     n = q.shape[2]
     w = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
-    return w.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    return w.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf")).softmax(-1)
 
 
 def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-4) -> None:
@@ -81,12 +82,14 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
     model = lm.model
+    dev = lm.device  # every tensor of the reference where the model runs (kept positions included)
+    ids = ids.to(dev)
     layers = model.model.layers
     n = ids.numel()
     n_context = n - n_question
     count = math.ceil(n_context / chunk)
     edges = [round(i * n_context / count) for i in range(count + 1)]
-    state = [dict(pos=torch.zeros(0, dtype=torch.long), pre=None, v=None) for _ in layers]
+    state = [dict(pos=torch.zeros(0, dtype=torch.long, device=dev), pre=None, v=None) for _ in layers]
 
     def rope(x, positions):
         cos, sin = model.model.rotary_emb(x, positions.view(1, -1))
@@ -96,11 +99,11 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
         """HF forward of ``step_ids`` at positions start.. on the kept cache; per layer (q, k_pre, v)
         of the new tokens, k_pre before RoPE."""
         past = DynamicCache(config=model.config)
-        slots = torch.arange(start)
+        slots = torch.arange(start, device=dev)
         for l, s in enumerate(state):
             if start:
                 past.update(rope(s["pre"], slots), s["v"], l)
-        positions = torch.arange(start, start + step_ids.numel())
+        positions = torch.arange(start, start + step_ids.numel(), device=dev)
         # the model's cache keyword: ``cache`` from transformers 5.24 on (``past_key_values`` warns there)
         kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = model(
@@ -138,30 +141,34 @@ def finch_reference(lm, ids: torch.Tensor, n_question: int, chunk: int, target: 
                 pre = k_pre[:, :, :c] if s["pre"] is None else torch.cat([s["pre"], k_pre[:, :, :c]], dim=2)
                 vals = v[:, :, :c] if s["v"] is None else torch.cat([s["v"], v[:, :, :c]], dim=2)
                 keys = torch.cat(
-                    [rope(pre, torch.arange(m + c)), rope(k_pre[:, :, c:], torch.arange(m + c, kv_len))], dim=2
+                    [
+                        rope(pre, torch.arange(m + c, device=dev)),
+                        rope(k_pre[:, :, c:], torch.arange(m + c, kv_len, device=dev)),
+                    ],
+                    dim=2,
                 )
                 keys = repeat_kv(keys, attn.num_key_value_groups)
                 logits = torch.matmul(q[:, :, -n_question:], keys.transpose(-1, -2)).float() * attn.scaling
-                rows = torch.arange(m + c, kv_len)[:, None]
-                logits = logits.masked_fill(torch.arange(kv_len)[None, :] > rows, float("-inf"))
+                rows = torch.arange(m + c, kv_len, device=dev)[:, None]
+                logits = logits.masked_fill(torch.arange(kv_len, device=dev)[None, :] > rows, float("-inf"))
                 weights = logits.softmax(-1)[0].sum(0)  # heads summed: (n_question, kv_len)
                 sees = (rows[:, 0] + 1).float()  # keys each question row sees
                 scores = neighbour_max((weights[:, : m + c] * (sees / kv_len)[:, None]).sum(0), kernel)
                 if follow is None:
                     chosen = torch.topk(scores, keep).indices.sort().values
                 else:
-                    chosen = follow[steps][l].sort().values
+                    chosen = follow[steps][l].to(dev).sort().values
                     assert chosen.numel() == keep and chosen.unique().numel() == keep, (steps, l)
-                    mask = torch.zeros(m + c, dtype=torch.bool)
+                    mask = torch.zeros(m + c, dtype=torch.bool, device=dev)
                     mask[chosen] = True
                     slack = 1e-5 * float(scores.abs().max())
                     assert float(scores[mask].min()) >= float(scores[~mask].max()) - slack, (steps, l, "not a top-k")
-                s["pos"] = torch.cat([s["pos"], torch.arange(start, end)])[chosen]
+                s["pos"] = torch.cat([s["pos"], torch.arange(start, end, device=dev)])[chosen]
                 s["pre"], s["v"] = pre[:, :, chosen], vals[:, :, chosen]
             steps += 1
         m = state[0]["pos"].numel()
         _, logits = run(question, m)
-        slots = torch.arange(m)
+        slots = torch.arange(m, device=dev)
         kept = [s["pos"] for s in state]
         keys = [rope(s["pre"], slots) for s in state]
         values = [s["v"] for s in state]

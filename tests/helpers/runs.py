@@ -49,7 +49,7 @@ def assert_top_k(kept, scores, k, tail, tol=1e-5):
     before the tail) that are a top-k (ties, e.g. max-pool plateaus, may break either way)."""
     kept = kept.tolist()
     assert kept == sorted(kept) and kept[-len(tail) :] == list(tail) and len(kept) == k + len(tail)
-    chosen = torch.zeros(scores.numel(), dtype=torch.bool)
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
     chosen[kept[:k]] = True
     assert scores[chosen].min() >= scores[~chosen].max() - tol
 

@@ -125,7 +125,7 @@ def test_the_cut_prefix_frees_its_buffers_goes_through_the_store_and_cuts_back_b
         else:
             assert torch.equal(k, whole.keys[layer]) and layer not in cut.dropped
     tensors, facts = cut.to_tensors()
-    back = type(cut).from_tensors(tensors, json.loads(json.dumps(facts)))
+    back = type(cut).from_tensors(tensors, json.loads(json.dumps(facts)), device=cut.keys[0].device)
     assert back.dropped == cut.dropped and all(torch.equal(a, b) for a, b in zip(back.keys, cut.keys))
     with pytest.raises(ValueError):  # a layer that does not hold what its dropped count leaves
         type(cut).from_tensors(tensors, {**facts, "dropped": {"0": 3}})

@@ -201,6 +201,44 @@ def _bias_outside_modes():
         kernels.causal_lower_right = made
 
 
+@contextlib.contextmanager
+def _book_in_a_mapped_file(tracker: Tracker):
+    """``-c infllm`` reads the document into a book in host memory, the size of the document's
+    KV (4 GiB at 32k tokens of Llama-3.1-8B), over :data:`HOST_LIMIT` of real memory. In the
+    simulation its tensors are a sparse temporary file mapped shared: what is written goes to
+    the page cache (reclaimable, backed by the file), never the process's memory; the rest of
+    the run is as kvcli runs it (host tensors, their copies to the device counted), and the
+    tracker books the book's bytes as ``mapped`` (the row's ``book_host_bytes``)."""
+    import math
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from ...caches import bookfile
+
+    made = bookfile.InMemory.start
+    folder = tempfile.TemporaryDirectory(prefix="kvcli-sim-book-")
+
+    def start(self, specs: dict, room: int, new):
+        tensors = {}
+        with _disable_current_modes():
+            for i, (name, (dtype, shape)) in enumerate(specs.items()):
+                numel = math.prod(int(n) for n in shape)
+                path = Path(folder.name) / f"{i}.bin"
+                with open(path, "wb") as f:  # sparse: no block written until a row is
+                    f.truncate(max(1, numel) * torch.empty((), dtype=dtype).element_size())
+                tensors[name] = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+                path.unlink()  # the mapping keeps the file: gone when the book is
+        tracker.adopt_mapped(tensors.values())
+        return new(bookfile.MemoryStorage(specs, tensors))
+
+    bookfile.InMemory.start = start
+    try:
+        yield
+    finally:
+        bookfile.InMemory.start = made
+        folder.cleanup()
+
+
 def simulate(
     sim: SimModel,
     method: str,
@@ -245,7 +283,7 @@ def simulate(
     try:
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
-        with _bias_outside_modes(), mode, tracker:
+        with _bias_outside_modes(), _book_in_a_mapped_file(tracker), mode, tracker:
             result = session.ask(
                 document, QUESTION, Pipeline.parse(method), max_new_tokens=steps, force_tokens=True, use_store=False
             )
@@ -291,6 +329,7 @@ def _measures(
         "kv_bytes": at.get("kv_bytes"),
         "held_after_prefill_bytes": None if live_then is None else int(live_then - weights_bytes),
         "host_peak_bytes": int(tracker.peak["cpu"]),
+        "book_host_bytes": int(tracker.peak["mapped"]),  # -c infllm's book: host memory, mapped in the simulation
         "syncs_per_decode_step": max((c.syncs for c in decode), default=None),
         "h2d_copies_per_decode_step": max((c.h2d for c in decode), default=None),
         "decode_steps_measured": len(decode),

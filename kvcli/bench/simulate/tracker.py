@@ -54,9 +54,11 @@ DATA_DEPENDENT = {
     "histc",
     "repeat_interleave",
 }
-# ops that take CPU indices into a device tensor on CUDA (copied over implicitly); any other op
-# mixing a CPU tensor (but a 0-dim one, read as a scalar) with device tensors raises on CUDA
+# ops that take CPU indices into a device tensor on CUDA (copied over implicitly): the indices
+# only (the tensor indexed and the values put must be on the device)
 CPU_INDICES_OK = {"index", "index_put_", "index_put", "_index_put_impl_"}
+# ops that are not elementwise (no TensorIterator) yet read a 0-dim CPU tensor as a scalar on CUDA
+CPU_SCALAR_OK = {"masked_fill", "masked_fill_", "fill_", "fill", "index_fill", "index_fill_"}
 ZERO_LIMIT = 1 << 20  # a device->host answer up to this size is zeros; larger ones are left uninitialised
 PACKAGE = Path(__file__).resolve().parents[2]  # kvcli/
 SIM_DIR = Path(__file__).resolve().parent
@@ -190,10 +192,17 @@ class Tracker(TorchDispatchMode):
                 total += self._register(t, record=False)
         return total
 
-    def _register(self, t: torch.Tensor, record: bool = True, op: str = "") -> int:
+    def adopt_mapped(self, tensors) -> int:
+        """Host tensors over a mapped file (the simulated book of ``-c infllm``): their bytes are
+        booked as ``live["mapped"]`` (with its peak), never against ``host_limit`` — they are the
+        run's host bytes, but the simulating machine holds them in its page cache, not its memory."""
+        return sum(self._register(t, record=False, as_device="mapped") for t in tensors if isinstance(t, torch.Tensor))
+
+    def _register(self, t: torch.Tensor, record: bool = True, op: str = "", as_device: str | None = None) -> int:
         dev = t.device.type
         if t.is_sparse or dev not in (self.device, "cpu"):
             return 0
+        dev = as_device or dev
         st = t.untyped_storage()
         key = st._cdata
         known = self._storages.get(key)
@@ -293,30 +302,46 @@ class Tracker(TorchDispatchMode):
         elif on_device:
             if name in DATA_DEPENDENT or (name.startswith("index") and any(t.dtype == torch.bool for t in tensors[1:])):
                 self._sync(f"{name} (data-dependent shape)")
-            self._check_devices(name, args, tensors)
+            self._check_devices(name, func, args, tensors)
 
         out = func(*args, **kwargs)
         for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), []):
             self._register(t, op=label)
         return out
 
-    def _check_devices(self, name: str, args, tensors) -> None:
-        """CUDA's rule for one op over CPU and device tensors: CPU indices of advanced indexing are
-        copied over (an implicit host->device copy); a 0-dim CPU tensor is read as a scalar, unless
-        it is the output of an in-place op; anything else raises on CUDA, so it raises here."""
+    def _check_devices(self, name: str, func, args, tensors) -> None:
+        """CUDA's rule for one op over CPU and device tensors, for every op (``bmm``, ``cat``,
+        ``index_select``, ``embedding``, SDPA... as for the elementwise ones):
+
+        * advanced indexing (:data:`CPU_INDICES_OK`) copies CPU *indices* over (an implicit
+          host->device copy); the tensor indexed and the values put must be on the device (a 0-dim
+          CPU value is a scalar);
+        * an elementwise op (ATen's ``pointwise`` tag: TensorIterator) or one of
+          :data:`CPU_SCALAR_OK` reads a 0-dim CPU tensor as a scalar, unless its output is that CPU
+          tensor (an in-place op on it);
+        * any other CPU tensor, 0-dim included, raises on CUDA, so it raises here."""
         cpu = [t for t in tensors if t.device.type == "cpu"]
         if not cpu:
             return
         inplace_on_cpu = name.endswith("_") and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
-        if name in CPU_INDICES_OK and not inplace_on_cpu:
-            if any(t.dim() > 0 for t in cpu):
-                self._h2d(f"{name} (implicit: CPU indices into a device op)")
-            return
-        if inplace_on_cpu or any(t.dim() > 0 for t in cpu):
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device: aten.{name} mixes a CPU tensor "
-                f"{tuple(cpu[0].shape)} {cpu[0].dtype} with tensors on the accelerator (raises on CUDA)"
-            )
+        if name in CPU_INDICES_OK and not inplace_on_cpu and not (
+            isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+        ):
+            indices = _tensors(args[1:2], [])
+            values = _tensors(args[2:3], [])
+            if any(t.device.type == "cpu" and t.dim() > 0 for t in values):
+                cpu = [t for t in values if t.device.type == "cpu"]
+            else:
+                if any(t.device.type == "cpu" and t.dim() > 0 for t in indices):
+                    self._h2d(f"{name} (implicit: CPU indices into a device op)")
+                return
+        elif not inplace_on_cpu and (torch.Tag.pointwise in func.tags or name in CPU_SCALAR_OK):
+            if all(t.dim() == 0 for t in cpu):
+                return
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device: aten.{name} mixes a CPU tensor "
+            f"{tuple(cpu[0].shape)} {cpu[0].dtype} with tensors on the accelerator (raises on CUDA)"
+        )
 
     @staticmethod
     def _copy_ends(name: str, args, kwargs) -> tuple[str, str]:
