@@ -9,7 +9,6 @@ import random
 import numpy as np
 import pytest
 
-from kvcli.cite.bm25 import bm25_scores, words
 from kvcli.cite.sources import (
     MAX_SOURCE_UNITS,
     DocumentUnits,
@@ -19,6 +18,7 @@ from kvcli.cite.sources import (
     split_units,
 )
 from kvcli.documents import Document, document_from_text
+from kvcli.retrieval.bm25 import bm25_scores, words
 
 
 @pytest.fixture(scope="module")

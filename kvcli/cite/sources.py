@@ -20,7 +20,7 @@ cross a page.
   score of the units that were read (``Sources.peak``), nothing stands out: the sources are still
   returned, marked ``clear=False`` with a reason, and a terminal says "no clear source".
 
-What scores the tokens is the caller's (the answer's attention, BM25 in :mod:`kvcli.cite.bm25`); this
+What scores the tokens is the caller's (the answer's attention, BM25 in :mod:`kvcli.retrieval.bm25`); this
 module only maps them, so it is tested without a model.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..documents import Document
-from .bm25 import bm25_scores
+from ..retrieval.bm25 import bm25_scores
 
 MAX_UNIT_CHARS = 400  # a wrapped sentence longer than this is cut at a line end
 SHORT_LINE = 50  # a line shorter than this ends its unit (not wrapped prose)

@@ -12,7 +12,7 @@ and a lexical score instead of an early layer's attention:
 
 1. the document's passages — its pages, or the paragraphs of a document without pages
    (:func:`kvcli.documents.passages`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
-   Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.cite.bm25`)
+   Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`)
    with the question as the query;
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
    whole, in document order, with everything around the document (the template, the question);
@@ -48,9 +48,9 @@ import numpy as np
 import torch
 
 from ..answer.selection import Selection
-from ..cite.bm25 import bm25_scores
 from ..cite.sources import owner_starts, split_units
 from ..errors import UsageError
+from ..retrieval.bm25 import bm25_scores
 from .base import Compressor, knob, register
 
 BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in seconds on a CPU

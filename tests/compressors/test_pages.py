@@ -110,7 +110,7 @@ def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm):
     while skim_tokens allow. The expected sentences are cut by hand here."""
     lm = tiny_lm("llama")
     text = "\n\n".join(SKIM)
-    from kvcli.cite.bm25 import bm25_scores
+    from kvcli.retrieval.bm25 import bm25_scores
 
     # BM25's order of the passages: the padlock one, then the oil store roof, then the lamp oil
     order = sorted(range(4), key=lambda i: -bm25_scores(SKIM, QUESTION)[i])
