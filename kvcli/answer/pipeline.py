@@ -367,12 +367,14 @@ def run(
                 prefix=prefix if i == 0 else None,
                 **({"prompt": prompt} if stage.reads_passages else {}),  # first, checked by check_collisions
             )
-            if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
+            # the first scores a selector gives are kept, even when it kept every token (pages on a
+            # short document: its passages' scores still order the sources)
+            if selection.scores is None and sub.scores is not None:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
-                selection = Selection(selection.kept[sub.kept], scores)
+                selection = Selection(selection.kept[sub.kept], scores, note=selection.note or sub.note)
             else:
-                selection = Selection(selection.kept[sub.kept], selection.scores)
+                selection = Selection(selection.kept[sub.kept], selection.scores, note=selection.note or sub.note)
         kept_ids = ids[selection.kept]
         # after a selection the kept tokens are re-run from scratch: the prefix state no longer
         # applies — unless the selectors kept everything (a short document), then the second pass
