@@ -368,6 +368,8 @@ def result_record(
         "sources": None if result.sources is None else result.sources.to_json(),
         "sources_note": None if result.sources is None else result.sources.reason,
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
+        # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
+        "no_match": result.selection.note,
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it

@@ -38,6 +38,7 @@ class Passage:
     end: int
     char_start: int
     text: str
+    page: int = 1  # the document's page (1-based) it begins on: what a note about it names
 
 
 @dataclass
@@ -164,7 +165,7 @@ def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...
     for lo, hi in passages(text, page_starts):
         a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
         if b > a:
-            out.append(Passage(first + a, first + b, lo, text[lo:hi]))
+            out.append(Passage(first + a, first + b, lo, text[lo:hi], bisect.bisect_right(page_starts, lo)))
     return tuple(out)
 
 

@@ -29,6 +29,8 @@ class Span:
 class Selection:
     kept: torch.Tensor  # (k,) sorted indices into Prompt.ids
     scores: torch.Tensor | None = None  # (n,) per prompt token, when the method scores tokens
+    # what the user is told about the choice (one line), e.g. that no passage matched the question
+    note: str | None = None
 
     @property
     def n_kept(self) -> int:

@@ -50,6 +50,8 @@ import torch
 from ..answer.selection import Selection
 from ..cite.sources import owner_starts, split_units
 from ..errors import UsageError
+from ..notices import warn
+from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
 from .base import Compressor, knob, register
 
@@ -131,13 +133,14 @@ class Pages(Compressor):
         bounds = passage_tokens(prompt)
         if not bounds:
             return Selection(torch.arange(n))
-        bm25 = bm25_scores([p.text for p in prompt.passages], prompt.question)
+        ranking = rank_passages([p.text for p in prompt.passages], prompt.question, self.vectors_dir())
+        bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
         chosen, skimmed = [], []
         for i in sorted(range(len(bounds)), key=lambda i: (-bm25[i], i)):
             a, b = bounds[i]
             if len(chosen) == self.pages:
-                if len(skimmed) == self.skim or bm25[i] <= 0:
+                if len(skimmed) == self.skim or ranking.bm25[i] <= 0:
                     break
                 span = best_sentences(prompt, prompt.passages[i], a, b, self.skim_tokens)
                 if span is not None and span[1] - span[0] <= room:
@@ -155,7 +158,26 @@ class Pages(Compressor):
             scores[a:b] = score
         for a, b in chosen:
             keep[a:b] = True
-        return Selection(torch.nonzero(keep).flatten(), scores)
+        note = None if ranking.matched else no_match_note(prompt, bounds, chosen, ranking.semantic is not None)
+        if note is not None:
+            warn(note)
+        return Selection(torch.nonzero(keep).flatten(), scores, note=note)
+
+    def vectors_dir(self):
+        """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
+        from ..model import default_cache_dir
+
+        return self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+
+
+def no_match_note(prompt, bounds, chosen, semantic: bool) -> str:
+    """The line that says no passage matched the question, and what was read instead: the passages
+    (pages, or paragraphs of an unpaged document) whose tokens were kept, whole or in part."""
+    read = [i for i, (a, b) in enumerate(bounds) if any(lo < b and a < hi for lo, hi in chosen)]
+    paged = any(p.page > 1 for p in prompt.passages)
+    names = [f"page {prompt.passages[i].page}" if paged else f"paragraph {i + 1}" for i in read]
+    why = "no part of the document is close to it in meaning" if semantic else "no word of it is in the document"
+    return f"no page matched the question ({why}): read {', '.join(names) or 'nothing'} instead"
 
 
 def best_sentences(prompt, passage, a: int, b: int, tokens: int) -> tuple[int, int] | None:

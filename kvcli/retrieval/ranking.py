@@ -9,8 +9,9 @@
   from 1; a passage that holds no word of the question gets nothing from BM25's. ``k`` was chosen
   on the tuning questions only (benchmarks/retrieval.py; docs/bench/retrieval).
 
-No real signal (:attr:`Ranking.matched` False): no word of the question is in any passage and the
-best window's cosine is under :data:`NO_MATCH_COSINE` (measured: docs/bench/retrieval).
+No real signal (:attr:`Ranking.matched` False): no window of the document is within
+:data:`NO_MATCH_COSINE` of the question (BM25 alone: no word of the question is in it). Measured
+on the tuning questions against the same questions asked of the other manuals (docs/bench/retrieval).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import numpy as np
 from . import embed, vectors
 from .bm25 import bm25_scores
 
-RRF_K = 60  # reciprocal rank fusion's constant (the paper's; chosen on the tuning questions)
-NO_MATCH_COSINE = 0.25  # a best window under this, with no word of the question anywhere: no page matched
+RRF_K = 60  # reciprocal rank fusion's constant (the paper's)
+WEIGHT = 0.5  # BM25's weight in the weighted sum
+FUSION = ("mix", WEIGHT)  # how the two are fused: chosen on the tuning questions (docs/bench/retrieval)
+NO_MATCH_COSINE = 0.30  # a best window's cosine under this: no page matched the question
 
 
 @dataclass
@@ -43,11 +46,12 @@ class Ranking:
 
     @property
     def matched(self) -> bool:
-        """Whether the best passage has a real signal: a word of the question, or (with an
-        embedding) a best window's cosine of at least :data:`NO_MATCH_COSINE`."""
-        if len(self.bm25) and self.bm25.max() > 0:
-            return True
-        return self.semantic is not None and len(self.semantic) > 0 and self.semantic.max() >= NO_MATCH_COSINE
+        """Whether the best passage has a real signal: with an embedding, a window whose cosine
+        with the question is at least :data:`NO_MATCH_COSINE` (a word of the question alone is not:
+        questions asked of another manual share some with most pages); BM25 alone, a word of it."""
+        if self.semantic is not None:
+            return len(self.semantic) > 0 and float(self.semantic.max()) >= NO_MATCH_COSINE
+        return len(self.bm25) > 0 and float(self.bm25.max()) > 0
 
 
 def reciprocal_rank(
@@ -65,6 +69,22 @@ def reciprocal_rank(
         mask = None if present is None else present[s]
         out += gain if mask is None else np.where(mask, gain, 0.0)
     return out
+
+
+def weighted(lexical: np.ndarray, semantic: np.ndarray, weight: float = WEIGHT) -> np.ndarray:
+    """``weight · BM25 / its best + (1 - weight) · cosine``: BM25 put on the cosine's scale (its best
+    passage 1, a passage without a word of the question 0)."""
+    lexical = np.asarray(lexical, dtype=np.float64)
+    return weight * lexical / max(float(lexical.max(initial=0.0)), 1e-12) + (1 - weight) * np.asarray(semantic)
+
+
+def fuse(lexical: np.ndarray, semantic: np.ndarray, how: tuple[str, float] | None = None) -> np.ndarray:
+    """The two signals as one score a passage, by :data:`FUSION` (or ``how``): ``("rrf", k)``,
+    :func:`reciprocal_rank`; ``("mix", w)``, :func:`weighted`."""
+    name, value = how or FUSION
+    if name == "rrf":
+        return reciprocal_rank(lexical, semantic, k=value, present=[np.asarray(lexical) > 0, None])
+    return weighted(lexical, semantic, value)
 
 
 def semantic_scores(vecs: np.ndarray, owner: np.ndarray, query: np.ndarray, n: int) -> np.ndarray:
@@ -86,5 +106,4 @@ def rank_passages(passages: list[str], question: str, cache_dir: Path | None = N
     model = embed.embedder(name)
     vecs, owner, _ = vectors.passage_vectors(model, passages, cache_dir)
     semantic = semantic_scores(vecs, owner, model.encode([question])[0], len(passages))
-    fused = reciprocal_rank(lexical, semantic, present=[lexical > 0, None])
-    return Ranking(fused, lexical, semantic, "bm25+embedding")
+    return Ranking(fuse(lexical, semantic), lexical, semantic, "bm25+embedding")

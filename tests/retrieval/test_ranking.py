@@ -60,10 +60,21 @@ def test_semantic_scores_are_each_passages_best_window():
 
 
 def test_no_match_rule():
-    some_word = Ranking(np.ones(2), np.array([0.0, 0.4]), np.array([0.0, 0.0]), "")
-    assert some_word.matched
-    nothing = Ranking(np.ones(2), np.zeros(2), np.array([NO_MATCH_COSINE - 0.01, 0.0]), "")
-    assert not nothing.matched
+    # with an embedding, the best window's cosine decides: a shared word alone is no match
+    words_only = Ranking(np.ones(2), np.array([0.0, 0.4]), np.array([NO_MATCH_COSINE - 0.01, 0.0]), "")
+    assert not words_only.matched
     close = Ranking(np.ones(2), np.zeros(2), np.array([NO_MATCH_COSINE, 0.0]), "")
     assert close.matched
-    assert not Ranking(np.zeros(2), np.zeros(2), None, "bm25").matched  # BM25 alone: all zero
+    # BM25 alone: a word of the question somewhere
+    assert not Ranking(np.zeros(2), np.zeros(2), None, "bm25").matched
+    assert Ranking(np.ones(2), np.array([0.0, 0.1]), None, "bm25").matched
+
+
+def test_weighted_fusion_by_hand():
+    from kvcli.retrieval.ranking import fuse, weighted
+
+    lexical, semantic = np.array([0.0, 4.0, 2.0]), np.array([0.6, 0.2, 0.5])
+    want = [0.3 * 0 + 0.7 * 0.6, 0.3 * 1 + 0.7 * 0.2, 0.3 * 0.5 + 0.7 * 0.5]
+    assert weighted(lexical, semantic, 0.3).tolist() == pytest.approx(want)
+    assert fuse(lexical, semantic, ("mix", 0.3)).tolist() == pytest.approx(want)
+    assert weighted(np.zeros(3), semantic, 0.3).tolist() == pytest.approx((0.7 * semantic).tolist())
