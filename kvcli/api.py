@@ -21,7 +21,6 @@ import torch
 from . import notices
 from .answer.pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .answer.prompt import build_prompt, load_template, stop_token_ids
-from .answer.selection import Selection
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
 from .caches import quant
@@ -29,6 +28,7 @@ from .caches.quant import DEFAULT_KV_BITS
 from .cite.attribution import citing_heads
 from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .compressors.base import Runtime
+from .compressors.selection import Selection
 from .documents import Document, load_document
 from .errors import UsageError
 from .model import LoadedModel, default_cache_dir, load_model

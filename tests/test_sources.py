@@ -15,9 +15,9 @@ from kvcli.cite.sources import (
     fused,
     rank,
     sources_from_tokens,
-    split_units,
 )
 from kvcli.documents import Document, document_from_text
+from kvcli.documents.units import split_units
 from kvcli.retrieval.bm25 import bm25_scores, words
 
 

@@ -26,6 +26,7 @@ from ..caches import KVCache, QuantKVCache, quant
 from ..cite.attribution import CitingHeads
 from ..compressors import Compressor, FullAttention, owned_phases, parse_one
 from ..compressors.base import Runtime
+from ..compressors.selection import Selection
 from ..errors import DocumentError, UsageError
 from ..runtime.attention import listening
 from ..runtime.decode import DecodeStep
@@ -38,7 +39,6 @@ from .policy import AutoPolicy, reads
 from .prefix import Prefix
 from .prefix import report as prefix_report
 from .prompt import Prompt
-from .selection import Selection
 
 SEPARATOR = "+"
 
@@ -365,7 +365,7 @@ def run(
                 ids[selection.kept],
                 protected=prompt.n_after_document,
                 prefix=prefix if i == 0 else None,
-                **({"prompt": prompt} if stage.reads_passages else {}),  # first, checked by check_collisions
+                prompt=prompt if i == 0 else None,
             )
             # the first scores a selector gives are kept, even when it kept every token (pages on a
             # short document: its passages' scores still order the sources)

@@ -17,7 +17,7 @@ and a lexical score instead of an early layer's attention:
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
    whole, in document order, with everything around the document (the template, the question);
    of the next ``skim`` passages (default 2) only the best sentence for the question (BM25 over
-   the passage's units, :func:`kvcli.cite.sources.split_units`) is kept, widened by whole
+   the passage's units, :func:`kvcli.documents.units.split_units`) is kept, widened by whole
    neighbouring units, the next first, while at most ``skim_tokens`` are;
 3. the model reads only those tokens with full attention (fresh, contiguous positions, as
    GemFilter's second pass) and answers. The answer's sources (:mod:`kvcli.cite.sources`) can only
@@ -47,13 +47,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..answer.selection import Selection
-from ..cite.sources import owner_starts, split_units
+from ..documents.units import owner_starts, split_units
 from ..errors import UsageError
 from ..notices import warn
 from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
 from .base import Compressor, knob, register
+from .selection import Selection
 
 BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in seconds on a CPU
 
@@ -182,7 +182,7 @@ def no_match_note(prompt, bounds, chosen, semantic: bool) -> str:
 
 def best_sentences(prompt, passage, a: int, b: int, tokens: int) -> tuple[int, int] | None:
     """The prompt tokens ``[lo, hi)`` of the passage's best unit (sentence or line,
-    :func:`kvcli.cite.sources.split_units`) by BM25 for the question, widened by whole neighbouring
+    :func:`kvcli.documents.units.split_units`) by BM25 for the question, widened by whole neighbouring
     units (the next first) while at most ``tokens`` are read; None when no unit holds a word of it.
     ``[a, b)``: the passage's prompt tokens."""
     units = split_units(passage.text)

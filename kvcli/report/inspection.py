@@ -27,8 +27,8 @@ import torch
 
 from ..answer.pipeline import Pipeline
 from ..answer.prompt import Prompt
-from ..answer.selection import Selection, Span
 from ..api import read_mask, spec_label
+from ..compressors.selection import Selection, Span
 from ..documents import Document
 
 # --------------------------------------------------------------------------- what was kept
