@@ -27,7 +27,7 @@ STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s
 
 @dataclass(frozen=True)
 class Passage:
-    """A passage of the document (a page, or a paragraph of an unpaged one) in the prompt: tokens
+    """A passage of the document (a page, or a page-sized run of an unpaged one) in the prompt: tokens
     ``[start, end)`` (prompt indices), its text, which begins at ``char_start`` of the document."""
 
     start: int
@@ -45,7 +45,7 @@ class Prompt:
     prefix_len: int  # ids[:prefix_len] do not depend on the question
     doc_offsets: list[tuple[int, int]]  # (start, end) character span in the document of each document token
     question: str = ""  # the question as asked (stripped)
-    # the document's passages (pages, else paragraphs: kvcli.documents.passages), each as the prompt
+    # the document's passages (pages, else page-sized runs: kvcli.documents.pagination), each as the prompt
     # tokens it covers: what a method that ranks passages by the question reads (``pages``)
     passages: tuple[Passage, ...] = ()
 

@@ -10,8 +10,8 @@ a manual does: look the question's words up, then read those pages whole.
 It is GemFilter's two-pass shape (Shi et al. 2024, arXiv:2409.17422) with passages as the unit
 and a lexical score instead of an early layer's attention:
 
-1. the document's passages — its pages, or the paragraphs of a document without pages
-   (:func:`kvcli.documents.passages`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
+1. the document's passages — its pages, or page-sized runs of a document without pages (about
+   600 tokens cut at paragraph, line or sentence ends: :mod:`kvcli.documents.pagination`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
    Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`)
    with the question as the query;
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
@@ -74,7 +74,7 @@ class Pages(Compressor):
 
     pages: int = knob(
         1,
-        "passages read whole: the question's best this many by BM25 (a PDF's pages, else paragraphs); "
+        "passages read whole: the question's best this many by BM25 (a PDF's pages, else page-sized passages); "
         "1 answers best on the manuals measured (docs/bench/cite)",
     )
     skim: int = knob(
@@ -115,7 +115,7 @@ class Pages(Compressor):
         return min(n_prompt - n_suffix, self.budget) + n_suffix + max_new_tokens
 
     def reading_note(self, lm, n_prompt: int) -> str:
-        what = "the page (or paragraph)" if self.pages == 1 else f"the {self.pages} pages (or paragraphs)"
+        what = "the page (or passage)" if self.pages == 1 else f"the {self.pages} pages (or passages)"
         skim = f", and the best sentences of the next {self.skim}" if self.skim else ""
         return f"pages reads {what} the question's words point to{skim} (at most {self.budget:,} tokens)"
 

@@ -12,7 +12,7 @@ heading, a table cell, a line of code), a line ending in ``.:;!?``, or a unit al
 
 What reads them: the answer's sources (:mod:`kvcli.cite.sources`), the sentences ``pages``
 skims (:mod:`kvcli.compressors.pages`) and the passages of a document without pages
-(:mod:`kvcli.documents.passages`).
+(:mod:`kvcli.documents.pagination`).
 """
 
 from __future__ import annotations
