@@ -1,4 +1,4 @@
-"""Finding the answer's page: the pages' ranking alone, no language model (issue 49, item 2).
+"""Finding the answer's page: the pages' ranking alone, no language model (the answer in the user's words).
 
     python benchmarks/retrieval.py rank                          # the tuning set (both wordings)
     python benchmarks/retrieval.py rank --set FILE.json ...       # any question file, e.g. the held-out one
@@ -61,8 +61,8 @@ def documents(files: list[Path], pdf_dir: Path):
             yield spec, [doc.text[a:b] for a, b in cuts], [doc.page_of(a) for a, _ in cuts]
 
 
-def signals(model, texts: list[str], question: str, cache_dir: Path) -> dict:
-    vecs, owner, _ = vectors.passage_vectors(model, texts, cache_dir)
+def signals(model, texts: list[str], question: str, cache_dir: Path, window: int = vectors.WINDOW_WORDS) -> dict:
+    vecs, owner, _ = vectors.passage_vectors(model, texts, cache_dir, window)
     return {
         "bm25": np.array(bm25_scores(texts, question)),
         "bm25-stem": np.array(bm25_scores(texts, question, stem=True)),
@@ -94,7 +94,7 @@ def rank(args) -> None:
             for wording in WORDINGS:
                 if not q.get(wording):
                     continue
-                s = signals(model, texts, q[wording], args.cache_dir)
+                s = signals(model, texts, q[wording], args.cache_dir, args.window)
                 for method in args.methods:
                     best = [pages[i] for i in top(scores_of(method, s), 3)]
                     rows.append(
@@ -172,6 +172,7 @@ def main() -> None:
         s.add_argument("--out", type=Path)
         if name == "rank":
             s.add_argument("--methods", type=lambda x: x.split(","), default=METHODS)
+            s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 200)")
     args = p.parse_args()
     {"rank": rank, "nomatch": nomatch}[args.cmd](args)
 

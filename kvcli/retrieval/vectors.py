@@ -74,17 +74,19 @@ def save(path: Path, digest: str, vectors: np.ndarray, owner: np.ndarray, about:
         pass
 
 
-def passage_vectors(embedder, passages: list[str], cache_dir: Path | None) -> tuple[np.ndarray, np.ndarray, str]:
+def passage_vectors(
+    embedder, passages: list[str], cache_dir: Path | None, size: int = WINDOW_WORDS
+) -> tuple[np.ndarray, np.ndarray, str]:
     """Every window's vector and its passage, from the store when there (``cache_dir``: None
     computes them without storing); the third value says which: "hit", "computed"."""
-    digest = key(embedder.id, passages)
+    digest = key(embedder.id, passages, size)
     path = path_for(cache_dir, digest) if cache_dir is not None else None
     if path is not None and (found := load(path, digest)) is not None:
         return *found, "hit"
-    cut = [windows(p) for p in passages]
+    cut = [windows(p, size) for p in passages]
     owner = np.array([i for i, ws in enumerate(cut) for _ in ws], dtype=np.int64)
     vectors = embedder.encode([w for ws in cut for w in ws])
     if path is not None:
-        about = {"model": str(embedder.folder), "window_words": WINDOW_WORDS, "passages": len(passages)}
+        about = {"model": str(embedder.folder), "window_words": size, "passages": len(passages)}
         save(path, digest, vectors, owner, about)
     return vectors, owner, "computed"
