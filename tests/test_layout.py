@@ -109,3 +109,19 @@ def test_the_compressors_and_documents_import_nothing_above_them():
     above = ("kvcli.answer", "kvcli.cite", "kvcli.api", "kvcli.cli", "kvcli.report")
     low = {m: deps for m, deps in graph.items() if m.startswith(("kvcli.compressors", "kvcli.documents"))}
     assert {(m, d) for m, deps in low.items() for d in deps if d.startswith(above)} == set()
+
+
+def test_retrieval_imports_only_documents_files_and_errors():
+    """kvcli.retrieval (the pages' ranking, BM25 for the citations) sits below the compressors and
+    the sources that use it: of kvcli it imports only documents, files, errors and itself."""
+    graph = import_graph()
+    assert (
+        graph["kvcli.compressors.pages"] >= {"kvcli.retrieval"}
+        and "kvcli.retrieval.bm25" in graph["kvcli.cite.sources"]
+    )
+    allowed = ("kvcli.retrieval", "kvcli.documents", "kvcli.files", "kvcli.errors")
+    mine = {m: deps for m, deps in graph.items() if m.startswith("kvcli.retrieval")}
+    assert len(mine) >= 4
+    assert {
+        (m, d) for m, deps in mine.items() for d in deps if d.startswith("kvcli") and not d.startswith(allowed)
+    } == set()
