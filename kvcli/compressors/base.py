@@ -110,6 +110,10 @@ class Compressor:
     # a selector that ranks the document's passages against the question (``prompt.passages`` and
     # ``prompt.question`` in :meth:`select_tokens`): it must come first (the one handed the prompt)
     reads_passages: ClassVar[bool] = False
+    # a selector that retrieves what the model reads instead of compressing the prompt (pages): its
+    # Selection says what it read (``read``: :class:`~kvcli.compressors.selection.Read`), which is
+    # reported instead of a compression ratio, and the progress counts the tokens it reads
+    retrieves: ClassVar[bool] = False
     # the bits ``--kv-bits auto`` (the default) holds and stores the method's KV in: 16, except where
     # lower bits measured as accurate and save what matters (InfLLM's stored book: docs/kv-bits.md)
     auto_kv_bits: ClassVar[int] = 16

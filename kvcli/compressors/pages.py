@@ -53,7 +53,7 @@ from ..notices import warn
 from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
 from .base import Compressor, knob, register
-from .selection import Selection
+from .selection import Read, Selection
 
 BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in seconds on a CPU
 
@@ -71,6 +71,7 @@ class Pages(Compressor):
     )
     keep_all: ClassVar[str] = "pages={n},budget={n}"  # every passage, and room for all of them
     reads_passages: ClassVar[bool] = True
+    retrieves: ClassVar[bool] = True  # it reads a few passages, says which (Selection.read)
 
     pages: int = knob(
         1,
@@ -136,7 +137,7 @@ class Pages(Compressor):
         ranking = rank_passages([p.text for p in prompt.passages], prompt.question, self.vectors_dir())
         bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
-        chosen, skimmed = [], []
+        chosen, skimmed, read = [], [], []  # read: (how, passage index, token span), in the order chosen
         for i in sorted(range(len(bounds)), key=lambda i: (-bm25[i], i)):
             a, b = bounds[i]
             if len(chosen) == self.pages:
@@ -145,13 +146,16 @@ class Pages(Compressor):
                 span = best_sentences(prompt, prompt.passages[i], a, b, self.skim_tokens)
                 if span is not None and span[1] - span[0] <= room:
                     skimmed.append(span)
+                    read.append(("skimmed", i, span))
                     room -= span[1] - span[0]
                 continue
             if b - a <= room:
                 chosen.append((a, b))
+                read.append(("whole", i, (a, b)))
                 room -= b - a
             elif not chosen:  # the best passage alone is over the budget: its beginning
                 chosen.append((a, a + max(room, 0)))
+                read.append(("beginning", i, (a, a + max(room, 0))))
                 room = 0
         chosen += skimmed
         for (a, b), score in zip(bounds, bm25):
@@ -161,13 +165,23 @@ class Pages(Compressor):
         note = None if ranking.matched else no_match_note(prompt, bounds, chosen, ranking.semantic is not None)
         if note is not None:
             warn(note)
-        return Selection(torch.nonzero(keep).flatten(), scores, note=note)
+        what = tuple(read_of(prompt, how, prompt.passages[i], *span) for how, i, span in read if span[1] > span[0])
+        return Selection(torch.nonzero(keep).flatten(), scores, note=note, read=what)
 
     def vectors_dir(self):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
         from ..model import default_cache_dir
 
         return self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+
+
+def read_of(prompt, how: str, passage, a: int, b: int) -> Read:
+    """The :class:`Read` of prompt tokens ``[a, b)`` of ``passage``: their characters, within the
+    passage's text (the whitespace after it, which its tokens cover, left out)."""
+    lo = prompt.doc_offsets[a - prompt.doc_start][0]
+    hi = prompt.doc_offsets[b - 1 - prompt.doc_start][1]
+    start, end = passage.char_start, passage.char_start + len(passage.text)
+    return Read(how, a, b, max(lo, start), max(max(lo, start), min(hi, end)))
 
 
 def no_match_note(prompt, bounds, chosen, semantic: bool) -> str:
