@@ -12,8 +12,8 @@ do). The tuning set is docs/bench/cite/questions.json + docs/bench/books/questio
 
 ``rank``: for each method, the answer's page first (hit@1) and among the top three (hit@3), per
 wording. Methods: ``bm25`` (plain words: what pages ranked by before), ``bm25-stem`` (Snowball
-stems), ``embed`` (the sentence embedding's best ~200-word window of each page), ``rrf:K`` (BM25 on
-stems and the embedding by reciprocal rank, constant K; ``rrf:60`` is kvcli's) and ``mix:W``
+stems), ``embed`` (the sentence embedding's best 100-word window (``--window``) of each page), ``rrf:K`` (BM25 on
+stems and the embedding by reciprocal rank, constant K) and ``mix:W``
 (W · BM25 / its best + (1 - W) · cosine, a weighted sum); kvcli's own is
 :data:`kvcli.retrieval.ranking.FUSION`. Rows to ``--out`` (JSON).
 
@@ -172,7 +172,7 @@ def main() -> None:
         s.add_argument("--out", type=Path)
         if name == "rank":
             s.add_argument("--methods", type=lambda x: x.split(","), default=METHODS)
-            s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 200)")
+            s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 100)")
     args = p.parse_args()
     {"rank": rank, "nomatch": nomatch}[args.cmd](args)
 

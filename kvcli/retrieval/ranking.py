@@ -4,10 +4,10 @@
   ``stem=True``);
 * semantic: the cosine between the question's vector and each window of a passage, the passage's
   best window (:mod:`.vectors`, :mod:`.embed`);
-* fused by reciprocal rank (Cormack, Clarke & Büttcher 2009, "Reciprocal Rank Fusion outperforms
-  Condorcet and individual Rank Learning Methods"): ``Σ 1 / (k + rank)`` over the two orders, ranks
-  from 1; a passage that holds no word of the question gets nothing from BM25's. ``k`` was chosen
-  on the tuning questions only (benchmarks/retrieval.py; docs/bench/retrieval).
+* fused as a weighted sum, ``WEIGHT · BM25 / the best passage's BM25 + (1 - WEIGHT) · cosine``
+  (:func:`weighted`; reciprocal rank fusion, Cormack, Clarke & Büttcher 2009, :func:`reciprocal_rank`,
+  ranked below it). The window, the fusion and its weight were chosen on the tuning questions only
+  (benchmarks/retrieval.py; docs/bench/retrieval).
 
 No real signal (:attr:`Ranking.matched` False): no window of the document is within
 :data:`NO_MATCH_COSINE` of the question (BM25 alone: no word of the question is in it). Measured
@@ -24,10 +24,12 @@ import numpy as np
 from . import embed, vectors
 from .bm25 import bm25_scores
 
-RRF_K = 60  # reciprocal rank fusion's constant (the paper's)
-WEIGHT = 0.5  # BM25's weight in the weighted sum
+RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when FUSION is ("rrf", k)
+WEIGHT = 0.3  # BM25's weight in the weighted sum
 FUSION = ("mix", WEIGHT)  # how the two are fused: chosen on the tuning questions (docs/bench/retrieval)
-NO_MATCH_COSINE = 0.30  # a best window's cosine under this: no page matched the question
+NO_MATCH_COSINE = (
+    0.30  # a best window's cosine under this: no page matched the question (measured: docs/bench/retrieval)
+)
 
 
 @dataclass

@@ -22,7 +22,9 @@ import numpy as np
 from ..files import save_safetensors_atomic
 
 FORMAT = 1  # the file's layout: bump when it changes (old files are then misses)
-WINDOW_WORDS = 200  # ~a paragraph: what one window embeds (all-MiniLM-L6-v2 reads at most 256 tokens of it)
+WINDOW_WORDS = (
+    100  # what one window embeds: chosen on the tuning questions (200 words often ran past the model's 256 tokens)
+)
 FOLDER = "vectors"
 
 

@@ -113,10 +113,12 @@ def kept_runs(prompt, kept: torch.Tensor, text: str) -> list[str]:
     return [text[prompt.doc_offsets[r[0]][0] : prompt.doc_offsets[r[-1]][1]].strip() for r in runs]
 
 
-def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm):
+def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm, monkeypatch):
     """skim: after the best passage (read whole), the next passages by BM25 give only their best
     sentence by BM25 among the passage's sentences, widened by whole neighbours (the next first)
-    while skim_tokens allow. The expected sentences are cut by hand here."""
+    while skim_tokens allow. The expected sentences are cut by hand here. The passages are ranked
+    by BM25 alone (``KVCLI_EMBED_MODEL=none``): the embedding's share is tests/retrieval's."""
+    monkeypatch.setenv("KVCLI_EMBED_MODEL", "none")
     lm = tiny_lm("llama")
     text = "\n\n".join(SKIM)
     from kvcli.retrieval.bm25 import bm25_scores
