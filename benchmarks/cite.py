@@ -49,9 +49,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
 from cite_heads import span  # noqa: E402  ("0-39" or "0,3,5" -> the indices)
 
-from kvcli.cite.bm25 import bm25_scores  # noqa: E402
 from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
+from kvcli.retrieval.bm25 import bm25_scores  # noqa: E402
 
 QUESTIONS = ROOT / "docs" / "bench" / "cite" / "questions.json"
 BOOK_QUESTIONS = ROOT / "docs" / "bench" / "books" / "questions.json"

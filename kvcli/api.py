@@ -21,7 +21,6 @@ import torch
 from . import notices
 from .answer.pipeline import SEPARATOR, Pipeline, Result, check_window, run
 from .answer.prompt import build_prompt, load_template, stop_token_ids
-from .answer.selection import Selection
 from .answer.stopping import AnswerGuard
 from .answer.streaming import AnswerStream
 from .caches import quant
@@ -29,6 +28,7 @@ from .caches.quant import DEFAULT_KV_BITS
 from .cite.attribution import citing_heads
 from .cite.sources import LEXICAL_WEIGHT, Sources, sources_from_tokens
 from .compressors.base import Runtime
+from .compressors.selection import Selection, read_record
 from .documents import Document, load_document
 from .errors import UsageError
 from .model import LoadedModel, default_cache_dir, load_model
@@ -131,7 +131,8 @@ class Session:
         answer starts with, after the generation prompt (benchmarks such as RULER).
 
         While it runs: ``on_prompt(method, n_tokens)`` once the method is chosen (its name, e.g.
-        "full attention", and the prompt's length), before the prompt is read; ``on_progress(f)``
+        "full attention", and the prompt's length; for a method that retrieves, ``pages``, once it
+        chose what to read, and the tokens it reads), before the prompt is read; ``on_progress(f)``
         while the prompt is read, ``f`` in [0, 1] (:func:`prompt_progress`; none once the document's
         KV came from the disk store); ``on_wait(text)`` while another kvcli process computes the
         same document's KV and this one waits for it ("another kvcli process (pid 4242) reading
@@ -165,7 +166,8 @@ class Session:
             pipeline,
             stored=use_store and self.store is not None and self.store.enabled,
         )
-        if on_prompt is not None:
+        retrieves = pipeline.retrieves()  # pages: the tokens read are known once it chose them
+        if on_prompt is not None and not retrieves:
             on_prompt(method_label(pipeline), prompt.n_tokens)
         stop = set() if force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         guard = (
@@ -177,6 +179,12 @@ class Session:
         with prompt_progress(self.engine, prompt.n_tokens, on_progress, store, on_wait, on_resume) as reading:
             callbacks = [reading.done] if reading.handles else []
             callbacks += [f for f in (None if stream is None else stream.on_token, on_token) if f is not None]
+
+            def selected(selection: Selection) -> None:  # a retrieving method: count what it reads
+                reading.expect(selection.n_kept)
+                if on_prompt is not None:
+                    on_prompt(method_label(pipeline), selection.n_kept)
+
             result = run(
                 self.engine,
                 prompt,
@@ -189,6 +197,7 @@ class Session:
                 low_memory=self.options.low_memory,
                 threads=self.threads,
                 cite=citing_heads(self.lm) if sources else None,
+                on_selected=selected if retrieves else None,
                 meta={
                     "document": document.source if document.source == "-" else os.path.abspath(document.source),
                     "document_sha256": document.sha256,
@@ -197,6 +206,7 @@ class Session:
                     "template": self.options.template,
                 },
             )
+        result.document = document
         if stream is not None:
             stream.close(result.answer)
         if sources:
@@ -299,6 +309,11 @@ class prompt_progress(Watcher):
         if self.on_progress is not None and not self.quiet:
             self.on_progress(min(1.0, self.count / self.total))
 
+    def expect(self, n_tokens: int) -> None:
+        """The prompt tokens that will be read, once a method that retrieves chose them (``pages``):
+        the progress counts those, not the whole prompt's."""
+        self.total = max(1, n_tokens * self.n_layers)
+
     # --- what the store says (kvcli.store.kvstore.Watcher) -------------------------------------------
     def waiting(self, holder) -> None:
         if self.on_wait is not None:
@@ -341,7 +356,9 @@ def result_record(
         "n_document_tokens": result.prompt.n_document_tokens,
         # the KV actually held: mean over layers and KV heads of prompt entries in the cache
         "n_kept_tokens": round(result.n_kept_tokens, 2),
-        "compression_ratio": round(result.compression_ratio, 4),
+        # none for a method that retrieves (pages): what it read is in ``read``, and full attention
+        # over the whole document, what a ratio compares with, may not fit the window
+        "compression_ratio": None if result.selection.read is not None else round(result.compression_ratio, 4),
         "n_selected_tokens": result.selection.n_kept,  # prompt tokens the model read (a selector's k)
         **compute_fractions(result.extra.get("method_stats") or {}),
         "ttft_s": round(result.ttft_s, 4),
@@ -368,6 +385,10 @@ def result_record(
         "sources": None if result.sources is None else result.sources.to_json(),
         "sources_note": None if result.sources is None else result.sources.reason,
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
+        # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
+        "no_match": result.selection.note,
+        # a method that retrieves (pages): the passages read whole and skimmed, their tokens, of the document's
+        "read": read_record(result.selection.read, result.prompt, document),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvcli.answer import policy
-from kvcli.answer.selection import Span
 from kvcli.batch import error_record
+from kvcli.compressors.selection import Span
 from tests.helpers.documented import json_fields
 
 ROOT = Path(__file__).resolve().parent.parent

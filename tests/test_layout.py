@@ -98,3 +98,30 @@ def test_only_the_benchmarks_and_the_cli_import_the_benchmark_code():
     importers = {m for m, deps in graph.items() for d in deps if d == "kvcli.bench" or d.startswith("kvcli.bench.")}
     assert importers, "the graph sees kvcli.bench's importers at all"
     assert {m for m in importers if not m.startswith(("kvcli.bench", "kvcli.cli"))} == set()
+
+
+def test_the_compressors_and_documents_import_nothing_above_them():
+    """cli -> api -> answer -> compressors -> cite/store -> ...: a method gets the passages and
+    sentences from kvcli.documents and its Selection from kvcli.compressors.selection, never from the
+    answer or the sources above it (issue 49), and documents import neither."""
+    graph = import_graph()
+    assert graph["kvcli.compressors.pages"] >= {"kvcli.documents.units", "kvcli.compressors.selection"}
+    above = ("kvcli.answer", "kvcli.cite", "kvcli.api", "kvcli.cli", "kvcli.report")
+    low = {m: deps for m, deps in graph.items() if m.startswith(("kvcli.compressors", "kvcli.documents"))}
+    assert {(m, d) for m, deps in low.items() for d in deps if d.startswith(above)} == set()
+
+
+def test_retrieval_imports_only_documents_files_and_errors():
+    """kvcli.retrieval (the pages' ranking, BM25 for the citations) sits below the compressors and
+    the sources that use it: of kvcli it imports only documents, files, errors and itself."""
+    graph = import_graph()
+    assert (
+        graph["kvcli.compressors.pages"] >= {"kvcli.retrieval"}
+        and "kvcli.retrieval.bm25" in graph["kvcli.cite.sources"]
+    )
+    allowed = ("kvcli.retrieval", "kvcli.documents", "kvcli.files", "kvcli.errors")
+    mine = {m: deps for m, deps in graph.items() if m.startswith("kvcli.retrieval")}
+    assert len(mine) >= 4
+    assert {
+        (m, d) for m, deps in mine.items() for d in deps if d.startswith("kvcli") and not d.startswith(allowed)
+    } == set()

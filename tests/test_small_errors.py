@@ -58,7 +58,7 @@ def test_a_knob_for_a_method_without_knobs_says_it_takes_none():
 def test_kept_spans_header_counts_in_the_right_number(n, words):
     from rich.console import Console
 
-    from kvcli.answer.selection import Span
+    from kvcli.compressors.selection import Span
     from kvcli.documents import document_from_text
     from kvcli.report import terminal as render
 

@@ -9,16 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from kvcli.cite.bm25 import bm25_scores, words
 from kvcli.cite.sources import (
     MAX_SOURCE_UNITS,
     DocumentUnits,
     fused,
     rank,
     sources_from_tokens,
-    split_units,
 )
 from kvcli.documents import Document, document_from_text
+from kvcli.documents.units import split_units
+from kvcli.retrieval.bm25 import bm25_scores, words
 
 
 @pytest.fixture(scope="module")

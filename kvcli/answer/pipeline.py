@@ -26,6 +26,7 @@ from ..caches import KVCache, QuantKVCache, quant
 from ..cite.attribution import CitingHeads
 from ..compressors import Compressor, FullAttention, owned_phases, parse_one
 from ..compressors.base import Runtime
+from ..compressors.selection import Selection
 from ..errors import DocumentError, UsageError
 from ..runtime.attention import listening
 from ..runtime.decode import DecodeStep
@@ -38,7 +39,6 @@ from .policy import AutoPolicy, reads
 from .prefix import Prefix
 from .prefix import report as prefix_report
 from .prompt import Prompt
-from .selection import Selection
 
 SEPARATOR = "+"
 
@@ -129,6 +129,13 @@ class Pipeline:
         selectors = self.selectors()
         return bool(selectors) and selectors[0].reads_passages
 
+    def retrieves(self) -> bool:
+        """Whether the first selector retrieves what it reads instead of compressing the prompt
+        (``pages``): its Selection says what it read (``read``), and no compression ratio is
+        reported against a full attention that may not fit the window."""
+        selectors = self.selectors()
+        return bool(selectors) and selectors[0].retrieves
+
     def compressors(self) -> list[Compressor]:
         return [s for s in self.stages if "compress" in owned_phases(type(s))]
 
@@ -189,6 +196,9 @@ class Result:
     # where the answer comes from (kvcli.cite.sources.Sources), built by the caller that knows the
     # document (kvcli.api.Session.ask) from ``extra["citing"]``; None: not asked for
     sources: object | None = None
+    # the document answered from (kvcli.documents.Document), set by the caller that has it (Session.ask):
+    # where what was read lies (pages or lines) for a method that retrieves
+    document: object | None = None
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -345,6 +355,7 @@ def run(
     low_memory: bool = False,
     threads: ThreadPolicy | None = None,
     cite=None,
+    on_selected: Callable[[Selection], None] | None = None,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
@@ -353,7 +364,8 @@ def run(
     the stop tokens (:class:`kvcli.answer.stopping.AnswerGuard`); ``cite``: the citing heads
     (:class:`kvcli.cite.attribution.HeadWeights`) whose attention while decoding is kept for the
     answer's sources (``Result.extra["citing"]``), None: nothing is read; ``threads``: the CPU
-    threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are).
+    threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are);
+    ``on_selected(selection)``: once the selectors chose, before the chosen tokens are read.
     """
     tokenizer = engine.lm.tokenizer
     ids = prompt.ids
@@ -374,14 +386,22 @@ def run(
                 ids[selection.kept],
                 protected=prompt.n_after_document,
                 prefix=prefix if i == 0 else None,
-                **({"prompt": prompt} if stage.reads_passages else {}),  # first, checked by check_collisions
+                prompt=prompt if i == 0 else None,
             )
-            if selection.scores is None and sub.scores is not None and sub.kept.numel() < selection.n_kept:
+            # the first scores a selector gives are kept, even when it kept every token (pages on a
+            # short document: its passages' scores still order the sources)
+            if selection.scores is None and sub.scores is not None:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
-                selection = Selection(selection.kept[sub.kept], scores)
+                selection = Selection(
+                    selection.kept[sub.kept], scores, selection.note or sub.note, selection.read or sub.read
+                )
             else:
-                selection = Selection(selection.kept[sub.kept], selection.scores)
+                selection = Selection(
+                    selection.kept[sub.kept], selection.scores, selection.note or sub.note, selection.read or sub.read
+                )
+        if on_selected is not None:
+            on_selected(selection)
         kept_ids = ids[selection.kept]
         # after a selection the kept tokens are re-run from scratch: the prefix state no longer
         # applies — unless the selectors kept everything (a short document), then the second pass

@@ -9,7 +9,7 @@ and at 2x only GemFilter matches it, without saving time to first token. So the 
 
 * the prompt and the answer fit the model's window: **full attention**;
 * longer than the window: ``BEYOND_WINDOW``, ``pages`` (``-c pages``): the document's page (or
-  paragraph) that BM25 ranks first for the question, read whole with full attention, and the best
+  page-sized passage) that BM25 ranks first for the question, read whole with full attention, and the best
   sentences of the next two. On 63 questions about six Debian manuals (docs/bench/cite, "Pages") it
   answered 17 (one page alone 18) — as many as the oracle reading, the answer's page handed over
   (17) — where InfLLM's stored book, the default before it, answered 8, taking a median 3.7 s a

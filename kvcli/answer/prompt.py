@@ -5,7 +5,7 @@ The rendered prompt is cut into five pieces, tokenized separately so their bound
     [head][document][middle] | [question][tail]
     └──── question-agnostic prefix ────┘ └─ suffix ─┘
 
-``head``/``middle``/``tail`` come from the template (``prompts/*.txt``) rendered through the
+``head``/``middle``/``tail`` come from the template (``prompts/*.txt``, :mod:`kvcli.templates`) rendered through the
 model's chat template; ``tail`` ends with the generation prompt (e.g. ``<|im_start|>assistant\\n``).
 Document tokens carry their character span in ``Document.text`` so any kept token maps back to
 text and page.
@@ -14,30 +14,27 @@ text and page.
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..documents import passages
-from ..errors import DocumentError, UsageError
+from ..errors import DocumentError
+from ..templates import load_template, render_pieces
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "prompts"
-DEFAULT_TEMPLATE = "qa"
-_DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
 STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
 
 
 @dataclass(frozen=True)
 class Passage:
-    """A passage of the document (a page, or a paragraph of an unpaged one) in the prompt: tokens
+    """A passage of the document (a page, or a page-sized run of an unpaged one) in the prompt: tokens
     ``[start, end)`` (prompt indices), its text, which begins at ``char_start`` of the document."""
 
     start: int
     end: int
     char_start: int
     text: str
+    page: int = 1  # the document's page (1-based) it begins on: what a note about it names
 
 
 @dataclass
@@ -48,7 +45,7 @@ class Prompt:
     prefix_len: int  # ids[:prefix_len] do not depend on the question
     doc_offsets: list[tuple[int, int]]  # (start, end) character span in the document of each document token
     question: str = ""  # the question as asked (stripped)
-    # the document's passages (pages, else paragraphs: kvcli.documents.passages), each as the prompt
+    # the document's passages (pages, else page-sized runs: kvcli.documents.pagination), each as the prompt
     # tokens it covers: what a method that ranks passages by the question reads (``pages``)
     passages: tuple[Passage, ...] = ()
 
@@ -78,47 +75,6 @@ class Prompt:
         if self.doc_start <= token_index < self.doc_end:
             return self.doc_offsets[token_index - self.doc_start]
         return None
-
-
-def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
-    """A template by name (``qa``: ``prompts/qa.txt``) or by path (any file, with or without an
-    extension: a name with a folder in it, or one that exists, is a path)."""
-    path = Path(name_or_path).expanduser()
-    is_name = not path.suffix and "/" not in name_or_path and os.sep not in name_or_path and not path.is_file()
-    if is_name:
-        path = TEMPLATE_DIR / f"{name_or_path}.txt"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        names = ", ".join(sorted(p.stem for p in TEMPLATE_DIR.glob("*.txt")))
-        what = f"prompt template '{name_or_path}'" if is_name else f"prompt template file {path}"
-        raise UsageError(f"{what} not found; templates by name: {names}, or give the path of a file") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"prompt template {path} is not UTF-8 text") from None
-    except OSError as e:
-        raise UsageError(f"prompt template {path} cannot be read: {e.strerror or e}") from None
-    if (
-        text.count("{document}") != 1
-        or text.count("{question}") != 1
-        or text.index("{document}") > text.index("{question}")
-    ):
-        raise UsageError(f"prompt template {path}: needs one {{document}} followed by one {{question}}")
-    return text
-
-
-def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
-    """Render the template through the chat template; return (head, middle, tail) strings."""
-    message = template.strip("\n").replace("{document}", _DOC).replace("{question}", _QUESTION)
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-        )
-    else:
-        bos = tokenizer.bos_token or ""
-        text = f"{bos}{message}\nAnswer:"
-    head, rest = text.split(_DOC)
-    middle, tail = rest.split(_QUESTION)
-    return head, middle, tail
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -164,7 +120,7 @@ def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...
     for lo, hi in passages(text, page_starts):
         a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
         if b > a:
-            out.append(Passage(first + a, first + b, lo, text[lo:hi]))
+            out.append(Passage(first + a, first + b, lo, text[lo:hi], bisect.bisect_right(page_starts, lo)))
     return tuple(out)
 
 

@@ -1,15 +1,8 @@
 """Where an answer comes from: the document cut into units, token scores -> unit scores -> sources.
 
-A **unit** is a whole sentence or a whole line of ``Document.text`` (never a token: this tokenizer
-splits numbers into digits, and a quote must be readable). Units partition the text: every
-character up to the next unit's start belongs to a unit, so every document token falls in exactly
-one; the unit's ``start``/``end`` are its text without the surrounding whitespace. Units never
-cross a page.
+A **unit** is a whole sentence or a whole line of ``Document.text`` (:mod:`kvcli.documents.units`
+cuts them); every document token falls in exactly one.
 
-* A sentence ends at ``.``, ``!`` or ``?`` (a closing quote or bracket may follow) before
-  whitespace; a line ends its unit where it does not read as wrapped prose: a blank line, a short
-  line (a heading, a table cell, a line of code), a line ending in ``.:;!?``, or a unit already
-  over ``MAX_UNIT_CHARS``. A long line whose sentence goes on continues the unit on the next line.
 * A **source** is a run of adjacent units: the units are taken best first; a unit next to a
   source joins it when it scores at least ``JOIN_SHARE`` of the source's best unit (up to
   ``MAX_SOURCE_UNITS``), another opens a new source while fewer than ``top`` are open.
@@ -20,24 +13,21 @@ cross a page.
   score of the units that were read (``Sources.peak``), nothing stands out: the sources are still
   returned, marked ``clear=False`` with a reason, and a terminal says "no clear source".
 
-What scores the tokens is the caller's (the answer's attention, BM25 in :mod:`kvcli.cite.bm25`); this
+What scores the tokens is the caller's (the answer's attention, BM25 in :mod:`kvcli.retrieval.bm25`); this
 module only maps them, so it is tested without a model.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..documents import Document
-from .bm25 import bm25_scores
+from ..documents.units import Unit, owner_starts, split_units
+from ..retrieval.bm25 import bm25_scores
 
-MAX_UNIT_CHARS = 400  # a wrapped sentence longer than this is cut at a line end
-SHORT_LINE = 50  # a line shorter than this ends its unit (not wrapped prose)
 MAX_SOURCE_UNITS = 4  # adjacent units merged into one source at most
 JOIN_SHARE = 0.5  # a unit joins the source next to it when it scores at least this share of the source's best
 DEFAULT_TOP = 3
@@ -48,16 +38,6 @@ QUOTE_CHARS = 80
 # alone. 2: chosen on RULER qa_2 instances 100-115 (docs/bench/cite), where the embedded model's
 # attention alone cited the gold paragraph first for 19% and fused 88%
 LEXICAL_WEIGHT = 2.0
-
-_SENTENCE_END = re.compile(r"(?<=[\w)\]\"'’”])[.!?][\"')\]’”]*(?=\s)")
-_LINE_ENDS_UNIT = re.compile(r"[.:;!?][\"')\]’”]*$")
-
-
-@dataclass(frozen=True)
-class Unit:
-    start: int  # [start, end): the unit's text in Document.text, whitespace trimmed
-    end: int
-    owns: int  # the first character of the next unit's share: the unit owns [its share's start, owns)
 
 
 @dataclass(frozen=True)
@@ -115,65 +95,6 @@ class Sources:
 
 
 # --------------------------------------------------------------------------- units
-
-
-def split_units(text: str, page_starts: tuple[int, ...] = (0,)) -> list[Unit]:
-    """The units of ``text`` (module docstring), in order; ``page_starts`` as ``Document``'s."""
-    units: list[Unit] = []
-    bounds = list(page_starts) + [len(text)]
-    for lo, hi in itertools.pairwise(bounds):
-        _split_page(text, lo, hi, units)
-    if units:  # the last unit owns the rest of the text; the first, what comes before it
-        units[-1] = Unit(units[-1].start, units[-1].end, len(text))
-    return units
-
-
-def _split_page(text: str, lo: int, hi: int, units: list[Unit]) -> None:
-    start = None  # the open unit's first character
-
-    def close(end: int) -> None:
-        nonlocal start
-        if start is not None:
-            e = end
-            while e > start and text[e - 1].isspace():
-                e -= 1
-            if e > start:
-                if units:
-                    prev = units[-1]
-                    units[-1] = Unit(prev.start, prev.end, start)
-                units.append(Unit(start, e, end))
-            start = None
-
-    pos = lo
-    while pos < hi:
-        nl = text.find("\n", pos, hi)
-        line_end = hi if nl < 0 else nl
-        line = text[pos:line_end]
-        stripped = line.strip()
-        if not stripped:
-            close(pos)
-        else:
-            offset = pos + len(line) - len(line.lstrip())
-            if start is None:
-                start = offset
-            for m in _SENTENCE_END.finditer(text, offset, line_end):
-                close(m.end())
-                nxt = m.end()
-                while nxt < line_end and text[nxt].isspace():
-                    nxt += 1
-                start = nxt if nxt < line_end else None
-            if start is not None and (
-                len(stripped) < SHORT_LINE or _LINE_ENDS_UNIT.search(stripped) or line_end - start > MAX_UNIT_CHARS
-            ):
-                close(line_end)
-        pos = line_end + 1
-    close(hi)
-
-
-def owner_starts(units: list[Unit]) -> np.ndarray:
-    """The first character of each unit's share (``searchsorted(..., side="right") - 1`` of a
-    character is the unit owning it): the first unit owns everything before it too."""
-    return np.array([0] + [u.owns for u in units[:-1]], dtype=np.int64)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections import deque
 from rich.console import Console
 
 from ..api import spec_label
+from ..compressors.selection import read_line
 
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
 LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has taken this long ...
@@ -254,7 +255,11 @@ def stats_line(result, pipeline) -> str:
 def kv_figures(result) -> str:
     """ "KV kept 3,120/12,480 tokens (4.0×)": the prompt's KV held and the compression ratio. On a
     hybrid (Gemma 2 / 3) the sliding layers hold only their window under full attention too, so
-    the ratio is against full attention, said so; a stored book adds the share the answer read."""
+    the ratio is against full attention, said so; a stored book adds the share the answer read. A
+    method that retrieves (pages) says what it read instead ("read p. 12 whole, p. 3 skimmed: 760 of
+    74,000 document tokens"): no ratio against a full attention that may not fit the window."""
+    if result.selection.read is not None and result.document is not None:  # it retrieved: what it read
+        return read_line(result.selection.read, result.prompt, result.document)
     kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"
     if result.windows is not None and result.windows.hybrid:
         kept += f" (sliding windows; {result.compression_ratio:.1f}× compression vs full attention)"

@@ -4,11 +4,14 @@ A compressor is a small ``@dataclass`` whose fields are its knobs (each with a `
 field metadata) and whose class docstring cites its paper. It acts through optional hooks, called
 by :mod:`kvcli.answer.pipeline` in this order:
 
-``select_tokens(engine, prompt_ids) -> kept``
+``select_tokens(engine, prompt_ids, protected, prefix, prompt) -> Selection``
     Before prefill: choose a sub-sequence of the prompt (GemFilter). The chosen tokens are re-run
-    with fresh, contiguous positions. Several selectors may chain. A selector that ranks the
-    document's passages by the question (``reads_passages``: ``pages``) is handed the ``prompt``
-    too, and must come first.
+    with fresh, contiguous positions. Several selectors may chain; each is called the same way,
+    and the first is handed the ``prompt`` (:class:`kvcli.answer.prompt.Prompt`: the document's
+    passages, the question), the later ones None (they see the first one's selection, not the
+    prompt). A selector that ranks the document's passages by the question declares it
+    (``reads_passages``: ``pages``): the pipeline then puts it first and cites one source per
+    passage it read.
 ``prefill(engine, ids, prefix, protected) -> (cache, first_logits, next_position)``
     Own the prefill loop (chunked or pruned prefill). At most one method per pipeline.
     ``protected``: the tokens after the document (instructions, question, generation prompt), as
@@ -68,11 +71,11 @@ from typing import ClassVar
 
 import torch
 
-from ..answer.selection import Selection
 from ..caches import quant
 from ..caches.qkv import QuantKVCache
 from ..errors import UsageError
 from ..runtime import windows
+from .selection import Selection
 
 REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -104,9 +107,13 @@ class Compressor:
     paper: ClassVar[str] = ""
     # the method keeps the whole KV and can hold it in CPU memory (--kv-offload cpu): blocksparse
     holds_whole_kv: ClassVar[bool] = False
-    # a selector that ranks the document's passages against the question: ``select_tokens`` is
-    # handed the ``prompt`` (:class:`kvcli.answer.prompt.Prompt`: its ``passages`` and ``question``)
+    # a selector that ranks the document's passages against the question (``prompt.passages`` and
+    # ``prompt.question`` in :meth:`select_tokens`): it must come first (the one handed the prompt)
     reads_passages: ClassVar[bool] = False
+    # a selector that retrieves what the model reads instead of compressing the prompt (pages): its
+    # Selection says what it read (``read``: :class:`~kvcli.compressors.selection.Read`), which is
+    # reported instead of a compression ratio, and the progress counts the tokens it reads
+    retrieves: ClassVar[bool] = False
     # the bits ``--kv-bits auto`` (the default) holds and stores the method's KV in: 16, except where
     # lower bits measured as accurate and save what matters (InfLLM's stored book: docs/kv-bits.md)
     auto_kv_bits: ClassVar[int] = 16
@@ -130,12 +137,16 @@ class Compressor:
         Raise :class:`UsageError` for knob values that cannot work with this model.
         """
 
-    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> Selection:
+    def select_tokens(
+        self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None, prompt=None
+    ) -> Selection:
         """Choose prompt tokens to keep: a Selection of sorted indices into ``prompt_ids`` (n,)
         (and the per-token scores, if any). The last ``protected`` tokens are the user prompt after the
         document (instructions, question) and
         the generation prompt; the method's own rule decides whether they are forced in.
-        ``prefix``: the state of ``prompt_ids[:prefix.n_tokens]`` (see the module docstring), or None."""
+        ``prefix``: the state of ``prompt_ids[:prefix.n_tokens]`` (see the module docstring), or None;
+        ``prompt``: the :class:`~kvcli.answer.prompt.Prompt` ``prompt_ids`` are (the first selector),
+        else None."""
         raise NotImplementedError
 
     def prefill(self, engine, ids: torch.Tensor, prefix=None, protected: int = 0):

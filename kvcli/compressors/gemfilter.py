@@ -33,10 +33,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..answer.selection import Selection
 from ..errors import UsageError
 from ..runtime.attention import StopForward, last_query_scores
 from .base import Compressor, knob, register
+from .selection import Selection
 
 PAPER_K = 1024  # the paper's budget for 8B models with 32k-128k contexts
 
@@ -188,7 +188,9 @@ class GemFilter(Compressor):
         runs (k, kernel, span act after it)."""
         return {"kind": "kv", "layers": self.layer + 1}
 
-    def select_tokens(self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None) -> Selection:
+    def select_tokens(
+        self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None, prompt=None
+    ) -> Selection:
         """With a ``prefix`` (the KV of layers 0..r of the first prefix.n_tokens tokens, from the
         store or just computed), only the remaining tokens run through layers 0..r; the scores are
         the same as one pass over the whole prompt. With ``keep_question`` the last ``protected``

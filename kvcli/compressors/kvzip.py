@@ -57,7 +57,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 def template_pieces(tokenizer) -> tuple[list[int], list[int]]:
     """(head, tail) token ids of kvcli's default prompt template through the chat template: what
     precedes the document, and what follows the question (end of turn + generation prompt)."""
-    from ..answer.prompt import load_template, render_pieces
+    from ..templates import load_template, render_pieces
 
     head, _middle, tail = render_pieces(tokenizer, load_template())
     return _encode(tokenizer, head), _encode(tokenizer, tail)

@@ -10,14 +10,14 @@ a manual does: look the question's words up, then read those pages whole.
 It is GemFilter's two-pass shape (Shi et al. 2024, arXiv:2409.17422) with passages as the unit
 and a lexical score instead of an early layer's attention:
 
-1. the document's passages — its pages, or the paragraphs of a document without pages
-   (:func:`kvcli.documents.passages`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
-   Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.cite.bm25`)
+1. the document's passages — its pages, or page-sized runs of a document without pages (about
+   600 tokens cut at paragraph, line or sentence ends: :mod:`kvcli.documents.pagination`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
+   Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`)
    with the question as the query;
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
    whole, in document order, with everything around the document (the template, the question);
    of the next ``skim`` passages (default 2) only the best sentence for the question (BM25 over
-   the passage's units, :func:`kvcli.cite.sources.split_units`) is kept, widened by whole
+   the passage's units, :func:`kvcli.documents.units.split_units`) is kept, widened by whole
    neighbouring units, the next first, while at most ``skim_tokens`` are;
 3. the model reads only those tokens with full attention (fresh, contiguous positions, as
    GemFilter's second pass) and answers. The answer's sources (:mod:`kvcli.cite.sources`) can only
@@ -47,11 +47,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..answer.selection import Selection
-from ..cite.bm25 import bm25_scores
-from ..cite.sources import owner_starts, split_units
+from ..documents.units import owner_starts, split_units
 from ..errors import UsageError
+from ..notices import warn
+from ..retrieval import rank_passages
+from ..retrieval.bm25 import bm25_scores
 from .base import Compressor, knob, register
+from .selection import Read, Selection
 
 BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in seconds on a CPU
 
@@ -69,10 +71,11 @@ class Pages(Compressor):
     )
     keep_all: ClassVar[str] = "pages={n},budget={n}"  # every passage, and room for all of them
     reads_passages: ClassVar[bool] = True
+    retrieves: ClassVar[bool] = True  # it reads a few passages, says which (Selection.read)
 
     pages: int = knob(
         1,
-        "passages read whole: the question's best this many by BM25 (a PDF's pages, else paragraphs); "
+        "passages read whole: the question's best this many by BM25 (a PDF's pages, else page-sized passages); "
         "1 answers best on the manuals measured (docs/bench/cite)",
     )
     skim: int = knob(
@@ -113,7 +116,7 @@ class Pages(Compressor):
         return min(n_prompt - n_suffix, self.budget) + n_suffix + max_new_tokens
 
     def reading_note(self, lm, n_prompt: int) -> str:
-        what = "the page (or paragraph)" if self.pages == 1 else f"the {self.pages} pages (or paragraphs)"
+        what = "the page (or passage)" if self.pages == 1 else f"the {self.pages} pages (or passages)"
         skim = f", and the best sentences of the next {self.skim}" if self.skim else ""
         return f"pages reads {what} the question's words point to{skim} (at most {self.budget:,} tokens)"
 
@@ -131,36 +134,69 @@ class Pages(Compressor):
         bounds = passage_tokens(prompt)
         if not bounds:
             return Selection(torch.arange(n))
-        bm25 = bm25_scores([p.text for p in prompt.passages], prompt.question)
+        ranking = rank_passages([p.text for p in prompt.passages], prompt.question, self.vectors_dir())
+        bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
-        chosen, skimmed = [], []
+        chosen, skimmed, read = [], [], []  # read: (how, passage index, token span), in the order chosen
         for i in sorted(range(len(bounds)), key=lambda i: (-bm25[i], i)):
             a, b = bounds[i]
             if len(chosen) == self.pages:
-                if len(skimmed) == self.skim or bm25[i] <= 0:
+                if len(skimmed) == self.skim or ranking.bm25[i] <= 0:
                     break
                 span = best_sentences(prompt, prompt.passages[i], a, b, self.skim_tokens)
                 if span is not None and span[1] - span[0] <= room:
                     skimmed.append(span)
+                    read.append(("skimmed", i, span))
                     room -= span[1] - span[0]
                 continue
             if b - a <= room:
                 chosen.append((a, b))
+                read.append(("whole", i, (a, b)))
                 room -= b - a
             elif not chosen:  # the best passage alone is over the budget: its beginning
                 chosen.append((a, a + max(room, 0)))
+                read.append(("beginning", i, (a, a + max(room, 0))))
                 room = 0
         chosen += skimmed
         for (a, b), score in zip(bounds, bm25):
             scores[a:b] = score
         for a, b in chosen:
             keep[a:b] = True
-        return Selection(torch.nonzero(keep).flatten(), scores)
+        note = None if ranking.matched else no_match_note(prompt, bounds, chosen, ranking.semantic is not None)
+        if note is not None:
+            warn(note)
+        what = tuple(read_of(prompt, how, prompt.passages[i], *span) for how, i, span in read if span[1] > span[0])
+        return Selection(torch.nonzero(keep).flatten(), scores, note=note, read=what)
+
+    def vectors_dir(self):
+        """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
+        from ..model import default_cache_dir
+
+        return self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+
+
+def read_of(prompt, how: str, passage, a: int, b: int) -> Read:
+    """The :class:`Read` of prompt tokens ``[a, b)`` of ``passage``: their characters, within the
+    passage's text (the whitespace after it, which its tokens cover, left out)."""
+    lo = prompt.doc_offsets[a - prompt.doc_start][0]
+    hi = prompt.doc_offsets[b - 1 - prompt.doc_start][1]
+    start, end = passage.char_start, passage.char_start + len(passage.text)
+    return Read(how, a, b, max(lo, start), max(max(lo, start), min(hi, end)))
+
+
+def no_match_note(prompt, bounds, chosen, semantic: bool) -> str:
+    """The line that says no passage matched the question, and what was read instead: the passages
+    (pages, or paragraphs of an unpaged document) whose tokens were kept, whole or in part."""
+    read = [i for i, (a, b) in enumerate(bounds) if any(lo < b and a < hi for lo, hi in chosen)]
+    paged = any(p.page > 1 for p in prompt.passages)
+    names = [f"page {prompt.passages[i].page}" if paged else f"paragraph {i + 1}" for i in read]
+    why = "no part of the document is close to it in meaning" if semantic else "no word of it is in the document"
+    return f"no page matched the question ({why}): read {', '.join(names) or 'nothing'} instead"
 
 
 def best_sentences(prompt, passage, a: int, b: int, tokens: int) -> tuple[int, int] | None:
     """The prompt tokens ``[lo, hi)`` of the passage's best unit (sentence or line,
-    :func:`kvcli.cite.sources.split_units`) by BM25 for the question, widened by whole neighbouring
+    :func:`kvcli.documents.units.split_units`) by BM25 for the question, widened by whole neighbouring
     units (the next first) while at most ``tokens`` are read; None when no unit holds a word of it.
     ``[a, b)``: the passage's prompt tokens."""
     units = split_units(passage.text)

@@ -210,7 +210,9 @@ def render(ins: Inspection) -> str:
     """The whole page as a string."""
     profile = document_profile(ins, N_BUCKETS)
     doc_name = Path(ins.document.source).name if ins.document.source != "-" else "stdin"
-    if ins.view == "all":
+    if ins.read is not None:  # a method that retrieves: what it read, not a compression
+        kept_line = html.escape(ins.read_line())
+    elif ins.view == "all":
         kept_line = f"everything kept: <b>{ins.n_prompt:,}</b> prompt tokens (no compression)"
     elif ins.view == "read":
         kept_line = (

@@ -27,8 +27,8 @@ import torch
 
 from ..answer.pipeline import Pipeline
 from ..answer.prompt import Prompt
-from ..answer.selection import Selection, Span
 from ..api import read_mask, spec_label
+from ..compressors.selection import Read, Selection, Span, read_line, read_record
 from ..documents import Document
 
 # --------------------------------------------------------------------------- what was kept
@@ -106,6 +106,12 @@ class Inspection:
     n_read: float | None = None
     read_layers: list[LayerRead] | None = None
     sources: object | None = None  # kvcli.cite.sources.Sources of the answer (with --answer), else None
+    # a method that retrieves (pages): the passages it read (Selection.read), shown instead of a ratio
+    read: tuple[Read, ...] | None = None
+
+    def read_line(self) -> str | None:
+        """ "read p. 12 whole, p. 3 skimmed: 760 of 74,000 document tokens", or None: it did not retrieve."""
+        return None if self.read is None else read_line(self.read, self.prompt, self.document)
 
     @property
     def read_share(self) -> float | None:
@@ -150,7 +156,9 @@ class Inspection:
             # view "read": everything is held; ``kept`` is what was read
             "n_kept_any": self.n_prompt if self.view == "read" else self.n_kept_any,
             "n_document_kept": self.n_document if self.view == "read" else self.n_document_kept,
-            "compression_ratio": round(self.compression_ratio, 4),
+            # none for a method that retrieves: what it read is ``read`` (as ask --json has them)
+            "compression_ratio": None if self.read is not None else round(self.compression_ratio, 4),
+            "read": read_record(self.read, self.prompt, self.document),
             "view": self.view,
             "score": self.score_kind,
             "spans": [s.to_json() for s in self.spans],
@@ -255,6 +263,7 @@ def inspect_kept(
         n_read=n_read,
         read_layers=read_layers,
         sources=result.sources if cite else None,
+        read=selection.read,
         label=spec_label(result.extra["compressor"], pipeline),
     )
 

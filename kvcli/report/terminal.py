@@ -309,7 +309,9 @@ def inspect_summary(console: Console, ins) -> None:
         f"[bold]{ins.label}[/bold] on [bold]{ins.model}[/bold] · {doc.n_pages} page(s) · "
         f"{ins.n_document:,} document tokens in a {ins.n_prompt:,}-token prompt"
     )
-    if ins.view == "all":
+    if ins.read is not None:  # a method that retrieves: what it read, not a compression
+        console.print(ins.read_line(), markup=False, highlight=False)
+    elif ins.view == "all":
         console.print(f"everything kept: all {ins.n_prompt:,} prompt tokens in every layer (no compression)")
     elif ins.view == "read":
         console.print(

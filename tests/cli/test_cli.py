@@ -200,7 +200,16 @@ def test_document_longer_than_the_model_window(cli, files, tiny_dir):
     assert code == 0, err
     record = json.loads(out)
     assert record["policy"] == "auto" and record["compressor"].startswith("pages:")
-    assert record["n_context_tokens"] > 256 and record["compression_ratio"] > 1
+    # it says what it read, and no compression ratio against a full attention that cannot run
+    assert record["n_context_tokens"] > 256 and record["compression_ratio"] is None
+    assert 0 < record["read"]["n_tokens"] < record["n_document_tokens"] == record["read"]["n_document_tokens"]
+    code, out, err = cli("ask", files["long"], "q", "-m", short, "--max-new-tokens", "4", "--no-sources")
+    assert code == 0, err
+    stats = err.splitlines()[-1]
+    read = record["read"]
+    assert f"of {read['n_document_tokens']:,} document tokens" in stats and "×" not in stats, stats
+    where = read["passages"][0]["lines"]
+    assert (f"line {where[0]}" if where[0] == where[1] else f"lines {where[0]}-{where[1]}") in stats
 
 
 # --- Typer/click usage errors: exit 2, one short line, no traceback ---------------------------

@@ -309,7 +309,17 @@ def check_record(record: dict) -> None:
     n = record["n_context_tokens"]
     assert record["n_document_tokens"] < n and record["n_selected_tokens"] <= n
     assert isinstance(record["n_kept_tokens"], float) and 0 < record["n_kept_tokens"] <= record["n_selected_tokens"]
-    assert record["compression_ratio"] == pytest.approx(n / record["n_kept_tokens"], rel=1e-3)
+    if Pipeline.parse(spec).retrieves():  # pages: what it read, and no ratio
+        read = record["read"]
+        assert record["compression_ratio"] is None and read["passages"]
+        assert read["n_tokens"] == sum(p["n_tokens"] for p in read["passages"]) <= record["n_selected_tokens"]
+        assert read["n_document_tokens"] == record["n_document_tokens"]
+        assert all(
+            p["how"] in ("whole", "beginning", "skimmed") and ("pages" in p or "lines" in p) for p in read["passages"]
+        )
+    else:
+        assert record["read"] is None
+        assert record["compression_ratio"] == pytest.approx(n / record["n_kept_tokens"], rel=1e-3)
     for key in ("prompt_computed_frac", "kv_attended_frac"):
         assert record[key] is None or 0.0 <= record[key] <= 1.0, key
     for key in ("ttft_s", "total_s", "peak_mem_mb"):

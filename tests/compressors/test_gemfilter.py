@@ -187,10 +187,12 @@ def test_pipeline_protects_every_token_after_the_document(tiny_lm, monkeypatch):
     monkeypatch.setattr(
         gem,
         "select_tokens",
-        lambda engine, ids, protected=0, prefix=None: seen.append(protected) or real(engine, ids, protected, prefix),
+        lambda engine, ids, protected=0, prefix=None, prompt=None: (
+            seen.append((protected, prompt)) or real(engine, ids, protected, prefix, prompt)
+        ),
     )
     run(engine, prompt, pipeline, max_new_tokens=1, stop_ids=set())
-    assert seen == [prompt.n_after_document]
+    assert seen == [(prompt.n_after_document, prompt)]  # every selector is called the same way
 
 
 def test_top_k_positions():

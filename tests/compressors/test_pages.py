@@ -11,7 +11,8 @@ import torch
 from kvcli.answer.pipeline import Pipeline
 from kvcli.answer.prompt import build_prompt
 from kvcli.compressors import parse_one
-from kvcli.documents import Document, passages
+from kvcli.documents import Document, pagination
+from kvcli.documents.pagination import passages
 from kvcli.errors import UsageError
 from kvcli.runtime.engine import Engine
 
@@ -23,6 +24,14 @@ PARAS = [
 ]
 DOC = "\n\n".join(PARAS)
 QUESTION = "What is the padlock combination of the oil store?"
+
+
+@pytest.fixture(autouse=True)
+def paragraph_passages(monkeypatch):
+    """These documents are shorter than a page: passages as long as their longest paragraph cut
+    them at every blank line, so each paragraph is a passage as a book's page is
+    (kvcli.documents.pagination; tests/test_passages.py holds the cutting to the page size)."""
+    monkeypatch.setattr(pagination, "PASSAGE_CHARS", max(len(p) for p in PARAS + SKIM))
 
 
 def kept_characters(prompt, kept: torch.Tensor) -> str:
@@ -40,7 +49,7 @@ def select(lm, spec: str, text: str = DOC, page_starts=(0,)):
 
 
 def test_passages_are_pages_else_paragraphs():
-    assert [DOC[a:b] for a, b in passages(DOC)] == PARAS
+    assert [DOC[a:b] for a, b in passages(DOC)] == PARAS  # each paragraph: the page size is the longest
     text = "page one.\n\n\fpage two, paragraph one.\n\nparagraph two.\n"
     assert passages(text, (0, 11)) == [(0, 9), (12, len(text) - 1)]  # a page is one passage, its blank lines too
 
@@ -104,13 +113,15 @@ def kept_runs(prompt, kept: torch.Tensor, text: str) -> list[str]:
     return [text[prompt.doc_offsets[r[0]][0] : prompt.doc_offsets[r[-1]][1]].strip() for r in runs]
 
 
-def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm):
+def test_skimmed_passages_give_their_best_sentence_and_its_neighbours(tiny_lm, monkeypatch):
     """skim: after the best passage (read whole), the next passages by BM25 give only their best
     sentence by BM25 among the passage's sentences, widened by whole neighbours (the next first)
-    while skim_tokens allow. The expected sentences are cut by hand here."""
+    while skim_tokens allow. The expected sentences are cut by hand here. The passages are ranked
+    by BM25 alone (``KVCLI_EMBED_MODEL=none``): the embedding's share is tests/retrieval's."""
+    monkeypatch.setenv("KVCLI_EMBED_MODEL", "none")
     lm = tiny_lm("llama")
     text = "\n\n".join(SKIM)
-    from kvcli.cite.bm25 import bm25_scores
+    from kvcli.retrieval.bm25 import bm25_scores
 
     # BM25's order of the passages: the padlock one, then the oil store roof, then the lamp oil
     order = sorted(range(4), key=lambda i: -bm25_scores(SKIM, QUESTION)[i])

@@ -504,7 +504,7 @@ def test_layers_without_needle_uses_the_full_attention_answer(cli, model, pdf, m
 
 
 def _spans_at(doc, pieces):
-    from kvcli.answer.selection import Span
+    from kvcli.compressors.selection import Span
 
     return [Span(a, b, doc.page_of(a), doc.page_of(b - 1), 1, None, doc.text[a:b]) for a, b in pieces]
 

@@ -324,8 +324,10 @@ class Tracker(TorchDispatchMode):
         if not cpu:
             return
         inplace_on_cpu = name.endswith("_") and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
-        if name in CPU_INDICES_OK and not inplace_on_cpu and not (
-            isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+        if (
+            name in CPU_INDICES_OK
+            and not inplace_on_cpu
+            and not (isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu")
         ):
             indices = _tensors(args[1:2], [])
             values = _tensors(args[2:3], [])
@@ -335,9 +337,12 @@ class Tracker(TorchDispatchMode):
                 if any(t.device.type == "cpu" and t.dim() > 0 for t in indices):
                     self._h2d(f"{name} (implicit: CPU indices into a device op)")
                 return
-        elif not inplace_on_cpu and (torch.Tag.pointwise in func.tags or name in CPU_SCALAR_OK):
-            if all(t.dim() == 0 for t in cpu):
-                return
+        elif (
+            not inplace_on_cpu
+            and (torch.Tag.pointwise in func.tags or name in CPU_SCALAR_OK)
+            and all(t.dim() == 0 for t in cpu)
+        ):
+            return
         raise RuntimeError(
             f"Expected all tensors to be on the same device: aten.{name} mixes a CPU tensor "
             f"{tuple(cpu[0].shape)} {cpu[0].dtype} with tensors on the accelerator (raises on CUDA)"

@@ -43,6 +43,8 @@ from pathlib import Path
 
 from kvcli.errors import DocumentError
 
+from .pagination import passages
+
 __all__ = [
     "PAGE_SEPARATOR",
     "SUPPORTED_SUFFIXES",
@@ -94,37 +96,14 @@ class Document:
         return max(1, bisect.bisect_right(self.page_starts, char_index))
 
     def passages(self) -> list[tuple[int, int]]:
-        """The passages a lexical ranking reads (BM25's, the ``pages`` method's): :func:`passages`."""
+        """The passages a ranking by the question reads (BM25's, the ``pages`` method's): its pages,
+        else page-sized runs of paragraphs (:func:`kvcli.documents.pagination.passages`)."""
         return passages(self.text, self.page_starts)
 
     def page_range(self, start: int, end: int) -> tuple[int, int]:
         """First and last page of the character span ``[start, end)`` (an empty span: its start page)."""
         first = self.page_of(start)
         return first, max(first, self.page_of(end - 1))
-
-
-def passages(text: str, page_starts: tuple[int, ...] = (0,)) -> list[tuple[int, int]]:
-    """The passages of ``text``: its pages where it has more than one (``page_starts`` as
-    :class:`Document`'s), else its paragraphs (text between blank lines); (start, end) of each,
-    whitespace trimmed, empty ones left out."""
-    if len(page_starts) > 1:
-        bounds = [*page_starts, len(text)]
-        cuts = list(zip(bounds, bounds[1:]))
-    else:
-        cuts, lo = [], 0
-        for m in re.finditer(r"\n[ \t]*\n", text):
-            cuts.append((lo, m.start()))
-            lo = m.end()
-        cuts.append((lo, len(text)))
-    out = []
-    for lo, hi in cuts:
-        while lo < hi and text[lo].isspace():
-            lo += 1
-        while hi > lo and text[hi - 1].isspace():
-            hi -= 1
-        if hi > lo:
-            out.append((lo, hi))
-    return out
 
 
 def read_stdin(lines: bool = False):

@@ -1,0 +1,181 @@
+"""Finding the answer's page: the pages' ranking alone, no language model (the answer in the user's words).
+
+    python benchmarks/retrieval.py rank                          # the tuning set (both wordings)
+    python benchmarks/retrieval.py rank --set FILE.json ...       # any question file, e.g. the held-out one
+    python benchmarks/retrieval.py nomatch                        # "no signal": answerable vs unanswerable
+
+Each question file is docs/bench/cite/questions.json's layout: documents (Debian PDFs, fetched with
+``apt-get download`` + ``dpkg -x`` and sha256 checked, as benchmarks/books.py does), each with
+questions: ``q`` (the manual's words), optionally ``user`` (the same fact asked in a user's words),
+``page`` (1-based PDF page that states the answer; null: no page does) and ``also`` (other pages that
+do). The tuning set is docs/bench/cite/questions.json + docs/bench/books/questions.json.
+
+``rank``: for each method, the answer's page first (hit@1) and among the top three (hit@3), per
+wording. Methods: ``bm25`` (plain words: what pages ranked by before), ``bm25-stem`` (Snowball
+stems), ``embed`` (the sentence embedding's best 100-word window (``--window``) of each page), ``rrf:K`` (BM25 on
+stems and the embedding by reciprocal rank, constant K) and ``mix:W``
+(W · BM25 / its best + (1 - W) · cosine, a weighted sum); kvcli's own is
+:data:`kvcli.retrieval.ranking.FUSION`. Rows to ``--out`` (JSON).
+
+``nomatch``: the best page's BM25 (stems) and best cosine for the answerable questions, for the
+file's questions that no page answers, and for each question asked of every *other* document of
+the files (answers absent); how many of each kvcli's rule (:attr:`kvcli.retrieval.Ranking.matched`)
+calls matched.
+
+Vectors go to ``--cache-dir`` (default: a ``kvcli-retrieval-bench`` folder in the temporary directory),
+so a second run reads them; ``KVCLI_EMBED_MODEL`` picks the model as in kvcli.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from books import fetch_pdf  # noqa: E402
+
+from kvcli.documents import load_document  # noqa: E402
+from kvcli.retrieval import embed, vectors  # noqa: E402
+from kvcli.retrieval.bm25 import bm25_scores  # noqa: E402
+from kvcli.retrieval.ranking import FUSION, NO_MATCH_COSINE, Ranking, fuse, semantic_scores  # noqa: E402
+
+TUNE = [ROOT / "docs" / "bench" / "cite" / "questions.json", ROOT / "docs" / "bench" / "books" / "questions.json"]
+WORDINGS = ("q", "user")
+METHODS = ["bm25", "bm25-stem", "embed", "rrf:10", "rrf:30", "rrf:60", *(f"mix:{w / 10:g}" for w in range(2, 9))]
+
+
+def documents(files: list[Path], pdf_dir: Path):
+    """(spec, document, passages' texts, each passage's page) per document of the files."""
+    for path in files:
+        for spec in json.loads(Path(path).read_text())["documents"]:
+            doc = load_document(fetch_pdf(spec, pdf_dir))
+            cuts = doc.passages()
+            yield spec, [doc.text[a:b] for a, b in cuts], [doc.page_of(a) for a, _ in cuts]
+
+
+def signals(model, texts: list[str], question: str, cache_dir: Path, window: int = vectors.WINDOW_WORDS) -> dict:
+    vecs, owner, _ = vectors.passage_vectors(model, texts, cache_dir, window)
+    return {
+        "bm25": np.array(bm25_scores(texts, question)),
+        "bm25-stem": np.array(bm25_scores(texts, question, stem=True)),
+        "embed": semantic_scores(vecs, owner, model.encode([question])[0], len(texts)),
+    }
+
+
+def scores_of(method: str, s: dict) -> np.ndarray:
+    if method in s:
+        return s[method]
+    name, _, arg = method.partition(":")
+    if name in ("rrf", "mix"):
+        return fuse(s["bm25-stem"], s["embed"], (name, float(arg)))
+    raise SystemExit(f"unknown method {method}")
+
+
+def top(scores: np.ndarray, k: int) -> list[int]:
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+
+
+def rank(args) -> None:
+    model = embed.embedder(embed.setting() or embed.DEFAULT)
+    rows = []
+    for spec, texts, pages in documents(args.set, args.pdf_dir):
+        for q in spec["questions"]:
+            if q.get("page") is None:
+                continue
+            gold = {q["page"], *q.get("also", [])}
+            for wording in WORDINGS:
+                if not q.get(wording):
+                    continue
+                s = signals(model, texts, q[wording], args.cache_dir, args.window)
+                for method in args.methods:
+                    best = [pages[i] for i in top(scores_of(method, s), 3)]
+                    rows.append(
+                        {
+                            "document": spec["name"],
+                            "question": q["q"],
+                            "wording": wording,
+                            "method": method,
+                            "gold": sorted(gold),
+                            "top3": best,
+                            "hit1": best[0] in gold,
+                            "hit3": any(p in gold for p in best),
+                        }  # fmt: skip
+                    )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    print(f"kvcli's fusion: {FUSION[0]}:{FUSION[1]:g}\n")
+    print("| method | wording | questions | hit@1 | hit@3 |\n|---|---|---:|---:|---:|")
+    for wording in WORDINGS:
+        for method in args.methods:
+            mine = [r for r in rows if r["wording"] == wording and r["method"] == method]
+            if mine:
+                n, h1, h3 = len(mine), sum(r["hit1"] for r in mine), sum(r["hit3"] for r in mine)
+                print(f"| {method} | {wording} | {n} | {h1} ({h1 / n:.0%}) | {h3} ({h3 / n:.0%}) |")
+
+
+def nomatch(args) -> None:
+    model = embed.embedder(embed.setting() or embed.DEFAULT)
+    docs = list(documents(args.set, args.pdf_dir))
+    groups: dict[str, list[tuple[float, float, bool]]] = {"answerable": [], "no page answers": [], "other document": []}
+    for d, (_, texts, _) in enumerate(docs):
+        for other, (ospec, _, _) in enumerate(docs):
+            for q in ospec["questions"]:
+                for wording in WORDINGS:
+                    if not q.get(wording):
+                        continue
+                    group = "other document" if other != d else "answerable" if q.get("page") else "no page answers"
+                    s = signals(model, texts, q[wording], args.cache_dir)
+                    r = Ranking(s["bm25-stem"], s["bm25-stem"], s["embed"], "")
+                    groups[group].append((float(s["bm25-stem"].max()), float(s["embed"].max()), r.matched))
+    print(f"NO_MATCH_COSINE = {NO_MATCH_COSINE}")
+    print("| questions | n | BM25 all zero | best cosine p5 / p50 / p95 | matched |\n|---|---:|---:|---|---:|")
+    for name, vals in groups.items():
+        if not vals:
+            continue
+        bm, cos, hit = (np.array(x) for x in zip(*vals))
+        p = np.percentile(cos, [5, 50, 95])
+        print(
+            f"| {name} | {len(vals)} | {int((bm == 0).sum())} | {p[0]:.3f} / {p[1]:.3f} / {p[2]:.3f} | {int(hit.sum())} |"
+        )
+        zero = cos[bm == 0]
+        if len(zero):
+            print(
+                f"|   of them BM25 all zero | {len(zero)} | | best cosine max {zero.max():.3f} | {int(hit[bm == 0].sum())} |"
+            )
+    print("\nbest cosine under T, per group (what a cosine threshold alone would call unmatched):\n")
+    names = [n for n, v in groups.items() if v]
+    print("| T | " + " | ".join(names) + " |\n|---:|" + "---:|" * len(names))
+    for t in np.arange(0.20, 0.51, 0.025):
+        cells = []
+        for name in names:
+            cos = np.array([c for _, c, _ in groups[name]])
+            cells.append(f"{int((cos < t).sum())}/{len(cos)} ({(cos < t).mean():.0%})")
+        print(f"| {t:.3f} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("rank", "nomatch"):
+        s = sub.add_parser(name)
+        s.add_argument("--set", type=Path, nargs="+", default=TUNE, help="question files (default: the tuning set)")
+        s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+        s.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-retrieval-bench")
+        s.add_argument("--out", type=Path)
+        if name == "rank":
+            s.add_argument("--methods", type=lambda x: x.split(","), default=METHODS)
+            s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 100)")
+    args = p.parse_args()
+    {"rank": rank, "nomatch": nomatch}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

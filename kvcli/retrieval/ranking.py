@@ -1,0 +1,111 @@
+"""The passages ranked for a question: BM25 on word stems fused with a sentence embedding.
+
+* lexical: BM25 over the passages with Snowball stems (:func:`kvcli.retrieval.bm25.bm25_scores`,
+  ``stem=True``);
+* semantic: the cosine between the question's vector and each window of a passage, the passage's
+  best window (:mod:`.vectors`, :mod:`.embed`);
+* fused as a weighted sum, ``WEIGHT · BM25 / the best passage's BM25 + (1 - WEIGHT) · cosine``
+  (:func:`weighted`; reciprocal rank fusion, Cormack, Clarke & Büttcher 2009, :func:`reciprocal_rank`,
+  ranked below it). The window, the fusion and its weight were chosen on the tuning questions only
+  (benchmarks/retrieval.py; docs/bench/retrieval).
+
+No real signal (:attr:`Ranking.matched` False): no window of the document is within
+:data:`NO_MATCH_COSINE` of the question (BM25 alone: no word of the question is in it). Measured
+on the tuning questions against the same questions asked of the other manuals (docs/bench/retrieval).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import embed, vectors
+from .bm25 import bm25_scores
+
+RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when FUSION is ("rrf", k)
+WEIGHT = 0.3  # BM25's weight in the weighted sum
+FUSION = ("mix", WEIGHT)  # how the two are fused: chosen on the tuning questions (docs/bench/retrieval)
+NO_MATCH_COSINE = (
+    0.30  # a best window's cosine under this: no page matched the question (measured: docs/bench/retrieval)
+)
+
+
+@dataclass
+class Ranking:
+    """One score per passage (higher first) and what made it."""
+
+    scores: np.ndarray  # the fused score (BM25 alone without an embedding model)
+    bm25: np.ndarray  # BM25 on stems
+    semantic: np.ndarray | None  # the best window's cosine; None: no embedding model (``none``)
+    signal: str  # "bm25+embedding" or "bm25"
+
+    @property
+    def order(self) -> list[int]:
+        """The passages best first (ties: document order)."""
+        return sorted(range(len(self.scores)), key=lambda i: (-self.scores[i], i))
+
+    @property
+    def matched(self) -> bool:
+        """Whether the best passage has a real signal: with an embedding, a window whose cosine
+        with the question is at least :data:`NO_MATCH_COSINE` (a word of the question alone is not:
+        questions asked of another manual share some with most pages); BM25 alone, a word of it."""
+        if self.semantic is not None:
+            return len(self.semantic) > 0 and float(self.semantic.max()) >= NO_MATCH_COSINE
+        return len(self.bm25) > 0 and float(self.bm25.max()) > 0
+
+
+def reciprocal_rank(
+    *signals: np.ndarray, k: float = RRF_K, present: list[np.ndarray | None] | None = None
+) -> np.ndarray:
+    """``Σ_s 1 / (k + rank_s(i))`` over the signals, rank 1 the highest score (ties: document order);
+    ``present[s]``: which passages signal ``s`` ranks at all (the others get nothing from it)."""
+    out = np.zeros(len(signals[0]) if signals else 0)
+    for s, values in enumerate(signals):
+        values = np.asarray(values, dtype=np.float64)
+        order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+        ranks = np.empty(len(values))
+        ranks[order] = np.arange(1, len(values) + 1)
+        gain = 1.0 / (k + ranks)
+        mask = None if present is None else present[s]
+        out += gain if mask is None else np.where(mask, gain, 0.0)
+    return out
+
+
+def weighted(lexical: np.ndarray, semantic: np.ndarray, weight: float = WEIGHT) -> np.ndarray:
+    """``weight · BM25 / its best + (1 - weight) · cosine``: BM25 put on the cosine's scale (its best
+    passage 1, a passage without a word of the question 0)."""
+    lexical = np.asarray(lexical, dtype=np.float64)
+    return weight * lexical / max(float(lexical.max(initial=0.0)), 1e-12) + (1 - weight) * np.asarray(semantic)
+
+
+def fuse(lexical: np.ndarray, semantic: np.ndarray, how: tuple[str, float] | None = None) -> np.ndarray:
+    """The two signals as one score a passage, by :data:`FUSION` (or ``how``): ``("rrf", k)``,
+    :func:`reciprocal_rank`; ``("mix", w)``, :func:`weighted`."""
+    name, value = how or FUSION
+    if name == "rrf":
+        return reciprocal_rank(lexical, semantic, k=value, present=[np.asarray(lexical) > 0, None])
+    return weighted(lexical, semantic, value)
+
+
+def semantic_scores(vecs: np.ndarray, owner: np.ndarray, query: np.ndarray, n: int) -> np.ndarray:
+    """Each passage's best window cosine (vectors are unit rows); -1 for a passage without windows."""
+    cos = vecs @ query
+    best = np.full(n, -1.0)
+    np.maximum.at(best, owner, cos)
+    return best
+
+
+def rank_passages(passages: list[str], question: str, cache_dir: Path | None = None) -> Ranking:
+    """The passages' ranking for ``question`` (module doc). ``cache_dir``: where the passage
+    vectors are kept (``<cache_dir>/vectors``; None: computed, not kept). The embedding model is
+    ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone)."""
+    lexical = np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
+    name = embed.setting()
+    if name is None or not passages:
+        return Ranking(lexical, lexical, None, "bm25")
+    model = embed.embedder(name)
+    vecs, owner, _ = vectors.passage_vectors(model, passages, cache_dir)
+    semantic = semantic_scores(vecs, owner, model.encode([question])[0], len(passages))
+    return Ranking(fuse(lexical, semantic), lexical, semantic, "bm25+embedding")

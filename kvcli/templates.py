@@ -1,0 +1,55 @@
+"""The prompt templates (``kvcli/prompts/*.txt``) and their rendering through a model's chat
+template: what :mod:`kvcli.answer.prompt` builds every prompt from, and what KVzip's
+reconstruction prompt (:mod:`kvcli.compressors.kvzip`) repeats."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import UsageError
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "prompts"
+DEFAULT_TEMPLATE = "qa"
+_DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
+
+
+def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
+    """A template by name (``qa``: ``prompts/qa.txt``) or by path (any file, with or without an
+    extension: a name with a folder in it, or one that exists, is a path)."""
+    path = Path(name_or_path).expanduser()
+    is_name = not path.suffix and "/" not in name_or_path and os.sep not in name_or_path and not path.is_file()
+    if is_name:
+        path = TEMPLATE_DIR / f"{name_or_path}.txt"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        names = ", ".join(sorted(p.stem for p in TEMPLATE_DIR.glob("*.txt")))
+        what = f"prompt template '{name_or_path}'" if is_name else f"prompt template file {path}"
+        raise UsageError(f"{what} not found; templates by name: {names}, or give the path of a file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt template {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise UsageError(f"prompt template {path} cannot be read: {e.strerror or e}") from None
+    if (
+        text.count("{document}") != 1
+        or text.count("{question}") != 1
+        or text.index("{document}") > text.index("{question}")
+    ):
+        raise UsageError(f"prompt template {path}: needs one {{document}} followed by one {{question}}")
+    return text
+
+
+def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
+    """Render the template through the chat template; return (head, middle, tail) strings."""
+    message = template.strip("\n").replace("{document}", _DOC).replace("{question}", _QUESTION)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        bos = tokenizer.bos_token or ""
+        text = f"{bos}{message}\nAnswer:"
+    head, rest = text.split(_DOC)
+    middle, tail = rest.split(_QUESTION)
+    return head, middle, tail
