@@ -1,0 +1,119 @@
+"""Answers first, on questions no setting was tuned on: ask each question of a question file
+(docs/bench/cite/heldout-questions.json) with each reading, in the original wording
+or the user's, and count answers right (benchmarks/books.py's ``right``), then where the answer's
+page was among the sources. Two-page questions are right when the answer holds every string of
+``accept_all``; unanswerable ones are reported apart (did kvcli say that no page matched?).
+
+    KVCLI_THREADS=1 python benchmarks/heldout_answers.py docs/bench/cite/heldout-questions.json \
+        --methods pages,pages:skim=0,oracle --wording q,user --out docs/bench/cite/heldout-answers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from books import fetch_pdf, page_text, right  # noqa: E402
+
+from kvcli.api import AskOptions, Session, parse_pipeline, result_record  # noqa: E402
+from kvcli.documents import document_from_text, load_document  # noqa: E402
+
+
+def is_right(answer: str, q: dict, question: str) -> bool | None:
+    if q.get("unanswerable"):
+        return None
+    if q.get("accept_all"):
+        return all(right(answer, [a], question) for a in q["accept_all"])
+    return right(answer, q["accept"], question)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("questions", type=Path, nargs="+")
+    p.add_argument("--methods", type=lambda x: x.split(","), default=["pages", "pages:skim=0", "oracle"])
+    p.add_argument("--wording", type=lambda x: x.split(","), default=["q", "user"])
+    p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    session = Session.open(AskOptions(use_cache=False))
+    rows = []
+    for path in args.questions:
+        for doc in json.loads(path.read_text())["documents"]:
+            document = load_document(fetch_pdf(doc, args.pdf_dir))
+            for q in doc["questions"]:
+                gold = q.get("pages") or ([q["page"], *q.get("also", [])] if "page" in q else [])
+                for wording in args.wording:
+                    question = q[wording]
+                    for method in args.methods:
+                        if method == "oracle":
+                            if q.get("unanswerable") or wording != "q":
+                                continue
+                            text = "\n\n".join(page_text(document, n) for n in (q.get("pages") or [q["page"]]))
+                            result = session.ask(
+                                document_from_text(text),
+                                question,
+                                parse_pipeline("full"),
+                                max_new_tokens=args.max_new_tokens,
+                                sources=False,
+                            )
+                            rec = {"answer": result.answer, "sources": None, "no_match": None}
+                        else:
+                            pipeline = parse_pipeline(method)
+                            result = session.ask(document, question, pipeline, max_new_tokens=args.max_new_tokens)
+                            rec = result_record(result, session, pipeline, document)
+                        pages = [s["pages"][0] for s in rec.get("sources") or []]
+                        row = {
+                            "file": str(path),
+                            "document": doc["name"],
+                            "question": q["q"],
+                            "wording": wording,
+                            "method": method,
+                            "gold": gold,
+                            "unanswerable": bool(q.get("unanswerable")),
+                            "two_page": bool(q.get("pages")),
+                            "answer": rec["answer"],
+                            "right": is_right(rec["answer"], q, question),
+                            "hit1": bool(gold) and bool(pages) and pages[0] in gold,
+                            "hit3": bool(gold) and any(x in gold for x in pages[:3]),
+                            "no_match": rec.get("no_match"),
+                            "read": rec.get("read"),
+                        }
+                        rows.append(row)
+                        print(
+                            json.dumps(
+                                {k: row[k] for k in ("document", "wording", "method", "right", "hit1", "no_match")}
+                            ),
+                            flush=True,
+                        )
+                        if args.out:
+                            args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| reading | wording | right (answerable) | two-page right | hit@1 | hit@3 | unanswerable: said no match |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(r["method"], r["wording"]) for r in rows})
+    for m, w in keys:
+        rs = [r for r in rows if (r["method"], r["wording"]) == (m, w)]
+        ans = [r for r in rs if not r["unanswerable"]]
+        two = [r for r in ans if r["two_page"]]
+        un = [r for r in rs if r["unanswerable"]]
+        out.append(
+            f"| {m} | {w} | {sum(bool(r['right']) for r in ans)}/{len(ans)} | {sum(bool(r['right']) for r in two)}/{len(two)}"
+            f" | {sum(r['hit1'] for r in ans)}/{len(ans)} | {sum(r['hit3'] for r in ans)}/{len(ans)}"
+            f" | {sum(bool(r['no_match']) for r in un)}/{len(un)} |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
