@@ -60,10 +60,10 @@ def test_a_prompt_over_the_window_is_announced_with_its_token_count_before_pages
         prompt = build_prompt(lm.tokenizer, "word " * 5000, "Which word?")
         check_window(
             prompt, lm, 4, configured(lm, "auto", prompt)
-        )  # pages reads a page of it (the text has no paragraphs: its first 512 tokens): no error
+        )  # pages reads a page-sized passage of it (at most 512 tokens): no error
         [line] = said
         assert f"the prompt is {prompt.n_tokens:,} tokens ({prompt.n_document_tokens:,} of document)" in line
-        assert "1,024-token window" in line and "pages reads the page (or paragraph)" in line and "512 tokens" in line
+        assert "1,024-token window" in line and "pages reads the page (or passage)" in line and "512 tokens" in line
         # within the window: nothing said
         said.clear()
         notices.reset()
