@@ -192,5 +192,7 @@ def test_ask_show_selected_and_the_stats_line_say_what_was_read(cli, small_windo
 
 def test_inspect_over_the_window_names_a_method_that_reads_it(cli, small_window, book_pdf):
     """inspect's default is gemfilter: the refusal does not call -c auto the default."""
-    line = assert_user_error(cli("inspect", book_pdf, "How many gulls?", "-m", small_window, "--no-cache"), 1)
+    line = assert_user_error(
+        cli("inspect", book_pdf, "How many gulls?", "-c", "gemfilter", "-m", small_window, "--no-cache"), 1
+    )
     assert "use -c auto" in line and "default" not in line

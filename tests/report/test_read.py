@@ -70,8 +70,8 @@ def long_text() -> str:
     return "\n".join(rows)
 
 
-def test_pages_reads_what_it_says_and_the_progress_counts_it(short_window, test_device):
-    session = Session.open(AskOptions(model=short_window, max_new_tokens=2, device=test_device, dtype="float32"))
+def test_pages_reads_what_it_says_and_the_progress_counts_it(short_window, device):
+    session = Session.open(AskOptions(model=short_window, max_new_tokens=2, device=device.type, dtype="float32"))
     doc = document_from_text(long_text())
     prompts, fractions = [], []
     result = session.ask(
