@@ -21,12 +21,12 @@ import torch
 
 from kvcli import notices
 from kvcli.caches import KVCache
-from kvcli.caches.book import BookCache
 from kvcli.store import KVStore, locks
 from kvcli.store.keys import StoreKey, lock_path
 from tests.helpers.books import answer, entry_tensors
 from tests.helpers.stores import silent_notices  # noqa: F401  (autouse: the store's warnings silenced, forgotten after each test)
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
+from tests.test_book_resume import _chunks  # the chunks a read goes through, counted (one helper for both)
 
 REPO = Path(__file__).resolve().parent.parent
 STALE_S = 1.5
@@ -159,18 +159,6 @@ def _book_key(lm):
     prompt = build_prompt(lm.tokenizer, DOC, QUESTION)
     ids = prompt.ids[: prompt.prefix_len]
     return make_key(lm, ids, chunked_state(Engine(lm), ids, parse_one(SPEC).prefix_state(lm)))
-
-
-def _chunks(monkeypatch) -> list[int]:
-    seen: list[int] = []
-    original = BookCache.end_chunk
-
-    def counted(self):
-        seen.append(self.n_tokens)
-        return original(self)
-
-    monkeypatch.setattr(BookCache, "end_chunk", counted)
-    return seen
 
 
 def test_a_book_behind_a_stopped_holder_is_read_into_memory(lm, reference, tmp_path, monkeypatch):
