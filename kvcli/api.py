@@ -32,6 +32,7 @@ from .compressors.selection import Selection, read_record
 from .documents import Document, load_document
 from .errors import UsageError
 from .model import LoadedModel, default_cache_dir, load_model
+from .model.facts import spelled
 from .runtime.engine import Engine
 from .runtime.threads import ThreadPolicy
 from .store import KVStore, Watcher, resolve_cap
@@ -376,7 +377,7 @@ def result_record(
         "n_answer_tokens": len(result.answer_ids),
         "device": str(session.engine.device),
         "attn": session.lm.attn,
-        "quant": session.lm.quant,
+        "quant": spelled(session.lm.quant),  # as --quant spells it: none, 8, 4
         "cache": result.extra["cache"]["status"],
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],

@@ -26,6 +26,7 @@ import torch
 from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
+from ..model.facts import spelled
 from .needle import make_case
 
 PROMPT_OVERHEAD = 64  # template + question tokens, roughly: documents get length - this
@@ -162,7 +163,7 @@ def run_meta(session, **extra) -> dict:
         "device": str(session.engine.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "attn": lm.attn,
-        "quant": lm.quant,
+        "quant": spelled(lm.quant),
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -26,7 +26,7 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-class Quant(str, Enum):  # the library's names; the command line spells them as bits (vocabulary.QUANT_VALUES)
+class Quant(str, Enum):  # the library's names; the command line spells them as bits (kvcli.model.facts.QUANT_SPELLINGS)
     auto = "auto"
     none = "none"
     four = "4bit"

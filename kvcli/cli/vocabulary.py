@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from ..caches import quant as kv_quant
+from ..model.facts import QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
 from ..runtime.prefill import ENV_PREFILL_CHUNK
 from ..store.capacity import CAP_ENV
@@ -33,8 +34,7 @@ ENVIRONMENT: dict[str, str] = {
 }
 
 # --quant: weights in 4 or 8 bits, as --kv-bits names bits: a number; the library's names of each
-QUANT_CHOICES = ("auto", "none", "8", "4")
-QUANT_VALUES = {"auto": "auto", "none": "none", "8": "8bit", "4": "4bit"}
+QUANT_CHOICES = tuple(QUANT_SPELLINGS)
 # old spelling -> the one to use, for one release (a note on stderr each time one is used)
 OLD_SPELLINGS = {"--quant 8bit": "--quant 8", "--quant 4bit": "--quant 4", "--max-size": "--cache-max"}
 
@@ -71,8 +71,8 @@ def quant_value(value: str | None) -> str | None:
     if text in ("8bit", "4bit"):
         renamed(f"--quant {text}")
         text = text.removesuffix("bit")
-    if text not in QUANT_VALUES:
+    if text not in QUANT_SPELLINGS:
         from ..errors import UsageError
 
         raise UsageError(f"--quant must be one of {', '.join(QUANT_CHOICES)}, not '{value}'")
-    return QUANT_VALUES[text]
+    return QUANT_SPELLINGS[text]

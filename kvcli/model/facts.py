@@ -18,6 +18,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 QUANTS = ("auto", "none", "4bit", "8bit")
 
+# the user's spelling of each (``--quant 8``, as ``--kv-bits 8`` names bits; ``--json``'s ``quant``)
+QUANT_SPELLINGS = {"auto": "auto", "none": "none", "8": "8bit", "4": "4bit"}
+
+
+def spelled(quant: str) -> str:
+    """``quant`` (a name of :data:`QUANTS`) as the user spells it: ``8bit`` -> ``8``."""
+    return next(user for user, name in QUANT_SPELLINGS.items() if name == quant)
+
 
 ATTNS = ("sdpa", "eager", "flash")
 

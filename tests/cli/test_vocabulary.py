@@ -68,7 +68,7 @@ def test_quant_old_spelling_note(cli, model, tmp_path, old, new):
     assert notes == [f"kvcli: note: --quant {old} is now --quant {new} (the old spelling goes in the next release)"]
     code, out2, err2 = cli(*args, "--quant", new, "-q")
     assert code == 0 and err2 == ""
-    assert json.loads(out)["answer"] == json.loads(out2)["answer"] and json.loads(out2)["quant"] == old
+    assert json.loads(out)["answer"] == json.loads(out2)["answer"] and json.loads(out2)["quant"] == new
     assert_user_error(cli(*args, "--quant", "16"), 2, "--quant", "must be one of auto, none, 8, 4", "--help")
 
 
