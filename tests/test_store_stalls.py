@@ -177,6 +177,20 @@ def test_a_book_behind_a_stopped_holder_is_read_into_memory(lm, reference, tmp_p
     assert result.answer_ids == reference[0].answer_ids
 
 
+def _killed_read(tiny_dir, flag: str, program: str, cache, arg: str) -> None:
+    """Run ``python flag program <tiny model> cache arg`` (a read that kills itself) to its SIGKILL."""
+    model = str(tiny_dir("llama", num_hidden_layers=4))
+    proc = subprocess.run(
+        [sys.executable, flag, program, model, str(cache), arg],
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 KILL_IN_FINISH = """
 import os, signal, sys
 import torch
@@ -220,15 +234,7 @@ def test_a_kill_in_the_final_write_is_kept_without_reading_the_book_again(
     """SIGKILL after the final header is written (the resume region still there), after the region
     is cut off, and just before the rename: the next ask opens the book as stored, reads no chunk."""
     cache = tmp_path / "c"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILL_IN_FINISH, str(tiny_dir("llama", num_hidden_layers=4)), str(cache), point],
-        env=_env(),
-        cwd=REPO,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _killed_read(tiny_dir, "-c", KILL_IN_FINISH, cache, point)
     [partial] = (cache / "kv").glob("*.partial.safetensors")
     assert list((cache / "kv").glob("*.safetensors")) == [partial]
     read = _chunks(monkeypatch)
@@ -245,15 +251,7 @@ def test_a_partial_book_counts_at_the_bytes_it_holds(lm, tiny_dir, tmp_path, mon
     """A read killed early leaves a partial entry of its full size, sparse: the cap and cache ls
     count the blocks it holds, so it pushes out no entry the bytes it does not hold would."""
     cache = tmp_path / "c"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.books", str(tiny_dir("llama", num_hidden_layers=4)), str(cache), "2"],
-        env=_env(),
-        cwd=REPO,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _killed_read(tiny_dir, "-m", "tests.helpers.books", cache, "2")
     [partial] = (cache / "kv").glob("*.partial.safetensors")
     st = partial.stat()
     held = st.st_blocks * 512
