@@ -6,6 +6,11 @@ page was among the sources. Two-page questions are right when the answer holds e
 
     KVCLI_THREADS=1 python benchmarks/heldout_answers.py docs/bench/cite/heldout-questions.json \
         --methods pages,pages:skim=0,oracle --wording q,user --out docs/bench/cite/heldout-answers.json
+    python benchmarks/heldout_answers.py --analyse docs/bench/cite/heldout-answers.json   # the tables again
+
+Sources from the answer (issue 49 item 6): each row keeps every passage's evidence (``--json``'s
+``sources_evidence``), and :func:`evidence_grid` prints the answer's page first among the sources
+for a grid of weights (kvcli/cite/evidence.py), and "no clear source" on right and wrong answers.
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
+    )
     args = p.parse_args()
+    if args.analyse:
+        rows = [r for path in args.questions for r in json.loads(path.read_text())["rows"]]
+        print(table(rows))
+        print(evidence_grid(rows))
+        return
     session = Session.open(AskOptions(use_cache=False))
     rows = []
     for path in args.questions:
@@ -83,6 +96,8 @@ def main() -> None:
                             "hit3": bool(gold) and any(x in gold for x in pages[:3]),
                             "no_match": rec.get("no_match"),
                             "read": rec.get("read"),
+                            "sources_note": rec.get("sources_note"),
+                            "evidence": rec.get("sources_evidence"),  # each passage read: what ordered it
                         }
                         rows.append(row)
                         print(
@@ -94,6 +109,38 @@ def main() -> None:
                         if args.out:
                             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
     print(table(rows))
+    print(evidence_grid(rows))
+
+
+def evidence_grid(rows: list[dict], attention=(0.0, 0.5, 1.0, 2.0), words=(0.0, 0.5, 1.0, 2.0)) -> str:
+    """Sources from the answer (issue 49 item 6): over the rows that recorded each passage's
+    evidence, the answer's page first among the sources when they are ordered by ``retrieval +
+    a * attention + w * answer_words`` (a = w = 0: the retrieval's order), per wording; and how
+    often "no clear source" was said on right and on wrong answers."""
+    out = []
+    for wording in sorted({r["wording"] for r in rows}):
+        rs = [r for r in rows if r["wording"] == wording and r.get("evidence") and r["gold"]]
+        if not rs:
+            continue
+        out.append(f"\n{wording} ({len(rs)} answerable questions with sources): hit@1 by weights")
+        out.append("| attention \\ words | " + " | ".join(str(w) for w in words) + " |")
+        out.append("|---|" + "---:|" * len(words))
+        for a in attention:
+            cells = []
+            for w in words:
+                hits = 0
+                for r in rs:
+                    best = max(r["evidence"], key=lambda e: e["retrieval"] + a * e["attention"] + w * e["answer_words"])
+                    hits += any(p in r["gold"] for p in range(best["pages"][0], best["pages"][1] + 1))
+                cells.append(f"{hits}/{len(rs)}")
+            out.append(f"| {a} | " + " | ".join(cells) + " |")
+        unclear = [r for r in rs if (r.get("sources_note") or "").startswith("no clear source")]
+        right = [r for r in rs if r["right"]]
+        out.append(
+            f"no clear source: {sum(bool(r['right']) for r in unclear)}/{len(right)} right answers, "
+            f"{sum(not r['right'] for r in unclear)}/{len(rs) - len(right)} wrong ones"
+        )
+    return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:

@@ -236,8 +236,8 @@ def cite(document: Document, result: Result, question: str = "", by_passage: boo
     """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
     out), ranked with the question's BM25 by :data:`kvcli.cite.sources.LEXICAL_WEIGHT`; the time they
     added (reading and ranking) in ``result.extra["sources_s"]``. ``by_passage``: the method read
-    whole passages chosen by their BM25 score (``pages``: ``result.selection.scores``): one source
-    per passage, the passages in that order (:func:`kvcli.cite.sources.sources_from_tokens`)."""
+    whole passages chosen by their retrieval score (``pages``: ``result.selection.scores``): one source
+    per passage, ordered by the answer's evidence over them (:func:`kvcli.cite.sources.sources_from_tokens`)."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")
     if citing["unsupported"]:
@@ -250,6 +250,7 @@ def cite(document: Document, result: Result, question: str = "", by_passage: boo
             question=question,
             lexical=LEXICAL_WEIGHT,
             passage_scores=result.selection.scores.numpy() if by_passage else None,
+            answer=result.answer,
             signal=("passages by bm25, " if by_passage else "") + ("attention+bm25" if LEXICAL_WEIGHT else "attention"),
         )
     result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
@@ -386,6 +387,8 @@ def result_record(
         "sources": None if result.sources is None else result.sources.to_json(),
         "sources_note": None if result.sources is None else result.sources.reason,
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
+        # a method that retrieves (pages): each passage read, with what ranked it as a source
+        "sources_evidence": None if result.sources is None else result.sources.extra.get("evidence"),
         # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
         "no_match": result.selection.note,
         # a method that retrieves (pages): the passages read whole and skimmed, their tokens, of the document's

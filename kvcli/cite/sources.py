@@ -20,6 +20,7 @@ module only maps them, so it is tested without a model.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from ..documents import Document
 from ..documents.units import Unit, owner_starts, split_units
 from ..retrieval.bm25 import bm25_scores
+from . import evidence
 
 MAX_SOURCE_UNITS = 4  # adjacent units merged into one source at most
 JOIN_SHARE = 0.5  # a unit joins the source next to it when it scores at least this share of the source's best
@@ -228,6 +230,7 @@ def sources_from_tokens(
     question: str = "",
     lexical: float = 0.0,
     passage_scores=None,
+    answer: str = "",
     **kwargs,
 ) -> Sources:
     """Sources from one score per *prompt* token (NaN where the token was not read): the document
@@ -237,21 +240,44 @@ def sources_from_tokens(
     ``passage_scores``: one score per prompt token, the score of the passage (page or paragraph)
     it is in, for a method that read whole passages chosen by it (``pages``): then each passage
     read gives at most one source (its best run of units), and the sources come in the passages'
-    order — the signal that chose what was read, which on the manuals finds the answer's page far
-    more often than the answer's attention does (docs/bench/cite) — the units' own scores breaking
-    ties and choosing within a passage."""
+    order of the answer's evidence over them (:mod:`kvcli.cite.evidence`: the retrieval's score
+    that chose them, the ``answer``'s own words and its attention), the units' own scores breaking
+    ties and choosing within a passage; "no clear source" when that evidence points to no passage
+    read (:func:`kvcli.cite.evidence.points_nowhere`), each passage's evidence in ``extra``."""
     doc_units = DocumentUnits.of(document)
     values = np.asarray(token_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
     scores, read = doc_units.scores(prompt.doc_offsets, values)
+    attention = scores
     if lexical > 0:
         scores = fused(doc_units, scores, read, question, lexical)
     if passage_scores is None:
         return rank(doc_units, scores, read=read, **kwargs)
-    # a unit's group: the prompt's passage it is in (units never cross one); its order: that passage's score
+    # a unit's group: the prompt's passage it is in (units never cross one); its order: the answer's
+    # evidence over the passages read (kvcli.cite.evidence), their retrieval score first among it
     starts = [p.char_start for p in prompt.passages]
     groups = np.array([bisect.bisect_right(starts, u.start) - 1 for u in doc_units.units], dtype=np.int64)
     per_passage = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[[p.start for p in prompt.passages]]
-    return rank(doc_units, scores, read=read, groups=groups, group_order=per_passage[groups], **kwargs)
+    was_read = sorted({int(g) for g in groups[read]})
+    passages = [prompt.passages[g] for g in was_read]
+    found = evidence.weigh(
+        [p.text for p in passages],
+        [doc_units.place(p.char_start, p.char_start + len(p.text))[:2] for p in passages],
+        per_passage[was_read],
+        [attention[(groups == g) & read].sum() for g in was_read],
+        answer,
+        question,
+    )
+    order = np.zeros(len(prompt.passages))
+    order[was_read] = [e.score() for e in found]
+    out = rank(doc_units, scores, read=read, groups=groups, group_order=order[groups], **kwargs)
+    nowhere = evidence.points_nowhere(found, answer, question)
+    reason = "no clear source: the answer's words and attention point to no passage it read" if nowhere else None
+    return dataclasses.replace(
+        out,
+        clear=bool(out.items) and not nowhere,
+        reason=reason if out.items else out.reason,
+        extra={**out.extra, "evidence": [e.to_json() for e in found]},
+    )
 
 
 def fused(
