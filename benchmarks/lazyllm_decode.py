@@ -12,6 +12,7 @@ first method's, and LazyLLM's share of (prompt token, layer) pairs computed.
     PYTHONPATH=. python benchmarks/lazyllm_decode.py --lengths 4096,8000 --repeat 2 --threads 1
     PYTHONPATH=. python benchmarks/lazyllm_decode.py --lengths 4096 --methods "full;lazyllm;lazyllm:reselect=8"
     PYTHONPATH=. python benchmarks/lazyllm_decode.py --lengths 4096 --profile lazyllm   # cProfile of one run
+    PYTHONPATH=. python benchmarks/lazyllm_decode.py --lengths 4096 --quant none        # 16-bit weights
 
 ``--threads``: torch.set_num_threads (1 gives steadier ratios on a shared machine).
 ``--profile SPEC``: run SPEC alone once per length under cProfile (prefill + decoding) and print
@@ -34,6 +35,7 @@ from kvcli.answer.prompt import build_prompt
 from kvcli.api import AskOptions, Session
 from kvcli.bench.speed import SpeedBench
 from kvcli.compressors import parse_one
+from kvcli.model.facts import QUANT_SPELLINGS
 
 
 def _runner(engine, lm, spec: str):
@@ -89,11 +91,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--profile", default=None, metavar="SPEC", help="cProfile one run of SPEC per length")
     ap.add_argument("--json", default=None, help="write every round here")
+    ap.add_argument(
+        "--quant",
+        default="auto",
+        choices=QUANT_SPELLINGS,
+        help="the weights: auto (the default: 8 on the CPU), none, 8, 4",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = [s.strip() for s in args.methods.split(";") if s.strip()]
-    session = Session.open(AskOptions(use_cache=False))
+    session = Session.open(AskOptions(use_cache=False, quant=QUANT_SPELLINGS[args.quant]))
+    print(f"weights: {session.lm.quant}, {session.lm.dtype}", flush=True)
     engine, lm = session.engine, session.lm
     bench = SpeedBench(session)
     warm = build_prompt(lm.tokenizer, "A short warm-up document. " * 20, "Why?", session.template).ids

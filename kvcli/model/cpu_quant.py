@@ -16,12 +16,15 @@
   stores that table as Q8_0, and the head is the one matrix every decoding step reads whole.
 
 Both kernels are fast only with bfloat16 activations on this CPU (measured: float32 activations run
-them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_quant`), its KV too.
+them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_quant`), its KV too. A
+prefill's many rows run the weights made dense and oneDNN's bfloat16 GEMM only where that GEMM is
+native (:func:`native_gemm`; docs/cpu.md).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn as nn
@@ -67,6 +70,30 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 
 
 # --- the layers ---------------------------------------------------------------------------------
+@functools.cache
+def native_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x):
+    timed once a process on a small product (under 20 ms). oneDNN's bfloat16 GEMM is native with
+    AVX512-BF16 or AMX; on an AVX2-only CPU it is emulated, ~50x slower than float32 (an AMD EPYC
+    with AVX2: 1.3 against 71 GFLOP/s on one core, 2026-11-28) — there the weights made dense for a
+    prefill (:attr:`QuantLinear.dense_rows`) would cost far more than the integer kernels."""
+    if dtype == torch.float32:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 256, generator=gen)
+
+    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+        torch.mm(x, y)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            torch.mm(x, y)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
+
+
 class QuantLinear(nn.Module):
     """What the quantised ``nn.Linear`` layers share: rows in, the kernel's product (:meth:`product`,
     on (rows, in) in the activations' dtype), the bias, the input's shape back."""
@@ -79,7 +106,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     # rows from which a product runs on the weights made dense (:meth:`dense`) and oneDNN's 16-bit
-    # GEMM instead of the integer kernel; None: never
+    # GEMM instead of the integer kernel, on a CPU whose 16-bit GEMM is native (:func:`native_gemm`); None: never
     dense_rows: int | None = None
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -91,7 +118,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows:
+        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows and native_gemm(self.dtype):
             y = torch.mm(rows, self.dense())  # a prefill: dense for this call only, then freed
         else:
             y = self.product(rows)

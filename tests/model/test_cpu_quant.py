@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.errors import ModelError, UsageError
-from kvcli.model import load_model
+from kvcli.model import cpu_quant, load_model
 from kvcli.model.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
 from kvcli.model.load import auto_quant
 from kvcli.runtime import kernels
@@ -73,9 +73,12 @@ def test_int4_linear_multiplies_by_its_weights(rows):
     assert torch.allclose(layer.dequantized().double(), deq, atol=1e-6)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("rows", [5, 70])
-def test_int8_linear_multiplies_by_its_weights(rows, monkeypatch):
-    """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights."""
+def test_int8_linear_multiplies_by_its_weights(rows, native, monkeypatch):
+    """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights,
+    where this CPU's bfloat16 GEMM is native (cpu_quant.native_gemm), else the kernel still."""
+    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: native)
     w = torch.randn(24, 64)
     layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
     x = torch.randn(rows, 64)
@@ -92,7 +95,14 @@ def test_int8_linear_multiplies_by_its_weights(rows, monkeypatch):
         Int8Linear, "dense", lambda self: ran.append("dense") or torch.zeros(64, 24, dtype=torch.bfloat16)
     )
     layer(x)
-    assert ran == (["kernel"] if rows < layer.dense_rows else ["dense"])
+    assert ran == (["dense"] if rows >= layer.dense_rows and native else ["kernel"])
+
+
+def test_float32_is_native_and_the_check_is_made_once():
+    cpu_quant.native_gemm.cache_clear()
+    assert cpu_quant.native_gemm(torch.float32) is True
+    assert isinstance(cpu_quant.native_gemm(torch.bfloat16), bool)
+    assert cpu_quant.native_gemm.cache_info().currsize == 2
 
 
 @pytest.mark.parametrize("rows", [5, 130])
@@ -106,6 +116,7 @@ def test_int4_linear_unpacks_its_weights_for_a_prefill(rows, monkeypatch):
         pytest.skip(
             "this CPU's int4 packing is not the layout unpack_int4 reads (seen on AVX2-only CPUs): the kernel runs"
         )
+    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: True)  # the path where the GEMM is native
     w, _ = q4_1_weights(128, 96, seed=7)
     layer = Int4Linear(w, None, torch.bfloat16)
     assert layer.dense_rows == 128
