@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--wording", type=lambda x: x.split(","), default=["q", "user"])
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--kv-bits", default="auto", help="16, 8, 4 or auto (kvcli's default)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
@@ -54,7 +55,7 @@ def main() -> None:
         print(table(rows))
         print(evidence_grid(rows))
         return
-    session = Session.open(AskOptions(use_cache=False))
+    session = Session.open(AskOptions(use_cache=False, kv_bits=args.kv_bits))
     rows = []
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
@@ -97,6 +98,7 @@ def main() -> None:
                             "no_match": rec.get("no_match"),
                             "read": rec.get("read"),
                             "sources_note": rec.get("sources_note"),
+                            "kv_bits": rec.get("kv_bits"),
                             "evidence": rec.get("sources_evidence"),  # each passage read: what ordered it
                         }
                         rows.append(row)

@@ -166,22 +166,24 @@ def test_an_entry_whose_facts_and_tensors_disagree_on_the_bits_is_refused(tiny_l
         BookCache.from_storage(sixteen.storage, {**sixteen.facts(), "bits": 8, "dtype": "float16"})
 
 
-def test_by_default_a_book_is_stored_in_8_bits_and_full_attention_in_16(cli, tmp_path, tiny_dir):
+def test_by_default_a_book_and_full_attention_are_stored_in_8_bits_and_lazyllm_in_16(cli, tmp_path, tiny_dir):
     """--kv-bits auto, the default: the stored book's entry and the KV it answers from in 8 bits
-    (InfLLM.auto_kv_bits), full attention's in 16; the JSON says which."""
+    (InfLLM.auto_kv_bits), full attention's too, LazyLLM's (a layout not quantized) in 16, said
+    by no warning; the JSON says which."""
     import json
 
     doc = tmp_path / "d.txt"
     doc.write_text(DOC)
     got = {}
-    for spec in (SPEC, "full"):
+    for spec in (SPEC, "full", "lazyllm"):
         code, out, err = cli(
             "ask", doc, QUESTION, "-m", tiny_dir("llama"), "-c", spec, "--json", "--max-new-tokens", "3",
             "--cache-dir", tmp_path / "cache", "--no-sources",
         )  # fmt: skip
         assert code == 0, err
         got[spec] = json.loads(out)
-    assert got[SPEC]["kv_bits"] == 8 and got["full"]["kv_bits"] == 16
+        assert not any("--kv-bits" in w for w in got[spec]["warnings"]), got[spec]["warnings"]
+    assert got[SPEC]["kv_bits"] == 8 and got["full"]["kv_bits"] == 8 and got["lazyllm"]["kv_bits"] == 16
     code, out, err = cli(
         "ask", doc, QUESTION, "-m", tiny_dir("llama"), "-c", SPEC, "--json", "--max-new-tokens", "3",
         "--cache-dir", tmp_path / "cache", "--no-sources", "--kv-bits", "8",

@@ -255,20 +255,24 @@ def test_cli_json_reports_the_bits_and_the_smaller_entry(cli, tmp_path, tiny_dir
 
 
 def test_auto_is_each_methods_declared_bits_and_the_help_names_them():
-    """auto resolves to the bits the reading stage declares (Compressor.auto_kv_bits): 8 for
-    InfLLM's stored book, 16 elsewhere; an explicit setting is kept. The help names every method
-    whose auto is not 16, and no other."""
+    """auto resolves to the bits the stages declare (Compressor.auto_kv_bits): 8 where the KV
+    layout is quantized (full attention, the evictions, Finch, GemFilter, pages, InfLLM's book), 16
+    when a stage's is not; an explicit setting is kept. The help names every method whose auto is
+    16, and no other."""
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.cli.options import kv_bits_help
     from kvcli.compressors import REGISTRY
 
     assert quant.DEFAULT_KV_BITS == quant.AUTO == quant.check_bits("Auto")
-    assert Pipeline.parse("infllm").kv_bits("auto") == 8
-    for spec in ("full", "snapkv", "pages", "finch", "gemfilter+snapkv", "blocksparse"):
+    for spec in ("infllm", "full", "snapkv", "pyramidkv", "h2o", "pages", "finch", "gemfilter+snapkv"):
+        assert Pipeline.parse(spec).kv_bits("auto") == 8, spec
+    for spec in ("blocksparse", "razor", "lazyllm", "adakv", "kvzip", "duo", "snapkv+decoding"):
         assert Pipeline.parse(spec).kv_bits("auto") == 16, spec
     assert Pipeline.parse("infllm").kv_bits(16) == 16 and Pipeline.parse("full").kv_bits(4) == 4
-    lower = {name for name, cls in REGISTRY.items() if cls.auto_kv_bits != 16}
-    assert lower == {"infllm"}
-    said = {name for name in REGISTRY if f"-c {name} " in quant.KV_BITS_HELP}
-    assert said == lower and "auto: 8" in quant.KV_BITS_HELP
+    sixteen = {name for name, cls in REGISTRY.items() if cls.auto_kv_bits == 16}
+    assert sixteen == {"adakv", "blocksparse", "decoding", "duo", "expectedattention", "kvzip", "lazyllm", "razor"}
+    help_ = kv_bits_help()
+    said = {name for name in REGISTRY if f"-c {name}," in help_ or help_.endswith(f"-c {name}")}
+    assert said == sixteen and "auto: 8" in help_
     with pytest.raises(ValueError, match="16, 8, 4 or auto"):
         quant.check_bits("3")

@@ -166,8 +166,8 @@ class Pipeline:
 
     def kv_bits(self, setting: int | str) -> int:
         """The bits the KV is held in for ``--kv-bits setting``: the setting, or for ``auto`` what
-        the stage that reads the prompt declares (:attr:`Compressor.auto_kv_bits`)."""
-        return self.reader().auto_kv_bits if setting == quant.AUTO else int(setting)
+        the stages declare (:attr:`Compressor.auto_kv_bits`): 16 when one of them holds 16."""
+        return max(s.auto_kv_bits for s in self.stages) if setting == quant.AUTO else int(setting)
 
     def reader(self) -> Compressor:
         """The stage that reads the whole prompt first, and so owns the prefix state: the first

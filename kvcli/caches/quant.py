@@ -56,8 +56,7 @@ SCALE_DTYPE = torch.float16
 KV_BITS_HELP = (
     "Bits the KV is held in, in memory and in the disk cache: 16 (the model's own dtype), 8 or 4 "
     "(each row's groups of 64 numbers with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
-    "methods whose KV layout is not quantized keep 16 and say so; auto: 8 for a book -c infllm stores "
-    "(as accurate as 16 there, half the disk), 16 elsewhere"
+    "methods whose KV layout is not quantized keep 16 and say so"
 )
 
 

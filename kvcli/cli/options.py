@@ -118,11 +118,25 @@ CacheMaxOpt = typer.Option(
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
+
+
+def kv_bits_help() -> str:
+    """``--kv-bits``'s help: the precisions, and what ``auto`` is for each method (its class's
+    ``auto_kv_bits``, read from the registry)."""
+    from ..compressors import REGISTRY
+
+    sixteen = ", ".join(f"-c {name}" for name, cls in sorted(REGISTRY.items()) if cls.auto_kv_bits == 16)
+    return (
+        f"{kv_quant.KV_BITS_HELP}; auto: 8 for every method whose KV layout is quantized (as accurate as 16 "
+        f"on every check made, about half the memory and disk: docs/kv-bits.md), 16 for {sixteen}"
+    )
+
+
 KvBitsOpt = typer.Option(
     KvBits(str(kv_quant.DEFAULT_KV_BITS)),
     "--kv-bits",
     envvar=vocabulary.env(kv_quant.ENV_KV_BITS),
-    help=kv_quant.KV_BITS_HELP,
+    help=kv_bits_help(),
 )
 
 

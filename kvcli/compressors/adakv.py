@@ -81,6 +81,7 @@ class AdaKV(Eviction):
         "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a per-head budget of the whole prompt (default base: snapkv)
+    auto_kv_bits: ClassVar[int] = 16  # heads holding different counts: a layout not quantized
 
     base: str = knob(
         "snapkv",

@@ -114,8 +114,9 @@ class Compressor:
     # Selection says what it read (``read``: :class:`~kvcli.compressors.selection.Read`), which is
     # reported instead of a compression ratio, and the progress counts the tokens it reads
     retrieves: ClassVar[bool] = False
-    # the bits ``--kv-bits auto`` (the default) holds and stores the method's KV in: 16, except where
-    # lower bits measured as accurate and save what matters (InfLLM's stored book: docs/kv-bits.md)
+    # the bits ``--kv-bits auto`` (the default) holds and stores the method's KV in: 8 where its
+    # layout is quantized (plain KV, evictions' kept KV, InfLLM's book), measured as accurate as 16
+    # (docs/kv-bits.md); 16 for a layout that is not (the default here: a new method says 8 itself)
     auto_kv_bits: ClassVar[int] = 16
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
     # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)

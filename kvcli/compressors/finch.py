@@ -139,6 +139,7 @@ class Finch(Compressor):
     10.1162/tacl_a_00716 (arXiv:2408.00167)."""
 
     name: ClassVar[str] = "finch"
+    auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)
     paper: ClassVar[str] = (
         "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
     )

@@ -20,3 +20,4 @@ class FullAttention(Compressor):
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "Vaswani et al. 2017, Attention Is All You Need"
     keep_all: ClassVar[str] = ""  # nothing is ever dropped
+    auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)

@@ -111,6 +111,7 @@ class GemFilter(Compressor):
     model then reads only those. arXiv:2409.17422."""
 
     name: ClassVar[str] = "gemfilter"
+    auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)
     paper: ClassVar[str] = "Shi et al. 2024, Discovering the Gems in Early Layers, arXiv:2409.17422"
     keep_all: ClassVar[str] = (
         "k={n}"  # the top-k of the filter layer is every prompt token (an explicit k may not exceed the prompt)

@@ -65,6 +65,7 @@ class Pages(Compressor):
     GemFilter's shape with pages as the unit; Robertson & Zaragoza 2009)."""
 
     name: ClassVar[str] = "pages"
+    auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)
     paper: ClassVar[str] = (
         "Robertson & Zaragoza 2009, The Probabilistic Relevance Framework: BM25 and Beyond; "
         "two passes as GemFilter, arXiv:2409.17422"

@@ -309,6 +309,8 @@ class Eviction(Compressor):
     :attr:`scorer` and chooses the entries its own way in :meth:`keep`; the observers and the
     checks of :meth:`compress` serve both."""
 
+    auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)
+
     budget: str | int | float = knob(
         "1024", "entries kept per layer: a token count (>= 1) or a ratio of the prompt (0 < x < 1)"
     )

@@ -393,7 +393,8 @@ def test_the_cli_prints_that_record(cli, tiny_dir, tmp_path, stored, device):
 @pytest.mark.parametrize("name", METHODS)
 def test_every_method_runs_in_8_bits_or_says_it_keeps_16(name, tiny_lm, profiles, tmp_path):
     """With ``--kv-bits 8`` a method decodes over 8-bit KV (bytes held: the quantized ones) or keeps
-    16 bits and says so once; cold and warm runs agree; an 8-bit run never reads a 16-bit entry."""
+    16 bits and says so once; cold and warm runs agree; an 8-bit run never reads a 16-bit entry;
+    ``--kv-bits auto`` holds 8 bits exactly where the method does."""
     lm = tiny_lm(STORE_FAMILY)
     document = document_from_text(DOC)
 
@@ -413,6 +414,8 @@ def test_every_method_runs_in_8_bits_or_says_it_keeps_16(name, tiny_lm, profiles
     if state is not None:  # a state built in 8 bits has a key of its own; one built in 16 is shared
         assert sixteen.extra["cache"]["status"] == "miss"
         assert cold.extra["cache"]["status"] == ("hit" if state.get("kv_bits", 16) == 16 else "miss")
+    # --kv-bits auto: 8 bits exactly where the method's layout holds them (Compressor.auto_kv_bits)
+    assert Pipeline.parse(COMPRESSING[name]).kv_bits("auto") == cold.extra["kv_bits"]
     if cold.extra["kv_bits"] == 8:
         assert not warned
         assert cold.extra["kv_cache_bytes"] == cold.cache.nbytes() < sixteen.extra["kv_cache_bytes"]

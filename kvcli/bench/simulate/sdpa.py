@@ -63,9 +63,16 @@ class CudaSdpa(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention or self._on_the_host(args, kwargs):
             return func(*args, **kwargs)
         return self.attend(*args, **kwargs)
+
+    def _on_the_host(self, args, kwargs) -> bool:
+        """A host computation inside the run (the sentence-embedding model ``pages`` ranks passages
+        with runs on the CPU whatever the device): the CPU's own SDPA, as on a GPU machine; a
+        forced ``backend`` (the fidelity test's math on the CPU) applies everywhere."""
+        query = args[0] if args else kwargs.get("query")
+        return self.backend is None and isinstance(query, torch.Tensor) and query.device.type == "cpu"
 
     def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         from torch.nn.attention.bias import CausalBias, CausalVariant
