@@ -98,3 +98,16 @@ def test_pages_reads_the_answers_part_of_a_text_without_blank_lines(tiny_lm):
     kept = [i for i in sel.kept.tolist() if prompt.doc_start <= i < prompt.doc_end]
     lo, hi = prompt.char_span(kept[0])[0], prompt.char_span(kept[-1])[1]
     assert lo <= doc.text.index("Row 300:") < hi and hi - lo <= PASSAGE_CHARS
+
+
+def test_a_prompts_passages_know_the_line_they_begin_on(tiny_lm):
+    """Each passage's first line (what a note names in a document without pages), against the
+    newlines counted before it; its last line from its own text."""
+    lines = [f"Line {i} of the harbour log, with a few words to fill it out." for i in range(400)]
+    text = "\n".join(lines[:150]) + "\n\n\n" + "\n".join(lines[150:])
+    prompt = build_prompt(tiny_lm("llama").tokenizer, text, "Which line?")
+    assert len(prompt.passages) > 3
+    for p in prompt.passages:
+        assert p.line == text.count("\n", 0, p.char_start) + 1
+        last = text.count("\n", 0, p.char_start + len(p.text.rstrip("\n"))) + 1
+        assert p.where(paged=False) == (f"lines {p.line}-{last}" if last > p.line else f"line {p.line}")

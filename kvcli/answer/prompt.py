@@ -35,6 +35,14 @@ class Passage:
     char_start: int
     text: str
     page: int = 1  # the document's page (1-based) it begins on: what a note about it names
+    line: int = 1  # the document's line (1-based) it begins on: what a note names in a document without pages
+
+    def where(self, paged: bool) -> str:
+        """``page 12``, or ``lines 40-71`` in a document without pages."""
+        if paged:
+            return f"page {self.page}"
+        last = self.line + self.text.rstrip("\n").count("\n")
+        return f"line {self.line}" if last == self.line else f"lines {self.line}-{last}"
 
 
 @dataclass
@@ -117,10 +125,12 @@ def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...
     prompt index."""
     starts = [int(o[0]) for o in offsets]
     out = []
+    line, counted = 1, 0  # the line at character ``counted``
     for lo, hi in passages(text, page_starts):
+        line, counted = line + text.count("\n", counted, lo), lo
         a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
         if b > a:
-            out.append(Passage(first + a, first + b, lo, text[lo:hi], bisect.bisect_right(page_starts, lo)))
+            out.append(Passage(first + a, first + b, lo, text[lo:hi], bisect.bisect_right(page_starts, lo), line))
     return tuple(out)
 
 

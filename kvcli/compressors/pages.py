@@ -187,10 +187,10 @@ def read_of(prompt, how: str, passage, a: int, b: int) -> Read:
 
 def no_match_note(prompt, bounds, chosen, semantic: bool) -> str:
     """The line that says no passage matched the question, and what was read instead: the passages
-    (pages, or paragraphs of an unpaged document) whose tokens were kept, whole or in part."""
+    (pages, or the lines of a document without pages) whose tokens were kept, whole or in part."""
     read = [i for i, (a, b) in enumerate(bounds) if any(lo < b and a < hi for lo, hi in chosen)]
     paged = any(p.page > 1 for p in prompt.passages)
-    names = [f"page {prompt.passages[i].page}" if paged else f"paragraph {i + 1}" for i in read]
+    names = [prompt.passages[i].where(paged) for i in read]
     why = "no part of the document is close to it in meaning" if semantic else "no word of it is in the document"
     return f"no page matched the question ({why}): read {', '.join(names) or 'nothing'} instead"
 
