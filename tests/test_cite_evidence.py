@@ -65,14 +65,15 @@ def test_a_retrieving_methods_sources_come_in_the_order_of_the_answers_evidence(
     assert len(prompt.passages) == 3
     tokens = np.ones(prompt.n_tokens)  # attention spread evenly
     retrieval = np.zeros(prompt.n_tokens)
-    for p, score in zip(prompt.passages, [3.0, 1.0, 2.0]):
+    for p, score in zip(prompt.passages, [3.0, 2.0, 2.5]):
         retrieval[p.start : p.end] = score
     found = sources_from_tokens(document, prompt, tokens, question=QUESTION, passage_scores=retrieval, answer=answer)
     assert [s.first for s in found.items][0] == first
     assert sorted(s.first for s in found.items) == [1, 2, 3]
     shares = found.extra["evidence"]
     assert [e["pages"] for e in shares] == [[1, 1], [2, 2], [3, 3]]
-    assert [e["retrieval"] for e in shares] == pytest.approx([1.0, 1 / 3, 2 / 3], abs=1e-4)
+    assert [e["retrieval"] for e in shares] == pytest.approx([1.0, 2 / 3, 5 / 6], abs=1e-4)
+    assert evidence.WORDS_WEIGHT > 1 / 3  # so an answer's page with all its words goes first here
     assert found.clear  # the answer's terms are on a page read, or it has none
     lost = sources_from_tokens(
         document, prompt, tokens, question=QUESTION, passage_scores=retrieval, answer="5-5-5-5, the harbour master"
