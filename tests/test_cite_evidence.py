@@ -57,9 +57,16 @@ def test_no_clear_source_when_the_answers_words_and_attention_point_nowhere():
 
 
 @pytest.mark.parametrize("answer, first", [("4-7-1-9", 3), ("twice a day, in the log book", 2), ("", 1)])
-def test_a_retrieving_methods_sources_come_in_the_order_of_the_answers_evidence(tokenizer, answer, first):  # noqa: F811
-    """Three pages read, retrieval ranking p. 1 first: the answer's words move the page they are on
-    first; an answer with none keeps the retrieval's order. One source per page, every page read."""
+def test_a_retrieving_methods_sources_come_in_the_order_of_the_answers_evidence(
+    tokenizer,  # noqa: F811
+    answer,
+    first,
+    monkeypatch,
+):
+    """Three pages read, retrieval ranking p. 1 first: with a weight on the answer's words (the
+    default is 0: the retrieval's order, as measured) they move the page they are on first; an
+    answer with none keeps the retrieval's order. One source per page, every page read."""
+    monkeypatch.setattr(evidence, "WORDS_WEIGHT", 0.5)
     document = paged(PAGES)
     prompt = build_prompt(tokenizer, document.text, QUESTION, page_starts=document.page_starts)
     assert len(prompt.passages) == 3
@@ -73,10 +80,13 @@ def test_a_retrieving_methods_sources_come_in_the_order_of_the_answers_evidence(
     shares = found.extra["evidence"]
     assert [e["pages"] for e in shares] == [[1, 1], [2, 2], [3, 3]]
     assert [e["retrieval"] for e in shares] == pytest.approx([1.0, 2 / 3, 5 / 6], abs=1e-4)
-    assert evidence.WORDS_WEIGHT > 1 / 3  # so an answer's page with all its words goes first here
+
     assert found.clear  # the answer's terms are on a page read, or it has none
     lost = sources_from_tokens(
         document, prompt, tokens, question=QUESTION, passage_scores=retrieval, answer="5-5-5-5, the harbour master"
     )
     assert not lost.clear and lost.reason.startswith("no clear source")
     assert [s.first for s in lost.items] == [1, 3, 2]  # the retrieval's order: the answer's evidence is silent
+    monkeypatch.setattr(evidence, "WORDS_WEIGHT", 0.0)  # the default: the retrieval's order whatever the answer
+    kept = sources_from_tokens(document, prompt, tokens, question=QUESTION, passage_scores=retrieval, answer=answer)
+    assert [s.first for s in kept.items] == [1, 3, 2]
