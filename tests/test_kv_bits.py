@@ -115,6 +115,17 @@ def test_attention_from_codes_equals_attention_over_their_numbers(bits, case, mo
         assert torch.allclose(w.reshape(1, n_heads, 1, kv_len), torch.softmax(scores, -1), atol=TOL)
 
 
+def test_attention_from_codes_runs_outside_inference_mode_after_a_run_inside_it():
+    """The 8-bit values' scratch buffer (kept per thread) made under torch.inference_mode is made
+    again for a call outside it, where an inference tensor takes no in-place write."""
+    query = torch.randn(1, 4, 1, 64)
+    kp, vp = (quant.quantize(torch.randn(1, 2, 300, 64), 8) for _ in range(2))
+    with torch.inference_mode():
+        inside = quant.attend(query, kp, vp, 64, 0.125, None, None)
+    outside = quant.attend(query, kp, vp, 64, 0.125, None, None)  # RuntimeError before the fix
+    assert torch.equal(inside, outside)
+
+
 class RoundedKV(KVCache):
     """The reference: a plain cache holding each appended row rounded the same way."""
 

@@ -305,10 +305,12 @@ _SCRATCH = threading.local()
 
 def _scratch(shape, device) -> torch.Tensor:
     """A float32 tensor of ``shape`` on the CPU, a view of a buffer this thread keeps (grown, never
-    shrunk: at most :data:`ROWS` keys of one layer, e.g. 3 MB for SmolLM2 at 4k tokens)."""
+    shrunk: at most :data:`ROWS` keys of one layer, e.g. 3 MB for SmolLM2 at 4k tokens). One made
+    under ``torch.inference_mode`` is made again for a call outside it (an inference tensor takes
+    no in-place write there)."""
     n = math.prod(shape)
     buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < n:
+    if buf is None or buf.numel() < n or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float32, device=device)
     return buf[:n].view(shape)  # x (m, k) @ (w (n, k) int8 · scale (n,))ᵀ, on the CPU
 
