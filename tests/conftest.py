@@ -105,6 +105,18 @@ def tiny_lm(tiny_dir, device):
 
 
 @pytest.fixture
+def reference(tiny_lm, tmp_path):
+    """A book read of the tiny llama that never stopped (tests.helpers.books.answer): its answer and
+    its store entry's tensors, what the resume and stall tests compare a stopped read with."""
+    from kvcli.store import KVStore
+    from tests.helpers.books import answer, entry_tensors
+
+    result = answer(tiny_lm("llama"), KVStore.open(tmp_path / "reference"))
+    [entry] = (tmp_path / "reference" / "kv").glob("*.safetensors")
+    return result, entry_tensors(entry)
+
+
+@pytest.fixture
 def meta_engine(tiny_dir):
     """An :class:`kvcli.runtime.engine.Engine` over a 2-layer tiny llama whose weights live on PyTorch's
     ``meta`` device: shapes without data, any device but the CPU (a host tensor mixed in shows as a

@@ -41,14 +41,6 @@ def lm(tiny_lm):
     return tiny_lm("llama")
 
 
-@pytest.fixture
-def reference(lm, tmp_path):
-    """A read that never stopped: its answer and its entry's tensors."""
-    result = answer(lm, KVStore.open(tmp_path / "reference"))
-    [entry] = (tmp_path / "reference" / "kv").glob("*.safetensors")
-    return result, entry_tensors(entry)
-
-
 def _files(cache: Path) -> tuple[list[Path], list[Path]]:
     """(whole entries, partial entries) under ``cache``."""
     files = sorted((cache / "kv").glob("*.safetensors"))

@@ -141,13 +141,6 @@ def lm(tiny_lm):
     return tiny_lm("llama")
 
 
-@pytest.fixture
-def reference(lm, tmp_path):
-    result = answer(lm, KVStore.open(tmp_path / "reference"))
-    [entry] = (tmp_path / "reference" / "kv").glob("*.safetensors")
-    return result, entry_tensors(entry)
-
-
 def _book_key(lm):
     from kvcli.answer.prefix import chunked_state
     from kvcli.answer.prompt import build_prompt
