@@ -30,7 +30,11 @@ def test_the_answers_own_terms_leave_the_questions_words_out_and_keep_its_number
 
 def test_weigh_gives_each_passage_its_shares():
     found = evidence.weigh(
-        PAGES, [(1, 1), (2, 2), (3, 3)], np.array([4.0, 1.0, 2.0]), np.array([1.0, 1.0, 2.0]), "4-7-1-9", QUESTION
+        PAGES,
+        [(1, 1), (2, 2), (3, 3)],
+        np.array([4.0, 1.0, 2.0]),
+        np.array([1.0, 1.0, 2.0]),
+        evidence.answer_terms("4-7-1-9", QUESTION),
     )
     assert [e.retrieval for e in found] == [1.0, 0.25, 0.5]
     assert [e.attention for e in found] == [0.25, 0.25, 0.5]
@@ -46,14 +50,14 @@ def test_no_clear_source_when_the_answers_words_and_attention_point_nowhere():
     places = [(1, 1), (2, 2), (3, 3)]
 
     def nowhere(answer, attention):
-        found = evidence.weigh(PAGES, places, np.ones(3), np.array(attention), answer, QUESTION)
-        return evidence.points_nowhere(found, answer, QUESTION)
+        terms = evidence.answer_terms(answer, QUESTION)
+        return evidence.points_nowhere(evidence.weigh(PAGES, places, np.ones(3), np.array(attention), terms), terms)
 
     assert nowhere("9-9-9-9 by the lighthouse mechanic", [1.0, 1.0, 1.0])  # none of its terms read, attention spread
     assert not nowhere("9-9-9-9 by the lighthouse mechanic", [0.1, 0.1, 2.0])  # one page holds most of its attention
     assert not nowhere("4-7-1-9", [1.0, 1.0, 1.0])  # its number is on p. 3
     assert not nowhere("The padlock combination.", [1.0, 1.0, 1.0])  # no term of its own: nothing to miss
-    assert evidence.points_nowhere([], "4-7-1-9", QUESTION)
+    assert evidence.points_nowhere([], evidence.answer_terms("4-7-1-9", QUESTION))
 
 
 @pytest.mark.parametrize("answer, first", [("4-7-1-9", 3), ("twice a day, in the log book", 2), ("", 1)])

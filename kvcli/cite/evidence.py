@@ -86,16 +86,15 @@ def weigh(
     places: list[tuple[int, int]],
     retrieval: np.ndarray,
     attention: np.ndarray,
-    answer: str,
-    question: str,
+    terms: tuple[set[str], set[str]],
 ) -> list[Evidence]:
     """One :class:`Evidence` per passage read: ``texts`` and ``places`` (first, last page or line)
-    of each; ``retrieval`` its retrieval score; ``attention`` the answer's attention in it (sums)."""
+    of each; ``retrieval`` its retrieval score; ``attention`` the answer's attention in it (sums);
+    ``terms`` the answer's own (:func:`answer_terms`)."""
     retrieval = np.asarray(retrieval, dtype=np.float64)
     attention = np.clip(np.asarray(attention, dtype=np.float64), 0.0, None)
     best = retrieval.max(initial=0.0)
     mass = attention.sum()
-    terms = answer_terms(answer, question)
     return [
         Evidence(
             first,
@@ -108,10 +107,11 @@ def weigh(
     ]
 
 
-def points_nowhere(evidence: list[Evidence], answer: str, question: str) -> bool:
-    """Whether the answer's evidence points to no passage read: it has terms of its own and none
-    is in a passage read, and no passage holds :data:`ATTENTION_CLEAR_SHARE` of its attention."""
-    stems, numbers = answer_terms(answer, question)
+def points_nowhere(evidence: list[Evidence], terms: tuple[set[str], set[str]]) -> bool:
+    """Whether the answer's evidence points to no passage read: it has terms of its own (``terms``,
+    :func:`answer_terms`) and none is in a passage read, and no passage holds
+    :data:`ATTENTION_CLEAR_SHARE` of its attention."""
+    stems, numbers = terms
     if not evidence:
         return True
     words_nowhere = bool(stems or numbers) and max(e.words for e in evidence) == 0

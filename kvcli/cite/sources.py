@@ -259,18 +259,18 @@ def sources_from_tokens(
     per_passage = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[[p.start for p in prompt.passages]]
     was_read = sorted({int(g) for g in groups[read]})
     passages = [prompt.passages[g] for g in was_read]
+    terms = evidence.answer_terms(answer, question)
     found = evidence.weigh(
         [p.text for p in passages],
         [doc_units.place(p.char_start, p.char_start + len(p.text))[:2] for p in passages],
         per_passage[was_read],
         [attention[(groups == g) & read].sum() for g in was_read],
-        answer,
-        question,
+        terms,
     )
     order = np.zeros(len(prompt.passages))
     order[was_read] = [e.score() for e in found]
     out = rank(doc_units, scores, read=read, groups=groups, group_order=order[groups], **kwargs)
-    nowhere = evidence.points_nowhere(found, answer, question)
+    nowhere = evidence.points_nowhere(found, terms)
     reason = "no clear source: the answer's words and attention point to no passage it read" if nowhere else None
     return dataclasses.replace(
         out,

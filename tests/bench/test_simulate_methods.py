@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from kvcli.compressors import REGISTRY
+from kvcli.compressors import REGISTRY, parse_one
 from tests.helpers.specs import COMPRESSING, HOLDS_EVERYTHING
 
 TOKENS, STEPS = 256, 3
@@ -53,8 +53,8 @@ def test_every_method_runs_in_the_simulator_within_its_budget(rows, name):
     # representatives besides: repr_topk keys (blocksparse: one) for every block_size
     extra = 0.0
     if name in HOLDS_EVERYTHING - {"full"}:
-        knobs = dict(kv.split("=", 1) for kv in SPECS[name].partition(":")[2].split(","))
-        extra = int(knobs.get("repr_topk", 1)) / int(knobs["block_size"])
+        method = parse_one(SPECS[name])
+        extra = getattr(method, "repr_topk", 1) / method.block_size
     assert row["kv_bytes"] <= full["kv_bytes"] * (1.01 + extra), "more KV than full attention"
     stated = BUDGET.search(SPECS[name].split("+")[-1])
     if stated:  # a budget of tokens (or a share of the prompt): the KV held is within it
