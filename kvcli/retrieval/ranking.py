@@ -107,5 +107,5 @@ def rank_passages(passages: list[str], question: str, cache_dir: Path | None = N
         return Ranking(lexical, lexical, None, "bm25")
     model = embed.embedder(name)
     vecs, owner, _ = vectors.passage_vectors(model, passages, cache_dir)
-    semantic = semantic_scores(vecs, owner, model.encode([question])[0], len(passages))
+    semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     return Ranking(fuse(lexical, semantic), lexical, semantic, "bm25+embedding")

@@ -104,3 +104,85 @@ def test_real_model_against_sentence_transformers(monkeypatch, tmp_path):
     r = rank_passages(SHELL, "how do I make my script quit at the first error?", cache_dir=tmp_path)
     assert r.signal == "bm25+embedding" and r.bm25.max() == 0 and r.order[0] == 1
     assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 1
+
+
+def tiny_folder(tmp_path, pooling: str | None, prompts: dict | None = None, max_seq_length: int | None = None):
+    """A 2-layer BERT with random weights and all-MiniLM-L6-v2's tokenizer, in sentence-transformers'
+    layout with the given pooling, prompts and token limit (None: that file absent)."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    default = embed.model_dir(embed.DEFAULT)
+    folder = tmp_path / f"tiny-{pooling}"
+    folder.mkdir()
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default / name, folder / name)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    BertModel(config).eval().save_pretrained(folder)
+    if pooling is not None:
+        (folder / "1_Pooling").mkdir()
+        modes = {f"pooling_mode_{m}": m == pooling for m in ("mean_tokens", "cls_token", "max_tokens")}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+    if prompts is not None:
+        (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    return folder
+
+
+def reference_vectors(folder, texts, pooling: str, max_tokens: int = 256) -> np.ndarray:
+    """The pooled, normalised vectors computed here one text at a time (no padding), from the
+    model's own forward pass: what sentence-transformers computes for these layouts."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    rows = []
+    for text in texts:
+        batch = tok([text], truncation=True, max_length=max_tokens, return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state[0]
+        pooled = {"mean": hidden.mean(0), "cls": hidden[0], "max": hidden.max(0).values}[pooling]
+        rows.append((pooled / pooled.norm()).numpy())
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
+def test_the_folders_pooling_is_used(tmp_path, pooling):
+    """A folder's 1_Pooling/config.json decides the pooling (texts of different lengths: the padded
+    batch must pool as each text alone does)."""
+    folder = tiny_folder(tmp_path, {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens"}[pooling])
+    model = embed.Embedder(folder)
+    assert model.layout.pooling == pooling
+    texts = [SHELL[1], "short one", SHELL[0]]
+    np.testing.assert_allclose(model.encode(texts), reference_vectors(folder, texts, pooling), atol=1e-5)
+
+
+def test_prompts_and_token_limit_and_the_vectors_key(tmp_path):
+    """The query prompt goes before a question only, the passage prompt before a window; the token
+    limit cuts; a folder without the files runs as all-MiniLM-L6-v2 (mean, 256, no prompt); the
+    layout is part of the model's id (the vectors' key)."""
+    plain = embed.Embedder(tiny_folder(tmp_path, None))
+    assert plain.layout == embed.Layout()
+    folder = tiny_folder(tmp_path, "cls_token", {"query": "query: ", "passage": "passage: "}, max_seq_length=8)
+    model = embed.Embedder(folder)
+    assert model.layout == embed.Layout("cls", 8, "query: ", "passage: ")
+    q = "how do I make my script quit at the first error?"
+    np.testing.assert_allclose(model.encode_query(q), reference_vectors(folder, ["query: " + q], "cls", 8)[0], atol=1e-5)
+    np.testing.assert_allclose(model.encode([SHELL[1]]), reference_vectors(folder, ["passage: " + SHELL[1]], "cls", 8), atol=1e-5)
+    assert not np.allclose(model.encode([q])[0], model.encode_query(q))
+    before = model.id
+    (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    assert embed.Embedder(folder).id != before
+
+
+def test_a_pooling_kvcli_cannot_run_is_one_error(tmp_path):
+    folder = tiny_folder(tmp_path, "mean_tokens")
+    (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
+    with pytest.raises(ModelError, match="pools with pooling_mode_lasttoken"):
+        embed.Embedder(folder)
