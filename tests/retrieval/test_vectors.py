@@ -121,7 +121,9 @@ def tiny_folder(tmp_path, pooling: str | None, prompts: dict | None = None, max_
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default / name, folder / name)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     BertModel(config).eval().save_pretrained(folder)
     if pooling is not None:
         (folder / "1_Pooling").mkdir()
@@ -173,8 +175,12 @@ def test_prompts_and_token_limit_and_the_vectors_key(tmp_path):
     model = embed.Embedder(folder)
     assert model.layout == embed.Layout("cls", 8, "query: ", "passage: ")
     q = "how do I make my script quit at the first error?"
-    np.testing.assert_allclose(model.encode_query(q), reference_vectors(folder, ["query: " + q], "cls", 8)[0], atol=1e-5)
-    np.testing.assert_allclose(model.encode([SHELL[1]]), reference_vectors(folder, ["passage: " + SHELL[1]], "cls", 8), atol=1e-5)
+    np.testing.assert_allclose(
+        model.encode_query(q), reference_vectors(folder, ["query: " + q], "cls", 8)[0], atol=1e-5
+    )
+    np.testing.assert_allclose(
+        model.encode([SHELL[1]]), reference_vectors(folder, ["passage: " + SHELL[1]], "cls", 8), atol=1e-5
+    )
     assert not np.allclose(model.encode([q])[0], model.encode_query(q))
     before = model.id
     (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
