@@ -135,7 +135,14 @@ class Pages(Compressor):
         bounds = passage_tokens(prompt)
         if not bounds:
             return Selection(torch.arange(n))
-        ranking = rank_passages([p.text for p in prompt.passages], prompt.question, self.vectors_dir())
+        ranking = rank_passages(
+            [p.text for p in prompt.passages],
+            prompt.question,
+            self.vectors_dir(),
+            document={"document": self.runtime.document, "document_sha256": self.runtime.document_sha256},
+            on_progress=self.runtime.on_embed,
+            on_stored=self.runtime.on_stored,
+        )
         bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
         chosen, skimmed, read = [], [], []  # read: (how, passage index, token span), in the order chosen

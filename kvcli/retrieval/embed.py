@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -93,15 +94,18 @@ class Embedder:
                         digest.update(block)
         return digest.hexdigest()
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """(len(texts), dim) float32, each row of L2 norm 1: mean of the last hidden states over
         the attention mask (sentence-transformers' pooling for this model), then normalised.
-        Texts are batched by length (less padding); the rows come back in the texts' order."""
+        Texts are batched by length (less padding); the rows come back in the texts' order.
+        ``on_progress(done, total)``: the texts embedded so far, before the first batch and after each."""
         import torch
 
         dim = self.model.config.hidden_size
         out = np.zeros((len(texts), dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        if on_progress is not None:
+            on_progress(0, len(order))
         with torch.inference_mode():
             for lo in range(0, len(order), BATCH):
                 idx = order[lo : lo + BATCH]
@@ -112,6 +116,8 @@ class Embedder:
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 out[idx] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
+                if on_progress is not None:
+                    on_progress(min(lo + BATCH, len(order)), len(order))
         return out
 
 
