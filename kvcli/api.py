@@ -142,10 +142,12 @@ class Session:
         ``on_resume(f)`` when a book read resumes where an interrupted one stopped, ``f`` of the
         prompt read already; ``on_embed(done, total)`` while a method that retrieves (``pages``)
         embeds the document's passages, the first time it reads that document (``done`` of
-        ``total`` windows; none once their vectors are kept in the cache folder); ``on_text(piece)`` with the answer as it is decoded, the pieces
-        adding up to ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`). ``sources``: read
-        the answer's attention while it is decoded and cite the document's sentences it read most (``Result.sources``,
-        :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the session's option."""
+        ``total`` windows; none once their vectors are kept in the cache folder);
+        ``on_text(piece)`` with the answer as it is decoded, the pieces adding up to
+        ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`). ``sources``: read the
+        answer's attention while it is decoded and cite the document's sentences it read most
+        (``Result.sources``, :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the
+        session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         sources = self.options.sources if sources is None else sources
         prompt = build_prompt(

@@ -42,6 +42,7 @@ over the window with ``pages`` (:mod:`kvcli.answer.policy`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -180,7 +181,8 @@ class Pages(Compressor):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
         from ..model import default_cache_dir
 
-        return self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+        folder = self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+        return Path(folder).expanduser()  # where the store looks for them (KVStore.open expands it too)
 
 
 def read_of(prompt, how: str, passage, a: int, b: int) -> Read:
