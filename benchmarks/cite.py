@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
 from cite_heads import span  # noqa: E402  ("0-39" or "0,3,5" -> the indices)
+from portable import scrub  # noqa: E402  (no machine's paths in the JSON)
 
 from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
@@ -640,7 +641,8 @@ def main() -> None:
         if args.out:
             args.out.write_text(
                 json.dumps(
-                    {"command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]), "rows": rows}, indent=1
+                    {"command": scrub(" ".join(["python", "benchmarks/cite.py", *sys.argv[1:]])), "rows": rows},
+                    indent=1,
                 )
                 + "\n"
             )
@@ -650,7 +652,7 @@ def main() -> None:
     rows = run(args)
     PER_HEAD.save()
     out = {
-        "command": " ".join(["python", "benchmarks/cite.py", *sys.argv[1:]]),
+        "command": scrub(" ".join(["python", "benchmarks/cite.py", *sys.argv[1:]])),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "started": started,
         "ended": {"load": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from books import fetch_pdf, page_text, right  # noqa: E402
+from portable import portable, scrub  # noqa: E402  (no machine's paths in the JSON)
 
 from kvcli.api import AskOptions, Session, parse_pipeline, result_record  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
                             rec = result_record(result, session, pipeline, document)
                         pages = [s["pages"][0] for s in rec.get("sources") or []]
                         row = {
-                            "file": str(path),
+                            "file": portable(path),
                             "document": doc["name"],
                             "question": q["q"],
                             "wording": wording,
@@ -109,7 +110,9 @@ def main() -> None:
                             flush=True,
                         )
                         if args.out:
-                            args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+                            args.out.write_text(
+                                json.dumps({"command": scrub(" ".join(sys.argv)), "rows": rows}, indent=1)
+                            )
     print(table(rows))
     print(evidence_grid(rows))
 

@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from portable import portable, scrub  # noqa: E402  (no machine's paths in the JSON)
+
 LLAMA_PYTHON = ROOT / ".peers" / "llamacpp" / "bin" / "python"
 LLAMA_WORKER = ROOT / "benchmarks" / "peers" / "worker_llamacpp.py"
 BUSY = "while True: pass"
@@ -116,13 +119,15 @@ def timed(cmd: list, timeout: float, env: dict | None = None) -> tuple[dict | No
         return None, {"timed_out": True, "wall_s": round(time.perf_counter() - t0, 1)}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return None, {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+        return None, {"error": scrub((proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])}
     return json.loads(lines[-1]), {"wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def kvcli(args: list, timeout: float, env: dict) -> dict:
     """``python -m kvcli ask ARGS --json`` in a fresh process: its JSON record, or why not."""
     record, how = timed([sys.executable, "-m", "kvcli", "ask", *map(str, args), "--json", "--quiet"], timeout, env)
+    if record and isinstance(record.get("document"), str):
+        record["document"] = portable(record["document"])  # a temporary file: <tmp>/doc.txt
     return {**(record or {}), **how}
 
 
@@ -289,7 +294,7 @@ def main() -> None:
     measured = {(load, c, run) for load in loads for c in configs for run in runs}
     data["rows"] = [r for r in data["rows"] if (r["load"], r["config"], r["run"]) not in measured]
     data["meta"].setdefault("commands", []).append(
-        " ".join(["python benchmarks/under_load.py", *map(shlex.quote, sys.argv[1:])])
+        scrub(" ".join(["python benchmarks/under_load.py", *map(shlex.quote, sys.argv[1:])]))
     )
     # every run as a user's: no thread count or kvcli setting inherited (heavy.sh's OMP_NUM_THREADS=1)
     env = {

@@ -122,6 +122,7 @@ class Session:
         on_progress: Callable[[float], None] | None = None,
         on_wait: Callable[[str | None], None] | None = None,
         on_resume: Callable[[float], None] | None = None,
+        on_embed: Callable[[int, int], None] | None = None,
         sources: bool | None = None,
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``.
@@ -139,10 +140,14 @@ class Session:
         same document's KV and this one waits for it ("another kvcli process (pid 4242) reading
         book.pdf: 12,288/88,244 tokens (14%)"), ``on_wait(None)`` when the wait ends;
         ``on_resume(f)`` when a book read resumes where an interrupted one stopped, ``f`` of the
-        prompt read already; ``on_text(piece)`` with the answer as it is decoded, the pieces
-        adding up to ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`). ``sources``: read
-        the answer's attention while it is decoded and cite the document's sentences it read most (``Result.sources``,
-        :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the session's option."""
+        prompt read already; ``on_embed(done, total)`` while a method that retrieves (``pages``)
+        embeds the document's passages, the first time it reads that document (``done`` of
+        ``total`` windows; none once their vectors are kept in the cache folder);
+        ``on_text(piece)`` with the answer as it is decoded, the pieces adding up to
+        ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`). ``sources``: read the
+        answer's attention while it is decoded and cite the document's sentences it read most
+        (``Result.sources``, :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the
+        session's option."""
         max_new_tokens = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         sources = self.options.sources if sources is None else sources
         prompt = build_prompt(
@@ -154,10 +159,15 @@ class Session:
                 f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way",
                 key="kv-offload-unused",
             )
+        source = document.source if document.source == "-" else os.path.abspath(document.source)
         runtime = Runtime(
             cache_dir=self.options.cache_dir,
             kv_offload=self.options.kv_offload,
             kv_bits=pipeline.kv_bits(self.options.kv_bits),
+            document=source,
+            document_sha256=document.sha256,
+            on_embed=on_embed,
+            on_stored=None if self.store is None else self._made,
         )
         pipeline.configure(self.lm, runtime)
         check_window(
@@ -200,7 +210,7 @@ class Session:
                 cite=citing_heads(self.lm) if sources else None,
                 on_selected=selected if retrieves else None,
                 meta={
-                    "document": document.source if document.source == "-" else os.path.abspath(document.source),
+                    "document": source,
                     "document_sha256": document.sha256,
                     "model_name": self.lm.name,
                     "method": pipeline.spec(),
@@ -216,6 +226,12 @@ class Session:
         result.extra["policy"] = pipeline.chosen_by
         result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
         return result
+
+    def _made(self, path: Path) -> None:
+        """A method wrote ``path`` into the cache folder (the page vectors): the store makes room
+        for it under its cap, as for its own entries (least recently used first)."""
+        if self.store is not None and self.store.enabled:
+            self.store.make_room(path)
 
 
 def spec_label(spec: str, given: Pipeline | None = None) -> str:

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# ``<cache_dir>/vectors``: the retrieval's passage vectors (:mod:`kvcli.retrieval.vectors` writes
+# them); the disk store (:mod:`kvcli.store`) lists them, counts them against its cap and removes
+# them beside its KV entries. Here, below both, so that neither imports the other.
+VECTORS_FOLDER = "vectors"
+
 
 def umask() -> int:
     """The process's umask (read without changing it for good)."""

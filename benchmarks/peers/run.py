@@ -44,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PEERS = ROOT / ".peers"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from portable import portable, scrub  # noqa: E402  (no machine's paths in the JSON)
 
 QUESTION_2 = "What does the author say about the people he worked with? Answer in one sentence."
 
@@ -108,8 +110,11 @@ def run_worker(python: str, worker: str, case: dict, spec: str, extra: list[str]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"{worker} {spec}: exit {proc.returncode}: {tail}"}
-    return json.loads(lines[-1])
+        return {"error": scrub(f"{worker} {spec}: exit {proc.returncode}: {tail}")}
+    row = json.loads(lines[-1])
+    if isinstance(row.get("kvcli_src"), str):
+        row["kvcli_src"] = portable(row["kvcli_src"])  # the tree measured, repository-relative
+    return row
 
 
 def checkout(rev: str) -> Path:
@@ -192,7 +197,7 @@ def main() -> None:
         "ratio": args.ratio,
         "new_tokens": args.new_tokens,
         "reps": args.reps,
-        "command": "python benchmarks/peers/run.py " + " ".join(sys.argv[1:]),
+        "command": scrub("python benchmarks/peers/run.py " + " ".join(sys.argv[1:])),
     }
     for _rep in range(args.reps):
         for case in [c for c in cases if c["question_index"] == 0]:

@@ -1,4 +1,5 @@
-"""``kvcli cache``: the disk KV cache — list, show, remove, prune."""
+"""``kvcli cache``: the disk KV cache — list, show, remove, prune; the retrieval's page vectors
+(``<cache_dir>/vectors``) are part of it: entries of kind "vectors"."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .options import KvcliCommand
 cache_app = typer.Typer(
     no_args_is_help=True,
     short_help="The disk KV cache: list, show, remove, prune.",
-    help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast.",
+    help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast "
+    "(their KV, and the page vectors the pages method retrieves with).",
 )
 app.add_typer(cache_app, name="cache")
 
@@ -84,8 +86,11 @@ def cache_ls(
 ) -> None:
     """List the entries, most recently used first.
 
-    Each entry's key, document, model, method, state, tokens, size and last use. On a terminal: a table; piped: tab-separated values with a header row (full keys and paths,
-    sizes in bytes); --json: JSON Lines.
+    Each entry's key, document, model, method, state, tokens, size and last use; a document's page
+    vectors (what the pages method retrieves with) are entries of their own, of kind "vectors"
+    (state "vectors", the embedding model as their model). On a terminal: a table; piped:
+    tab-separated values with a header row (full keys and paths, sizes in bytes, the kind last);
+    --json: JSON Lines.
     """
     store = _open_cache(cache_dir)
     entries = store.entries()
@@ -107,7 +112,8 @@ def cache_info(
 ) -> None:
     """Show the totals of the cache, or one entry's metadata, as JSON.
 
-    The totals count every file of the store: entries, temporary files of writes in progress and
+    The totals count every file of the store: entries (the page vectors' files among them, also
+    counted as "vectors"), temporary files of writes in progress and
     lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
     left (temporary files whose writer is gone, lock files nobody holds), removed just now;
     "evicts_next" is the entry the cap removes first when a new one needs room; "partial" counts the
@@ -124,6 +130,8 @@ def cache_info(
             "path": str(store.root),
             "entries": len(entries),
             "size_bytes": size,
+            "vectors": sum(1 for e in entries if e.kind == "vectors"),  # page vectors' files (among the entries)
+            "vectors_bytes": sum(e.size for e in entries if e.kind == "vectors"),
             "damaged": sum(1 for e in entries if e.error),
             "partial": sum(1 for e in entries if e.partial),  # book reads that stopped (resumed by the next)
             "writes_in_progress": left.temp_files,
@@ -162,7 +170,7 @@ def cache_rm(
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
     cache_dir: Path | None = CacheDir,
 ) -> None:
-    """Remove entries by document, by key, or all of them.
+    """Remove entries (a document's KV and page vectors) by document, by key, or all of them.
 
     Exit code 1 when a document or key named no entry (the others are removed).
     """
@@ -219,7 +227,7 @@ def cache_prune(
     max_size: str | None = typer.Option(None, "--max-size", hidden=True),  # the old name, for one release
     cache_dir: Path | None = CacheDir,
 ) -> None:
-    """Remove the least recently used entries down to --cache-max.
+    """Remove the least recently used entries (page vectors included) down to --cache-max.
 
     Also removes what runs killed half-way left behind: temporary files whose writer is gone and
     lock files nobody holds.

@@ -1,6 +1,8 @@
 """What the answering commands (``ask``, ``chat``, ``inspect``) show while a question is answered:
 on stderr a spinner naming the method and the prompt's length ("full attention · 6,529 tokens"), a
-progress bar when reading the prompt takes long, gone at the answer's first text; on stdout the
+progress bar when reading the prompt takes long, gone at the answer's first text; before it, while
+``pages`` embeds a document's passages for the first time, how far that is ("embedding the pages ·
+320/1,204 windows (27%)": on a terminal the spinner's label, in a pipe lines as for the prompt); on stdout the
 answer as it is decoded (:class:`Reading`) — or, when it is printed whole at the end (a pipe,
 ``--json``), on stderr how far writing it has got; after it, one dim line of figures
 (:func:`stats_line`)."""
@@ -22,6 +24,18 @@ LINE_EVERY_S = 30.0  # ... one every tenth of the prompt, or this often
 ETA_AFTER = 0.1  # the time left is said once this share of the prompt is read (the first chunks are cheaper)
 RATE_WINDOW_S = 30.0  # ... from the rate over this last stretch of the read (the overall rate before)
 RATE_MIN_SPAN_S = 5.0  # the stretch is used once it spans this long
+EMBED_LABEL = "embedding the pages"  # what pages' retrieval does on a document's first question (on_embed)
+
+
+def embedding_figures(done: int, total: int, elapsed: float) -> str:
+    """ "320/1,204 windows (27%) · 41 windows/s · 0m 21s left" of a document's passages being
+    embedded; the rate and the time left once a tenth is done (the model's first batches are slower)."""
+    text = f"{done:,}/{total:,} windows ({100 * done / max(total, 1):.0f}%)"
+    if elapsed > 0 and done >= ETA_AFTER * total and done < total:
+        rate = done / elapsed
+        left = (total - done) / rate
+        text += f" · {rate:,.0f} windows/s · {int(left) // 60}m {int(left) % 60:02d}s left"
+    return text
 
 
 def reading_figures(
@@ -77,6 +91,7 @@ class Reading:
         self.waited = 0.0  # when the last "waiting for another kvcli process" line was said (piped)
         self.rate = RecentRate()
         self.n_answer, self.t_answer = 0, 0.0  # answer tokens written so far, since (on_token)
+        self.embedding: tuple[float, int, float] | None = None  # (since, tenth said, last line): on_embed
 
     def __enter__(self) -> Reading:
         self.status = self.err.status(self.label, spinner="dots")
@@ -104,7 +119,34 @@ class Reading:
             "on_token": None if stream else self.on_token,
             "on_wait": self.on_wait,
             "on_resume": self.on_resume,
+            "on_embed": self.on_embed,
         }
+
+    def on_embed(self, done: int, total: int) -> None:
+        """While ``pages`` embeds the document's passages (its first question on that document):
+        on a terminal the spinner says how far ("embedding the pages · 320/1,204 windows (27%) ·
+        41 windows/s · 0m 21s left"), back to its label once done; elsewhere (a pipe, a log) one
+        line every tenth or LINE_EVERY_S, once embedding has taken LINE_AFTER_S."""
+        if self.err.quiet or self.wrote:
+            return
+        now = time.perf_counter()
+        if self.embedding is None:
+            self.embedding = (now, 0, now)
+        since, tenth_said, last = self.embedding
+        figures = embedding_figures(done, total, now - since)
+        if done >= total:
+            self.embedding = None
+            if self.status is not None:
+                self.status.update(self.label)
+            return
+        if self.err.is_terminal:
+            if self.status is not None:
+                self.status.update(f"{EMBED_LABEL} · {figures}")
+            return
+        tenth = 10 * done // max(total, 1)
+        if now - since >= LINE_AFTER_S and (tenth > tenth_said or now - last >= LINE_EVERY_S):
+            self.embedding = (since, tenth, now)
+            self.err.print(f"kvcli: {EMBED_LABEL}: {figures}", markup=False, highlight=False, soft_wrap=True)
 
     def on_wait(self, text: str | None) -> None:
         """While another kvcli process computes this document's KV: ``text`` (what it reads, how far)

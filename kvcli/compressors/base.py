@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -99,6 +100,16 @@ class Runtime:
     cache_dir: Path | None = None  # per-model data (head profiles); None: kvcli.model.default_cache_dir()
     kv_offload: str = "none"  # "cpu": methods with ``holds_whole_kv`` keep the KV in CPU memory (--kv-offload)
     kv_bits: int = 16  # bits the KV is held and stored in (--kv-bits resolved: Pipeline.kv_bits): 16, 8 or 4
+    # the document, as the files a method keeps in the cache folder record it (the page vectors:
+    # ``kvcli cache ls`` names it, ``kvcli cache rm DOCUMENT`` finds them): its path and sha256
+    document: str | None = None
+    document_sha256: str | None = None
+    # while a method embeds the document's passages (pages' retrieval, the first question on a
+    # document): ``on_embed(done, total)`` windows embedded so far (the CLI shows it on stderr)
+    on_embed: Callable[[int, int], None] | None = dataclasses.field(default=None, compare=False)
+    # a file a method wrote into the cache folder (the page vectors): the disk store makes room for
+    # it under its cap (:meth:`kvcli.store.KVStore.make_room`); None: no store, nothing to do
+    on_stored: Callable[[Path], None] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass

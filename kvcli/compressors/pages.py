@@ -42,6 +42,7 @@ over the window with ``pages`` (:mod:`kvcli.answer.policy`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -135,7 +136,14 @@ class Pages(Compressor):
         bounds = passage_tokens(prompt)
         if not bounds:
             return Selection(torch.arange(n))
-        ranking = rank_passages([p.text for p in prompt.passages], prompt.question, self.vectors_dir())
+        ranking = rank_passages(
+            [p.text for p in prompt.passages],
+            prompt.question,
+            self.vectors_dir(),
+            document={"document": self.runtime.document, "document_sha256": self.runtime.document_sha256},
+            on_progress=self.runtime.on_embed,
+            on_stored=self.runtime.on_stored,
+        )
         bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
         chosen, skimmed, read = [], [], []  # read: (how, passage index, token span), in the order chosen
@@ -173,7 +181,8 @@ class Pages(Compressor):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
         from ..model import default_cache_dir
 
-        return self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+        folder = self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
+        return Path(folder).expanduser()  # where the store looks for them (KVStore.open expands it too)
 
 
 def read_of(prompt, how: str, passage, a: int, b: int) -> Read:

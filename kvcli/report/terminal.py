@@ -135,9 +135,11 @@ def _cache_rows(entries) -> list[dict[str, Text]]:
                 "key": Text(j["key"][:12]),
                 "document": Text(Path(j["document"]).name)
                 if j["document"]
-                else Text(f"damaged: {e.error}", style="red"),
+                else Text(f"damaged: {e.error}", style="red")
+                if e.error
+                else Text("-"),  # page vectors written before they named their document
                 "model": Text(Path(j["model"]).name if j["model"] else "-"),
-                "method": Text((j["method"] or "-").split(":")[0]),
+                "method": Text("page vectors" if j["kind"] == "vectors" else (j["method"] or "-").split(":")[0]),
                 # a partial entry (a book read that stopped): how far it got, and whether its read runs now
                 "state": Text(
                     _cache_state(j["state"]) + (" · reading" if j["reading"] else " · partial" if j["partial"] else "")
@@ -209,8 +211,11 @@ def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> No
     console.print(total, style="dim", markup=False, highlight=False)
 
 
-# read_tokens: a partial entry's tokens read so far ("-" for a whole entry)
-CACHE_TSV_COLUMNS = ("key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens")
+# read_tokens: a partial entry's tokens read so far ("-" for a whole entry); kind: "kv", or
+# "vectors" for a document's page vectors (last: the columns before it kept their places)
+CACHE_TSV_COLUMNS = (
+    "key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens", "kind"
+)  # fmt: skip
 
 
 def cache_tsv(entries) -> str:

@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,25 +142,28 @@ class Embedder:
                         digest.update(block)
         return digest.hexdigest()
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """The passages' windows as (len(texts), dim) float32 rows of L2 norm 1 (:meth:`vectors`,
         each after the layout's passage prompt)."""
-        return self.vectors([self.layout.passage_prompt + t for t in texts])
+        return self.vectors([self.layout.passage_prompt + t for t in texts], on_progress)
 
     def encode_query(self, question: str) -> np.ndarray:
         """The question's unit vector (dim,), after the layout's query prompt."""
         return self.vectors([self.layout.query_prompt + question])[0]
 
-    def vectors(self, texts: list[str]) -> np.ndarray:
+    def vectors(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """(len(texts), dim) float32, each row of L2 norm 1: the last hidden states pooled as the
         layout says (mean over the attention mask, the first token's, or the max over the
         mask), then normalised, as sentence-transformers runs the model. Texts are batched by
-        length (less padding); the rows come back in the texts' order."""
+        length (less padding); the rows come back in the texts' order. ``on_progress(done,
+        total)``: the texts embedded so far, before the first batch and after each."""
         import torch
 
         dim = self.model.config.hidden_size
         out = np.zeros((len(texts), dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        if on_progress is not None:
+            on_progress(0, len(order))
         with torch.inference_mode():
             for lo in range(0, len(order), BATCH):
                 idx = order[lo : lo + BATCH]
@@ -179,6 +183,8 @@ class Embedder:
                 else:
                     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 out[idx] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
+                if on_progress is not None:
+                    on_progress(min(lo + BATCH, len(order)), len(order))
         return out
 
 

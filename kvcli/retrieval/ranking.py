@@ -16,6 +16,7 @@ on the tuning questions against the same questions asked of the other manuals (d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,15 +98,26 @@ def semantic_scores(vecs: np.ndarray, owner: np.ndarray, query: np.ndarray, n: i
     return best
 
 
-def rank_passages(passages: list[str], question: str, cache_dir: Path | None = None) -> Ranking:
+def rank_passages(
+    passages: list[str],
+    question: str,
+    cache_dir: Path | None = None,
+    *,
+    document: dict | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    on_stored: Callable[[Path], None] | None = None,
+) -> Ranking:
     """The passages' ranking for ``question`` (module doc). ``cache_dir``: where the passage
     vectors are kept (``<cache_dir>/vectors``; None: computed, not kept). The embedding model is
-    ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone)."""
+    ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone).
+    ``document``, ``on_progress``, ``on_stored``: :func:`kvcli.retrieval.vectors.passage_vectors`'s."""
     lexical = np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
     name = embed.setting()
     if name is None or not passages:
         return Ranking(lexical, lexical, None, "bm25")
     model = embed.embedder(name)
-    vecs, owner, _ = vectors.passage_vectors(model, passages, cache_dir)
+    vecs, owner, _ = vectors.passage_vectors(
+        model, passages, cache_dir, document=document, on_progress=on_progress, on_stored=on_stored
+    )
     semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     return Ranking(fuse(lexical, semantic), lexical, semantic, "bm25+embedding")

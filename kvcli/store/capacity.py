@@ -2,7 +2,8 @@
 
 The store (:mod:`kvcli.store`) keeps a new entry only when it fits under the cap, and then removes
 the least recently used of the others until it does (:func:`room_for`); an entry that is not kept
-removes nothing. The cap (:func:`resolve_cap`) is
+removes nothing. The retrieval's page vectors (``<cache_dir>/vectors``) count as entries: their
+bytes are under the same cap and they go by the same order. The cap (:func:`resolve_cap`) is
 ``--cache-max`` / ``$KVCLI_CACHE_MAX`` (a size such as ``2G``, or ``none``), by default the smaller
 of
 
@@ -30,6 +31,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from ..files import VECTORS_FOLDER
 from .keys import SUFFIX, held_bytes
 
 DEFAULT_CAP_BYTES = 10 << 30
@@ -74,7 +76,7 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
     """The store's cap in bytes (None: no cap) from ``spec``: a size (``500M``, ``2G``, bytes), or
     ``none``/``off``/``unlimited``; unset: ``$KVCLI_CACHE_MAX``, else the default, the smaller of
     ``DEFAULT_CAP_BYTES`` and ``DEFAULT_CAP_SHARE`` of the free space where the store lives plus
-    what the store holds (:data:`DEFAULT_CAP_BYTES`)."""
+    what the store holds, the page vectors included (:data:`DEFAULT_CAP_BYTES`)."""
     if spec is None:
         spec = os.environ.get(CAP_ENV) or None
     if isinstance(spec, int):
@@ -91,7 +93,8 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
     except OSError:
         return DEFAULT_CAP_BYTES
     held = 0
-    for path in Path(root).expanduser().glob(f"kv/*{SUFFIX}"):
+    base = Path(root).expanduser()
+    for path in [*base.glob(f"kv/*{SUFFIX}"), *base.glob(f"{VECTORS_FOLDER}/*{SUFFIX}")]:
         try:
             held += held_bytes(path, path.stat())
         except OSError:  # removed meanwhile

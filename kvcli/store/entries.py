@@ -180,6 +180,7 @@ class Entry:
     partial: bool = False  # a book read that stopped (kvcli.store.book): never served, resumed
     read_tokens: int | None = None  # a partial entry: the tokens its read kept (None: none)
     reading: bool = False  # a partial entry being read into now (by a running kvcli process)
+    kind: str = "kv"  # "kv": a KV entry (<cache_dir>/kv); "vectors": a document's page vectors (<cache_dir>/vectors)
 
     @property
     def key(self) -> str:
@@ -189,6 +190,7 @@ class Entry:
         meta = self.meta or {}
         return {
             "key": self.key,
+            "kind": self.kind,
             "path": str(self.path),
             "size_bytes": self.size,
             "last_use": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.last_use)),
@@ -222,5 +224,50 @@ def list_entries(root: Path) -> list[Entry]:
         if entry.partial:
             entry.read_tokens = (read_progress(path) or {}).get("tokens")
         out.append(entry)
+    out.sort(key=lambda e: e.last_use, reverse=True)
+    return out
+
+
+def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
+    """(what ``kvcli cache`` shows of it, None) of a page-vectors file (``<cache_dir>/vectors``,
+    :mod:`kvcli.retrieval.vectors` writes them): its header's key and format and its ``about``
+    (the embedding model, the window size, the passages' count and, in files written since it is
+    recorded, the document: ``document``, ``document_sha256``), the embedding model's name (its
+    folder's, or the package's that ships it) as ``model_name`` and ``method`` None; or (None, why)
+    when it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        about = json.loads(header.get("about") or "{}")
+    except Exception as e:
+        return None, one_line(e)
+    if not isinstance(about, dict) or "key" not in header:
+        return None, "no page-vectors metadata"
+    model = Path(about["model"]) if isinstance(about.get("model"), str) and about["model"] else None
+    meta = {**about, "key": header["key"], "format": header.get("format"), "method": None}
+    # the model's folder, or the package that ships it (its folder is ``<package>/model``)
+    meta["model_name"] = None if model is None else model.parent.name if model.name == "model" else model.name
+    meta["fields"] = {
+        "state": {"kind": "vectors", "passages": about.get("passages"), "window_words": about.get("window_words")}
+    }
+    return meta, None
+
+
+def list_vectors(folder: Path) -> list[Entry]:
+    """Every page-vectors file under ``folder`` (``<cache_dir>/vectors``) as an entry of kind
+    "vectors", most recently used first: the store counts them against its cap and ``kvcli cache``
+    lists and removes them beside the KV entries."""
+    out = []
+    if not folder.is_dir():
+        return out
+    for path in folder.glob(f"*{SUFFIX}"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        meta, error = vectors_meta(path)
+        out.append(Entry(path, st.st_size, st.st_mtime, meta, error, kind="vectors"))
     out.sort(key=lambda e: e.last_use, reverse=True)
     return out

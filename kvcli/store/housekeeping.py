@@ -110,6 +110,23 @@ def reclaim(root: Path, explicit: bool = False) -> Leftovers:
     return out
 
 
+def reclaim_by_age(folder: Path, explicit: bool = False) -> Leftovers:
+    """Remove the files of ``folder`` (the page vectors' ``<cache_dir>/vectors``) that are not
+    entries once nobody has written to them for a while (an hour; a minute for ``explicit``): the
+    temporary files of writers that died. Those writes take no lock (a vectors file is written
+    whole in a moment, :func:`kvcli.files.atomic_write`), so age alone tells."""
+    out = Leftovers()
+    idle_limit = IDLE_FOREIGN_S if explicit else STALE_TEMP_S
+    for path in _stray_files(folder):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if time.time() - st.st_mtime > idle_limit and _unlink(path):
+            out.temp_files, out.temp_bytes = out.temp_files + 1, out.temp_bytes + st.st_size
+    return out
+
+
 def leftovers(root: Path) -> Leftovers:
     """Every file of the store folder ``root`` that is not an entry: temporary files (writes in
     progress, or not yet reclaimed, whatever their name) with their bytes, and lock files."""
@@ -124,8 +141,12 @@ def leftovers(root: Path) -> Leftovers:
     return out
 
 
+def added(a: Leftovers, b: Leftovers) -> Leftovers:
+    return Leftovers(a.temp_files + b.temp_files, a.temp_bytes + b.temp_bytes, a.lock_files + b.lock_files)
+
+
 def _stray_files(root: Path) -> Iterator[Path]:
-    """The files directly under ``root`` (the store's ``kv/``) that are not entries."""
+    """The files directly under ``root`` (the store's ``kv/``, or ``vectors/``) that are not entries."""
     with contextlib.suppress(OSError):
         for path in root.iterdir():
             if not path.name.endswith(SUFFIX) and path.is_file() and not path.is_symlink():

@@ -14,6 +14,10 @@ use; the jobs behind it each have a module of this package:
 * what killed runs left (temporary files, lock files): :mod:`.housekeeping`;
 * a book written while it is read (InfLLM): :mod:`.book`.
 
+The retrieval's page vectors (``<cache_dir>/vectors``, :mod:`kvcli.retrieval.vectors` writes them)
+are part of the cache too: listed as entries of kind "vectors", counted against the cap and
+removed by the same policy (least recently used first), by ``prune`` and by ``rm``.
+
 Safety: anything wrong with an entry is a warning, the entry is dropped and the state recomputed —
 never a crash or a wrong answer; a cache directory that cannot be created or written (read-only,
 full disk) turns the store off for the rest of the run, with one warning. Where ``flock`` fails
@@ -44,6 +48,7 @@ from .. import notices
 from ..caches import KVCache
 from ..caches.book import BookCache
 from ..errors import one_line
+from ..files import VECTORS_FOLDER
 from ..runtime import accelerator
 from . import entries as entry_files
 from . import housekeeping
@@ -186,6 +191,11 @@ class KVStore:
         return cache, fetched
 
     # --- what the book store (kvcli.store.book) builds on -------------------------------------
+    @property
+    def vectors_dir(self) -> Path:
+        """``<cache_dir>/vectors``: the page vectors, counted and removed with the entries."""
+        return self.root.parent / VECTORS_FOLDER
+
     def path_of(self, digest: str) -> Path:
         return entry_path(self.root, digest)
 
@@ -389,9 +399,15 @@ class KVStore:
 
     # --- the cap (kvcli.store.capacity) ---------------------------------------------------------
     def _files(self, exclude: Path | None = None) -> list[tuple[Path, int, float, bool]]:
-        """(path, size, last use, removable) of every entry file but ``exclude``: a partial entry
-        whose read runs is not removable."""
+        """(path, size, last use, removable) of every entry file but ``exclude``, the page vectors'
+        files included: a partial entry whose read runs is not removable."""
         out = []
+        for path in self.vectors_dir.glob(f"*{SUFFIX}"):
+            if path == exclude:
+                continue
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                out.append((path, st.st_size, st.st_mtime, True))
         for path in self.root.glob(f"*{SUFFIX}"):
             if path == exclude:
                 continue
@@ -432,7 +448,8 @@ class KVStore:
         if not over:
             return
         largest, n_largest, _, _ = max(over, key=_size)
-        meta, _ = entry_files.read_meta(largest)  # its document, for the line said
+        read = entry_files.vectors_meta if largest.parent == self.vectors_dir else entry_files.read_meta
+        meta, _ = read(largest)  # its document, for the line said
         freed = self.remove([Entry(path, n, mtime, None) for path, n, mtime, _ in over])
         notices.warn(
             f"the cache cap ({human(self.max_bytes)}) made room for a {human(size)} entry: removed "
@@ -448,10 +465,12 @@ class KVStore:
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------
     def entries(self) -> list[Entry]:
-        """Every entry (partial ones included), most recently used first."""
+        """Every entry (partial ones and the page vectors' files included), most recently used first."""
         out = entry_files.list_entries(self.root)
         for e in out:
             e.reading = e.partial and self.reading(e.path)
+        out += entry_files.list_vectors(self.vectors_dir)
+        out.sort(key=lambda e: e.last_use, reverse=True)
         return out
 
     def remove(self, entries: list[Entry]) -> int:
@@ -474,12 +493,16 @@ class KVStore:
         return removed, self.reclaim(explicit=True)
 
     def reclaim(self, explicit: bool = False) -> Leftovers:
-        """Remove what killed runs left (:func:`kvcli.store.housekeeping.reclaim`)."""
-        return housekeeping.reclaim(self.root, explicit)
+        """Remove what killed runs left (:func:`kvcli.store.housekeeping.reclaim`; in the page
+        vectors' folder by age, :func:`kvcli.store.housekeeping.reclaim_by_age`)."""
+        return housekeeping.added(
+            housekeeping.reclaim(self.root, explicit), housekeeping.reclaim_by_age(self.vectors_dir, explicit)
+        )
 
     def leftovers(self) -> Leftovers:
-        """Every file of the store that is not an entry (:func:`kvcli.store.housekeeping.leftovers`)."""
-        return housekeeping.leftovers(self.root)
+        """Every file of the store (and of the page vectors' folder) that is not an entry
+        (:func:`kvcli.store.housekeeping.leftovers`)."""
+        return housekeeping.added(housekeeping.leftovers(self.root), housekeeping.leftovers(self.vectors_dir))
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries())

@@ -207,3 +207,82 @@ def test_ask_and_inspect_in_a_pipe_print_progress(cli, doc, model, monkeypatch):
     assert re.search(r"^kvcli: writing the answer: \d+ tokens", err, re.M), err
     code, out, err = cli(*ask, "-q")
     assert code == 0 and err == "", err
+
+
+# --- issue 49: the page vectors' embedding shows its progress on stderr ----------------------------------
+
+
+def test_embedding_the_pages_updates_the_spinner_then_gives_it_back(clock):
+    err = Console(file=StringIO(), force_terminal=True, width=160)
+    with live.Reading(err) as reading:
+        labels = []
+        real_update = reading.status.update
+        reading.status.update = lambda text: (labels.append(text), real_update(text))
+        reading.on_embed(0, 1204)
+        clock.now += 8
+        reading.on_embed(320, 1204)
+        reading.on_embed(1204, 1204)
+    assert labels[0] == "embedding the pages · 0/1,204 windows (0%)"
+    assert labels[1] == "embedding the pages · 320/1,204 windows (27%) · 40 windows/s · 0m 22s left"
+    assert labels[-1] == "reading the prompt…"  # done: the spinner's own label again
+
+
+def test_embedding_the_pages_in_a_pipe_says_a_line_every_tenth_once_it_takes_long(clock):
+    err = Console(file=StringIO(), width=200)  # not a terminal
+    with live.Reading(err) as reading:
+        reading.on_embed(0, 1000)
+        clock.now += 1
+        reading.on_embed(300, 1000)
+        assert err.file.getvalue() == ""  # short so far: nothing
+        clock.now += live.LINE_AFTER_S
+        reading.on_embed(400, 1000)
+        reading.on_embed(450, 1000)  # the same tenth: no second line
+        reading.on_embed(500, 1000)
+        reading.on_embed(1000, 1000)  # done: no line
+    lines = err.file.getvalue().splitlines()
+    assert lines == [
+        "kvcli: embedding the pages: 400/1,000 windows (40%) · 67 windows/s · 0m 09s left",
+        "kvcli: embedding the pages: 500/1,000 windows (50%) · 83 windows/s · 0m 06s left",
+    ]
+    quiet = Console(file=StringIO(), width=200, quiet=True)
+    with live.Reading(quiet) as reading:
+        reading.on_embed(0, 1000)
+        clock.now += 100
+        reading.on_embed(500, 1000)
+    assert quiet.file.getvalue() == ""
+
+
+def test_ask_says_how_far_the_embedding_is_on_stderr_and_nothing_of_it_on_stdout(
+    cli, doc, model, tmp_path, monkeypatch
+):
+    """``kvcli ask -c pages`` on a document's first question: its windows' embedding in lines on
+    stderr (a pipe), stdout the answer alone; a second question reads the vectors kept: no line."""
+    import numpy as np
+
+    from kvcli.retrieval import embed
+
+    class Batched:
+        id, folder = "batched-1", "batched"
+
+        def encode(self, texts, on_progress=None):
+            for done in range(0, len(texts), 2):
+                if on_progress is not None:
+                    on_progress(done, len(texts))
+            if on_progress is not None:
+                on_progress(len(texts), len(texts))
+            v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
+            return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    monkeypatch.setattr(embed, "embedder", lambda name: Batched())
+    monkeypatch.delenv(embed.ENV, raising=False)
+    monkeypatch.setattr(live, "LINE_AFTER_S", 0.0)
+    pages = tmp_path / "pages.txt"
+    pages.write_text("\n\n".join(f"Page {i}. " + " ".join(f"word{i}x{j}" for j in range(150)) for i in range(6)))
+    args = ("ask", pages, "Which page has word3x7?", "-m", model, "-c", "pages", "--max-new-tokens", "4")
+    args += ("--cache-dir", tmp_path / "cache", "--no-sources")
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert "kvcli: embedding the pages: " in err and "windows" in err
+    assert "embedding" not in out and "windows" not in out and out.count("\n") == 1  # the answer alone
+    code, out2, err = cli(*args)
+    assert code == 0 and out2 == out and "embedding the pages" not in err

@@ -50,6 +50,39 @@ def test_second_call_reads_the_file(tmp_path):
     assert how == "computed" and model.calls == 2
 
 
+def test_the_file_names_its_document_and_a_hit_marks_it_used(tmp_path):
+    """What ``kvcli cache ls`` shows of a vectors file: the document it came from, in its header's
+    ``about``; a hit sets its mtime (the cap removes the least recently used first); ``on_stored``
+    hears of the file written, ``on_progress`` of the windows embedded."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    class Batched(Counting):
+        def encode(self, texts, on_progress=None):
+            for done in range(2, len(texts), 2):
+                on_progress(done, len(texts))
+            on_progress(len(texts), len(texts))
+            return super().encode(texts)
+
+    stored, steps = [], []
+    document = {"document": "/docs/a.pdf", "document_sha256": "ab" * 32}
+    model = Batched()
+    vectors.passage_vectors(
+        model, PASSAGES, tmp_path, document=document, on_stored=stored.append, on_progress=lambda *s: steps.append(s)
+    )
+    (path,) = (tmp_path / "vectors").glob("*.safetensors")
+    assert stored == [path] and steps == [(2, 7), (4, 7), (6, 7), (7, 7)]
+    with safe_open(str(path), framework="numpy") as f:
+        about = json.loads(f.metadata()["about"])
+    assert about == {**document, "model": "counting", "window_words": 100, "passages": 3}
+    os.utime(path, (1_000_000, 1_000_000))
+    stored.clear()
+    _, _, how = vectors.passage_vectors(model, PASSAGES, tmp_path, on_stored=stored.append)
+    assert how == "hit" and stored == [] and path.stat().st_mtime > 1_000_000
+
+
 def test_damaged_or_other_format_file_is_a_miss(tmp_path):
     model = Counting()
     want, _, _ = vectors.passage_vectors(model, PASSAGES, tmp_path)
