@@ -8,6 +8,13 @@ page was among the sources. Two-page questions are right when the answer holds e
         --methods pages,pages:skim=0,oracle --wording q,user --out docs/bench/cite/heldout-answers.json
     python benchmarks/heldout_answers.py --analyse docs/bench/cite/heldout-answers.json   # the tables again
 
+Documents without pages (issue 49 item 4): ``--format html`` asks the same questions of each
+manual's HTML version, ``--format text`` of its Info version as plain text (``.info.gz``
+decompressed: paragraphs between blank lines, no pages), ``--format text-flat`` of that text with
+every blank line removed (one run of lines: passages are cut at lines, then sentences). Each
+document's ``versions`` in the question file names the Debian package, path and sha256 of each;
+a row's ``hit1``/``hit3`` are then false (no pages to hit) and only ``right`` compares.
+
 Sources from the answer (issue 49 item 6): each row keeps every passage's evidence (``--json``'s
 ``sources_evidence``), and :func:`evidence_grid` prints the answer's page first among the sources
 for a grid of weights (kvcli/cite/evidence.py), and "no clear source" on right and wrong answers.
@@ -16,6 +23,7 @@ for a grid of weights (kvcli/cite/evidence.py), and "no clear source" on right a
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import tempfile
@@ -38,6 +46,25 @@ def is_right(answer: str, q: dict, question: str) -> bool | None:
     return right(answer, q["accept"], question)
 
 
+FORMATS = ("pdf", "html", "text", "text-flat")
+
+
+def load_version(doc: dict, form: str, pdf_dir: Path):
+    """The document in ``form`` (:data:`FORMATS`), fetched from Debian once and sha256 checked."""
+    if form == "pdf":
+        return load_document(fetch_pdf(doc, pdf_dir))
+    spec = {**doc["versions"]["html" if form == "html" else "text"], "name": doc["name"]}
+    path = fetch_pdf(spec, pdf_dir)  # any file of a Debian package (the name says PDF: the first use)
+    if form == "html":
+        return load_document(path)
+    text = gzip.decompress(path.read_bytes()).decode("utf-8")
+    if form == "text-flat":
+        text = "\n".join(line for line in text.splitlines() if line.strip())
+    target = pdf_dir / f"{doc['name']}.{form}.txt"
+    target.write_text(text, encoding="utf-8")
+    return load_document(target)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("questions", type=Path, nargs="+")
@@ -46,6 +73,8 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--kv-bits", default="auto", help="16, 8, 4 or auto (kvcli's default)")
+    p.add_argument("--format", choices=FORMATS, default="pdf", help="which version of each manual (module doc)")
+    p.add_argument("--model", default=None, help="kvcli's -m (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
@@ -56,18 +85,18 @@ def main() -> None:
         print(table(rows))
         print(evidence_grid(rows))
         return
-    session = Session.open(AskOptions(use_cache=False, kv_bits=args.kv_bits))
+    session = Session.open(AskOptions(use_cache=False, kv_bits=args.kv_bits, model=args.model))
     rows = []
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
-            document = load_document(fetch_pdf(doc, args.pdf_dir))
+            document = load_version(doc, args.format, args.pdf_dir)
             for q in doc["questions"]:
                 gold = q.get("pages") or ([q["page"], *q.get("also", [])] if "page" in q else [])
                 for wording in args.wording:
                     question = q[wording]
                     for method in args.methods:
                         if method == "oracle":
-                            if q.get("unanswerable") or wording != "q":
+                            if q.get("unanswerable") or wording != "q" or args.format != "pdf":
                                 continue
                             text = "\n\n".join(page_text(document, n) for n in (q.get("pages") or [q["page"]]))
                             result = session.ask(
@@ -82,14 +111,15 @@ def main() -> None:
                             pipeline = parse_pipeline(method)
                             result = session.ask(document, question, pipeline, max_new_tokens=args.max_new_tokens)
                             rec = result_record(result, session, pipeline, document)
-                        pages = [s["pages"][0] for s in rec.get("sources") or []]
+                        pages = [s["pages"][0] for s in rec.get("sources") or [] if s.get("pages")]
                         row = {
                             "file": portable(path),
                             "document": doc["name"],
                             "question": q["q"],
                             "wording": wording,
                             "method": method,
-                            "gold": gold,
+                            "format": args.format,
+                            "gold": gold if args.format == "pdf" else [],
                             "unanswerable": bool(q.get("unanswerable")),
                             "two_page": bool(q.get("pages")),
                             "answer": rec["answer"],
