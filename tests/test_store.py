@@ -17,6 +17,7 @@ from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache
 from kvcli.runtime.engine import Engine
 from kvcli.store import FORMAT_VERSION, KVStore, make_key, parse_size
+from tests.helpers.embedders import Counting
 from tests.helpers.stores import (
     DOC,
     Q1,
@@ -636,19 +637,6 @@ def test_a_16_bit_model_stores_its_kv_in_16_bits_and_answers_the_same(tiny_dir, 
 # --- the retrieval's page vectors are part of the cache (issue 49) ----------------------------------
 
 
-class _Counting:
-    """An embedding model for the page vectors whose vectors are known (no model loaded)."""
-
-    id = "counting-1"
-    folder = "/models/counting"
-
-    def encode(self, texts):
-        import numpy as np
-
-        v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
-
-
 def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path, capsys, monkeypatch):
     """``<cache_dir>/vectors`` is part of the cache: ``ls`` lists each file as an entry of kind
     "vectors" with the document it records (a file written before files named their document: none),
@@ -668,8 +656,8 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
     session = session_for(tiny_lm("llama"), cache)
     session.ask(document, Q1, __import__("kvcli.api", fromlist=["parse_pipeline"]).parse_pipeline("full"))
     about = {"document": str(doc), "document_sha256": document.sha256}
-    vectors.passage_vectors(_Counting(), ["page one", "page two"], cache, document=about)
-    old_digest = vectors.key(_Counting.id, ["another page"])
+    vectors.passage_vectors(Counting(), ["page one", "page two"], cache, document=about)
+    old_digest = vectors.key(Counting.id, ["another page"])
     import numpy as np
 
     vectors.save(  # as kvcli wrote them before a file named its document
@@ -734,8 +722,8 @@ def test_prune_and_reclaim_take_the_page_vectors_too(tmp_path, capsys, monkeypat
     cache = tmp_path / "cache"
     paths = []
     for i, when in enumerate((300, 100, 200)):  # seconds ago: the second is the most recently used
-        vectors.passage_vectors(_Counting(), [f"page {i}"], cache)
-        paths.append(vectors.path_for(cache, vectors.key(_Counting.id, [f"page {i}"])))
+        vectors.passage_vectors(Counting(), [f"page {i}"], cache)
+        paths.append(vectors.path_for(cache, vectors.key(Counting.id, [f"page {i}"])))
         os.utime(paths[-1], (time.time() - when, time.time() - when))
     size = paths[0].stat().st_size
     stray = cache / "vectors" / f".{paths[0].name}.abc123.tmp"

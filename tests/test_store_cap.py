@@ -11,6 +11,7 @@ import pytest
 
 from kvcli import notices
 from tests.helpers.cli_runner import run_cli
+from tests.helpers.embedders import Counting
 from tests.helpers.stores import (
     DOC,
     Q1,
@@ -198,19 +199,6 @@ def test_cache_info_shows_the_room_left_and_what_goes_next(tiny_lm, tiny_dir, tm
     assert json.loads(out)["room_bytes"] is None
 
 
-class _Counting:
-    """An embedding model for the page vectors whose vectors are known (no model loaded)."""
-
-    id = "counting-1"
-    folder = "/models/counting"
-
-    def encode(self, texts):
-        import numpy as np
-
-        v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
-
-
 def test_the_cap_counts_the_page_vectors_and_removes_them_least_recently_used_first(tiny_lm, tmp_path, monkeypatch):
     """The page vectors (``<cache_dir>/vectors``) are under the cap (issue 49): a KV entry written
     over it removes vectors used less recently than the other entries, vectors the pages method
@@ -227,7 +215,7 @@ def test_the_cap_counts_the_page_vectors_and_removes_them_least_recently_used_fi
     ask(session, "full", doc=docs[0])
     (e0,) = entry_files(tmp_path)
     kv_size = e0.stat().st_size
-    vectors.passage_vectors(_Counting(), ["an old page"], tmp_path)
+    vectors.passage_vectors(Counting(), ["an old page"], tmp_path)
     (old,) = (tmp_path / "vectors").glob("*.safetensors")
     v_size = old.stat().st_size
     past = time.time() - 100
@@ -239,7 +227,7 @@ def test_the_cap_counts_the_page_vectors_and_removes_them_least_recently_used_fi
     assert any("least recently used" in w for w in warnings)
 
     # the pages method's vectors go through the cap as its entries do
-    monkeypatch.setattr(embed, "embedder", lambda name: _Counting())
+    monkeypatch.setattr(embed, "embedder", lambda name: Counting())
     monkeypatch.delenv(embed.ENV, raising=False)
     made, make_room = [], session.store.make_room
     monkeypatch.setattr(session.store, "make_room", lambda path: (made.append(path), make_room(path)))

@@ -13,6 +13,7 @@ from rich.console import Console
 
 import kvcli.cli.ask
 from kvcli.cli import live
+from tests.helpers.embedders import Counting
 
 
 @pytest.fixture
@@ -257,23 +258,10 @@ def test_ask_says_how_far_the_embedding_is_on_stderr_and_nothing_of_it_on_stdout
 ):
     """``kvcli ask -c pages`` on a document's first question: its windows' embedding in lines on
     stderr (a pipe), stdout the answer alone; a second question reads the vectors kept: no line."""
-    import numpy as np
 
     from kvcli.retrieval import embed
 
-    class Batched:
-        id, folder = "batched-1", "batched"
-
-        def encode(self, texts, on_progress=None):
-            for done in range(0, len(texts), 2):
-                if on_progress is not None:
-                    on_progress(done, len(texts))
-            if on_progress is not None:
-                on_progress(len(texts), len(texts))
-            v = np.array([[len(t.split()) + 1.0, len(t) + 1.0] for t in texts], dtype=np.float32)
-            return v / np.linalg.norm(v, axis=1, keepdims=True)
-
-    monkeypatch.setattr(embed, "embedder", lambda name: Batched())
+    monkeypatch.setattr(embed, "embedder", lambda name: Counting(progress_step=2))
     monkeypatch.delenv(embed.ENV, raising=False)
     monkeypatch.setattr(live, "LINE_AFTER_S", 0.0)
     pages = tmp_path / "pages.txt"

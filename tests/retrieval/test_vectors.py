@@ -8,22 +8,7 @@ import pytest
 
 from kvcli.errors import ModelError
 from kvcli.retrieval import embed, rank_passages, vectors
-
-
-class Counting:
-    """An embedder whose vectors are known: a text's word count and length, normalised."""
-
-    id = "counting-1"
-    folder = "counting"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def encode(self, texts):
-        self.calls += 1
-        v = np.array([[len(t.split()), len(t) + 1.0] for t in texts], dtype=np.float32)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
-
+from tests.helpers.embedders import Counting
 
 PASSAGES = ["one two three", " ".join(f"w{i}" for i in range(450)), "four"]
 
@@ -59,16 +44,9 @@ def test_the_file_names_its_document_and_a_hit_marks_it_used(tmp_path):
 
     from safetensors import safe_open
 
-    class Batched(Counting):
-        def encode(self, texts, on_progress=None):
-            for done in range(2, len(texts), 2):
-                on_progress(done, len(texts))
-            on_progress(len(texts), len(texts))
-            return super().encode(texts)
-
     stored, steps = [], []
     document = {"document": "/docs/a.pdf", "document_sha256": "ab" * 32}
-    model = Batched()
+    model = Counting(progress_step=2)
     vectors.passage_vectors(
         model, PASSAGES, tmp_path, document=document, on_stored=stored.append, on_progress=lambda *s: steps.append(s)
     )
@@ -76,7 +54,7 @@ def test_the_file_names_its_document_and_a_hit_marks_it_used(tmp_path):
     assert stored == [path] and steps == [(2, 7), (4, 7), (6, 7), (7, 7)]
     with safe_open(str(path), framework="numpy") as f:
         about = json.loads(f.metadata()["about"])
-    assert about == {**document, "model": "counting", "window_words": 100, "passages": 3}
+    assert about == {**document, "model": "/models/counting", "window_words": 100, "passages": 3}
     os.utime(path, (1_000_000, 1_000_000))
     stored.clear()
     _, _, how = vectors.passage_vectors(model, PASSAGES, tmp_path, on_stored=stored.append)
