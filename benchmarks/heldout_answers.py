@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -57,7 +58,8 @@ def load_version(doc: dict, form: str, pdf_dir: Path):
     path = fetch_pdf(spec, pdf_dir)  # any file of a Debian package (the name says PDF: the first use)
     if form == "html":
         return load_document(path)
-    text = gzip.decompress(path.read_bytes()).decode("utf-8")
+    # Info's control bytes out (node separators \x1f, the index's \x00\x08 markers): plain text
+    text = re.sub(r"[\x00-\x08\x0b-\x1f]", "", gzip.decompress(path.read_bytes()).decode("utf-8"))
     if form == "text-flat":
         text = "\n".join(line for line in text.splitlines() if line.strip())
     target = pdf_dir / f"{doc['name']}.{form}.txt"
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--kv-bits", default="auto", help="16, 8, 4 or auto (kvcli's default)")
+    p.add_argument("--docs", type=lambda x: x.split(","), default=None, help="only these documents (by name)")
     p.add_argument("--format", choices=FORMATS, default="pdf", help="which version of each manual (module doc)")
     p.add_argument("--model", default=None, help="kvcli's -m (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=None)
@@ -89,6 +92,8 @@ def main() -> None:
     rows = []
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
+            if args.docs and doc["name"] not in args.docs:
+                continue
             document = load_version(doc, args.format, args.pdf_dir)
             for q in doc["questions"]:
                 gold = q.get("pages") or ([q["page"], *q.get("also", [])] if "page" in q else [])
