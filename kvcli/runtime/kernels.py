@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from . import accelerator
 
@@ -53,6 +52,14 @@ def by_keys(keys: torch.Tensor, fn):
             out = part.new_empty(*part.shape[:-1], n)
         out[..., a : a + part.shape[-1]] = part
     return out
+
+
+def causal_lower_right(q_len: int, kv_len: int):
+    """PyTorch's lower-right ``CausalBias``, imported when first made: its module imports
+    ``torch._dynamo`` (~2 s of every kvcli process's start on a CPU, which never makes one)."""
+    from torch.nn.attention.bias import causal_lower_right as make
+
+    return make(q_len, kv_len)
 
 
 def causal(q_len: int, kv_len: int, sliding_window: int | None, device):
