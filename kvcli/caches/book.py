@@ -403,14 +403,11 @@ class BookCache(ResumableRead, CacheBase):
         return dict(self._chosen)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""
-        bs, ks, vs = self.block_size, [], []
-        for h in range(self.n_kv):
-            spans = [(self.initial + b * bs, self.initial + (b + 1) * bs) for b in blocks[h].tolist()]
-            none = torch.zeros(0, self.d, dtype=self.dtype)
-            ks.append(self.rows.read_spans(f"k.{layer}", h, spans) if spans else none)
-            vs.append(self.rows.read_spans(f"v.{layer}", h, spans) if spans else none)
-        return torch.stack(ks)[None], torch.stack(vs)[None]
+        """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d),
+        every head's blocks in one read of each (:meth:`~kvcli.caches.bookfile.MemoryStorage.read_blocks`)."""
+        starts = self.initial + blocks * self.block_size
+        k, v = (self.rows.read_blocks(f"{t}.{layer}", starts, self.block_size) for t in ("k", "v"))
+        return k[None], v[None]
 
     # --- reading: Local -> Memory -------------------------------------------------------------------
     def end_chunk(self) -> None:
