@@ -2,7 +2,9 @@
 :class:`~kvcli.caches.bookfile.FileStorage`'s and :class:`~kvcli.caches.bookfile.QuantRows`'): the
 rows per-span reads return, bit for bit, for every storage and precision — against a reference
 made here from the rows written (sliced span by span; at 8 and 4 bits each span quantized and
-dequantized on its own by the codec), and against the storage's own one-span reads."""
+dequantized on its own by the codec), and against the storage's own one-span reads. And the rows
+of every head written at once (``head`` a slice: how the book writes them) are the bytes written
+head by head."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ N_KV, N, D, SIZE = 3, 64, 16, 8
 STARTS = [[8, 16, 56], [0, 40, 21], [32, 32, 0]]
 
 
-def _storage(kind: str, specs: dict, tmp_path):
-    return MemoryStorage(specs) if kind == "memory" else FileStorage.create(tmp_path / "book.safetensors", specs)
+def _storage(kind: str, specs: dict, tmp_path, name: str = "book"):
+    return MemoryStorage(specs) if kind == "memory" else FileStorage.create(tmp_path / f"{name}.safetensors", specs)
 
 
 def _reference(rows: torch.Tensor, starts: list[list[int]], bits: int) -> torch.Tensor:
@@ -51,3 +53,27 @@ def test_read_blocks_is_the_spans_read_one_by_one(kind, bits, starts, tmp_path):
     if starts[0]:
         assert torch.equal(got, torch.stack([torch.cat(spans) for spans in one_by_one]))
     storage.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_a_write_of_every_head_is_the_writes_head_by_head(kind, bits, tmp_path):
+    torch.manual_seed(0)
+    specs = tensor_specs(1, N_KV, N, D, 4, torch.float16, bits)
+    written = torch.randn(N_KV, N, D).to(torch.float16)
+    stored = []
+    for at_once in (False, True):
+        storage = _storage(kind, specs, tmp_path, f"at_once={at_once}")
+        rows = kv_rows(storage, D, torch.float16)
+        for lo in range(0, N, 24):  # pieces of 24 rows, the last one shorter
+            hi = min(N, lo + 24)
+            if at_once:
+                rows.write("k.0", (slice(None), lo, hi), written[:, lo:hi])
+            else:
+                for h in range(N_KV):
+                    rows.write("k.0", (h, lo, hi), written[h, lo:hi])
+        stored.append({name: storage.whole(name).clone() for name in specs if name.startswith("k.0")})
+        storage.close()
+    assert stored[0].keys() == stored[1].keys() and len(stored[0]) == (1 if bits == 16 else 3)
+    assert all(torch.equal(stored[0][name], stored[1][name]) for name in stored[0])
+    assert not all(torch.equal(t, torch.zeros_like(t)) for t in stored[1].values())

@@ -422,14 +422,13 @@ class BookCache(ResumableRead, CacheBase):
         if not moved:
             return
         cut = first - self.origin  # Local tokens leaving
+        start = 0 if self.n_blocks == 0 else moved[0]  # the first time, Initial leaves with the blocks
         for layer in range(self.n_layers_):
             k, v, score = self.tail_k[layer], self.tail_v[layer], self.tail_score[layer]
-            if self.n_blocks == 0:
-                self._write(layer, 0, k[:, :, : self.initial], v[:, :, : self.initial])
+            self._write(layer, start, k[:, :, start - self.origin : cut], v[:, :, start - self.origin : cut])
             for i, a in enumerate(moved):
                 lo = a - self.origin
                 bk = k[0, :, lo : lo + self.block_size]
-                self._write(layer, a, k[:, :, lo : lo + self.block_size], v[:, :, lo : lo + self.block_size])
                 top = torch.topk(
                     score[:, lo : lo + self.block_size], min(self.repr_topk, self.block_size), dim=-1
                 ).indices
@@ -444,9 +443,9 @@ class BookCache(ResumableRead, CacheBase):
         self.origin = first
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        for h in range(self.n_kv):
-            self.rows.write(f"k.{layer}", (h, start, start + k.shape[2]), k[0, h])
-            self.rows.write(f"v.{layer}", (h, start, start + v.shape[2]), v[0, h])
+        """Rows ``start``.. of every head (k, v: (1, n_kv, n, d)) to the storage, in one write of each."""
+        self.rows.write(f"k.{layer}", (slice(None), start, start + k.shape[2]), k[0])
+        self.rows.write(f"v.{layer}", (slice(None), start, start + v.shape[2]), v[0])
 
     def storage_rows(self, t: str, layer: int, lo: int, hi: int) -> torch.Tensor:
         return torch.stack([self.rows.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
@@ -460,8 +459,7 @@ class BookCache(ResumableRead, CacheBase):
             self._write(layer, self.origin, self.tail_k[layer], self.tail_v[layer])
             self.tail_k[layer] = self.storage_rows("k", layer, self.origin, self.n_doc)
             self.tail_v[layer] = self.storage_rows("v", layer, self.origin, self.n_doc)
-            for h in range(self.n_kv):
-                self.storage.write(f"repsum.{layer}", (h, 0, self.max_blocks), self.repsum[layer][h])
+            self.storage.write(f"repsum.{layer}", (slice(None), 0, self.max_blocks), self.repsum[layer])
         self.tail_score = [torch.zeros(self.n_kv, 0)] * self.n_layers_
         self.reading = False
 

@@ -96,6 +96,7 @@ class QuantRows:
         self.storage, self.d, self.dtype, self.bits = storage, d, dtype, bits
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
+        """The storage's ``write`` of ``value``'s rows quantized (every head given at once)."""
         for part, tensor in zip(quant.Packed._fields, quant.quantize(value, self.bits)):
             self.storage.write(f"{name}.{part}", index, tensor)
 
@@ -162,7 +163,8 @@ class MemoryStorage:
         )
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
-        """``tensor[name][head, lo:hi]`` (index = (head, lo, hi)) <- value (hi - lo, ...)."""
+        """``tensor[name][head, lo:hi]`` (index = (head, lo, hi)) <- value (hi - lo, ...); ``head`` a
+        slice of heads: value (heads, hi - lo, ...), every head in one copy."""
         head, lo, hi = index
         self.tensors[name][head, lo:hi] = value
 
@@ -283,10 +285,14 @@ class FileStorage:
         return per_row, per_row * shape[1]
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
+        """:meth:`MemoryStorage.write` into the file: a write per head."""
         head, lo, hi = index
         per_row, per_head = self._row_bytes(name)
         data = value.detach().to("cpu", self.specs[name][0]).contiguous().view(-1).view(torch.uint8).numpy()
-        os.pwrite(self.fd, data.data, self.offsets[name] + head * per_head + lo * per_row)
+        heads = range(self.specs[name][1][0])[head] if isinstance(head, slice) else [head]
+        span = (hi - lo) * per_row
+        for i, h in enumerate(heads):
+            os.pwrite(self.fd, data[i * span : (i + 1) * span].data, self.offsets[name] + h * per_head + lo * per_row)
 
     def read(self, name: str, head: int, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty((hi - lo, *self.specs[name][1][2:]), dtype=self.specs[name][0])
