@@ -1,4 +1,5 @@
-"""Every registered method through the meta-device simulator on Llama-3.1-8B's shape in nf4 (what
+"""Every registered method through the meta-device simulator on Llama-3.1-8B's shape in nf4, 4 of its
+layers (what
 ``kvcli bench memory --simulate --methods all`` runs at 32k, here at a length that keeps CI short),
 each at the bits ``kvcli ask`` holds it in (``--kv-bits auto``, the simulator's default too):
 no op mixes a host tensor into a device op as CUDA refuses (the tracker's device rule), no method
@@ -30,11 +31,25 @@ SPECS = {
 BUDGET = re.compile(r"\b(?:budget|target|k)=([\d.]+)")
 
 
+# Llama-3.1-8B's layers, fewer of them: every decoder layer runs the same ops on the same shapes, and
+# each method's per-layer choices (GemFilter's layer 1, PyramidKV's budgets, LazyLLM's stages) are
+# still several layers apart
+LAYERS = 4
+
+
+def _session(kv_bits: int | str = "auto"):
+    from kvcli.bench.simulate.models import CONFIGS, build_model
+    from kvcli.bench.simulate.run import open_loaded
+
+    model = build_model("llama-3.1-8b", "nf4", layers=LAYERS)
+    return open_loaded(model, "llama-3.1-8b", "nf4", CONFIGS["llama-3.1-8b"][0], kv_bits=kv_bits)
+
+
 @pytest.fixture(scope="module")
 def rows():
-    from kvcli.bench.simulate.run import open_model, simulate
+    from kvcli.bench.simulate.run import simulate
 
-    sim = open_model("llama-3.1-8b", "nf4")  # --kv-bits auto, as kvcli ask: 8 or 16 bits by method
+    sim = _session()  # --kv-bits auto, as kvcli ask: 8 or 16 bits by method
     out = {}
     for name in sorted(REGISTRY):  # every registered method, with the tests' compressing spec
         row = simulate(sim, SPECS[name], TOKENS, steps=STEPS)
@@ -46,11 +61,11 @@ def rows():
 def full_rows(rows):
     """Full attention's row at each precision the methods hold (bits -> row): the reference of
     each method's KV."""
-    from kvcli.bench.simulate.run import open_model, simulate
+    from kvcli.bench.simulate.run import simulate
 
     out = {bits_of(rows["full"][0]): rows["full"][0]}
     for bits in {bits_of(row) for row, _ in rows.values()} - set(out):
-        out[bits] = simulate(open_model("llama-3.1-8b", "nf4", kv_bits=bits), "full", TOKENS, steps=STEPS)
+        out[bits] = simulate(_session(bits), "full", TOKENS, steps=STEPS)
     return out
 
 
