@@ -1,10 +1,10 @@
-"""Every registered method through the meta-device simulator on Llama-3.1-8B's shape in nf4, 4 of its
-layers (what
-``kvcli bench memory --simulate --methods all`` runs at 32k, here at a length that keeps CI short),
-each at the bits ``kvcli ask`` holds it in (``--kv-bits auto``, the simulator's default too):
-no op mixes a host tensor into a device op as CUDA refuses (the tracker's device rule), no method
-holds more KV than it states, and no allocation grows with the number of passes (a table rebuilt
-larger at each pass: BookCache's RoPE table doubled at every device switch, issue 50)."""
+"""Every registered method through the meta-device simulator on Llama-3.1-8B's shape in nf4, 8 of its
+layers (what ``kvcli bench memory --simulate --methods all`` runs at 32k, here at a length and a
+depth that keep CI short), each at the bits ``kvcli ask`` holds it in (``--kv-bits auto``, the
+simulator's default too): no op mixes a host tensor into a device op as CUDA refuses (the
+tracker's device rule), no method holds more KV than it states, and no allocation grows with the
+number of passes (a table rebuilt larger at each pass: BookCache's RoPE table doubled at every
+device switch, issue 50)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ BUDGET = re.compile(r"\b(?:budget|target|k)=([\d.]+)")
 
 # Llama-3.1-8B's layers, fewer of them: every decoder layer runs the same ops on the same shapes, and
 # each method's per-layer choices (GemFilter's layer 1, PyramidKV's budgets, LazyLLM's stages) are
-# still several layers apart
-LAYERS = 4
+# still several layers apart. 8, not fewer: InfLLM's book (per layer) must outweigh the reading's
+# host transients (per pass) for its check below to tell a mapped book from one in host memory
+# (4 layers: a 2.6 MB book, a 2.7 MB host peak)
+LAYERS = 8
 
 
 def _session(kv_bits: int | str = "auto"):
