@@ -96,7 +96,12 @@ def main() -> int:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--methods", default="full;gemfilter;snapkv;finch;blocksparse")
     ap.add_argument("--kv-offload", default="none")
-    ap.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4), help="as kvcli ask --kv-bits")
+    ap.add_argument(
+        "--kv-bits",
+        default="auto",
+        choices=("16", "8", "4", "auto"),
+        help="as kvcli ask --kv-bits and the simulator (auto: 8 or 16 bits by method; a row says the bits it held)",
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sim", default="docs/bench/gpu-sim/memory.json")
@@ -122,9 +127,12 @@ def main() -> int:
     from kvcli import notices
     from kvcli.answer.pipeline import Pipeline
     from kvcli.bench.simulate.models import CONFIGS
+    from kvcli.bench.simulate.report import bits_key, cell_bits
     from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded
+    from kvcli.caches.quant import check_bits
     from kvcli.runtime.engine import Engine
 
+    setting = check_bits(args.kv_bits)
     sims = sim_rows(Path(args.sim) if args.sim else None)
     t0 = time.perf_counter()
     model = build(args.config, args.weights, args.device, args.layers)
@@ -138,7 +146,7 @@ def main() -> int:
         CONFIGS[args.config][0],
         args.kv_offload,
         engine_cls=Engine,
-        kv_bits=args.kv_bits,
+        kv_bits=setting,
     )
     session = sim.session
     weights_bytes = (
@@ -152,13 +160,14 @@ def main() -> int:
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget reached, skipping {method} at {tokens}", file=sys.stderr, flush=True)
                 continue
+            bits = cell_bits(method, setting)  # the bits the method holds (the row's, as the simulator's)
             row = {
                 "config": args.config,
                 "weights": args.weights,
                 "method": method,
                 "tokens": tokens,
                 "kv_offload": args.kv_offload,
-                **({} if args.kv_bits == 16 else {"kv_bits": args.kv_bits}),
+                **bits_key(bits),
                 "steps": args.steps,
                 "weights_bytes": weights_bytes,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -197,7 +206,7 @@ def main() -> int:
             if cuda and row.get("peak_bytes") is None:  # failed: the peak up to the failure
                 row["peak_bytes_before_error"] = torch.cuda.max_memory_allocated()
             row["warnings"] = notices.drain()
-            s = sims.get((args.config, args.weights, method, tokens, args.kv_offload, args.kv_bits))
+            s = sims.get((args.config, args.weights, method, tokens, args.kv_offload, bits))
             if s is not None and not args.layers:
                 row["sim_peak_bytes"] = s.get("peak_bytes")
                 row["sim_kv_bytes"] = s.get("kv_bytes")
@@ -207,7 +216,7 @@ def main() -> int:
                 r
                 for r in rows
                 if (r["config"], r["weights"], r["method"], r["tokens"], r["kv_offload"], r.get("kv_bits", 16))
-                != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"], args.kv_bits)
+                != (row["config"], row["weights"], row["method"], row["tokens"], row["kv_offload"], bits)
             ] + [row]
             path.write_text(json.dumps(rows, indent=1))
             gib = 2**30

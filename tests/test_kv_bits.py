@@ -238,7 +238,7 @@ def test_cli_kv_bits_error_is_one_line_naming_the_choices(cli, tmp_path, monkeyp
     monkeypatch.setenv(quant.ENV_KV_BITS, "2")
     code, out, err = cli("ask", doc, "What?")
     assert code == 2 and err.count("\n") == 1 and ("KVCLI_KV_BITS" in err or "--kv-bits" in err)
-    for grid in ("16,3", "16,auto"):
+    for grid in ("16,3", "auto,2"):  # auto is a setting of the grid too (each method's bits); 3 and 2 are not
         code, _, err = cli("bench", "memory", "--simulate", "--kv-bits", grid, "--out", tmp_path / "m")
         assert code == 2 and err.count("\n") == 1 and "--kv-bits" in err
 

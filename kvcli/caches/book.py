@@ -403,14 +403,11 @@ class BookCache(ResumableRead, CacheBase):
         return dict(self._chosen)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d)."""
-        bs, ks, vs = self.block_size, [], []
-        for h in range(self.n_kv):
-            spans = [(self.initial + b * bs, self.initial + (b + 1) * bs) for b in blocks[h].tolist()]
-            none = torch.zeros(0, self.d, dtype=self.dtype)
-            ks.append(self.rows.read_spans(f"k.{layer}", h, spans) if spans else none)
-            vs.append(self.rows.read_spans(f"v.{layer}", h, spans) if spans else none)
-        return torch.stack(ks)[None], torch.stack(vs)[None]
+        """The raw keys and values of the chosen blocks from the storage: (1, n_kv, k*block_size, d),
+        every head's blocks in one read of each (:meth:`~kvcli.caches.bookfile.MemoryStorage.read_blocks`)."""
+        starts = self.initial + blocks * self.block_size
+        k, v = (self.rows.read_blocks(f"{t}.{layer}", starts, self.block_size) for t in ("k", "v"))
+        return k[None], v[None]
 
     # --- reading: Local -> Memory -------------------------------------------------------------------
     def end_chunk(self) -> None:
@@ -425,14 +422,13 @@ class BookCache(ResumableRead, CacheBase):
         if not moved:
             return
         cut = first - self.origin  # Local tokens leaving
+        start = 0 if self.n_blocks == 0 else moved[0]  # the first time, Initial leaves with the blocks
         for layer in range(self.n_layers_):
             k, v, score = self.tail_k[layer], self.tail_v[layer], self.tail_score[layer]
-            if self.n_blocks == 0:
-                self._write(layer, 0, k[:, :, : self.initial], v[:, :, : self.initial])
+            self._write(layer, start, k[:, :, start - self.origin : cut], v[:, :, start - self.origin : cut])
             for i, a in enumerate(moved):
                 lo = a - self.origin
                 bk = k[0, :, lo : lo + self.block_size]
-                self._write(layer, a, k[:, :, lo : lo + self.block_size], v[:, :, lo : lo + self.block_size])
                 top = torch.topk(
                     score[:, lo : lo + self.block_size], min(self.repr_topk, self.block_size), dim=-1
                 ).indices
@@ -447,9 +443,9 @@ class BookCache(ResumableRead, CacheBase):
         self.origin = first
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        for h in range(self.n_kv):
-            self.rows.write(f"k.{layer}", (h, start, start + k.shape[2]), k[0, h])
-            self.rows.write(f"v.{layer}", (h, start, start + v.shape[2]), v[0, h])
+        """Rows ``start``.. of every head (k, v: (1, n_kv, n, d)) to the storage, in one write of each."""
+        self.rows.write(f"k.{layer}", (slice(None), start, start + k.shape[2]), k[0])
+        self.rows.write(f"v.{layer}", (slice(None), start, start + v.shape[2]), v[0])
 
     def storage_rows(self, t: str, layer: int, lo: int, hi: int) -> torch.Tensor:
         return torch.stack([self.rows.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
@@ -463,8 +459,7 @@ class BookCache(ResumableRead, CacheBase):
             self._write(layer, self.origin, self.tail_k[layer], self.tail_v[layer])
             self.tail_k[layer] = self.storage_rows("k", layer, self.origin, self.n_doc)
             self.tail_v[layer] = self.storage_rows("v", layer, self.origin, self.n_doc)
-            for h in range(self.n_kv):
-                self.storage.write(f"repsum.{layer}", (h, 0, self.max_blocks), self.repsum[layer][h])
+            self.storage.write(f"repsum.{layer}", (slice(None), 0, self.max_blocks), self.repsum[layer])
         self.tail_score = [torch.zeros(self.n_kv, 0)] * self.n_layers_
         self.reading = False
 

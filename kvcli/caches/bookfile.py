@@ -78,15 +78,13 @@ def bits_of(specs: dict, d: int) -> int:
     return 8 if codes[1][-1] == d else 4
 
 
-class Spans:
-    """Reading several spans of rows of one head at once (a step's retrieved blocks): one after
-    another, unless the class knows better (:class:`QuantRows`: dequantized together)."""
-
-    def read_spans(self, name: str, head: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.cat([self.read(name, head, lo, hi) for lo, hi in spans])
+def block_rows(starts: torch.Tensor, size: int) -> torch.Tensor:
+    """The rows of blocks of ``size`` rows starting at ``starts`` (heads, k): (heads, k * size), each
+    head's blocks one after another."""
+    return (starts.to(torch.long)[..., None] + torch.arange(size)).flatten(1)
 
 
-class QuantRows(Spans):
+class QuantRows:
     """The keys and values (``k.l``, ``v.l``) of a book stored in ``bits`` bits, as the book reads
     and writes them — ``write(name, (head, lo, hi), rows)`` and ``read(name, head, lo, hi)``, the
     storage's own calls on rows (hi - lo, d) in ``dtype`` — over the three tensors of their
@@ -98,14 +96,17 @@ class QuantRows(Spans):
         self.storage, self.d, self.dtype, self.bits = storage, d, dtype, bits
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
+        """The storage's ``write`` of ``value``'s rows quantized (every head given at once)."""
         for part, tensor in zip(quant.Packed._fields, quant.quantize(value, self.bits)):
             self.storage.write(f"{name}.{part}", index, tensor)
 
     def read(self, name: str, head: int, lo: int, hi: int) -> torch.Tensor:
-        return self.read_spans(name, head, [(lo, hi)])
+        parts = (self.storage.read(f"{name}.{part}", head, lo, hi) for part in quant.Packed._fields)
+        return quant.dequantize(quant.Packed(*parts), self.d, self.dtype)
 
-    def read_spans(self, name: str, head: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-        parts = (self.storage.read_spans(f"{name}.{part}", head, spans) for part in quant.Packed._fields)
+    def read_blocks(self, name: str, starts: torch.Tensor, size: int) -> torch.Tensor:
+        """The storage's :meth:`~MemoryStorage.read_blocks` of each part, dequantized together."""
+        parts = (self.storage.read_blocks(f"{name}.{part}", starts, size) for part in quant.Packed._fields)
         return quant.dequantize(quant.Packed(*parts), self.d, self.dtype)
 
 
@@ -148,7 +149,7 @@ def _numel(shape) -> int:
     return out
 
 
-class MemoryStorage(Spans):
+class MemoryStorage:
     """The book's tensors in memory (preallocated; nothing written to disk)."""
 
     path = None
@@ -162,12 +163,20 @@ class MemoryStorage(Spans):
         )
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
-        """``tensor[name][head, lo:hi]`` (index = (head, lo, hi)) <- value (hi - lo, ...)."""
+        """``tensor[name][head, lo:hi]`` (index = (head, lo, hi)) <- value (hi - lo, ...); ``head`` a
+        slice of heads: value (heads, hi - lo, ...), every head in one copy."""
         head, lo, hi = index
         self.tensors[name][head, lo:hi] = value
 
     def read(self, name: str, head: int, lo: int, hi: int) -> torch.Tensor:
         return self.tensors[name][head, lo:hi]
+
+    def read_blocks(self, name: str, starts: torch.Tensor, size: int) -> torch.Tensor:
+        """Blocks of ``size`` rows of every head at once (a step's retrieved blocks): row ``h`` of
+        ``starts`` (heads, k) the first rows of head ``h``'s blocks; (heads, k * size, ...), each
+        head's blocks one after another. One indexing op, whatever the number of blocks."""
+        rows = block_rows(starts, size)
+        return self.tensors[name][torch.arange(rows.shape[0])[:, None], rows]
 
     def whole(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -179,7 +188,7 @@ class MemoryStorage(Spans):
         pass
 
 
-class FileStorage(Spans):
+class FileStorage:
     """The book's tensors in a safetensors file, written and read in place (see the module doc)."""
 
     def __init__(
@@ -276,20 +285,45 @@ class FileStorage(Spans):
         return per_row, per_row * shape[1]
 
     def write(self, name: str, index: tuple, value: torch.Tensor) -> None:
+        """:meth:`MemoryStorage.write` into the file: a write per head."""
         head, lo, hi = index
         per_row, per_head = self._row_bytes(name)
         data = value.detach().to("cpu", self.specs[name][0]).contiguous().view(-1).view(torch.uint8).numpy()
-        os.pwrite(self.fd, data.data, self.offsets[name] + head * per_head + lo * per_row)
+        heads = range(self.specs[name][1][0])[head] if isinstance(head, slice) else [head]
+        span = (hi - lo) * per_row
+        for i, h in enumerate(heads):
+            os.pwrite(self.fd, data[i * span : (i + 1) * span].data, self.offsets[name] + h * per_head + lo * per_row)
 
     def read(self, name: str, head: int, lo: int, hi: int) -> torch.Tensor:
-        dt, shape = self.specs[name]
-        per_row, per_head = self._row_bytes(name)
-        out = torch.empty((hi - lo, *shape[2:]), dtype=dt)
-        buf = out.view(-1).view(torch.uint8).numpy()
-        got = os.preadv(self.fd, [buf.data], self.offsets[name] + head * per_head + lo * per_row)
-        if got != buf.nbytes:
-            raise OSError(f"short read in {self.path}")
+        out = torch.empty((hi - lo, *self.specs[name][1][2:]), dtype=self.specs[name][0])
+        self._read_into(out, name, [(head, lo)], hi - lo)
         return out
+
+    def read_blocks(self, name: str, starts: torch.Tensor, size: int) -> torch.Tensor:
+        """:meth:`MemoryStorage.read_blocks` from the file: every block read into its place in one
+        buffer (a read per run of adjacent blocks)."""
+        dt, shape = self.specs[name]
+        heads, k = starts.shape
+        out = torch.empty((heads, k * size, *shape[2:]), dtype=dt)
+        self._read_into(out, name, [(h, lo) for h, row in enumerate(starts.tolist()) for lo in row], size)
+        return out
+
+    def _read_into(self, out: torch.Tensor, name: str, blocks: list[tuple[int, int]], size: int) -> None:
+        """Fill ``out`` with the blocks of ``size`` rows of ``name`` at (head, first row) ``blocks``, in
+        order: one read per run of blocks adjacent in the file."""
+        per_row, per_head = self._row_bytes(name)
+        buf, span, at = memoryview(out.view(-1).view(torch.uint8).numpy()), size * per_row, 0
+        runs: list[list[int]] = []  # [file offset, bytes]
+        for head, lo in blocks:
+            offset = self.offsets[name] + head * per_head + lo * per_row
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += span
+            else:
+                runs.append([offset, span])
+        for offset, n in runs:
+            if os.preadv(self.fd, [buf[at : at + n]], offset) != n:
+                raise OSError(f"short read in {self.path}")
+            at += n
 
     def whole(self, name: str) -> torch.Tensor:
         shape = self.specs[name][1]

@@ -66,7 +66,10 @@ def memory(
         Offload.none, "--kv-offload", help="As kvcli ask --kv-offload (blocksparse keeps its KV in CPU memory)"
     ),
     kv_bits: str = typer.Option(
-        "16", "--kv-bits", help="KV bits, comma-separated: 16, 8 and/or 4 (as kvcli ask --kv-bits)"
+        quant.AUTO,
+        "--kv-bits",
+        help="KV bits, comma-separated: 16, 8, 4 and/or auto (as kvcli ask --kv-bits: auto is 8 for a method "
+        "whose KV layout is quantized, else 16); a row is labelled with the bits its method held",
     ),
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
@@ -101,9 +104,8 @@ def memory(
         else runner.split_methods(methods or MEMORY_METHODS)
     )
     grid = runner.parse_lengths(lengths or MEMORY_LENGTHS)
-    try:
-        # the bits themselves: auto is no precision a simulated cell can be labelled with
-        bits_grid = [quant.check_bits(b.strip(), auto=False) for b in kv_bits.split(",") if b.strip()] or [16]
+    try:  # settings: each cell is labelled with the bits its method holds (auto: 8 or 16 by method)
+        bits_grid = [quant.check_bits(b.strip()) for b in kv_bits.split(",") if b.strip()] or [quant.AUTO]
     except ValueError as e:
         raise UsageError(f"--kv-bits: {e}") from None
     results = ResultsFile(path, MEMORY_KEY, resume=resume)

@@ -26,12 +26,14 @@ def test_memory_simulated_end_to_end(cli, tmp_path):
     full_bf16, full_nf4 = by[("bf16", "full", 2048)], by[("nf4", "full", 2048)]
     assert full_bf16["weights_bytes"] > 3 * full_nf4["weights_bytes"]  # 16 bits vs ~4.5 per weight
     assert full_nf4["peak_bytes"] > full_nf4["weights_bytes"] + full_nf4["kv_bytes"]
-    # Phi-3.5-mini's KV: 32 layers x 32 KV heads x 96 x (K, V) x bf16 per token, in a buffer with room
-    per_token = 32 * 32 * 96 * 2 * 2
+    # Phi-3.5-mini's KV, in 8 bits (--kv-bits auto, as kvcli ask): 32 layers x 32 KV heads x (K, V) x
+    # (96 one-byte codes + a float16 scale and zero per group of 32 channels) per token, in a buffer with room
+    per_token = 32 * 32 * 2 * (96 + 3 * 2 * 2)
     assert 2048 * per_token * 0.95 <= full_nf4["kv_bytes"] <= 2048 * per_token * 1.1
     assert by[("nf4", "streamingllm:budget=256", 2048)]["kv_bytes"] < full_nf4["kv_bytes"] / 4
     assert full_nf4["peak_bytes"] > by[("nf4", "full", 1024)]["peak_bytes"]
-    assert "| phi-3.5-mini | nf4 | `full` | 2k |" in out
+    assert "| phi-3.5-mini | nf4 | `full` (8-bit KV) | 2k |" in out
+    assert full_nf4["kv_bits"] == 8  # the row says the bits it held
     assert (tmp_path / "memory_table.md").read_text().strip() == out.strip()
     assert_png(tmp_path / "memory.png")
     # --resume: nothing left to run; --plot-only redraws from the JSON
@@ -71,6 +73,16 @@ def test_targets_read_the_rows():
     assert not checks["every method"]["met"] and "snapkv" in checks["every method"]["measured"]
     assert checks["full: decode syncs <= 1"]["met"] and not checks["finch: decode syncs <= 1"]["met"]
     assert not checks["snapkv: decode syncs <= 1"]["met"] and not checks["razor: decode syncs <= 1"]["met"]
+
+
+def test_targets_take_each_method_at_its_default_bits():
+    """A method's row at the bits --kv-bits auto gives it (full: 8), or at 16 where it has none."""
+    rows = [_row("full", 32768, 11.0, syncs=2), {**_row("full", 32768, 9.0), "kv_bits": 8}, _row("adakv", 32768, 11.5)]
+    checks = {c["target"].split(",")[0]: c for c in targets(rows)}
+    assert checks["full: decode syncs <= 1"]["met"] and checks["every method"]["measured"] == "2/2 methods within"
+    rows[1]["kv_bits"] = 4  # not full's default: its 16-bit row stands
+    checks = {c["target"].split(",")[0]: c for c in targets(rows)}
+    assert not checks["full: decode syncs <= 1"]["met"]
 
 
 def test_failed_rows_are_results_kept_across_grids(cli, tmp_path):

@@ -48,7 +48,10 @@ def test_meta_run_allocates_as_the_real_cpu_run(method, monkeypatch):
     monkeypatch.setattr(accelerator, "on_accelerator", lambda device: False)
     runs = {}
     for device in ("cpu", "meta"):
-        sim = open_loaded(_model(device), "tiny-llama", "fp32", "tiny-llama")
+        # 16-bit KV (the simulator's default is auto: 8 bits for both methods): at 8 bits the CPU takes
+        # kernels of its own (kvcli.caches.quant: int8 products, a scratch buffer kept across calls),
+        # chosen by the tensors' device type, that a GPU never runs and the meta run does not either
+        sim = open_loaded(_model(device), "tiny-llama", "fp32", "tiny-llama", kv_bits=16)
         row = simulate(sim, method, 300, steps=4, sdpa="math")
         assert row["error"] is None, row["error"]
         runs[device] = (row, _trace(sim.engine.tracker))

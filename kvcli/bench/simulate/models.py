@@ -230,14 +230,15 @@ NF4_BLOCK = 64
 NF4_CODE = 16  # float32 entries of the nf4 code kept with every weight
 
 
-def hf_config(name: str):
-    """The transformers config object of ``name`` (a key of :data:`CONFIGS`)."""
+def hf_config(name: str, layers: int | None = None):
+    """The transformers config object of ``name`` (a key of :data:`CONFIGS`); with ``layers``
+    decoder layers instead of its own, where given."""
     from transformers import AutoConfig
 
     key = name.strip().lower()
     if key not in CONFIGS:
         raise UsageError(f"--config: unknown model '{name}'; choose from {', '.join(CONFIGS)}")
-    values = dict(CONFIGS[key][1])
+    values = dict(CONFIGS[key][1], **({} if layers is None else {"num_hidden_layers": layers}))
     model_type = values.pop("model_type")
     values.pop("architectures")
     return AutoConfig.for_model(model_type, **values)
@@ -287,13 +288,20 @@ def quantize_nf4(model: nn.Module) -> int:
     return len(swaps)
 
 
-def build_model(name: str, weights: str = "nf4", device: str = "meta", dtype: torch.dtype = torch.bfloat16):
-    """``from_config`` of ``name`` on ``device`` in ``dtype``, nf4-quantised when ``weights`` is nf4."""
+def build_model(
+    name: str,
+    weights: str = "nf4",
+    device: str = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int | None = None,
+):
+    """``from_config`` of ``name`` on ``device`` in ``dtype``, nf4-quantised when ``weights`` is nf4;
+    with ``layers`` decoder layers instead of its own, where given (a test's shorter run of the same shapes)."""
     from transformers import AutoModelForCausalLM
 
     if weights not in WEIGHTS:
         raise UsageError(f"--weights must be one of {', '.join(WEIGHTS)}, not '{weights}'")
-    config = hf_config(name)
+    config = hf_config(name, layers)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     if weights == "nf4":

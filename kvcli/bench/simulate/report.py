@@ -3,32 +3,61 @@ checked against the rows."""
 
 from __future__ import annotations
 
+from ...caches.quant import AUTO
 from ..runner import length_label
 
 GIB = 2**30
 KV_BITS_LIMITS = {8: 15, 4: 11.5}  # GiB: full attention at 128k with 8/4-bit KV (16-bit: 23)
 
 
-def memory_cells(configs, weights, specs, lengths, kv_offload: str = "none", kv_bits=(16,)) -> list[dict]:
-    """Config-major, then weights, then KV bits, then length, then method: one model built per
-    (config, weights, bits). ``kv_bits`` is in a cell only where it is not 16 (the rows of a grid
-    simulated before --kv-bits keep their keys)."""
-    return [
-        {"config": c, "weights": w, "method": m, "tokens": n, "kv_offload": kv_offload, **_bits(b)}
+def memory_cells(configs, weights, specs, lengths, kv_offload: str = "none", kv_bits=(AUTO,)) -> list[dict]:
+    """Config-major, then weights, then KV bits, then length, then method. ``kv_bits``: settings of
+    ``--kv-bits`` (16, 8, 4 or auto, the product's default), each cell at the bits its method holds
+    with that setting (:func:`cell_bits`: auto is 8 or 16 by method), a cell once however many
+    settings give it. ``kv_bits`` is in a cell only where it is not 16 (the rows of a grid simulated
+    before --kv-bits keep their keys)."""
+    cells = [
+        {"config": c, "weights": w, "method": m, "tokens": n, "kv_offload": kv_offload, **bits_key(cell_bits(m, b))}
         for c in configs
         for w in weights
         for b in kv_bits
         for n in lengths
         for m in specs
     ]
+    return list({tuple(sorted(c.items())): c for c in cells}.values())
 
 
-def _bits(b: int) -> dict:
+def cell_bits(method: str, setting: int | str = AUTO) -> int:
+    """The bits ``method`` holds its KV in with ``--kv-bits setting`` (auto: as ``kvcli ask`` decides,
+    :meth:`~kvcli.answer.pipeline.Pipeline.kv_bits`)."""
+    from ...answer.pipeline import Pipeline
+
+    return Pipeline.parse(method).kv_bits(setting)
+
+
+def bits_key(b: int) -> dict:
+    """A row's or cell's ``kv_bits`` key: absent at 16."""
     return {} if b == 16 else {"kv_bits": b}
 
 
 def bits_of(row: dict) -> int:
     return row.get("kv_bits", 16)
+
+
+def at_default_bits(rows: list[dict]) -> list[dict]:
+    """Each method's rows at its default precision (``--kv-bits auto``), or at 16 bits where a cell was
+    not simulated at it (a grid run with ``--kv-bits 16``, the rows recorded before auto was the default)."""
+    auto = {m: cell_bits(m) for m in {r["method"] for r in rows}}
+    simulated = {(r["method"], r["tokens"], r.get("kv_offload", "none"), bits_of(r)) for r in rows}
+    return [
+        r
+        for r in rows
+        if bits_of(r) == auto[r["method"]]
+        or (
+            bits_of(r) == 16
+            and (r["method"], r["tokens"], r.get("kv_offload", "none"), auto[r["method"]]) not in simulated
+        )
+    ]
 
 
 def _gib(v) -> str:
@@ -112,7 +141,7 @@ def targets(rows: list[dict], long: int = 131072, short: int = 32768) -> list[di
     for bits, limit in KV_BITS_LIMITS.items():  # --kv-bits (issue 40): where such rows were simulated
         if any(bits_of(r) == bits for r in rows):
             peak(f"full attention, {length_label(long)}, {bits}-bit KV", "full", long, limit, kv_bits=bits)
-    rows = [r for r in rows if bits_of(r) == 16]  # the rest: the model's own KV
+    rows = at_default_bits(rows)  # the rest: each method as kvcli ask runs it (--kv-bits auto)
     short_rows = [r for r in rows if r["tokens"] == short and r.get("kv_offload", "none") == "none"]
     over = [
         f"{r['method']} ({'error' if r.get('error') else format(r['peak_bytes'] / GIB, '.2f') + ' GiB'})"

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ...caches.quant import AUTO
 from ...runtime.decode import DecodeStep
 from ...runtime.engine import Engine
 from .models import CONFIGS, SimTokenizer, build_model, weight_tensors
+from .report import bits_key
 from .sdpa import CudaSdpa
 from .tracker import Tracker, kvcli_line
 
@@ -89,9 +91,10 @@ class SimModel:
 
 
 def open_model(
-    config: str, weights: str, kv_offload: str = "none", cache_dir: Path | None = None, kv_bits: int = 16
+    config: str, weights: str, kv_offload: str = "none", cache_dir: Path | None = None, kv_bits: int | str = AUTO
 ) -> SimModel:
-    """A session on the simulated ``config`` (a key of :data:`~.models.CONFIGS`) with ``weights``."""
+    """A session on the simulated ``config`` (a key of :data:`~.models.CONFIGS`) with ``weights``, its
+    KV in ``kv_bits`` (as ``kvcli ask --kv-bits``; by default auto, as kvcli ask's)."""
     model = _model(config, weights)
     return open_loaded(model, config, weights, CONFIGS[config][0], kv_offload, cache_dir, kv_bits=kv_bits)
 
@@ -104,7 +107,7 @@ def open_loaded(
     kv_offload: str = "none",
     cache_dir: Path | None = None,
     engine_cls: type = SimEngine,
-    kv_bits: int = 16,
+    kv_bits: int | str = AUTO,
 ) -> SimModel:
     """A session on ``model`` (any device: meta for the simulation, the CPU for the fidelity test,
     a GPU for ``benchmarks/gpu_measure.py`` with ``engine_cls=Engine``: no tracker), with the
@@ -260,6 +263,7 @@ def simulate(
     # --kv-offload cpu: the offloaded KV is host memory the simulation never writes (a copy from
     # meta leaves its target as it was), so it is address space, not resident: no host limit
     offload = session.options.kv_offload == "cpu"
+    pipeline = Pipeline.parse(method)
     tracker = Tracker(device, fixed_value=fixed_token, host_limit=None if offload else HOST_LIMIT, max_ops=MAX_OPS)
     engine.tracker = tracker
     engine.at_decode = {}
@@ -272,7 +276,7 @@ def simulate(
         "method": method,
         "tokens": tokens,
         "kv_offload": session.options.kv_offload,
-        **({} if session.options.kv_bits == 16 else {"kv_bits": session.options.kv_bits}),
+        **bits_key(pipeline.kv_bits(session.options.kv_bits)),  # the bits it holds (auto: the method's)
         "model": lm.name,
         "steps": steps,
         "weights_bytes": weights_bytes,
@@ -284,9 +288,7 @@ def simulate(
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
         with _bias_outside_modes(), _book_in_a_mapped_file(tracker), mode, tracker:
-            result = session.ask(
-                document, QUESTION, Pipeline.parse(method), max_new_tokens=steps, force_tokens=True, use_store=False
-            )
+            result = session.ask(document, QUESTION, pipeline, max_new_tokens=steps, force_tokens=True, use_store=False)
         row["method_spec"] = result.extra.get("compressor")
         row["n_prompt_tokens"] = result.prompt.n_tokens
     except Exception as e:  # the row says why the method cannot run on the simulated device
