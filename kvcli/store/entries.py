@@ -209,23 +209,33 @@ class Entry:
         }
 
 
-def list_entries(root: Path) -> list[Entry]:
-    """Every entry under the store folder ``root`` (partial ones included), most recently used first."""
+def _listed(folder: Path, make) -> list[Entry]:
+    """``make(path, stat)`` for every file of ``folder`` ending in :data:`SUFFIX` (a file gone
+    meanwhile is skipped), most recently used first."""
     out = []
-    if not root.is_dir():
+    if not folder.is_dir():
         return out
-    for path in root.glob(f"*{SUFFIX}"):
+    for path in folder.glob(f"*{SUFFIX}"):
         try:
             st = path.stat()
         except OSError:
             continue
+        out.append(make(path, st))
+    out.sort(key=lambda e: e.last_use, reverse=True)
+    return out
+
+
+def list_entries(root: Path) -> list[Entry]:
+    """Every entry under the store folder ``root`` (partial ones included), most recently used first."""
+
+    def make(path: Path, st) -> Entry:
         meta, error = read_meta(path)
         entry = Entry(path, held_bytes(path, st), st.st_mtime, meta, error, partial=is_partial(path))
         if entry.partial:
             entry.read_tokens = (read_progress(path) or {}).get("tokens")
-        out.append(entry)
-    out.sort(key=lambda e: e.last_use, reverse=True)
-    return out
+        return entry
+
+    return _listed(root, make)
 
 
 def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
@@ -259,15 +269,9 @@ def list_vectors(folder: Path) -> list[Entry]:
     """Every page-vectors file under ``folder`` (``<cache_dir>/vectors``) as an entry of kind
     "vectors", most recently used first: the store counts them against its cap and ``kvcli cache``
     lists and removes them beside the KV entries."""
-    out = []
-    if not folder.is_dir():
-        return out
-    for path in folder.glob(f"*{SUFFIX}"):
-        try:
-            st = path.stat()
-        except OSError:
-            continue
+
+    def make(path: Path, st) -> Entry:
         meta, error = vectors_meta(path)
-        out.append(Entry(path, st.st_size, st.st_mtime, meta, error, kind="vectors"))
-    out.sort(key=lambda e: e.last_use, reverse=True)
-    return out
+        return Entry(path, st.st_size, st.st_mtime, meta, error, kind="vectors")
+
+    return _listed(folder, make)
