@@ -246,7 +246,8 @@ def test_cache_commands_show_and_remove_a_partial_entry_but_not_while_it_is_read
     assert code == 0 and row["partial"] and row["read_tokens"] == 3 * CHUNK and not row["reading"]
     assert row["key"] == _key(lm).digest and row["document"] == "doc.txt"
     code, out, _ = run_cli(["cache", "ls", "--cache-dir", tmp_path], capsys, monkeypatch)  # piped: TSV
-    assert out.splitlines()[1].split("\t")[-1] == str(3 * CHUNK)
+    header, first = (line.split("\t") for line in out.splitlines()[:2])
+    assert dict(zip(header, first))["read_tokens"] == str(3 * CHUNK)
     code, out, _ = run_cli(["cache", "info", "--cache-dir", tmp_path], capsys, monkeypatch)
     assert json.loads(out)["evicts_next"]["key"] == row["key"]
     _, [partial] = _files(tmp_path)
