@@ -112,7 +112,7 @@ def passage_vectors(
     cut = [windows(p, size) for p in passages]
     owner = np.array([i for i, ws in enumerate(cut) for _ in ws], dtype=np.int64)
     texts = [w for ws in cut for w in ws]
-    vectors = embedder.encode(texts) if on_progress is None else embedder.encode(texts, on_progress=on_progress)
+    vectors = embedder.encode(texts, on_progress=on_progress)
     if path is not None:
         about = {"model": str(embedder.folder), "window_words": size, "passages": len(passages)}
         about.update({k: v for k, v in (document or {}).items() if k in ("document", "document_sha256") and v})
