@@ -15,7 +15,9 @@ wording. Methods: ``bm25`` (plain words: what pages ranked by before), ``bm25-st
 stems), ``embed`` (the sentence embedding's best 100-word window (``--window``) of each page), ``rrf:K`` (BM25 on
 stems and the embedding by reciprocal rank, constant K) and ``mix:W``
 (W · BM25 / its best + (1 - W) · cosine, a weighted sum); kvcli's own is
-:data:`kvcli.retrieval.ranking.FUSION`. Rows to ``--out`` (JSON).
+:data:`kvcli.retrieval.ranking.FUSION`; ``cand:N``: kvcli's fusion over BM25's best N pages only,
+the others after them in BM25's order (kvcli's ranking with ``-c pages:candidates=N``; 0: every
+page, as ``mix:0.3``), e.g. ``--methods cand:0,cand:10,cand:20,cand:30``. Rows to ``--out`` (JSON).
 
 ``nomatch``: the best page's BM25 (stems) and best cosine for the answerable questions, for the
 file's questions that no page answers, and for each question asked of every *other* document of
@@ -45,7 +47,15 @@ from books import fetch_pdf  # noqa: E402
 from kvcli.documents import load_document  # noqa: E402
 from kvcli.retrieval import embed, vectors  # noqa: E402
 from kvcli.retrieval.bm25 import bm25_scores  # noqa: E402
-from kvcli.retrieval.ranking import FUSION, NO_MATCH_COSINE, Ranking, fuse, semantic_scores  # noqa: E402
+from kvcli.retrieval.ranking import (  # noqa: E402
+    FUSION,
+    NO_MATCH_COSINE,
+    Ranking,
+    candidates_of,
+    fuse,
+    reranked,
+    semantic_scores,
+)
 
 TUNE = [ROOT / "docs" / "bench" / "cite" / "questions.json", ROOT / "docs" / "bench" / "books" / "questions.json"]
 WORDINGS = ("q", "user")
@@ -76,7 +86,20 @@ def scores_of(method: str, s: dict) -> np.ndarray:
     name, _, arg = method.partition(":")
     if name in ("rrf", "mix"):
         return fuse(s["bm25-stem"], s["embed"], (name, float(arg)))
+    if name == "cand":  # kvcli's ranking: the fusion over BM25's best N only (0: every page)
+        return reranked(s["bm25-stem"], s["embed"], candidates_of(s["bm25-stem"], int(arg)))
     raise SystemExit(f"unknown method {method}")
+
+
+def matched(method: str, s: dict) -> bool:
+    """kvcli's "a page matched" for this method's ranking (:attr:`Ranking.matched`): over the
+    pages it embeds (``cand:N``: BM25's best N), else over every page."""
+    name, _, arg = method.partition(":")
+    semantic = s["embed"]
+    if name == "cand":
+        wanted = candidates_of(s["bm25-stem"], int(arg))
+        semantic = np.where(np.isin(np.arange(len(semantic)), wanted), semantic, -1.0)
+    return Ranking(s["bm25-stem"], s["bm25-stem"], semantic, "").matched
 
 
 def top(scores: np.ndarray, k: int) -> list[int]:
@@ -107,18 +130,27 @@ def rank(args) -> None:
                             "top3": best,
                             "hit1": best[0] in gold,
                             "hit3": any(p in gold for p in best),
+                            "matched": matched(method, s),
                         }  # fmt: skip
                     )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     print(f"kvcli's fusion: {FUSION[0]}:{FUSION[1]:g}\n")
-    print("| method | wording | questions | hit@1 | hit@3 |\n|---|---|---:|---:|---:|")
+    print("| method | wording | questions | hit@1 | hit@3 | matched |\n|---|---|---:|---:|---:|---:|")
     for wording in WORDINGS:
         for method in args.methods:
             mine = [r for r in rows if r["wording"] == wording and r["method"] == method]
             if mine:
                 n, h1, h3 = len(mine), sum(r["hit1"] for r in mine), sum(r["hit3"] for r in mine)
-                print(f"| {method} | {wording} | {n} | {h1} ({h1 / n:.0%}) | {h3} ({h3 / n:.0%}) |")
+                m = sum(r["matched"] for r in mine)
+                print(f"| {method} | {wording} | {n} | {h1} ({h1 / n:.0%}) | {h3} ({h3 / n:.0%}) | {m} |")
+    every = {(r["document"], r["question"], r["wording"]): r["top3"] for r in rows if r["method"] == "cand:0"}
+    if every:  # what -c pages reads (its best three) against the ranking over every page
+        print("\n| method | questions whose top three are cand:0's |\n|---|---:|")
+        for method in args.methods:
+            mine = [r for r in rows if r["method"] == method]
+            same = sum(r["top3"] == every[(r["document"], r["question"], r["wording"])] for r in mine)
+            print(f"| {method} | {same}/{len(mine)} |")
 
 
 def nomatch(args) -> None:

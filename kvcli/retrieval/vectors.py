@@ -2,12 +2,15 @@
 
 Each passage is cut into windows of :data:`WINDOW_WORDS` words (its last one shorter; a passage
 under that is one window) and each window embedded (:mod:`.embed`); a passage's semantic score is
-its best window's (a page answers the question when one part of it does). The vectors of a
-document go to ``<cache_dir>/vectors/<key>.safetensors`` (``vectors``: float32 (windows, dim), unit
-rows; ``owner``: int32, each window's passage), written atomically (:func:`kvcli.files.save_safetensors_atomic`),
+its best window's (a page answers the question when one part of it does). Only the passages a
+question wants are embedded (the ranking's candidates, :data:`kvcli.retrieval.ranking.CANDIDATES`);
+the file keeps every passage embedded so far, so a document's vectors fill in question by question.
+The vectors of a document go to ``<cache_dir>/vectors/<key>.safetensors`` (``vectors``: float32
+(windows, dim), unit rows; ``owner``: int32, each window's passage, in passage order; ``done``:
+uint8 (passages,), which passages' windows are there), written atomically (:func:`kvcli.files.save_safetensors_atomic`),
 with its key and format in the header and, in its ``about`` (JSON), the embedding model, the window
-size, the passages' count and the document they came from (``document``, ``document_sha256``,
-when the caller names it; files written before it say none). The disk store counts these files
+size, the passages' count, how many are embedded (``embedded``) and the document they came from (``document``, ``document_sha256``,
+when the caller names it). The disk store counts these files
 against its cap and ``kvcli cache`` lists and removes them (:mod:`kvcli.store`): a hit marks the
 file used (its mtime), so the cap removes the least recently used first, as it does KV entries. The key hashes everything that changes them: the
 format, the model (its files' bytes: :attr:`Embedder.id`), the window size and the passages' texts
@@ -28,7 +31,7 @@ import numpy as np
 
 from ..files import VECTORS_FOLDER, save_safetensors_atomic
 
-FORMAT = 1  # the file's layout: bump when it changes (old files are then misses)
+FORMAT = 2  # the file's layout: bump when it changes (old files are then misses); 2: the passages embedded so far
 WINDOW_WORDS = (
     100  # what one window embeds: chosen on the tuning questions (200 words often ran past the model's 256 tokens)
 )
@@ -53,8 +56,9 @@ def path_for(cache_dir: Path, digest: str) -> Path:
     return Path(cache_dir) / FOLDER / f"{digest}.safetensors"
 
 
-def load(path: Path, digest: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """(vectors, owner) from ``path`` when it holds this key's, else None (missing, damaged, another format)."""
+def load(path: Path, digest: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(vectors, owner, done) from ``path`` when it holds this key's, else None (missing, damaged,
+    another format): ``done[i]`` says whether passage i's windows are among the rows."""
     try:
         from safetensors import safe_open
 
@@ -62,22 +66,26 @@ def load(path: Path, digest: str) -> tuple[np.ndarray, np.ndarray] | None:
             meta = f.metadata() or {}
             if meta.get("key") != digest or meta.get("format") != str(FORMAT):
                 return None
-            vectors, owner = f.get_tensor("vectors"), f.get_tensor("owner")
+            vectors, owner, done = f.get_tensor("vectors"), f.get_tensor("owner"), f.get_tensor("done")
     except Exception:  # noqa: BLE001 - any unreadable file is a miss
         return None
-    if vectors.ndim != 2 or owner.shape != (vectors.shape[0],) or not np.isfinite(vectors).all():
+    if vectors.ndim != 2 or owner.shape != (vectors.shape[0],) or done.ndim != 1 or not np.isfinite(vectors).all():
         return None
-    return vectors.astype(np.float32, copy=False), owner.astype(np.int64)
+    owner = owner.astype(np.int64)
+    if len(owner) and (owner.min() < 0 or owner.max() >= len(done) or not done[owner].all()):
+        return None
+    return vectors.astype(np.float32, copy=False), owner, done.astype(bool)
 
 
-def save(path: Path, digest: str, vectors: np.ndarray, owner: np.ndarray, about: dict) -> bool:
+def save(path: Path, digest: str, vectors: np.ndarray, owner: np.ndarray, done: np.ndarray, about: dict) -> bool:
     """Write the file atomically; a store that cannot be written only costs the recomputation next
     time. Returns whether it was written."""
     import torch
 
     meta = {"key": digest, "format": str(FORMAT), "about": json.dumps(about, sort_keys=True)}
     tensors = {"vectors": torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)),
-               "owner": torch.from_numpy(np.ascontiguousarray(owner, dtype=np.int32))}  # fmt: skip
+               "owner": torch.from_numpy(np.ascontiguousarray(owner, dtype=np.int32)),
+               "done": torch.from_numpy(np.ascontiguousarray(done, dtype=np.uint8))}  # fmt: skip
     try:
         save_safetensors_atomic(path, tensors, meta)
     except OSError:
@@ -91,12 +99,19 @@ def passage_vectors(
     cache_dir: Path | None,
     size: int = WINDOW_WORDS,
     *,
+    wanted: list[int] | None = None,
     document: dict | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     on_stored: Callable[[Path], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    """Every window's vector and its passage, from the store when there (``cache_dir``: None
-    computes them without storing); the third value says which: "hit", "computed".
+    """The windows' vectors of the ``wanted`` passages (their indices; None: every passage) and
+    each row's passage, in passage order; the third value says where they came from: "hit" (all
+    from the store), "computed" (some or all embedded now). ``cache_dir``: where they are kept
+    (None: computed, not kept).
+
+    The file keeps every passage embedded so far (``done``): a question embeds only the wanted
+    passages not yet in it and writes the union back (two processes adding at once: the last
+    write wins, the other's passages are embedded again when next wanted).
 
     ``document``: what the file records of the document the passages came from (``document``: its
     path, ``document_sha256``), for ``kvcli cache ls`` and ``cache rm DOCUMENT``;
@@ -105,17 +120,34 @@ def passage_vectors(
     (the disk store makes room for it under its cap)."""
     digest = key(embedder.id, passages, size)
     path = path_for(cache_dir, digest) if cache_dir is not None else None
-    if path is not None and (found := load(path, digest)) is not None:
+    want = np.zeros(len(passages), dtype=bool)
+    want[list(range(len(passages))) if wanted is None else list(wanted)] = True
+    found = load(path, digest) if path is not None else None
+    if found is not None and len(found[2]) != len(passages):
+        found = None
+    vecs, owner, done = found if found is not None else (None, np.zeros(0, np.int64), np.zeros(len(passages), bool))
+    missing = [i for i in np.flatnonzero(want & ~done)]
+    if not missing:
+        if vecs is None:  # nothing wanted, nothing stored
+            return np.zeros((0, 0), np.float32), owner, "hit"
         with contextlib.suppress(OSError):
             os.utime(path)  # last use, for the cap (least recently used first)
-        return *found, "hit"
-    cut = [windows(p, size) for p in passages]
-    owner = np.array([i for i, ws in enumerate(cut) for _ in ws], dtype=np.int64)
-    texts = [w for ws in cut for w in ws]
-    vectors = embedder.encode(texts, on_progress=on_progress)
+        rows = want[owner]
+        return vecs[rows], owner[rows], "hit"
+    cut = {i: windows(passages[i], size) for i in missing}
+    new_owner = np.array([i for i in missing for _ in cut[i]], dtype=np.int64)
+    new = embedder.encode([w for i in missing for w in cut[i]], on_progress=on_progress)
+    vecs = new if vecs is None else np.concatenate([vecs, new])
+    owner = np.concatenate([owner, new_owner])
+    order = np.argsort(owner, kind="stable")  # passage order; a passage's windows in their order
+    vecs, owner = vecs[order], owner[order]
+    done = done.copy()
+    done[missing] = True
     if path is not None:
         about = {"model": str(embedder.folder), "window_words": size, "passages": len(passages)}
+        about["embedded"] = int(done.sum())
         about.update({k: v for k, v in (document or {}).items() if k in ("document", "document_sha256") and v})
-        if save(path, digest, vectors, owner, about) and on_stored is not None:
+        if save(path, digest, vecs, owner, done, about) and on_stored is not None:
             on_stored(path)
-    return vectors, owner, "computed"
+    rows = want[owner]
+    return vecs[rows], owner[rows], "computed"

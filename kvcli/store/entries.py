@@ -260,7 +260,12 @@ def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
     # the model's folder, or the package that ships it (its folder is ``<package>/model``)
     meta["model_name"] = None if model is None else model.parent.name if model.name == "model" else model.name
     meta["fields"] = {
-        "state": {"kind": "vectors", "passages": about.get("passages"), "window_words": about.get("window_words")}
+        "state": {
+            "kind": "vectors",
+            "passages": about.get("passages"),
+            "embedded": about.get("embedded"),  # the passages embedded so far (the rest when a question wants them)
+            "window_words": about.get("window_words"),
+        }
     }
     return meta, None
 

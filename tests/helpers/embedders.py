@@ -1,6 +1,6 @@
 """An embedding model for the page vectors whose vectors are known (no model loaded): a text's
 word count and length, normalised. ``calls`` counts :meth:`encode` calls (a second call on the same
-passages must read the stored file instead); ``progress_step`` > 0 reports ``on_progress`` every
+passages must read the stored file instead), ``texts`` holds the last call's texts; ``progress_step`` > 0 reports ``on_progress`` every
 that many texts, as the real model does after each batch."""
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ class Counting:
 
     def __init__(self, progress_step: int = 0) -> None:
         self.calls = 0
+        self.texts: list[str] = []  # the last encode call's texts
+        self.wanted: list[list[int]] = []  # the passages each ranking asked for (tests record them)
         self.progress_step = progress_step
 
     def encode(self, texts, on_progress=None):
         self.calls += 1
+        self.texts = list(texts)
         if on_progress is not None:
             for done in range(self.progress_step, len(texts), self.progress_step or len(texts) + 1):
                 on_progress(done, len(texts))

@@ -54,7 +54,7 @@ def test_the_file_names_its_document_and_a_hit_marks_it_used(tmp_path):
     assert stored == [path] and steps == [(2, 7), (4, 7), (6, 7), (7, 7)]
     with safe_open(str(path), framework="numpy") as f:
         about = json.loads(f.metadata()["about"])
-    assert about == {**document, "model": "/models/counting", "window_words": 100, "passages": 3}
+    assert about == {**document, "model": "/models/counting", "window_words": 100, "passages": 3, "embedded": 3}
     os.utime(path, (1_000_000, 1_000_000))
     stored.clear()
     _, _, how = vectors.passage_vectors(model, PASSAGES, tmp_path, on_stored=stored.append)
@@ -72,19 +72,88 @@ def test_damaged_or_other_format_file_is_a_miss(tmp_path):
     np.testing.assert_array_equal(got, want)
     assert vectors.load(path, digest) is not None  # written again
     # a file of another format under the same name
-    vectors.save(path, digest, want, np.array([0, 1, 1, 1, 1, 1, 2]), {})
+    vectors.save(path, digest, want, np.array([0, 1, 1, 1, 1, 1, 2]), np.ones(3, bool), {})
     import torch
 
     from kvcli.files import save_safetensors_atomic
 
     save_safetensors_atomic(
         path,
-        {"vectors": torch.from_numpy(want), "owner": torch.tensor([0, 1, 1, 1, 1, 1, 2], dtype=torch.int32)},
+        {
+            "vectors": torch.from_numpy(want),
+            "owner": torch.tensor([0, 1, 1, 1, 1, 1, 2], dtype=torch.int32),
+            "done": torch.ones(3, dtype=torch.uint8),
+        },
         {"key": digest, "format": str(vectors.FORMAT + 1)},
     )
     assert vectors.load(path, digest) is None
     _, _, how = vectors.passage_vectors(model, PASSAGES, tmp_path)
     assert how == "computed" and model.calls == 3
+
+
+def test_only_the_wanted_passages_are_embedded_and_the_file_fills_in(tmp_path):
+    """A call embeds the wanted passages missing from the file, returns exactly their windows (as
+    a call over every passage computes them) and writes the union back; a later call for passages
+    already there reads them."""
+    model = Counting()
+    everything, owner_all, _ = vectors.passage_vectors(Counting(), PASSAGES, None)
+    got, owner, how = vectors.passage_vectors(model, PASSAGES, tmp_path, wanted=[2])
+    assert how == "computed" and model.texts == [PASSAGES[2]] and owner.tolist() == [2]
+    np.testing.assert_array_equal(got, everything[owner_all == 2])
+    got, owner, how = vectors.passage_vectors(model, PASSAGES, tmp_path, wanted=[0, 2])
+    assert how == "computed" and model.texts == [PASSAGES[0]] and owner.tolist() == [0, 2]  # 2 read back
+    np.testing.assert_array_equal(got, everything[(owner_all == 0) | (owner_all == 2)])
+    path = next((tmp_path / "vectors").glob("*.safetensors"))
+    stored, stored_owner, done = vectors.load(path, path.stem)
+    assert done.tolist() == [True, False, True] and stored_owner.tolist() == [0, 2]
+    _, _, how = vectors.passage_vectors(model, PASSAGES, tmp_path, wanted=[2, 0])
+    assert how == "hit" and model.calls == 2
+    got, owner, how = vectors.passage_vectors(model, PASSAGES, tmp_path)
+    assert how == "computed" and len(model.texts) == 5 and owner.tolist() == owner_all.tolist()
+    np.testing.assert_array_equal(got, everything)
+    assert vectors.load(path, path.stem)[2].all()
+
+
+def test_candidates_are_bm25s_best_reranked_and_the_rest_follow(tmp_path):
+    """With ``candidates=N`` the embedding re-ranks BM25's best N passages (scored as the ranking
+    over every passage scores them) and only those are embedded; the others follow in BM25's
+    order. A document of at most N passages ranks as over every passage; a question with no word
+    in the document re-ranks the first N (BM25's ties: document order)."""
+    passages = [f"alpha {' '.join(['beta'] * i)} gamma {'delta ' * (5 - i)}" for i in range(5)] + ["nothing here"]
+    question = "beta delta"
+    model = Counting()
+    full = ranking_with(model, passages, question, tmp_path / "all", 0)
+    assert model.wanted[-1] == list(range(6))
+    part = ranking_with(model, passages, question, tmp_path / "part", 3)
+    by_bm25 = sorted(range(6), key=lambda i: (-full.bm25[i], i))
+    best3, rest = by_bm25[:3], by_bm25[3:]
+    assert full.bm25[best3[-1]] > full.bm25[rest[0]] and model.wanted[-1] == sorted(best3)  # only those embedded
+    np.testing.assert_allclose(part.scores[best3], full.scores[best3])
+    assert part.order == sorted(best3, key=lambda i: (-full.scores[i], i)) + rest
+    assert (part.semantic[rest] == -1).all() and np.allclose(part.semantic[best3], full.semantic[best3])
+    assert ranking_with(model, passages, question, tmp_path / "small", 6).order == full.order
+    none = ranking_with(model, passages, "zeta", tmp_path / "none", 2)
+    assert model.wanted[-1] == [0, 1] and none.order[2:] == [2, 3, 4, 5]
+
+
+def ranking_with(model, passages, question, cache, candidates):
+    """rank_passages with ``model`` as the embedding (its wanted passages recorded)."""
+    from unittest import mock
+
+    from kvcli.retrieval import ranking
+
+    real = vectors.passage_vectors
+
+    def spy(m, p, c, size=vectors.WINDOW_WORDS, **kw):
+        model.wanted.append(list(kw.get("wanted") or range(len(p))))
+        return real(m, p, c, size, **kw)
+
+    with (
+        mock.patch.object(ranking.embed, "setting", return_value="fake"),
+        mock.patch.object(ranking.embed, "embedder", return_value=model),
+        mock.patch.object(ranking.vectors, "passage_vectors", spy),
+    ):
+        return rank_passages(passages, question, cache, candidates=candidates)
 
 
 def test_missing_model_is_one_line(monkeypatch):
