@@ -250,7 +250,8 @@ def _page_text(textpage) -> str:
         return _join_hyphenated(text)
     out: list[str] = []
     box = pdfium_c.FS_RECTF()
-    prev = None  # (right, bottom, top, font size) of the last glyph, None after a space or break
+    font_size = pdfium_c.FPDFText_GetFontSize
+    prev = None  # (right, bottom, top, index) of the last glyph, None after a space or break
     for i, ch in enumerate(text):
         if ch.isspace() or ch == _HYPHEN_BREAK or pdfium_c.FPDFText_IsGenerated(raw, i) == 1:
             prev = None
@@ -260,13 +261,14 @@ def _page_text(textpage) -> str:
             prev = None
             out.append(ch)
             continue
-        size = pdfium_c.FPDFText_GetFontSize(raw, i)
         if prev is not None:
-            right, bottom, top, prev_size = prev
+            right, bottom, top, j = prev
+            gap = box.left - right
+            # on the same line, apart: the font sizes are read only then (a word's glyphs touch)
             same_line = min(box.top, top) > max(box.bottom, bottom)
-            if same_line and box.left - right > WORD_GAP * max(size, prev_size):
+            if gap > 0 and same_line and gap > WORD_GAP * max(font_size(raw, i), font_size(raw, j)):
                 out.append(" ")
-        prev = (box.right, box.bottom, box.top, size)
+        prev = (box.right, box.bottom, box.top, i)
         out.append(ch)
     return _join_hyphenated("".join(out))
 
