@@ -135,3 +135,17 @@ def test_the_store_and_the_retrieval_share_the_vectors_folder_without_importing_
     assert "kvcli.files" in graph["kvcli.store.kvstore"] and "kvcli.files" in graph["kvcli.retrieval.vectors"]
     above = ("kvcli.retrieval", "kvcli.compressors", "kvcli.answer", "kvcli.cite", "kvcli.api", "kvcli.cli")
     assert {(m, d) for m, deps in store.items() for d in deps if d.startswith(above)} == set()
+
+
+def test_the_runtime_imports_nothing_of_the_caches():
+    """caches -> runtime, never back: the caches attend with the runtime's kernels, RoPE and
+    buffers (kvcli.runtime.buffers) and return its LayerView; the engine's passes make their default
+    cache through the model (LoadedModel.new_cache), so the runtime imports only itself and errors."""
+    graph = import_graph()
+    assert {"kvcli.runtime.kernels", "kvcli.runtime.attention"} <= graph["kvcli.caches.book"]
+    assert "kvcli.runtime.buffers" in graph["kvcli.runtime.kernels"]
+    runtime = {m: deps for m, deps in graph.items() if m.startswith("kvcli.runtime")}
+    assert len(runtime) >= 10
+    assert {
+        (m, d) for m, deps in runtime.items() for d in deps if not d.startswith(("kvcli.runtime", "kvcli.errors"))
+    } == set()

@@ -21,7 +21,7 @@ Storage, per layer (batch 1, after RoPE, GQA never expanded):
     candidates[l]:        (H, P) preselected block indices (H = n_kv separate, 1 shared) or None
 
 At a decode step (one query token) :meth:`BlockCache.update` returns a :class:`BlockLayer` view
-(a :class:`~kvcli.caches.base.LayerView`) so :func:`kvcli.runtime.attention.kvcli_attention` hands it the attention: the layer
+(a :class:`~kvcli.runtime.attention.LayerView`) so :func:`kvcli.runtime.attention.kvcli_attention` hands it the attention: the layer
 selects (or reuses) its blocks, gathers Initial + selected blocks + Local and runs SDPA on them.
 """
 
@@ -32,7 +32,8 @@ from typing import ClassVar
 import torch
 
 from ..runtime import kernels
-from .base import CacheBase, LayerView, cache_type
+from ..runtime.attention import LayerView
+from .base import CacheBase, cache_type
 from .kv import KVCache
 
 REPRESENTATIVES = ("max", "mean", "quest", "dynamic", "infllm", "fixed")

@@ -53,9 +53,10 @@ from typing import ClassVar
 import torch
 
 from ..runtime import kernels
+from ..runtime.attention import LayerView
 from ..runtime.kernels import attention_lse, merge_lse
 from ..runtime.rope import rerotate_table, rope_cos_sin
-from .base import CacheBase, LayerView, cache_type
+from .base import CacheBase, cache_type
 from .blocks import partition
 from .book_resume import GEOMETRY, ResumableRead
 from .bookfile import bits_of, kv_rows, precision_facts, precision_of
@@ -257,7 +258,7 @@ class BookCache(ResumableRead, CacheBase):
         """An answering step's softmax weights over what :meth:`_attend_memory` reads — Initial, the
         question's blocks (positioned as it positions them) and Local with the step's own key —
         and the absolute position of each row: (n_kv, rows) long, (n_kv, group, rows) float32
-        (:meth:`kvcli.caches.base.LayerView.read_weights`). Called before the step attends, so it
+        (:meth:`kvcli.runtime.attention.LayerView.read_weights`). Called before the step attends, so it
         retrieves nothing itself: None where each step retrieves its own blocks
         (``retrieval=step``). Scaled by 1/sqrt(d)."""
         key, _ = self._pending[layer]
