@@ -71,6 +71,22 @@ class CacheBase:
     # whether the layout has ``truncate(n_tokens)``, which cuts it back to its first n tokens (a prefix
     # state a query window reaches into: the prompt's last tokens then run again on top of it)
     truncatable: ClassVar[bool] = False
+    # how the disk store reads an entry of the layout back (:func:`kvcli.store.entries.read_entry`):
+    # False, its tensors loaded, checked against the entry's header and rebuilt (:meth:`from_tensors`);
+    # True, its file opened in place and read as needed (:meth:`open_entry`, which checks it)
+    opens_in_place: ClassVar[bool] = False
+
+    @classmethod
+    def open_entry(cls, path, meta: dict):
+        """The cache the disk-store entry at ``path`` (header JSON ``meta``) holds, opened in place:
+        the layouts with :attr:`opens_in_place`. ValueError when anything differs."""
+        raise NotImplementedError(f"{cls.__name__}'s entries are loaded, not opened in place")
+
+    def for_device(self, device, room: int = 0):
+        """This cache for one question on ``device``, an accelerator (the store keeps its memo on
+        the host): by default a copy of its tensors there; ``room``: entries per layer a layout that
+        reserves them leaves for the question and the answer (:meth:`kvcli.caches.kv.KVCache.upload`)."""
+        return type(self).from_tensors(*self.to_tensors(), device=device)
 
     @property
     def kv_bits(self) -> int:
