@@ -170,3 +170,33 @@ def test_every_module_is_under_600_lines():
     assert len(lengths) > 100
     assert {path: n for path, n in lengths.items() if n >= 600} == {}
 
+
+def test_no_private_name_crosses_a_module_of_the_lower_rooms():
+    """The caches, the runtime, the store, the model and kvcli.files import no ``_private`` name of
+    another module and read none off one (``files._X``): what another module needs is public."""
+    rooms = ("kvcli.caches", "kvcli.runtime", "kvcli.store", "kvcli.model", "kvcli.files")
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if not name.startswith(rooms):
+            continue
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("kvcli")):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private:
+                        found.append((name, node.lineno, alias.name))
+                    else:
+                        modules.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append((name, node.lineno, f"{node.value.id}.{node.attr}"))
+    assert found == []
