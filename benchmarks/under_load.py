@@ -70,7 +70,7 @@ def make_inputs(work: Path, args) -> dict:
     from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
     from kvcli.bench.needle import make_case
     from kvcli.model import load_model
-    from kvcli.model.embedded import _embedded_gguf_file
+    from kvcli.model.embedded import embedded_gguf_file
 
     lm = load_model(args.model)
     doc = make_case(lm.tokenizer, args.doc_tokens, 0.5, seed=3)
@@ -87,7 +87,7 @@ def make_inputs(work: Path, args) -> dict:
             "prefix_len": prompt.prefix_len,
             "new_tokens": args.new_tokens,
             "n_ctx": prompt.n_tokens + args.new_tokens + 8,
-            "gguf": str(_embedded_gguf_file()),
+            "gguf": str(embedded_gguf_file()),
             "stop_ids": stop,
         }
         inputs[f"case_{run}"] = work / f"case_{run}.json"

@@ -70,7 +70,7 @@ def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metada
 
 
 # torch dtype name -> safetensors dtype name (the format's spec)
-_ST_DTYPES = {
+SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
     "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
@@ -86,7 +86,7 @@ def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, st
     offset = 0
     for name in order:
         t = tensors[name]
-        dtype = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        dtype = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
         if dtype is None:
             raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors name")
         size = t.numel() * t.element_size()

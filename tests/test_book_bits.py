@@ -13,9 +13,9 @@ import torch
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
 from kvcli.caches import quant
-from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
 from kvcli.caches.bookfile import HEADER_ROOM, Destination, FileStorage, MemoryStorage, nbytes_of, tensor_specs
+from kvcli.caches.representatives import partition
 from kvcli.compressors import parse_one
 from kvcli.compressors.base import Runtime
 from kvcli.runtime.engine import Engine

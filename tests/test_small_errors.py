@@ -82,7 +82,7 @@ def fake_conversion(tmp_path, monkeypatch):
     gguf = tmp_path / "pkg" / embedded.EMBEDDED_GGUF
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF fake weights")
-    monkeypatch.setattr(embedded, "_embedded_gguf_file", lambda: gguf)
+    monkeypatch.setattr(embedded, "embedded_gguf_file", lambda: gguf)
     failures = {}
 
     def convert(src, dest):

@@ -69,11 +69,11 @@ def build_cases(lengths: list[int], new_tokens: int, work: Path) -> list[dict]:
     from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
     from kvcli.api import AskOptions, Session
     from kvcli.bench.needle import make_case
-    from kvcli.model.embedded import _embedded_gguf_file, embedded_model_path
+    from kvcli.model.embedded import embedded_gguf_file, embedded_model_path
 
     session = Session.open(AskOptions(use_cache=False))
     tok = session.lm.tokenizer
-    model_dir, gguf = str(embedded_model_path()), str(_embedded_gguf_file())
+    model_dir, gguf = str(embedded_model_path()), str(embedded_gguf_file())
     template = load_template()
     cases = []
     for length in lengths:

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 mkdir -p .peers
-GGUF=$(.venv/bin/python -c "from kvcli.model.embedded import _embedded_gguf_file; print(_embedded_gguf_file())")
+GGUF=$(.venv/bin/python -c "from kvcli.model.embedded import embedded_gguf_file; print(embedded_gguf_file())")
 check_llama() { .peers/llamacpp/bin/python -c "import llama_cpp, sys; llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False).eval([1, 2, 3])" "$GGUF" 2>/dev/null; }
 
 if ! .peers/kvpress/bin/python -c "import kvpress" 2>/dev/null; then

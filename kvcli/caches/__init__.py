@@ -1,7 +1,8 @@
 """Every cache layout kvcli runs on, one file each; importing this package registers every kind
 with the disk store (:data:`CACHE_TYPES`). See :mod:`kvcli.caches.base` for the contract."""
 
-from .base import CACHE_TYPES, CacheBase, LayerKV, LayerView, cache_type
+from ..runtime.attention import LayerView
+from .base import CACHE_TYPES, CacheBase, LayerKV, cache_type
 from .blocks import BlockCache, BlockLayer, OffloadKVCache, ScoredKVCache
 from .book import BookCache, BookLayer
 from .kv import KVCache

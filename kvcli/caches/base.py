@@ -9,7 +9,7 @@ and one value tensor per layer,
 plus the original token position of every cached entry (``positions``) so that methods which drop
 entries still know where each kept token came from. A layout whose attention is not "softmax over
 this layer's keys" (RazorAttention's head groups, block retrieval, padded ragged heads) returns a
-:class:`LayerView` from ``update`` instead of the key tensor; :func:`kvcli.runtime.attention.kvcli_attention`
+:class:`~kvcli.runtime.attention.LayerView` from ``update`` instead of the key tensor; :func:`kvcli.runtime.attention.kvcli_attention`
 dispatches on that type and the view attends itself with the kernels of :mod:`kvcli.runtime.kernels`.
 
 A cache is also what the disk store (:mod:`kvcli.store`) saves: ``to_tensors()`` gives named
@@ -23,13 +23,13 @@ it needs one, in ``kvcli/caches/<name>.py`` (imported by ``kvcli/caches/__init__
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import ClassVar
 
 import torch
 
+from ..runtime.buffers import has_room, made_finite
 from ..runtime.measure import long_lived
 
 CACHE_TYPES: dict[str, type] = {}
@@ -71,6 +71,22 @@ class CacheBase:
     # whether the layout has ``truncate(n_tokens)``, which cuts it back to its first n tokens (a prefix
     # state a query window reaches into: the prompt's last tokens then run again on top of it)
     truncatable: ClassVar[bool] = False
+    # how the disk store reads an entry of the layout back (:func:`kvcli.store.entries.read_entry`):
+    # False, its tensors loaded, checked against the entry's header and rebuilt (:meth:`from_tensors`);
+    # True, its file opened in place and read as needed (:meth:`open_entry`, which checks it)
+    opens_in_place: ClassVar[bool] = False
+
+    @classmethod
+    def open_entry(cls, path, meta: dict):
+        """The cache the disk-store entry at ``path`` (header JSON ``meta``) holds, opened in place:
+        the layouts with :attr:`opens_in_place`. ValueError when anything differs."""
+        raise NotImplementedError(f"{cls.__name__}'s entries are loaded, not opened in place")
+
+    def for_device(self, device, room: int = 0):
+        """This cache for one question on ``device``, an accelerator (the store keeps its memo on
+        the host): by default a copy of its tensors there; ``room``: entries per layer a layout that
+        reserves them leaves for the question and the answer (:meth:`kvcli.caches.kv.KVCache.upload`)."""
+        return type(self).from_tensors(*self.to_tensors(), device=device)
 
     @property
     def kv_bits(self) -> int:
@@ -139,46 +155,15 @@ class CacheBase:
         """The position of each of ``layer``'s prompt rows, in row order: (n_kv_heads, rows) long
         (:mod:`kvcli.cite.attribution` maps a decoding step's attention to the prompt with it; the rows
         after them are decoded tokens). Layouts whose views attend themselves report weights with
-        :meth:`LayerView.read_weights` instead."""
+        :meth:`~kvcli.runtime.attention.LayerView.read_weights` instead."""
         raise NotImplementedError(f"{type(self).__name__} does not report where its rows come from")
-
-
-def _room(t: torch.Tensor, rows: int) -> bool:
-    """Whether ``t`` (1, heads, m, d), a view of the first m rows of a (1, heads, cap, d) buffer,
-    can be widened to ``rows`` rows inside its storage."""
-    d = t.shape[-1]
-    stride = t.stride()
-    if t.dim() != 4 or stride[-1] != 1 or stride[-2] != d or stride[-3] < rows * d or t.storage_offset() != 0:
-        return False
-    needed = ((t.shape[0] - 1) * stride[0] + (t.shape[1] - 1) * stride[1] + rows * d) * t.element_size()
-    return t.untyped_storage().nbytes() >= needed
-
-
-# the storages of the buffers caches made here (:func:`_made`): their room holds finite entries only
-_FINITE: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
-
-
-def finite_room(t: torch.Tensor, rows: int) -> bool:
-    """Whether ``t`` can be widened to ``rows`` rows (:func:`_room`) over entries that are all finite:
-    ``t`` is a view of a buffer a cache made here (:func:`_made`), whose room was zero when made and
-    is only ever written with entries. A kernel may then read past ``t`` and weigh those rows by
-    exactly zero (:func:`kvcli.runtime.kernels.grouped` keeps its shapes that way)."""
-    return t.untyped_storage() in _FINITE and _room(t, rows)
-
-
-def _made(buf: torch.Tensor, filled: int) -> torch.Tensor:
-    """A new layer buffer (…, cap, d) whose first ``filled`` rows are written: its room zeroed and
-    its storage marked for :func:`finite_room`."""
-    buf[..., filled:, :].zero_()
-    _FINITE.add(buf.untyped_storage())
-    return buf
 
 
 SPARE_SLOTS = 64  # room a layer's buffer leaves for later appends: at least this many slots ...
 SPARE_SHARE = 32  # ... or 1/32 of its entries
 
 
-def _written(owner) -> dict:
+def written_by(owner) -> dict:
     """(list names, layer) -> (entries, data pointers) of the buffers ``owner`` itself wrote last."""
     return owner.__dict__.setdefault("_written", {})
 
@@ -186,13 +171,13 @@ def _written(owner) -> dict:
 def _moved(t: torch.Tensor, rows: int) -> torch.Tensor:
     """A new buffer for ``t`` (1, heads, m, d) with room for ``rows`` >= m rows and some to spare
     (1/32 of them, at least 64 slots), holding ``t``'s rows first: its first ``rows`` rows (the
-    room zeroed and the storage marked, :func:`_made`); the caller writes rows m.. itself."""
+    room zeroed and the storage marked, :func:`~kvcli.runtime.buffers.made_finite`); the caller writes rows m.. itself."""
     m = t.shape[-2]
     cap = rows + max(SPARE_SLOTS, rows // SPARE_SHARE)
     with long_lived(t.device, _nbytes(t) // max(m, 1) * cap, always=True):
         buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
     buf[..., :m, :].copy_(t)
-    return _made(buf, rows)[..., :rows, :]
+    return made_finite(buf, rows)[..., :rows, :]
 
 
 def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Tensor, ...]) -> None:
@@ -205,11 +190,11 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
     writes only past every entry it ever held, so a view handed out (a copy of the cache shares
     the views; a layer cut back or replaced) is never overwritten. Nothing but the layer's view
     holds a buffer, so a layer replaced by an eviction frees it at once."""
-    written = _written(owner)
+    written = written_by(owner)
     olds = [getattr(owner, name)[layer] for name in names]
     m, new = olds[0].shape[-2], news[0].shape[-2]
     mine = written.get((names, layer)) == (m, *(t.data_ptr() for t in olds))
-    if mine and all(_room(t, m + new) for t in olds):
+    if mine and all(has_room(t, m + new) for t in olds):
         bufs = [t.as_strided((*t.shape[:-2], m + new, t.shape[-1]), t.stride()) for t in olds]
     else:
         bufs = [_moved(t, m + new) for t in olds]
@@ -230,7 +215,7 @@ def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:
     rests = [getattr(owner, name)[layer][..., n:, :] for name in names]
     if rests[0].untyped_storage().nbytes() > 2 * max(_nbytes(rests[0]), 1):
         rests = [_moved(t, t.shape[-2]) for t in rests]
-        _written(owner)[(names, layer)] = (rests[0].shape[-2], *(t.data_ptr() for t in rests))
+        written_by(owner)[(names, layer)] = (rests[0].shape[-2], *(t.data_ptr() for t in rests))
     for name, t in zip(names, rests):
         getattr(owner, name)[layer] = t
 
@@ -316,12 +301,12 @@ class LayerKV(CacheBase):
             vbuf = torch.empty(full, dtype=value.dtype, device=device)
         kbuf[..., :new, :].copy_(key)
         vbuf[..., :new, :].copy_(value)
-        _made(kbuf, new)
-        _made(vbuf, new)
+        made_finite(kbuf, new)
+        made_finite(vbuf, new)
         kbuf, vbuf = kbuf[..., :new, :], vbuf[..., :new, :]
         self.keys.append(kbuf)
         self.values.append(vbuf)
-        _written(self)[(("keys", "values"), len(self.keys) - 1)] = (new, kbuf.data_ptr(), vbuf.data_ptr())
+        written_by(self)[(("keys", "values"), len(self.keys) - 1)] = (new, kbuf.data_ptr(), vbuf.data_ptr())
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         append_rows(self, ("keys", "values"), layer, (key, value))
@@ -332,27 +317,3 @@ class LayerKV(CacheBase):
     @property
     def n_layers(self) -> int:
         return len(self.keys)
-
-
-class LayerView:
-    """What a cache's ``update`` returns, as both key and value, for a layer whose attention the
-    cache owns (head groups, padded heads, retrieved blocks). The attention function dispatches on
-    this type: it calls :meth:`attend` instead of running a kernel over key/value tensors, and
-    observers (scorers) receive the view as ``key``."""
-
-    def __init__(self, cache, layer_idx: int) -> None:
-        self.cache = cache
-        self.layer_idx = layer_idx
-
-    def attend(
-        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
-    ) -> torch.Tensor:
-        """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
-        raise NotImplementedError
-
-    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What a decoding step's query (1, n_heads, 1, head_dim) attends: (positions (n_kv_heads,
-        rows), weights (n_kv_heads, group, rows)), the softmax weights of each query head over the
-        rows its KV head reads and the position each row holds (-1: not a prompt token); None
-        where the layout does not say (its answers cite nothing, and say why)."""
-        return None

@@ -41,7 +41,8 @@ the tail still in Local is written too: the storage then holds the whole documen
 runs on top of it (:meth:`BookCache.copy`: Local grows with the question and the answer, and
 every step retrieves its own blocks — or, ``retrieval=question``, the blocks the question chose).
 
-A read that stops resumes from the end of any chunk (:mod:`kvcli.caches.book_resume`).
+What the book writes to its storage and reads back — the finished read, the store's entry, a read
+that stops and resumes from the end of any chunk — is :mod:`kvcli.caches.book_storage`'s.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ from typing import ClassVar
 import torch
 
 from ..runtime import kernels
+from ..runtime.attention import LayerView
 from ..runtime.kernels import attention_lse, merge_lse
 from ..runtime.rope import rerotate_table, rope_cos_sin
-from .base import CacheBase, LayerView, cache_type
-from .blocks import partition
-from .book_resume import GEOMETRY, ResumableRead
-from .bookfile import bits_of, kv_rows, precision_facts, precision_of
+from .base import CacheBase, cache_type
+from .book_storage import StoredBook
+from .bookfile import bits_of, kv_rows
+from .representatives import partition
 
 
 class BookLayer(LayerView):
@@ -76,9 +78,10 @@ class BookLayer(LayerView):
 
 
 @cache_type
-class BookCache(ResumableRead, CacheBase):
+class BookCache(StoredBook, CacheBase):
     kind: ClassVar[str] = "book"
     tensor_lists: ClassVar[tuple[str, ...]] = ("tail_k", "tail_v")
+    opens_in_place: ClassVar[bool] = True  # an entry is the book's storage: read as needed (:meth:`open_entry`)
 
     def __init__(
         self,
@@ -257,7 +260,7 @@ class BookCache(ResumableRead, CacheBase):
         """An answering step's softmax weights over what :meth:`_attend_memory` reads — Initial, the
         question's blocks (positioned as it positions them) and Local with the step's own key —
         and the absolute position of each row: (n_kv, rows) long, (n_kv, group, rows) float32
-        (:meth:`kvcli.caches.base.LayerView.read_weights`). Called before the step attends, so it
+        (:meth:`kvcli.runtime.attention.LayerView.read_weights`). Called before the step attends, so it
         retrieves nothing itself: None where each step retrieves its own blocks
         (``retrieval=step``). Scaled by 1/sqrt(d)."""
         key, _ = self._pending[layer]
@@ -425,7 +428,7 @@ class BookCache(ResumableRead, CacheBase):
         start = 0 if self.n_blocks == 0 else moved[0]  # the first time, Initial leaves with the blocks
         for layer in range(self.n_layers_):
             k, v, score = self.tail_k[layer], self.tail_v[layer], self.tail_score[layer]
-            self._write(layer, start, k[:, :, start - self.origin : cut], v[:, :, start - self.origin : cut])
+            self.write_rows(layer, start, k[:, :, start - self.origin : cut], v[:, :, start - self.origin : cut])
             for i, a in enumerate(moved):
                 lo = a - self.origin
                 bk = k[0, :, lo : lo + self.block_size]
@@ -442,89 +445,7 @@ class BookCache(ResumableRead, CacheBase):
         self.n_blocks += len(moved)
         self.origin = first
 
-    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows ``start``.. of every head (k, v: (1, n_kv, n, d)) to the storage, in one write of each."""
-        self.rows.write(f"k.{layer}", (slice(None), start, start + k.shape[2]), k[0])
-        self.rows.write(f"v.{layer}", (slice(None), start, start + v.shape[2]), v[0])
-
-    def storage_rows(self, t: str, layer: int, lo: int, hi: int) -> torch.Tensor:
-        return torch.stack([self.rows.read(f"{t}.{layer}", h, lo, hi) for h in range(self.n_kv)])[None]
-
-    def finish_read(self) -> None:
-        """The document is read: write the tail still in Local and the representatives; Local is then
-        the tail as stored (8 or 4 bits: rounded), as in the book opened from the store (:meth:`from_storage`)."""
-        if self.origin + self.local_len != self.n_doc:
-            raise ValueError(f"read {self.origin + self.local_len} tokens of a {self.n_doc}-token book")
-        for layer in range(self.n_layers_):
-            self._write(layer, self.origin, self.tail_k[layer], self.tail_v[layer])
-            self.tail_k[layer] = self.storage_rows("k", layer, self.origin, self.n_doc)
-            self.tail_v[layer] = self.storage_rows("v", layer, self.origin, self.n_doc)
-            self.storage.write(f"repsum.{layer}", (slice(None), 0, self.max_blocks), self.repsum[layer])
-        self.tail_score = [torch.zeros(self.n_kv, 0)] * self.n_layers_
-        self.reading = False
-
     # --- the store ---------------------------------------------------------------------------------
-    def facts(self) -> dict:
-        return {
-            **self._geometry(),  # the book's shape (:class:`~kvcli.caches.book_resume.ResumableRead`)
-            "topk": self.topk,
-            "repr_topk": self.repr_topk,
-            "origin": self.origin,
-            "n_blocks": self.n_blocks,
-            **precision_facts(self.storage.specs, self.d, self.dtype),  # 8 or 4 bits: those, the rows' dtype
-        }
-
-    @classmethod
-    def from_storage(cls, storage, facts: dict, retrieval: str = "step") -> BookCache:
-        """The book a finished storage holds (a file of the disk store, or memory)."""
-        f = {k: int(facts[k]) for k in (*GEOMETRY, "topk", "repr_topk", "origin", "n_blocks")}
-        dtype = precision_of(facts, storage.specs, f["head_dim"])  # its bits checked against its tensors
-        book = cls(
-            storage,
-            f["n_doc"],
-            f["n_layers"],
-            f["n_kv"],
-            f["head_dim"],
-            initial=f["initial"],
-            block_size=f["block_size"],
-            local=f["local"],
-            topk=f["topk"],
-            repr_topk=f["repr_topk"],
-            retrieval=retrieval,
-            dtype=dtype,
-        )
-        if f["n_blocks"] != book.max_blocks or not 0 <= f["origin"] <= f["n_doc"]:
-            raise ValueError(f"{f['n_blocks']} blocks, expected {book.max_blocks}")
-        book.origin, book.n_blocks = f["origin"], f["n_blocks"]
-        n = book.n_doc
-        book.tail_k = [book.storage_rows("k", layer, book.origin, n) for layer in range(book.n_layers_)]
-        book.tail_v = [book.storage_rows("v", layer, book.origin, n) for layer in range(book.n_layers_)]
-        if book.n_blocks:
-            book.init_k = [book.storage_rows("k", layer, 0, book.initial) for layer in range(book.n_layers_)]
-            book.init_v = [book.storage_rows("v", layer, 0, book.initial) for layer in range(book.n_layers_)]
-        book.repsum = [storage.whole(f"repsum.{layer}").to(torch.float32) for layer in range(book.n_layers_)]
-        book.positions = torch.arange(n)
-        return book
-
-    @classmethod
-    def open_entry(cls, path, meta: dict) -> BookCache:
-        """The book a disk-store entry holds (:mod:`kvcli.store.book`), read in place: its layout
-        checked against the entry's metadata and its CRC-32 against the bytes (read back in
-        pieces, never held); ValueError when anything differs."""
-        from .bookfile import FileStorage
-
-        storage, _ = FileStorage.open(path)
-        try:
-            got = {n: [str(dt), list(shape)] for n, (dt, shape) in storage.specs.items()}
-            if meta.get("tensors") != got:
-                raise ValueError("tensors differ from its metadata")
-            if storage.crc32() != meta.get("crc32"):
-                raise ValueError("checksum mismatch")
-            return cls.from_storage(storage, meta.get("facts") or {})
-        except BaseException:
-            storage.close()
-            raise
-
     def copy(self) -> BookCache:
         """A question's copy: shares the storage, Memory and representatives (never written after
         the read); its own Local (appending makes new tensors) and choices."""
@@ -535,6 +456,11 @@ class BookCache(ResumableRead, CacheBase):
         out.filter_layer, out.shared = None, None
         out.attended, out.steps, out.reads = 0.0, 0, None
         return out
+
+    def for_device(self, device, room: int = 0) -> BookCache:
+        """The book itself: each pass moves what it reads to the pass's device (its storage stays
+        where it is, on disk or in host memory)."""
+        return self
 
     def to_tensors(self):
         raise NotImplementedError("a book is written to its storage as it is read (kvcli.caches.bookfile)")

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..files import _ST_DTYPES
+from ..files import SAFETENSORS_DTYPES
 from . import quant
 
 HEADER_ROOM = 1 << 16  # bytes reserved for the JSON header (the metadata is written last)
@@ -212,7 +212,7 @@ class FileStorage:
             dt, shape = specs[name]
             size = torch.empty((), dtype=dt).element_size() * _numel(shape)
             header[name] = {
-                "dtype": _ST_DTYPES[str(dt).removeprefix("torch.")],
+                "dtype": SAFETENSORS_DTYPES[str(dt).removeprefix("torch.")],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + size],
             }
@@ -255,7 +255,7 @@ class FileStorage:
                 raise ValueError(f"header of {n} bytes, expected at most {HEADER_ROOM}")
             header = json.loads(os.pread(fd, n, 8))
             meta = header.pop("__metadata__", {}) or {}
-            inverse = {v: k for k, v in _ST_DTYPES.items()}
+            inverse = {v: k for k, v in SAFETENSORS_DTYPES.items()}
             specs, offsets, end = {}, {}, 0
             for name, h in header.items():
                 lo, hi = h["data_offsets"]

@@ -98,6 +98,13 @@ class KVCache(LayerKV):
         out.reserve(None)
         return out
 
+    def for_device(self, device, room: int = 0):
+        """The plain KV, none of it evicted: :meth:`upload`, the question and the answer appending in
+        place; otherwise (a subclass, evicted entries) its tensors rebuilt there."""
+        if type(self) is KVCache and self.kept is None:
+            return self.upload(device, room)
+        return super().for_device(device, room)
+
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer`` (a sliding-window layer whose window has
         passed them; :meth:`~kvcli.caches.base.CacheBase.trim_windows`). The positions stay: they are

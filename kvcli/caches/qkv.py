@@ -27,19 +27,19 @@ from typing import ClassVar
 import torch
 
 from ..runtime import kernels
+from ..runtime.attention import LayerView
+from ..runtime.buffers import made_finite
 from ..runtime.measure import long_lived
 from . import quant
 from .base import (
     CacheBase,
-    LayerView,
-    _made,
-    _written,
     append_rows,
     cache_type,
     drop_rows,
     dropped_facts,
     read_dropped,
     truncate_rows,
+    written_by,
 )
 from .kv import KVCache, held_positions, kept_mask
 
@@ -152,8 +152,8 @@ class QuantKVCache(CacheBase):
             bufs = [t.new_empty((*t.shape[:-2], self.capacity, t.shape[-1])) for t in rows]
         for name, buf, t in zip(NAMES, bufs, rows):
             buf[..., :new, :].copy_(t)
-            getattr(self, name).append(_made(buf, new)[..., :new, :])
-        _written(self)[(NAMES, layer)] = (new, *(getattr(self, n)[layer].data_ptr() for n in NAMES))
+            getattr(self, name).append(made_finite(buf, new)[..., :new, :])
+        written_by(self)[(NAMES, layer)] = (new, *(getattr(self, n)[layer].data_ptr() for n in NAMES))
 
     # --- what it holds -----------------------------------------------------------------------------
     def held_positions(self, layer: int) -> torch.Tensor:

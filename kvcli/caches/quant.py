@@ -395,7 +395,7 @@ def _chunk_int8(q, k: Packed, v: Packed, d_v: int, mask, softcap, dtype):
 
 def read_weights(query: torch.Tensor, key: Packed, scaling: float | None = None) -> torch.Tensor:
     """A decoding step's softmax weights (n_kv, group, kv_len) float32 of ``query`` (1, n_heads, 1,
-    d) over quantized ``key`` (the citations' reading, :meth:`kvcli.caches.base.LayerView.read_weights`)."""
+    d) over quantized ``key`` (the citations' reading, :meth:`kvcli.runtime.attention.LayerView.read_weights`)."""
     n_heads, d = query.shape[1], query.shape[-1]
     n_kv = key.codes.shape[1]
     scaling = 1 / math.sqrt(d) if scaling is None else scaling

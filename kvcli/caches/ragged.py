@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..runtime import kernels
-from .base import LayerKV, LayerView, cache_type
+from ..runtime.attention import LayerView
+from .base import LayerKV, cache_type
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .kv import KVCache

@@ -3,7 +3,7 @@ arXiv:2407.15891), also DuoAttention's (:mod:`kvcli.compressors.duo`, no compens
 
 Each layer's KV heads are split into two groups stored in separate tensors — never a mask over a
 full cache — and :func:`kvcli.runtime.attention.kvcli_attention` hands a layer's attention to
-:meth:`RazorLayer.attend` (a :class:`~kvcli.caches.base.LayerView`), which attends per group and
+:meth:`RazorLayer.attend` (a :class:`~kvcli.runtime.attention.LayerView`), which attends per group and
 puts the head outputs back in head order.
 """
 
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import kernels
-from .base import CacheBase, LayerView, append_rows, cache_type
+from ..runtime.attention import LayerView
+from .base import CacheBase, append_rows, cache_type
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .kv import KVCache

@@ -10,7 +10,7 @@ did not keep or retrieve gets nothing, so it can never be cited.
 
 Where each row of a layer's keys comes from is the cache's (:meth:`held_positions`): a plain KV
 cache (full attention, the eviction methods, Finch) holds its prompt rows first, in the order of
-its positions; a cache that attends itself (a :class:`~kvcli.caches.base.LayerView`) reports the
+its positions; a cache that attends itself (a :class:`~kvcli.runtime.attention.LayerView`) reports the
 weights itself where it can (:meth:`LayerView.read_weights`: the book's Initial + retrieved
 blocks + Local), and cites nothing where it cannot (the reason is said).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..caches.base import LayerView
+from ..runtime.attention import LayerView
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ Two readings of the per-token score behind "representative tokens":
   question-agnostic prefix vote: rows of the question never count, so the last document tokens
   have fewer than ``l_L`` voters (their mean is over those). It is computed from the queries and
   keys of every prefill chunk, 256 rows at a time against only the ``l_L`` keys each row reaches
-  (:func:`kvcli.caches.blocks.infllm_accumulate`; no attention matrix, GQA never expanded). InfLLM's
+  (:func:`kvcli.caches.representatives.infllm_accumulate`; no attention matrix, GQA never expanded). InfLLM's
   released code differs in detail: it sums the *softmax* weights of its own sparse attention
   (initial + retrieved + local) from the queries within ``n_local`` of a token, itself included;
   kvcli follows the paper's equation, which does not depend on how the prefill attends.
@@ -96,16 +96,8 @@ import torch
 
 from .. import notices
 from ..caches import KVCache, quant
-from ..caches.blocks import (
-    HEAD_SELECT,
-    REPRESENTATIVES,
-    BlockCache,
-    OffloadKVCache,
-    ScoredKVCache,
-    infllm_accumulate,
-    infllm_scores,
-    partition,
-)
+from ..caches.blocks import BlockCache, OffloadKVCache, ScoredKVCache
+from ..caches.representatives import HEAD_SELECT, REPRESENTATIVES, infllm_accumulate, infllm_scores, partition
 from ..errors import UsageError
 from ..runtime import accelerator
 from .base import Compressor, knob, register, require_full_layers

@@ -54,9 +54,9 @@ from typing import ClassVar
 import torch
 
 from ..caches import quant
-from ..caches.blocks import partition
 from ..caches.book import BookCache
 from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, tensor_specs
+from ..caches.representatives import partition
 from ..errors import UsageError
 from ..runtime import accelerator
 from .base import Compressor, knob, register

@@ -73,7 +73,7 @@ def default_tokens(lm) -> int:
 
 
 def uses_alibi(lm) -> bool:
-    cfg = lm._config
+    cfg = lm.text_config
     return bool(
         getattr(cfg, "alibi", False)
         or getattr(cfg, "position_embedding_type", "") == "alibi"

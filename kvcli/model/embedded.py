@@ -50,7 +50,8 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "kvcli"
 
 
-def _embedded_gguf_file() -> Path:
+def embedded_gguf_file() -> Path:
+    """The embedded model's GGUF file, in its installed package; ModelError when it is not installed."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # never import it: it needs llama_cpp
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for loc in locations:
@@ -95,7 +96,7 @@ def gguf_fact(gguf: Path, cache_dir: Path, name: str, kind: type, compute: Calla
     return value
 
 
-def _gguf_sha256(gguf: Path, cache_dir: Path) -> str:
+def gguf_sha256(gguf: Path, cache_dir: Path) -> str:
     """sha256 of a GGUF file, memoised (:func:`gguf_fact`)."""
     return gguf_fact(gguf, cache_dir, "sha256", str, file_sha256)
 
@@ -122,7 +123,8 @@ def _share_like_umask(folder: Path) -> None:
             os.chmod(os.path.join(root, name), fmode)
 
 
-def _is_converted(folder: Path) -> bool:
+def is_converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (its source marker and config written)."""
     return (folder / _SOURCE_MARKER).is_file() and (folder / "config.json").is_file()
 
 
@@ -153,13 +155,13 @@ def _remove_stale_temp_dirs(models_dir: Path, max_age_s: float = 3600.0) -> None
 def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
     """(converted folder, sha256 of the GGUF file) of the embedded model."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    gguf = _embedded_gguf_file()
+    gguf = embedded_gguf_file()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        sha = _gguf_sha256(gguf, cache_dir)
+        sha = gguf_sha256(gguf, cache_dir)
         models_dir = cache_dir / "models"
         target = models_dir / f"{EMBEDDED_MODEL}-{sha[:12]}"
-        if _is_converted(target):
+        if is_converted(target):
             return target, sha
         models_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-"):
@@ -222,7 +224,7 @@ def convert_once(target: Path, label: str, gguf_in: Callable[[Path], Path], fact
         try:
             os.rename(work, target)
         except OSError:
-            if not _is_converted(target):  # not a lost race: a real failure
+            if not is_converted(target):  # not a lost race: a real failure
                 raise
             # another process finished first: use theirs, drop ours (finally)
     except MemoryError as e:

@@ -58,33 +58,41 @@ class LoadedModel:
     source: str = ""  # what was actually loaded: the local folder, or the hub id
 
     @property
-    def _config(self) -> Any:
+    def text_config(self) -> Any:
+        """The config of the text model (a multimodal model's text part): its layers, heads, RoPE."""
         cfg = self.model.config
         return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
     @property
     def n_layers(self) -> int:
-        return int(self._config.num_hidden_layers)
+        return int(self.text_config.num_hidden_layers)
 
     @property
     def n_heads(self) -> int:
-        return int(self._config.num_attention_heads)
+        return int(self.text_config.num_attention_heads)
 
     @property
     def n_kv_heads(self) -> int:
-        return int(getattr(self._config, "num_key_value_heads", None) or self.n_heads)
+        return int(getattr(self.text_config, "num_key_value_heads", None) or self.n_heads)
 
     @property
     def head_dim(self) -> int:
-        cfg = self._config
+        cfg = self.text_config
         return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
     @property
     def max_context(self) -> int:
-        return int(self._config.max_position_embeddings)
+        return int(self.text_config.max_position_embeddings)
+
+    def new_cache(self):
+        """An empty plain cache (:class:`kvcli.caches.KVCache`): the one a pass of the engine fills
+        when its caller gives none, as a transformers model starts its own ``DynamicCache``."""
+        from ..caches import KVCache
+
+        return KVCache()
 
     @functools.cached_property
     def windows(self) -> Windows:
         """Each decoder layer's sliding window and what follows from it (:mod:`kvcli.runtime.windows`),
         read once from the config."""
-        return Windows.of_config(self._config, self.n_layers)
+        return Windows.of_config(self.text_config, self.n_layers)

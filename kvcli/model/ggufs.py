@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import ModelError, one_line
-from .embedded import _gguf_sha256, _is_converted, convert_once, default_cache_dir, gguf_fact
+from .embedded import convert_once, default_cache_dir, gguf_fact, gguf_sha256, is_converted
 
 GEMMA_MODEL = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -97,7 +97,7 @@ def ensure_gemma_converted(cache_dir: Path | None) -> tuple[Path, str]:
     into ``<cache>/models/gemma3-270m-<sha12>`` on first use (~1-2 min on two cores), then reused."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache_dir / "models" / f"{GEMMA_MODEL}-{GEMMA_SHA256[:12]}"
-    if _is_converted(target):
+    if is_converted(target):
         return target, GEMMA_SHA256
     chunks = _gemma_chunks()  # before anything is written: the install line if the package is missing
     try:
@@ -159,14 +159,14 @@ def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        sha = _gguf_sha256(path, cache_dir)
+        sha = gguf_sha256(path, cache_dir)
     except OSError as e:
         raise ModelError(f"cannot read the GGUF file {path}: {one_line(e)}") from e
     target = cache_dir / "models" / f"gguf-{sha[:12]}"
-    if _is_converted(target):
+    if is_converted(target):
         return target, sha
     for converted in sorted((cache_dir / "models").glob(f"*-{sha[:12]}")):
-        if _is_converted(converted):  # the same file as an embedded model's GGUF: its conversion
+        if is_converted(converted):  # the same file as an embedded model's GGUF: its conversion
             return converted, sha
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_GGUF:

@@ -20,7 +20,7 @@ from .device import (
     resolve_device,
     resolve_dtype,
 )
-from .embedded import EMBEDDED_MODEL, _embedded_gguf_file, ensure_converted
+from .embedded import EMBEDDED_MODEL, embedded_gguf_file, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel
 from .fingerprint import compute_fingerprint, weights_identity
 from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
@@ -211,7 +211,7 @@ def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None,
         return "none"
     if name.lower() == EMBEDDED_MODEL:
         try:
-            gguf = _embedded_gguf_file()
+            gguf = embedded_gguf_file()
         except ModelError:
             return "none"  # the load says what is missing
     elif name.lower().endswith(".gguf") and Path(name).expanduser().is_file():

@@ -31,8 +31,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..caches.base import LayerView
 from .kernels import KERNELS, attend, by_keys, causal_mask  # noqa: F401  (causal_mask: part of this module's API)
+
+
+class LayerView:
+    """What a cache's ``update`` returns, as both key and value, for a layer whose attention the
+    cache owns (head groups, padded heads, retrieved blocks). The attention function dispatches on
+    this type: it calls :meth:`attend` instead of running a kernel over key/value tensors, and
+    observers (scorers) receive the view as ``key``."""
+
+    def __init__(self, cache, layer_idx: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def attend(
+        self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
+    ) -> torch.Tensor:
+        """query (1, n_heads, q_len, head_dim) -> output (1, q_len, n_heads, head_dim)."""
+        raise NotImplementedError
+
+    def read_weights(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a decoding step's query (1, n_heads, 1, head_dim) attends: (positions (n_kv_heads,
+        rows), weights (n_kv_heads, group, rows)), the softmax weights of each query head over the
+        rows its KV head reads and the position each row holds (-1: not a prompt token); None
+        where the layout does not say (its answers cite nothing, and say why)."""
+        return None
+
 
 # observer(query, key) is called with the tensors documented above, before attention is computed.
 Observer = Callable[[torch.Tensor, torch.Tensor], None]

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..caches import KVCache
 from . import attention, decode, prefill
 from .attention import AttentionContext, Observer, StopForward
 from .decode import DecodeStep
@@ -50,7 +49,7 @@ class Engine:
         self.rotary_emb = base.rotary_emb
         self.lm_head = model.get_output_embeddings()
         # --- hybrid sliding-window families (Gemma 2 / 3): per-layer RoPE and window, soft-capped logits
-        cfg = lm._config
+        cfg = lm.text_config
         # Gemma 3's rotary embedding takes the layer type (local / global RoPE base); its layers get
         # the (cos, sin) of their type. The embedding scale (sqrt(hidden)) is in Gemma's embed_tokens.
         self.layer_types = list(getattr(cfg, "layer_types", None) or []) or None
@@ -66,6 +65,7 @@ class Engine:
         self.windows = lm.windows  # each layer's sliding window (kvcli.runtime.windows)
         self.device = next(model.parameters()).device
         self.kernel = lm.attn
+        self.new_cache = lm.new_cache  # the empty cache a pass fills when its caller gives none
         self._positions: torch.Tensor | None = None  # device_positions' table
         prefill.chunk_mlps(self.layers)
         self.prefill_chunk = prefill.default_prefill_chunk(self.device, hybrid=self.windows.hybrid)
@@ -151,7 +151,7 @@ class Engine:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | None,
+        cache,
         *,
         layers: Iterable[int] | None = None,
         observers: dict[int, list[Observer]] | None = None,
@@ -208,7 +208,7 @@ class Engine:
         observers: dict[int, list[Observer]] | None = None,
         window_room: int | None = None,
         cache=None,
-    ) -> KVCache:
+    ) -> object:
         """:func:`kvcli.runtime.prefill.prefix_kv`: the KV of the first ``n_layers`` layers for ``ids``."""
         return prefill.prefix_kv(self, ids, n_layers, observers, window_room, cache)
 
@@ -220,10 +220,10 @@ class Engine:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache=None,
         observers: dict[int, list[Observer]] | None = None,
         after_layer: Callable[[int], None] | None = None,
-    ) -> tuple[KVCache, torch.Tensor]:
+    ) -> tuple[object, torch.Tensor]:
         """:func:`kvcli.runtime.prefill.prefill`: every layer over ``ids``; (cache, last logits)."""
         return prefill.prefill(self, ids, positions, cache, observers, after_layer)
 
@@ -245,10 +245,10 @@ class Engine:
         ids: torch.Tensor,
         n_prefix: int,
         start: int,
-        cache: KVCache | None = None,
+        cache=None,
         observers: dict[int, list[Observer]] | None = None,
         after_layer: Callable[[int], None] | None = None,
-    ) -> tuple[KVCache, torch.Tensor]:
+    ) -> tuple[object, torch.Tensor]:
         """:func:`kvcli.runtime.prefill.prefill_on_prefix`: a prefix and the rest, layer by layer together."""
         return prefill.prefill_on_prefix(self, ids, n_prefix, start, cache, observers, after_layer)
 

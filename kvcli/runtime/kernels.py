@@ -1,6 +1,6 @@
 """The attention kernels, by name: PyTorch SDPA (default), eager (a materialised softmax, for
 checking) and flash-attn (CUDA only). The attention function (:mod:`kvcli.runtime.attention`) and the
-cache layouts that attend themselves (:class:`kvcli.caches.base.LayerView`) run them through
+cache layouts that attend themselves (:class:`kvcli.runtime.attention.LayerView`) run them through
 :func:`attend`.
 
 Shapes: query (1, n_heads, q_len, head_dim); key, value (1, n_kv_heads, kv_len, head_dim), GQA
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import accelerator
+from .buffers import finite_room
 
 
 def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -87,13 +88,11 @@ KEY_BUCKET = 64  # a decoding step's key count rounded up to this, where the cac
 
 def _bucketed(key, value, mask, q_len: int):
     """``key``/``value`` widened to the next multiple of :data:`KEY_BUCKET` rows where a cache's
-    buffer holds finite rows there (:func:`kvcli.caches.base.finite_room`), for one query row
+    buffer holds finite rows there (:func:`kvcli.runtime.buffers.finite_room`), for one query row
     without a mask; else as they are. oneDNN makes (JIT-compiles) and caches one primitive per
     matrix shape: a key count that grows by one every step made two new ones per step, ~0.6 MB each,
     kept in its cache of 1,024 (measured: +380 MB of resident memory over 300 steps of 30 layers,
     and the compilation's time in every step). Rounded up, the shapes change every 64 steps."""
-    from ..caches.base import finite_room
-
     kv_len = key.shape[2]
     padded = -(-kv_len // KEY_BUCKET) * KEY_BUCKET
     if (

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..caches import KVCache
 from . import accelerator, attention
 from .attention import Observer, StopForward
 
@@ -125,9 +124,9 @@ def prefix_kv(
     observers: dict[int, list[Observer]] | None = None,
     window_room: int | None = None,
     cache=None,
-) -> KVCache:
+) -> object:
     """The KV of layers 0..n_layers-1 (default: all) for ``ids`` (n,) at positions 0..n-1, into
-    ``cache`` (an empty plain layout: a :class:`KVCache` by default, or its 8/4-bit
+    ``cache`` (an empty plain layout: by default the engine's new one, a :class:`kvcli.caches.KVCache`, or its 8/4-bit
     :class:`~kvcli.caches.qkv.QuantKVCache`).
 
     ``window_room``: each sliding layer (Gemma 2 / 3) is cut back, as soon as it has run, to the last
@@ -152,7 +151,7 @@ def prefix_kv(
     n_layers = engine.n_layers if n_layers is None else n_layers
     if not 1 <= n_layers <= engine.n_layers:
         raise ValueError(f"n_layers must be in 1..{engine.n_layers}, got {n_layers}")
-    cache = KVCache() if cache is None else cache
+    cache = engine.new_cache() if cache is None else cache
     observers = {layer: list(fns) for layer, fns in (observers or {}).items()}
     observers.setdefault(n_layers - 1, []).append(_stop)
     windows = engine.windows
@@ -190,13 +189,13 @@ def prefill(
     engine,
     ids: torch.Tensor,
     positions: torch.Tensor | None = None,
-    cache: KVCache | None = None,
+    cache=None,
     observers: dict[int, list[Observer]] | None = None,
     after_layer: Callable[[int], None] | None = None,
-) -> tuple[KVCache, torch.Tensor]:
+) -> tuple[object, torch.Tensor]:
     """Run all layers over ``ids``; returns the cache and the logits of the last position (vocab,).
     ``positions``: default, those after the cache's last; ``after_layer``: as for :meth:`Engine.forward`."""
-    cache = KVCache() if cache is None else cache
+    cache = engine.new_cache() if cache is None else cache
     if positions is None:
         start = 0 if cache.positions is None or not cache.positions.numel() else int(cache.positions[-1]) + 1
         positions = torch.arange(start, start + ids.numel())
@@ -245,20 +244,20 @@ def prefill_on_prefix(
     ids: torch.Tensor,
     n_prefix: int,
     start: int,
-    cache: KVCache | None = None,
+    cache=None,
     observers: dict[int, list[Observer]] | None = None,
     after_layer: Callable[[int], None] | None = None,
-) -> tuple[KVCache, torch.Tensor]:
+) -> tuple[object, torch.Tensor]:
     """:func:`prefix_kv` of ``ids[:n_prefix]``, cut back to ``start`` tokens, then :func:`prefill`
     of ``ids[start:]`` on top of it with ``observers`` and ``after_layer`` — the same arithmetic,
     run one layer at a time over both parts: layer i of the prefix, then layer i of the rest,
     then ``after_layer(i)``. A compressor that evicts there never holds the whole prompt's
     uncompressed KV (the prefix pass would finish with all of it). Returns (cache, logits of the
-    last position). ``cache``: an empty :class:`KVCache` to fill (default: a new one)."""
+    last position). ``cache``: an empty :class:`kvcli.caches.KVCache` to fill (default: the engine's new one)."""
     n = ids.numel()
     if not 0 <= start <= n_prefix <= n:
         raise ValueError(f"need 0 <= start <= n_prefix <= len(ids), got {start}, {n_prefix}, {n}")
-    cache = KVCache() if cache is None else cache
+    cache = engine.new_cache() if cache is None else cache
     pos_prefix, pos_rest = torch.arange(n_prefix), torch.arange(start, n)
     h_prefix, h_rest = engine.embed(ids[:n_prefix]), engine.embed(ids[start:])
     rope_prefix = engine.position_embeddings(h_prefix, pos_prefix)

@@ -19,7 +19,7 @@ book is the one an uninterrupted read gives, bit for bit. A partial entry is nev
 whole one (its name differs); ``kvcli cache ls`` shows how far it got, and ``cache prune``, ``rm``
 and the cap remove it like any entry, except while its read runs.
 
-A hit opens the entry in place (:meth:`kvcli.caches.book.BookCache.open_entry`: CRC checked by
+A hit opens the entry in place (:meth:`~kvcli.caches.base.CacheBase.open_entry`: CRC checked by
 reading it back, blocks read as needed).
 """
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from ..caches import CACHE_TYPES, quant
-from ..caches.book import BookCache
 from ..caches.bookfile import read_progress
 from ..errors import one_line
 from ..files import safetensors_size, save_safetensors_atomic
@@ -111,7 +110,7 @@ def read_entry(path: Path, key: StoreKey, device):
     """(cache, header JSON) of the entry at ``path`` for ``key``, its tensors on ``device``.
     Raises :class:`DamagedEntry` when anything differs from what ``key`` and the header say, and
     FileNotFoundError when it is gone. A stored book is opened in place
-    (:meth:`kvcli.caches.book.BookCache.open_entry`)."""
+    (:attr:`~kvcli.caches.base.CacheBase.opens_in_place`, :meth:`~kvcli.caches.base.CacheBase.open_entry`)."""
     from safetensors import safe_open
 
     try:
@@ -125,7 +124,7 @@ def read_entry(path: Path, key: StoreKey, device):
             cls = CACHE_TYPES.get(meta.get("cache_kind"))
             if cls is None:
                 raise DamagedEntry(f"unknown cache kind {meta.get('cache_kind')!r}")
-            in_place = cls is BookCache  # read in place, as needed (its CRC checked there)
+            in_place = cls.opens_in_place  # read in place, as needed (its CRC checked there)
             expected = {} if in_place else meta.get("tensors")
             if not in_place and (not isinstance(expected, dict) or set(expected) != set(f.keys())):
                 raise DamagedEntry("tensor names differ from its metadata")

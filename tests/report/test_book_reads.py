@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcli.answer.prompt import build_prompt
-from kvcli.caches.blocks import partition
+from kvcli.caches.representatives import partition
 from kvcli.runtime.engine import Engine
 from tests.compressors.test_infllm import DOC, SPEC, _Prefix, infllm_reference, read_traced, stage
 from tests.helpers.cli_runner import assert_user_error
