@@ -15,8 +15,10 @@ FIELDS = (
 
 
 def test_memory_simulated_end_to_end(cli, tmp_path):
+    # the grid in 16-bit KV (a third of the ops of 8-bit's quantize and dequantize); the default,
+    # --kv-bits auto (8 bits for full attention), is the one cell --resume adds below
     args = ("bench", "memory", "--simulate", "--config", "phi-3.5-mini", "--weights", "nf4,bf16", "--lengths", "1024,2048",
-            "--methods", "full;streamingllm:budget=256", "--steps", "3", "--out", tmp_path, "-q")  # fmt: skip
+            "--methods", "full;streamingllm:budget=256", "--kv-bits", "16", "--steps", "3", "--out", tmp_path, "-q")  # fmt: skip
     code, out, err = cli(*args)
     assert code == 0, err
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
@@ -26,19 +28,30 @@ def test_memory_simulated_end_to_end(cli, tmp_path):
     full_bf16, full_nf4 = by[("bf16", "full", 2048)], by[("nf4", "full", 2048)]
     assert full_bf16["weights_bytes"] > 3 * full_nf4["weights_bytes"]  # 16 bits vs ~4.5 per weight
     assert full_nf4["peak_bytes"] > full_nf4["weights_bytes"] + full_nf4["kv_bytes"]
-    # Phi-3.5-mini's KV, in 8 bits (--kv-bits auto, as kvcli ask): 32 layers x 32 KV heads x (K, V) x
-    # (96 one-byte codes + a float16 scale and zero per group of 32 channels) per token, in a buffer with room
-    per_token = 32 * 32 * 2 * (96 + 3 * 2 * 2)
+    # Phi-3.5-mini's KV in 16 bits: 32 layers x 32 KV heads x (K, V) x 96 two-byte channels per token,
+    # in a buffer with room
+    per_token = 32 * 32 * 2 * 96 * 2
     assert 2048 * per_token * 0.95 <= full_nf4["kv_bytes"] <= 2048 * per_token * 1.1
     assert by[("nf4", "streamingllm:budget=256", 2048)]["kv_bytes"] < full_nf4["kv_bytes"] / 4
     assert full_nf4["peak_bytes"] > by[("nf4", "full", 1024)]["peak_bytes"]
-    assert "| phi-3.5-mini | nf4 | `full` (8-bit KV) | 2k |" in out
-    assert full_nf4["kv_bits"] == 8  # the row says the bits it held
+    assert "| phi-3.5-mini | nf4 | `full` | 2k |" in out and "kv_bits" not in full_nf4  # a 16-bit row, unlabelled
     assert (tmp_path / "memory_table.md").read_text().strip() == out.strip()
     assert_png(tmp_path / "memory.png")
     # --resume: nothing left to run; --plot-only redraws from the JSON
     code, out2, _ = cli(*args, "--resume")
     assert code == 0 and out2 == out
+    # --kv-bits auto (the default, as kvcli ask) with --resume: full attention's 8-bit cell joins the 16-bit ones
+    more = ("--weights", "nf4", "--lengths", "2048", "--methods", "full", "--steps", "3", "--resume")
+    code, out3, err = cli("bench", "memory", "--simulate", "--config", "phi-3.5-mini", *more, "--out", tmp_path, "-q")
+    assert code == 0, err
+    rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
+    [full_8] = [r for r in rows if r.get("kv_bits") == 8]
+    assert len(rows) == 2 * 2 * 2 + 1 and full_8["error"] is None and full_8["tokens"] == 2048
+    # 8 bits: 32 layers x 32 KV heads x (K, V) x (96 one-byte codes + a float16 scale and zero per group
+    # of 32 channels) per token
+    per_token = 32 * 32 * 2 * (96 + 3 * 2 * 2)
+    assert 2048 * per_token * 0.95 <= full_8["kv_bytes"] <= 2048 * per_token * 1.1
+    assert "| phi-3.5-mini | nf4 | `full` (8-bit KV) | 2k |" in out3  # the row says the bits it held
     assert cli("bench", "memory", "--plot-only", "--out", tmp_path, "-q")[0] == 0
 
 
