@@ -130,7 +130,8 @@ class Compressor:
     # (docs/kv-bits.md); 16 for a layout that is not (the default here: a new method says 8 itself)
     auto_kv_bits: ClassVar[int] = 16
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
-    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)
+    # it is read (InfLLM): the store then calls :meth:`read`, :meth:`stored_bytes` and
+    # :meth:`storage_precision` instead of :meth:`build_prefix`
     writes_prefix: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
     # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
@@ -236,6 +237,28 @@ class Compressor:
         bits = state.get("kv_bits", 16)
         cache = None if bits == 16 else QuantKVCache(bits)  # quantized chunk by chunk, as it is read
         return engine.prefix_kv(prefix_ids, state["layers"], window_room=room, cache=cache)
+
+    # --- a prefix state written into its store entry while it is read (``writes_prefix``) ------
+    def read(self, engine, ids: torch.Tensor, into=None):
+        """Read ``ids`` (the prefix, positions 0..n-1) into the method's state, written where ``into``
+        (a :class:`kvcli.caches.bookfile.Destination`) puts it: a new file, or the disk store's partial
+        entry, which a read that stops keeps and the next one resumes; ``into`` None: in memory.
+        Only a method with :attr:`writes_prefix` has one (the store calls it instead of
+        :meth:`build_prefix`)."""
+        raise self._not_written()
+
+    def stored_bytes(self, lm, n: int) -> int:
+        """Bytes of the store entry :meth:`read` writes for an ``n``-token prefix, known before it is
+        read (the store makes room first). Only with :attr:`writes_prefix`."""
+        raise self._not_written()
+
+    def storage_precision(self, lm) -> str:
+        """The stored keys' and values' precision in words (``float16``, ``8-bit``), for the line that
+        says what the store keeps while :meth:`read` writes it. Only with :attr:`writes_prefix`."""
+        raise self._not_written()
+
+    def _not_written(self) -> NotImplementedError:
+        return NotImplementedError(f"{self.name} does not write its prefix state while reading (writes_prefix)")
 
     # --- introspection --------------------------------------------------------------------------
     @classmethod

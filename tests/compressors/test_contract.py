@@ -157,6 +157,21 @@ def test_a_method_without_keep_all_cannot_register():
     assert not {"test-no-keep-all", "test-inherited-keep-all"} & set(REGISTRY)
 
 
+STORE_WRITER_HOOKS = ("read", "stored_bytes", "storage_precision")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_method_that_writes_its_prefix_declares_how_it_is_read_and_sized(name):
+    """``writes_prefix`` is the one flag for a state the store has read into its entry: such a
+    method overrides all three hooks the base declares for it, any other none (the base's refuse)."""
+    cls = REGISTRY[name]
+    overridden = {h for h in STORE_WRITER_HOOKS if getattr(cls, h) is not getattr(Compressor, h)}
+    assert overridden == (set(STORE_WRITER_HOOKS) if cls.writes_prefix else set())
+    if not cls.writes_prefix:
+        with pytest.raises(NotImplementedError, match="writes_prefix"):
+            Compressor.stored_bytes(cls(), None, 10)
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_specs_round_trip_through_the_parser(name, tiny_lm, profiles):
     cls = REGISTRY[name]
