@@ -54,10 +54,12 @@ entry while the document is read (InfLLM) says so with ``writes_prefix``.
 A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
 the pipeline can refuse two methods that would both own the prefill loop.
 
-Registration: ``@register`` adds the class to :data:`REGISTRY` under its ``name``; users write
-``name:knob=value,knob=value``. Every registered class must declare, in its own body, ``keep_all``:
-the knobs with which it keeps every entry (see :attr:`Compressor.keep_all`); ``register`` refuses a
-class without it, and ``tests/compressors/test_contract.py`` holds every registered method to reproducing full
+Registration: a subclass that states its own ``name`` in its body registers itself under it in
+:data:`REGISTRY` when the class is defined (:meth:`Compressor.__init_subclass__`; a base without
+a name, ``scoring.Eviction``, does not); a new method is its file, imported by
+:mod:`kvcli.compressors`. Users write ``name:knob=value,knob=value``. Every registered class must
+declare, in its own body, ``keep_all``: the knobs with which it keeps every entry (see
+:attr:`Compressor.keep_all`); :func:`register` refuses a class without it, and ``tests/compressors/test_contract.py`` holds every registered method to reproducing full
 attention with it.
 """
 
@@ -143,6 +145,11 @@ class Compressor:
     explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
     # the run's settings (Pipeline.configure hands them over; not a knob)
     runtime: Runtime = dataclasses.field(default_factory=Runtime, init=False, repr=False, compare=False)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if vars(cls).get("name"):  # a method, not a base it is built on: it registers itself
+            register(cls)
 
     def configure(self, lm) -> None:
         """Resolve model-dependent defaults and validate knobs against the model ``lm``.
@@ -290,6 +297,8 @@ def owned_phases(cls: type[Compressor]) -> set[str]:
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
+    """Add ``cls`` to :data:`REGISTRY` under its ``name`` (a named subclass calls it itself, when
+    it is defined); a class without ``keep_all`` of its own is refused."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if not isinstance(vars(cls).get("keep_all"), str):

@@ -35,7 +35,7 @@ import torch
 from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.api import compute_fractions, result_record
-from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec, register
+from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec
 from kvcli.documents import document_from_text
 from kvcli.errors import UsageError
 from kvcli.store import KVStore
@@ -143,18 +143,27 @@ def stored(tiny_lm, tmp_path_factory, profiles):
 
 
 def test_a_method_without_keep_all_cannot_register():
-    class Anonymous(Compressor):
-        name = "test-no-keep-all"
+    """A named class registers itself when it is defined, so the refusal comes there."""
+    with pytest.raises(TypeError, match="declares no keep_all"):
+
+        class Anonymous(Compressor):
+            name = "test-no-keep-all"
 
     with pytest.raises(TypeError, match="declares no keep_all"):
-        register(Anonymous)
 
-    class Inherited(type(REGISTRY["snapkv"])):  # a subclass states its own: its knobs may differ
-        name = "test-inherited-keep-all"
+        class Inherited(REGISTRY["snapkv"]):  # a subclass states its own: its knobs may differ
+            name = "test-inherited-keep-all"
 
-    with pytest.raises(TypeError, match="declares no keep_all"):
-        register(Inherited)
     assert not {"test-no-keep-all", "test-inherited-keep-all"} & set(REGISTRY)
+
+
+def test_a_base_without_a_name_does_not_register():
+    before = dict(REGISTRY)
+
+    class Base(Compressor):  # like scoring.Eviction: what methods are built on
+        pass
+
+    assert before == REGISTRY
 
 
 STORE_WRITER_HOOKS = ("read", "stored_bytes", "storage_precision")
