@@ -24,8 +24,9 @@ import torch
 from .. import notices
 from ..caches import KVCache, QuantKVCache, quant
 from ..cite.attribution import CitingHeads
-from ..compressors import Compressor, FullAttention, owned_phases, parse_one
+from ..compressors import Compressor, owned_phases, parse_one
 from ..compressors.base import Runtime
+from ..compressors.full import FullAttention
 from ..compressors.selection import Selection
 from ..errors import DocumentError, UsageError
 from ..runtime.attention import listening

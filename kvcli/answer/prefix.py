@@ -22,7 +22,8 @@ question about the document starts from it, and each question runs on top of it:
 
 What a method needs of its prefix is declared on its class: ``prefix_state`` / ``build_prefix`` /
 ``prefix_device`` (what, how, where), ``writes_prefix`` (a book written into its store entry while
-it is read, InfLLM's), and on the state's cache class ``truncatable`` (whether it can be cut back).
+it is read, InfLLM's: ``read`` / ``stored_bytes`` / ``storage_precision``, declared on
+:class:`~kvcli.compressors.base.Compressor`), and on the state's cache class ``truncatable`` (whether it can be cut back).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import torch
 
 from ..caches import KVCache, RaggedCache
 from ..errors import UsageError
-from .base import _format, knob, parse_one, register
+from .base import _format, knob, parse_one
 from .scoring import Eviction, adaptive_mask, entry_scores
 
 BASE_KNOB_SEPARATOR = ";"
@@ -69,7 +69,6 @@ def base_spec(base: Eviction) -> str:
     return base.name + (":" + BASE_KNOB_SEPARATOR.join(parts) if parts else "")
 
 
-@register
 @dataclass
 class AdaKV(Eviction):
     """AdaKV (Feng et al., 2024): a base scorer's entries chosen per layer across its KV heads —

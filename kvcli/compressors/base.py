@@ -54,10 +54,12 @@ entry while the document is read (InfLLM) says so with ``writes_prefix``.
 A method that overrides a hook *owns* that phase; :func:`owned_phases` reads it off the class, so
 the pipeline can refuse two methods that would both own the prefill loop.
 
-Registration: ``@register`` adds the class to :data:`REGISTRY` under its ``name``; users write
-``name:knob=value,knob=value``. Every registered class must declare, in its own body, ``keep_all``:
-the knobs with which it keeps every entry (see :attr:`Compressor.keep_all`); ``register`` refuses a
-class without it, and ``tests/compressors/test_contract.py`` holds every registered method to reproducing full
+Registration: a subclass that states its own ``name`` in its body registers itself under it in
+:data:`REGISTRY` when the class is defined (:meth:`Compressor.__init_subclass__`; a base without
+a name, ``scoring.Eviction``, does not); a new method is its file, imported by
+:mod:`kvcli.compressors`. Users write ``name:knob=value,knob=value``. Every registered class must
+declare, in its own body, ``keep_all``: the knobs with which it keeps every entry (see
+:attr:`Compressor.keep_all`); :func:`register` refuses a class without it, and ``tests/compressors/test_contract.py`` holds every registered method to reproducing full
 attention with it.
 """
 
@@ -130,7 +132,8 @@ class Compressor:
     # (docs/kv-bits.md); 16 for a layout that is not (the default here: a new method says 8 itself)
     auto_kv_bits: ClassVar[int] = 16
     # the prefix state is a book read straight into its disk-store entry, whose size is known before
-    # it is read (InfLLM: ``read(engine, ids, path)``, ``stored_bytes(lm, n)``, ``storage_precision(lm)``)
+    # it is read (InfLLM): the store then calls :meth:`read`, :meth:`stored_bytes` and
+    # :meth:`storage_precision` instead of :meth:`build_prefix`
     writes_prefix: ClassVar[bool] = False
     # The knob text (after ``name:``) with which the method keeps every entry of the prompt, so that
     # it must reproduce full attention's logits (tests/compressors/test_contract.py); "" for the defaults.
@@ -142,6 +145,11 @@ class Compressor:
     explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
     # the run's settings (Pipeline.configure hands them over; not a knob)
     runtime: Runtime = dataclasses.field(default_factory=Runtime, init=False, repr=False, compare=False)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if vars(cls).get("name"):  # a method, not a base it is built on: it registers itself
+            register(cls)
 
     def configure(self, lm) -> None:
         """Resolve model-dependent defaults and validate knobs against the model ``lm``.
@@ -237,6 +245,28 @@ class Compressor:
         cache = None if bits == 16 else QuantKVCache(bits)  # quantized chunk by chunk, as it is read
         return engine.prefix_kv(prefix_ids, state["layers"], window_room=room, cache=cache)
 
+    # --- a prefix state written into its store entry while it is read (``writes_prefix``) ------
+    def read(self, engine, ids: torch.Tensor, into=None):
+        """Read ``ids`` (the prefix, positions 0..n-1) into the method's state, written where ``into``
+        (a :class:`kvcli.caches.bookfile.Destination`) puts it: a new file, or the disk store's partial
+        entry, which a read that stops keeps and the next one resumes; ``into`` None: in memory.
+        Only a method with :attr:`writes_prefix` has one (the store calls it instead of
+        :meth:`build_prefix`)."""
+        raise self._not_written()
+
+    def stored_bytes(self, lm, n: int) -> int:
+        """Bytes of the store entry :meth:`read` writes for an ``n``-token prefix, known before it is
+        read (the store makes room first). Only with :attr:`writes_prefix`."""
+        raise self._not_written()
+
+    def storage_precision(self, lm) -> str:
+        """The stored keys' and values' precision in words (``float16``, ``8-bit``), for the line that
+        says what the store keeps while :meth:`read` writes it. Only with :attr:`writes_prefix`."""
+        raise self._not_written()
+
+    def _not_written(self) -> NotImplementedError:
+        return NotImplementedError(f"{self.name} does not write its prefix state while reading (writes_prefix)")
+
     # --- introspection --------------------------------------------------------------------------
     @classmethod
     def knobs(cls) -> list[dataclasses.Field]:
@@ -267,6 +297,8 @@ def owned_phases(cls: type[Compressor]) -> set[str]:
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
+    """Add ``cls`` to :data:`REGISTRY` under its ``name`` (a named subclass calls it itself, when
+    it is defined); a class without ``keep_all`` of its own is refused."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if not isinstance(vars(cls).get("keep_all"), str):

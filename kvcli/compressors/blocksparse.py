@@ -100,7 +100,7 @@ from ..caches.blocks import BlockCache, OffloadKVCache, ScoredKVCache
 from ..caches.representatives import HEAD_SELECT, REPRESENTATIVES, infllm_accumulate, infllm_scores, partition
 from ..errors import UsageError
 from ..runtime import accelerator
-from .base import Compressor, knob, register, require_full_layers
+from .base import Compressor, knob, require_full_layers
 from .scoring import group_mean, window_attention
 
 ARTICLE_CONTEXT = 131072  # the article's 128K experiments
@@ -140,7 +140,6 @@ def default_topk(max_context: int | None, block_size: int) -> int:
     return max(1, round(tokens / block_size))
 
 
-@register
 @dataclass
 class BlockSparse(Compressor):
     """Block-sparse retrieval attention (KTransformers long-context framework, generalising InfLLM

@@ -40,7 +40,7 @@ from ..caches import KVCache, LayerView
 from ..errors import UsageError
 from ..runtime import windows
 from .adakv import base_spec, parse_base
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 from .scoring import Eviction, evict, parse_budget
 
 
@@ -56,7 +56,6 @@ def cover_appended(cache: KVCache) -> None:
             cache.kept[layer] = torch.cat([kept, tail], dim=1)
 
 
-@register
 @dataclass
 class Decoding(Compressor):
     """Decoding-time compression (NVIDIA kvpress's DecodingPress): every interval generated

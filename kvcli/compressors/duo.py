@@ -45,7 +45,7 @@ from ..caches import RazorCache
 from ..errors import UsageError
 from ..runtime.attention import StopForward
 from ..texts import filler_text
-from .base import Compressor, knob, register, require_full_layers
+from .base import Compressor, knob, require_full_layers
 from .scoring import prerope
 
 FORMAT = 1
@@ -191,7 +191,6 @@ def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = N
     return profile
 
 
-@register
 @dataclass
 class DuoAttention(Compressor):
     """DuoAttention (Xiao et al., 2024): retrieval KV heads keep the whole cache, streaming heads

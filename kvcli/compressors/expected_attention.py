@@ -47,7 +47,7 @@ from ..caches import KVCache
 from ..errors import UsageError
 from ..runtime.kernels import by_keys
 from ..runtime.rope import rope_cos_sin
-from .base import knob, register
+from .base import knob
 from .scoring import PrefixEviction, prerope
 
 
@@ -119,7 +119,6 @@ def expected_scores(
     return torch.cat([scores.new_full((n_kv, sinks), float("inf")), scores], dim=-1)
 
 
-@register
 @dataclass
 class ExpectedAttention(PrefixEviction):
     """Expected Attention (Devoto et al., 2025): keep the prefix entries that future queries —

@@ -73,7 +73,7 @@ from ..caches import KVCache
 from ..errors import DocumentError, UsageError
 from ..runtime.attention import StopForward
 from ..runtime.rope import rerotate_table, rope_cos_sin
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 from .scoring import parse_budget, pool, resolve_budget
 
 DEFAULT_TARGET = 1024
@@ -129,7 +129,6 @@ def question_scores(
     return (sub * (non_zero / kv_len)[:, None]).sum(dim=0)
 
 
-@register
 @dataclass
 class Finch(Compressor):
     """Finch (Corallo & Papotti, 2024): the document is read chunk by chunk; after each chunk the

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import Compressor, register
+from .base import Compressor
 
 
-@register
 @dataclass
 class FullAttention(Compressor):
     """Full attention (no compression): the reference all methods must reproduce when told to keep everything."""

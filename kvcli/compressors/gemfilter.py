@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..runtime.attention import StopForward, last_query_scores
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 from .selection import Selection
 
 PAPER_K = 1024  # the paper's budget for 8B models with 32k-128k contexts
@@ -104,7 +104,6 @@ def top_k_positions(scores: torch.Tensor, k: int, forced: torch.Tensor | None = 
     return torch.nonzero(keep).flatten()
 
 
-@register
 @dataclass
 class GemFilter(Compressor):
     """GemFilter (Shi et al., 2024): layers 0..r of the model choose k input tokens, the full

@@ -55,13 +55,12 @@ import torch
 
 from ..errors import UsageError
 from ..runtime.attention import Attending
-from .base import knob, register
+from .base import knob
 from .scoring import Eviction, attention_and_column_sums, column_sums, group_mean
 
 WHOLE_PROMPT = 2**62  # query_window: every token
 
 
-@register
 @dataclass
 class H2O(Eviction):
     """H2O (Zhang et al., 2023): keep the heavy hitters (most accumulated attention) and the

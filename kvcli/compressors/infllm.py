@@ -59,7 +59,7 @@ from ..caches.bookfile import HEADER_ROOM, Destination, InMemory, nbytes_of, ten
 from ..caches.representatives import partition
 from ..errors import UsageError
 from ..runtime import accelerator
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 
 INFLLM_WINDOW = 8192  # the training window of InfLLM's Llama-3 configuration
 # knobs a preset fills when not given: local_window (at most half the window), topk (blocks, at
@@ -86,7 +86,6 @@ ANSWER_POSITIONS = ("same", "ordered")
 ANSWER_SCORES = ("representatives", "tokens", "attention")
 
 
-@register
 @dataclass
 class InfLLM(Compressor):
     """InfLLM (Xiao et al. 2024, arXiv:2402.04617): the whole document read once in chunks with a

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import knob, register
+from .base import knob
 from .knorm import KeyScorer, protect_last
 
 
@@ -34,7 +34,6 @@ def keydiff_scores(key: torch.Tensor, window: int) -> torch.Tensor:
     return protect_last(-F.cosine_similarity(k, anchor, dim=-1), window)
 
 
-@register
 @dataclass
 class KeyDiff(KeyScorer):
     """KeyDiff (Park et al., 2025): each KV head keeps the keys least similar (cosine) to its mean

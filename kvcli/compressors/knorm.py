@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import UsageError
-from .base import knob, register
+from .base import knob
 from .scoring import Eviction
 
 
@@ -51,7 +51,6 @@ class KeyScorer(Eviction):
         return max(1, self.window)
 
 
-@register
 @dataclass
 class KNorm(KeyScorer):
     """KNorm (Devoto et al., 2024): each KV head keeps the keys of lowest L2 norm (plus the last

@@ -42,7 +42,7 @@ from .. import notices
 from ..caches import KVCache
 from ..errors import UsageError
 from ..runtime.attention import StopForward
-from .base import knob, register
+from .base import knob
 from .scoring import QUERY_CHUNK, PrefixEviction
 
 FIRST_PROMPT = "Repeat the previous context exactly."
@@ -109,7 +109,6 @@ def chunk_scores(
     return best
 
 
-@register
 @dataclass
 class KVzip(PrefixEviction):
     """KVzip (Kim et al., 2025): each prefix KV pair scored by the most attention it gets while

@@ -76,7 +76,7 @@ from ..caches.lazy import LazyCache
 from ..errors import UsageError
 from ..runtime import attention, windows
 from ..runtime.kernels import by_keys
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 
 DEFAULT_FRACTIONS = "1/4, 1/2, 3/4"
 DEFAULT_KEEP_RANGE = (0.7, 0.3)  # the first and last keep ratio of the default schedule
@@ -305,7 +305,6 @@ def _parse_list(name: str, text: str, kind, example: str) -> list:
         ) from None
 
 
-@register
 @dataclass
 class LazyLLM(Compressor):
     """LazyLLM (Fu et al., 2024): at a few pruning layers the last token's attention in the layer

@@ -56,13 +56,12 @@ from ..notices import warn
 from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
 from ..retrieval.ranking import CANDIDATES
-from .base import Compressor, knob, register
+from .base import Compressor, knob
 from .selection import Read, Selection
 
 BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in seconds on a CPU
 
 
-@register
 @dataclass
 class Pages(Compressor):
     """Pages: the question's best pages by BM25, read whole with full attention (two passes,

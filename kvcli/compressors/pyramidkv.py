@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import UsageError
-from .base import knob, register
+from .base import knob
 from .snapkv import SnapKV
 
 
@@ -48,7 +48,6 @@ def pyramid_budgets(n_layers: int, n: int, budget: int, window: int, beta: float
     return [c + window for c in counts]
 
 
-@register
 @dataclass
 class PyramidKV(SnapKV):
     """PyramidKV (Cai et al., 2024): SnapKV's selection with per-layer budgets decreasing

@@ -55,7 +55,7 @@ import torch
 
 from ..caches import KVCache, RazorCache
 from ..errors import UsageError
-from .base import Compressor, knob, register, require_full_layers
+from .base import Compressor, knob, require_full_layers
 
 ORDERS = ("paper", "prefix")
 PAPER_WINDOW = 4000  # S_0 of Table 2, for models with 32k-token windows (Qwen1.5-7B)
@@ -70,7 +70,6 @@ def default_window(max_context: int | None) -> int:
     return max(256, round(PAPER_WINDOW * max_context / PAPER_CONTEXT))
 
 
-@register
 @dataclass
 class Razor(Compressor):
     """RazorAttention (Tang et al., 2024): retrieval heads (echo + induction heads found once per

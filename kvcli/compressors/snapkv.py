@@ -31,13 +31,12 @@ from typing import ClassVar
 import torch
 
 from ..errors import UsageError
-from .base import knob, register
+from .base import knob
 from .scoring import Eviction, snap_scores
 
 POOLS = ("max", "avg")
 
 
-@register
 @dataclass
 class SnapKV(Eviction):
     """SnapKV (Li et al., 2024): an observation window at the end of the prompt selects, per KV

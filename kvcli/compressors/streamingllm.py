@@ -20,11 +20,10 @@ from typing import ClassVar
 import torch
 
 from ..errors import UsageError
-from .base import knob, register
+from .base import knob
 from .scoring import Eviction
 
 
-@register
 @dataclass
 class StreamingLLM(Eviction):
     """StreamingLLM (Xiao et al., 2023): keep the attention sinks and the most recent tokens.

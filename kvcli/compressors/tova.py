@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import torch
 
-from .base import register
 from .scoring import Eviction, window_attention
 
 
@@ -38,7 +37,6 @@ def tova_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return scores.expand(key.shape[1], -1)
 
 
-@register
 @dataclass
 class TOVA(Eviction):
     """TOVA (Oren et al., 2024): each layer keeps the keys the last token attends to most,

@@ -35,7 +35,7 @@ import torch
 from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.api import compute_fractions, result_record
-from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec, register
+from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec
 from kvcli.documents import document_from_text
 from kvcli.errors import UsageError
 from kvcli.store import KVStore
@@ -143,18 +143,42 @@ def stored(tiny_lm, tmp_path_factory, profiles):
 
 
 def test_a_method_without_keep_all_cannot_register():
-    class Anonymous(Compressor):
-        name = "test-no-keep-all"
+    """A named class registers itself when it is defined, so the refusal comes there."""
+    with pytest.raises(TypeError, match="declares no keep_all"):
+
+        class Anonymous(Compressor):
+            name = "test-no-keep-all"
 
     with pytest.raises(TypeError, match="declares no keep_all"):
-        register(Anonymous)
 
-    class Inherited(type(REGISTRY["snapkv"])):  # a subclass states its own: its knobs may differ
-        name = "test-inherited-keep-all"
+        class Inherited(REGISTRY["snapkv"]):  # a subclass states its own: its knobs may differ
+            name = "test-inherited-keep-all"
 
-    with pytest.raises(TypeError, match="declares no keep_all"):
-        register(Inherited)
     assert not {"test-no-keep-all", "test-inherited-keep-all"} & set(REGISTRY)
+
+
+def test_a_base_without_a_name_does_not_register():
+    before = dict(REGISTRY)
+
+    class Base(Compressor):  # like scoring.Eviction: what methods are built on
+        pass
+
+    assert before == REGISTRY
+
+
+STORE_WRITER_HOOKS = ("read", "stored_bytes", "storage_precision")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_method_that_writes_its_prefix_declares_how_it_is_read_and_sized(name):
+    """``writes_prefix`` is the one flag for a state the store has read into its entry: such a
+    method overrides all three hooks the base declares for it, any other none (the base's refuse)."""
+    cls = REGISTRY[name]
+    overridden = {h for h in STORE_WRITER_HOOKS if getattr(cls, h) is not getattr(Compressor, h)}
+    assert overridden == (set(STORE_WRITER_HOOKS) if cls.writes_prefix else set())
+    if not cls.writes_prefix:
+        with pytest.raises(NotImplementedError, match="writes_prefix"):
+            Compressor.stored_bytes(cls(), None, 10)
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -19,8 +19,9 @@ from kvcli.answer.pipeline import Pipeline, default_prefill, run
 from kvcli.answer.prefix import Prefix
 from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache, LayerView, RazorCache
-from kvcli.compressors import FullAttention, parse_one
+from kvcli.compressors import parse_one
 from kvcli.compressors.base import Runtime
+from kvcli.compressors.full import FullAttention
 from kvcli.compressors.razor import Razor, default_window
 from kvcli.compressors.razor_heads import (
     HeadProfile,

@@ -1,0 +1,58 @@
+"""A new method is one file (issue 53): a class defined here alone, with a name and ``keep_all``,
+registers itself, goes through the contract's checks (specs, keeping everything, the disk store)
+and is listed by ``kvcli compressors``; it is unregistered afterwards."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+from kvcli.compressors.base import REGISTRY, Compressor
+from tests.compressors.test_contract import full_logits, kept_all, profiles, stored  # noqa: F401  (fixtures)
+from tests.compressors.test_contract import test_keeping_everything_reproduces_full_attention as keeps_everything
+from tests.compressors.test_contract import test_specs_round_trip_through_the_parser as round_trips
+from tests.compressors.test_contract import test_warm_cold_and_no_store_give_the_same_answer as store_agrees
+from tests.helpers.specs import COMPRESSING
+
+NAME = "test-own-steps"
+
+
+@pytest.fixture(scope="module")
+def method():
+    class OwnSteps(Compressor):
+        """Full attention through a decoding step of its own (a method in a test file)."""
+
+        name: ClassVar[str] = NAME
+        paper: ClassVar[str] = "none: a test's method"
+        keep_all: ClassVar[str] = ""
+
+        def decode_step(self, engine, token, position, cache):
+            return engine.step(token, position, cache)
+
+    try:
+        assert REGISTRY[NAME] is OwnSteps  # registered by being defined, nothing else
+        yield OwnSteps
+    finally:
+        REGISTRY.pop(NAME)
+
+
+@pytest.fixture
+def compressing(method, monkeypatch):
+    monkeypatch.setitem(COMPRESSING, NAME, NAME)  # it keeps everything: its one spec
+
+
+def test_it_keeps_the_contract(compressing, tiny_lm, profiles, kept_all, full_logits, stored):  # noqa: F811
+    round_trips(NAME, tiny_lm, profiles)
+    keeps_everything(NAME, "llama", kept_all, full_logits, tiny_lm)
+    store_agrees(NAME, stored, tiny_lm, profiles)
+
+
+def test_kvcli_compressors_lists_it(method):
+    listed = CliRunner().invoke(app, ["compressors"], terminal_width=200)
+    assert listed.exit_code == 0, listed.output
+    assert NAME in listed.output
+    detail = CliRunner().invoke(app, ["compressors", NAME], terminal_width=200)
+    assert detail.exit_code == 0 and "a test's method" in detail.output, detail.output
