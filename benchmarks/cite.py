@@ -50,6 +50,7 @@ from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noq
 from cite_heads import span  # noqa: E402  ("0-39" or "0,3,5" -> the indices)
 from portable import scrub  # noqa: E402  (no machine's paths in the JSON)
 
+from kvcli.answer.question import QuestionOptions  # noqa: E402
 from kvcli.cite.sources import DocumentUnits, bm25_sources, rank  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.retrieval.bm25 import bm25_scores  # noqa: E402
@@ -344,8 +345,9 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
             case["doc"],
             case["question"],
             parse_pipeline(method),
-            answer_prefix=case["answer_prefix"],
-            max_new_tokens=case.get("max_new_tokens", args.max_new_tokens),
+            QuestionOptions(
+                answer_prefix=case["answer_prefix"], max_new_tokens=case.get("max_new_tokens", args.max_new_tokens)
+            ),
         )
     finally:
         kvcli.api.cite = real
@@ -390,7 +392,9 @@ def oracle(session, case: dict, args) -> dict:
     from kvcli.api import parse_pipeline
 
     page = document_from_text(page_text(case["doc"], case["gold_pages"][0]))
-    result = session.ask(page, case["question"], parse_pipeline("full"), max_new_tokens=args.max_new_tokens)
+    result = session.ask(
+        page, case["question"], parse_pipeline("full"), QuestionOptions(max_new_tokens=args.max_new_tokens)
+    )
     return {
         "set": case["set"],
         "document": case["document"],
@@ -435,8 +439,9 @@ def contextcite(session, case: dict, args) -> dict:
         doc,
         case["question"],
         parse_pipeline("full"),
-        answer_prefix=case["answer_prefix"],
-        max_new_tokens=case.get("max_new_tokens", args.max_new_tokens),
+        QuestionOptions(
+            answer_prefix=case["answer_prefix"], max_new_tokens=case.get("max_new_tokens", args.max_new_tokens)
+        ),
     )
     answer = torch.tensor(result.answer_ids)
     cuts = doc.passages()

@@ -126,6 +126,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     from kvcli import notices
     from kvcli.answer.pipeline import Pipeline
+    from kvcli.answer.question import QuestionOptions
     from kvcli.bench.simulate.models import CONFIGS
     from kvcli.bench.simulate.report import bits_key, cell_bits
     from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded
@@ -184,9 +185,7 @@ def main() -> int:
                     document,
                     QUESTION,
                     Pipeline.parse(method),
-                    max_new_tokens=args.steps,
-                    force_tokens=True,
-                    use_store=False,
+                    QuestionOptions(max_new_tokens=args.steps, force_tokens=True, use_store=False),
                 )
                 row.update(
                     peak_bytes=int(result.peak_mem_mb * 2**20),

@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from books import fetch_pdf, page_text, right  # noqa: E402
 from portable import portable, scrub  # noqa: E402  (no machine's paths in the JSON)
 
-from kvcli.api import AskOptions, Session, parse_pipeline, result_record  # noqa: E402
+from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
+from kvcli.report.record import result_record  # noqa: E402
 
 
 def is_right(answer: str, q: dict, question: str) -> bool | None:
@@ -108,13 +109,14 @@ def main() -> None:
                                 document_from_text(text),
                                 question,
                                 parse_pipeline("full"),
-                                max_new_tokens=args.max_new_tokens,
-                                sources=False,
+                                QuestionOptions(max_new_tokens=args.max_new_tokens, sources=False),
                             )
                             rec = {"answer": result.answer, "sources": None, "no_match": None}
                         else:
                             pipeline = parse_pipeline(method)
-                            result = session.ask(document, question, pipeline, max_new_tokens=args.max_new_tokens)
+                            result = session.ask(
+                                document, question, pipeline, QuestionOptions(max_new_tokens=args.max_new_tokens)
+                            )
                             rec = result_record(result, session, pipeline, document)
                         pages = [s["pages"][0] for s in rec.get("sources") or [] if s.get("pages")]
                         row = {

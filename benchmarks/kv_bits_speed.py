@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
+from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 
 QUESTION = "What is the combination for the oil store padlock?"
@@ -35,11 +35,13 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="kvcli-bits-")
     sessions = {b: Session.open(AskOptions(kv_bits=b, cache_dir=cache, sources=False, threads="2")) for b in bits_list}
     for b in bits_list:  # the misses: each precision stores its entry
-        sessions[b].ask(doc, QUESTION, parse_pipeline("full"), max_new_tokens=2, force_tokens=True)
+        sessions[b].ask(doc, QUESTION, parse_pipeline("full"), QuestionOptions(max_new_tokens=2, force_tokens=True))
     speeds = {b: [] for b in bits_list}
     for r in range(reps):
         for b in bits_list:
-            res = sessions[b].ask(doc, QUESTION, parse_pipeline("full"), max_new_tokens=64, force_tokens=True)
+            res = sessions[b].ask(
+                doc, QUESTION, parse_pipeline("full"), QuestionOptions(max_new_tokens=64, force_tokens=True)
+            )
             speeds[b].append(res.decode_tokens_per_s)
             print(
                 f"{b}-bit #{r}: {res.extra['cache']['status']}, {res.prompt.n_tokens} tokens, "

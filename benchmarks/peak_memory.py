@@ -41,7 +41,7 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
     import traceback
 
     from kvcli.answer.pipeline import Pipeline
-    from kvcli.api import AskOptions, Session
+    from kvcli.api import AskOptions, QuestionOptions, Session
     from kvcli.bench.needle import make_case
     from kvcli.bench.runner import PROMPT_OVERHEAD
     from kvcli.documents import document_from_text
@@ -73,7 +73,10 @@ def _cell(spec: str, length: int, new_tokens: int, trace: bool) -> dict:
         base = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
     t0 = time.perf_counter()
     result = session.ask(
-        document, case.question, Pipeline.parse(spec), max_new_tokens=new_tokens, force_tokens=True, use_store=False
+        document,
+        case.question,
+        Pipeline.parse(spec),
+        QuestionOptions(max_new_tokens=new_tokens, force_tokens=True, use_store=False),
     )
     stop.set()
     if trace:

@@ -198,7 +198,7 @@ class Work:
     ) -> Iterator[dict]:
         """The records of one document: one per question, in order (with ``fail_fast``, up to the
         first error record)."""
-        from .api import result_record
+        from .report.record import question_record, result_record
 
         source = job.item.source
         try:
@@ -216,10 +216,8 @@ class Work:
                 if self.fail_fast:
                     return
                 continue
-            record = {"document": source, "question": question}
-            record.update(result_record(result, session, self.pipeline, document, include_spans=self.include_spans))
-            record["document"] = source
-            yield record
+            record = result_record(result, session, self.pipeline, document, include_spans=self.include_spans)
+            yield question_record(source, question, record)
 
     def error_records(self, source: str, exc: BaseException) -> Iterator[dict]:
         """A document that failed as a whole (``exc``): one error record per question (with

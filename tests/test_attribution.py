@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kvcli.answer.question import QuestionOptions
 from kvcli.cite.attribution import CitingHeads, HeadWeights, step_weights
 
 
@@ -109,6 +110,7 @@ def test_steps_added_in_batches_are_the_steps_one_by_one(monkeypatch, batch_logi
 def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     """Session.ask -> Result.sources: the top source holds the unit with the largest citing score
     (the scores themselves: the next test)."""
+    import kvcli.answer.citing
     import kvcli.api
     from kvcli.answer.pipeline import Pipeline
     from kvcli.cite.sources import DocumentUnits
@@ -124,17 +126,22 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
         return real(document, result, question, **kwargs)
 
     monkeypatch.setattr(kvcli.api, "cite", spy)
-    monkeypatch.setattr(kvcli.api, "LEXICAL_WEIGHT", 0.0)  # the attention alone ranks
+    monkeypatch.setattr(kvcli.answer.citing, "LEXICAL_WEIGHT", 0.0)  # the attention alone ranks
     doc = document_from_text(DOC)
     result = session_for(lm, None, use_cache=False).ask(
-        doc, Q1, Pipeline.parse("full"), max_new_tokens=5, force_tokens=True
+        doc, Q1, Pipeline.parse("full"), QuestionOptions(max_new_tokens=5, force_tokens=True)
     )
     units, read = DocumentUnits.of(doc).scores(
         result.prompt.doc_offsets, seen["scores"][result.prompt.doc_start : result.prompt.doc_end].numpy()
     )
     assert read.all() and int(units.argmax()) in result.sources.items[0].units
     assert result.extra["sources_s"] >= 0 and "citing" not in result.extra
-    assert session_for(lm, None, use_cache=False).ask(doc, Q1, Pipeline.parse("full"), sources=False).sources is None
+    assert (
+        session_for(lm, None, use_cache=False)
+        .ask(doc, Q1, Pipeline.parse("full"), QuestionOptions(sources=False))
+        .sources
+        is None
+    )
 
 
 def test_pipeline_citing_scores_match_transformers(tiny_lm, tiny_dir):
@@ -210,7 +217,7 @@ def test_the_books_read_weights_times_its_values_are_its_attention(tiny_lm, monk
     monkeypatch.setattr(BookCache, "attend", attend)
     spec = f"infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,kv_dtype=model,{knobs}"
     result = session_for(lm, None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=4, force_tokens=True
+        document_from_text(DOC), Q1, Pipeline.parse(spec), QuestionOptions(max_new_tokens=4, force_tokens=True)
     )
     assert len(checked) == 3 * lm.n_layers  # every layer of the 3 steps that fed a token
     assert result.sources.items and all(s.start < s.end for s in result.sources.items)
@@ -223,7 +230,7 @@ def test_a_book_that_retrieves_at_every_step_cites_nothing_and_says_why(tiny_lm)
 
     spec = "infllm:block_size=8,initial=4,local_window=16,topk=3,chunk=12,repr_topk=2,retrieval=step,filter_layer=-1"
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=3, force_tokens=True
+        document_from_text(DOC), Q1, Pipeline.parse(spec), QuestionOptions(max_new_tokens=3, force_tokens=True)
     )
     assert result.sources.items == () and "does not report" in result.sources.reason
 
@@ -257,7 +264,10 @@ def test_ragged_heads_read_weights_times_values_are_their_attention(tiny_lm, mon
 
     monkeypatch.setattr(RaggedLayer, "attend", attend)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse("adakv:budget=0.25"), max_new_tokens=3, force_tokens=True
+        document_from_text(DOC),
+        Q1,
+        Pipeline.parse("adakv:budget=0.25"),
+        QuestionOptions(max_new_tokens=3, force_tokens=True),
     )
     assert checked and result.sources.items
 
@@ -285,7 +295,7 @@ def test_every_method_cites_what_it_kept_or_says_why_not(tiny_lm, spec):
     from tests.helpers.stores import DOC, Q1, session_for
 
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse(spec), max_new_tokens=3, force_tokens=True
+        document_from_text(DOC), Q1, Pipeline.parse(spec), QuestionOptions(max_new_tokens=3, force_tokens=True)
     )
     if spec in SILENT:
         assert result.sources.items == () and "does not report" in result.sources.reason
@@ -337,7 +347,10 @@ def test_razor_read_weights_times_values_are_its_attention(tiny_lm, monkeypatch)
 
     monkeypatch.setattr(RazorLayer, "attend", attend)
     result = session_for(tiny_lm("llama"), None, use_cache=False).ask(
-        document_from_text(DOC), Q1, Pipeline.parse("razor:window=16,sinks=4"), max_new_tokens=3, force_tokens=True
+        document_from_text(DOC),
+        Q1,
+        Pipeline.parse("razor:window=16,sinks=4"),
+        QuestionOptions(max_new_tokens=3, force_tokens=True),
     )
     assert checked and result.sources.items
 

@@ -11,6 +11,7 @@ from io import StringIO
 from rich.console import Console
 
 from kvcli.answer.pipeline import Pipeline
+from kvcli.answer.question import QuestionOptions
 from kvcli.cli import live
 from kvcli.documents import document_from_text
 from kvcli.store import Holder, take_lock
@@ -47,7 +48,7 @@ def test_a_run_waiting_for_another_process_says_which_document_and_how_far(tiny_
         write_holder(handle, holder)
         asking = threading.Thread(
             target=lambda: results.append(
-                session.ask(document_from_text(DOC), Q2, Pipeline.parse("full"), on_wait=said.append)
+                session.ask(document_from_text(DOC), Q2, Pipeline.parse("full"), QuestionOptions(on_wait=said.append))
             )
         )
         asking.start()
@@ -68,9 +69,9 @@ def test_a_hit_says_nothing_of_a_read(tiny_lm, tmp_path):
     for spec, doc in (("full", DOC), (BOOK_SPEC, BOOK)):
         session = session_for(lm, tmp_path / spec.split(":")[0])
         cold, warm = [], []
-        session.ask(document_from_text(doc), Q1, Pipeline.parse(spec), on_progress=cold.append)
+        session.ask(document_from_text(doc), Q1, Pipeline.parse(spec), QuestionOptions(on_progress=cold.append))
         result = session_for(lm, tmp_path / spec.split(":")[0]).ask(
-            document_from_text(doc), Q2, Pipeline.parse(spec), on_progress=warm.append
+            document_from_text(doc), Q2, Pipeline.parse(spec), QuestionOptions(on_progress=warm.append)
         )
         assert result.extra["cache"]["status"] == "hit" and cold and cold[-1] > 0.9
         assert warm == [], (spec, warm)  # before: "3/36,245 tokens (0%)" on a stored book

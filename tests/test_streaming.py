@@ -10,7 +10,7 @@ import torch
 from kvcli.answer.pipeline import Pipeline
 from kvcli.answer.stopping import AnswerGuard
 from kvcli.answer.streaming import AnswerStream
-from kvcli.api import AskOptions, Session
+from kvcli.api import AskOptions, QuestionOptions, Session
 from kvcli.documents import document_from_text
 from kvcli.runtime.decode import DecodeStep
 from kvcli.runtime.engine import Engine
@@ -156,9 +156,9 @@ def test_session_streams_the_answer_of_a_real_model(tiny_dir):
         doc,
         "How many ships?",
         Pipeline.parse("auto"),
-        on_text=pieces.append,
-        on_prompt=lambda m, n: prompts.append((m, n)),
-        on_progress=progress.append,
+        QuestionOptions(
+            on_text=pieces.append, on_prompt=lambda m, n: prompts.append((m, n)), on_progress=progress.append
+        ),
     )
     assert "".join(pieces) == result.answer
     assert prompts == [("full attention", result.prompt.n_tokens)]

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from common import Clock, emit, read_case, reset_peak  # noqa: E402
 
 import kvcli  # noqa: E402
-from kvcli.api import AskOptions, Session, parse_pipeline  # noqa: E402
+from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.store import KVStore  # noqa: E402
 
@@ -40,19 +40,21 @@ def main() -> None:
     # warm-up on a short prompt: one-time costs (kernels, allocator) are not the method's
     warm = document_from_text(case["document"][:1500])
     try:
-        session.ask(warm, case["question"], parse_pipeline(spec), max_new_tokens=4, use_store=False)
+        session.ask(warm, case["question"], parse_pipeline(spec), QuestionOptions(max_new_tokens=4, use_store=False))
     except Exception:
-        session.ask(warm, case["question"], parse_pipeline("full"), max_new_tokens=4, use_store=False)
+        session.ask(warm, case["question"], parse_pipeline("full"), QuestionOptions(max_new_tokens=4, use_store=False))
     reset_peak()
     clock = Clock()
     result = session.ask(
         doc,
         case["question"],
         parse_pipeline(spec),
-        on_token=lambda _t: clock.first(),
-        max_new_tokens=case["new_tokens"],
-        force_tokens=True,
-        use_store=store is not None,
+        QuestionOptions(
+            on_token=lambda _t: clock.first(),
+            max_new_tokens=case["new_tokens"],
+            force_tokens=True,
+            use_store=store is not None,
+        ),
     )
     clock.done()
     if result.prompt.ids.tolist() != case["ids"]:

@@ -22,7 +22,7 @@ prompt's KV) map onto each method in :func:`spec_at_ratio`:
   methods; the table and the plot show their measured ratio.
 
 Every cell records the measured ``compression_ratio`` and ``n_kept_tokens`` of
-:func:`kvcli.api.result_record`, whatever the nominal ratio.
+:func:`kvcli.report.record.result_record`, whatever the nominal ratio.
 """
 
 from __future__ import annotations
@@ -217,13 +217,17 @@ class RulerBench:
                     break
 
     def __call__(self, cell: dict) -> dict:
-        from ..api import result_record
+        from ..answer.question import QuestionOptions
+        from ..report.record import result_record
 
         inst, doc = self.instance(cell)
         spec = spec_at_ratio(cell["method"], cell["ratio"], inst.n_prompt_tokens, inst.n_suffix_tokens)
         pipeline = Pipeline.parse(spec)
         result = self.session.ask(
-            doc, inst.question, pipeline, max_new_tokens=inst.max_new_tokens, answer_prefix=inst.answer_prefix
+            doc,
+            inst.question,
+            pipeline,
+            QuestionOptions(max_new_tokens=inst.max_new_tokens, answer_prefix=inst.answer_prefix),
         )
         record = result_record(result, self.session, pipeline, doc)
         return {

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..answer.pipeline import Pipeline
+from ..answer.question import QuestionOptions
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
 from ..model.facts import spelled
@@ -215,9 +216,8 @@ def run_cells(
 def ask(session, document, question: str, pipeline: Pipeline, max_new_tokens: int, force_tokens: bool = False):
     """A cold :meth:`kvcli.api.Session.ask` (no disk store); ``force_tokens``: ignore the stop
     tokens and generate exactly ``max_new_tokens`` (so decode tokens/s measures that many steps)."""
-    return session.ask(
-        document, question, pipeline, max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False
-    )
+    options = QuestionOptions(max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False)
+    return session.ask(document, question, pipeline, options)
 
 
 def warm_up(session, specs: Iterable[str] = ("full",)) -> None:

@@ -35,7 +35,7 @@ JOIN_SHARE = 0.5  # a unit joins the source next to it when it scores at least t
 DEFAULT_TOP = 3
 DEFAULT_CLEAR_RATIO = 4.0  # the best unit's score over the mean of the units read (measured: docs/bench/cite)
 QUOTE_CHARS = 80
-# what ranks an answer's sources (kvcli.api.cite): the attention's unit scores (shares of the best)
+# what ranks an answer's sources (kvcli.answer.citing.cite): the attention's unit scores (shares of the best)
 # plus this weight of the question's BM25 over the units read (:func:`fused`); 0: the attention
 # alone. 2: chosen on RULER qa_2 instances 100-115 (docs/bench/cite), where the embedded model's
 # attention alone cited the gold paragraph first for 19% and fused 88%

@@ -12,9 +12,11 @@ import typer
 from rich.console import Console
 
 from .. import api, batch, executors
+from ..answer.labels import spec_label
 from ..documents import read_stdin
 from ..errors import UsageError
 from ..report import terminal as render
+from ..report.record import result_record, shown_selection
 from .app import app
 from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
@@ -187,7 +189,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
     result = answer(err, session, document, question, pipeline, stream, sources=compute)
     if as_json:
-        record = api.result_record(result, session, pipeline, document, include_spans=show_selected)
+        record = result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
         return
     if stream:
@@ -199,7 +201,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
         for line in result.sources.lines():
             stdout.out(line)
     if show_selected:
-        shown, n_shown, verb = api.shown_selection(result)  # a stored book: what the answer read
+        shown, n_shown, verb = shown_selection(result)  # a stored book: what the answer read
         # a wrapping console: on the soft-wrapping `stdout` rich cuts each row at the terminal
         # width (80 columns in a pipe), which hides the kept span behind its 60 characters of context
         view = Console(highlight=False)
@@ -263,7 +265,7 @@ def _ask_batch(
                     if line is not None:
                         progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
                 else:
-                    methods[api.spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
+                    methods[spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
                 progress.advance(task)
         where = executor.describe()
     stopped = f", {total - done:,} not asked (--fail-fast)" if done < total else ""

@@ -14,6 +14,7 @@ from .. import api, batch
 from ..documents import read_stdin
 from ..errors import KvcliError, UsageError
 from ..model import default_cache_dir
+from ..report.record import question_record, result_record
 from .app import app
 from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
@@ -132,8 +133,7 @@ def chat(
 
 def _output(err, session, doc, source, pipeline, question, result, as_json, streamed, shown=True) -> None:
     if as_json:
-        record = {"document": source, "question": question, **api.result_record(result, session, pipeline, doc)}
-        record["document"] = source
+        record = question_record(source, question, result_record(result, session, pipeline, doc))
         stdout.out(json.dumps(record, ensure_ascii=False))
     elif streamed:
         sys.stdout.write("\n")

@@ -215,10 +215,10 @@ def inspect_command(
             render.layer_scan_table(view, report)
         return
     with Reading(err) as reading:  # the method and the prompt's length, the read's progress, as ask shows them
-        callbacks = reading.callbacks(stream=False)
+        options = reading.options(stream=False)
         if not answer:
-            callbacks["on_token"] = None  # one token, no answer to write
-        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer, **callbacks)
+            options.on_token = None  # one token, no answer to write
+        ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer, options=options)
     if html_file is not None:
         report_html.write(ins, html_file)
         err.print(f"[dim]wrote {html_file}[/dim]")

@@ -15,7 +15,8 @@ from collections import deque
 
 from rich.console import Console
 
-from ..api import spec_label
+from ..answer.labels import spec_label
+from ..answer.question import QuestionOptions
 from ..compressors.selection import read_line
 
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
@@ -72,7 +73,7 @@ class RecentRate:
 
 
 class Reading:
-    """``with Reading(err) as reading: session.ask(..., **reading.callbacks(stream))``.
+    """``with Reading(err) as reading: session.ask(..., reading.options(stream))``.
 
     ``stream``: write the answer to stdout as it is decoded (a terminal, not --json). Everything
     on stderr is transient: nothing of it is left once the answer starts."""
@@ -109,18 +110,20 @@ class Reading:
             self.progress.stop()
             self.progress = None
 
-    def callbacks(self, stream: bool) -> dict:
-        """Session.ask's callbacks; ``stream``: the answer on stdout as it is decoded, else how far
-        writing it has got on stderr (:meth:`on_token`)."""
-        return {
-            "on_prompt": self.on_prompt,
-            "on_progress": self.on_progress,
-            "on_text": self.write if stream else None,
-            "on_token": None if stream else self.on_token,
-            "on_wait": self.on_wait,
-            "on_resume": self.on_resume,
-            "on_embed": self.on_embed,
-        }
+    def options(self, stream: bool, sources: bool | None = None) -> QuestionOptions:
+        """Session.ask's options with these callbacks; ``stream``: the answer on stdout as it is
+        decoded, else how far writing it has got on stderr (:meth:`on_token`). ``sources``: whether
+        to cite the answer's sources (None: the session's option)."""
+        return QuestionOptions(
+            sources=sources,
+            on_prompt=self.on_prompt,
+            on_progress=self.on_progress,
+            on_text=self.write if stream else None,
+            on_token=None if stream else self.on_token,
+            on_wait=self.on_wait,
+            on_resume=self.on_resume,
+            on_embed=self.on_embed,
+        )
 
     def on_embed(self, done: int, total: int) -> None:
         """While ``pages`` embeds the document's passages (its first question on that document):
@@ -273,7 +276,7 @@ def answer(err: Console, session, document, question: str, pipeline, stream: boo
     reading = Reading(err)
     try:
         with reading:
-            return session.ask(document, question, pipeline, sources=sources, **reading.callbacks(stream))
+            return session.ask(document, question, pipeline, reading.options(stream, sources))
     except KeyboardInterrupt:
         if reading.wrote:
             sys.stdout.write("\n")

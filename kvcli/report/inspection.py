@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..answer.labels import spec_label
 from ..answer.pipeline import Pipeline
 from ..answer.prompt import Prompt
-from ..api import read_mask, spec_label
+from ..answer.question import QuestionOptions
 from ..compressors.selection import Read, Selection, Span, read_line, read_record
 from ..documents import Document
+from .record import read_mask
 
 # --------------------------------------------------------------------------- what was kept
 
@@ -192,17 +194,24 @@ def _uniform(mask: torch.Tensor) -> bool:
 
 
 def inspect_kept(
-    session, document: Document, question: str, pipeline: Pipeline, generate: bool = False, **callbacks
+    session,
+    document: Document,
+    question: str,
+    pipeline: Pipeline,
+    generate: bool = False,
+    options: QuestionOptions | None = None,
 ) -> Inspection:
     """Run ``pipeline`` on (document, question) and report what it kept (see the module doc).
 
     Without ``generate`` only the selection and the prefill run (``max_new_tokens=1``); with it
     the answer is decoded as ``kvcli ask`` would (``session.options.max_new_tokens``).
-    ``callbacks``: Session.ask's (``on_prompt``, ``on_progress``, ...: what the CLI shows meanwhile)."""
+    ``options``: Session.ask's callbacks (``on_prompt``, ``on_progress``, ...: what the CLI shows
+    meanwhile); whether the answer is cited is decided here."""
     if not generate:
         session = dataclasses.replace(session, options=dataclasses.replace(session.options, max_new_tokens=1))
     cite = generate and session.options.sources  # sources of a one-token answer would say nothing
-    result = session.ask(document, question, pipeline, sources=cite, **callbacks)
+    options = dataclasses.replace(QuestionOptions() if options is None else options, sources=cite)
+    result = session.ask(document, question, pipeline, options)
     prompt = result.prompt
     n = prompt.n_tokens
     selection = result.selection

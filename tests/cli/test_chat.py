@@ -4,6 +4,7 @@ terminal (readline, keys, the streamed answer) is tests/cli/test_chat_terminal.p
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -106,16 +107,16 @@ def test_at_the_prompt_ctrl_c_cancels_the_answer_not_the_chat(cli, doc, model, m
 
     real_ask = api.Session.ask
 
-    def ask(self, document, question, pipeline, **kw):
+    def ask(self, document, question, pipeline, options):
         if question == "cancel me":  # Ctrl-C while the answer is being written
-            write = kw["on_text"]
+            write = options.on_text
 
             def interrupt(piece):
                 write(piece)
                 raise KeyboardInterrupt
 
-            kw["on_text"] = interrupt
-        return real_ask(self, document, question, pipeline, **kw)
+            options = dataclasses.replace(options, on_text=interrupt)
+        return real_ask(self, document, question, pipeline, options)
 
     monkeypatch.setattr(api.Session, "ask", ask)
     monkeypatch.setattr("builtins.input", fake_input)

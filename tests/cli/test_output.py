@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from kvcli import api, notices
+from kvcli import notices
+from kvcli.answer.labels import spec_label
 from kvcli.answer.pipeline import Pipeline
 
 
@@ -21,13 +22,13 @@ def test_a_spec_is_shown_by_its_name_and_the_knobs_the_user_set():
         "answer_positions=ordered"
     )
     assert len(full) > 200
-    assert api.spec_label(full, Pipeline.parse("infllm:answer_topk=50")) == "infllm:answer_topk=50"
-    assert api.spec_label(full, Pipeline.parse("infllm")) == "infllm"
-    assert api.spec_label(full, Pipeline.parse("auto")) == "infllm"  # -c auto: the method it chose
-    assert api.spec_label("full", Pipeline.parse("auto")) == "full"
+    assert spec_label(full, Pipeline.parse("infllm:answer_topk=50")) == "infllm:answer_topk=50"
+    assert spec_label(full, Pipeline.parse("infllm")) == "infllm"
+    assert spec_label(full, Pipeline.parse("auto")) == "infllm"  # -c auto: the method it chose
+    assert spec_label("full", Pipeline.parse("auto")) == "full"
     chain = "gemfilter:layer=13,k=1024,kernel=5,keep_question=true,span=1+snapkv:budget=64,window=32,kernel=7,pool=max"
     given = Pipeline.parse("gemfilter:k=1024+snapkv:budget=64")
-    assert api.spec_label(chain, given) == "gemfilter:k=1024+snapkv:budget=64"
+    assert spec_label(chain, given) == "gemfilter:k=1024+snapkv:budget=64"
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvcli.answer.pipeline import Pipeline
-from kvcli.api import AskOptions, Session
+from kvcli.api import AskOptions, QuestionOptions, Session
 from kvcli.compressors.selection import Read, read_line, read_record
 from kvcli.documents import Document, document_from_text, load_document
 
@@ -78,10 +78,12 @@ def test_pages_reads_what_it_says_and_the_progress_counts_it(short_window, devic
         doc,
         "What is the padlock combination?",
         Pipeline.parse("auto"),
-        on_prompt=lambda method, n: prompts.append((method, n)),
-        on_progress=fractions.append,
-        sources=False,
-        use_store=False,
+        QuestionOptions(
+            on_prompt=lambda method, n: prompts.append((method, n)),
+            on_progress=fractions.append,
+            sources=False,
+            use_store=False,
+        ),
     )
     read = result.selection.read
     assert read and read[0].how == "whole"

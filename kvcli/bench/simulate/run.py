@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ...answer.question import QuestionOptions
 from ...caches.quant import AUTO
 from ...runtime.decode import DecodeStep
 from ...runtime.engine import Engine
@@ -288,7 +289,8 @@ def simulate(
         document = document_of(lm.tokenizer, tokens, steps, session.template)
         tracker.phase = "prefill"
         with _bias_outside_modes(), _book_in_a_mapped_file(tracker), mode, tracker:
-            result = session.ask(document, QUESTION, pipeline, max_new_tokens=steps, force_tokens=True, use_store=False)
+            cold = QuestionOptions(max_new_tokens=steps, force_tokens=True, use_store=False)
+            result = session.ask(document, QUESTION, pipeline, cold)
         row["method_spec"] = result.extra.get("compressor")
         row["n_prompt_tokens"] = result.prompt.n_tokens
     except Exception as e:  # the row says why the method cannot run on the simulated device
