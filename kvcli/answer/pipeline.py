@@ -126,7 +126,7 @@ class Pipeline:
 
     def reads_passages(self) -> bool:
         """Whether the first selector ranks the document's passages (``pages``): it is handed the
-        prompt, and the answer's sources come one per passage it read (:func:`kvcli.api.cite`)."""
+        prompt, and the answer's sources come one per passage it read (:func:`kvcli.answer.citing.cite`)."""
         selectors = self.selectors()
         return bool(selectors) and selectors[0].reads_passages
 

@@ -8,8 +8,8 @@ import pytest
 
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prompt import build_prompt
-from kvcli.api import compute_fractions
 from kvcli.compressors.base import REGISTRY, Runtime
+from kvcli.report.record import compute_fractions
 from kvcli.runtime.engine import Engine
 from tests.helpers.specs import COMPRESSING, HOLDS_EVERYTHING
 

@@ -13,7 +13,7 @@
     store; a method that stores nothing is "off" all three times and still answers the same;
 (d) ``Result.kept_mask`` is (layers, KV heads, prompt) bool and ``n_kept_tokens`` its mean, the
     cache's ``stats()`` (``method_stats``) are JSON-able and agree with both;
-(e) its ``kvcli ask --json`` record (:func:`kvcli.api.result_record`, what the CLI prints) has
+(e) its ``kvcli ask --json`` record (:func:`kvcli.report.record.result_record`, what the CLI prints) has
     every field docs/usage.md documents, with its type, and no field it does not.
 
 Everything is memoised per session, on tiny random models and a ~210-token prompt: one
@@ -34,10 +34,11 @@ import torch
 
 from kvcli import notices
 from kvcli.answer.pipeline import Pipeline, run
-from kvcli.api import compute_fractions, result_record
+from kvcli.answer.question import QuestionOptions
 from kvcli.compressors.base import REGISTRY, Compressor, Runtime, keep_all_spec
 from kvcli.documents import document_from_text
 from kvcli.errors import UsageError
+from kvcli.report.record import compute_fractions, result_record
 from kvcli.store import KVStore
 from tests.helpers.documented import json_fields
 from tests.helpers.reference import assert_same_logits
@@ -129,7 +130,7 @@ def stored(tiny_lm, tmp_path_factory, profiles):
 
         def ask(session):
             pipeline = Pipeline.parse(COMPRESSING[name])
-            return session.ask(document, QUESTION, pipeline, max_new_tokens=STEPS), pipeline
+            return session.ask(document, QUESTION, pipeline, QuestionOptions(max_new_tokens=STEPS)), pipeline
 
         (cold, _), (warm, _) = ask(with_store()), ask(with_store())  # the second: nothing in memory, all from the disk
         off_session = session_for(lm, None, use_cache=False)
@@ -425,7 +426,7 @@ def test_every_method_runs_in_8_bits_or_says_it_keeps_16(name, tiny_lm, profiles
     def ask(bits):
         session = session_for(lm, profiles, kv_bits=bits)
         session.store = KVStore.open(tmp_path)
-        return session.ask(document, QUESTION, Pipeline.parse(COMPRESSING[name]), max_new_tokens=STEPS)
+        return session.ask(document, QUESTION, Pipeline.parse(COMPRESSING[name]), QuestionOptions(max_new_tokens=STEPS))
 
     sixteen = ask(16)
     cold, warm = ask(8), ask(8)
