@@ -198,13 +198,13 @@ def ruler_plot(rows: list[dict], path: Path, model: str = "") -> Path:
     scale), y RULER's average score, one line per method over its ratios, full attention as a
     dashed ceiling, one panel per length. Methods run at their own settings are single points at
     their measured ratio."""
-    from .ruler import _runs, average_scores, measured_ratios
+    from .ruler import average_scores, measured_ratios, method_runs
 
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = sorted(dict.fromkeys(r["length"] for r in rows))
-    runs = _runs(rows)
+    runs = method_runs(rows)
     averages = average_scores(rows)
     ratios = sorted({r for _, r in runs if r is not None})
     fig, axes = plt.subplots(1, len(lengths), figsize=(max(7.0, 4.4 * len(lengths)), 4.2), sharey=True, squeeze=False)
@@ -262,7 +262,7 @@ def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:
     task's mean score (0-100)."""
     from matplotlib.colors import LinearSegmentedColormap
 
-    from .ruler import TASK_NAMES, _runs, run_label, task_scores
+    from .ruler import TASK_NAMES, method_runs, run_label, task_scores
 
     plt = _pyplot()
     cmap = LinearSegmentedColormap.from_list("ruler", NEEDLE_COLOURS).with_extremes(bad="#DDDDDD")
@@ -270,7 +270,7 @@ def ruler_task_heatmap(rows: list[dict], path: Path, model: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = sorted(dict.fromkeys(r["length"] for r in rows))
     tasks = [t for t in TASK_NAMES if any(r["task"] == t for r in rows)]
-    runs = _runs(rows)
+    runs = method_runs(rows)
     scores = task_scores(rows)
     width = 1.6 + 0.62 * len(runs)
     fig, axes = plt.subplots(

@@ -37,7 +37,7 @@ from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
 from .ruler_tasks import TASK_NAMES, TASKS, Instance, make_instance
-from .runner import _f, length_label
+from .runner import length_label, table_cell
 
 RULER_KEY = ("model", "seed", "task", "length", "index", "method", "ratio")
 
@@ -259,7 +259,7 @@ def run_label(method: str, ratio: float | None) -> str:
     return method if ratio is None else f"{method} ×{ratio:g}"
 
 
-def _runs(rows: list[dict]) -> list[tuple[str, float | None]]:
+def method_runs(rows: list[dict]) -> list[tuple[str, float | None]]:
     """(method, ratio) pairs in the order of the methods, ratios ascending (own settings first)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     pairs = set((r["method"], r.get("ratio")) for r in rows)
@@ -318,11 +318,11 @@ def ruler_table(rows: list[dict]) -> str:
     """Markdown: the average per method × ratio and length, then per length the score of every task."""
     lengths = sorted(dict.fromkeys(r["length"] for r in rows))
     tasks = [t for t in TASK_NAMES if any(r["task"] == t for r in rows)]
-    runs = _runs(rows)
+    runs = method_runs(rows)
     per_task, averages, measured = task_scores(rows), average_scores(rows), measured_ratios(rows)
 
     def ratio_cells(m, r):
-        return ["—" if r is None else f"{r:g}", _f(measured.get((m, r)), ".2f")]
+        return ["—" if r is None else f"{r:g}", table_cell(measured.get((m, r)), ".2f")]
 
     head = ["method", "ratio", "measured", *(length_label(n) for n in lengths), "avg"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -332,7 +332,9 @@ def ruler_table(rows: list[dict]) -> str:
         overall = statistics.mean(present) if present else None
         lines.append(
             f"| `{m}` | "
-            + " | ".join([*ratio_cells(m, r), *(_f(v, ".1f", "") for v in values), _f(overall, ".1f", "")])
+            + " | ".join(
+                [*ratio_cells(m, r), *(table_cell(v, ".1f", "") for v in values), table_cell(overall, ".1f", "")]
+            )
             + " |"
         )
     for n in lengths:

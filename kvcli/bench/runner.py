@@ -346,7 +346,8 @@ def summary(rows: list[dict], baseline: str = "full") -> list[dict]:
     return out
 
 
-def _f(value, fmt: str, missing: str = "—") -> str:
+def table_cell(value, fmt: str, missing: str = "—") -> str:
+    """A table's cell: ``value`` formatted, or ``missing`` for None."""
     return missing if value is None else format(value, fmt)
 
 
@@ -356,8 +357,8 @@ def markdown_table(entries: list[dict]) -> str:
     lines = [head]
     for e in entries:
         lines.append(
-            f"| {e['n_context_tokens']:,} | `{e['method']}` | {e['correct']}/{e['cases']} | {_f(e['ttft_s'], '.2f')} "
-            f"| {_f(e['ttft_ratio'], '.2f')} | {_f(e['peak_mem_mb'], ',.0f')} | {_f(e['kv_cache_mb'], '.1f')} | {e['n_kept_tokens']:,} |"
+            f"| {e['n_context_tokens']:,} | `{e['method']}` | {e['correct']}/{e['cases']} | {table_cell(e['ttft_s'], '.2f')} "
+            f"| {table_cell(e['ttft_ratio'], '.2f')} | {table_cell(e['peak_mem_mb'], ',.0f')} | {table_cell(e['kv_cache_mb'], '.1f')} | {e['n_kept_tokens']:,} |"
         )
     return "\n".join(lines)
 
@@ -393,10 +394,10 @@ def needle_table(rows: list[dict], baseline: str = "full") -> str:
         correct, cases = sum(e["correct"] for e in group), sum(e["cases"] for e in group)
         cells.append(f"{correct}/{cases} ({correct / cases:.0%})" if cases else "")
         if has_base:
-            cells.append(_f(_mean(e["ttft_ratio"] for e in group), ".2f"))
-        cells.append(_f(_mean(e["ttft_s"] for e in group), ".2f"))
-        cells.append(_f(_mean(e["kv_cache_mb"] for e in group), ".1f"))
-        cells += [_f(_mean(e[s] for e in group), ".2f") for s in stats]
+            cells.append(table_cell(_mean(e["ttft_ratio"] for e in group), ".2f"))
+        cells.append(table_cell(_mean(e["ttft_s"] for e in group), ".2f"))
+        cells.append(table_cell(_mean(e["kv_cache_mb"] for e in group), ".1f"))
+        cells += [table_cell(_mean(e[s] for e in group), ".2f") for s in stats]
         lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

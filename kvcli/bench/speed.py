@@ -14,7 +14,7 @@ import statistics
 from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from .needle import make_case
-from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, _f, ask, result_fields
+from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, ask, result_fields, table_cell
 
 SPEED_KEY = ("model", "haystack", "method", "length", "new_tokens")
 MEASURES = ("ttft_s", "total_s", "decode_tokens_per_s", "peak_mem_mb", "kv_cache_mb")
@@ -90,12 +90,12 @@ def speed_table(rows: list[dict], baseline: str = "full") -> str:
         cells = [
             f"{r['n_context_tokens']:,}",
             f"`{r['method']}`",
-            _f(r["ttft_s"], ".2f"),
-            _f(ratio, ".2f"),
-            _f(r["decode_tokens_per_s"], ".1f"),
-            _f(r["peak_mem_mb"], ",.0f"),
-            _f(r["kv_cache_mb"], ".1f"),
-            *(_f(r.get("method_stats", {}).get(s), ".2f") for s in stats),
+            table_cell(r["ttft_s"], ".2f"),
+            table_cell(ratio, ".2f"),
+            table_cell(r["decode_tokens_per_s"], ".1f"),
+            table_cell(r["peak_mem_mb"], ",.0f"),
+            table_cell(r["kv_cache_mb"], ".1f"),
+            *(table_cell(r.get("method_stats", {}).get(s), ".2f") for s in stats),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -78,7 +78,7 @@ PlotOnlyOpt = typer.Option(
 CacheDirOpt = cache_dir_option("converted models are kept")
 
 
-def _progress(err):
+def progress_bar(err):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -151,7 +151,7 @@ def _run(err, session, results: ResultsFile, cells: list[dict], measure, describ
         return 0
     with err.status("warming up…", spinner="dots"):
         runner.warm_up(session, dict.fromkeys(c["method"] for c in pending))
-    with _progress(err) as progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("benchmark", total=len(pending))
 
         def on_start(cell):

@@ -14,7 +14,7 @@ from ..bench.runner import ResultsFile, length_label
 from ..caches import quant
 from ..compressors import REGISTRY
 from ..errors import UsageError
-from .bench import OutOpt, PlotOnlyOpt, ResumeOpt, _progress, bench_app
+from .bench import OutOpt, PlotOnlyOpt, ResumeOpt, bench_app, progress_bar
 from .console import route_warnings, stderr, stdout
 from .options import Offload, QuietOpt
 
@@ -126,7 +126,7 @@ def memory(
     done = results.done()
     pending = [c for c in cells if runner.cell_key(c, MEMORY_KEY) not in done]
     failed = 0
-    with _progress(err) as progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("simulating", total=len(pending))
         sim = None
         for cell in pending:

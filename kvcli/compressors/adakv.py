@@ -36,7 +36,7 @@ import torch
 
 from ..caches import KVCache, RaggedCache
 from ..errors import UsageError
-from .base import _format, knob, parse_one
+from .base import knob, knob_text, parse_one
 from .scoring import Eviction, adaptive_mask, entry_scores
 
 BASE_KNOB_SEPARATOR = ";"
@@ -65,7 +65,7 @@ def parse_base(owner: str, text: str) -> Eviction:
 
 def base_spec(base: Eviction) -> str:
     """The base's canonical spec without its budget, knobs separated by ``;``."""
-    parts = [f"{f.name}={_format(getattr(base, f.name))}" for f in base.knobs() if f.name != "budget"]
+    parts = [f"{f.name}={knob_text(getattr(base, f.name))}" for f in base.knobs() if f.name != "budget"]
     return base.name + (":" + BASE_KNOB_SEPARATOR.join(parts) if parts else "")
 
 

@@ -274,7 +274,7 @@ class Compressor:
 
     def spec(self) -> str:
         """The canonical spec string, every knob spelled out: ``gemfilter:k=1024,kernel=5,...``."""
-        parts = [f"{f.name}={_format(getattr(self, f.name))}" for f in self.knobs()]
+        parts = [f"{f.name}={knob_text(getattr(self, f.name))}" for f in self.knobs()]
         return self.name + (":" + ",".join(parts) if parts else "")
 
     def knob_values(self) -> dict:
@@ -317,7 +317,8 @@ def keep_all_spec(cls: type[Compressor], n_prompt: int, n_prefix: int) -> str:
     return cls.name + (":" + knobs if knobs else "")
 
 
-def _format(value) -> str:
+def knob_text(value) -> str:
+    """A knob's value as a spec writes it (None: auto; booleans: true/false)."""
     if value is None:
         return "auto"
     if isinstance(value, bool):
@@ -354,7 +355,7 @@ def _parse_value(cls: type[Compressor], field: dataclasses.Field, text: str):
 
 
 def describe_knobs(cls: type[Compressor]) -> str:
-    return ", ".join(f"{f.name} (default {_format(f.default)})" for f in cls.knobs()) or "no knobs"
+    return ", ".join(f"{f.name} (default {knob_text(f.default)})" for f in cls.knobs()) or "no knobs"
 
 
 def parse_one(spec: str) -> Compressor:

@@ -564,9 +564,9 @@ class PrefixEviction(Compressor):
         return resolve_budget(self.name, self.budget, n, False, min(n, self.always_kept()))
 
     def prefix_state(self, lm) -> dict:
-        from .base import _format
+        from .base import knob_text
 
-        return {"kind": self.name, **{f.name: _format(getattr(self, f.name)) for f in self.knobs()}}
+        return {"kind": self.name, **{f.name: knob_text(getattr(self, f.name)) for f in self.knobs()}}
 
     def prefix_scores(self, engine, prefix_ids: torch.Tensor) -> tuple[KVCache, list[torch.Tensor]]:
         """The KV of every layer for ``prefix_ids`` at positions 0..n-1, and per layer (n_kv, n)
