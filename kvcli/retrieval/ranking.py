@@ -118,8 +118,7 @@ def reranked(lexical: np.ndarray, semantic: np.ndarray, wanted: list[int]) -> np
     """One score a passage: the ``wanted`` passages fused (:func:`fuse`, in [-1, 1]), then the
     others in BM25's order (below -2)."""
     scores = np.asarray(lexical, dtype=np.float64) / max(float(np.max(lexical, initial=0.0)), 1e-12) - 3.0
-    if wanted:
-        scores[wanted] = fuse(np.asarray(lexical)[wanted], np.asarray(semantic)[wanted])
+    scores[wanted] = fuse(np.asarray(lexical)[wanted], np.asarray(semantic)[wanted])
     return scores
 
 
@@ -143,17 +142,10 @@ def rank_passages(
     if name is None or not passages:
         return Ranking(lexical, lexical, None, "bm25")
     model = embed.embedder(name)  # loaded (or said missing) whatever the question matches
-    wanted = candidates_of(lexical, candidates)
-    semantic = np.full(len(passages), -1.0)  # a passage not embedded: no window matched
-    if wanted:  # never empty for a document: its passages, or the best of them
-        vecs, owner, _ = vectors.passage_vectors(
-            model,
-            passages,
-            cache_dir,
-            wanted=wanted,
-            document=document,
-            on_progress=on_progress,
-            on_stored=on_stored,
-        )
-        semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
+    wanted = candidates_of(lexical, candidates)  # never empty: the document has passages
+    vecs, owner, _ = vectors.passage_vectors(
+        model, passages, cache_dir, wanted=wanted, document=document, on_progress=on_progress, on_stored=on_stored
+    )
+    # a passage not embedded has no window: -1, as no window matched
+    semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     return Ranking(reranked(lexical, semantic, wanted), lexical, semantic, "bm25+embedding")

@@ -120,13 +120,12 @@ def passage_vectors(
     (the disk store makes room for it under its cap)."""
     digest = key(embedder.id, passages, size)
     path = path_for(cache_dir, digest) if cache_dir is not None else None
-    want = np.zeros(len(passages), dtype=bool)
-    want[list(range(len(passages))) if wanted is None else list(wanted)] = True
+    want = np.ones(len(passages), bool) if wanted is None else np.isin(np.arange(len(passages)), wanted)
     found = load(path, digest) if path is not None else None
     if found is not None and len(found[2]) != len(passages):
         found = None
     vecs, owner, done = found if found is not None else (None, np.zeros(0, np.int64), np.zeros(len(passages), bool))
-    missing = [i for i in np.flatnonzero(want & ~done)]
+    missing = np.flatnonzero(want & ~done).tolist()
     if not missing:
         if vecs is None:  # nothing wanted, nothing stored
             return np.zeros((0, 0), np.float32), owner, "hit"
@@ -141,8 +140,7 @@ def passage_vectors(
     owner = np.concatenate([owner, new_owner])
     order = np.argsort(owner, kind="stable")  # passage order; a passage's windows in their order
     vecs, owner = vecs[order], owner[order]
-    done = done.copy()
-    done[missing] = True
+    done[missing] = True  # a fresh array (loaded or made here)
     if path is not None:
         about = {"model": str(embedder.folder), "window_words": size, "passages": len(passages)}
         about["embedded"] = int(done.sum())
