@@ -151,7 +151,9 @@ class Session:
             o.on_prompt(label, prompt.n_tokens)
         stop = set() if o.force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         guard = (
-            AnswerGuard(self.lm.tokenizer, self.template) if self.options.answer_guard and not o.force_tokens else None
+            AnswerGuard(self.lm.tokenizer, self.template, o.answer_prefix)
+            if self.options.answer_guard and not o.force_tokens
+            else None
         )
         stream = None if o.on_text is None else AnswerStream(self.lm.tokenizer, guard, o.on_text)
         threads_used = {} if self.threads is None else self.threads.start_run()

@@ -40,10 +40,17 @@ def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
     return text
 
 
+def is_completion(tokenizer) -> bool:
+    """Whether this tokenizer's model has no chat template: its prompt is then a completion that
+    ends on kvcli's own ``Answer:`` line (:func:`render_pieces`)."""
+    return not getattr(tokenizer, "chat_template", None)
+
+
 def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
-    """Render the template through the chat template; return (head, middle, tail) strings."""
+    """Render the template through the chat template (a completion ending ``\nAnswer:`` without
+    one); return (head, middle, tail) strings."""
     message = template.strip("\n").replace("{document}", _DOC).replace("{question}", _QUESTION)
-    if getattr(tokenizer, "chat_template", None):
+    if not is_completion(tokenizer):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
         )

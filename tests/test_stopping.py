@@ -204,6 +204,9 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     prompt_ids = torch.tensor(ids("Line one. Line two. Line one. Line two. Line one."))
 
     class EveryFifth:
+        def opening(self, logits):
+            return logits
+
         def check(self, out):
             return 3 if len(out) == 5 else None
 
@@ -219,6 +222,9 @@ def test_decoding_with_the_guard_is_greedy_decoding_cut_short(tiny_lm):
     assert greedy(AnswerGuard(lm.tokenizer)) == plain[: len(greedy(AnswerGuard(lm.tokenizer)))]
 
     class DropsTheLastTwoAtAStop:  # as a dangling "The answer is:" at a stop token
+        def opening(self, logits):
+            return logits
+
         def check(self, out):
             return None
 
@@ -272,3 +278,36 @@ def test_auto_beyond_the_window_reads_with_pages_where_it_can(tiny_lm, model, kn
     assert long.n_tokens > lm.max_context
     chosen = Pipeline.parse("auto").resolve(long, lm, 8)
     assert chosen.stages[0].name == want and chosen.chosen_by == "auto"
+
+
+class _Vocabulary:
+    """A tokenizer of single-token texts: what ``AnswerGuard.opening`` reads of one."""
+
+    def __init__(self, texts: list[str], chat_template: str | None = None) -> None:
+        self.texts, self.chat_template = texts, chat_template
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.texts[i] for i in ids)
+
+
+OPENING_TEXTS = ["\n", "\n\n", " \nAnswer", "Question", " order", "\tx", "", "\nQ"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_after_a_completion_s_answer_line_the_first_token_is_the_likeliest_on_that_line(seed):
+    """The first token after a completion prompt's "Answer:" is the argmax over the tokens whose
+    text does not open a new line (computed here over the whole vocabulary), and nothing changes
+    for a chat model or after an answer prefix."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(OPENING_TEXTS), generator=g)
+    logits[seed % 4 if seed % 4 != 3 else 7] += 10  # a new-line token is often the likeliest
+    on_line = [i for i, t in enumerate(OPENING_TEXTS) if not t.lstrip(" \t").startswith("\n")]
+    expected = max(on_line, key=lambda i: logits[i])
+    chosen = AnswerGuard(_Vocabulary(OPENING_TEXTS)).opening(logits)
+    assert int(torch.argmax(chosen)) == expected
+    assert torch.equal(chosen[on_line], logits[on_line])  # only likelier new-line tokens are ruled out
+    for guard in (
+        AnswerGuard(_Vocabulary(OPENING_TEXTS, chat_template="{{ messages }}")),
+        AnswerGuard(_Vocabulary(OPENING_TEXTS), answer_prefix="The number is"),
+    ):
+        assert guard.opening(logits) is logits

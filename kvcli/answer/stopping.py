@@ -26,8 +26,14 @@ repeat the same sentence, write an invented next turn (``Question: ...``), or ru
 When decoding ends (a stop token, the limit) the last sentence counts as finished: a repeat of an
 earlier one is cut there too.
 
-Greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an answer it
-does not touch is token-identical to one without it. Its effect on accuracy is measured by
+It also starts the answer on its line. A model without a chat template gets a completion prompt
+ending ``\nAnswer:`` (:func:`kvcli.templates.render_pieces`), and a pretrained model there often
+opens a new line instead (``\nAnswer:`` again, ``\nQuestion: ...``): an empty answer once cut.
+So after that line (and no ``answer_prefix``) the first token is the likeliest one that does not
+open a new line (:meth:`AnswerGuard.opening`); a chat model's answer is never touched there.
+
+Otherwise greedy decoding is unchanged up to the cut: the guard only decides where to stop, so an
+answer it does not touch is token-identical to one without it. Its effect on accuracy is measured by
 ``kvcli bench ruler`` (docs/methods.md, "Where an answer ends").
 """
 
@@ -35,10 +41,15 @@ from __future__ import annotations
 
 import re
 
+import torch
+
+from ..templates import is_completion
+
 MIN_REPEAT_CHARS = 12
 MIN_ECHO_CHARS = 16  # a template sentence this long, at the start of an answer's line, is an echo
 MIN_RUN_ITEMS = 4  # this many near-identical items in a row are a loop, not a list
 MAX_LEAD_IN_CHARS = 60
+OPENING_CANDIDATES = 64  # the first token is the likeliest of these that does not open a new line
 _ROLES = ("question", "q", "user", "human", "document")
 _TURN = re.compile(r"\n[ \t]*(?:" + "|".join(_ROLES) + r")[ \t]*:", re.IGNORECASE)
 _FINISHED = ".!?\"')]"  # what a whole sentence ends with (``finish``)
@@ -174,11 +185,31 @@ class AnswerGuard:
     """``check(ids)`` after every generated token: None to go on, or how many tokens to keep (stop
     now); ``finish(ids)`` when decoding ends (at the token limit, or ``at_limit=False`` at a stop
     token): how many tokens to keep. ``template``: the prompt template, whose lines are cut when
-    the answer echoes them."""
+    the answer echoes them. ``answer_prefix``: text the prompt already starts the answer with
+    (RULER's), after which the first token is the model's own."""
 
-    def __init__(self, tokenizer, template: str | None = None) -> None:
+    def __init__(self, tokenizer, template: str | None = None, answer_prefix: str = "") -> None:
         self.tokenizer = tokenizer
         self.echoes = template_sentences(template)
+        # the prompt ends on the answer's own line (a completion's "Answer:"): the answer starts there
+        self.same_line = is_completion(tokenizer) and not answer_prefix
+
+    def opening(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first token's ``logits`` (vocab,), with every token likelier than the likeliest one
+        that does not open a new line set to -inf, when the prompt ends on the answer's line
+        (:attr:`same_line`); else (or when none of the :data:`OPENING_CANDIDATES` likeliest qualifies)
+        ``logits`` as they are."""
+        if not self.same_line:
+            return logits
+        order = torch.topk(logits, min(OPENING_CANDIDATES, logits.numel())).indices.tolist()
+        for rank, token in enumerate(order):
+            if not self._text([token]).lstrip(" \t").startswith("\n"):
+                if rank == 0:
+                    return logits
+                logits = logits.clone()
+                logits[order[:rank]] = float("-inf")
+                return logits
+        return logits
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

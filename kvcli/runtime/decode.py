@@ -64,12 +64,13 @@ def greedy(
     ``step``: what runs one decoding step (default :meth:`DecodeStep.full_attention`); methods that
     own decoding (``Compressor.decode_step``) pass theirs. ``guard``: a
     :class:`kvcli.answer.stopping.AnswerGuard` that may end the answer earlier (an invented next question,
-    a repeated sentence) and trims it at the token limit.
+    a repeated sentence) and trims it at the token limit; it may also rule out first tokens
+    (``guard.opening``: an answer that would open a new line after a completion's ``Answer:``).
     """
     step = DecodeStep.full_attention(engine) if step is None else step
     run, device_token = step.run, step.device_token
     out: list[int] = []
-    logits = first_logits
+    logits = first_logits if guard is None else guard.opening(first_logits)
     for i in range(max_new_tokens):
         chosen = torch.argmax(logits).view(1)
         token = int(chosen)  # the step's one synchronisation: the host needs the token
