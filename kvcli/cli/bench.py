@@ -493,9 +493,9 @@ def ruler(
         return f"{length_label(c['length'])} {c['task']} #{c['index'] + 1} · {rl.run_label(c['method'], c['ratio'])}"
 
     def show(r):
-        return (
-            f"score {r['score']:.0f}  ratio {r['compression_ratio']:.2f}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:50]!r}"
-        )
+        ratio = r["compression_ratio"]  # none for a method that retrieves (pages): say what it read
+        kept = f"ratio {ratio:.2f}" if ratio is not None else f"read {r['n_kept_tokens']:,.0f} tokens"
+        return f"score {r['score']:.0f}  {kept}  TTFT {r['ttft_s']:.2f}s  {r['answer'][:50]!r}"
 
     bench = rl.RulerBench(session, seed, store)
     try:

@@ -321,3 +321,16 @@ def test_tables_and_plots_from_synthetic_rows(tmp_path):
     )
     assert_png(plots.ruler_plot(rows, tmp_path / "ruler.png", model="tiny"))
     assert_png(plots.ruler_task_heatmap(rows, tmp_path / "ruler_tasks.png", model="tiny"))
+
+
+def test_a_retrieving_method_runs_and_says_what_it_read(cli, tiny_dir, tmp_path):
+    """``pages`` reads passages instead of compressing: its cells have no compression ratio, and
+    the progress line says how many tokens it read (a ratio formatted from None ended the run)."""
+    out = tmp_path / "ruler"
+    code, stdout, err = cli("bench", "ruler", "--model", tiny_dir("llama"), "--methods", "pages", "--tasks", "vt",
+                            "--lengths", "900", "--samples", "1", "--out", out)  # fmt: skip
+    assert code == 0, err
+    (row,) = json.loads((out / "ruler.json").read_text())["rows"]
+    assert row["compression_ratio"] is None and row["n_kept_tokens"] > 0
+    assert f"read {row['n_kept_tokens']:,.0f} tokens" in err
+    assert "| `pages` | — |" in stdout
