@@ -7,6 +7,7 @@ page was among the sources. Two-page questions are right when the answer holds e
     KVCLI_THREADS=1 python benchmarks/heldout_answers.py docs/bench/cite/heldout-questions.json \
         --methods pages,pages:skim=0,oracle --wording q,user --out docs/bench/cite/heldout-answers.json
     python benchmarks/heldout_answers.py --analyse docs/bench/cite/heldout-answers.json   # the tables again
+    python benchmarks/heldout_answers.py --compare BEFORE.json AFTER.json   # two runs, answer for answer
 
 Documents without pages (issue 49 item 4): ``--format html`` asks the same questions of each
 manual's HTML version, ``--format text`` of its Info version as plain text (``.info.gz``
@@ -83,7 +84,13 @@ def main() -> None:
     p.add_argument(
         "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
     )
+    p.add_argument(
+        "--compare", action="store_true", help="read QUESTIONS as two result files, before and after: compare them"
+    )
     args = p.parse_args()
+    if args.compare:
+        print(compare(*(json.loads(path.read_text())["rows"] for path in args.questions)))
+        return
     if args.analyse:
         rows = [r for path in args.questions for r in json.loads(path.read_text())["rows"]]
         print(table(rows))
@@ -182,6 +189,40 @@ def evidence_grid(rows: list[dict], attention=(0.0, 0.5, 1.0, 2.0), words=(0.0, 
             f"no clear source: {sum(bool(r['right']) for r in unclear)}/{len(right)} right answers, "
             f"{sum(not r['right'] for r in unclear)}/{len(rs) - len(right)} wrong ones"
         )
+    return "\n".join(out)
+
+
+def compare(before: list[dict], after: list[dict]) -> str:
+    """Two runs answer for answer (a change to kvcli between them): per reading and wording, the
+    questions both ran, how many answers are the same text, right answers and empty ones (nothing,
+    or the prompt's own "Answer:") before and after; then every answer that changed."""
+
+    def key(r: dict) -> tuple:
+        return r["document"], r["question"], r["wording"], r["method"], r.get("format", "pdf")
+
+    def empty(r: dict) -> bool:
+        return r["answer"].strip() in ("", "Answer:")
+
+    a, b = {key(r): r for r in before}, {key(r): r for r in after}
+    common = [k for k in a if k in b]
+    out = [
+        "| reading | wording | questions | same answer | right before | right after | empty before | empty after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m, w in sorted({(k[3], k[2]) for k in common}):
+        ks = [k for k in common if (k[3], k[2]) == (m, w)]
+        answerable = [k for k in ks if not a[k]["unanswerable"]]
+        out.append(
+            f"| {m} | {w} | {len(ks)} | {sum(a[k]['answer'] == b[k]['answer'] for k in ks)}/{len(ks)}"
+            f" | {sum(bool(a[k]['right']) for k in answerable)}/{len(answerable)}"
+            f" | {sum(bool(b[k]['right']) for k in answerable)}/{len(answerable)}"
+            f" | {sum(empty(a[k]) for k in ks)} | {sum(empty(b[k]) for k in ks)} |"
+        )
+    for k in common:
+        if a[k]["answer"] != b[k]["answer"]:
+            out.append(f"\n{k[0]} / {k[3]} / {k[2]}: {k[1]}")
+            out.append(f"  before ({a[k]['right']}): {a[k]['answer']!r}")
+            out.append(f"  after  ({b[k]['right']}): {b[k]['answer']!r}")
     return "\n".join(out)
 
 

@@ -108,7 +108,7 @@ def sources_wanted(sources: bool | None, as_json: bool, terminal: bool) -> tuple
 AnswerGuardOpt = typer.Option(
     True,
     "--answer-guard/--no-answer-guard",
-    help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit",
+    help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit; after a completion prompt's 'Answer:' (a model without a chat template) start it on that line",
 )
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
 CacheMaxOpt = typer.Option(
