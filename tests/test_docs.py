@@ -4,6 +4,7 @@ code also states (the default method, the --json fields) say the same in both pl
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 
 from kvcli.answer import policy
 from kvcli.batch import error_record
+from kvcli.cli import reference
+from kvcli.compressors import REGISTRY
 from kvcli.compressors.selection import Span
 from tests.helpers.documented import json_fields
 
@@ -68,6 +71,21 @@ def test_methods_md_states_the_default_policy_as_the_help_does():
     """`kvcli ask --help` shows policy.DESCRIPTION for -c auto; docs/methods.md says the same words."""
     methods = " ".join((ROOT / "docs" / "methods.md").read_text(encoding="utf-8").split())
     assert policy.DESCRIPTION in methods
+
+
+def test_methods_md_table_is_the_one_the_method_classes_declare():
+    """docs/methods.md's methods table is what ``python -m kvcli.cli.reference`` writes from each
+    registered method's class (its row's text, its knobs' defaults), as docs/cli.md is from --help."""
+    page = reference.METHODS_PAGE.read_text(encoding="utf-8")
+    assert page.count(reference.METHODS_BEGIN) == page.count(reference.METHODS_END) == 1
+    rendered = reference.methods_page(page)
+    if rendered != page:
+        diff = "".join(
+            difflib.unified_diff(page.splitlines(True), rendered.splitlines(True), "docs/methods.md", "the classes now")
+        )
+        pytest.fail(f"docs/methods.md's methods table is out of date: run `{reference.COMMAND}` and commit it\n{diff}")
+    for name in REGISTRY:  # one row per method, named by its spec
+        assert f"| `{name}" in rendered.split(reference.METHODS_END)[0], name
 
 
 def test_the_other_records_fields_are_documented():

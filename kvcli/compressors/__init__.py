@@ -4,18 +4,18 @@ is one policy file here (its knobs, its paper, its hooks; ``keep_all`` for the c
 only if it needs a new cache layout, one file in :mod:`kvcli.caches`; per-model calibration sits
 beside its method (``razor_heads.py``)."""
 
-# the import order is the order `kvcli compressors` lists the methods in
+# the import order is the order of docs/methods.md's table (`kvcli compressors` lists them by name)
 # isort: off
 from .base import REGISTRY, Compressor, describe_knobs, owned_phases, parse_one, register
 
-# --- token selection and prefill-owning methods
-from . import full, finch, gemfilter, pages, lazyllm, razor, blocksparse, duo, infllm  # noqa: F401  (each registers its method)
+# --- the baseline, then token selection
+from . import full, gemfilter, pages  # noqa: F401  (each registers its method)
 
-# --- KV eviction after the prefill (kvcli.compressors.scoring)
-from . import snapkv, pyramidkv, h2o, streamingllm, tova, knorm, keydiff, adakv, expected_attention, kvzip  # noqa: F401
+# --- KV eviction after the prefill (kvcli.compressors.scoring), prefill- and decoding-owning methods
+from . import snapkv, pyramidkv, h2o, streamingllm, razor, finch, lazyllm, blocksparse, infllm  # noqa: F401
 
-# --- decoding-time compression
-from . import decoding  # noqa: F401  (each registers its method)
+# --- more eviction, the compressed prefix, decoding-time compression
+from . import tova, knorm, keydiff, adakv, expected_attention, kvzip, duo, decoding  # noqa: F401
 # isort: on
 
 __all__ = ["REGISTRY", "Compressor", "describe_knobs", "owned_phases", "parse_one", "register"]

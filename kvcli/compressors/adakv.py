@@ -80,6 +80,16 @@ class AdaKV(Eviction):
         "Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference, arXiv:2407.11550"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a per-head budget of the whole prompt (default base: snapkv)
+    short_document_spec: ClassVar[str] = "adakv:budget=0.25,base=snapkv:window=8"
+    title: ClassVar[str] = "AdaKV"
+    acts: ClassVar[str] = (
+        "wraps a scorer (snapkv, pyramidkv, tova, knorm, keydiff, streamingllm): per layer the best `budget × KV heads` "
+        "of all heads' scores flattened, at least `safeguard × budget` per head; heads hold different counts, stored "
+        "padded to the widest head and masked exactly (`method_stats`: `kv_entries` vs `kv_slots`)"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full); compresses per question"
+    spec_note: ClassVar[str] = "(base knobs after `:`, `;`-separated: `base=pyramidkv:window=16;beta=20`)"
     auto_kv_bits: ClassVar[int] = 16  # heads holding different counts: a layout not quantized
 
     base: str = knob(

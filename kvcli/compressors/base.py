@@ -141,6 +141,29 @@ class Compressor:
     # (:func:`keep_all_spec`), for a knob that must cover the prompt exactly (an explicit count
     # larger than the prompt is refused). Each registered class declares its own (``register``).
     keep_all: ClassVar[str]
+    # --- what the tests' tables and docs/methods.md's table read off the class -----------------
+    # A spec that compresses the tests' short documents (one paragraph, ~100-200 tokens), written
+    # whole: a chain where the method acts after another (``snapkv:...+decoding:...``). The tests run
+    # every method with it (tests/helpers/specs.py: ``COMPRESSING``). Each registered class declares its own.
+    short_document_spec: ClassVar[str]
+    # it holds every prompt token's KV whatever its knobs (compression ratio 1): it saves by attending to
+    # a few blocks, not by evicting (full, blocksparse, infllm)
+    holds_every_token: ClassVar[bool] = False
+    # why the method refuses a model with sliding-window layers (Gemma 2 / 3), "" when it runs on them:
+    # its :meth:`configure` calls :meth:`refuse_hybrids`, which says it in one line
+    hybrid_refusal: ClassVar[str] = ""
+    # docs/methods.md's table, one row per method in the order the methods are imported
+    # (``python -m kvcli.cli.reference`` writes it; markdown): the method's name in prose, what it
+    # does where in the pipeline, the positions its kept tokens run at, what the disk store keeps.
+    # Each registered class declares its own.
+    title: ClassVar[str]
+    acts: ClassVar[str]
+    positions: ClassVar[str]
+    disk_cache: ClassVar[str]
+    # the knobs the row's spec spells out with their defaults, in declaration order ("..." where the
+    # others are elided); None: every knob. ``spec_note``: said after the spec.
+    table_knobs: ClassVar[tuple[str, ...] | None] = None
+    spec_note: ClassVar[str] = ""
     # knobs the user set explicitly (filled by parse_one); defaults may adapt, explicit values may not
     explicit_knobs: frozenset = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
     # the run's settings (Pipeline.configure hands them over; not a knob)
@@ -156,6 +179,14 @@ class Compressor:
 
         Raise :class:`UsageError` for knob values that cannot work with this model.
         """
+
+    def refuse_hybrids(self, lm) -> None:
+        """Raise, in one line, when the method declares a :attr:`hybrid_refusal` and ``lm`` has
+        sliding-window layers (its :meth:`configure` calls it first)."""
+        if self.hybrid_refusal and lm.windows.hybrid:
+            raise UsageError(
+                f"{self.name}: {lm.name} has sliding-window layers ({lm.windows.shortest} tokens); {self.hybrid_refusal}"
+            )
 
     def select_tokens(
         self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None, prompt=None

@@ -156,6 +156,24 @@ class BlockSparse(Compressor):
     # even a short prompt is all Context blocks, and topk >= the number of blocks (each holds >= 1 of
     # the n tokens) makes every decoding step score and attend to all of them: full attention
     keep_all: ClassVar[str] = "block_size=16,initial=0,local_window=0,topk={n}"
+    short_document_spec: ClassVar[str] = "blocksparse:block_size=8,initial=8,local_window=16,topk=2"
+    holds_every_token: ClassVar[bool] = True  # it keeps all and attends a few blocks per step
+    title: ClassVar[str] = "block-sparse"
+    acts: ClassVar[str] = (
+        "owns the prefill (chunked), builds blocks + representatives (`dynamic`: the last prompt queries' attention, "
+        "the article's; `infllm`: InfLLM's question-independent score), owns every decoding step: the query scores the "
+        "Context blocks and attends to Initial + top-k blocks + Local; presets `snapkv`, `quest`"
+    )
+    positions: ClassVar[str] = "original (nothing dropped)"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full); `infllm`: + its token scores"
+    table_knobs: ClassVar[tuple[str, ...] | None] = (
+        "block_size",
+        "initial",
+        "local_window",
+        "topk",
+        "representative",
+        "...",
+    )
 
     preset: str = knob(
         "none",

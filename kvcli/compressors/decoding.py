@@ -68,6 +68,16 @@ class Decoding(Compressor):
     keep_all: ClassVar[str] = (
         "interval=1,budget=1000000"  # a budget above prompt + answer never evicts, though checked after every step
     )
+    # decoding-time compression: the prefill's method compresses, decoding keeps it under budget
+    short_document_spec: ClassVar[str] = "snapkv:budget=0.25,window=8+decoding:budget=0.25"
+    title: ClassVar[str] = "decoding"
+    acts: ClassVar[str] = (
+        "owns each decoding step: every `interval` steps a scorer (as for `adakv`) keeps the best `budget` entries per "
+        "KV head of the grown cache, scored with the queries of the recent steps (kvpress's DecodingPress); chain it "
+        "after a prefill method (`snapkv:budget=512+decoding:budget=512`)"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full)"
 
     base: str = knob(
         "knorm",

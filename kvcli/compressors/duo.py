@@ -205,6 +205,15 @@ class DuoAttention(Compressor):
     # no streaming heads: every KV head is a retrieval head and keeps the whole prefix — sinks=0 and
     # recent=0: it is the head split that keeps everything, not sinks + recent covering the prompt
     keep_all: ClassVar[str] = "streaming=0,sinks=0,recent=0"
+    short_document_spec: ClassVar[str] = "duo:streaming=0.5,sinks=4,recent=16"
+    title: ClassVar[str] = "DuoAttention"
+    acts: ClassVar[str] = (
+        "compresses the document prefix once: retrieval KV heads keep everything, the `streaming` share of KV heads "
+        "with the lowest on-the-fly scores (kvpress's estimate from mean q/k, once per model, stored under `heads/`) "
+        "keep sinks + recent (RazorAttention's grouped cache, no compensation)"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "the compressed prefix — any question"
 
     streaming: float = knob(0.5, "fraction of the KV heads (whole model) made streaming heads: the lowest scores")
     sinks: int = knob(128, "first tokens a streaming head keeps (the paper's patterns: 128)")

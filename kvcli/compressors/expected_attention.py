@@ -133,6 +133,16 @@ class ExpectedAttention(PrefixEviction):
     keep_all: ClassVar[str] = (
         "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
     )
+    short_document_spec: ClassVar[str] = "expectedattention:budget=0.25"
+    title: ClassVar[str] = "Expected Attention"
+    acts: ClassVar[str] = (
+        "compresses the document prefix once: future queries modelled as a Gaussian of the prefix's pre-RoPE queries, "
+        "rotated to the next `future` positions; closed-form expected attention × ‖v‖; `allocation=adaptive` (AdaKV "
+        "split) or `global`; the question is never compressed"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "the compressed prefix — any question"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("budget", "allocation", "sinks", "future", "...")
 
     sinks: int = knob(4, "first tokens always kept and left out of the statistics and the softmax")
     future: int = knob(512, "future positions the query rotation is averaged over")

@@ -143,6 +143,16 @@ class Finch(Compressor):
         "Corallo & Papotti 2024, FINCH: Prompt-guided Key-Value Cache Compression, TACL (arXiv:2408.00167)"
     )
     keep_all: ClassVar[str] = "target={n}"  # a target at least the context: no chunk compresses anything
+    short_document_spec: ClassVar[str] = "finch:target=60"
+    title: ClassVar[str] = "Finch"
+    acts: ClassVar[str] = (
+        "owns the prefill: document chunks, each run with the compressed cache so far and the user prompt (everything "
+        "after the document: instructions + question); per layer the user prompt's (position-normalised) attention "
+        "keeps the top positions; kept keys re-rotated"
+    )
+    positions: ClassVar[str] = "re-positioned 0..target-1 (RoPE re-rotation, `kvcli/runtime/rope.py`)"
+    disk_cache: ClassVar[str] = "nothing (depends on the question)"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("target", "chunk")
 
     target: str | int | float | None = knob(
         None,

@@ -19,4 +19,10 @@ class FullAttention(Compressor):
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "Vaswani et al. 2017, Attention Is All You Need"
     keep_all: ClassVar[str] = ""  # nothing is ever dropped
+    short_document_spec: ClassVar[str] = "full"
+    holds_every_token: ClassVar[bool] = True
+    title: ClassVar[str] = "full attention"
+    acts: ClassVar[str] = "—"
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV, all layers"
     auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)

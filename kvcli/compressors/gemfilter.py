@@ -115,6 +115,13 @@ class GemFilter(Compressor):
     keep_all: ClassVar[str] = (
         "k={n}"  # the top-k of the filter layer is every prompt token (an explicit k may not exceed the prompt)
     )
+    short_document_spec: ClassVar[str] = (
+        "gemfilter:k=60,layer=1"  # layer 1: a full-attention layer of the tiny hybrids too
+    )
+    title: ClassVar[str] = "GemFilter"
+    acts: ClassVar[str] = "selects prompt tokens with layers 0..r (r: 0-based index), re-runs them"
+    positions: ClassVar[str] = "fresh 0..k-1"
+    disk_cache: ClassVar[str] = "prefix KV of layers 0..r"
 
     layer: int | None = knob(
         None,

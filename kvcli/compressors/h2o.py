@@ -71,6 +71,14 @@ class H2O(Eviction):
         "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, arXiv:2306.14048"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
+    short_document_spec: ClassVar[str] = "h2o:budget=0.25"
+    title: ClassVar[str] = "H2O"
+    acts: ClassVar[str] = (
+        "after prefill: cumulative attention of every query (its observer computes each layer's attention in blocks and "
+        "sums the weights: one pass, no SDPA call) + recent"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "nothing (needs every query)"
 
     recent: float = knob(0.5, "fraction of the budget given to the most recent tokens (the rest: heavy hitters)")
 

@@ -104,6 +104,36 @@ class InfLLM(Compressor):
     # a Local window as long as the prompt: no block ever leaves it, every query attends to every
     # token before it at its own position — full attention (and the KV stored in the model's dtype)
     keep_all: ClassVar[str] = "local_window={n},kv_dtype=model"
+    short_document_spec: ClassVar[str] = "infllm:block_size=8,initial=8,local_window=16,topk=2,chunk=16,repr_topk=2"
+    # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own
+    hybrid_refusal: ClassVar[str] = (
+        "kvcli's InfLLM reads every layer through its block memory and is not built for such hybrids yet "
+        "(use -c full or finch)"
+    )
+    holds_every_token: ClassVar[bool] = True  # its book keeps all; each step attends a few blocks
+    title: ClassVar[str] = "InfLLM"
+    acts: ClassVar[str] = (
+        "owns the prefill, the prefix state and every decoding step: reads the document once in passes of `chunk` "
+        "tokens, each attending to Initial + the `topk` Memory blocks its queries retrieve + Local (InfLLM's positions: "
+        "Local by its own order, Initial/Memory at distance `local_window`); blocks join Memory once `local_window` "
+        "tokens follow them, represented by their `repr_topk` top tokens (equation 1); a question is one more pass, "
+        "each decoding step retrieves again ([books.md](books.md))"
+    )
+    positions: ClassVar[str] = "Local: its own order; Initial/Memory: one fixed distance"
+    disk_cache: ClassVar[str] = (
+        "the whole document's KV (16-bit, keys before RoPE) + block representatives, written while it is read — any "
+        "question"
+    )
+    table_knobs: ClassVar[tuple[str, ...] | None] = (
+        "block_size",
+        "initial",
+        "local_window",
+        "topk",
+        "repr_topk",
+        "chunk",
+        "kv_dtype",
+        "retrieval",
+    )
 
     preset: str = knob(
         "auto",
@@ -171,12 +201,7 @@ class InfLLM(Compressor):
                 raise UsageError(f"infllm: {name} must be at least {low}, got {value}")
 
     def configure(self, lm) -> None:
-        if lm.windows.hybrid:  # hybrids (Gemma 2 / 3): their sliding layers would need a window of their own
-            raise UsageError(
-                f"infllm: {lm.name} has sliding-window layers ({lm.windows.shortest} tokens); "
-                "kvcli's InfLLM reads every "
-                "layer through its block memory and is not built for such hybrids yet (use -c full or finch)"
-            )
+        self.refuse_hybrids(lm)
         window = lm.max_context or INFLLM_WINDOW
         preset = PRESETS[self.resolved_preset(lm)]
         if self.local_window is None:

@@ -44,6 +44,14 @@ class KeyDiff(KeyScorer):
         "Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference, arXiv:2504.15364"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
+    short_document_spec: ClassVar[str] = "keydiff:budget=0.25,window=8"
+    title: ClassVar[str] = "KeyDiff"
+    acts: ClassVar[str] = (
+        "after prefill: per KV head the keys least similar (cosine) to the head's mean normalised key; last `window` "
+        "tokens kept"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "as TOVA"
 
     window: int = knob(32, "last prompt tokens always kept (the question); 0 = the paper's rule alone")
 

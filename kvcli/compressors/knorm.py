@@ -61,6 +61,14 @@ class KNorm(KeyScorer):
         "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv:2406.11430"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
+    short_document_spec: ClassVar[str] = "knorm:budget=0.25,window=8"
+    title: ClassVar[str] = "KNorm"
+    acts: ClassVar[str] = (
+        "after prefill: per KV head the keys of lowest L2 norm (no attention computed); the last `window` tokens (the "
+        "question) always kept, `window=0` = the paper's rule"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "as TOVA"
 
     window: int = knob(32, "last prompt tokens always kept (the question); 0 = the paper's rule alone")
 

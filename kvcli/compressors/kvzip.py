@@ -122,6 +122,16 @@ class KVzip(PrefixEviction):
     keep_all: ClassVar[str] = (
         "budget={prefix}"  # the budget counts the document prefix (the question is never compressed): all of it
     )
+    short_document_spec: ClassVar[str] = "kvzip:budget=0.25"
+    title: ClassVar[str] = "KVzip"
+    acts: ClassVar[str] = (
+        "compresses the document prefix once: the model repeats the context chunk by chunk on top of it; each entry's "
+        "score = the most attention any reconstruction query gives it; best entries over all layers and heads "
+        "(`sinks=auto`: the chat template's head, never evicted); about one more prefill of the document"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "the compressed prefix — any question"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("budget", "allocation", "sinks", "chunk", "overlap")
 
     allocation: str = knob(
         "global",

@@ -317,6 +317,16 @@ class LazyLLM(Compressor):
         "Fu et al. 2024, LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference, arXiv:2407.14057"
     )
     keep_all: ClassVar[str] = "keep=1/1/1"  # no token is pruned at any of the (default) three pruning layers
+    short_document_spec: ClassVar[str] = "lazyllm:keep=0.5/0.4/0.3"
+    title: ClassVar[str] = "LazyLLM"
+    acts: ClassVar[str] = (
+        "owns the prefill and every decoding step: at each pruning layer the last token's attention at the layer before "
+        "(from q·K, SDPA stays on) keeps the top share of the previous set; pruned tokens' hidden states go to the Aux "
+        "Cache and may be revived by a later step, each (token, layer) computed at most once"
+    )
+    positions: ClassVar[str] = "original (skipped, never re-numbered)"
+    disk_cache: ClassVar[str] = "KV of the layers before the first pruning layer + hidden states entering it"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("layers", "keep")
 
     layers: str | None = knob(
         None,

@@ -74,6 +74,16 @@ class Pages(Compressor):
         "two passes as GemFilter, arXiv:2409.17422"
     )
     keep_all: ClassVar[str] = "pages={n},budget={n}"  # every passage, and room for all of them
+    short_document_spec: ClassVar[str] = "pages:budget=60"  # the tests' documents are one paragraph: its first tokens
+    title: ClassVar[str] = "pages"
+    acts: ClassVar[str] = (
+        "selects the document's passages (a PDF's pages, else page-sized passages of ~600 tokens) by BM25 on stems and "
+        "a sentence embedding against the question (the embedding re-ranks BM25's best `candidates`), the best `pages` "
+        "that fit in `budget` tokens (auto: half the window, at most 4,096), read whole, and the best sentences "
+        "(`skim_tokens`) of the next `skim` (no model pass chooses them: a book costs one short reading)"
+    )
+    positions: ClassVar[str] = "fresh 0..k-1"
+    disk_cache: ClassVar[str] = "nothing (depends on the question)"
     reads_passages: ClassVar[bool] = True
     retrieves: ClassVar[bool] = True  # it reads a few passages, says which (Selection.read)
 

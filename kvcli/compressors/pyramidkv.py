@@ -58,6 +58,12 @@ class PyramidKV(SnapKV):
         "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, arXiv:2406.02069"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt: every layer of the pyramid holds it all
+    short_document_spec: ClassVar[str] = "pyramidkv:budget=0.25,window=8"
+    title: ClassVar[str] = "PyramidKV"
+    acts: ClassVar[str] = "SnapKV scores, budgets decreasing with depth (same total)"
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "as SnapKV"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("budget", "beta")
 
     beta: float = knob(20.0, "the top layer selects (budget - window) / beta entries; larger = steeper pyramid")
 

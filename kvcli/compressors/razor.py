@@ -85,6 +85,16 @@ class Razor(Compressor):
     # every head protected (all are retrieval heads), so none is cut to sinks + window — window=1:
     # it is the protection that keeps everything, not a window covering the prompt
     keep_all: ClassVar[str] = "induction=1,window=1"
+    short_document_spec: ClassVar[str] = "razor:window=16,sinks=4"
+    title: ClassVar[str] = "RazorAttention"
+    acts: ClassVar[str] = (
+        "`order=paper` (Algorithm 1): after the full-attention prefill of the whole prompt, so the first answer token "
+        "is full attention's; `order=prefix`: after the prefill of the document, before the question. Retrieval heads "
+        "keep all, others sinks + the last max(S0, N/5) tokens of what was compressed + compensation token"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "`paper`: prefix KV (shared with full); `prefix`: the compressed cache — any question"
+    table_knobs: ClassVar[tuple[str, ...] | None] = ("order", "induction", "echo", "sinks", "window", "ratio")
 
     order: str = knob(
         "paper",

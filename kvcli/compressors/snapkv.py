@@ -47,6 +47,11 @@ class SnapKV(Eviction):
         "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation, arXiv:2404.14469"
     )
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
+    short_document_spec: ClassVar[str] = "snapkv:budget=0.25,window=8"
+    title: ClassVar[str] = "SnapKV"
+    acts: ClassVar[str] = "after prefill: window queries score keys, pooled, top-k per KV head"
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full); compresses per question"
 
     window: int = knob(32, "observation window: the last prompt tokens whose attention votes (always kept)")
     kernel: int = knob(7, "width of the pool over the votes (odd; 1 = none)")

@@ -34,6 +34,11 @@ class StreamingLLM(Eviction):
         "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv:2309.17453"
     )
     keep_all: ClassVar[str] = "budget={n}"  # sinks + recent window cover the whole prompt
+    short_document_spec: ClassVar[str] = "streamingllm:budget=0.25"
+    title: ClassVar[str] = "StreamingLLM"
+    acts: ClassVar[str] = "after prefill: sinks + recent window"
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full)"
     uses_attention: ClassVar[bool] = False
 
     sinks: int = knob(4, "first tokens always kept (attention sinks)")

@@ -45,6 +45,14 @@ class TOVA(Eviction):
     name: ClassVar[str] = "tova"
     paper: ClassVar[str] = "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA), arXiv:2401.06104"
     keep_all: ClassVar[str] = "budget={n}"  # a budget of the whole prompt (an explicit count may not exceed it)
+    short_document_spec: ClassVar[str] = "tova:budget=0.25"
+    title: ClassVar[str] = "TOVA"
+    acts: ClassVar[str] = (
+        "after prefill: the last prompt token's attention (from q·K), mean over all heads of the layer — the same "
+        "tokens in every head; the last token always kept"
+    )
+    positions: ClassVar[str] = "original"
+    disk_cache: ClassVar[str] = "prefix KV (shared with full); compresses per question"
 
     def query_window(self, lm) -> int:
         return 1

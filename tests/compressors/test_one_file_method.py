@@ -9,13 +9,13 @@ from typing import ClassVar
 import pytest
 from typer.testing import CliRunner
 
-from kvcli.cli import app
+from kvcli.cli import app, reference
 from kvcli.compressors.base import REGISTRY, Compressor
 from tests.compressors.test_contract import full_logits, kept_all, profiles, stored  # noqa: F401  (fixtures)
 from tests.compressors.test_contract import test_keeping_everything_reproduces_full_attention as keeps_everything
 from tests.compressors.test_contract import test_specs_round_trip_through_the_parser as round_trips
 from tests.compressors.test_contract import test_warm_cold_and_no_store_give_the_same_answer as store_agrees
-from tests.helpers.specs import COMPRESSING
+from tests.helpers.specs import COMPRESSING, HOLDS_EVERYTHING
 
 NAME = "test-own-steps"
 
@@ -28,6 +28,11 @@ def method():
         name: ClassVar[str] = NAME
         paper: ClassVar[str] = "none: a test's method"
         keep_all: ClassVar[str] = ""
+        short_document_spec: ClassVar[str] = NAME  # it keeps everything: its one spec
+        title: ClassVar[str] = "own steps"
+        acts: ClassVar[str] = "owns each decoding step (full attention)"
+        positions: ClassVar[str] = "original"
+        disk_cache: ClassVar[str] = "prefix KV (shared with full)"
 
         def decode_step(self, engine, token, position, cache):
             return engine.step(token, position, cache)
@@ -39,12 +44,7 @@ def method():
         REGISTRY.pop(NAME)
 
 
-@pytest.fixture
-def compressing(method, monkeypatch):
-    monkeypatch.setitem(COMPRESSING, NAME, NAME)  # it keeps everything: its one spec
-
-
-def test_it_keeps_the_contract(compressing, tiny_lm, profiles, kept_all, full_logits, stored):  # noqa: F811
+def test_it_keeps_the_contract(method, tiny_lm, profiles, kept_all, full_logits, stored):  # noqa: F811
     round_trips(NAME, tiny_lm, profiles)
     keeps_everything(NAME, "llama", kept_all, full_logits, tiny_lm)
     store_agrees(NAME, stored, tiny_lm, profiles)
@@ -56,3 +56,9 @@ def test_kvcli_compressors_lists_it(method):
     assert NAME in listed.output
     detail = CliRunner().invoke(app, ["compressors", NAME], terminal_width=200)
     assert detail.exit_code == 0 and "a test's method" in detail.output, detail.output
+
+
+def test_the_tables_derive_its_row(method):
+    assert COMPRESSING[NAME] == NAME and NAME not in HOLDS_EVERYTHING
+    row = "| own steps | `test-own-steps` | owns each decoding step (full attention) | original | prefix KV (shared with full) |"
+    assert row in reference.methods_table().splitlines()

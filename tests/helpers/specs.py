@@ -1,34 +1,61 @@
-"""A spec that compresses, for every registered method, on the tests' short documents."""
+"""The tests' tables of the registered methods, read off each method's class (no hand-kept list):
+a method defined anywhere — a test file included — is in them while it is registered.
+
+``COMPRESSING``: name -> a spec that compresses the tests' short documents
+(:attr:`~kvcli.compressors.base.Compressor.short_document_spec`); ``HOLDS_EVERYTHING``: the methods
+that hold every prompt token's KV (``holds_every_token``); ``NOT_ON_HYBRIDS``: name -> why the method
+refuses hybrid (sliding-window) models, in one line (``hybrid_refusal``, which its ``configure`` raises:
+the contract test checks the refusal)."""
 
 from __future__ import annotations
 
-COMPRESSING = {
-    "full": "full",
-    "gemfilter": "gemfilter:k=60,layer=1",  # layer 1: a full-attention layer of the tiny hybrids too
-    "pages": "pages:budget=60",  # the tests' documents are one paragraph: its first tokens
-    "snapkv": "snapkv:budget=0.25,window=8",
-    "pyramidkv": "pyramidkv:budget=0.25,window=8",
-    "h2o": "h2o:budget=0.25",
-    "streamingllm": "streamingllm:budget=0.25",
-    "razor": "razor:window=16,sinks=4",
-    "finch": "finch:target=60",
-    "lazyllm": "lazyllm:keep=0.5/0.4/0.3",
-    "blocksparse": "blocksparse:block_size=8,initial=8,local_window=16,topk=2",
-    "tova": "tova:budget=0.25",
-    "knorm": "knorm:budget=0.25,window=8",
-    "keydiff": "keydiff:budget=0.25,window=8",
-    "adakv": "adakv:budget=0.25,base=snapkv:window=8",
-    "expectedattention": "expectedattention:budget=0.25",
-    "kvzip": "kvzip:budget=0.25",
-    "duo": "duo:streaming=0.5,sinks=4,recent=16",
-    "infllm": "infllm:block_size=8,initial=8,local_window=16,topk=2,chunk=16,repr_topk=2",
-    # decoding-time compression: the prefill's method compresses, decoding keeps it under budget
-    "decoding": "snapkv:budget=0.25,window=8+decoding:budget=0.25",
-}
+from collections.abc import Iterator, Mapping, Set
+
+from kvcli.compressors import REGISTRY
 
 
-HOLDS_EVERYTHING = {"full", "blocksparse", "infllm"}  # blocksparse and infllm keep all, attend a few blocks per step
+class _Compressing(Mapping):
+    def __getitem__(self, name: str) -> str:
+        cls = REGISTRY[name]
+        if "short_document_spec" not in vars(cls):
+            raise TypeError(f"{cls.__name__} ({name}) declares no short_document_spec (see Compressor)")
+        return cls.short_document_spec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(REGISTRY))
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
 
 
-# methods that refuse hybrid (sliding-window) models, in one line: the contract test checks the refusal
-NOT_ON_HYBRIDS = {"infllm": "its block memory reads every layer; sliding layers are not built in yet"}
+class _HoldsEverything(Set):
+    @classmethod
+    def _from_iterable(cls, names) -> frozenset:  # what `-`, `&`, `|` return
+        return frozenset(names)
+
+    def __contains__(self, name) -> bool:
+        return name in REGISTRY and REGISTRY[name].holds_every_token
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, cls in REGISTRY.items() if cls.holds_every_token])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _NotOnHybrids(Mapping):
+    def __getitem__(self, name: str) -> str:
+        if name not in REGISTRY or not REGISTRY[name].hybrid_refusal:
+            raise KeyError(name)
+        return REGISTRY[name].hybrid_refusal
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, cls in REGISTRY.items() if cls.hybrid_refusal])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+COMPRESSING: Mapping[str, str] = _Compressing()
+HOLDS_EVERYTHING: Set[str] = _HoldsEverything()
+NOT_ON_HYBRIDS: Mapping[str, str] = _NotOnHybrids()
