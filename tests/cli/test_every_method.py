@@ -35,10 +35,6 @@ def note(tmp_path_factory):
     return path
 
 
-def test_every_registered_method_is_asked():
-    assert set(REGISTRY) <= set(COMPRESSING), f"add a spec to COMPRESSING for {set(REGISTRY) - set(COMPRESSING)}"
-
-
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_method_answers_with_sources(cli, note, model, spec):
     code, out, err = cli(
