@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..compressors import REGISTRY
+from ..compressors.base import knob_text
 
 CONTEXT_CHARS = 60
 GEM_STYLE = "bold black on yellow"
@@ -250,10 +251,6 @@ def _summary(cls) -> str:
     return first[:1].upper() + first[1:]
 
 
-def _default(f) -> str:
-    return "auto" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
-
-
 MAIN_KNOBS = 3  # knobs the table shows per method (the first declared); `kvcli compressors NAME`: all
 
 
@@ -272,7 +269,7 @@ def compressor_table(console: Console) -> None:
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
         knobs = cls.knobs()
-        shown = ", ".join(f"{f.name}={_default(f)}" for f in knobs[:MAIN_KNOBS])
+        shown = ", ".join(f"{f.name}={knob_text(f.default)}" for f in knobs[:MAIN_KNOBS])
         more = f" (+{len(knobs) - MAIN_KNOBS} more)" if len(knobs) > MAIN_KNOBS else ""
         about = Text(_summary(cls) + "\n", overflow="ellipsis", no_wrap=True)
         about.append(f"  {shown}{more}" if knobs else "  no knobs", style="dim")
@@ -300,7 +297,7 @@ def compressor_detail(console: Console, name: str) -> None:
     table.add_column("default")
     table.add_column("meaning")
     for f in knobs:
-        table.add_row(f.name, _default(f), f.metadata.get("help", ""))
+        table.add_row(f.name, knob_text(f.default), f.metadata.get("help", ""))
     console.print(table)
 
 
