@@ -8,7 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_models import FAMILIES, make_tiny_model
+
+def _threads_per_worker() -> None:
+    """Under pytest-xdist (the README's ``-n 2``), each worker's PyTorch, and every process a test
+    starts, on its share of the CPUs (``OMP_NUM_THREADS``, read as PyTorch is imported below): two
+    workers of two threads each on two cores wait at every kernel's barrier for a thread the other
+    worker holds (measured: test_embedded and test_stdout_is_the_answer side by side, 189 s at
+    PyTorch's default, 119 s at one thread a worker). A count the caller set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_threads_per_worker()
+
+from tests.helpers.tiny_models import FAMILIES, make_tiny_model  # noqa: E402  (after the thread count)
 
 
 def pytest_addoption(parser):
