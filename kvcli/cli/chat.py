@@ -20,23 +20,15 @@ from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
-    Attn,
-    AttnOpt,
     CacheDirOpt,
     CacheMaxOpt,
     CompressorOpt,
-    Device,
-    DeviceOpt,
-    DtypeOpt,
-    KvBits,
-    KvBitsOpt,
-    ModelOpt,
+    ModelChoice,
+    ModelOptions,
     NoCacheOpt,
-    QuantOpt,
     SourcesOpt,
     TemplateOpt,
-    ThreadsOpt,
-    ask_options,
+    loads_a_model,
     max_new_tokens_option,
     sources_wanted,
     usage,
@@ -73,16 +65,11 @@ HISTORY_LENGTH = 1000
 @app.command(
     help=CHAT_HELP, short_help="Ask questions about one document at a prompt.", cls=usage("[OPTIONS] DOCUMENT")
 )
+@loads_a_model
 def chat(
     document: str = typer.Argument(..., metavar="DOCUMENT", help="A .pdf, .txt, .md or .html file", show_default=False),
     compressor: str = CompressorOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    quant: str = QuantOpt,
-    attn: Attn = AttnOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     max_new_tokens: int = max_new_tokens_option(),
     template: str = TemplateOpt,
     as_json: bool = typer.Option(
@@ -97,21 +84,14 @@ def chat(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    options = ask_options(
-        model,
-        device,
-        quant,
-        attn,
-        dtype,
-        max_new_tokens,
-        template,
-        cache_dir,
-        no_cache,
+    options = load.ask_options(
+        max_new_tokens=max_new_tokens,
+        template=template,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
         answer_guard=answer_guard,
         cache_max=cache_max,
-        sources=sources,
-        threads=threads,
-        kv_bits=kv_bits,
+        sources=sources is not False,
     )
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")

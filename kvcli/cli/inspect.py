@@ -21,22 +21,14 @@ from .app import app
 from .console import route_warnings, stderr, stdout
 from .live import Reading
 from .options import (
-    Attn,
-    AttnOpt,
     CacheDirOpt,
     CompressorOpt,
-    Device,
-    DeviceOpt,
-    DtypeOpt,
-    KvBits,
-    KvBitsOpt,
-    ModelOpt,
+    ModelChoice,
+    ModelOptions,
     NoCacheOpt,
-    QuantOpt,
     QuietOpt,
     TemplateOpt,
-    ThreadsOpt,
-    ask_options,
+    loads_a_model,
     max_new_tokens_option,
     usage,
 )
@@ -69,6 +61,7 @@ the nearest kept token (a gemfilter spec sets its k, kernel and span).
     short_help="Show what a method keeps of a document.",
     cls=usage("[OPTIONS] DOCUMENT QUESTION", "[OPTIONS] --needle-test N [--layers]"),
 )
+@loads_a_model
 def inspect_command(
     inputs: list[str] | None = typer.Argument(
         None,
@@ -77,13 +70,7 @@ def inspect_command(
         show_default=False,
     ),
     compressor: str = CompressorOpt,
-    model: str | None = ModelOpt,
-    device: Device = DeviceOpt,
-    quant: str = QuantOpt,
-    attn: Attn = AttnOpt,
-    dtype: str = DtypeOpt,
-    threads: str | None = ThreadsOpt,
-    kv_bits: KvBits = KvBitsOpt,
+    load: ModelChoice = ModelOptions,
     template: str = TemplateOpt,
     show_selected: bool = typer.Option(
         False, "--show-selected", help="Print the whole document with the kept tokens highlighted, page by page"
@@ -169,18 +156,8 @@ def inspect_command(
         if len(items) != 1 or items[0].source != inputs[0]:
             raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
         document = batch.read_input(items[0], read_stdin)
-    options = ask_options(
-        model,
-        device,
-        quant,
-        attn,
-        dtype,
-        max_new_tokens,
-        template,
-        cache_dir,
-        no_cache,
-        threads=threads,
-        kv_bits=kv_bits,
+    options = load.ask_options(
+        max_new_tokens=max_new_tokens, template=template, cache_dir=cache_dir, use_cache=not no_cache
     )
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)

@@ -1,9 +1,13 @@
 """How kvcli's commands are declared: the choices shared by every command that loads a model
 (enums Typer turns into ``--device auto|cpu|cuda`` and so on), the options they share, declared
-once, and the help format (:class:`KvcliCommand`)."""
+once, the model's options as one group (:func:`loads_a_model` declares them on a command, which
+gets them as one :class:`ModelChoice`), and the help format (:class:`KvcliCommand`)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass
 from enum import Enum
 
 import typer
@@ -182,46 +186,82 @@ def max_new_tokens_option(
 CacheDirOpt = cache_dir_option()
 
 
-def ask_options(
-    model,
-    device: Device,
-    quant: Quant | str,
-    attn: Attn,
-    dtype,
-    max_new_tokens,
-    template,
-    cache_dir,
-    no_cache: bool,
-    kv_offload: Offload = Offload.none,
-    answer_guard: bool = True,
-    low_memory: bool = False,
-    cache_max: str | None = None,
-    sources: bool | None = True,
-    threads: str | None = None,
-    kv_bits: KvBits = KvBits(kv_quant.DEFAULT_KV_BITS),
-) -> api.AskOptions:
-    """The library options of the commands that answer (ask, chat, inspect) from their CLI values."""
-    if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
-        parse_size(cache_max)  # a usage error now, not after loading the model
-    requested_threads(threads)  # --threads or $KVCLI_THREADS: a usage error now too
-    return api.AskOptions(
-        model=model,
-        device=device.value,
-        quant=Quant(quant).value,
-        attn=attn.value,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        template=template,
-        cache_dir=cache_dir,
-        use_cache=not no_cache,
-        kv_offload=kv_offload.value,
-        answer_guard=answer_guard,
-        low_memory=low_memory,
-        cache_max=cache_max,
-        threads=threads,
-        sources=sources is not False,
-        kv_bits=kv_quant.check_bits(kv_bits.value),
-    )
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which model every command that loads one runs, and how: the options :func:`loads_a_model`
+    declares, as the command line gave them."""
+
+    model: str | None
+    device: Device
+    quant: Quant
+    attn: Attn
+    dtype: str
+    threads: str | None
+    kv_bits: KvBits
+
+    def ask_options(self, cache_max: str | None = None, **settings) -> api.AskOptions:
+        """The library's options: this model and a command's ``settings`` (``AskOptions`` fields);
+        ``--threads`` and ``--cache-max`` checked first, one line before the model loads."""
+        if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
+            parse_size(cache_max)
+        requested_threads(self.threads)  # --threads or $KVCLI_THREADS
+        return api.AskOptions(
+            model=self.model,
+            device=self.device.value,
+            quant=Quant(self.quant).value,
+            attn=self.attn.value,
+            dtype=self.dtype,
+            threads=self.threads,
+            kv_bits=kv_quant.check_bits(self.kv_bits.value),
+            cache_max=cache_max,
+            **settings,
+        )
+
+
+# ModelChoice's options, as its fields and in the order a command's help lists them
+MODEL_OPTIONS = (
+    ("model", str | None, ModelOpt),
+    ("device", Device, DeviceOpt),
+    ("quant", str, QuantOpt),
+    ("attn", Attn, AttnOpt),
+    ("dtype", str, DtypeOpt),
+    ("threads", str | None, ThreadsOpt),
+    ("kv_bits", KvBits, KvBitsOpt),
+)
+
+
+class _ModelOptionsHere:
+    def __repr__(self) -> str:
+        return "ModelOptions"
+
+
+ModelOptions = _ModelOptionsHere()  # the default of a command's ``load: ModelChoice`` parameter
+
+
+def loads_a_model(command):
+    """``command`` (under ``@app.command``) with :data:`MODEL_OPTIONS` declared where its parameter
+    ``load: ModelChoice = ModelOptions`` is, and given to it as one :class:`ModelChoice` value."""
+    signature = inspect.signature(command)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("load")
+    assert params[at].default is ModelOptions, f"{command.__name__}: load: ModelChoice = ModelOptions"
+    declared = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=option, annotation=annotation)
+        for name, annotation, option in MODEL_OPTIONS
+    ]
+
+    @functools.wraps(command)
+    def with_model(**values):
+        load = ModelChoice(**{name: values.pop(name) for name, _, _ in MODEL_OPTIONS})
+        return command(load=load, **values)
+
+    with_model.__signature__ = signature.replace(parameters=params[:at] + declared + params[at + 1 :])
+    annotations = {name: annotation for name, annotation, _ in MODEL_OPTIONS}
+    with_model.__annotations__ = {
+        **{k: v for k, v in command.__annotations__.items() if k != "load"},
+        **annotations,
+    }
+    return with_model
 
 
 class KvcliCommand(TyperCommand):

@@ -383,6 +383,44 @@ def test_ctrl_c_exits_130(cli, files, model, monkeypatch):
     assert "interrupted" in err
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ask", "{doc}", "q?"],
+        ["chat", "{doc}"],
+        ["inspect", "{doc}", "q?"],
+        ["bench", "needle", "--out", "{out}", "--lengths", "256"],
+    ],
+    ids=lambda c: " ".join(c[:2]).replace(" {doc}", ""),
+)
+def test_every_command_that_loads_a_model_gets_its_model_options(cli, files, model, command, tmp_path, monkeypatch):
+    """kvcli.cli.options.loads_a_model: the options each command declares through it reach the
+    library's AskOptions as given (the session's opening is stopped there)."""
+    from kvcli import api
+
+    opened = []
+
+    def stopped(options):
+        opened.append(options)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.Session, "open", stopped)
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # chat: questions over a pipe
+    args = [a.format(doc=files["doc"], out=tmp_path) for a in command]
+    given = ["-m", model, "--device", "cpu", "--quant", "8", "--attn", "eager", "--dtype", "bfloat16"]
+    code, _, err = cli(*args, *given, "--threads", "1", "--kv-bits", "4")
+    assert code == 130 and "Traceback" not in err, err
+    [options] = opened
+    assert (options.model, options.device, options.quant, options.attn, options.dtype) == (
+        model,
+        "cpu",
+        "8bit",
+        "eager",
+        "bfloat16",
+    )
+    assert (options.threads, options.kv_bits) == ("1", 4)
+
+
 # --- the real entry point --------------------------------------------------------------------
 
 

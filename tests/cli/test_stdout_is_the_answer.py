@@ -1,10 +1,13 @@
 """stdout is the answer: ``kvcli ask``, ``kvcli chat`` over a pipe and a batch over a folder, run as a
 script runs them (a real process, stdout a pipe), write the answer (or JSON) and nothing else on
 stdout, the very string the ``--json`` record's ``answer`` holds; the sources follow the answer only
-with ``--sources`` (on a terminal by default), and are always in ``--json``."""
+with ``--sources`` (on a terminal by default), and are always in ``--json``. One real process for
+each output a script captures (the answer, JSON, JSON Lines); the variants of a command's options
+(``--sources``, ``--no-sources``) run in-process, their stdout a pipe too, on the same single thread."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -50,7 +53,8 @@ def kvcli(*args, stdin: str = "") -> tuple[str, str]:
 
 
 def common(model) -> tuple:
-    return ("-m", model, "-c", "full", "--max-new-tokens", "6", "--no-cache")
+    # one thread in every run: in-process and real processes compute the same bits
+    return ("-m", model, "-c", "full", "--max-new-tokens", "6", "--no-cache", "--threads", "1")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def asked(folder, model) -> tuple[str, dict]:
     return out, json.loads(out)
 
 
-def test_ask_piped_stdout_is_the_json_answer(folder, model, asked):
+def test_ask_piped_stdout_is_the_json_answer(folder, model, asked, cli):
     doc = folder / "a.txt"
     out, record = asked
     assert out.count("\n") == 1 and record["sources"] is not None  # --json: sources always
@@ -70,16 +74,16 @@ def test_ask_piped_stdout_is_the_json_answer(folder, model, asked):
     assert out == record["answer"] + "\n"  # not a byte more: $(kvcli ask ...) is the answer
     assert err  # the figures went to stderr
 
-    out, _ = kvcli("ask", doc, QUESTIONS[0], *common(model), "--sources")
-    assert out.startswith(record["answer"] + "\n")
+    code, out, _ = cli("ask", doc, QUESTIONS[0], *common(model), "--sources")
+    assert code == 0 and out.startswith(record["answer"] + "\n")
     shown = out[len(record["answer"]) + 1 :].splitlines()
     assert shown and all(any(s["text"][:20] in line for line in shown) for s in record["sources"]), out
 
-    out, _ = kvcli("ask", doc, QUESTIONS[0], *common(model), "--json", "--no-sources")
-    assert json.loads(out)["sources"] is None and json.loads(out)["answer"] == record["answer"]
+    code, out, _ = cli("ask", doc, QUESTIONS[0], *common(model), "--json", "--no-sources")
+    assert code == 0 and json.loads(out)["sources"] is None and json.loads(out)["answer"] == record["answer"]
 
 
-def test_chat_piped_stdout_is_the_json_answers(folder, model):
+def test_chat_piped_stdout_is_the_json_answers(folder, model, cli, monkeypatch):
     doc = folder / "a.txt"
     stdin = "".join(q + "\n" for q in QUESTIONS)
     out, _ = kvcli("chat", doc, *common(model), "--json", stdin=stdin)
@@ -89,11 +93,16 @@ def test_chat_piped_stdout_is_the_json_answers(folder, model):
     out, _ = kvcli("chat", doc, *common(model), stdin=stdin)
     assert out == "".join(r["answer"] + "\n" for r in records)
 
-    out, _ = kvcli("chat", doc, *common(model), "--sources", stdin=stdin)
-    assert out.startswith(records[0]["answer"] + "\n") and len(out) > len("".join(r["answer"] + "\n" for r in records))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))  # a pipe: not a terminal
+    code, out, _ = cli("chat", doc, *common(model), "--sources")
+    assert (
+        code == 0
+        and out.startswith(records[0]["answer"] + "\n")
+        and len(out) > len("".join(r["answer"] + "\n" for r in records))
+    )
 
 
-def test_batch_over_a_folder_stdout_is_json_lines_of_the_answers(folder, model, asked):
+def test_batch_over_a_folder_stdout_is_json_lines_of_the_answers(folder, model, asked, cli):
     out, err = kvcli("ask", folder, QUESTIONS[0], *common(model))
     records = [json.loads(line) for line in out.splitlines()]  # every line a JSON object, nothing else
     assert [Path(r["document"]).name for r in records] == ["a.txt", "b.md"]
@@ -101,5 +110,5 @@ def test_batch_over_a_folder_stdout_is_json_lines_of_the_answers(folder, model, 
     # each answer the one kvcli ask gives for that document alone: a.txt's is the --json run's
     # (whose answer the ask test finds on stdout without --json), b.md's a run of its own
     assert records[0]["answer"] == asked[1]["answer"]
-    alone, _ = kvcli("ask", records[1]["document"], QUESTIONS[0], *common(model))
-    assert alone == records[1]["answer"] + "\n"
+    code, alone, _ = cli("ask", records[1]["document"], QUESTIONS[0], *common(model))
+    assert code == 0 and alone == records[1]["answer"] + "\n"
