@@ -67,7 +67,7 @@ def isolated_cache_dir(tmp_path_factory):
     user's cache. Its ``models/`` reuses, read only, the models the user's cache has already
     converted (:func:`tests.helpers.cache_dir.link_converted_models`), so the embedded model is not
     converted again; where it has none, the first test that needs the embedded model converts it
-    into this folder (once per run, ~30 s)."""
+    into this folder (once per run, ~20 s)."""
     from kvcli.model import default_cache_dir
     from tests.helpers.cache_dir import link_converted_models
 

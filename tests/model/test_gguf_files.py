@@ -84,12 +84,25 @@ def write_tiny_llama_gguf(folder: Path, path: Path) -> None:
     w.close()
 
 
-def test_a_tiny_llama_gguf_loads_with_its_tokenizer_and_the_tiny_models_logits(tiny_dir, tmp_path):
+def test_a_tiny_llama_gguf_loads_with_its_tokenizer_and_the_tiny_models_logits(tiny_dir, tmp_path, monkeypatch):
+    import gguf as gguf_package
+
     folder = tiny_dir("llama")
     gguf = tmp_path / "tiny-llama.gguf"
     write_tiny_llama_gguf(folder, gguf)
     cache = tmp_path / "cache"
+    parsed = []
+    real_reader = gguf_package.GGUFReader
+
+    def counted(path, *args):
+        parsed.append(Path(path))
+        return real_reader(path, *args)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", counted)
     lm = load_model(str(gguf), cache_dir=cache, dtype="float32")
+    # the file parsed twice: its architecture checked, then once for the whole conversion (transformers
+    # asks three times: kvcli.model.embedded._gguf_parsed_once), and the package's reader given back
+    assert parsed == [gguf.resolve(), gguf.resolve()] and gguf_package.GGUFReader is counted
     ref = load_model(str(folder), dtype="float32")
     converted = list((cache / "models").glob("gguf-*"))
     assert len(converted) == 1 and Path(lm.source) == converted[0]

@@ -33,7 +33,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 @pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory):
-    """A fresh kvcli cache with the embedded model converted once (~20 s).
+    """A fresh kvcli cache with the embedded model converted once (~15 s).
 
     Session-scoped: conftest runs slow tests last, which would tear a module-scoped one down
     and convert again."""
