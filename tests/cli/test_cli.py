@@ -504,7 +504,7 @@ def test_an_empty_question_is_a_usage_error(cli, files, question):
 def test_the_embedded_models_conversion_is_announced_when_stderr_is_not_a_terminal(cli, files, tmp_path, monkeypatch):
     from kvcli.model import embedded as models
 
-    def convert(gguf, dest):  # stands for the ~30 s conversion; stop there
+    def convert(gguf, dest):  # stands for the ~20 s conversion; stop there
         raise RuntimeError("stopped by the test")
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
@@ -512,7 +512,7 @@ def test_the_embedded_models_conversion_is_announced_when_stderr_is_not_a_termin
     lines = err.splitlines()
     assert code == 1 and out == "" and len(lines) == 2, err
     assert lines[0].startswith(
-        "kvcli: converting the embedded model smollm2-135m-instruct for its first use (once, ~30 s) into "
+        "kvcli: converting the embedded model smollm2-135m-instruct for its first use (once, ~20 s) into "
     )
     assert lines[1].startswith("kvcli: error: cannot convert the embedded model")
     code, out, err = cli("ask", files["doc"], "What is it?", "--cache-dir", tmp_path / "fresh", "--quiet")
