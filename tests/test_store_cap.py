@@ -111,8 +111,15 @@ def test_cache_max_on_the_command_line(tiny_dir, tmp_path, capsys, monkeypatch):
     args = ["ask", doc, Q1, "-m", model, "-c", "full", "--cache-dir", cache, "--json", "-q", "--max-new-tokens", "2"]
     code, out, err = run_cli([*args, "--cache-max", "lots"], capsys, monkeypatch)
     assert (
-        code == 2 and out == "" and err.startswith("kvcli: error: size must look like") and len(err.splitlines()) == 1
+        code == 2
+        and out == ""
+        and err.startswith("kvcli: error: --cache-max must look like 500M, 2G or 1048576, not 'lots'")
+        and len(err.splitlines()) == 1
     )
+    monkeypatch.setenv("KVCLI_CACHE_MAX", "-2G")  # the error names where the value came from
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert (code, out, err) == (2, "", "kvcli: error: KVCLI_CACHE_MAX must not be negative, got '-2G'\n")
+    monkeypatch.delenv("KVCLI_CACHE_MAX")
     code, out, err = run_cli([*args, "--cache-max", "1K"], capsys, monkeypatch)
     assert code == 0 and json.loads(out)["cache"] == "miss" and entry_files(cache) == []
     monkeypatch.setenv("KVCLI_CACHE_MAX", "1K")

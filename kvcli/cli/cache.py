@@ -237,7 +237,7 @@ def cache_prune(
         cache_max = max_size if cache_max is None or _given_from_env(CAP_ENV, cache_max) else cache_max
     if cache_max is None:
         raise UsageError("give the size to keep: kvcli cache prune --cache-max 2G (see 'kvcli cache prune --help')")
-    limit = parse_size(cache_max)
+    limit = parse_size(cache_max, CAP_ENV if _given_from_env(CAP_ENV, cache_max) else "--cache-max")
     store = _open_cache(cache_dir)
     removed, left = store.prune(limit)
     temps = store.reclaimed.temp_files + left.temp_files

@@ -115,10 +115,32 @@ AnswerGuardOpt = typer.Option(
     help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit; after a completion prompt's 'Answer:' (a model without a chat template) start it on that line",
 )
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
+
+
+def checked_as_parsed(check, option: str, env: str):
+    """A Typer callback running ``check(value, source)`` as the option is parsed, ``source`` naming
+    where the value came from (``option``, or the variable ``env``), so that a bad value is one line
+    naming it, before anything loads."""
+
+    def callback(ctx, param, value):
+        if value is not None:
+            source = ctx.get_parameter_source(param.name)
+            check(value, env if getattr(source, "name", "") == "ENVIRONMENT" else option)
+        return value
+
+    return callback
+
+
+def _cap_checked(value: str, source: str) -> None:
+    if value.strip().lower() not in NO_CAP:
+        parse_size(value, source)
+
+
 CacheMaxOpt = typer.Option(
     None,
     "--cache-max",
     envvar=vocabulary.env(CAP_ENV),
+    callback=checked_as_parsed(_cap_checked, "--cache-max", CAP_ENV),
     help="Cap of the disk KV cache, e.g. 2G, or none; the least recently used entries go after each write "
     "(default: the smaller of 10 GiB and a quarter of the space the cache may use: the free disk plus its entries)",
 )
@@ -144,19 +166,11 @@ KvBitsOpt = typer.Option(
 )
 
 
-def _threads_checked(ctx, param, value):
-    """``--threads`` or ``$KVCLI_THREADS`` checked as it is parsed (the error names where it came from)."""
-    if value is not None:
-        source = ctx.get_parameter_source(param.name)
-        parse_threads(value, THREADS_ENV if getattr(source, "name", "") == "ENVIRONMENT" else "--threads")
-    return value
-
-
 ThreadsOpt = typer.Option(
     None,
     "--threads",
     envvar=vocabulary.env(THREADS_ENV),
-    callback=_threads_checked,
+    callback=checked_as_parsed(parse_threads, "--threads", THREADS_ENV),
     show_default=False,
     help=(
         "CPU threads: auto (reading the prompt and decoding each on the cores other processes leave "
@@ -201,10 +215,9 @@ class ModelChoice:
 
     def ask_options(self, cache_max: str | None = None, **settings) -> api.AskOptions:
         """The library's options: this model and a command's ``settings`` (``AskOptions`` fields);
-        ``--threads`` and ``--cache-max`` checked first, one line before the model loads."""
-        if cache_max is not None and cache_max.strip().lower() not in NO_CAP:
-            parse_size(cache_max)
-        requested_threads(self.threads)  # --threads or $KVCLI_THREADS
+        ``--threads`` or ``$KVCLI_THREADS`` checked, one line before the model loads (``--cache-max``
+        is checked as it is parsed)."""
+        requested_threads(self.threads)
         return api.AskOptions(
             model=self.model,
             device=self.device.value,

@@ -102,8 +102,9 @@ def resolve_cap(spec: str | int | None, root: Path) -> int | None:
     return min(DEFAULT_CAP_BYTES, int(DEFAULT_CAP_SHARE * (free + held)))
 
 
-def parse_size(text: str) -> int:
-    """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes."""
+def parse_size(text: str, source: str = "size") -> int:
+    """``'500M'`` -> bytes. Units K, M, G, T are binary (KiB, MiB...); a bare number is bytes. A
+    :class:`UsageError` names ``source`` (the option or the variable the text came from)."""
     from ..errors import UsageError
 
     s = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -115,7 +116,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = math.nan
     if not math.isfinite(value * scale):  # nan, inf, 1e400
-        raise UsageError(f"size must look like 500M, 2G or 1048576, not '{text}'")
+        raise UsageError(f"{source} must look like 500M, 2G or 1048576, not '{text}'")
     if value < 0:
-        raise UsageError(f"size must not be negative, got '{text}'")
+        raise UsageError(f"{source} must not be negative, got '{text}'")
     return int(value * scale)

@@ -8,6 +8,7 @@ are gibberish: these tests check structure, not content.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -405,7 +406,7 @@ def test_every_command_that_loads_a_model_gets_its_model_options(cli, files, mod
         raise KeyboardInterrupt
 
     monkeypatch.setattr(api.Session, "open", stopped)
-    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # chat: questions over a pipe
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # chat: questions over a pipe, none
     args = [a.format(doc=files["doc"], out=tmp_path) for a in command]
     given = ["-m", model, "--device", "cpu", "--quant", "8", "--attn", "eager", "--dtype", "bfloat16"]
     code, _, err = cli(*args, *given, "--threads", "1", "--kv-bits", "4")
