@@ -65,6 +65,7 @@ def _show_click_error(e) -> None:
     envvar = getattr(param, "envvar", None)
     if ctx is not None and isinstance(envvar, str) and _source(ctx, param) != "ENVIRONMENT":
         message = message.replace(f" (env var: '{envvar}')", "")  # the value came from the command line
+    message = message.replace(": Value error, ", ": ", 1)  # a choice's error, as Typer's validation words it
     hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
     print(f"kvcli: error: {' '.join(message.split())}{hint}", file=sys.stderr)
 

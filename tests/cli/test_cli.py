@@ -221,7 +221,7 @@ def test_document_longer_than_the_model_window(cli, files, tiny_dir):
     [
         (["ask"], ["DOCUMENT... QUESTION"]),
         (["ask", "DOC"], ["a document and a question"]),
-        (["ask", "DOC", "q", "--device", "foo"], ["--device", "foo"]),
+        (["ask", "DOC", "q", "--device", "foo"], ["Invalid value for '--device': 'foo' is not one of 'auto', 'cpu'"]),
         (["ask", "DOC", "q", "--quant", "3bit"], ["--quant"]),
         (["ask", "DOC", "q", "--max-new-tokens", "0"], ["--max-new-tokens"]),
         (["ask", "DOC", "q", "--bogus"], ["--bogus"]),
