@@ -15,7 +15,7 @@ Measured here (2 CPU cores, torch 2.13 CPU, transformers 5.23, bitsandbytes 0.50
 
 * first conversion of the embedded GGUF: ~22 s in a fresh process (importing transformers ~4 s,
   the conversion ~17 s: transformers parses the GGUF once, not three times, and maps its tensor
-  names once, not once per module: ``embedded._gguf_parsed_once``; 34 s -> 13 s for the
+  names once, not once per module: ``embedded.gguf_parsed_once``; 34 s -> 13 s for the
   conversion alone, the same bytes);
   the converted folder takes 517 MiB (float32 safetensors, to keep the dequantized values exact).
 * later loads of the converted folder: ~0.3-0.4 s (+ ~3 s to import transformers in a fresh

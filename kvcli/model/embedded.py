@@ -130,7 +130,7 @@ def is_converted(folder: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once():
+def gguf_parsed_once():
     """While a GGUF is converted, the ``gguf`` package's reader and tensor-name map memoised:
     transformers reads the file three times (config, tokenizer, weights), each a parse of all its
     metadata (49,152 vocabulary strings, element by element), and builds the name map of the whole
@@ -158,7 +158,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize ``gguf`` (to float32) and save model + tokenizer into the folder ``dest``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with quiet_load(), _gguf_parsed_once():
+    with quiet_load(), gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # Otherwise the saved config claims GGUF quantization and loading it asks for the file.

@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import ModelError, one_line
-from .embedded import convert_once, default_cache_dir, gguf_fact, gguf_sha256, is_converted
+from .embedded import convert_once, default_cache_dir, gguf_fact, gguf_parsed_once, gguf_sha256, is_converted
 
 GEMMA_MODEL = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -168,20 +168,21 @@ def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str
     for converted in sorted((cache_dir / "models").glob(f"*-{sha[:12]}")):
         if is_converted(converted):  # the same file as an embedded model's GGUF: its conversion
             return converted, sha
-    arch = gguf_architecture(path)
-    if arch not in SUPPORTED_GGUF:
-        raise ModelError(
-            f"cannot load model '{path.name}': its GGUF architecture '{arch}' is not supported; "
-            f"kvcli runs GGUF files of {', '.join(SUPPORTED_GGUF)}"
-        )
-    try:
-        convert_once(
-            target,
-            f"the GGUF model {path.name}",
-            lambda tmp: path,
-            {"gguf_file": str(path), "gguf_sha256": sha, "name": path.name, "architecture": arch},
-            "a minute or two",
-        )
-    except OSError as e:
-        raise ModelError(f"cannot convert {path.name} into the cache directory {cache_dir}: {one_line(e)}") from e
+    with gguf_parsed_once():  # its architecture read from the parse the conversion uses
+        arch = gguf_architecture(path)
+        if arch not in SUPPORTED_GGUF:
+            raise ModelError(
+                f"cannot load model '{path.name}': its GGUF architecture '{arch}' is not supported; "
+                f"kvcli runs GGUF files of {', '.join(SUPPORTED_GGUF)}"
+            )
+        try:
+            convert_once(
+                target,
+                f"the GGUF model {path.name}",
+                lambda tmp: path,
+                {"gguf_file": str(path), "gguf_sha256": sha, "name": path.name, "architecture": arch},
+                "a minute or two",
+            )
+        except OSError as e:
+            raise ModelError(f"cannot convert {path.name} into the cache directory {cache_dir}: {one_line(e)}") from e
     return target, sha

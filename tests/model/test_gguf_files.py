@@ -100,9 +100,9 @@ def test_a_tiny_llama_gguf_loads_with_its_tokenizer_and_the_tiny_models_logits(t
 
     monkeypatch.setattr(gguf_package, "GGUFReader", counted)
     lm = load_model(str(gguf), cache_dir=cache, dtype="float32")
-    # the file parsed twice: its architecture checked, then once for the whole conversion (transformers
-    # asks three times: kvcli.model.embedded._gguf_parsed_once), and the package's reader given back
-    assert parsed == [gguf.resolve(), gguf.resolve()] and gguf_package.GGUFReader is counted
+    # the file parsed once: its architecture checked and the whole conversion (transformers asks three
+    # times: kvcli.model.embedded.gguf_parsed_once), and the package's reader given back
+    assert parsed == [gguf.resolve()] and gguf_package.GGUFReader is counted
     ref = load_model(str(folder), dtype="float32")
     converted = list((cache / "models").glob("gguf-*"))
     assert len(converted) == 1 and Path(lm.source) == converted[0]
