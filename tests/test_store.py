@@ -212,7 +212,9 @@ def test_parse_size():
 @pytest.mark.parametrize("size", ["nan", "inf", "1e400", "-5M", ""])
 def test_prune_with_a_size_that_is_not_a_size_is_a_usage_error(size, tmp_path, capsys, monkeypatch):
     code, out, err = _cli(["cache", "prune", "--cache-max", size, "--cache-dir", tmp_path], capsys, monkeypatch)
-    assert (code, out) == (2, "") and err.startswith("kvcli: error: size ") and len(err.splitlines()) == 1, err
+    assert (
+        (code, out) == (2, "") and err.startswith("kvcli: error: --cache-max must ") and len(err.splitlines()) == 1
+    ), err
     assert "internal error" not in err and "Traceback" not in err
 
 
