@@ -15,9 +15,11 @@ def _threads_per_worker() -> None:
     workers of two threads each on two cores wait at every kernel's barrier for a thread the other
     worker holds (measured: test_embedded and test_stdout_is_the_answer side by side, 189 s at
     PyTorch's default, 119 s at one thread a worker). A count the caller set is kept."""
+    from kvcli.runtime.threads import allowed_cpus  # imports no PyTorch
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(allowed_cpus()) // workers))
 
 
 _threads_per_worker()

@@ -213,7 +213,7 @@ class ModelChoice:
     threads: str | None
     kv_bits: KvBits
 
-    def ask_options(self, cache_max: str | None = None, **settings) -> api.AskOptions:
+    def ask_options(self, **settings) -> api.AskOptions:
         """The library's options: this model and a command's ``settings`` (``AskOptions`` fields);
         ``--threads`` or ``$KVCLI_THREADS`` checked, one line before the model loads (``--cache-max``
         is checked as it is parsed)."""
@@ -226,7 +226,6 @@ class ModelChoice:
             dtype=self.dtype,
             threads=self.threads,
             kv_bits=kv_quant.check_bits(self.kv_bits.value),
-            cache_max=cache_max,
             **settings,
         )
 
