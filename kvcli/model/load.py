@@ -10,6 +10,8 @@ import torch
 
 from ..errors import ModelError, UsageError, one_line
 from ..runtime.measure import malloc_trim
+from . import kept
+from .catalog import embedded, ensure_chunked_converted
 from .cpu_quant import quantize_model
 from .device import (
     check_attn,
@@ -20,10 +22,10 @@ from .device import (
     resolve_device,
     resolve_dtype,
 )
-from .embedded import EMBEDDED_MODEL, embedded_gguf_file, ensure_converted
+from .embedded import EMBEDDED_MODEL, default_cache_dir, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel
 from .fingerprint import compute_fingerprint, weights_identity
-from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
+from .ggufs import ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
 from .quiet import quiet_load
 
@@ -59,8 +61,9 @@ def load_model(
     """Load a causal LM and its tokenizer for inference.
 
     ``spec``: None or :data:`EMBEDDED_MODEL` for the embedded SmolLM2-135M-Instruct (converted
-    once into ``cache_dir``, see :func:`embedded_model_path`); an existing local folder; or a
-    Hugging Face hub id (loaded from the local HF cache, else downloaded).
+    once into ``cache_dir``, see :func:`embedded_model_path`); another embedded model's name
+    (:data:`kvcli.model.catalog.CATALOG`); a GGUF file; an existing local folder; or a Hugging
+    Face hub id (loaded from the local HF cache, else downloaded).
 
     ``device``: see :func:`resolve_device`. ``quant``: "none"; "4bit" / "8bit": on the CPU
     PyTorch's int4 / int8 CPU kernels with bfloat16 activations (:mod:`.cpu_quant`), on CUDA
@@ -95,32 +98,8 @@ def load_model(
             raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
         require_bitsandbytes(quant)
 
-    # --- where from
-    hub = False
-    if name.lower() in (EMBEDDED_MODEL, GEMMA_MODEL):
-        convert = ensure_converted if name.lower() == EMBEDDED_MODEL else ensure_gemma_converted
-        folder, gguf_sha = convert(cache)
-        source = str(folder)
-        weights_id: Any = {"gguf_sha256": gguf_sha}
-    else:
-        local = Path(name).expanduser()
-        if local.is_file() and local.suffix.lower() == ".gguf":
-            # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
-            folder, gguf_sha = ensure_gguf_converted(local, cache)
-            source = str(folder)
-            weights_id = {"gguf_sha256": gguf_sha}
-        elif local.exists():
-            check_local_folder(name, local)
-            source = str(local.resolve())
-            weights_id = None  # computed below from the folder
-        elif local.suffix.lower() == ".gguf":
-            raise ModelError(f"cannot load model '{name}': no such file")
-        elif looks_like_path(name):
-            raise ModelError(f"cannot load model '{name}': no such directory")
-        else:
-            source = name
-            hub = True
-            weights_id = None
+    name, source, hub, weights_id, converted = where_from(name, cache)
+    keep = converted and cpu_quant and quant == "8bit"  # 8-bit weights kept beside the conversion
 
     # --- load
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -160,7 +139,10 @@ def load_model(
                 kwargs["quantization_config"] = qc
             if dev.type != "cpu":
                 kwargs["device_map"] = {"": str(dev)}
-            model = call(AutoModelForCausalLM.from_pretrained, "the weights", **kwargs)
+            model = kept.load(Path(source), config, torch_dtype, kwargs["attn_implementation"]) if keep else None
+            quantized = model is not None
+            if model is None:
+                model = call(AutoModelForCausalLM.from_pretrained, "the weights", **kwargs)
             tokenizer = call(AutoTokenizer.from_pretrained, "the tokenizer", trust_remote_code=trust_remote_code)
     except ModelError:
         raise
@@ -175,9 +157,11 @@ def load_model(
         raise ModelError(f"cannot load model '{name}': {msg}") from e
 
     check_structure(model, name, config)
-    if cpu_quant:
+    if cpu_quant and not quantized:
         quantize_model(model, 4 if quant == "4bit" else 8, torch_dtype)
         malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
+        if keep:
+            kept.save(model, Path(source), torch_dtype)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -202,20 +186,48 @@ def load_model(
     )
 
 
+def where_from(name: str, cache: Path | None) -> tuple[str, str, bool, Any, bool]:
+    """(the model's name, where transformers loads it from, whether that is a hub id, what
+    identifies its weights (None: computed from the folder once loaded), whether it is a
+    conversion in the kvcli cache) for ``-m name``; embedded models and GGUFs converted first."""
+    known = embedded(name)
+    local = Path(name).expanduser()
+    if known is not None or (local.is_file() and local.suffix.lower() == ".gguf"):
+        if known is not None:
+            name = known.name
+            folder, gguf_sha = ensure_chunked_converted(known, cache) if known.parts else ensure_converted(cache)
+        else:  # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
+            folder, gguf_sha = ensure_gguf_converted(local, cache)
+        in_cache = folder.parent == (cache.expanduser() if cache is not None else default_cache_dir()) / "models"
+        return name, str(folder), False, {"gguf_sha256": gguf_sha}, in_cache
+    if local.exists():
+        check_local_folder(name, local)
+        return name, str(local.resolve()), False, None, False
+    if local.suffix.lower() == ".gguf":
+        raise ModelError(f"cannot load model '{name}': no such file")
+    if looks_like_path(name):
+        raise ModelError(f"cannot load model '{name}': no such directory")
+    return name, name, True, None, False
+
+
+# GGUF block types of 4 to 6 bits: int8 per row over their dequantised values adds an error well
+# below theirs (the GGUF's own rounding), so --quant auto runs such a file in 8-bit on the CPU
+LOW_BIT_BLOCKS = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
+
+
 def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None, cache_dir: Path | None = None) -> str:
-    """What ``--quant auto`` runs: "8bit" on the CPU for a GGUF whose decoder matrices are all Q4_1
-    (the embedded SmolLM2's: RULER 72.2 against float32's 70.1, 4bit 69.4; docs/cpu.md) when the
-    dtype is auto or bfloat16; "none" everywhere else (a model measured in no lower precision). The
-    GGUF's matrix types are read once per file (memoised in ``cache_dir``)."""
+    """What ``--quant auto`` runs: "none" off the CPU, or for a dtype other than auto or bfloat16;
+    on the CPU, an embedded model's measured choice (:attr:`EmbeddedModel.auto_quant`: 8bit for
+    SmolLM2, RULER 72.2 against float32's 70.1, docs/cpu.md; 8bit for the Qwen2.5-Coder models,
+    docs/bench/qwen), and "8bit" for a user's GGUF whose decoder matrices are all
+    :data:`LOW_BIT_BLOCKS` (read once per file, memoised in ``cache_dir``); "none" for the rest."""
     if device.type != "cpu" or requested_dtype(dtype) not in (None, torch.bfloat16):
         return "none"
-    if name.lower() == EMBEDDED_MODEL:
-        try:
-            gguf = embedded_gguf_file()
-        except ModelError:
-            return "none"  # the load says what is missing
-    elif name.lower().endswith(".gguf") and Path(name).expanduser().is_file():
-        gguf = Path(name).expanduser()
-    else:
-        return "none"
-    return "8bit" if gguf_linear_types(gguf, cache_dir) == {"Q4_1"} else "none"
+    known = embedded(name)
+    if known is not None:
+        return known.auto_quant if known.installed() else "none"  # the load says what is missing
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf") and path.is_file():
+        types = gguf_linear_types(path, cache_dir)
+        return "8bit" if types and types <= LOW_BIT_BLOCKS else "none"
+    return "none"

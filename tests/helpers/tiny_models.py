@@ -1,7 +1,8 @@
 """Tiny random-weight models of each supported family, for fast tests (no download).
 
 ``make_tiny_model("qwen3", tmp_path)`` builds a 2-layer model (hidden 64, 4 attention heads,
-2 KV heads -> GQA, head_dim 16, max_position_embeddings 4096) from the family's Config class,
+2 KV heads -> GQA, head_dim 16, max_position_embeddings 4096; qwen2 is shaped as Qwen2.5: see
+_FAMILY) from the family's Config class,
 with the embedded SmolLM2 tokenizer (vocab 49152, ChatML chat template), saves both with
 ``save_pretrained`` and returns the folder, which ``kvcli.models.load_model(str(path))`` loads.
 
@@ -47,7 +48,18 @@ _COMMON: dict[str, Any] = dict(
 _FAMILY: dict[str, dict[str, Any]] = {
     "llama": dict(head_dim=16),
     "mistral": dict(head_dim=16, sliding_window=None),
-    "qwen2": dict(use_sliding_window=False, sliding_window=None),  # head_dim = 64 / 4
+    # qwen2 shaped as Qwen2.5 (the embedded Qwen2.5-Coder models): q/k/v biases (random, see
+    # make_tiny_model), 12 query heads on 2 KV heads (head_dim = 192 / 12), RoPE base 1e6, tied embeddings
+    "qwen2": dict(
+        use_sliding_window=False,
+        sliding_window=None,
+        hidden_size=192,
+        intermediate_size=256,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "qwen3": dict(head_dim=16, use_sliding_window=False, sliding_window=None),
     # phi3: head_dim = 64 / 4; defaults pad/eos 32000 (a Phi-3 id): use SmolLM2's.
     "phi3": dict(original_max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0),
@@ -149,6 +161,10 @@ def make_tiny_model(family: str, tmp_path: Path, seed: int = 0, **overrides: Any
     with torch.random.fork_rng(devices=[]):  # deterministic, and leaves the global RNG alone
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # transformers starts biases at zero: make them count (qwen2's q/k/v)
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
     model.eval()
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     tmp = folder.with_name(folder.name + ".partial")

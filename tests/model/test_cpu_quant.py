@@ -271,6 +271,34 @@ def test_auto_quant_rules(tiny_dir):
     assert auto_quant(str(tiny_dir("llama")), cpu, "auto") == "none"  # float weights stay
 
 
+@pytest.mark.parametrize(
+    "types,want",
+    [({"Q4_1"}, "8bit"), ({"Q4_K", "Q6_K"}, "8bit"), ({"Q5_0", "Q8_0"}, "none"), ({"F32"}, "none"), (set(), "none")],
+)
+def test_auto_quant_of_a_users_gguf_follows_its_block_types(tmp_path, monkeypatch, types, want):
+    """A user's GGUF of 4-6-bit blocks (Q4_K_M's Q4_K + Q6_K, as the embedded Qwen's) runs in 8-bit
+    on the CPU, as the embedded models do; one with 8-bit or float matrices (or unreadable) stays."""
+    import kvcli.model.load as load
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(load, "gguf_linear_types", lambda path, cache_dir=None: types)
+    assert auto_quant(str(gguf), torch.device("cpu"), "auto") == want
+    assert auto_quant(str(gguf), torch.device("cpu"), "float32") == "none"
+
+
+def test_auto_quant_of_the_embedded_models_is_the_catalogs(monkeypatch):
+    from kvcli.model import catalog
+
+    cpu = torch.device("cpu")
+    for model in catalog.CATALOG.values():
+        monkeypatch.setattr(type(model), "installed", lambda self: True)
+        assert auto_quant(model.name, cpu, "auto") == model.auto_quant
+        monkeypatch.setattr(type(model), "installed", lambda self: False)
+        assert auto_quant(model.name, cpu, "auto") == "none"  # the load then says what is missing
+    assert catalog.GEMMA.auto_quant == "none" and catalog.QWEN_15B.auto_quant == "8bit"
+
+
 def test_cpu_quant_refuses_other_dtypes_in_one_line(tiny_dir):
     path = str(tiny_dir("llama"))
     for dtype in ("float32", "float16"):

