@@ -27,7 +27,7 @@ from ..files import dir_mode, file_mode
 from .cpu_quant import quantize_model
 
 FORMAT = 1
-_WEIGHTS, _FACTS = "weights.safetensors", "kept.json"
+_WEIGHTS, FACTS = "weights.safetensors", "kept.json"
 
 
 def kept_folder(source: Path, dtype: torch.dtype) -> Path:
@@ -41,7 +41,7 @@ def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | Non
     from safetensors.torch import save_file
 
     target = kept_folder(source, dtype)
-    if (target / _FACTS).is_file():
+    if (target / FACTS).is_file():
         return target
     tensors, storages = {}, set()
     for name, t in _named_tensors(model).items():  # safetensors refuses two names on one storage: copy
@@ -53,14 +53,14 @@ def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | Non
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": f"kvcli-int8-v{FORMAT}"})
         facts = {"format": FORMAT, "source": source.name, "dtype": str(dtype), "tensors": len(tensors)}
-        (tmp / _FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
+        (tmp / FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
         os.chmod(tmp / _WEIGHTS, file_mode())
-        os.chmod(tmp / _FACTS, file_mode())
+        os.chmod(tmp / FACTS, file_mode())
         os.chmod(tmp, dir_mode())  # mkdtemp's 0700 would lock a shared cache's other users out
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / _FACTS).is_file():
+            if not (target / FACTS).is_file():
                 raise
     except (OSError, RuntimeError):
         return None
@@ -78,7 +78,7 @@ def load(source: Path, config: Any, dtype: torch.dtype, attn_impl: str) -> torch
 
     folder = kept_folder(source, dtype)
     try:
-        facts = json.loads((folder / _FACTS).read_text(encoding="utf-8"))
+        facts = json.loads((folder / FACTS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if facts.get("format") != FORMAT or facts.get("source") != source.name:

@@ -1,0 +1,45 @@
+"""The embedded Qwen2.5-Coder-0.5B-Instruct (slow: converted once into the cache, ~1 min; skipped
+where its packages are not installed, as on CI): kvcli's layer-by-layer attention reproduces
+transformers' own logits on the real model: q/k/v biases, 14 query heads on 2 KV heads, RoPE base
+1e6, the 32k window, its ChatML template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.caches import KVCache
+from kvcli.errors import ModelError
+from kvcli.model import catalog, load_model
+from kvcli.runtime.engine import Engine
+from tests.helpers.reference import hf_logits
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    try:
+        catalog.chunks(catalog.QWEN_05B)
+    except ModelError as e:
+        pytest.skip(str(e))
+    return load_model("qwen2.5-coder-0.5b", dtype="float32")
+
+
+def test_qwen_05b_facts_and_logits_match_transformers(qwen):
+    lm = qwen
+    assert lm.family == "qwen2" and lm.name == "qwen2.5-coder-0.5b" and lm.max_context == 32768
+    assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim) == (24, 14, 2, 64)
+    assert lm.model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
+    assert "<|im_start|>" in lm.tokenizer.chat_template
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 150000, (300,), generator=g)
+    ref = hf_logits(lm, ids)
+    engine = Engine(lm)
+    got = engine.logits(engine.forward(ids, torch.arange(300), KVCache()))
+    assert (got - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert torch.equal(got[-50:].argmax(-1), ref[-50:].argmax(-1))
+    cache, logits = engine.prefill(ids[:280])
+    for i in range(280, 300):
+        logits = engine.step(int(ids[i]), i, cache)
+        assert (logits - ref[i]).abs().max() < 2e-3 * ref[i].abs().max()
