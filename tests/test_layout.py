@@ -197,3 +197,18 @@ def test_no_private_name_crosses_a_module():
             ):
                 found.append((name, node.lineno, f"{node.value.id}.{node.attr}"))
     assert found == []
+
+
+def test_the_model_sits_above_the_caches_and_the_runtime():
+    """model -> caches -> runtime (docs/design.md): the loaded model makes its default cache
+    (LoadedModel.new_cache) and carries the runtime's windows; neither the caches, the runtime nor
+    the store import the model, and the model imports nothing of the rooms above it."""
+    graph = import_graph()
+    assert "kvcli.runtime.windows" in graph["kvcli.model.facts"]
+    below = {m: deps for m, deps in graph.items() if m.startswith(("kvcli.caches", "kvcli.runtime", "kvcli.store"))}
+    assert {(m, d) for m, deps in below.items() for d in deps if d.startswith("kvcli.model")} == set()
+    above = ("kvcli.answer", "kvcli.compressors", "kvcli.cite", "kvcli.retrieval", "kvcli.documents", "kvcli.api")
+    above += ("kvcli.cli", "kvcli.report", "kvcli.bench", "kvcli.batch", "kvcli.store")
+    model = {m: deps for m, deps in graph.items() if m.startswith("kvcli.model")}
+    assert len(model) >= 10
+    assert {(m, d) for m, deps in model.items() for d in deps if d.startswith(above)} == set()

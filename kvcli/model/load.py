@@ -67,10 +67,8 @@ def load_model(
 
     ``device``: see :func:`resolve_device`. ``quant``: "none"; "4bit" / "8bit": on the CPU
     PyTorch's int4 / int8 CPU kernels with bfloat16 activations (:mod:`.cpu_quant`), on CUDA
-    bitsandbytes (nf4 / int8); "auto" (the default): "8bit" on the CPU for a GGUF whose layers are
-    Q4_1 blocks — the embedded model's — when ``dtype`` is auto or bfloat16, else "none": 8bit
-    scored at least as well as float32 on every accuracy measure kept (RULER slice, the books'
-    oracle), 4bit 1-2 instances below 8bit on each; 4bit decodes 3-10% faster (docs/cpu.md).
+    bitsandbytes (nf4 / int8); "auto" (the default): :func:`auto_quant`. 8-bit weights of a
+    conversion in the cache are kept beside it once quantised (:mod:`.kept`).
     ``attn``: "sdpa", "eager", or "flash" (CUDA + flash-attn only).
     ``dtype``: "auto" (float32 on CPU, bfloat16 with --quant there; bfloat16 on CUDA when
     supported, else float16), "float32", "bfloat16" or "float16".
@@ -78,32 +76,13 @@ def load_model(
     Every failure a user can cause raises :class:`ModelError` (or :class:`UsageError` for a bad
     option value) with a one-line message.
     """
-    # --- options
-    quant = (quant or "auto").strip().lower()
-    if quant not in QUANTS:
-        raise UsageError(f"--quant must be auto, none, 4bit or 8bit, not '{quant}'")
-    attn = (attn or "sdpa").strip().lower()
-    if attn not in ATTNS:
-        raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
-    dev = resolve_device(device)
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     cache = Path(cache_dir) if cache_dir is not None else None
-    if quant == "auto":
-        quant = auto_quant(name, dev, dtype, cache)
-    cpu_quant = quant != "none" and dev.type == "cpu"
-    torch_dtype = check_cpu_quant(quant, dtype) if cpu_quant else resolve_dtype(dtype, dev)
-    attn_impl = check_attn(attn, dev, torch_dtype)
-    if quant != "none" and not cpu_quant:
-        if dev.type != "cuda":
-            raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
-        require_bitsandbytes(quant)
-
+    dev, quant, cpu_quant, torch_dtype, attn_impl = resolve_options(name, device, quant, attn, dtype, cache)
     name, source, hub, weights_id, converted = where_from(name, cache)
     keep = converted and cpu_quant and quant == "8bit"  # 8-bit weights kept beside the conversion
 
-    # --- load
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     def call(fn, what: str, **kw):
         if hub:
@@ -112,33 +91,12 @@ def load_model(
 
     try:
         with quiet_load():
-            config = call(AutoConfig.from_pretrained, "the config", trust_remote_code=trust_remote_code)
-            auto_map = getattr(config, "auto_map", None) or {}
-            if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
-                trust_remote_code and "AutoModelForCausalLM" in auto_map
-            ):
-                hint = " (it has custom code: add --trust-remote-code)" if "AutoModelForCausalLM" in auto_map else ""
-                raise ModelError(
-                    f"cannot load model '{name}': model type '{config.model_type}' is not a "
-                    f"causal language model that transformers can run{hint}"
-                )
-            kwargs: dict[str, Any] = {
-                "config": config,
-                # 4/8-bit on the CPU: quantised from the float32 weights (the GGUF's exact values)
-                "dtype": torch.float32 if cpu_quant else torch_dtype,
-                "attn_implementation": attn_impl,
-                "trust_remote_code": trust_remote_code,
-            }
-            model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-            if attn_impl == "sdpa" and model_cls is not None and getattr(model_cls, "_supports_sdpa", True) is False:
-                # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
-                # (kvcli.runtime.attention.install), which soft-caps, so load it with eager
-                kwargs["attn_implementation"] = "eager"
-            qc = None if cpu_quant else quant_config(quant, torch_dtype)
-            if qc is not None:
-                kwargs["quantization_config"] = qc
-            if dev.type != "cpu":
-                kwargs["device_map"] = {"": str(dev)}
+            config = checked_config(
+                call(AutoConfig.from_pretrained, "the config", trust_remote_code=trust_remote_code),
+                name,
+                trust_remote_code,
+            )
+            kwargs = weights_options(config, dev, quant, cpu_quant, torch_dtype, attn_impl, trust_remote_code)
             model = kept.load(Path(source), config, torch_dtype, kwargs["attn_implementation"]) if keep else None
             quantized = model is not None
             if model is None:
@@ -184,6 +142,72 @@ def load_model(
         attn=attn,
         source=source,
     )
+
+
+def resolve_options(
+    name: str, device: str, quant: str, attn: str, dtype: str | torch.dtype, cache: Path | None
+) -> tuple[torch.device, str, bool, torch.dtype, str]:
+    """(device, quantisation, whether it runs on the CPU's kernels, dtype, attention kernel) for
+    the options asked: checked, ``auto`` resolved (:func:`auto_quant`)."""
+    quant = (quant or "auto").strip().lower()
+    if quant not in QUANTS:
+        raise UsageError(f"--quant must be auto, none, 4bit or 8bit, not '{quant}'")
+    attn = (attn or "sdpa").strip().lower()
+    if attn not in ATTNS:
+        raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
+    dev = resolve_device(device)
+    if quant == "auto":
+        quant = auto_quant(name, dev, dtype, cache)
+    cpu_quant = quant != "none" and dev.type == "cpu"
+    torch_dtype = check_cpu_quant(quant, dtype) if cpu_quant else resolve_dtype(dtype, dev)
+    attn_impl = check_attn(attn, dev, torch_dtype)
+    if quant != "none" and not cpu_quant:
+        if dev.type != "cuda":
+            raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
+        require_bitsandbytes(quant)
+    return dev, quant, cpu_quant, torch_dtype, attn_impl
+
+
+def checked_config(config: Any, name: str, trust_remote_code: bool) -> Any:
+    """``config``, if it is of a causal LM transformers runs; else a one-line ModelError."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
+        trust_remote_code and "AutoModelForCausalLM" in auto_map
+    ):
+        hint = " (it has custom code: add --trust-remote-code)" if "AutoModelForCausalLM" in auto_map else ""
+        raise ModelError(
+            f"cannot load model '{name}': model type '{config.model_type}' is not a "
+            f"causal language model that transformers can run{hint}"
+        )
+    return config
+
+
+def weights_options(
+    config: Any, dev: torch.device, quant: str, cpu_quant: bool, torch_dtype: torch.dtype, attn_impl: str, trust: bool
+) -> dict[str, Any]:
+    """The keywords of ``from_pretrained`` for these choices."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    kwargs: dict[str, Any] = {
+        "config": config,
+        # 4/8-bit on the CPU: quantised from the float32 weights (the GGUF's exact values)
+        "dtype": torch.float32 if cpu_quant else torch_dtype,
+        "attn_implementation": attn_impl,
+        "trust_remote_code": trust,
+    }
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if attn_impl == "sdpa" and model_cls is not None and getattr(model_cls, "_supports_sdpa", True) is False:
+        # Gemma 2 refuses sdpa (its soft-capped scores); kvcli runs its own attention anyway
+        # (kvcli.runtime.attention.install), which soft-caps, so load it with eager
+        kwargs["attn_implementation"] = "eager"
+    qc = None if cpu_quant else quant_config(quant, torch_dtype)
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+    if dev.type != "cpu":
+        kwargs["device_map"] = {"": str(dev)}
+    return kwargs
 
 
 def where_from(name: str, cache: Path | None) -> tuple[str, str, bool, Any, bool]:
