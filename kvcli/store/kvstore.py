@@ -59,8 +59,8 @@ from .locks import (
     Heartbeat,
     Holder,
     LocksUnsupported,
+    Staleness,
     read_holder,
-    silent_for,
     stale_after,
     take_lock,
     write_holder,
@@ -287,8 +287,9 @@ class KVStore:
         ``flock`` one warning; any other failure turns the store off). While another process holds
         it the watcher hears what that one says of itself (:class:`Holder`); once taken, this one
         says it computes ``meta``'s document (and how far: :meth:`progress`) and beats
-        (:class:`kvcli.store.locks.Heartbeat`). A holder that stops beating for
-        :func:`kvcli.store.locks.stale_after` seconds (stopped, or on a host gone) is given up on,
+        (:class:`kvcli.store.locks.Heartbeat`). A holder whose lock file this process has seen
+        unchanged for :func:`kvcli.store.locks.stale_after` seconds of its own monotonic clock
+        (stopped, or on a host gone: :class:`kvcli.store.locks.Staleness`) is given up on,
         with one line: the block runs without the lock and yields False (then nothing may be written
         where the holder writes: a book is read into memory), else True."""
         handle, heartbeat, owned = None, None, True
@@ -296,11 +297,12 @@ class KVStore:
             path = lock_path(self.root, key.digest)
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = take_lock(path, blocking=False)
+            watch = Staleness(path) if handle is None else None
             while handle is None:  # another process computes it: say so, look again
                 holder = read_holder(path)
                 self.watcher.waiting(holder)
-                silent = silent_for(path)
-                if silent is not None and silent > stale_after():
+                silent = watch.silent()
+                if silent > stale_after():
                     who = holder.describe() if holder is not None else "another kvcli process"
                     notices.warn(
                         f"{who} has given no sign of life for {silent:.0f}s (stopped or hung): not waiting for it, "
