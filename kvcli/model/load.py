@@ -21,7 +21,7 @@ from .device import (
     resolve_dtype,
 )
 from .embedded import EMBEDDED_MODEL, embedded_gguf_file, ensure_converted
-from .facts import ATTNS, QUANTS, LoadedModel
+from .facts import ATTNS, QUANTS, LoadedModel, spelled
 from .fingerprint import compute_fingerprint, weights_identity
 from .ggufs import GEMMA_MODEL, ensure_gemma_converted, ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
@@ -78,7 +78,9 @@ def load_model(
     # --- options
     quant = (quant or "auto").strip().lower()
     if quant not in QUANTS:
-        raise UsageError(f"--quant must be auto, none, 4bit or 8bit, not '{quant}'")
+        raise UsageError(
+            f"quant must be auto, none, 4bit or 8bit (load_model's names of --quant 4 and 8), not '{quant}'"
+        )
     attn = (attn or "sdpa").strip().lower()
     if attn not in ATTNS:
         raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
@@ -92,7 +94,7 @@ def load_model(
     attn_impl = check_attn(attn, dev, torch_dtype)
     if quant != "none" and not cpu_quant:
         if dev.type != "cuda":
-            raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
+            raise ModelError(f"--quant {spelled(quant)} works on cpu and cuda only, not on {dev.type}")
         require_bitsandbytes(quant)
 
     # --- where from
