@@ -107,9 +107,14 @@ def test_inspect_defaults_to_the_method_ask_does(cli, model, tmp_path, monkeypat
     code, out, err = cli("ask", doc, "How many ships?", *common, "--max-new-tokens", "2")
     assert code == 0, err
     asked = json.loads(out)["compressor"]
+    assert json.loads(out)["policy"] == "auto"
     code, out, err = cli("inspect", doc, "How many ships?", *common)
     assert code == 0, err
     assert json.loads(out)["compressor"] == asked and asked.startswith("pages")
+    assert json.loads(out)["policy"] == "auto"  # as ask --json says it
+    code, out, err = cli("inspect", doc, "How many ships?", *common, "-c", asked)
+    assert code == 0, err
+    assert json.loads(out)["compressor"] == asked and json.loads(out)["policy"] is None  # an explicit -c
 
 
 def test_a_batch_says_a_documents_over_window_note_once(cli, model, tmp_path):
