@@ -203,6 +203,7 @@ def test_bm25_matches_bm25s():
     """Lucene's BM25 as bm25s computes it (k1 1.5, b 0.75, its English stopwords), an independent
     implementation: a test extra (pyproject.toml), so this runs wherever the tests do."""
     import bm25s
+
     rng = random.Random(1)
     vocab = ["alpha", "beta", "gamma", "delta", "the", "of", "epsilon", "zeta", "eta", "theta"]
     corpus = [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 30))) for _ in range(20)]
