@@ -185,10 +185,6 @@ class Inspection:
         record["method_stats"] = self.method_stats
         return record
 
-    def token_chars(self) -> list[tuple[int, int]]:
-        """Character span of each document token (index: document token number)."""
-        return self.prompt.doc_offsets
-
 
 def _uniform(mask: torch.Tensor) -> bool:
     flat = mask.reshape(-1, mask.shape[-1])
