@@ -36,7 +36,6 @@ from .compressors.selection import Selection
 from .documents import Document, load_document
 from .errors import UsageError
 from .model import LoadedModel, default_cache_dir, load_model
-from .model.facts import QUANT_SPELLINGS, quant_name
 from .runtime.engine import Engine
 from .runtime.threads import ThreadPolicy
 from .store import KVStore, resolve_cap
@@ -95,6 +94,8 @@ class Session:
             options.kv_bits = quant.check_bits(options.kv_bits)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        from .model.facts import QUANT_SPELLINGS, quant_name
+
         weights = quant_name(options.quant)
         if weights is None:
             raise UsageError(f"--quant must be one of {', '.join(QUANT_SPELLINGS)}, not '{options.quant}'")
