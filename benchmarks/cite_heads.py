@@ -38,6 +38,7 @@ from kvcli.bench.ruler_tasks import make_instance  # noqa: E402
 from kvcli.cite.sources import DocumentUnits  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.model import load_model  # noqa: E402
+from kvcli.model.facts import quant_name  # noqa: E402
 from kvcli.runtime.attention import AttentionContext, attention_context, install  # noqa: E402
 
 
@@ -101,7 +102,7 @@ def greedy(lm, ids: torch.Tensor, ctx: AttentionContext, max_new: int, stop: set
 
 
 def collect(args) -> None:
-    lm = load_model(None, quant=args.quant)
+    lm = load_model(None, quant=quant_name(args.quant) or args.quant)  # --quant 8, as kvcli spells it
     install(lm.model)  # kvcli's attention function, which calls the observers (the Engine installs it)
     tok = lm.tokenizer
     template = load_template("ruler")
@@ -256,7 +257,7 @@ def main() -> None:
     c.add_argument("--task", default="qa_2")
     c.add_argument("--length", type=int, default=4096)
     c.add_argument("--instances", default="0-59")
-    c.add_argument("--quant", default="auto")
+    c.add_argument("--quant", default="auto", help="the weights: auto, none, 8 or 4 (as kvcli --quant)")
     c.add_argument("--out", type=Path, required=True)
     a = sub.add_parser("analyze")
     a.add_argument("file", type=Path)

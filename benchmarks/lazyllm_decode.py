@@ -101,7 +101,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = [s.strip() for s in args.methods.split(";") if s.strip()]
-    session = Session.open(AskOptions(use_cache=False, quant=QUANT_SPELLINGS[args.quant]))
+    session = Session.open(AskOptions(use_cache=False, quant=args.quant))
     print(f"weights: {session.lm.quant}, {session.lm.dtype}", flush=True)
     engine, lm = session.engine, session.lm
     bench = SpeedBench(session)

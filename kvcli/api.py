@@ -45,7 +45,7 @@ from .store import KVStore, resolve_cap
 class AskOptions:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "auto"
-    quant: str = "auto"
+    quant: str = "auto"  # weights: "auto", "none", "8" or "4" bits (as --quant and --json spell it)
     attn: str = "sdpa"
     dtype: str = "auto"
     max_new_tokens: int = 64
@@ -94,11 +94,16 @@ class Session:
             options.kv_bits = quant.check_bits(options.kv_bits)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        from .model.facts import QUANT_SPELLINGS, quant_name
+
+        weights = quant_name(options.quant)
+        if weights is None:
+            raise UsageError(f"--quant must be one of {', '.join(QUANT_SPELLINGS)}, not '{options.quant}'")
         threads = ThreadPolicy.from_option(options.threads)  # auto measures the free cores from here on
         lm = load_model(
             options.model,
             device=options.device,
-            quant=options.quant,
+            quant=weights,
             attn=options.attn,
             dtype=options.dtype,
             cache_dir=options.cache_dir,

@@ -160,3 +160,48 @@ def test_portable_paths_are_relative_or_a_placeholder(monkeypatch):
     )
     assert MACHINE_PATH.search(command) and not MACHINE_PATH.search(portable.scrub(command))
     assert not MACHINE_PATH.search("see https://example.org/home/page and tokens/tmp/x")
+
+
+def test_adding_a_method_names_what_a_class_declares():
+    """docs/design.md's recipe names every class attribute a method must declare (the ones
+    Compressor announces without a value) and no table to edit by hand: the tests' COMPRESSING
+    and docs/methods.md's table are read off the registry."""
+    from typing import ClassVar, get_origin
+
+    from kvcli.compressors.base import Compressor
+
+    text = " ".join((ROOT / "docs" / "design.md").read_text(encoding="utf-8").split("Adding a method:", 1)[1].split())
+    declared = [
+        name
+        for name, kind in Compressor.__annotations__.items()
+        if (get_origin(kind) is ClassVar or str(kind).startswith("ClassVar")) and not hasattr(Compressor, name)
+    ]
+    assert {"keep_all", "short_document_spec", "title", "acts"} <= set(declared)
+    for name in declared:
+        assert f"`{name}`" in text, name
+    assert "spec for it in `COMPRESSING`" not in text
+
+
+def test_the_readme_says_gemfilters_stored_layers_stay_16_bit():
+    """GemFilter's prefix state (its filter layers, what the store keeps) names no KV bits: built
+    and stored in 16 bits whatever --kv-bits says; the README says so."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvcli.compressors import parse_one
+
+    gemfilter, full = parse_one("gemfilter:layer=13"), parse_one("full")
+    for method in (gemfilter, full):
+        method.runtime = dataclasses.replace(method.runtime, kv_bits=8)
+    lm = SimpleNamespace(n_layers=30)
+    assert full.prefix_state(lm)["kv_bits"] == 8  # full attention's entry: in the bits asked
+    assert gemfilter.prefix_state(lm).get("kv_bits", 16) == 16
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "GemFilter's cached filter layers stay 16-bit" in readme
+
+
+def test_the_readme_tells_of_the_gpu_run():
+    """An H200 ran the GPU paths on 2026-11-26: the README says so, and that the suite was not rerun."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "No real GPU has run" not in readme
+    assert "An H200 ran them on 2026-11-26" in readme and "has not been rerun on a GPU" in readme

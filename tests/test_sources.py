@@ -1,5 +1,5 @@
 """kvcli.cite.sources (units, token -> unit scores, ranked sources) and kvcli.cite.bm25, each against an
-independent computation: brute force over characters, hand-computed numbers, bm25s where installed."""
+independent computation: brute force over characters, hand-computed numbers, bm25s (a test extra)."""
 
 from __future__ import annotations
 
@@ -200,7 +200,10 @@ def test_bm25_by_hand():
 
 
 def test_bm25_matches_bm25s():
-    bm25s = pytest.importorskip("bm25s")
+    """Lucene's BM25 as bm25s computes it (k1 1.5, b 0.75, its English stopwords), an independent
+    implementation: a test extra (pyproject.toml), so this runs wherever the tests do."""
+    import bm25s
+
     rng = random.Random(1)
     vocab = ["alpha", "beta", "gamma", "delta", "the", "of", "epsilon", "zeta", "eta", "theta"]
     corpus = [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 30))) for _ in range(20)]

@@ -29,6 +29,7 @@ from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-
 from tests.test_book_resume import _chunks  # the chunks a read goes through, counted (one helper for both)
 
 REPO = Path(__file__).resolve().parent.parent
+BEAT_S = 0.25  # the heartbeat here (5 s in kvcli): the floor of the stall time is 4 of them, 1 s
 STALE_S = 1.5
 KEY = StoreKey("ab" * 32, {"n_tokens": 7})
 
@@ -50,14 +51,21 @@ def _python(code: str, *args) -> subprocess.Popen:
 
 HOLD = """
 import sys, time
-from kvcli.store import KVStore
+from kvcli.store import KVStore, locks
+locks.HEARTBEAT_S = @BEAT@
 from kvcli.store.keys import StoreKey
 store = KVStore.open(sys.argv[1])
 key = StoreKey(sys.argv[2], {"n_tokens": 7})
 with store.lock(key, {"document": "held.txt"}):
     print("locked", flush=True)
     time.sleep(600)
-"""
+""".replace("@BEAT@", str(BEAT_S))
+
+
+@pytest.fixture(autouse=True)
+def fast_beats(monkeypatch):
+    """Heartbeats every BEAT_S in this process too (the floor of stale_after() follows them)."""
+    monkeypatch.setattr(locks, "HEARTBEAT_S", BEAT_S)
 
 
 @pytest.fixture
@@ -91,6 +99,67 @@ def test_the_stall_time_is_stated_and_overridable(monkeypatch):
     assert locks.stale_after() == locks.STALE_AFTER_S
 
 
+def test_the_stall_time_has_a_floor_of_several_heartbeats(monkeypatch):
+    """A short setting cannot give up on a holder between two of its beats."""
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 5.0)  # kvcli's own
+    assert locks.stale_floor() == 20.0 >= 3 * locks.HEARTBEAT_S
+    for short in ("0.5", "5", "19.9"):
+        monkeypatch.setenv(locks.STALE_ENV, short)
+        assert locks.stale_after() == 20.0
+    monkeypatch.setenv(locks.STALE_ENV, "300")
+    assert locks.stale_after() == 300.0
+
+
+def test_staleness_is_seen_by_the_waiter_not_read_from_the_files_clock(tmp_path, monkeypatch):
+    """A holder on a host whose clock is far behind (its lock file's mtime hours old however often
+    it beats) is waited for while it beats; once it stops, the waiter gives up only after seeing
+    the file unchanged for the whole period on its own clock, not at its first look."""
+    monkeypatch.setenv(locks.STALE_ENV, str(STALE_S))
+    store = KVStore.open(tmp_path)
+    path = lock_path(store.root, KEY.digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = locks.take_lock(path)  # another open file: flock keeps it from the waiter, as another process
+    skew = time.time() - 6 * 3600  # the holder's clock: six hours behind
+    os.utime(path, (skew, skew))
+    beating = threading.Event()
+    beating.set()
+
+    def beat() -> None:  # the skewed holder's heartbeat: every BEAT_S, its own (old) time
+        n = 0
+        while beating.is_set():
+            n += 1
+            os.utime(path, (skew + n * BEAT_S, skew + n * BEAT_S))
+            time.sleep(BEAT_S)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        got: list = []
+        thread = _waiting(store, got)
+        time.sleep(3 * STALE_S)  # beating, however old its mtime: waited for
+        assert got == [] and thread.is_alive()
+        beating.clear()
+        beater.join(timeout=5)
+        stopped = time.monotonic()
+        thread.join(timeout=30)
+        [(owned, when)] = got
+        assert owned is False and STALE_S * 0.9 <= when - stopped <= STALE_S + 5
+    finally:
+        held.close()
+
+    # a waiter arriving at a lock file that has not changed for hours waits the period too
+    held = locks.take_lock(path)
+    try:
+        os.utime(path, (skew, skew))
+        got = []
+        start = time.monotonic()
+        _waiting(store, got).join(timeout=30)
+        [(owned, when)] = got
+        assert owned is False and when - start >= STALE_S
+    finally:
+        held.close()
+
+
 def test_a_running_holder_is_waited_for_and_a_stopped_one_given_up_on(holder, tmp_path, monkeypatch):
     monkeypatch.setenv(locks.STALE_ENV, str(STALE_S))
     store = KVStore.open(tmp_path)
@@ -98,7 +167,6 @@ def test_a_running_holder_is_waited_for_and_a_stopped_one_given_up_on(holder, tm
     thread = _waiting(store, got)
     time.sleep(3 * STALE_S)  # the holder runs and beats: waited for, however long
     assert got == [] and thread.is_alive()
-    assert locks.silent_for(lock_path(store.root, KEY.digest)) < STALE_S
 
     os.kill(holder.pid, signal.SIGSTOP)  # stopped: its heartbeat stops with it
     stopped = time.monotonic()

@@ -14,8 +14,11 @@ def cite(document: Document, result: Result, question: str = "", by_passage: boo
     """The answer's sources from what its decoding steps read (``result.extra["citing"]``, taken
     out), ranked with the question's BM25 by :data:`kvcli.cite.sources.LEXICAL_WEIGHT`; the time they
     added (reading and ranking) in ``result.extra["sources_s"]``. ``by_passage``: the method read
-    whole passages chosen by their retrieval score (``pages``: ``result.selection.scores``): one source
-    per passage, ordered by the answer's evidence over them (:func:`kvcli.cite.sources.sources_from_tokens`)."""
+    whole passages chosen by their retrieval score (``pages``: ``result.selection.scores``, BM25 fused
+    with a sentence embedding): one source per passage, ordered by the answer's evidence over them
+    (:func:`kvcli.cite.sources.sources_from_tokens`). The sources' ``signal`` says what ranked them:
+    "attention+bm25" (or "attention"), after "passages by bm25+embedding, " (or "passages by bm25, "
+    without an embedding model) for such a method."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")
     if citing["unsupported"]:
@@ -29,7 +32,8 @@ def cite(document: Document, result: Result, question: str = "", by_passage: boo
             lexical=LEXICAL_WEIGHT,
             passage_scores=result.selection.scores.numpy() if by_passage else None,
             answer=result.answer,
-            signal=("passages by bm25, " if by_passage else "") + ("attention+bm25" if LEXICAL_WEIGHT else "attention"),
+            signal=(f"passages by {result.selection.ranked_by or 'retrieval'}, " if by_passage else "")
+            + ("attention+bm25" if LEXICAL_WEIGHT else "attention"),
         )
     result.extra["sources_s"] = citing["seconds"] + time.perf_counter() - t0
     return found

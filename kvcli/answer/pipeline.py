@@ -391,16 +391,17 @@ def run(
             )
             # the first scores a selector gives are kept, even when it kept every token (pages on a
             # short document: its passages' scores still order the sources)
-            if selection.scores is None and sub.scores is not None:
+            scores = selection.scores
+            if scores is None and sub.scores is not None:
                 scores = torch.full((prompt.n_tokens,), float("nan"))
                 scores[selection.kept] = sub.scores
-                selection = Selection(
-                    selection.kept[sub.kept], scores, selection.note or sub.note, selection.read or sub.read
-                )
-            else:
-                selection = Selection(
-                    selection.kept[sub.kept], selection.scores, selection.note or sub.note, selection.read or sub.read
-                )
+            selection = Selection(
+                selection.kept[sub.kept],
+                scores,
+                selection.note or sub.note,
+                selection.read or sub.read,
+                selection.ranked_by or sub.ranked_by,
+            )
         if on_selected is not None:
             on_selected(selection)
         kept_ids = ids[selection.kept]

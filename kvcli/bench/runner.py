@@ -410,13 +410,3 @@ def select_rows(rows: list[dict], **wanted) -> list[dict]:
         order = {m: i for i, m in enumerate(wanted["method"])}
         out.sort(key=lambda r: order.get(r["method"], len(order)))
     return out
-
-
-# --------------------------------------------------------------------------- backward compatibility
-
-
-def run_grid(session, specs, lengths, depths, haystack: str = "filler", seed: int = 0, on_row=None) -> list[dict]:
-    """The needle grid without a results file (the old interface of ``benchmarks/methods.py``)."""
-    bench = NeedleBench(session, session.options.max_new_tokens, seed)
-    cells = needle_cells(list(specs), list(lengths), list(depths), 1, haystack)
-    return run_cells(cells, bench, model=session.lm.name, on_row=on_row)

@@ -50,6 +50,10 @@ ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before
 # change (the golden bytes of tests/test_kv_codecs.py fail) gets a new name: an entry of the old
 # format is then a miss, never decoded.
 CODECS = {16: "dtype-cast-v1", 8: "rows-int8-mid-v2", 4: "rows-hadamard"}
+# every name each precision's codec has had (the current one too; a state that names none is older
+# still): a codec renamed keeps its old name here, so that a run asking for an entry finds the one of
+# the old format by its key alone and says why it is not read (kvcli.store.keys.other_formats)
+CODEC_NAMES = {16: ("dtype-cast-v1",), 8: ("rows-int8-mid-v2",), 4: ("rows-hadamard",)}
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16

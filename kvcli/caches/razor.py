@@ -38,22 +38,6 @@ class RazorLayer(LayerView):
 
     cache: RazorCache
 
-    @property
-    def protected_keys(self) -> torch.Tensor:
-        return self.cache.pk[self.layer_idx]
-
-    @property
-    def protected_values(self) -> torch.Tensor:
-        return self.cache.pv[self.layer_idx]
-
-    @property
-    def compressed_keys(self) -> torch.Tensor:
-        return self.cache.ck[self.layer_idx]
-
-    @property
-    def compressed_values(self) -> torch.Tensor:
-        return self.cache.cv[self.layer_idx]
-
     def attend(
         self, module, query: torch.Tensor, scaling: float, sliding_window: int | None, kernel: str
     ) -> torch.Tensor:

@@ -11,10 +11,16 @@ the answer came from is the answer's to say. Per passage read, three signals:
   its numbers (``4-7-1-9``, ``0.05``, ``8080``: a digit run of at least two characters, matched as
   written).
 
-The passages are cited best first by ``retrieval + ATTENTION_WEIGHT * attention + WORDS_WEIGHT *
-words`` (both weights 0 as measured: the retrieval's order; see them). The answer has **no clear source** (:func:`points_nowhere`) when it has
-terms of its own and none is in any passage read, and its attention singles out no passage.
-Model-free: tested with hand-made scores.
+The passages are cited in the retrieval's order: ordering them by the answer's words or attention
+as well did no better, measured (benchmarks/heldout_answers.py --analyse weighs the shares ``--json``
+reports as ``sources_evidence``; docs/bench/cite/README.md, "Sources from the answer"): on the tuning
+questions (user-check.json, pages, 30 in each wording) the answer's page came first for 25 + 15 of 60
+in the retrieval's order, 23 + 17 with half the answer's words, 21 + 17 with all of them, no better
+with its attention — a tie; on the held-out questions (heldout-questions.json, 25 answerable in each
+wording) 23 + 4 against 19 + 5 with half its words. An answer that is wrong (most of this small
+model's) points its words at the wrong page. The shares are measured for that benchmark and for
+**no clear source** (:func:`points_nowhere`): the answer has terms of its own and none is in any
+passage read, and its attention singles out no passage. Model-free: tested with hand-made scores.
 """
 
 from __future__ import annotations
@@ -26,15 +32,6 @@ import numpy as np
 
 from ..retrieval.bm25 import words
 
-# the passages' order: the retrieval's score plus these shares of the answer's attention and words.
-# Both 0, so the retrieval's order, measured (benchmarks/heldout_answers.py --analyse; docs/bench/cite/
-# README.md, "Sources from the answer"): on the tuning questions (user-check.json, pages, 30 in each
-# wording) the answer's page came first for 25 + 15 of 60 in the retrieval's order, 23 + 17 with half
-# the answer's words, 21 + 17 with all of them, no better with its attention — a tie; on the held-out
-# questions (heldout-questions.json, 25 answerable in each wording) 23 + 4 against 19 + 5 with half
-# its words. An answer that is wrong (most of this small model's) points its words at the wrong page.
-ATTENTION_WEIGHT = 0.0
-WORDS_WEIGHT = 0.0
 # an answer's attention singles out a passage when that passage holds at least this share of it
 ATTENTION_CLEAR_SHARE = 0.6
 _NUMBER = re.compile(r"\d+(?:[-.,:/]\d+)*")
@@ -49,9 +46,6 @@ class Evidence:
     retrieval: float
     attention: float
     words: float
-
-    def score(self) -> float:
-        return self.retrieval + ATTENTION_WEIGHT * self.attention + WORDS_WEIGHT * self.words
 
     def to_json(self) -> dict:
         return {

@@ -240,10 +240,11 @@ def sources_from_tokens(
     ``passage_scores``: one score per prompt token, the score of the passage (page or paragraph)
     it is in, for a method that read whole passages chosen by it (``pages``): then each passage
     read gives at most one source (its best run of units), and the sources come in the passages'
-    order of the answer's evidence over them (:mod:`kvcli.cite.evidence`: the retrieval's score
-    that chose them, the ``answer``'s own words and its attention), the units' own scores breaking
-    ties and choosing within a passage; "no clear source" when that evidence points to no passage
-    read (:func:`kvcli.cite.evidence.points_nowhere`), each passage's evidence in ``extra``."""
+    retrieval order (the score that chose them; the answer's words and attention did not order them
+    better: :mod:`kvcli.cite.evidence`), the units' own scores breaking ties and choosing within a
+    passage; "no clear source" when the ``answer``'s evidence (its own words, its attention) points
+    to no passage read (:func:`kvcli.cite.evidence.points_nowhere`), each passage's evidence in
+    ``extra``."""
     doc_units = DocumentUnits.of(document)
     values = np.asarray(token_scores, dtype=np.float64).reshape(-1)[prompt.doc_start : prompt.doc_end]
     scores, read = doc_units.scores(prompt.doc_offsets, values)
@@ -252,8 +253,8 @@ def sources_from_tokens(
         scores = fused(doc_units, scores, read, question, lexical)
     if passage_scores is None:
         return rank(doc_units, scores, read=read, **kwargs)
-    # a unit's group: the prompt's passage it is in (units never cross one); its order: the answer's
-    # evidence over the passages read (kvcli.cite.evidence), their retrieval score first among it
+    # a unit's group: the prompt's passage it is in (units never cross one); its order: the passages'
+    # retrieval score; the answer's evidence over them (kvcli.cite.evidence) decides "no clear source"
     starts = [p.char_start for p in prompt.passages]
     groups = np.array([bisect.bisect_right(starts, u.start) - 1 for u in doc_units.units], dtype=np.int64)
     per_passage = np.asarray(passage_scores, dtype=np.float64).reshape(-1)[[p.start for p in prompt.passages]]
@@ -268,7 +269,7 @@ def sources_from_tokens(
         terms,
     )
     order = np.zeros(len(prompt.passages))
-    order[was_read] = [e.score() for e in found]
+    order[was_read] = [e.retrieval for e in found]
     out = rank(doc_units, scores, read=read, groups=groups, group_order=order[groups], **kwargs)
     nowhere = evidence.points_nowhere(found, terms)
     reason = "no clear source: the answer's words and attention point to no passage it read" if nowhere else None

@@ -19,7 +19,7 @@ from ..store.capacity import CAP_ENV
 from . import vocabulary
 from .app import app
 from .console import stdout
-from .options import KvcliCommand
+from .options import KvcliCommand, QuietOpt
 
 cache_app = typer.Typer(
     no_args_is_help=True,
@@ -226,6 +226,7 @@ def cache_prune(
     ),
     max_size: str | None = typer.Option(None, "--max-size", hidden=True),  # the old name, for one release
     cache_dir: Path | None = CacheDir,
+    quiet: bool = QuietOpt,
 ) -> None:
     """Remove the least recently used entries (page vectors included) down to --cache-max.
 
@@ -233,7 +234,7 @@ def cache_prune(
     lock files nobody holds.
     """
     if max_size is not None:
-        vocabulary.renamed("--max-size")
+        vocabulary.renamed("--max-size", quiet)
         cache_max = max_size if cache_max is None or _given_from_env(CAP_ENV, cache_max) else cache_max
     if cache_max is None:
         raise UsageError("give the size to keep: kvcli cache prune --cache-max 2G (see 'kvcli cache prune --help')")

@@ -1,6 +1,7 @@
 """``kvcli chat``: one document, many questions — the model and the document loaded once, each
 question answered from the document's stored KV; a prompt with history on a terminal, one question
-per line over a pipe."""
+per line over a pipe. stdout holds the answers alone: where it is not a terminal (``kvcli chat doc
+| tee log``) the prompt goes to stderr."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ the whole document again).
 
 On a terminal: a prompt with line editing and history (Up and Down; kept in the cache folder),
 answers printed as they are decoded, then a line of figures. Ctrl-C cancels the answer being
-written, not the chat; Ctrl-D on an empty prompt leaves.
+written, not the chat; Ctrl-D on an empty prompt leaves. With stdout not a terminal (kvcli chat
+book.pdf | tee log) the prompt goes to stderr: stdout holds the answers alone.
 
 Over a pipe (stdin not a terminal): one question per line, one answer per question on stdout
 (--json: one JSON object per line, as kvcli ask's batches write them, errors as error records).
@@ -159,15 +161,18 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
     )
     stream = not as_json and stdout.is_terminal
     compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
+    # stdout not a terminal (``kvcli chat doc | tee log``): it holds the answers alone; the prompt
+    # and the line ending it on Ctrl-C or Ctrl-D go to stderr (input() would write them to stdout)
+    screen = sys.stdout if stdout.is_terminal else sys.stderr
     try:
         while True:
             try:
-                question = input(PROMPT)
+                question = _question(stdout.is_terminal)
             except EOFError:  # Ctrl-D
-                sys.stdout.write("\n")
+                screen.write("\n")
                 return
             except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as a shell does
-                sys.stdout.write("\n")
+                screen.write("\n")
                 continue
             if not question.strip():
                 continue
@@ -187,6 +192,16 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
                 readline.write_history_file(str(history))
             except OSError:
                 pass  # a read-only cache folder: no history next time
+
+
+def _question(on_stdout: bool) -> str:
+    """A line typed at the prompt: ``input(PROMPT)`` when stdout is a terminal (readline's editing);
+    else the prompt is written to stderr, so that stdout holds only the answers."""
+    if on_stdout:
+        return input(PROMPT)
+    sys.stderr.write(PROMPT)
+    sys.stderr.flush()
+    return input()
 
 
 def _readline(history: Path):

@@ -30,11 +30,13 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-class Quant(str, Enum):  # the library's names; the command line spells them as bits (kvcli.model.facts.QUANT_SPELLINGS)
+class Quant(
+    str, Enum
+):  # spelled as bits, as AskOptions.quant and --json spell them (kvcli.model.facts.QUANT_SPELLINGS)
     auto = "auto"
     none = "none"
-    four = "4bit"
-    eight = "8bit"
+    four = "4"
+    eight = "8"
 
 
 class Offload(str, Enum):
@@ -58,7 +60,7 @@ DeviceOpt = typer.Option(Device.auto, help="Where to run")
 
 
 def _quant_checked(value: str) -> Quant:
-    """``--quant`` spelled in bits (``8``), the old ``8bit`` with a note, as the library's name."""
+    """``--quant`` spelled in bits (``8``; the old ``8bit`` with a note)."""
     try:
         return Quant(vocabulary.quant_value(value))
     except UsageError as e:
@@ -264,6 +266,7 @@ def loads_a_model(command):
 
     @functools.wraps(command)
     def with_model(**values):
+        vocabulary.say_renamed(bool(values.get("quiet")))  # --quant 8bit's note, once --quiet is known
         load = ModelChoice(**{name: values.pop(name) for name, _, _ in MODEL_OPTIONS})
         return command(load=load, **values)
 

@@ -1,9 +1,10 @@
 """kvcli's one vocabulary: the environment variables every command reads and the spellings of its
 values, in one table the option declarations (:mod:`.options`), ``kvcli --help`` and so docs/cli.md
 (:mod:`.reference`) are made from; and the old spellings still accepted for one release, each with
-a one-line note on stderr (:func:`renamed`).
+a one-line note on stderr (:func:`renamed`; none with ``--quiet``).
 
-One spelling per idea: a precision is a number of bits (``--quant 8``, ``--kv-bits 8``), a size cap
+One spelling per idea: a precision is a number of bits (``--quant 8``, ``--kv-bits 8``; the library's
+``AskOptions.quant`` and ``--json``'s ``quant`` spell it so too), a size cap
 is ``--cache-max`` (``cache prune`` too), every answering command's method defaults to ``-c auto``.
 """
 
@@ -28,7 +29,7 @@ ENVIRONMENT: dict[str, str] = {
     "KVCLI_CACHE_DIR": "--cache-dir",
     CAP_ENV: "--cache-max (ask, chat, cache prune)",
     ENV_PREFILL_CHUNK: "tokens per prefill chunk (0: one pass)",
-    STALE_ENV: "seconds to wait for a stopped cache lock holder (120)",
+    STALE_ENV: "seconds to wait for a stuck lock holder (120, min 20)",
     "KVCLI_EMBED_MODEL": "pages' embedding model: folder, package or none",
     "KVCLI_DEBUG": "1: a bug (exit 3) prints its Python stack too",
 }
@@ -53,18 +54,33 @@ def environment_help() -> str:
     return f"Environment:\n\n\b\n{rows}"
 
 
-def renamed(old: str, quiet: bool = False) -> None:
-    """Say once on stderr that ``old`` (a key of :data:`OLD_SPELLINGS`) is now spelled otherwise."""
-    if not quiet:
+_PENDING: list[str] = []  # old spellings met while the command line was parsed, not said yet
+
+
+def renamed(old: str, quiet: bool | None = None) -> None:
+    """Say on stderr that ``old`` (a key of :data:`OLD_SPELLINGS`) is now spelled otherwise; nothing
+    with ``quiet``. ``quiet`` None (an option's callback, before ``--quiet`` is known): said by
+    :func:`say_renamed` once the command knows it."""
+    if quiet is None:
+        if old not in _PENDING:
+            _PENDING.append(old)
+    elif not quiet:
         print(
             f"kvcli: note: {old} is now {OLD_SPELLINGS[old]} (the old spelling goes in the next release)",
             file=sys.stderr,
         )
 
 
+def say_renamed(quiet: bool) -> None:
+    """Say the old spellings the command line used (:func:`renamed`), unless ``quiet``."""
+    while _PENDING:
+        renamed(_PENDING.pop(0), quiet)
+
+
 def quant_value(value: str | None) -> str | None:
-    """The library's name of ``--quant VALUE`` (``8`` -> ``8bit``); the old ``8bit`` / ``4bit``
-    accepted with a note; None stays None (the command's default)."""
+    """``--quant VALUE`` as kvcli spells it everywhere (``AskOptions.quant``, ``--json``): auto,
+    none, 8 or 4; the old ``8bit`` / ``4bit`` accepted with a note (:func:`renamed`); None stays
+    None (the command's default)."""
     if value is None:
         return None
     text = str(value).strip().lower()
@@ -75,4 +91,4 @@ def quant_value(value: str | None) -> str | None:
         from ..errors import UsageError
 
         raise UsageError(f"--quant must be one of {', '.join(QUANT_CHOICES)}, not '{value}'")
-    return QUANT_SPELLINGS[text]
+    return text

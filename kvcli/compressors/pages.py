@@ -23,7 +23,8 @@ and a lexical score instead of an early layer's attention:
    neighbouring units, the next first, while at most ``skim_tokens`` are;
 3. the model reads only those tokens with full attention (fresh, contiguous positions, as
    GemFilter's second pass) and answers. The answer's sources (:mod:`kvcli.cite.sources`) can only
-   be in what it read: the page read whole first, then the skimmed sentences, in BM25's order.
+   be in what it read: the page read whole first, then the skimmed sentences, in the ranking's
+   order (BM25 fused with the embedding, step 1).
 
 No model pass chooses the passages, so a document longer than the model's window costs one short
 reading, not a read of the whole book; no KV is stored (the choice depends on the question; the
@@ -64,8 +65,9 @@ BUDGET = 4096  # the default budget's ceiling (tokens): a few pages, read in sec
 
 @dataclass
 class Pages(Compressor):
-    """Pages: the question's best pages by BM25, read whole with full attention (two passes,
-    GemFilter's shape with pages as the unit; Robertson & Zaragoza 2009)."""
+    """Pages: the question's best pages by BM25 on stems fused with a sentence embedding
+    (:mod:`kvcli.retrieval.ranking`), read whole with full attention (two passes, GemFilter's shape
+    with pages as the unit; Robertson & Zaragoza 2009)."""
 
     name: ClassVar[str] = "pages"
     auto_kv_bits: ClassVar[int] = 8  # its layout is quantized: --kv-bits auto holds it in 8 bits (docs/kv-bits.md)
@@ -89,12 +91,13 @@ class Pages(Compressor):
 
     pages: int = knob(
         1,
-        "passages read whole: the question's best this many by BM25 (a PDF's pages, else page-sized passages); "
+        "passages read whole: the question's best this many by BM25 fused with the sentence embedding "
+        "(a PDF's pages, else page-sized passages); "
         "1 answers best on the manuals measured (docs/bench/cite)",
     )
     skim: int = knob(
         2,
-        "passages after the ones read whole, in BM25's order, of which only the best sentences are "
+        "passages after the ones read whole, in the same order, of which only the best sentences are "
         "read (skim_tokens each): further sources at little cost; 2 cites the answer's page among "
         "three as often as BM25 does and answers as one page does (docs/bench/cite)",
     )
@@ -146,7 +149,8 @@ class Pages(Compressor):
         self, engine, prompt_ids: torch.Tensor, protected: int = 0, prefix=None, prompt=None
     ) -> Selection:
         """Everything outside the document, and the chosen passages' tokens (module docstring);
-        each document token scored by its passage's BM25 score (NaN elsewhere)."""
+        each document token scored by its passage's retrieval score, BM25 fused with the sentence
+        embedding (:attr:`kvcli.retrieval.Ranking.scores`; NaN elsewhere)."""
         if prompt is None:
             raise UsageError("pages ranks the document's passages: it must be the first method of a pipeline")
         n = prompt_ids.numel()
@@ -165,10 +169,10 @@ class Pages(Compressor):
             on_progress=self.runtime.on_embed,
             on_stored=self.runtime.on_stored,
         )
-        bm25 = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
+        fused = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
         chosen, skimmed, read = [], [], []  # read: (how, passage index, token span), in the order chosen
-        for i in sorted(range(len(bounds)), key=lambda i: (-bm25[i], i)):
+        for i in sorted(range(len(bounds)), key=lambda i: (-fused[i], i)):
             a, b = bounds[i]
             if len(chosen) == self.pages:
                 if len(skimmed) == self.skim or ranking.bm25[i] <= 0:
@@ -188,7 +192,7 @@ class Pages(Compressor):
                 read.append(("beginning", i, (a, a + max(room, 0))))
                 room = 0
         chosen += skimmed
-        for (a, b), score in zip(bounds, bm25):
+        for (a, b), score in zip(bounds, fused):
             scores[a:b] = score
         for a, b in chosen:
             keep[a:b] = True
@@ -196,7 +200,7 @@ class Pages(Compressor):
         if note is not None:
             warn(note)
         what = tuple(read_of(prompt, how, prompt.passages[i], *span) for how, i, span in read if span[1] > span[0])
-        return Selection(torch.nonzero(keep).flatten(), scores, note=note, read=what)
+        return Selection(torch.nonzero(keep).flatten(), scores, note=note, read=what, ranked_by=ranking.signal)
 
     def vectors_dir(self):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""

@@ -70,10 +70,6 @@ def check_budget_covers_kept(method) -> None:
         )
 
 
-def format_budget(budget: int | float) -> str:
-    return str(budget)
-
-
 def resolve_budget(method: str, budget: int | float, n: int, explicit: bool, minimum: int = 1) -> int:
     """The number of entries to keep per layer for a prompt of ``n`` tokens.
 

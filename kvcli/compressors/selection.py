@@ -103,6 +103,9 @@ class Selection:
     note: str | None = None
     # what a method that retrieves read, passage by passage (Read); None: it compresses or keeps all
     read: tuple[Read, ...] | None = None
+    # what ranked the passages a method that retrieves read (kvcli.retrieval.Ranking.signal:
+    # "bm25+embedding", or "bm25" without an embedding model); None: it ranks no passages
+    ranked_by: str | None = None
 
     @property
     def n_kept(self) -> int:

@@ -9,7 +9,7 @@ import re
 import torch
 
 from ..errors import ModelError, UsageError, one_line
-from .facts import DTYPES
+from .facts import DTYPES, spelled
 from .quiet import quiet_load
 
 
@@ -70,14 +70,15 @@ def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
     asked = requested_dtype(dtype) or DTYPE
     if asked != DTYPE:
         raise UsageError(
-            f"--quant {quant} on the CPU runs with bfloat16 activations (its int4/int8 kernels); "
+            f"--quant {spelled(quant)} on the CPU runs with bfloat16 activations (its int4/int8 kernels); "
             f"use --dtype auto or bfloat16, or --quant none for {str(asked).removeprefix('torch.')}"
         )
     why = kernel_error(4 if quant == "4bit" else 8)
     if why is not None:
         other = "--quant 8 or --quant none" if quant == "4bit" else "--quant none"
         raise ModelError(
-            f"--quant {quant}: this PyTorch has no {quant[:-3]}-bit CPU kernel on this machine ({why}); use {other}"
+            f"--quant {spelled(quant)}: this PyTorch has no {spelled(quant)}-bit CPU kernel on this machine ({why}); "
+            f"use {other}"
         )
     return DTYPE
 
@@ -85,7 +86,7 @@ def check_cpu_quant(quant: str, dtype: str | torch.dtype | None) -> torch.dtype:
 def require_bitsandbytes(quant: str) -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelError(
-            f"--quant {quant} needs bitsandbytes: run `pip install bitsandbytes` "
+            f"--quant {spelled(quant)} needs bitsandbytes: run `pip install bitsandbytes` "
             "(or `pip install kvcli[quant]`), or use --quant none"
         )
     try:
@@ -93,7 +94,7 @@ def require_bitsandbytes(quant: str) -> None:
             importlib.import_module("bitsandbytes")
     except Exception as e:
         raise ModelError(
-            f"--quant {quant}: bitsandbytes is installed but cannot be imported "
+            f"--quant {spelled(quant)}: bitsandbytes is installed but cannot be imported "
             f"({one_line(e)}); reinstall it or use --quant none"
         ) from e
 

@@ -27,6 +27,13 @@ def spelled(quant: str) -> str:
     return next(user for user, name in QUANT_SPELLINGS.items() if name == quant)
 
 
+def quant_name(value: str | int) -> str | None:
+    """The name :func:`kvcli.model.load_model` takes (a name of :data:`QUANTS`) for ``value``
+    spelled as ``--quant``, ``AskOptions.quant`` and ``--json`` spell it (``8`` -> ``8bit``);
+    None when it is not one of those spellings."""
+    return QUANT_SPELLINGS.get(str(value).strip().lower())
+
+
 ATTNS = ("sdpa", "eager", "flash")
 
 

@@ -23,7 +23,7 @@ from .device import (
     resolve_dtype,
 )
 from .embedded import EMBEDDED_MODEL, default_cache_dir, ensure_converted
-from .facts import ATTNS, QUANTS, LoadedModel
+from .facts import ATTNS, QUANTS, LoadedModel, spelled
 from .fingerprint import compute_fingerprint, weights_identity
 from .ggufs import ensure_gguf_converted, gguf_linear_types
 from .hub import check_local_folder, hub_load, hub_snapshot_dir, looks_like_path
@@ -151,7 +151,9 @@ def resolve_options(
     the options asked: checked, ``auto`` resolved (:func:`auto_quant`)."""
     quant = (quant or "auto").strip().lower()
     if quant not in QUANTS:
-        raise UsageError(f"--quant must be auto, none, 4bit or 8bit, not '{quant}'")
+        raise UsageError(
+            f"quant must be auto, none, 4bit or 8bit (load_model's names of --quant 4 and 8), not '{quant}'"
+        )
     attn = (attn or "sdpa").strip().lower()
     if attn not in ATTNS:
         raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
@@ -163,7 +165,7 @@ def resolve_options(
     attn_impl = check_attn(attn, dev, torch_dtype)
     if quant != "none" and not cpu_quant:
         if dev.type != "cuda":
-            raise ModelError(f"--quant {quant} works on cpu and cuda only, not on {dev.type}")
+            raise ModelError(f"--quant {spelled(quant)} works on cpu and cuda only, not on {dev.type}")
         require_bitsandbytes(quant)
     return dev, quant, cpu_quant, torch_dtype, attn_impl
 

@@ -110,6 +110,7 @@ class Inspection:
     sources: object | None = None  # kvcli.cite.sources.Sources of the answer (with --answer), else None
     # a method that retrieves (pages): the passages it read (Selection.read), shown instead of a ratio
     read: tuple[Read, ...] | None = None
+    policy: str | None = None  # "auto" when the default policy chose the method (as ask --json says)
 
     def read_line(self) -> str | None:
         """ "read p. 12 whole, p. 3 skimmed: 760 of 74,000 document tokens", or None: it did not retrieve."""
@@ -148,6 +149,7 @@ class Inspection:
     def to_json(self) -> dict:
         record = {
             "compressor": self.method,
+            "policy": self.policy,  # "auto" when the default policy chose the method, as ask --json
             "model": self.model,
             "document": self.document.source,
             "n_pages": self.document.n_pages,
@@ -182,10 +184,6 @@ class Inspection:
             record["sources_note"] = self.sources.reason
         record["method_stats"] = self.method_stats
         return record
-
-    def token_chars(self) -> list[tuple[int, int]]:
-        """Character span of each document token (index: document token number)."""
-        return self.prompt.doc_offsets
 
 
 def _uniform(mask: torch.Tensor) -> bool:
@@ -256,6 +254,7 @@ def inspect_kept(
     spans = Selection(torch.nonzero(kept).flatten(), scores).spans(prompt, document)
     return Inspection(
         method=result.extra["compressor"],  # resolved: -c auto's choice, every knob
+        policy=result.extra.get("policy"),
         model=session.lm.name,
         document=document,
         question=question,

@@ -43,6 +43,33 @@ def _ids_digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
+def key_of(fields: dict) -> StoreKey:
+    """The key of ``fields``: the sha256 of their canonical JSON."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return StoreKey(hashlib.sha256(canonical.encode()).hexdigest(), fields)
+
+
+def other_formats(key: StoreKey) -> list[str]:
+    """The keys the same state would have had in the store's other formats — each store format
+    version up to this one, and each name its bits' codec has had (:data:`kvcli.caches.quant.CODEC_NAMES`)
+    or none (a state from before codecs were named) — but ``key`` itself: where an entry of
+    another format of it may be, found by name, without reading any other entry."""
+    state = key.fields.get("state")
+    states = [state]
+    if isinstance(state, dict):
+        bits = state.get("kv_bits", 16)
+        bare = {k: v for k, v in state.items() if k not in ("kv_bits", "kv_codec")}
+        states = [{**bare, "kv_bits": bits, "kv_codec": codec} for codec in quant.CODEC_NAMES.get(bits, ())]
+        states += [{**bare, "kv_bits": bits}] + ([bare] if bits == 16 else [])
+    out = []
+    for version in range(1, FORMAT_VERSION + 1):
+        for s in states:
+            digest = key_of({**key.fields, "format": version, "state": s}).digest
+            if digest != key.digest and digest not in out:
+                out.append(digest)
+    return out
+
+
 def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tensor | None = None) -> StoreKey:
     """The key of the prefix state ``state`` of ``prefix_ids`` (n,) for the model ``lm``."""
     fields = {
@@ -55,8 +82,7 @@ def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tens
         "state": quant.named(state) if isinstance(state, dict) else state,
         "question": None if question_ids is None else _ids_digest(question_ids),
     }
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return StoreKey(hashlib.sha256(canonical.encode()).hexdigest(), fields)
+    return key_of(fields)
 
 
 def entry_path(root: Path, digest: str) -> Path:

@@ -53,14 +53,14 @@ from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
 from .entries import DamagedEntry, Entry, OtherFormat
 from .housekeeping import Leftovers
-from .keys import SUFFIX, StoreKey, digest_of, entry_path, held_bytes, is_partial, lock_path
+from .keys import SUFFIX, StoreKey, digest_of, entry_path, held_bytes, is_partial, lock_path, other_formats
 from .locks import (
     STALE_ENV,
     Heartbeat,
     Holder,
     LocksUnsupported,
+    Staleness,
     read_holder,
-    silent_for,
     stale_after,
     take_lock,
     write_holder,
@@ -165,7 +165,8 @@ class KVStore:
         ``room``: entries a plain KV uploaded to an accelerator leaves per layer for what follows it.
 
         ``meta``: facts about the entry for ``cache ls`` (document, method, ...). Never raises
-        because of the store itself: a broken or unwritable store only costs the recomputation.
+        because of the disk: a broken entry or an unwritable store (an OSError: read-only, full, a
+        quota) only costs the recomputation; any other error is a bug and is raised.
         """
         if not self.enabled:
             return _compute(compute, "off")
@@ -229,13 +230,15 @@ class KVStore:
     def miss(self, key: StoreKey) -> None:
         """``key`` is not stored: when the store holds the same state in another format (an older
         kvcli's codec or store format), say so, once a run; that entry is never decoded (the cap or
-        ``kvcli cache prune`` removes it)."""
+        ``kvcli cache prune`` removes it). Only the files the state's other formats would be named
+        (:func:`kvcli.store.keys.other_formats`) are looked for: no other entry is read."""
         global _FORMAT_SAID
         if _FORMAT_SAID:
             return
         mine = _sans_format(key.fields)
-        for path in self.root.glob(f"*{SUFFIX}"):
-            if is_partial(path) or path.name == self.path_of(key.digest).name:
+        for digest in other_formats(key):
+            path = self.path_of(digest)
+            if not path.is_file():
                 continue
             meta, _ = entry_files.read_meta(path)
             if not meta or not isinstance(meta.get("fields"), dict) or _sans_format(meta["fields"]) != mine:
@@ -287,8 +290,9 @@ class KVStore:
         ``flock`` one warning; any other failure turns the store off). While another process holds
         it the watcher hears what that one says of itself (:class:`Holder`); once taken, this one
         says it computes ``meta``'s document (and how far: :meth:`progress`) and beats
-        (:class:`kvcli.store.locks.Heartbeat`). A holder that stops beating for
-        :func:`kvcli.store.locks.stale_after` seconds (stopped, or on a host gone) is given up on,
+        (:class:`kvcli.store.locks.Heartbeat`). A holder whose lock file this process has seen
+        unchanged for :func:`kvcli.store.locks.stale_after` seconds of its own monotonic clock
+        (stopped, or on a host gone: :class:`kvcli.store.locks.Staleness`) is given up on,
         with one line: the block runs without the lock and yields False (then nothing may be written
         where the holder writes: a book is read into memory), else True."""
         handle, heartbeat, owned = None, None, True
@@ -296,11 +300,12 @@ class KVStore:
             path = lock_path(self.root, key.digest)
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = take_lock(path, blocking=False)
+            watch = Staleness(path) if handle is None else None
             while handle is None:  # another process computes it: say so, look again
                 holder = read_holder(path)
                 self.watcher.waiting(holder)
-                silent = silent_for(path)
-                if silent is not None and silent > stale_after():
+                silent = watch.silent()
+                if silent > stale_after():
                     who = holder.describe() if holder is not None else "another kvcli process"
                     notices.warn(
                         f"{who} has given no sign of life for {silent:.0f}s (stopped or hung): not waiting for it, "
@@ -380,7 +385,7 @@ class KVStore:
             # else: our temporary file was reclaimed by a process that could not see our lock (a
             # host where flock is per host): the entry is not kept this time, the store stays on
             return None
-        except Exception as e:  # read-only, full disk, quota (safetensors wraps some I/O errors)
+        except OSError as e:  # read-only, full disk, quota: the store is off (anything else is a bug: raised)
             self.turn_off(e)
             return None
         # the memo stays on the host (see _on): the tensors just written are host copies already

@@ -15,10 +15,13 @@ which document it waits for instead of staying silent.
 A holder also beats (:class:`Heartbeat`): a thread touches its lock file every
 :data:`HEARTBEAT_S` (and every progress it says rewrites it). The kernel releases the lock of a
 process that dies, but not of one stopped (``kill -STOP``, a suspended laptop's job) or on an NFS
-client that went away: a waiter whose holder's lock file has not changed for :func:`stale_after`
-seconds (:data:`STALE_AFTER_S`, or ``$KVCLI_LOCK_STALE_S``) stops waiting, says so in one line and
-computes the state itself (:meth:`kvcli.store.KVStore.lock`). A holder whose process runs but whose
-work hangs still beats: that one is waited for.
+client that went away: a waiter that has itself seen the holder's lock file unchanged (its mtime,
+size and content: :func:`beat_of`) for :func:`stale_after` seconds of its own monotonic clock
+(:data:`STALE_AFTER_S`, or ``$KVCLI_LOCK_STALE_S``, never under :func:`stale_floor`: a few
+heartbeats) stops waiting, says so in one line and computes the state itself
+(:meth:`kvcli.store.KVStore.lock`). The file's mtime is never compared with the waiter's clock: a
+host whose clock is off, or a waiter that just arrived, still waits the whole period. A holder
+whose process runs but whose work hangs still beats: that one is waited for.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ try:  # POSIX advisory locks; elsewhere concurrent runs may compute an entry twi
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-HEARTBEAT_S = 5.0  # how often a lock's holder touches its lock file (at most a quarter of stale_after())
-STALE_AFTER_S = 120.0  # a lock file unchanged this long: its holder is stopped or gone (a waiter reads itself)
-STALE_ENV = "KVCLI_LOCK_STALE_S"  # overrides STALE_AFTER_S (seconds)
+HEARTBEAT_S = 5.0  # how often a lock's holder touches its lock file
+STALE_AFTER_S = 120.0  # a lock file seen unchanged this long: its holder is stopped or gone (a waiter reads itself)
+STALE_ENV = "KVCLI_LOCK_STALE_S"  # overrides STALE_AFTER_S (seconds; never under stale_floor())
+STALE_FLOOR_BEATS = 4  # the least stale_after(): this many heartbeats
 
 # what flock raises on a filesystem without (working) locks: some NFS mounts, FUSE, SMB
 _NO_LOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
@@ -135,34 +139,62 @@ def read_holder(path: Path) -> Holder | None:
         return None
 
 
+def stale_floor() -> float:
+    """The least :func:`stale_after`: :data:`STALE_FLOOR_BEATS` heartbeats (20 s), so that a
+    holder that beats is never given up on between two beats."""
+    return STALE_FLOOR_BEATS * HEARTBEAT_S
+
+
 def stale_after() -> float:
-    """Seconds without a heartbeat after which a waiter gives up on a lock's holder:
-    ``$KVCLI_LOCK_STALE_S`` when it is a positive number, else :data:`STALE_AFTER_S`."""
+    """Seconds a waiter sees a lock file unchanged before it gives up on the lock's holder:
+    ``$KVCLI_LOCK_STALE_S`` when it is a positive number (raised to :func:`stale_floor`), else
+    :data:`STALE_AFTER_S`."""
     try:
         value = float(os.environ.get(STALE_ENV, ""))
     except ValueError:
         return STALE_AFTER_S
-    return value if value > 0 else STALE_AFTER_S
+    return max(value, stale_floor()) if value > 0 else STALE_AFTER_S
 
 
-def silent_for(path: Path) -> float | None:
-    """Seconds since the lock file ``path`` last changed (its holder's last heartbeat); None when
-    it is gone."""
+def beat_of(path: Path) -> tuple | None:
+    """What the lock file ``path`` looks like now (its inode, mtime, size and first bytes): a
+    holder's heartbeat or progress changes it. Compared only with what the same waiter saw
+    before (:class:`Staleness`), never with a clock. The file is opened, not only stat'ed: on NFS
+    an open revalidates its attributes (close-to-open). None when it is gone."""
     try:
-        return max(0.0, time.time() - os.stat(path).st_mtime)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size, f.read(4096))
     except OSError:
         return None
 
 
+class Staleness:
+    """A waiter's watch on the lock file ``path``: how long it has itself seen the file unchanged,
+    on its own monotonic clock from its first look (:meth:`silent`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen = beat_of(path)
+        self.since = time.monotonic()
+
+    def silent(self) -> float:
+        """Seconds this waiter has seen the lock file unchanged (0 when it just changed)."""
+        now, beat = time.monotonic(), beat_of(self.path)
+        if beat is None or beat != self.seen:
+            self.seen, self.since = beat, now
+        return now - self.since
+
+
 class Heartbeat:
-    """A thread touching the lock file ``path`` every :data:`HEARTBEAT_S` (a quarter of
-    :func:`stale_after` at most) until :meth:`stop`: a stopped process stops beating with it."""
+    """A thread touching the lock file ``path`` every :data:`HEARTBEAT_S` until :meth:`stop`: a
+    stopped process stops beating with it."""
 
     def __init__(self, path: Path) -> None:
         import threading
 
         self.path = path
-        self.every = min(HEARTBEAT_S, stale_after() / 4)
+        self.every = HEARTBEAT_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcli-lock-heartbeat", daemon=True)
         self._thread.start()

@@ -89,9 +89,27 @@ def test_usage_errors(cli, doc, model, tmp_path):
     assert_user_error(cli("chat", doc, "-m", model, "-c", "nosuch"), 2, "nosuch")
 
 
+def _next_line(typed):
+    """The next line typed at the prompt: a string, or Ctrl-C / Ctrl-D (an exception raised)."""
+    item = next(typed)
+    if isinstance(item, type) and issubclass(item, BaseException):
+        raise item
+    return item
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+def _chat_at_a_terminal(doc, model, tmp_path, capsys, monkeypatch):
+    """``kvcli chat doc`` with stdin a terminal (what is typed: input(), scripted by the test)."""
+    monkeypatch.setattr("sys.stdin", _Terminal())
+    return run_cli(
+        ("chat", doc, "-m", model, "--max-new-tokens", "6", "--no-answer-guard", "--cache-dir", tmp_path / "c"),
+        capsys,
+        monkeypatch,
+    )
 
 
 def test_at_the_prompt_ctrl_c_cancels_the_answer_not_the_chat(cli, doc, model, monkeypatch, tmp_path, capsys):
@@ -100,10 +118,7 @@ def test_at_the_prompt_ctrl_c_cancels_the_answer_not_the_chat(cli, doc, model, m
 
     def fake_input(prompt):
         assert prompt == "> "
-        item = next(typed)
-        if isinstance(item, type) and issubclass(item, BaseException):
-            raise item
-        return item
+        return _next_line(typed)
 
     real_ask = api.Session.ask
 
@@ -125,14 +140,37 @@ def test_at_the_prompt_ctrl_c_cancels_the_answer_not_the_chat(cli, doc, model, m
         "stdout",
         __import__("rich.console").console.Console(force_terminal=True, highlight=False, soft_wrap=True),
     )
-    monkeypatch.setattr("sys.stdin", _Terminal())
-    code, out, err = run_cli(
-        ("chat", doc, "-m", model, "--max-new-tokens", "6", "--no-answer-guard", "--cache-dir", tmp_path / "c"),
-        capsys,
-        monkeypatch,
-    )
+    code, out, err = _chat_at_a_terminal(doc, model, tmp_path, capsys, monkeypatch)
     assert code == 0, err
     assert err.count("(answer cancelled)") == 1
     assert err.count(" · cache ") == 2  # two answers' figures: the cancelled one has none
     assert next(typed, None) is None  # every line was read: the chat went on after the Ctrl-C
     assert (tmp_path / "c" / "chat_history").is_file()
+
+
+def test_at_the_prompt_with_stdout_in_a_pipe_stdout_holds_only_the_answers(doc, model, monkeypatch, tmp_path, capsys):
+    """``kvcli chat doc | tee log``: stdin a terminal, stdout not. The prompt and the lines ending
+    Ctrl-C and Ctrl-D go to stderr; stdout is the answers, one after another, nothing else."""
+    typed = iter([QUESTIONS[0], KeyboardInterrupt, "", QUESTIONS[1], EOFError])
+
+    def fake_input(prompt=""):  # as input() does where stdout is not a terminal: the prompt on stdout
+        import sys
+
+        sys.stdout.write(prompt)
+        return _next_line(typed)
+
+    answers = []
+    real_ask = api.Session.ask
+
+    def ask(self, document, question, pipeline, options):
+        result = real_ask(self, document, question, pipeline, options)
+        answers.append(result.answer)
+        return result
+
+    monkeypatch.setattr(api.Session, "ask", ask)
+    monkeypatch.setattr("builtins.input", fake_input)
+    code, out, err = _chat_at_a_terminal(doc, model, tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert len(answers) == 2 and next(typed, None) is None
+    assert out == "".join(a + "\n" for a in answers)  # no prompt, no blank line
+    assert err.count("> ") == 5  # a prompt for each line read, the Ctrl-D one too

@@ -415,7 +415,7 @@ def test_every_command_that_loads_a_model_gets_its_model_options(cli, files, mod
     assert (options.model, options.device, options.quant, options.attn, options.dtype) == (
         model,
         "cpu",
-        "8bit",
+        "8",  # as --quant and --json spell it
         "eager",
         "bfloat16",
     )

@@ -3,7 +3,8 @@ script runs them (a real process, stdout a pipe), write the answer (or JSON) and
 stdout, the very string the ``--json`` record's ``answer`` holds; the sources follow the answer only
 with ``--sources`` (on a terminal by default), and are always in ``--json``. One real process for
 each output a script captures (the answer, JSON, JSON Lines); the variants of a command's options
-(``--sources``, ``--no-sources``) run in-process, their stdout a pipe too, on the same single thread."""
+(``--sources``, ``--no-sources``) run in-process, their stdout a pipe too, on the same single thread.
+Every answer compared is non-empty: an empty one would pass against almost any stdout."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def asked(folder, model) -> tuple[str, dict]:
     """``kvcli ask a.txt QUESTIONS[0] --json``'s stdout and its record (one process, shared by the
     ask and the batch test)."""
     out, _ = kvcli("ask", folder / "a.txt", QUESTIONS[0], *common(model), "--json")
-    return out, json.loads(out)
+    record = json.loads(out)
+    assert record["answer"].strip()  # an empty answer would make "stdout is the answer" hold of any stdout
+    return out, record
 
 
 def test_ask_piped_stdout_is_the_json_answer(folder, model, asked, cli):
@@ -89,6 +92,7 @@ def test_chat_piped_stdout_is_the_json_answers(folder, model, cli, monkeypatch):
     out, _ = kvcli("chat", doc, *common(model), "--json", stdin=stdin)
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["question"] for r in records] == QUESTIONS and all(r["sources"] is not None for r in records)
+    assert all(r["answer"].strip() for r in records)  # answers to find on stdout, not empty strings
 
     out, _ = kvcli("chat", doc, *common(model), stdin=stdin)
     assert out == "".join(r["answer"] + "\n" for r in records)
@@ -106,6 +110,7 @@ def test_batch_over_a_folder_stdout_is_json_lines_of_the_answers(folder, model, 
     out, err = kvcli("ask", folder, QUESTIONS[0], *common(model))
     records = [json.loads(line) for line in out.splitlines()]  # every line a JSON object, nothing else
     assert [Path(r["document"]).name for r in records] == ["a.txt", "b.md"]
+    assert all(r["answer"].strip() for r in records)
     assert all(r["sources"] is not None for r in records)  # JSON: sources always
     # each answer the one kvcli ask gives for that document alone: a.txt's is the --json run's
     # (whose answer the ask test finds on stdout without --json), b.md's a run of its own

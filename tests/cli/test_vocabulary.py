@@ -53,8 +53,20 @@ def test_threads_from_the_environment_is_checked_as_it_is_parsed(cli, tmp_path, 
 
 
 def test_quant_is_spelled_in_bits_and_the_old_spelling_gets_a_note():
-    assert vocabulary.quant_value("8") == "8bit" and vocabulary.quant_value("4") == "4bit"
+    assert vocabulary.quant_value("8") == "8" and vocabulary.quant_value("4") == "4"
     assert vocabulary.quant_value("none") == "none" and vocabulary.quant_value("auto") == "auto"
+
+
+def test_the_library_spells_quant_as_the_cli_and_the_json_do(model, tmp_path):
+    """AskOptions.quant takes what --quant takes and --json reports ("8"), not another name."""
+    from kvcli import api
+    from kvcli.errors import UsageError
+
+    options = api.AskOptions(model=model, quant="8", dtype="bfloat16", use_cache=False, max_new_tokens=1)
+    session = api.Session.open(options)
+    assert session.lm.quant == "8bit"  # load_model's own name, inside
+    with pytest.raises(UsageError, match="must be one of auto, none, 8, 4, not '8bit'"):
+        api.Session.open(api.AskOptions(model=model, quant="8bit", use_cache=False))
 
 
 @pytest.mark.parametrize("old, new", [("8bit", "8"), ("4bit", "4")])
@@ -62,10 +74,12 @@ def test_quant_old_spelling_note(cli, model, tmp_path, old, new):
     doc = tmp_path / "d.txt"
     doc.write_text("The keeper was Ada.")
     args = ("ask", doc, "Who?", "-m", model, "--max-new-tokens", "2", "--no-cache", "--json", "--dtype", "bfloat16")
-    code, out, err = cli(*args, "--quant", old, "-q")
+    code, out, err = cli(*args, "--quant", old)
     assert code == 0, err
     notes = [line for line in err.splitlines() if line.startswith("kvcli: note:")]
     assert notes == [f"kvcli: note: --quant {old} is now --quant {new} (the old spelling goes in the next release)"]
+    code, out, err = cli(*args, "--quant", old, "-q")  # --quiet: nothing on stderr but errors
+    assert code == 0 and err == ""
     code, out2, err2 = cli(*args, "--quant", new, "-q")
     assert code == 0 and err2 == ""
     assert json.loads(out)["answer"] == json.loads(out2)["answer"] and json.loads(out2)["quant"] == new
@@ -78,6 +92,8 @@ def test_cache_prune_takes_cache_max_and_the_old_max_size_with_a_note(cli, tmp_p
     code, out, err = cli("cache", "prune", "--max-size", "1G", "--cache-dir", tmp_path)
     assert code == 0 and out.startswith("removed 0 entries")
     assert err == "kvcli: note: --max-size is now --cache-max (the old spelling goes in the next release)\n"
+    code, out, err = cli("cache", "prune", "--max-size", "1G", "--cache-dir", tmp_path, "--quiet")
+    assert code == 0 and err == "" and out.startswith("removed 0 entries")
     assert_user_error(cli("cache", "prune", "--cache-dir", tmp_path), 2, "--cache-max")
     code, out, _ = cli("cache", "prune", "--help")
     assert "--cache-max" in out and "--max-size" not in out
@@ -91,9 +107,14 @@ def test_inspect_defaults_to_the_method_ask_does(cli, model, tmp_path, monkeypat
     code, out, err = cli("ask", doc, "How many ships?", *common, "--max-new-tokens", "2")
     assert code == 0, err
     asked = json.loads(out)["compressor"]
+    assert json.loads(out)["policy"] == "auto"
     code, out, err = cli("inspect", doc, "How many ships?", *common)
     assert code == 0, err
     assert json.loads(out)["compressor"] == asked and asked.startswith("pages")
+    assert json.loads(out)["policy"] == "auto"  # as ask --json says it
+    code, out, err = cli("inspect", doc, "How many ships?", *common, "-c", asked)
+    assert code == 0, err
+    assert json.loads(out)["compressor"] == asked and json.loads(out)["policy"] is None  # an explicit -c
 
 
 def test_a_batch_says_a_documents_over_window_note_once(cli, model, tmp_path):

@@ -4,13 +4,15 @@ and is listed by ``kvcli compressors``; it is unregistered afterwards."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
 
 from kvcli.cli import app, reference
-from kvcli.compressors.base import REGISTRY, Compressor
+from kvcli.compressors import parse_one
+from kvcli.compressors.base import REGISTRY, Compressor, knob
 from tests.compressors.test_contract import full_logits, kept_all, profiles, stored  # noqa: F401  (fixtures)
 from tests.compressors.test_contract import test_keeping_everything_reproduces_full_attention as keeps_everything
 from tests.compressors.test_contract import test_specs_round_trip_through_the_parser as round_trips
@@ -22,17 +24,20 @@ NAME = "test-own-steps"
 
 @pytest.fixture(scope="module")
 def method():
+    @dataclass
     class OwnSteps(Compressor):
         """Full attention through a decoding step of its own (a method in a test file)."""
 
         name: ClassVar[str] = NAME
         paper: ClassVar[str] = "none: a test's method"
         keep_all: ClassVar[str] = ""
-        short_document_spec: ClassVar[str] = NAME  # it keeps everything: its one spec
+        short_document_spec: ClassVar[str] = f"{NAME}:steps=2"  # it keeps everything whatever its knob
         title: ClassVar[str] = "own steps"
         acts: ClassVar[str] = "owns each decoding step (full attention)"
         positions: ClassVar[str] = "original"
         disk_cache: ClassVar[str] = "prefix KV (shared with full)"
+
+        steps: int = knob(1, "decoding steps of its own per token (a knob the tables spell out)")
 
         def decode_step(self, engine, token, position, cache):
             return engine.step(token, position, cache)
@@ -56,9 +61,17 @@ def test_kvcli_compressors_lists_it(method):
     assert NAME in listed.output
     detail = CliRunner().invoke(app, ["compressors", NAME], terminal_width=200)
     assert detail.exit_code == 0 and "a test's method" in detail.output, detail.output
+    assert "steps" in detail.output and "decoding steps of its own per token" in detail.output  # its knob, found
 
 
 def test_the_tables_derive_its_row(method):
-    assert COMPRESSING[NAME] == NAME and NAME not in HOLDS_EVERYTHING
-    row = "| own steps | `test-own-steps` | owns each decoding step (full attention) | original | prefix KV (shared with full) |"
+    # the tests' spec, parsed into the class with its knob set; the canonical spec written back
+    parsed = parse_one(COMPRESSING[NAME])
+    assert type(parsed) is method and parsed.steps == 2 and parsed.spec() == f"{NAME}:steps=2"
+    assert NAME not in HOLDS_EVERYTHING  # the base class's default, not declared
+    # the table's spec column is made from the knob's default (no spec was written for it)
+    row = (
+        "| own steps | `test-own-steps:steps=1` | owns each decoding step (full attention) | original "
+        "| prefix KV (shared with full) |"
+    )
     assert row in reference.methods_table().splitlines()

@@ -1,5 +1,6 @@
-"""``pages``: the question's best passages by BM25, read whole. The kept tokens are checked against
-the tokenizer's own offsets (which characters each token covers) and the passages cut by hand."""
+"""``pages``: the question's best passages by BM25 fused with a sentence embedding, read whole. The
+kept tokens are checked against the tokenizer's own offsets (which characters each token covers) and
+the passages cut by hand."""
 
 from __future__ import annotations
 
@@ -209,3 +210,19 @@ def test_its_sources_come_one_a_passage_in_the_passages_order(cli, tiny_dir, tmp
     got = [(s["start"], s["end"]) for s in json.loads(out)["sources"]]
     within = [next(i for i, p in enumerate(PARAS) if DOC.index(p) <= a and b <= DOC.index(p) + len(p)) for a, b in got]
     assert within == [1, 3, 0]  # "oil store", then "lamp oil"
+
+
+@pytest.mark.parametrize("embed, ranked_by", [(None, "bm25+embedding"), ("none", "bm25")])
+def test_its_sources_say_what_ranked_the_passages(tiny_dir, tmp_path, monkeypatch, embed, ranked_by):
+    """The passages are ranked by BM25 fused with the sentence embedding (BM25 alone only without
+    an embedding model), and the sources' signal says which, not "bm25" whatever ran."""
+    from kvcli import api
+
+    if embed is not None:
+        monkeypatch.setenv("KVCLI_EMBED_MODEL", embed)
+    src = tmp_path / "log.md"
+    src.write_text(DOC, encoding="utf-8")
+    options = api.AskOptions(model=str(tiny_dir("llama")), use_cache=False, max_new_tokens=2, cache_dir=tmp_path / "c")
+    result = api.Session.open(options).ask(api.read_document(src), QUESTION, api.parse_pipeline("pages:pages=1,skim=0"))
+    assert result.selection.ranked_by == ranked_by
+    assert result.sources.signal == f"passages by {ranked_by}, attention+bm25"

@@ -266,8 +266,8 @@ def test_without_compensation_the_dropped_tokens_are_gone():
     view, _ = cache.update(torch.randn(1, 1, 1, d), torch.randn(1, 1, 1, d), 0)
     q = torch.randn(1, 1, 1, d)
     out, _ = kvcli_attention(types.SimpleNamespace(layer_idx=0), q, view, view, None, scaling=0.5)
-    ks = torch.cat([keys[0, 0, [0, 9, 10, 11]], view.compressed_keys[0, 0, -1:]])
-    vs = torch.cat([values[0, 0, [0, 9, 10, 11]], view.compressed_values[0, 0, -1:]])
+    ks = torch.cat([keys[0, 0, [0, 9, 10, 11]], cache.ck[0][0, 0, -1:]])  # the new token: the last compressed row
+    vs = torch.cat([values[0, 0, [0, 9, 10, 11]], cache.cv[0][0, 0, -1:]])
     torch.testing.assert_close(out[0, 0, 0].double(), _plain_by_hand(q[0, 0, 0], ks, vs, 0.5), atol=1e-5, rtol=0)
 
 

@@ -306,6 +306,7 @@ def test_cpu_quant_refuses_other_dtypes_in_one_line(tiny_dir):
             load_model(path, quant="4bit", dtype=dtype, device="cpu")  # the CPU's 4bit, not bitsandbytes
         msg = str(e.value)
         assert "\n" not in msg and "bfloat16" in msg and "--quant none" in msg
+        assert msg.startswith("--quant 4 on the CPU") and "4bit" not in msg  # as the user spells it
 
 
 def test_missing_kernel_names_the_other_options(tiny_dir, monkeypatch):
@@ -317,3 +318,4 @@ def test_missing_kernel_names_the_other_options(tiny_dir, monkeypatch):
         load_model(str(tiny_dir("llama")), quant="4bit", device="cpu")
     msg = str(e.value)
     assert "\n" not in msg and "--quant 8 or --quant none" in msg
+    assert msg.startswith("--quant 4: this PyTorch has no 4-bit CPU kernel") and "4bit" not in msg
