@@ -80,7 +80,12 @@ def main() -> None:
     p.add_argument("--docs", type=lambda x: x.split(","), default=None, help="only these documents (by name)")
     p.add_argument("--format", choices=FORMATS, default="pdf", help="which version of each manual (module doc)")
     p.add_argument("--model", default=None, help="kvcli's -m (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", default="auto", help="kvcli's --quant: auto (its default), none, 4bit or 8bit")
+    p.add_argument(
+        "--quant",
+        default="auto",
+        type=lambda x: x.removesuffix("bit"),
+        help="kvcli's --quant: auto (its default), none, 8 or 4",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
