@@ -110,7 +110,7 @@ def ask(
         None,
         "--workers",
         min=1,
-        help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)",
+        help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per N CPUs, N the threads each runs on: --threads, else a local run's count; at most one per document)",
     ),
 ) -> None:
     err = stderr(quiet)
