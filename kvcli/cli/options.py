@@ -148,10 +148,10 @@ CacheMaxOpt = typer.Option(
 
 def kv_bits_help() -> str:
     """``--kv-bits``'s help: the precisions, and what ``auto`` is for each method (its class's
-    ``auto_kv_bits``, read from the registry)."""
-    from ..compressors import REGISTRY
+    ``auto_kv_bits``, read from the catalog: no method is imported)."""
+    from ..compressors.catalog import methods
 
-    sixteen = ", ".join(f"-c {name}" for name, cls in sorted(REGISTRY.items()) if cls.auto_kv_bits == 16)
+    sixteen = ", ".join(f"-c {name}" for name, method in sorted(methods().items()) if method.auto_kv_bits == 16)
     return (
         f"{kv_quant.KV_BITS_HELP}; auto: 8 for every method whose KV layout is quantized (as accurate as 16 "
         f"on every check made, about half the memory and disk: docs/kv-bits.md), 16 for {sixteen}"
