@@ -20,7 +20,7 @@ from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
-from ..compressors.catalog import methods
+from ..catalog import methods
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout

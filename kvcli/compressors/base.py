@@ -76,9 +76,9 @@ import torch
 
 from ..caches import quant
 from ..caches.qkv import QuantKVCache
+from ..catalog import knob_text
 from ..errors import UsageError
 from ..runtime import windows
-from .catalog import knob_text
 from .selection import Selection
 
 REGISTRY: dict[str, type[Compressor]] = {}

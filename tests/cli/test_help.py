@@ -107,7 +107,7 @@ BLOCKED = (
 def test_help_and_the_method_table_import_no_pytorch(args, tmp_path):
     """What only prints help, the methods or the cache's entries answers at once: ``python -X
     importtime`` names no module of PyTorch or transformers (the library is imported in the
-    commands' bodies, the methods' facts come from kvcli.compressors.catalog)."""
+    commands' bodies, the methods' facts come from kvcli.catalog)."""
     import subprocess
     import sys
 

@@ -1,5 +1,6 @@
-"""What the command line says of each method without importing it (nor PyTorch, which the methods
-import): ``kvcli compressors`` (its docstring, paper, knobs with their defaults and meanings) and
+"""The compression methods' catalog: what the command line says of each method without importing
+it (nor PyTorch, which the methods import; so it sits outside kvcli.compressors, whose package
+imports every method): ``kvcli compressors`` (its docstring, paper, knobs with their defaults and meanings) and
 ``--kv-bits``'s help (the bits ``auto`` holds its KV in). The class states each fact (:func:`describe`
 reads them off it); ``python -m kvcli.cli.reference`` copies them below its marker, in
 :data:`kvcli.compressors.REGISTRY`'s order, and ``tests/test_docs.py`` fails when the copy is not
