@@ -14,8 +14,8 @@ import typer
 from typer.core import TyperCommand
 
 from .. import api
+from .. import kv_bits as kv_quant
 from ..answer import policy
-from ..caches import quant as kv_quant
 from ..errors import UsageError
 from ..runtime.threads import ENV as THREADS_ENV
 from ..runtime.threads import parse_threads, requested_threads
