@@ -9,19 +9,21 @@ import functools
 import inspect
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import typer
 from typer.core import TyperCommand
 
-from .. import api
 from .. import kv_bits as kv_quant
 from ..answer import policy
 from ..errors import UsageError
 from ..runtime.threads import ENV as THREADS_ENV
 from ..runtime.threads import parse_threads, requested_threads
-from ..store import NO_CAP, parse_size
 from ..store.capacity import CAP_ENV
 from . import vocabulary
+
+if TYPE_CHECKING:
+    from .. import api
 
 
 class Device(str, Enum):
@@ -132,6 +134,8 @@ def checked_as_parsed(check, option: str, env: str):
 
 
 def _cap_checked(value: str, source: str) -> None:
+    from ..store import NO_CAP, parse_size
+
     if value.strip().lower() not in NO_CAP:
         parse_size(value, source)
 
@@ -217,6 +221,8 @@ class ModelChoice:
         """The library's options: this model and a command's ``settings`` (``AskOptions`` fields);
         ``--threads`` or ``$KVCLI_THREADS`` checked, one line before the model loads (``--cache-max``
         is checked as it is parsed)."""
+        from .. import api  # the library (and PyTorch): a command that loads a model, not --help
+
         requested_threads(self.threads)
         return api.AskOptions(
             model=self.model,

@@ -14,7 +14,7 @@ import sys
 from .. import kv_bits as kv_quant
 from ..model.facts import QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
-from ..runtime.prefill import ENV_PREFILL_CHUNK
+from ..runtime.chunking import ENV_PREFILL_CHUNK
 from ..store.capacity import CAP_ENV
 from ..store.locks import STALE_ENV
 
