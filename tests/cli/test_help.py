@@ -93,9 +93,12 @@ def test_help_reads_like_a_well_kept_cli(helps):
 
 HEAVY = ("torch", "transformers")  # what a model's run needs and help does not (~4 s to import on 2 cores)
 BLOCKED = (
-    "kvcli/cli/chat.py imports kvcli.api and kvcli.model at its top, and kvcli/model/__init__.py, "
-    "kvcli/store/__init__.py (CAP_ENV, STALE_ENV in --help's Environment) and kvcli.model.facts "
-    "(QUANT_SPELLINGS) import PyTorch: those files' owners make them lazy, then this marker goes"
+    "kvcli/model/__init__.py imports every model module, and PyTorch with them (chat.py's and cache.py's "
+    "default_cache_dir; model/fingerprint.py and model/facts.py import it at their top, facts holding "
+    "QUANT_SPELLINGS, --quant's words, beside its torch dtypes), as kvcli/store/__init__.py does (CAP_ENV, "
+    "STALE_ENV in --help's Environment; store/keys.py imports torch and kvcli.caches), and cache ls lists "
+    "entries through store/kvstore.py and entries.py, which import it too: kvcli/model and kvcli/store are "
+    "another engineer's; once they import PyTorch where they use it, this marker goes"
 )
 
 
