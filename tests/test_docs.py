@@ -89,15 +89,15 @@ def test_methods_md_table_is_the_one_the_method_classes_declare():
 
 
 def test_the_catalog_is_what_the_method_classes_say():
-    """kvcli/catalog.py (what ``kvcli compressors`` and ``--kv-bits``'s help read, no
+    """kvcli/method_catalog.py (what ``kvcli compressors`` and ``--kv-bits``'s help read, no
     method imported) is what ``python -m kvcli.cli.reference`` writes from every registered class."""
-    from kvcli import catalog
+    from kvcli import method_catalog as catalog
 
     current = reference.CATALOG.read_text(encoding="utf-8")
     rendered = reference.catalog_module(current)
     if rendered != current:
         diff = "".join(difflib.unified_diff(current.splitlines(True), rendered.splitlines(True), "catalog.py", "now"))
-        pytest.fail(f"kvcli/catalog.py is out of date: run `{reference.COMMAND}` and commit it\n{diff}")
+        pytest.fail(f"kvcli/method_catalog.py is out of date: run `{reference.COMMAND}` and commit it\n{diff}")
     assert list(catalog.METHODS) == list(REGISTRY)
     assert {name: catalog.describe(cls) for name, cls in REGISTRY.items()} == catalog.METHODS
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from .. import catalog
+from .. import method_catalog as catalog
 from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label

@@ -97,7 +97,7 @@ def memory(
     weight_kinds = [w.strip().lower() for w in weights.split(",") if w.strip()]
     if not weight_kinds or any(w not in WEIGHTS for w in weight_kinds):
         raise UsageError(f"--weights: comma-separated {' and/or '.join(WEIGHTS)}, not '{weights}'")
-    from .. import catalog
+    from .. import method_catalog as catalog
 
     specs = (
         sorted(catalog.methods())

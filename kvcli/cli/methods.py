@@ -23,7 +23,7 @@ def compressors(
     ),
 ) -> None:
     """List the compression methods (NAME: one method in full)."""
-    from ..catalog import methods  # what the methods' classes say, none imported (nor PyTorch)
+    from ..method_catalog import methods  # what the methods' classes say, none imported (nor PyTorch)
 
     if name is None:
         render.compressor_table(Console(highlight=False))  # cut to the width, not soft-wrapped

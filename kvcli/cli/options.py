@@ -153,7 +153,7 @@ CacheMaxOpt = typer.Option(
 def kv_bits_help() -> str:
     """``--kv-bits``'s help: the precisions, and what ``auto`` is for each method (its class's
     ``auto_kv_bits``, read from the catalog: no method is imported)."""
-    from ..catalog import methods
+    from ..method_catalog import methods
 
     sixteen = ", ".join(f"-c {name}" for name, method in sorted(methods().items()) if method.auto_kv_bits == 16)
     return (

@@ -13,7 +13,7 @@ The methods table (between its markers in docs/methods.md) has one row per regis
 :data:`kvcli.compressors.REGISTRY`'s order: what the class declares for it (``title``, ``acts``,
 ``positions``, ``disk_cache``, ``spec_note``; see :class:`kvcli.compressors.base.Compressor`) and
 its spec with its knobs' defaults (``table_knobs``); ``tests/test_docs.py`` fails when it is out of date.
-So it does when kvcli/catalog.py, what ``kvcli compressors`` and the help read of each
+So it does when kvcli/method_catalog.py, what ``kvcli compressors`` and the help read of each
 method without importing the methods (nor PyTorch), is not what the classes say (:func:`catalog_module`).
 """
 
@@ -34,7 +34,7 @@ METHODS_BEGIN = (
     "     (kvcli/compressors/). Do not edit: change the class and run it. -->"
 )
 METHODS_END = "<!-- end of the methods table -->"
-CATALOG = PAGE.parents[1] / "kvcli" / "catalog.py"  # what help says of each method
+CATALOG = PAGE.parents[1] / "kvcli" / "method_catalog.py"  # what help says of each method
 COMMAND = "python -m kvcli.cli.reference"
 
 
@@ -149,10 +149,10 @@ def methods_page(current: str) -> str:
 
 
 def catalog_module(current: str) -> str:
-    """kvcli/catalog.py ``current`` with what follows its marker written anew from the
-    method classes: one :class:`~kvcli.catalog.Method` per registered method."""
-    from ..catalog import MARKER, describe
+    """kvcli/method_catalog.py ``current`` with what follows its marker written anew from the
+    method classes: one :class:`~kvcli.method_catalog.Method` per registered method."""
     from ..compressors import REGISTRY
+    from ..method_catalog import MARKER, describe
 
     def text(value: str) -> str:
         return json.dumps(value, ensure_ascii=False)

@@ -76,8 +76,8 @@ import torch
 
 from ..caches import quant
 from ..caches.qkv import QuantKVCache
-from ..catalog import knob_text
 from ..errors import UsageError
+from ..method_catalog import knob_text
 from ..runtime import windows
 from .selection import Selection
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..catalog import methods, summary
+from ..method_catalog import methods, summary
 
 CONTEXT_CHARS = 60
 GEM_STYLE = "bold black on yellow"
@@ -276,7 +276,7 @@ def compressor_table(console: Console) -> None:
 
 def compressor_detail(console: Console, name: str) -> None:
     """``kvcli compressors NAME``: the method's description, its paper and every knob (what
-    :mod:`kvcli.catalog` says of it: no method is imported)."""
+    :mod:`kvcli.method_catalog` says of it: no method is imported)."""
     method = methods()[name]
     console.print(f"[bold]{name}[/bold] — {method.doc}")
     console.print(f"[dim]paper: {method.paper}[/dim]")

@@ -110,7 +110,7 @@ BLOCKED = (
 def test_help_and_the_method_table_import_no_pytorch(args, tmp_path):
     """What only prints help, the methods or the cache's entries answers at once: ``python -X
     importtime`` names no module of PyTorch or transformers (the library is imported in the
-    commands' bodies, the methods' facts come from kvcli.catalog)."""
+    commands' bodies, the methods' facts come from kvcli.method_catalog)."""
     import subprocess
     import sys
 
