@@ -11,6 +11,9 @@ session.ask(doc, "Who is it for?", parse_pipeline("full"), QuestionOptions(on_te
 What an answer is shown with lives apart: its JSON record (:mod:`kvcli.report.record`), its
 sources (:mod:`kvcli.answer.citing`), a method's label (:mod:`kvcli.answer.labels`) and the
 prompt's progress (:mod:`kvcli.answer.progress`).
+
+Importing this module imports no PyTorch (the model, the pipeline and the store are imported by the
+functions that use them): a command whose help or checks need none of it answers at once.
 """
 
 from __future__ import annotations
@@ -18,27 +21,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import notices
-from .answer.citing import cite
-from .answer.labels import method_label
-from .answer.pipeline import Pipeline, Result, check_window, run
-from .answer.progress import prompt_progress
-from .answer.prompt import build_prompt, load_template, stop_token_ids
+from . import kv_bits, notices
 from .answer.question import QuestionOptions
-from .answer.stopping import AnswerGuard
-from .answer.streaming import AnswerStream
-from .caches import quant
-from .caches.quant import DEFAULT_KV_BITS
-from .cite.attribution import citing_heads
-from .compressors.base import Runtime
-from .compressors.selection import Selection
 from .documents import Document, load_document
 from .errors import UsageError
-from .model import LoadedModel, default_cache_dir, load_model
-from .runtime.engine import Engine
+from .kv_bits import DEFAULT_KV_BITS
 from .runtime.threads import ThreadPolicy
-from .store import KVStore, resolve_cap
+
+if TYPE_CHECKING:
+    from .answer.pipeline import Pipeline, Result
+    from .compressors.selection import Selection
+    from .model import LoadedModel
+    from .runtime.engine import Engine
+    from .store import KVStore
 
 
 @dataclass
@@ -69,6 +66,8 @@ class AskOptions:
 
 
 def parse_pipeline(spec: str) -> Pipeline:
+    from .answer.pipeline import Pipeline
+
     return Pipeline.parse(spec)
 
 
@@ -89,9 +88,14 @@ class Session:
 
     @classmethod
     def open(cls, options: AskOptions) -> Session:
+        from .answer.prompt import load_template
+        from .model import default_cache_dir, load_model
+        from .runtime.engine import Engine
+        from .store import KVStore, resolve_cap
+
         template = load_template(options.template)
         try:
-            options.kv_bits = quant.check_bits(options.kv_bits)
+            options.kv_bits = kv_bits.check_bits(options.kv_bits)
         except ValueError as e:
             raise UsageError(str(e)) from None
         from .model.facts import QUANT_SPELLINGS, quant_name
@@ -119,6 +123,16 @@ class Session:
     ) -> Result:
         """Answer ``question`` about ``document`` with ``pipeline``; ``options``: the question's
         settings and the callbacks that show it being answered (:class:`QuestionOptions`)."""
+        from .answer.citing import cite
+        from .answer.labels import method_label
+        from .answer.pipeline import check_window, run
+        from .answer.progress import prompt_progress
+        from .answer.prompt import build_prompt, stop_token_ids
+        from .answer.stopping import AnswerGuard
+        from .answer.streaming import AnswerStream
+        from .cite.attribution import citing_heads
+        from .compressors.base import Runtime
+
         o = QuestionOptions() if options is None else options
         max_new_tokens = self.options.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens
         sources = self.options.sources if o.sources is None else o.sources
@@ -214,6 +228,9 @@ class Session:
 
 
 def open_store(cache_dir: Path | None = None) -> KVStore:
+    from .model import default_cache_dir
+    from .store import KVStore
+
     return KVStore.open(cache_dir if cache_dir is not None else default_cache_dir())
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from .batch import STDIN, Input, Job, Work
 from .documents import read_stdin
 from .errors import KvcliError, UsageError
+from .runtime.threads import local_count
 from .scheduler import Fail, Scheduler, worker_count
 
 RAY_MISSING = "--ray needs Ray, an optional extra: pip install 'kvcli[ray]'"
@@ -172,7 +173,9 @@ class RayExecutor(Executor):
     ``address``: what ``ray.init`` takes (``auto``: the running cluster, ``ray://host:port``), or
     ``local`` to start a Ray instance for this run; a process already connected to Ray uses that
     connection. ``workers``: default one per GPU of the cluster when the model runs on CUDA,
-    else one per CPU (one thread each), never more than the documents. The cache folder is
+    else one per N CPUs, never more than the documents; on the CPU each worker runs on N threads,
+    the count a local run would start on (``options.threads``, else PyTorch's count here:
+    :func:`~kvcli.runtime.threads.local_count`), so that its answers are the local run's. The cache folder is
     resolved here, so workers on other hosts need it (and the documents) at the same paths: a
     shared filesystem. ``on_warning``: gets each warning the workers report, once.
     ``on_dispatch(job index, worker id)``: called as a document is sent to a worker.
@@ -233,8 +236,10 @@ class RayExecutor(Executor):
         self._started = True
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-        self.use_gpu, n = worker_count(self.options.device, gpus, cpus, self.requested, n_documents)
-        options = self.options if self.use_gpu else replace(self.options, device="cpu")
+        threads = local_count(self.options.threads)  # the count a local run would start on
+        self.use_gpu, n = worker_count(self.options.device, gpus, cpus, self.requested, n_documents, threads)
+        # on the CPU each worker runs on that count (Ray would give it one thread): the same answers
+        options = self.options if self.use_gpu else replace(self.options, device="cpu", threads=str(threads))
         actor = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0, max_task_retries=0)(
             BatchWorker
         )

@@ -81,14 +81,17 @@ def _size(job: Job) -> int:
         return 0
 
 
-def worker_count(device: str, gpus: int, cpus: int, requested: int | None, n_documents: int | None) -> tuple[bool, int]:
+def worker_count(
+    device: str, gpus: int, cpus: int, requested: int | None, n_documents: int | None, threads: int = 1
+) -> tuple[bool, int]:
     """Whether each worker takes a GPU, and how many workers to start on a cluster with these
     ``gpus`` and ``cpus``: ``requested``, else one per GPU when the model may run on CUDA and
-    the cluster has GPUs, else one per CPU; never more than the documents, at least one."""
+    the cluster has GPUs, else one per ``threads`` CPUs (the threads each CPU worker runs on);
+    never more than the documents, at least one."""
     if device == "cuda" and gpus == 0:
         raise KvcliError("--device cuda: the Ray cluster has no GPUs")
     use_gpu = device != "cpu" and gpus > 0
-    n = requested or (gpus if use_gpu else cpus) or 1
+    n = requested or (gpus if use_gpu else cpus // max(1, threads)) or 1
     if n_documents is not None:
         n = max(1, min(n, n_documents))
     return use_gpu, n

@@ -111,7 +111,6 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
     """Session.ask -> Result.sources: the top source holds the unit with the largest citing score
     (the scores themselves: the next test)."""
     import kvcli.answer.citing
-    import kvcli.api
     from kvcli.answer.pipeline import Pipeline
     from kvcli.cite.sources import DocumentUnits
     from kvcli.documents import document_from_text
@@ -119,13 +118,13 @@ def test_an_answer_cites_the_unit_its_steps_read_most(tiny_lm, monkeypatch):
 
     lm = tiny_lm("llama")
     seen = {}
-    real = kvcli.api.cite
+    real = kvcli.answer.citing.cite  # Session.ask imports it as it answers
 
     def spy(document, result, question="", **kwargs):
         seen["scores"] = result.extra["citing"]["scores"].clone()
         return real(document, result, question, **kwargs)
 
-    monkeypatch.setattr(kvcli.api, "cite", spy)
+    monkeypatch.setattr(kvcli.answer.citing, "cite", spy)
     monkeypatch.setattr(kvcli.answer.citing, "LEXICAL_WEIGHT", 0.0)  # the attention alone ranks
     doc = document_from_text(DOC)
     result = session_for(lm, None, use_cache=False).ask(

@@ -88,6 +88,20 @@ def test_methods_md_table_is_the_one_the_method_classes_declare():
         assert f"| `{name}" in rendered.split(reference.METHODS_END)[0], name
 
 
+def test_the_catalog_is_what_the_method_classes_say():
+    """kvcli/method_catalog.py (what ``kvcli compressors`` and ``--kv-bits``'s help read, no
+    method imported) is what ``python -m kvcli.cli.reference`` writes from every registered class."""
+    from kvcli import method_catalog as catalog
+
+    current = reference.CATALOG.read_text(encoding="utf-8")
+    rendered = reference.catalog_module(current)
+    if rendered != current:
+        diff = "".join(difflib.unified_diff(current.splitlines(True), rendered.splitlines(True), "catalog.py", "now"))
+        pytest.fail(f"kvcli/method_catalog.py is out of date: run `{reference.COMMAND}` and commit it\n{diff}")
+    assert list(catalog.METHODS) == list(REGISTRY)
+    assert {name: catalog.describe(cls) for name, cls in REGISTRY.items()} == catalog.METHODS
+
+
 def test_the_other_records_fields_are_documented():
     """The fields some records add (docs/usage.md's second table): an error record's, a kept span's."""
     every, some = json_fields()

@@ -20,15 +20,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..answer.pipeline import Pipeline
 from ..answer.question import QuestionOptions
 from ..documents import document_from_text
 from ..errors import KvcliError, UsageError
-from ..model.facts import spelled
 from .needle import make_case
+
+if TYPE_CHECKING:
+    from ..answer.pipeline import Pipeline
 
 PROMPT_OVERHEAD = 64  # template + question tokens, roughly: documents get length - this
 # method counters (``Result.extra["method_stats"]``) shown as table columns when a method reports them
@@ -38,6 +38,14 @@ STAT_COLUMNS = {"prompt_tokens_computed_frac": "computed", "kv_attended_frac": "
 # --------------------------------------------------------------------------- specs, options
 
 
+def pipeline(spec: str) -> Pipeline:
+    """``spec`` as a :class:`~kvcli.answer.pipeline.Pipeline` (imported here, not at the top: the
+    bench's tables and checks, and ``kvcli --help``, import no PyTorch)."""
+    from ..answer.pipeline import Pipeline
+
+    return Pipeline.parse(spec)
+
+
 def split_methods(methods: str | Iterable[str]) -> list[str]:
     """``"full;gemfilter:k=256;snapkv:budget=256"`` -> specs (``;`` separates: specs contain commas)."""
     parts = methods.split(";") if isinstance(methods, str) else list(methods)
@@ -45,7 +53,7 @@ def split_methods(methods: str | Iterable[str]) -> list[str]:
     if not specs:
         raise UsageError('--methods: name at least one method, e.g. "full;gemfilter:k=256"')
     for spec in specs:
-        Pipeline.parse(spec)  # unknown methods or knobs: a one-line UsageError, before any model loads
+        pipeline(spec)  # unknown methods or knobs: a one-line UsageError, before any model loads
     return specs
 
 
@@ -158,6 +166,10 @@ class ResultsFile:
 
 
 def run_meta(session, **extra) -> dict:
+    import torch
+
+    from ..model.facts import spelled
+
     lm = session.lm
     return {
         "model": lm.name,
@@ -227,7 +239,7 @@ def warm_up(session, specs: Iterable[str] = ("full",)) -> None:
     document = document_from_text(case.text, source="warm-up")
     for spec in dict.fromkeys(["full", *specs]):
         try:
-            ask(session, document, case.question, Pipeline.parse(spec), 2)
+            ask(session, document, case.question, pipeline(spec), 2)
         except KvcliError:
             pass
 
@@ -293,7 +305,7 @@ class NeedleBench:
 
     def __call__(self, cell: dict) -> dict:
         case, document = self.case(cell)
-        result = ask(self.session, document, case.question, Pipeline.parse(cell["method"]), self.max_new_tokens)
+        result = ask(self.session, document, case.question, pipeline(cell["method"]), self.max_new_tokens)
         correct = case.is_correct(result.answer)
         return {
             "key": case.key,

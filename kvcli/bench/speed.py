@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import statistics
 
-from ..answer.pipeline import Pipeline
 from ..documents import document_from_text
 from .needle import make_case
-from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, ask, result_fields, table_cell
+from .runner import PROMPT_OVERHEAD, STAT_COLUMNS, ask, pipeline, result_fields, table_cell
 
 SPEED_KEY = ("model", "haystack", "method", "length", "new_tokens")
 MEASURES = ("ttft_s", "total_s", "decode_tokens_per_s", "peak_mem_mb", "kv_cache_mb")
@@ -55,7 +54,7 @@ class SpeedBench:
                 self.session,
                 document,
                 case.question,
-                Pipeline.parse(cell["method"]),
+                pipeline(cell["method"]),
                 cell["new_tokens"],
                 force_tokens=True,
             )

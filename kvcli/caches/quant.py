@@ -38,10 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-KV_BITS = (16, 8, 4)  # the precisions of --kv-bits; 16: the model's own dtype (no quantization)
-AUTO = "auto"  # --kv-bits auto: each method's own choice (Compressor.auto_kv_bits)
-DEFAULT_KV_BITS = AUTO
-ENV_KV_BITS = "KVCLI_KV_BITS"
+from ..kv_bits import AUTO, DEFAULT_KV_BITS, ENV_KV_BITS, KV_BITS, KV_BITS_HELP, check_bits  # noqa: F401  (as before)
+
 ROTATED = (4,)  # the bits whose groups are turned by a Hadamard rotation before they are quantized
 # each precision's stored format, named with its version in every store key and header (:func:`state`):
 # 16 the tensors as they are in the dtype the key names (the model's, or the method's kv_dtype); 8 each
@@ -57,26 +55,6 @@ CODEC_NAMES = {16: ("dtype-cast-v1",), 8: ("rows-int8-mid-v2",), 4: ("rows-hadam
 GROUP = 64  # channels per scale (fewer where a head is smaller, or a divisor of its size)
 ROWS = 32768  # keys whose codes :func:`attend` converts at a time (its transient: ROWS x d float32 per KV head)
 SCALE_DTYPE = torch.float16
-KV_BITS_HELP = (
-    "Bits the KV is held in, in memory and in the disk cache: 16 (the model's own dtype), 8 or 4 "
-    "(each row's groups of 64 numbers with their scale: 0.53x / 0.28x the bytes; accuracy: docs/kv-bits.md); "
-    "methods whose KV layout is not quantized keep 16 and say so"
-)
-
-
-def check_bits(bits, auto: bool = True) -> int | str:
-    """``bits`` as one of :data:`KV_BITS`, or :data:`AUTO` (where ``auto``); ValueError naming the
-    choices otherwise."""
-    if auto and str(bits).strip().lower() == AUTO:
-        return AUTO
-    try:
-        value = int(bits)
-    except (TypeError, ValueError):
-        value = None
-    if value not in KV_BITS:
-        choices = ", ".join(map(str, KV_BITS)) + (f" or {AUTO}" if auto else "")
-        raise ValueError(f"kv bits must be one of {choices}, not {bits!r}")
-    return value
 
 
 def state(bits: int) -> dict:

@@ -11,12 +11,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import api, batch, executors
-from ..answer.labels import spec_label
+from .. import batch, executors
 from ..documents import read_stdin
 from ..errors import UsageError
 from ..report import terminal as render
-from ..report.record import result_record, shown_selection
 from .app import app
 from .console import route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
@@ -110,7 +108,7 @@ def ask(
         None,
         "--workers",
         min=1,
-        help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per CPU; at most one per document)",
+        help="With --ray: how many workers (default: one per GPU of the cluster when the model runs on CUDA, else one per N CPUs, N the threads each runs on: --threads, else a local run's count; at most one per document)",
     ),
 ) -> None:
     err = stderr(quiet)
@@ -149,6 +147,8 @@ def ask(
         paths, questions = inputs[:-1], [batch.check_question(inputs[-1])]
     if paths.count(batch.STDIN) > 1 or (batch.STDIN in paths and questions_file == batch.STDIN):
         raise UsageError("stdin (-) can be read only once: as one document, or as the questions file")
+    from .. import api  # the library (and PyTorch): not for --help
+
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     items = batch.expand_inputs(paths)
     single = len(paths) == 1 and len(items) == 1 and items[0].source == paths[0] and len(questions) == 1
@@ -162,6 +162,9 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     """One document, one question: the answer as text (or one JSON object); errors end the run.
     On a terminal (not --json) the answer is printed as it is decoded, then its sources; in a pipe
     stdout is the answer alone (its sources with --sources)."""
+    from .. import api
+    from ..report.record import result_record, shown_selection
+
     document = batch.read_input(item, read_stdin)
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
@@ -197,6 +200,9 @@ def _ask_batch(
     """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed. Answered
     here (the model loaded once), or with --ray on the workers of a Ray cluster."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .. import api
+    from ..answer.labels import spec_label
 
     if ray_address is None:
         with err.status("loading model…", spinner="dots"):

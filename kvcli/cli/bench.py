@@ -16,11 +16,11 @@ from pathlib import Path
 
 import typer
 
+from .. import method_catalog as catalog
 from ..bench import runner
 from ..bench.needle import HAYSTACKS, haystack_text
 from ..bench.runner import NEEDLE_KEY, ResultsFile, length_label
 from ..bench.speed import SPEED_KEY
-from ..compressors import REGISTRY
 from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
@@ -39,7 +39,7 @@ SPEED_LENGTHS = "1024,2048,4096,8000"
 
 
 def default_methods() -> list[str]:
-    return BASE_METHODS + [m for m in OPTIONAL_METHODS if m in REGISTRY]
+    return BASE_METHODS + [m for m in OPTIONAL_METHODS if m in catalog.methods()]
 
 
 METHODS_HELP = (

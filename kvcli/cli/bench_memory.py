@@ -9,10 +9,9 @@ from pathlib import Path
 
 import typer
 
+from .. import kv_bits as kv_quant
 from ..bench import runner
 from ..bench.runner import ResultsFile, length_label
-from ..caches import quant
-from ..compressors import REGISTRY
 from ..errors import UsageError
 from .bench import OutOpt, PlotOnlyOpt, ResumeOpt, bench_app, progress_bar
 from .console import route_warnings, stderr, stdout
@@ -66,7 +65,7 @@ def memory(
         Offload.none, "--kv-offload", help="As kvcli ask --kv-offload (blocksparse keeps its KV in CPU memory)"
     ),
     kv_bits: str = typer.Option(
-        quant.AUTO,
+        kv_quant.AUTO,
         "--kv-bits",
         help="KV bits, comma-separated: 16, 8, 4 and/or auto (as kvcli ask --kv-bits: auto is 8 for a method "
         "whose KV layout is quantized, else 16); a row is labelled with the bits its method held",
@@ -98,14 +97,16 @@ def memory(
     weight_kinds = [w.strip().lower() for w in weights.split(",") if w.strip()]
     if not weight_kinds or any(w not in WEIGHTS for w in weight_kinds):
         raise UsageError(f"--weights: comma-separated {' and/or '.join(WEIGHTS)}, not '{weights}'")
+    from .. import method_catalog as catalog
+
     specs = (
-        sorted(REGISTRY)
+        sorted(catalog.methods())
         if (methods or "").strip().lower() == "all"
         else runner.split_methods(methods or MEMORY_METHODS)
     )
     grid = runner.parse_lengths(lengths or MEMORY_LENGTHS)
     try:  # settings: each cell is labelled with the bits its method holds (auto: 8 or 16 by method)
-        bits_grid = [quant.check_bits(b.strip()) for b in kv_bits.split(",") if b.strip()] or [quant.AUTO]
+        bits_grid = [kv_quant.check_bits(b.strip()) for b in kv_bits.split(",") if b.strip()] or [kv_quant.AUTO]
     except ValueError as e:
         raise UsageError(f"--kv-bits: {e}") from None
     results = ResultsFile(path, MEMORY_KEY, resume=resume)

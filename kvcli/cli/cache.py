@@ -11,7 +11,6 @@ from pathlib import Path
 
 import typer
 
-from .. import api
 from ..errors import KvcliError, UsageError
 from ..report import terminal as render
 from ..store import parse_size, resolve_cap
@@ -45,6 +44,7 @@ def _given_from_env(name: str, value: str) -> bool:
 def _open_cache(cache_dir: Path | None):
     """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
     a mistyped --cache-dir would otherwise look like an empty cache."""
+    from .. import api  # the library: not for --help
     from ..model import default_cache_dir
 
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -76,6 +76,8 @@ def _match_key(entries, key: str) -> list:
 @cache_app.command("path", cls=KvcliCommand)
 def cache_path(cache_dir: Path | None = CacheDir) -> None:
     """Print the folder the KV cache entries live in."""
+    from .. import api
+
     stdout.out(str(api.open_store(cache_dir).root))
 
 
@@ -178,6 +180,8 @@ def cache_rm(
         raise UsageError("cache rm: name documents, --key KEY or --all")
     if all_entries and (documents or key):
         raise UsageError("cache rm: --all removes every entry; give it without documents or --key")
+    from .. import api
+
     store = _open_cache(cache_dir)
     entries = store.entries()
     chosen, unmatched = [], []

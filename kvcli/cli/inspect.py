@@ -10,12 +10,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import api, batch, notices
+from .. import batch, notices
 from ..documents import read_stdin
 from ..errors import UsageError
-from ..report import html as report_html
-from ..report import inspection
-from ..report import layers as layer_scan
 from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout
@@ -148,6 +145,11 @@ def inspect_command(
                 f"{option}: cannot write {target}: "
                 + ("it is a folder" if target.is_dir() else "no such writable folder")
             )
+    from .. import api  # the library (and PyTorch), once the options are checked: not for --help
+    from ..report import html as report_html
+    from ..report import inspection
+    from ..report import layers as layer_scan
+
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = None
     if needle_test is None:

@@ -15,9 +15,7 @@ from collections import deque
 
 from rich.console import Console
 
-from ..answer.labels import spec_label
 from ..answer.question import QuestionOptions
-from ..compressors.selection import read_line
 
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
 LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has taken this long ...
@@ -289,6 +287,8 @@ def stats_line(result, pipeline) -> str:
     kept (and, for a stored book, the share the answer read), timings, memory, the disk cache."""
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    from ..answer.labels import spec_label  # the library, as the answer is (not for --help)
+
     method = spec_label(result.extra.get("compressor", pipeline.spec()), pipeline)
     return (
         f"{method} · {kv_figures(result)} · "
@@ -304,6 +304,8 @@ def kv_figures(result) -> str:
     method that retrieves (pages) says what it read instead ("read p. 12 whole, p. 3 skimmed: 760 of
     74,000 document tokens"): no ratio against a full attention that may not fit the window."""
     if result.selection.read is not None and result.document is not None:  # it retrieved: what it read
+        from ..compressors.selection import read_line
+
         return read_line(result.selection.read, result.prompt, result.document)
     kept = f"KV kept {result.n_kept_tokens:,.0f}/{result.prompt.n_tokens:,} tokens"
     if result.windows is not None and result.windows.hybrid:

@@ -23,14 +23,15 @@ def compressors(
     ),
 ) -> None:
     """List the compression methods (NAME: one method in full)."""
-    from ..compressors import REGISTRY
+    from ..method_catalog import methods  # what the methods' classes say, none imported (nor PyTorch)
 
     if name is None:
         render.compressor_table(Console(highlight=False))  # cut to the width, not soft-wrapped
         return
     key = name.strip().lower()
-    if key not in REGISTRY:
-        raise UsageError(f"unknown compressor '{name}'; available: {', '.join(sorted(REGISTRY))}")
+    every = methods()
+    if key not in every:
+        raise UsageError(f"unknown compressor '{name}'; available: {', '.join(sorted(every))}")
     render.compressor_detail(Console(highlight=False), key)
 
 

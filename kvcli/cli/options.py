@@ -9,19 +9,21 @@ import functools
 import inspect
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import typer
 from typer.core import TyperCommand
 
-from .. import api
+from .. import kv_bits as kv_quant
 from ..answer import policy
-from ..caches import quant as kv_quant
 from ..errors import UsageError
 from ..runtime.threads import ENV as THREADS_ENV
 from ..runtime.threads import parse_threads, requested_threads
-from ..store import NO_CAP, parse_size
 from ..store.capacity import CAP_ENV
 from . import vocabulary
+
+if TYPE_CHECKING:
+    from .. import api
 
 
 class Device(str, Enum):
@@ -134,6 +136,8 @@ def checked_as_parsed(check, option: str, env: str):
 
 
 def _cap_checked(value: str, source: str) -> None:
+    from ..store import NO_CAP, parse_size
+
     if value.strip().lower() not in NO_CAP:
         parse_size(value, source)
 
@@ -150,10 +154,10 @@ CacheMaxOpt = typer.Option(
 
 def kv_bits_help() -> str:
     """``--kv-bits``'s help: the precisions, and what ``auto`` is for each method (its class's
-    ``auto_kv_bits``, read from the registry)."""
-    from ..compressors import REGISTRY
+    ``auto_kv_bits``, read from the catalog: no method is imported)."""
+    from ..method_catalog import methods
 
-    sixteen = ", ".join(f"-c {name}" for name, cls in sorted(REGISTRY.items()) if cls.auto_kv_bits == 16)
+    sixteen = ", ".join(f"-c {name}" for name, method in sorted(methods().items()) if method.auto_kv_bits == 16)
     return (
         f"{kv_quant.KV_BITS_HELP}; auto: 8 for every method whose KV layout is quantized (as accurate as 16 "
         f"on every check made, about half the memory and disk: docs/kv-bits.md), 16 for {sixteen}"
@@ -219,6 +223,8 @@ class ModelChoice:
         """The library's options: this model and a command's ``settings`` (``AskOptions`` fields);
         ``--threads`` or ``$KVCLI_THREADS`` checked, one line before the model loads (``--cache-max``
         is checked as it is parsed)."""
+        from .. import api  # the library (and PyTorch): a command that loads a model, not --help
+
         requested_threads(self.threads)
         return api.AskOptions(
             model=self.model,

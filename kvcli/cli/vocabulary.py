@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
-from ..caches import quant as kv_quant
+from .. import kv_bits as kv_quant
 from ..model.facts import QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
-from ..runtime.prefill import ENV_PREFILL_CHUNK
+from ..runtime.chunking import ENV_PREFILL_CHUNK
 from ..store.capacity import CAP_ENV
 from ..store.locks import STALE_ENV
 

@@ -77,6 +77,7 @@ import torch
 from ..caches import quant
 from ..caches.qkv import QuantKVCache
 from ..errors import UsageError
+from ..method_catalog import knob_text
 from ..runtime import windows
 from .selection import Selection
 
@@ -346,15 +347,6 @@ def keep_all_spec(cls: type[Compressor], n_prompt: int, n_prefix: int) -> str:
     ``n_prompt`` tokens whose question-agnostic prefix is ``n_prefix`` tokens."""
     knobs = cls.keep_all.format(n=n_prompt, prefix=n_prefix)
     return cls.name + (":" + knobs if knobs else "")
-
-
-def knob_text(value) -> str:
-    """A knob's value as a spec writes it (None: auto; booleans: true/false)."""
-    if value is None:
-        return "auto"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def _parse_value(cls: type[Compressor], field: dataclasses.Field, text: str):

@@ -1,22 +1,29 @@
 """The JSON record of an answer (``kvcli ask --json``, each line of a batch, ``kvcli chat --json``,
 the benchmarks' rows): :func:`result_record`, and what it derives from the result — the fractions a
 method saves (:func:`compute_fractions`), what a stored book read (:func:`read_mask`) and what
-``--show-selected`` shows (:func:`shown_selection`)."""
+``--show-selected`` shows (:func:`shown_selection`). Importing it imports no PyTorch (a command
+that writes records imports it at its top; the functions import what they read)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .. import notices
-from ..answer.pipeline import Pipeline, Result
-from ..compressors.selection import Selection, read_record
-from ..documents import Document
-from ..model.facts import spelled
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..answer.pipeline import Pipeline, Result
+    from ..compressors.selection import Selection
+    from ..documents import Document
 
 
 def result_record(result: Result, session, pipeline: Pipeline, document: Document, include_spans: bool = False) -> dict:
     """The JSON object of ``kvcli ask --json``. ``session``: the :class:`kvcli.api.Session` that
     answered (its model's name, attention kernel and quantization, and its engine's device)."""
+    from ..compressors.selection import read_record
+    from ..model.facts import spelled
+
     record = {
         "answer": result.answer,
         "compressor": result.extra.get("compressor", pipeline.spec()),
@@ -92,6 +99,8 @@ def read_mask(result: Result) -> torch.Tensor | None:
     """What each layer and KV head *read* of the prompt while answering, where the cache reads
     less than it holds (InfLLM's book: Initial, the retrieved blocks, Local), in prompt indices:
     (n_layers, n_kv_heads, n_prompt) bool; None where it read all it held (``Result.kept_mask``)."""
+    import torch
+
     inner = None if result.cache is None else result.cache.read_mask(result.selection.n_kept)
     if inner is None:
         return None
@@ -105,6 +114,10 @@ def shown_selection(result: Result) -> tuple[Selection, float, str]:
     "kept" or "read"). The tokens the model kept (a selector's choice; everything without one) —
     or, where the cache reads less than it holds (:func:`read_mask`), those the question and its
     answer read, scored by the share of (layer, KV head) pairs that read each."""
+    import torch
+
+    from ..compressors.selection import Selection
+
     read = read_mask(result)
     if read is None:
         return result.selection, float(result.selection.n_kept), "kept"

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import bisect
-import re
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..compressors import REGISTRY
-from ..compressors.base import knob_text
+from ..method_catalog import methods, summary
 
 CONTEXT_CHARS = 60
 GEM_STYLE = "bold black on yellow"
@@ -243,14 +241,6 @@ def cache_tsv(entries) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary(cls) -> str:
-    """A method's one line: the first sentence of its docstring after "Name (Authors, year): "."""
-    doc = " ".join((cls.__doc__ or "").split()).replace("``", "")
-    _, colon, rest = doc.partition("): ")
-    first = re.split(r"(?<=\.)\s", rest if colon else doc, maxsplit=1)[0]
-    return first[:1].upper() + first[1:]
-
-
 MAIN_KNOBS = 3  # knobs the table shows per method (the first declared); `kvcli compressors NAME`: all
 
 
@@ -258,7 +248,8 @@ def compressor_table(console: Console) -> None:
     """``kvcli compressors``: two lines per method — what it does (its docstring's first sentence,
     cut to the width) and its first knobs with their defaults — and how to see the rest."""
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
-    name_width = max(map(len, REGISTRY))
+    every = methods()
+    name_width = max(map(len, every))
     table.add_column("method", no_wrap=True, style="bold", width=name_width)
     table.add_column(
         "what it does; its main knobs (default)",
@@ -266,12 +257,12 @@ def compressor_table(console: Console) -> None:
         overflow="ellipsis",
         width=max(20, console.width - name_width - 2),
     )
-    for name in sorted(REGISTRY):
-        cls = REGISTRY[name]
-        knobs = cls.knobs()
-        shown = ", ".join(f"{f.name}={knob_text(f.default)}" for f in knobs[:MAIN_KNOBS])
+    for name in sorted(every):
+        method = every[name]
+        knobs = method.knobs
+        shown = ", ".join(f"{k.name}={k.default}" for k in knobs[:MAIN_KNOBS])
         more = f" (+{len(knobs) - MAIN_KNOBS} more)" if len(knobs) > MAIN_KNOBS else ""
-        about = Text(_summary(cls) + "\n", overflow="ellipsis", no_wrap=True)
+        about = Text(summary(method) + "\n", overflow="ellipsis", no_wrap=True)
         about.append(f"  {shown}{more}" if knobs else "  no knobs", style="dim")
         table.add_row(name, about)
     console.print(table)
@@ -284,11 +275,12 @@ def compressor_table(console: Console) -> None:
 
 
 def compressor_detail(console: Console, name: str) -> None:
-    """``kvcli compressors NAME``: the method's description, its paper and every knob."""
-    cls = REGISTRY[name]
-    console.print(f"[bold]{name}[/bold] — {' '.join((cls.__doc__ or '').split())}")
-    console.print(f"[dim]paper: {cls.paper}[/dim]")
-    knobs = cls.knobs()
+    """``kvcli compressors NAME``: the method's description, its paper and every knob (what
+    :mod:`kvcli.method_catalog` says of it: no method is imported)."""
+    method = methods()[name]
+    console.print(f"[bold]{name}[/bold] — {method.doc}")
+    console.print(f"[dim]paper: {method.paper}[/dim]")
+    knobs = method.knobs
     if not knobs:
         console.print("no knobs")
         return
@@ -296,8 +288,8 @@ def compressor_detail(console: Console, name: str) -> None:
     table.add_column("knob")
     table.add_column("default")
     table.add_column("meaning")
-    for f in knobs:
-        table.add_row(f.name, knob_text(f.default), f.metadata.get("help", ""))
+    for knob in knobs:
+        table.add_row(knob.name, knob.default, knob.help)
     console.print(table)
 
 

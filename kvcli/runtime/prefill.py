@@ -23,7 +23,6 @@ through every layer (attention too: no one observes those queries).
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -31,8 +30,8 @@ import torch
 
 from . import accelerator, attention
 from .attention import Observer, StopForward
+from .chunking import ENV_PREFILL_CHUNK, requested_chunk  # noqa: F401  (named here as before)
 
-ENV_PREFILL_CHUNK = "KVCLI_PREFILL_CHUNK"
 ACCELERATOR_PREFILL_CHUNK = 8192  # the default off the CPU; on the CPU: off (answers and speed as they were) ...
 # ... but for a sliding-window hybrid (Gemma 2 / 3), whose prompt reads faster in chunks on the CPU:
 # Gemma 3 270M, 17,269 tokens, alone, two threads: 35.7-36.0 s to the first token in chunks of
@@ -44,14 +43,8 @@ HYBRID_CPU_PREFILL_CHUNK = 2048
 def default_prefill_chunk(device: torch.device, hybrid: bool = False) -> int | None:
     """``$KVCLI_PREFILL_CHUNK`` (tokens; 0: off), else 8192 off the CPU, and on the CPU 2048 for a
     model with sliding-window layers (``hybrid``), off for the others."""
-    env = os.environ.get(ENV_PREFILL_CHUNK, "").strip()
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            from ..errors import UsageError
-
-            raise UsageError(f"{ENV_PREFILL_CHUNK} must be a whole number of tokens (0: off), not '{env}'") from None
+    value = requested_chunk()
+    if value is not None:
         return value if value > 0 else None
     if accelerator.on_accelerator(device):
         return ACCELERATOR_PREFILL_CHUNK

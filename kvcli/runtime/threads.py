@@ -91,6 +91,19 @@ def requested_threads(value: str | int | None = None) -> int | None:
     return parse_threads(env, ENV) if env else None
 
 
+def local_count(value: str | int | None = None) -> int:
+    """The threads a run in this process would start on: the count asked for (``value``, else
+    ``$KVCLI_THREADS``), else PyTorch's count here (``OMP_NUM_THREADS``, the CPUs this process may
+    use; ``auto``'s ceiling on an idle machine). A Ray worker is handed it (kvcli.executors): Ray
+    gives an actor one thread per CPU it reserves, and an answer may change with the count."""
+    fixed = requested_threads(value)
+    if fixed is not None:
+        return fixed
+    import torch
+
+    return torch.get_num_threads()
+
+
 # --- what the machine's CPUs did -----------------------------------------------------------------
 @dataclass(frozen=True)
 class CpuTimes:

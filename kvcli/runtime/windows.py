@@ -25,8 +25,10 @@ needs only the layer's last w - 1 entries.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # A sliding layer's cache is cut back to its window once it holds this many entries more (decoding
 # cuts every WINDOW_SLACK steps: a cut makes the next append copy the window into a new buffer)
@@ -116,6 +118,8 @@ class Windows:
         w = self.layers[layer]
         if w is None:
             return None
+        import torch  # here: the model's facts read the windows without PyTorch (kvcli --help)
+
         mask = torch.zeros(n, dtype=torch.bool, device=device)
         mask[max(0, n - (w - 1)) :] = True
         return mask

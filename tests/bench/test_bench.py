@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvcli import api
+from kvcli import model as models  # Session.open loads through kvcli.model.load_model
 from kvcli.bench import plots, runner, speed
 from kvcli.errors import UsageError
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
@@ -98,7 +98,7 @@ def test_unknown_method_is_a_usage_error_before_loading(cli, monkeypatch, tmp_pa
     def no_load(*a, **k):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(api, "load_model", no_load)
+    monkeypatch.setattr(models, "load_model", no_load)
     assert_one_line_error(
         cli("bench", "needle", "--methods", "full;nosuchmethod", "--out", tmp_path), 2, "nosuchmethod"
     )
@@ -114,7 +114,7 @@ def test_length_over_the_window_is_a_clear_error(cli, monkeypatch, tiny_dir, tmp
     def no_load(*a, **k):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(api, "load_model", no_load)  # a local folder's window is read from its config
+    monkeypatch.setattr(models, "load_model", no_load)  # a local folder's window is read from its config
     result = cli("bench", "needle", "--model", tiny_dir("llama"), "--lengths", "1024,5000", "--out", tmp_path)
     assert_one_line_error(result, 2, "5000", "4,096-token window")
     result = cli("bench", "speed", "--model", tiny_dir("llama"), "--lengths", "4090", "--out", tmp_path)

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from kvcli import api
+from kvcli import model as models  # Session.open loads through kvcli.model.load_model
 from kvcli.bench import plots, ruler, ruler_tasks
 from kvcli.bench.ruler import score_answer, spec_at_ratio, string_match_all, string_match_part
 from kvcli.bench.ruler_tasks import TASKS, make_instance
@@ -281,7 +281,7 @@ def test_usage_errors_before_loading(cli, monkeypatch, tiny_dir, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(api, "load_model", no_load)
+    monkeypatch.setattr(models, "load_model", no_load)
     run = ["bench", "ruler", "--out", tmp_path, "--model", tiny_dir("llama")]
     assert_one_line_error(cli(*run, "--tasks", "vt,qa_1"), 2, "qa_1", "SQuAD")
     assert_one_line_error(cli(*run, "--tasks", "nosuchtask"), 2, "nosuchtask", "niah_single_1")

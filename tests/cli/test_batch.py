@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import api
+from kvcli import model as models  # Session.open loads through kvcli.model.load_model
 from kvcli.batch import expand_inputs, read_questions
 from kvcli.errors import UsageError
 from tests.helpers.cli_runner import run_cli
@@ -73,8 +73,8 @@ def test_questions_file_asks_every_question_of_every_document_loading_the_model_
     cli, folder, tmp_path, monkeypatch
 ):
     loads = []
-    real = api.load_model
-    monkeypatch.setattr(api, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
     questions = tmp_path / "q.txt"
     questions.write_text("Who was the keeper?\n\n# a comment\nHow many ships arrived?\nWhat colour is the light?\n")
     code, records, _ = cli(folder / "a.txt", folder / "b.md", "--questions", questions)

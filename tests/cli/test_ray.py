@@ -44,7 +44,7 @@ VOLATILE = {
     "worker",
     "sources_s",
     "threads",
-}  # entry bytes: the header holds compute_s; threads: what --threads auto found free (a Ray actor has one CPU)
+}  # entry bytes: the header holds compute_s; threads: compared where the count is set (test_ray_workers_answer_on_the_local_run_s_thread_count)
 
 
 def _text(i: int, repeat: int) -> str:
@@ -144,6 +144,34 @@ def test_ray_batch_records_equal_the_local_batch_and_each_document_stays_on_one_
     assert ray_err.splitlines()[-1] == local_err.splitlines()[-1] + " · 2 Ray CPU workers"
     # nothing else on stderr: Ray's own logging stays in its log files
     assert all(l.startswith("kvcli: error:") for l in ray_err.splitlines()[:-1]), ray_err
+
+
+@pytest.mark.ray
+@needs_ray
+def test_ray_workers_answer_on_the_local_run_s_thread_count(ray_cluster, model, tmp_path):
+    """An answer may change with the thread count on a near tie: a Ray worker (one CPU, one thread
+    to Ray) runs on the count the local run starts on, so every field but the timings is equal,
+    ``threads`` included."""
+    import torch
+
+    docs = tmp_path / "two"
+    docs.mkdir()
+    for i in range(2):
+        (docs / f"doc{i}.txt").write_text(_text(i, 2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the local run's count, whatever the test runner gave this process
+    try:
+        local = _local_records(model, [str(docs)], tmp_path / "local")
+        with RayExecutor(_options(model, tmp_path / "ray"), "local", 2) as executor:
+            remote = list(run_batch(executor, expand_inputs([str(docs)]), QUESTIONS, parse_pipeline("full")))
+    finally:
+        torch.set_num_threads(before)
+    timings = VOLATILE - {"threads"}
+    assert len({r["worker"] for r in remote}) == 2
+    assert [r["threads"] for r in local] == [{"prefill": [2], "decode": [2]}] * 2 * len(QUESTIONS)
+    assert [{k: v for k, v in r.items() if k not in timings} for r in remote] == [
+        {k: v for k, v in r.items() if k not in timings} for r in local
+    ]
 
 
 # --- faults ------------------------------------------------------------------------------------

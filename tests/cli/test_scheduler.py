@@ -93,6 +93,8 @@ def test_worker_count_one_per_gpu_or_cpu_never_more_than_the_documents():
     assert worker_count("auto", 0, 8, None, 100) == (False, 8)  # no GPU: one per CPU
     assert worker_count("cpu", 4, 8, None, None) == (False, 8)  # --device cpu leaves the GPUs alone
     assert worker_count("cuda", 2, 8, 5, 3) == (True, 3)  # --workers 5, but 3 documents
+    assert worker_count("cpu", 0, 8, None, None, threads=2) == (False, 4)  # one per 2 CPUs: 2 threads each
+    assert worker_count("cpu", 0, 2, None, None, threads=4) == (False, 1)  # at least one
     assert worker_count("auto", 0, 0, None, 0) == (False, 1)  # at least one
     with pytest.raises(KvcliError, match="^--device cuda: the Ray cluster has no GPUs$"):
         worker_count("cuda", 0, 8, 2, 10)
