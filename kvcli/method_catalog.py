@@ -85,12 +85,12 @@ METHODS: dict[str, Method] = {
     ),
     "pages": Method(
         "pages",
-        "Pages: the question's best pages by BM25, read whole with full attention (two passes, GemFilter's shape with pages as the unit; Robertson & Zaragoza 2009).",
+        "Pages: the question's best pages by BM25 on stems fused with a sentence embedding (:mod:`kvcli.retrieval.ranking`), read whole with full attention (two passes, GemFilter's shape with pages as the unit; Robertson & Zaragoza 2009).",
         "Robertson & Zaragoza 2009, The Probabilistic Relevance Framework: BM25 and Beyond; two passes as GemFilter, arXiv:2409.17422",
         8,
         (
-            Knob("pages", "1", "passages read whole: the question's best this many by BM25 (a PDF's pages, else page-sized passages); 1 answers best on the manuals measured (docs/bench/cite)"),
-            Knob("skim", "2", "passages after the ones read whole, in BM25's order, of which only the best sentences are read (skim_tokens each): further sources at little cost; 2 cites the answer's page among three as often as BM25 does and answers as one page does (docs/bench/cite)"),
+            Knob("pages", "1", "passages read whole: the question's best this many by BM25 fused with the sentence embedding (a PDF's pages, else page-sized passages); 1 answers best on the manuals measured (docs/bench/cite)"),
+            Knob("skim", "2", "passages after the ones read whole, in the same order, of which only the best sentences are read (skim_tokens each): further sources at little cost; 2 cites the answer's page among three as often as BM25 does and answers as one page does (docs/bench/cite)"),
             Knob("skim_tokens", "64", "tokens read of a skimmed passage: its best sentence by BM25, widened by whole neighbours"),
             Knob("candidates", "30", "BM25's best passages the sentence embedding re-ranks; the others follow in BM25's order, and only these are embedded; 0: every passage is embedded and ranked (a book's first question then embeds the whole book); chosen on the tuning questions (docs/bench/retrieval)"),
             Knob("budget", "auto", "most prompt tokens read before the question (the template's head and the passages); auto = half the model's window, at most 4,096"),
