@@ -98,7 +98,7 @@ class Session:
             options.kv_bits = kv_bits.check_bits(options.kv_bits)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        from .model.facts import QUANT_SPELLINGS, quant_name
+        from .model.names import QUANT_SPELLINGS, quant_name
 
         weights = quant_name(options.quant)
         if weights is None:

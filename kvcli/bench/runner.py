@@ -168,7 +168,7 @@ class ResultsFile:
 def run_meta(session, **extra) -> dict:
     import torch
 
-    from ..model.facts import spelled
+    from ..model.names import spelled
 
     lm = session.lm
     return {

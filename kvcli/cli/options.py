@@ -34,7 +34,7 @@ class Device(str, Enum):
 
 class Quant(
     str, Enum
-):  # spelled as bits, as AskOptions.quant and --json spell them (kvcli.model.facts.QUANT_SPELLINGS)
+):  # spelled as bits, as AskOptions.quant and --json spell them (kvcli.model.names.QUANT_SPELLINGS)
     auto = "auto"
     none = "none"
     four = "4"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from .. import kv_bits as kv_quant
-from ..model.facts import QUANT_SPELLINGS
+from ..model.names import QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
 from ..runtime.chunking import ENV_PREFILL_CHUNK
 from ..store.capacity import CAP_ENV

@@ -34,11 +34,30 @@ the process: the CLI shows its own progress. Download progress bars of huggingfa
 since a first download of a large model can take minutes.
 """
 
-from .device import resolve_device
-from .embedded import EMBEDDED_MODEL, default_cache_dir, embedded_model_path, set_progress_sink
-from .facts import ATTNS, DTYPES, QUANTS, LoadedModel
-from .fingerprint import compute_fingerprint
-from .load import load_model
+import importlib
+
+# where each name lives: imported on first use (PEP 562), so `kvcli --help` and the commands that
+# load no model do not import PyTorch through this package
+_WHERE = {
+    "resolve_device": ".device",
+    "EMBEDDED_MODEL": ".embedded",
+    "default_cache_dir": ".embedded",
+    "embedded_model_path": ".embedded",
+    "set_progress_sink": ".embedded",
+    "ATTNS": ".names",
+    "QUANTS": ".names",
+    "DTYPES": ".facts",
+    "LoadedModel": ".facts",
+    "compute_fingerprint": ".fingerprint",
+    "load_model": ".load",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ATTNS",

@@ -8,9 +8,11 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
 
 # Weight files up to this size are fingerprinted by content, bigger ones by name+size+mtime.
 _CONTENT_HASH_LIMIT = 64 * 1024 * 1024
@@ -48,6 +50,8 @@ def _clean_config(obj: Any) -> Any:
         }
     if isinstance(obj, (list, tuple)):
         return [_clean_config(v) for v in obj]
+    import torch  # here: embedded.py hashes files with this module before anything needs PyTorch
+
     if isinstance(obj, torch.dtype):
         return str(obj)
     return obj

@@ -22,7 +22,7 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
     """The JSON object of ``kvcli ask --json``. ``session``: the :class:`kvcli.api.Session` that
     answered (its model's name, attention kernel and quantization, and its engine's device)."""
     from ..compressors.selection import read_record
-    from ..model.facts import spelled
+    from ..model.names import spelled
 
     record = {
         "answer": result.answer,

@@ -5,13 +5,38 @@ What the rest of kvcli uses: :class:`KVStore` (``fetch``, the cache commands, ``
 when a read stopped), the cap (:func:`resolve_cap`, :func:`parse_size`).
 """
 
-from .book import fetch_book
-from .capacity import CAP_ENV, NO_CAP, least_recently_used, parse_size, resolve_cap
-from .entries import DamagedEntry, Entry
-from .housekeeping import Leftovers
-from .keys import FORMAT_VERSION, StoreKey, make_key
-from .kvstore import Fetched, KVStore, Loaded, Watcher
-from .locks import Holder, LocksUnsupported, take_lock
+import importlib
+
+# where each name lives: imported on first use (PEP 562), so the command line's help, which reads
+# the cap's variable, imports no PyTorch through this package
+_WHERE = {
+    "fetch_book": ".book",
+    "CAP_ENV": ".capacity",
+    "NO_CAP": ".capacity",
+    "least_recently_used": ".capacity",
+    "parse_size": ".capacity",
+    "resolve_cap": ".capacity",
+    "DamagedEntry": ".entries",
+    "Entry": ".entries",
+    "Leftovers": ".housekeeping",
+    "FORMAT_VERSION": ".keys",
+    "StoreKey": ".keys",
+    "make_key": ".keys",
+    "Fetched": ".kvstore",
+    "KVStore": ".kvstore",
+    "Loaded": ".kvstore",
+    "Watcher": ".kvstore",
+    "Holder": ".locks",
+    "LocksUnsupported": ".locks",
+    "take_lock": ".locks",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CAP_ENV",

@@ -21,10 +21,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
-from ..caches import quant
+# PyTorch and the KV codecs (kvcli.caches.quant) are imported where a key is made: the help's
+# store facts (the cap's variable, by way of kvcli.store.capacity) need neither
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"  # an entry's file: <cache_dir>/kv/<key>.safetensors
@@ -40,6 +43,8 @@ class StoreKey:
 
 
 def _ids_digest(ids: torch.Tensor) -> str:
+    import torch
+
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -54,6 +59,8 @@ def other_formats(key: StoreKey) -> list[str]:
     version up to this one, and each name its bits' codec has had (:data:`kvcli.caches.quant.CODEC_NAMES`)
     or none (a state from before codecs were named) — but ``key`` itself: where an entry of
     another format of it may be, found by name, without reading any other entry."""
+    from ..caches import quant
+
     state = key.fields.get("state")
     states = [state]
     if isinstance(state, dict):
@@ -72,6 +79,8 @@ def other_formats(key: StoreKey) -> list[str]:
 
 def make_key(lm, prefix_ids: torch.Tensor, state: dict, question_ids: torch.Tensor | None = None) -> StoreKey:
     """The key of the prefix state ``state`` of ``prefix_ids`` (n,) for the model ``lm``."""
+    from ..caches import quant
+
     fields = {
         "format": FORMAT_VERSION,
         "model": lm.fingerprint,
