@@ -70,6 +70,13 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 
 
 # --- the layers ---------------------------------------------------------------------------------
+# Rows from which a product runs on float32 weights made dense and the float32 GEMM where the
+# 16-bit GEMM is emulated (an AVX2-only CPU: :func:`native_gemm`), instead of the integer kernel:
+# there the 1.5B Qwen read a 2,034-token prompt in 108 s through the int8 kernel against 63 s in
+# float32 (docs/cpu.md); a few rows (decoding) stay on the kernel.
+FLOAT_ROWS = 256
+
+
 @functools.cache
 def native_gemm(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x):
@@ -112,14 +119,17 @@ class QuantLinear(nn.Module):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def dense(self) -> torch.Tensor:
-        """The weights the layer multiplies by, transposed, in the activations' dtype: (in, out)."""
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weights the layer multiplies by, transposed, in ``dtype`` (the activations'): (in, out)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows and native_gemm(self.dtype):
-            y = torch.mm(rows, self.dense())  # a prefill: dense for this call only, then freed
+        native = native_gemm(self.dtype)
+        if self.dense_rows is not None and rows.shape[0] >= (self.dense_rows if native else FLOAT_ROWS):
+            # a prefill: dense for this call only, then freed; in float32 where 16 bits are emulated
+            gemm = self.dtype if native else torch.float32
+            y = torch.mm(rows.to(gemm), self.dense(gemm)).to(self.dtype)
         else:
             y = self.product(rows)
         if self.bias is not None:
@@ -158,8 +168,8 @@ class Int8Linear(QuantLinear):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
-    def dense(self) -> torch.Tensor:
-        return (self.codes.to(self.dtype) * self.scale[:, None]).t()
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.mul(self.codes, self.scale.to(dtype or self.dtype)[:, None]).t()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
@@ -235,8 +245,9 @@ class Int4Linear(QuantLinear):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
 
-    def dense(self) -> torch.Tensor:
-        return unpack_int4(self.packed, self.scale_zero, self.out_features, self.in_features, self.group)
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        scale_zero = self.scale_zero.to(dtype or self.dtype)
+        return unpack_int4(self.packed, scale_zero, self.out_features, self.in_features, self.group)
 
     def dequantized(self) -> torch.Tensor:
         """The weights it multiplies by, (out, in) float32 (the kernel run on the identity)."""

@@ -74,10 +74,11 @@ def test_int4_linear_multiplies_by_its_weights(rows):
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("rows", [5, 70])
+@pytest.mark.parametrize("rows", [5, 70, 300])
 def test_int8_linear_multiplies_by_its_weights(rows, native, monkeypatch):
-    """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights,
-    where this CPU's bfloat16 GEMM is native (cpu_quant.native_gemm), else the kernel still."""
+    """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights
+    where this CPU's bfloat16 GEMM is native (cpu_quant.native_gemm), else from ``FLOAT_ROWS`` on the
+    dense float32 weights and the float32 GEMM (an AVX2-only CPU), the kernel below that."""
     monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: native)
     w = torch.randn(24, 64)
     layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
@@ -86,16 +87,23 @@ def test_int8_linear_multiplies_by_its_weights(rows, native, monkeypatch):
     want = x.bfloat16().double() @ (q.double() * scale.bfloat16().double()[:, None]).T
     assert float((layer(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())
     assert torch.equal(layer.dense(), (q.bfloat16() * scale.bfloat16()[:, None]).t())
-    # which path ran: the kernel for fewer rows than dense_rows, the dense product from there on
+    assert torch.equal(layer.dense(torch.float32), (q.float() * scale.bfloat16().float()[:, None]).t())
+    # which path ran: the kernel for fewer rows than the dense path's threshold, the dense product from there on
     ran = []
     monkeypatch.setattr(
         Int8Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 24, dtype=r.dtype)
     )
-    monkeypatch.setattr(
-        Int8Linear, "dense", lambda self: ran.append("dense") or torch.zeros(64, 24, dtype=torch.bfloat16)
-    )
+
+    def dense(self, dtype=None):
+        ran.append(str(dtype or self.dtype))
+        return torch.zeros(64, 24, dtype=dtype or self.dtype)
+
+    monkeypatch.setattr(Int8Linear, "dense", dense)
     layer(x)
-    assert ran == (["dense"] if rows >= layer.dense_rows and native else ["kernel"])
+    if native:
+        assert ran == (["torch.bfloat16"] if rows >= layer.dense_rows else ["kernel"])
+    else:
+        assert ran == (["torch.float32"] if rows >= cpu_quant.FLOAT_ROWS else ["kernel"])
 
 
 def test_float32_is_native_and_the_check_is_made_once():
@@ -136,7 +144,7 @@ def test_int4_linear_unpacks_its_weights_for_a_prefill(rows, monkeypatch):
         Int4Linear, "product", lambda self, r: ran.append("kernel") or torch.zeros(r.shape[0], 128, dtype=r.dtype)
     )
     monkeypatch.setattr(
-        Int4Linear, "dense", lambda self: ran.append("dense") or torch.zeros(96, 128, dtype=torch.bfloat16)
+        Int4Linear, "dense", lambda self, dtype=None: ran.append("dense") or torch.zeros(96, 128, dtype=torch.bfloat16)
     )
     layer(x)
     assert ran == (["kernel"] if rows < 128 else ["dense"])
