@@ -72,7 +72,10 @@ def test_compression_ratio_counts_the_kv_actually_held(tiny_lm, tmp_path, name):
     if name in HOLDS_EVERYTHING:
         assert result.compression_ratio == pytest.approx(1.0)
     else:
-        assert result.compression_ratio > 1.5, f"{name} compressed nothing: {result.compression_ratio}"
+        # RazorAttention keeps a retrieval head's whole KV head: on this Qwen2.5-shaped model (6 query
+        # heads on each of 2 KV heads) its 14% of 24 query heads keep up to 3 of the 4 KV heads whole
+        least = 1.3 if name == "razor" else 1.5
+        assert result.compression_ratio > least, f"{name} compressed nothing: {result.compression_ratio}"
 
 
 def test_per_head_and_per_layer_budgets_are_averaged(tiny_lm, tmp_path):
