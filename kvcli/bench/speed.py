@@ -67,30 +67,40 @@ class SpeedBench:
 
 
 def speed_table(rows: list[dict], baseline: str = "full") -> str:
-    """Markdown: one line per (length, method): TTFT, TTFT / full, decode tokens/s, peak and KV MiB."""
+    """Markdown: one line per (length, method): TTFT, TTFT / full, the whole generation's time (the
+    prompt and every new token) and its ratio to full's, decode tokens/s, peak and KV MiB, and the
+    methods' own counters (LazyLLM: the share of (prompt token, layer) pairs computed by the end,
+    the paper's Table 2)."""
     stats = [name for name in STAT_COLUMNS if any(name in r.get("method_stats", {}) for r in rows)]
     head = [
         "tokens",
         "method",
         "TTFT s",
         "TTFT / full",
+        "total s",
+        "total / full",
         "decode tok/s",
         "peak MiB",
         "KV MiB",
         *(STAT_COLUMNS[s] for s in stats),
     ]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
-    base = {r["length"]: r["ttft_s"] for r in rows if r["method"] == baseline and not r.get("error")}
+    base = {r["length"]: r for r in rows if r["method"] == baseline and not r.get("error")}
     for r in sorted(rows, key=lambda r: r["length"]):  # stable: methods keep their order
         if r.get("error"):
             lines.append(f"| {r['length']:,} | `{r['method']}` | error: {r['error']} |" + " |" * (len(head) - 3))
             continue
-        ratio = r["ttft_s"] / base[r["length"]] if base.get(r["length"]) else None
+        full = base.get(r["length"])
+        ratio = r["ttft_s"] / full["ttft_s"] if full and full["ttft_s"] else None
+        total = r.get("total_s")  # None in a results file from before it was a column
+        total_ratio = total / full["total_s"] if total and full and full.get("total_s") else None
         cells = [
             f"{r['n_context_tokens']:,}",
             f"`{r['method']}`",
             table_cell(r["ttft_s"], ".2f"),
             table_cell(ratio, ".2f"),
+            table_cell(total, ".2f"),
+            table_cell(total_ratio, ".2f"),
             table_cell(r["decode_tokens_per_s"], ".1f"),
             table_cell(r["peak_mem_mb"], ",.0f"),
             table_cell(r["kv_cache_mb"], ".1f"),

@@ -148,7 +148,17 @@ def test_speed_end_to_end(cli, tiny_dir, tmp_path):
         assert r["repeat"] == 2 and len(r["runs"]) == 2
     gem = [r for r in rows if r["method"] == "gemfilter:k=64"]
     assert all(r["n_kept_tokens"] == 64 for r in gem)
-    assert "| tokens | method | TTFT s | TTFT / full | decode tok/s | peak MiB | KV MiB |" in stdout
+    assert (
+        "| tokens | method | TTFT s | TTFT / full | total s | total / full | decode tok/s | peak MiB | KV MiB |"
+        in stdout
+    )
+    # the whole generation against full attention's, from the rows' own totals
+    full, gem = (next(r for r in rows if r["length"] == 400 and r["method"] == m) for m in ("full", "gemfilter:k=64"))
+    line = next(x for x in stdout.splitlines() if x.startswith(f"| {gem['n_context_tokens']:,} | `gemfilter")).split(
+        "|"
+    )
+    assert float(line[5]) == pytest.approx(gem["total_s"], abs=0.006)
+    assert float(line[6]) == pytest.approx(gem["total_s"] / full["total_s"], abs=0.006)
     assert_png(out / "speed.png")
 
 
@@ -194,7 +204,7 @@ def test_speed_plot_and_table_from_synthetic_rows(tmp_path):
     for i, method in enumerate(["full", "blocksparse"]):
         for n in (1024, 4096):
             rows.append(
-                {"method": method, "length": n, "n_context_tokens": n - 11, "ttft_s": n / 1000, "decode_tokens_per_s": 20.0 - i,
+                {"method": method, "length": n, "n_context_tokens": n - 11, "ttft_s": n / 1000, "total_s": n / 500, "decode_tokens_per_s": 20.0 - i,
                  "peak_mem_mb": 900 + n / 10, "kv_cache_mb": n / 20, "method_stats": {"kv_attended_frac": 0.25} if i else {}}
             )  # fmt: skip
     rows.append({"method": "broken", "length": 1024, "error": "out of memory"})
@@ -203,6 +213,7 @@ def test_speed_plot_and_table_from_synthetic_rows(tmp_path):
     table = speed.speed_table(rows)
     assert "KV attended" in table and "error: out of memory" in table
     assert len(table.splitlines()) == 2 + 5
+    assert "| 4,085 | `blocksparse` | 4.10 | 1.00 | 8.19 | 1.00 | 19.0 |" in table  # total s and total / full
 
 
 def test_method_and_grid_parsing():
