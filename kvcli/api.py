@@ -75,6 +75,20 @@ def read_document(path) -> Document:
     return load_document(path)
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A question's settings, its own (:class:`QuestionOptions`) or else the session's."""
+
+    options: QuestionOptions
+    max_new_tokens: int
+    sources: bool
+
+
+def _source(document: Document) -> str:
+    """The document's path as the store records it: absolute, or ``-`` for standard input."""
+    return document.source if document.source == "-" else os.path.abspath(document.source)
+
+
 @dataclass
 class Session:
     """A loaded model ready to answer; load once, ask many times."""
@@ -124,58 +138,70 @@ class Session:
         """Answer ``question`` about ``document`` with ``pipeline``; ``options``: the question's
         settings and the callbacks that show it being answered (:class:`QuestionOptions`)."""
         from .answer.citing import cite
-        from .answer.labels import method_label
-        from .answer.pipeline import check_window, run
-        from .answer.progress import prompt_progress
-        from .answer.prompt import build_prompt, stop_token_ids
-        from .answer.stopping import AnswerGuard
-        from .answer.streaming import AnswerStream
-        from .cite.attribution import citing_heads
-        from .compressors.base import Runtime
+        from .answer.prompt import build_prompt
 
         o = QuestionOptions() if options is None else options
-        max_new_tokens = self.options.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens
-        sources = self.options.sources if o.sources is None else o.sources
+        asked = _Asked(
+            o,
+            max_new_tokens=self.options.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens,
+            sources=self.options.sources if o.sources is None else o.sources,
+        )
         prompt = build_prompt(
             self.lm.tokenizer, document.text, question, self.template, o.answer_prefix, document.page_starts
         )
-        pipeline = pipeline.resolve(prompt, self.lm, max_new_tokens)
+        pipeline = self._prepare(document, prompt, pipeline, asked)
+        by_passage = pipeline.reads_passages()  # the sources come one per passage it read
+        threads_used = {} if self.threads is None else self.threads.start_run()
+        result = self._answer(document, prompt, pipeline, asked)
+        if asked.sources:
+            result.sources = cite(document, result, question, by_passage=by_passage)
+        result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
+        result.extra["policy"] = pipeline.chosen_by
+        result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
+        return result
+
+    def _prepare(self, document: Document, prompt, pipeline: Pipeline, asked: _Asked) -> Pipeline:
+        """``pipeline`` resolved for ``prompt`` (``-c auto``), configured with the run's settings,
+        and the prompt checked against the model's window."""
+        from .answer.pipeline import check_window
+        from .compressors.base import Runtime
+
+        o = asked.options
+        pipeline = pipeline.resolve(prompt, self.lm, asked.max_new_tokens)
         if self.options.kv_offload != "none" and not any(s.holds_whole_kv for s in pipeline.stages):
             notices.warn(
                 f"--kv-offload {self.options.kv_offload} has no effect on {pipeline.spec().split(':')[0]}: only blocksparse holds its KV that way",
                 key="kv-offload-unused",
             )
-        source = document.source if document.source == "-" else os.path.abspath(document.source)
         runtime = Runtime(
             cache_dir=self.options.cache_dir,
             kv_offload=self.options.kv_offload,
             kv_bits=pipeline.kv_bits(self.options.kv_bits),
-            document=source,
+            document=_source(document),
             document_sha256=document.sha256,
             on_embed=o.on_embed,
             on_stored=None if self.store is None else self._made,
         )
         pipeline.configure(self.lm, runtime)
-        check_window(
-            prompt,
-            self.lm,
-            max_new_tokens,
-            pipeline,
-            stored=o.use_store and self.store is not None and self.store.enabled,
-        )
-        # what the session needs of the resolved pipeline, asked once: its label, whether it
-        # retrieves (pages: the tokens read are known once it chose them) and cites by passage
-        label, retrieves, by_passage = method_label(pipeline), pipeline.retrieves(), pipeline.reads_passages()
+        stored = o.use_store and self.store is not None and self.store.enabled
+        check_window(prompt, self.lm, asked.max_new_tokens, pipeline, stored=stored)
+        return pipeline
+
+    def _answer(self, document: Document, prompt, pipeline: Pipeline, asked: _Asked) -> Result:
+        """Run ``pipeline`` on ``prompt``, showing the prompt's progress and the answer as it comes."""
+        from .answer.labels import method_label
+        from .answer.pipeline import run
+        from .answer.progress import prompt_progress
+        from .answer.streaming import AnswerStream
+        from .cite.attribution import citing_heads
+
+        o = asked.options
+        # a method that retrieves (pages): the tokens read are known once it chose them
+        label, retrieves = method_label(pipeline), pipeline.retrieves()
         if o.on_prompt is not None and not retrieves:
             o.on_prompt(label, prompt.n_tokens)
-        stop = set() if o.force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
-        guard = (
-            AnswerGuard(self.lm.tokenizer, self.template, o.answer_prefix)
-            if self.options.answer_guard and not o.force_tokens
-            else None
-        )
+        stop, guard = self._stopping(o)
         stream = None if o.on_text is None else AnswerStream(self.lm.tokenizer, guard, o.on_text)
-        threads_used = {} if self.threads is None else self.threads.start_run()
         store = self.store if o.use_store else None
         with prompt_progress(self.engine, prompt.n_tokens, o.on_progress, store, o.on_wait, o.on_resume) as reading:
             callbacks = [reading.done] if reading.handles else []
@@ -190,32 +216,44 @@ class Session:
                 self.engine,
                 prompt,
                 pipeline,
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=asked.max_new_tokens,
                 stop_ids=stop,
                 on_token=(lambda token: [f(token) for f in callbacks]) if callbacks else None,
                 store=store,
                 guard=guard,
                 low_memory=self.options.low_memory,
                 threads=self.threads,
-                cite=citing_heads(self.lm) if sources else None,
+                cite=citing_heads(self.lm) if asked.sources else None,
                 on_selected=selected if retrieves else None,
-                meta={
-                    "document": source,
-                    "document_sha256": document.sha256,
-                    "model_name": self.lm.name,
-                    "method": pipeline.spec(),
-                    "template": self.options.template,
-                },
+                meta=self._meta(document, pipeline),
             )
         result.document = document
         if stream is not None:
             stream.close(result.answer)
-        if sources:
-            result.sources = cite(document, result, question, by_passage=by_passage)
-        result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
-        result.extra["policy"] = pipeline.chosen_by
-        result.extra["threads"] = threads_used  # phase -> the CPU threads it ran on, in order
         return result
+
+    def _stopping(self, o: QuestionOptions):
+        """The answer's stop tokens and its guard (None: none), both off with ``force_tokens``."""
+        from .answer.prompt import stop_token_ids
+        from .answer.stopping import AnswerGuard
+
+        stop = set() if o.force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
+        guard = (
+            AnswerGuard(self.lm.tokenizer, self.template, o.answer_prefix)
+            if self.options.answer_guard and not o.force_tokens
+            else None
+        )
+        return stop, guard
+
+    def _meta(self, document: Document, pipeline: Pipeline) -> dict:
+        """The facts recorded with a new disk store entry."""
+        return {
+            "document": _source(document),
+            "document_sha256": document.sha256,
+            "model_name": self.lm.name,
+            "method": pipeline.spec(),
+            "template": self.options.template,
+        }
 
     def _made(self, path: Path) -> None:
         """A method wrote ``path`` into the cache folder (the page vectors): the store makes room

@@ -342,6 +342,30 @@ def _document_digest(prompt) -> str:
     return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Generation:
+    """How the answer is generated: at most ``max_new_tokens`` greedy tokens, up to one of
+    ``stop_ids`` or where ``guard`` ends it, each handed to ``on_token`` as it comes."""
+
+    max_new_tokens: int
+    stop_ids: set[int]
+    on_token: Callable[[int], None] | None = None
+    guard: object | None = None
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """What reading the prompt left for decoding: the tokens read, the cache and the first logits."""
+
+    prefix: Prefix | None  # the reader's prefix state
+    second_prefix: Prefix | None  # the one the kept tokens were prefilled on (None: from scratch)
+    selection: Selection
+    kept_ids: torch.Tensor
+    cache: object
+    logits: torch.Tensor
+    next_position: int
+
+
 def run(
     engine,
     prompt: Prompt,
@@ -368,8 +392,7 @@ def run(
     threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are);
     ``on_selected(selection)``: once the selectors chose, before the chosen tokens are read.
     """
-    tokenizer = engine.lm.tokenizer
-    ids = prompt.ids
+    generation = Generation(max_new_tokens, stop_ids, on_token, guard)
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
@@ -377,76 +400,116 @@ def run(
         # a chunked prefix pass reserves the KV for the question and the answer behind it
         reading.enter_context(engine.reserving(prompt.n_tokens - prompt.prefix_len + max_new_tokens))
         start = time.perf_counter()
-        bits = pipeline.reader().runtime.kv_bits
-        prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {}, quantized=pipeline.plain())
-        selection = Selection(torch.arange(prompt.n_tokens))
-        for i, stage in enumerate(pipeline.selectors()):
-            # only the first selector sees the prompt itself; later ones see its selection
-            sub = stage.select_tokens(
-                engine,
-                ids[selection.kept],
-                protected=prompt.n_after_document,
-                prefix=prefix if i == 0 else None,
-                prompt=prompt if i == 0 else None,
-            )
-            # the first scores a selector gives are kept, even when it kept every token (pages on a
-            # short document: its passages' scores still order the sources)
-            scores = selection.scores
-            if scores is None and sub.scores is not None:
-                scores = torch.full((prompt.n_tokens,), float("nan"))
-                scores[selection.kept] = sub.scores
-            selection = Selection(
-                selection.kept[sub.kept],
-                scores,
-                selection.note or sub.note,
-                selection.read or sub.read,
-                selection.ranked_by or sub.ranked_by,
-            )
-        if on_selected is not None:
-            on_selected(selection)
-        kept_ids = ids[selection.kept]
-        # after a selection the kept tokens are re-run from scratch: the prefix state no longer
-        # applies — unless the selectors kept everything (a short document), then the second pass
-        # is full attention and reuses full attention's prefix state
-        second_prefix = prefix
-        if pipeline.selectors():
-            second_prefix = None
-            if selection.n_kept == prompt.n_tokens and pipeline.owner("prefill") is None:
-                full = FullAttention()
-                full.runtime = pipeline.reader().runtime
-                quantized = not pipeline.compressors()
-                second_prefix = Prefix.of(engine, prompt, full, store, meta or {}, quantized=quantized)
-        owner = pipeline.owner("prefill")
-        compressors = pipeline.compressors()
-        if owner is not None:
-            cache, logits, next_position = owner.prefill(
-                engine, kept_ids, prefix=second_prefix, protected=prompt.n_after_document
-            )
-        else:
-            cache, logits = default_prefill(engine, kept_ids, second_prefix, compressors)
-            next_position = kept_ids.numel()
-        for stage in compressors:
-            cache = stage.compress(engine, cache)
-        cache.trim_windows(engine.windows)  # sliding layers keep only what their window still reaches
-        cache = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
+        read = _read_prompt(engine, prompt, pipeline, store, meta, on_selected)
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
-        decoder = pipeline.owner("decode_step")
-        step = None
-        if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
-            step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
-        reader = None if cite is None else CitingHeads(cite, kept_ids.numel(), cache)
-        with in_phase(threads, "decode", engine), listening({} if reader is None else reader.observers()):
-            answer_ids = engine.decode(
-                logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=step, guard=guard
-            )
+        reader = None if cite is None else CitingHeads(cite, read.kept_ids.numel(), read.cache)
+        answer_ids = _decode(engine, pipeline, read, generation, threads, reader)
         total = m.elapsed(since=start)
+    return _result(engine, prompt, pipeline, read, answer_ids, m, ttft, total, reader, cite)
+
+
+def _read_prompt(engine, prompt: Prompt, pipeline: Pipeline, store, meta, on_selected) -> _Reading:
+    """The prompt phase: the prefix state, the selectors' choice, the prefill of the kept tokens,
+    the compressors, the sliding windows' cut and ``--kv-bits``."""
+    bits = pipeline.reader().runtime.kv_bits
+    prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {}, quantized=pipeline.plain())
+    selection = _select(engine, prompt, pipeline, prefix)
+    if on_selected is not None:
+        on_selected(selection)
+    kept_ids = prompt.ids[selection.kept]
+    second_prefix = _second_prefix(engine, prompt, pipeline, selection, prefix, store, meta)
+    cache, logits, next_position = _prefill(engine, prompt, pipeline, kept_ids, second_prefix)
+    cache = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
+    return _Reading(prefix, second_prefix, selection, kept_ids, cache, logits, next_position)
+
+
+def _select(engine, prompt: Prompt, pipeline: Pipeline, prefix: Prefix | None) -> Selection:
+    """The prompt tokens the selectors keep, one selector after the other (all of them without one)."""
+    selection = Selection(torch.arange(prompt.n_tokens))
+    for i, stage in enumerate(pipeline.selectors()):
+        # only the first selector sees the prompt itself; later ones see its selection
+        sub = stage.select_tokens(
+            engine,
+            prompt.ids[selection.kept],
+            protected=prompt.n_after_document,
+            prefix=prefix if i == 0 else None,
+            prompt=prompt if i == 0 else None,
+        )
+        # the first scores a selector gives are kept, even when it kept every token (pages on a
+        # short document: its passages' scores still order the sources)
+        scores = selection.scores
+        if scores is None and sub.scores is not None:
+            scores = torch.full((prompt.n_tokens,), float("nan"))
+            scores[selection.kept] = sub.scores
+        selection = Selection(
+            selection.kept[sub.kept],
+            scores,
+            selection.note or sub.note,
+            selection.read or sub.read,
+            selection.ranked_by or sub.ranked_by,
+        )
+    return selection
+
+
+def _second_prefix(engine, prompt: Prompt, pipeline: Pipeline, selection: Selection, prefix, store, meta):
+    """The prefix state the kept tokens are prefilled on. After a selection the kept tokens are
+    re-run from scratch (None): the prefix state no longer applies — unless the selectors kept
+    everything (a short document), then the second pass is full attention and reuses full
+    attention's prefix state."""
+    if not pipeline.selectors():
+        return prefix
+    if selection.n_kept != prompt.n_tokens or pipeline.owner("prefill") is not None:
+        return None
+    full = FullAttention()
+    full.runtime = pipeline.reader().runtime
+    return Prefix.of(engine, prompt, full, store, meta or {}, quantized=not pipeline.compressors())
+
+
+def _prefill(engine, prompt: Prompt, pipeline: Pipeline, kept_ids: torch.Tensor, prefix):
+    """Prefill ``kept_ids`` on ``prefix`` (the prefill owner's way, else :func:`default_prefill`),
+    compress, and cut the sliding layers back. Returns (cache, first_logits, next_position)."""
+    owner = pipeline.owner("prefill")
+    compressors = pipeline.compressors()
+    if owner is not None:
+        cache, logits, next_position = owner.prefill(engine, kept_ids, prefix=prefix, protected=prompt.n_after_document)
+    else:
+        cache, logits = default_prefill(engine, kept_ids, prefix, compressors)
+        next_position = kept_ids.numel()
+    for stage in compressors:
+        cache = stage.compress(engine, cache)
+    cache.trim_windows(engine.windows)  # sliding layers keep only what their window still reaches
+    return cache, logits, next_position
+
+
+def _decode(engine, pipeline: Pipeline, read: _Reading, generation: Generation, threads, reader) -> list[int]:
+    """Decode greedily from the prompt's cache (the decode owner's step, if any), the citing
+    heads' ``reader`` listening."""
+    decoder = pipeline.owner("decode_step")
+    step = None
+    if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
+        step = DecodeStep(functools.partial(decoder.decode_step, engine), device_token=decoder.device_token)
+    with in_phase(threads, "decode", engine), listening({} if reader is None else reader.observers()):
+        return engine.decode(
+            read.logits,
+            read.cache,
+            read.next_position,
+            generation.max_new_tokens,
+            generation.stop_ids,
+            generation.on_token,
+            step=step,
+            guard=generation.guard,
+        )
+
+
+def _result(engine, prompt, pipeline, read: _Reading, answer_ids, m, ttft, total, reader, cite) -> Result:
     decode_s = total - ttft
+    cache = read.cache
     return Result(
-        answer=tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
+        answer=engine.lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
         answer_ids=answer_ids,
         prompt=prompt,
-        selection=selection,
+        selection=read.selection,
         ttft_s=ttft,
         total_s=total,
         peak_mem_mb=m.peak_mem_mb,
@@ -457,18 +520,23 @@ def run(
             "kv_cache_bytes": cache.nbytes(),
             "kv_bits": cache.kv_bits,
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
-            "cache": prefix_report(prefix, second_prefix),
+            "cache": prefix_report(read.prefix, read.second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;
             # blocksparse: share of the KV attended per step); caches expose them as ``stats()``
             "method_stats": cache.stats(),
-            "citing": None
-            if reader is None
-            else {
-                "scores": reader.prompt_scores(prompt.n_tokens, selection.kept if pipeline.selectors() else None),
-                "unsupported": reader.unsupported,
-                "seconds": reader.seconds,
-                "steps": reader.steps,
-                "heads": cite.source,
-            },
+            "citing": _citing(reader, cite, prompt, pipeline, read.selection),
         },
     )
+
+
+def _citing(reader, cite, prompt: Prompt, pipeline: Pipeline, selection: Selection) -> dict | None:
+    """What the citing heads read while decoding (``Result.extra["citing"]``); None: not asked for."""
+    if reader is None:
+        return None
+    return {
+        "scores": reader.prompt_scores(prompt.n_tokens, selection.kept if pipeline.selectors() else None),
+        "unsupported": reader.unsupported,
+        "seconds": reader.seconds,
+        "steps": reader.steps,
+        "heads": cite.source,
+    }

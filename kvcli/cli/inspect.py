@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -118,8 +119,53 @@ def inspect_command(
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
-    # --- every usage error before the model loads
     inputs = inputs or []
+    out = _Output(show_selected, as_json, html_file, plot)
+    _check_options(inputs, out, layers=layers, answer=answer, needle=needle, k=k, needle_test=needle_test)
+    from .. import api  # the library (and PyTorch), once the options are checked: not for --help
+
+    pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
+    document = question = None
+    if needle_test is None:
+        document, question = _read_document(inputs)
+    options = load.ask_options(
+        max_new_tokens=max_new_tokens, template=template, cache_dir=cache_dir, use_cache=not no_cache
+    )
+    with err.status("loading model…", spinner="dots"):
+        session = api.Session.open(options)
+    if needle_test is not None:
+        document, question, key = _needle_case(session, _NeedleTest(needle_test, depth, seed, haystack))
+        if needle is None:
+            needle = key
+    view = Console(highlight=False)  # wrapping, as `ask --show-selected`
+    if layers:
+        _show_layers(err, view, session, document, question, pipeline, needle, k, out)
+    else:
+        _show_kept(err, view, session, document, question, pipeline, answer, out)
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where ``inspect`` shows what it found, besides the terminal's summary."""
+
+    show_selected: bool  # --show-selected
+    as_json: bool  # --json
+    html_file: Path | None  # --html
+    plot: Path | None  # --plot (with --layers)
+
+
+@dataclass(frozen=True)
+class _NeedleTest:
+    """``--needle-test``: a generated passkey document of about ``tokens`` tokens."""
+
+    tokens: int
+    depth: float
+    seed: int
+    haystack: str
+
+
+def _check_options(inputs: list[str], out: _Output, *, layers, answer, needle, k, needle_test) -> None:
+    """Every usage error, before the model loads."""
     if needle_test is not None and inputs:
         raise UsageError("--needle-test makes its own document and question; give neither DOCUMENT nor QUESTION")
     if needle_test is None and len(inputs) != 2:
@@ -127,17 +173,17 @@ def inspect_command(
             'give a document and a question, e.g. kvcli inspect book.pdf "Who wrote it?", or --needle-test N '
             "(see 'kvcli inspect --help')"
         )
-    if layers and (html_file is not None or show_selected or answer):
+    if layers and (out.html_file is not None or out.show_selected or answer):
         raise UsageError(
             "--layers shows the layer scan (table, --json, --plot); --html, --show-selected and --answer show what a method kept"
         )
-    if not layers and plot is not None:
+    if not layers and out.plot is not None:
         raise UsageError("--plot needs --layers")
     if not layers and needle is not None:
         raise UsageError("--needle needs --layers")
     if not layers and k is not None:
         raise UsageError("--k needs --layers (set a method's budget in its spec, e.g. -c gemfilter:k=256)")
-    for option, target in (("--html", html_file), ("--plot", plot)):
+    for option, target in (("--html", out.html_file), ("--plot", out.plot)):
         if target is not None and (
             not target.parent.is_dir() or target.is_dir() or not os.access(target.parent, os.W_OK)
         ):
@@ -145,67 +191,74 @@ def inspect_command(
                 f"{option}: cannot write {target}: "
                 + ("it is a folder" if target.is_dir() else "no such writable folder")
             )
-    from .. import api  # the library (and PyTorch), once the options are checked: not for --help
-    from ..report import html as report_html
-    from ..report import inspection
+
+
+def _read_document(inputs: list[str]):
+    """The document and the question of ``DOCUMENT QUESTION``."""
+    question = batch.check_question(inputs[1])
+    items = batch.expand_inputs([inputs[0]])
+    if len(items) != 1 or items[0].source != inputs[0]:
+        raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
+    return batch.read_input(items[0], read_stdin), question
+
+
+def _needle_case(session, test: _NeedleTest):
+    """The passkey document, its question and its passkey."""
+    from ..bench.needle import make_case
+    from ..documents import document_from_text
+
+    case = make_case(session.lm.tokenizer, test.tokens, test.depth, seed=test.seed, haystack=test.haystack)
+    document = document_from_text(case.text, source=f"needle-test-{test.tokens}")
+    return document, case.question, case.key
+
+
+def _show_layers(err, view, session, document, question, pipeline, needle, k, out: _Output) -> None:
+    """``--layers``: every layer scored as GemFilter's filter (table, --json, --plot)."""
     from ..report import layers as layer_scan
 
-    pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
-    document = None
-    if needle_test is None:
-        question = batch.check_question(inputs[1])
-        items = batch.expand_inputs([inputs[0]])
-        if len(items) != 1 or items[0].source != inputs[0]:
-            raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
-        document = batch.read_input(items[0], read_stdin)
-    options = load.ask_options(
-        max_new_tokens=max_new_tokens, template=template, cache_dir=cache_dir, use_cache=not no_cache
-    )
-    with err.status("loading model…", spinner="dots"):
-        session = api.Session.open(options)
-    if needle_test is not None:
-        from ..bench.needle import make_case
-        from ..documents import document_from_text
+    if needle is None:
+        with err.status("answering with full attention to find the needle…", spinner="dots"):
+            needle = layer_scan.needle_from_full_attention(session, document, question)
+    with err.status("scoring every layer as a GemFilter filter…", spinner="dots"):
+        report = layer_scan.inspect_layers(session, document, question, needle, pipeline, k)
+    if out.plot is not None:
+        try:
+            layer_scan.plot_layers(report, out.plot)
+        except OSError as e:
+            raise UsageError(f"--plot: cannot write {out.plot}: {e.strerror or e}") from None
+        err.print(f"[dim]wrote {out.plot}[/dim]")
+    if out.as_json:
+        record = report.to_json()
+        if out.plot is not None:
+            record["plot"] = str(out.plot)
+        stdout.out(json.dumps(record, ensure_ascii=False))
+    else:
+        render.layer_scan_table(view, report)
 
-        case = make_case(session.lm.tokenizer, needle_test, depth, seed=seed, haystack=haystack)
-        document = document_from_text(case.text, source=f"needle-test-{needle_test}")
-        question = case.question
-        if needle is None:
-            needle = case.key
-    view = Console(highlight=False)  # wrapping, as `ask --show-selected`
-    if layers:
-        if needle is None:
-            with err.status("answering with full attention to find the needle…", spinner="dots"):
-                needle = layer_scan.needle_from_full_attention(session, document, question)
-        with err.status("scoring every layer as a GemFilter filter…", spinner="dots"):
-            report = layer_scan.inspect_layers(session, document, question, needle, pipeline, k)
-        if plot is not None:
-            try:
-                layer_scan.plot_layers(report, plot)
-            except OSError as e:
-                raise UsageError(f"--plot: cannot write {plot}: {e.strerror or e}") from None
-            err.print(f"[dim]wrote {plot}[/dim]")
-        if as_json:
-            record = report.to_json()
-            if plot is not None:
-                record["plot"] = str(plot)
-            stdout.out(json.dumps(record, ensure_ascii=False))
-        else:
-            render.layer_scan_table(view, report)
-        return
+
+def _show_kept(err, view, session, document, question, pipeline, answer: bool, out: _Output) -> None:
+    """What the method kept (and with --answer the answer's sources): terminal, --json, --html."""
+    from ..report import html as report_html
+    from ..report import inspection
+
     with Reading(err) as reading:  # the method and the prompt's length, the read's progress, as ask shows them
         options = reading.options(stream=False)
         if not answer:
             options.on_token = None  # one token, no answer to write
         ins = inspection.inspect_kept(session, document, question, pipeline, generate=answer, options=options)
-    if html_file is not None:
-        report_html.write(ins, html_file)
-        err.print(f"[dim]wrote {html_file}[/dim]")
-    if as_json:
+    if out.html_file is not None:
+        report_html.write(ins, out.html_file)
+        err.print(f"[dim]wrote {out.html_file}[/dim]")
+    if out.as_json:
         record = ins.to_json()
         record["warnings"] = notices.drain()
         stdout.out(json.dumps(record, ensure_ascii=False))
         return
+    _render_kept(view, ins, document, out.show_selected)
+
+
+def _render_kept(view, ins, document, show_selected: bool) -> None:
+    """The terminal's view of what was kept: the summary, the per-layer tables, the document, the sources, the spans."""
     render.inspect_summary(view, ins)
     if ins.per_layer and ins.layers:
         render.layer_kept_table(view, ins.layers, ins.n_prompt)
