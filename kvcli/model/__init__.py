@@ -34,7 +34,7 @@ the process: the CLI shows its own progress. Download progress bars of huggingfa
 since a first download of a large model can take minutes.
 """
 
-import importlib
+from .. import lazy
 
 # where each name lives: imported on first use (PEP 562), so `kvcli --help` and the commands that
 # load no model do not import PyTorch through this package
@@ -53,11 +53,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy.attributes(__name__, _WHERE)
 
 __all__ = [
     "ATTNS",

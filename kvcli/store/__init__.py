@@ -5,7 +5,7 @@ What the rest of kvcli uses: :class:`KVStore` (``fetch``, the cache commands, ``
 when a read stopped), the cap (:func:`resolve_cap`, :func:`parse_size`).
 """
 
-import importlib
+from .. import lazy
 
 # where each name lives: imported on first use (PEP 562), so the command line's help, which reads
 # the cap's variable, imports no PyTorch through this package
@@ -32,11 +32,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy.attributes(__name__, _WHERE)
 
 __all__ = [
     "CAP_ENV",
