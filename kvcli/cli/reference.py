@@ -13,8 +13,8 @@ The methods table (between its markers in docs/methods.md) has one row per regis
 :data:`kvcli.compressors.REGISTRY`'s order: what the class declares for it (``title``, ``acts``,
 ``positions``, ``disk_cache``, ``spec_note``; see :class:`kvcli.compressors.base.Compressor`) and
 its spec with its knobs' defaults (``table_knobs``); ``tests/test_docs.py`` fails when it is out of date.
-So it does when kvcli/method_catalog.py, what ``kvcli compressors`` and the help read of each
-method without importing the methods (nor PyTorch), is not what the classes say (:func:`catalog_module`).
+So it does when kvcli/methods.json, what ``kvcli compressors`` and the help read of each
+method without importing the methods (nor PyTorch), is not what the classes say (:func:`catalog_data`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ METHODS_BEGIN = (
     "     (kvcli/compressors/). Do not edit: change the class and run it. -->"
 )
 METHODS_END = "<!-- end of the methods table -->"
-CATALOG = PAGE.parents[1] / "kvcli" / "method_catalog.py"  # what help says of each method
+CATALOG = PAGE.parents[1] / "kvcli" / "methods.json"  # what help says of each method
 COMMAND = "python -m kvcli.cli.reference"
 
 
@@ -148,26 +148,12 @@ def methods_page(current: str) -> str:
     return current[:start] + methods_table() + current[end + len(METHODS_END) :]
 
 
-def catalog_module(current: str) -> str:
-    """kvcli/method_catalog.py ``current`` with what follows its marker written anew from the
-    method classes: one :class:`~kvcli.method_catalog.Method` per registered method."""
+def catalog_data() -> str:
+    """kvcli/methods.json written from the method classes: every registered method, in order."""
     from ..compressors import REGISTRY
-    from ..method_catalog import MARKER, describe
+    from ..method_catalog import as_data, describe
 
-    def text(value: str) -> str:
-        return json.dumps(value, ensure_ascii=False)
-
-    head, found, _ = current.partition(f"\n{MARKER}\n")
-    if not found:
-        raise ValueError(f"{CATALOG} has no marker line {MARKER!r}")
-    lines = [f"{head}\n{MARKER}", "# fmt: off", "METHODS: dict[str, Method] = {"]
-    for name, cls in REGISTRY.items():
-        method = describe(cls)
-        lines += [f"    {text(name)}: Method(", f"        {text(name)},", f"        {text(method.doc)},"]
-        lines += [f"        {text(method.paper)},", f"        {method.auto_kv_bits},"]
-        knobs = [f"            Knob({', '.join(map(text, knob))})," for knob in method.knobs]
-        lines += ["        (", *knobs, "        ),", "    ),"] if knobs else ["        (),", "    ),"]
-    return "\n".join([*lines, "}", "# fmt: on", ""])
+    return as_data({name: describe(cls) for name, cls in REGISTRY.items()})
 
 
 def _anchor(heading: str) -> str:
@@ -183,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = {
         PAGE: render(),
         METHODS_PAGE: methods_page(METHODS_PAGE.read_text(encoding="utf-8")),
-        CATALOG: catalog_module(CATALOG.read_text(encoding="utf-8")),
+        CATALOG: catalog_data(),
     }
     if args == ["--check"]:
         stale = [
