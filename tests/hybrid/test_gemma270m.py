@@ -7,33 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.caches import KVCache
 from kvcli.errors import ModelError
 from kvcli.model import catalog, load_model
-from kvcli.runtime.engine import Engine
-from tests.helpers.reference import hf_logits
+from tests.helpers.embedded import embedded_or_skip, logits_both_ways
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def gemma():
-    try:
-        catalog.chunks(catalog.GEMMA)
-    except ModelError as e:
-        pytest.skip(str(e))
-    return load_model("gemma3-270m", dtype="float32")
+    return embedded_or_skip("gemma3-270m")
 
 
 def test_gemma3_270m_facts_and_logits_match_transformers(gemma):
     lm = gemma
     assert lm.family == "gemma3_text" and lm.n_layers == 18 and lm.max_context == 32768
     assert lm.windows.full_layers == [5, 11, 17] and {lm.windows.window(i) for i in range(18)} == {512, None}
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 200000, (700,), generator=g)  # longer than the 512-token window
-    ref = hf_logits(lm, ids)
-    engine = Engine(lm)
-    got = engine.logits(engine.forward(ids, torch.arange(700), KVCache()))
+    ids, engine, got, ref = logits_both_ways(lm, 700, 200000)  # longer than the 512-token window
     assert (got - ref).abs().max() < 2e-3 * ref.abs().max()
     assert torch.equal(got[-50:].argmax(-1), ref[-50:].argmax(-1))
     # decoding: the sliding layers keep their window, the logits stay transformers'

@@ -8,22 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.caches import KVCache
-from kvcli.errors import ModelError
-from kvcli.model import catalog, load_model
-from kvcli.runtime.engine import Engine
-from tests.helpers.reference import hf_logits
+from tests.helpers.embedded import embedded_or_skip, logits_both_ways
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def qwen():
-    try:
-        catalog.chunks(catalog.QWEN_05B)
-    except ModelError as e:
-        pytest.skip(str(e))
-    return load_model("qwen2.5-coder-0.5b", dtype="float32")
+    return embedded_or_skip("qwen2.5-coder-0.5b")
 
 
 def test_qwen_05b_facts_and_logits_match_transformers(qwen):
@@ -32,11 +24,7 @@ def test_qwen_05b_facts_and_logits_match_transformers(qwen):
     assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim) == (24, 14, 2, 64)
     assert lm.model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
     assert "<|im_start|>" in lm.tokenizer.chat_template
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 150000, (300,), generator=g)
-    ref = hf_logits(lm, ids)
-    engine = Engine(lm)
-    got = engine.logits(engine.forward(ids, torch.arange(300), KVCache()))
+    ids, engine, got, ref = logits_both_ways(lm, 300, 150000)
     assert (got - ref).abs().max() < 2e-3 * ref.abs().max()
     assert torch.equal(got[-50:].argmax(-1), ref[-50:].argmax(-1))
     cache, logits = engine.prefill(ids[:280])
