@@ -57,6 +57,23 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
+def safetensors_metadata(path) -> dict[str, str]:
+    """The ``__metadata__`` of the safetensors file at ``path``, read from its header as the format's
+    spec lays it out (8 bytes of length, then JSON), without PyTorch or the safetensors library (what
+    ``kvcli cache ls`` reads). ValueError when the file is not that; OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= SAFETENSORS_HEADER_MAX:
+            raise ValueError(f"not a safetensors file (a header of {n} bytes)")
+        header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"not a safetensors file (a header of {n} bytes, {len(header)} there)")
+    meta = json.loads(header).get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("its metadata is not a table of strings")
+    return meta
+
+
 def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write ``tensors`` + string ``metadata`` to ``path`` as safetensors, atomically: a temporary
     file in the same folder (``.<name>.*.tmp``), then ``os.replace``. Readers see the old file or
@@ -69,6 +86,7 @@ def save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metada
     atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
+SAFETENSORS_HEADER_MAX = 100_000_000  # the safetensors library's own bound on a header
 # torch dtype name -> safetensors dtype name (the format's spec)
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",

@@ -59,8 +59,10 @@ STORED = Path(__file__).with_name("methods.json")  # written by python -m kvcli.
 
 def as_data(methods: dict[str, Method]) -> str:
     """kvcli/methods.json's text for ``methods``."""
-    data = {name: {"doc": m.doc, "paper": m.paper, "auto_kv_bits": m.auto_kv_bits, "knobs": [k._asdict() for k in m.knobs]}
-            for name, m in methods.items()}
+    data = {
+        name: {"doc": m.doc, "paper": m.paper, "auto_kv_bits": m.auto_kv_bits, "knobs": [k._asdict() for k in m.knobs]}
+        for name, m in methods.items()
+    }
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
 
 
@@ -80,4 +82,3 @@ def methods() -> dict[str, Method]:
     base = sys.modules.get("kvcli.compressors.base")
     registered = {} if base is None else {name: describe(cls) for name, cls in base.REGISTRY.items()}
     return {**stored(), **registered}
-

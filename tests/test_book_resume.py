@@ -20,11 +20,12 @@ import torch
 
 from kvcli import notices
 from kvcli.caches.book import BookCache
-from kvcli.caches.bookfile import FileStorage, read_progress, tensor_specs
+from kvcli.caches.bookfile import FileStorage, tensor_specs
+from kvcli.resume_points import read_progress
 from kvcli.store import KVStore, book, take_lock
 from kvcli.store.keys import lock_path
 from tests.helpers.books import CHUNK, answer, entry_tensors
-from tests.helpers.cli_runner import run_cli
+from tests.helpers.cli_runner import heavy_imports, run_cli
 from tests.helpers.stores import silent_notices  # noqa: F401  (autouse: the store's warnings silenced, forgotten after each test)
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one intra-op thread in this module)
 
@@ -245,6 +246,9 @@ def test_cache_commands_show_and_remove_a_partial_entry_but_not_while_it_is_read
     [row] = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and row["partial"] and row["read_tokens"] == 3 * CHUNK and not row["reading"]
     assert row["key"] == _key(lm).digest and row["document"] == "doc.txt"
+    # the same row from a new process that imports no PyTorch (its header and resume point read as bytes)
+    done, heavy = heavy_imports(["cache", "ls", "--cache-dir", tmp_path, "--json"])
+    assert done.returncode == 0 and heavy == [] and [json.loads(line) for line in done.stdout.splitlines()] == [row]
     code, out, _ = run_cli(["cache", "ls", "--cache-dir", tmp_path], capsys, monkeypatch)  # piped: TSV
     header, first = (line.split("\t") for line in out.splitlines()[:2])
     assert dict(zip(header, first))["read_tokens"] == str(3 * CHUNK)

@@ -17,6 +17,7 @@ from kvcli.answer.prompt import build_prompt
 from kvcli.caches import KVCache
 from kvcli.runtime.engine import Engine
 from kvcli.store import FORMAT_VERSION, KVStore, make_key, parse_size
+from tests.helpers.cli_runner import heavy_imports
 from tests.helpers.embedders import Counting
 from tests.helpers.stores import (
     DOC,
@@ -272,6 +273,8 @@ def test_cache_commands(tiny_lm, tiny_dir, tmp_path, capsys, monkeypatch):
     assert code == 0 and len(rows) == 2
     assert rows[0]["document"] == str(doc_a)  # most recently used first (the hit touched it)
     assert {r["method"] for r in rows} == {"full"} and all(r["size_bytes"] > 0 for r in rows)
+    done, heavy = heavy_imports(["cache", "ls", "--cache-dir", cache, "--json"])  # no PyTorch to list them
+    assert done.returncode == 0 and heavy == [] and [json.loads(line) for line in done.stdout.splitlines()] == rows
     code, out, _ = _cli(["cache", "ls", "--cache-dir", cache], capsys, monkeypatch)  # piped: TSV, never wrapped
     lines = out.splitlines()
     columns = [

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .bookfile import FileStorage, pack, precision_facts, precision_of, unpack
+from ..resume_points import pack, unpack
+from .bookfile import FileStorage, precision_facts, precision_of
 
 POINT_FACTS = 4096  # bytes a resume point's facts take at most
 GEOMETRY = ("n_doc", "n_layers", "n_kv", "head_dim", "initial", "block_size", "local")  # a book's shape, in its facts

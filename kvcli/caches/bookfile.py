@@ -17,7 +17,8 @@ A file read may stop half-way (Ctrl-C, a kill) and resume (:class:`Destination`,
 partial entry, :mod:`kvcli.store.book`): its file then has, after the data, a *resume region* (a
 ``resume`` U8 tensor in its header) of two slots, each a point the read reached (:meth:`FileStorage.write_slot`:
 a sequence number and a CRC-32; the newer valid slot is the one to resume from, so a slot torn by a
-kill leaves the other). :meth:`FileStorage.finish` cuts the region off.
+kill leaves the other; its bytes: :mod:`kvcli.resume_points`, which reads them without PyTorch).
+:meth:`FileStorage.finish` cuts the region off.
 
 The result is an ordinary safetensors file (``safe_open`` reads it; ``kvcli cache ls`` does).
 Tensors, per layer ``l``: ``k.l`` and ``v.l`` (n_kv, n, d) — the keys *before* RoPE (see
@@ -41,14 +42,12 @@ from collections.abc import Callable
 
 import torch
 
+from .. import resume_points
 from ..files import SAFETENSORS_DTYPES
+from ..resume_points import HEADER_ROOM, RESUME
 from . import quant
 
-HEADER_ROOM = 1 << 16  # bytes reserved for the JSON header (the metadata is written last)
 _CRC_READ = 8 << 20  # bytes per read while checksumming
-RESUME = "resume"  # a partial book's resume region, in its header: a U8 tensor after the data
-_SLOT_MAGIC = b"kvcli-rp"
-_SLOT_HEAD = 32  # magic, sequence number (8 bytes), payload length (8), CRC-32 of the payload (4), padding
 PART_DTYPES = (torch.uint8, quant.SCALE_DTYPE, quant.SCALE_DTYPE)  # of a quantized row's codes, scale, zero
 
 
@@ -224,9 +223,9 @@ class FileStorage:
     def create(cls, path, specs: dict, resume_point: int = 0, metadata: dict | None = None) -> FileStorage:
         """A new file of the final size (sparse until written), its header room reserved; with a
         resume region after the data for points of ``resume_point`` bytes at most
-        (:func:`resume_region`), and its header (string ``metadata`` and the layout, the region
+        (:func:`kvcli.resume_points.region_bytes`), and its header (string ``metadata`` and the layout, the region
         included) written at once, so that the file is a readable safetensors file from the start."""
-        resume_room = resume_region(resume_point) if resume_point else 0
+        resume_room = resume_points.region_bytes(resume_point) if resume_point else 0
         full = {**specs, RESUME: (torch.uint8, (resume_room,))} if resume_room else specs
         header, offsets = cls._layout(full)
         total = sum(h["data_offsets"][1] - h["data_offsets"][0] for h in header.values())
@@ -250,25 +249,15 @@ class FileStorage:
         writing the final header and cutting the region off — the bytes after the data."""
         fd = os.open(str(path), os.O_RDWR if writable else os.O_RDONLY)
         try:
-            n = int.from_bytes(os.pread(fd, 8, 0), "little")
-            if not 0 < n <= HEADER_ROOM:
-                raise ValueError(f"header of {n} bytes, expected at most {HEADER_ROOM}")
-            header = json.loads(os.pread(fd, n, 8))
+            n, header = resume_points.read_header(fd, HEADER_ROOM)
+            resume = resume_points.region_of(header, n, os.fstat(fd).st_size)
             meta = header.pop("__metadata__", {}) or {}
             inverse = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-            specs, offsets, end = {}, {}, 0
+            specs, offsets = {}, {}
             for name, h in header.items():
-                lo, hi = h["data_offsets"]
-                offsets[name], end = 8 + n + lo, max(end, 8 + n + hi)
                 if name != RESUME:
+                    offsets[name] = 8 + n + h["data_offsets"][0]
                     specs[name] = (getattr(torch, inverse[h["dtype"]]), tuple(h["shape"]))
-            size = os.fstat(fd).st_size
-            if size < end:
-                raise ValueError(f"{size:,} bytes, its layout needs {end:,}: cut short")
-            if RESUME in offsets:
-                resume = (offsets.pop(RESUME), int(header[RESUME]["shape"][0]))
-            else:
-                resume = (end, size - end)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             os.close(fd)
             raise ValueError(f"not a book file: {e}") from e
@@ -377,29 +366,12 @@ class FileStorage:
         """Keep ``payload`` (a point the read reached) as number ``seq`` in the resume region's slot
         ``seq % 2``, then fsync: the other slot keeps the point before it."""
         half = self.resume_size // 2
-        if _SLOT_HEAD + len(payload) > half:
-            raise ValueError(f"a resume point of {len(payload)} bytes over its {half - _SLOT_HEAD}-byte slot")
-        head = _SLOT_MAGIC + seq.to_bytes(8, "little") + len(payload).to_bytes(8, "little")
-        head += zlib.crc32(payload).to_bytes(4, "little") + bytes(4)
-        os.pwrite(self.fd, head + payload, self.resume_at + (seq % 2) * half)
+        os.pwrite(self.fd, resume_points.slot(seq, payload, half), self.resume_at + (seq % 2) * half)
         os.fsync(self.fd)
 
     def latest_slot(self) -> tuple[int, bytes] | None:
         """(number, payload) of the newest slot whose CRC-32 holds; None when no slot does."""
-        half, best = self.resume_size // 2, None
-        for i in (0, 1):
-            at = self.resume_at + i * half
-            head = os.pread(self.fd, _SLOT_HEAD, at) if half >= _SLOT_HEAD else b""
-            if len(head) < _SLOT_HEAD or head[:8] != _SLOT_MAGIC:
-                continue
-            seq, n = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
-            if n > half - _SLOT_HEAD:
-                continue
-            payload = os.pread(self.fd, n, at + _SLOT_HEAD)
-            intact = len(payload) == n and zlib.crc32(payload) == int.from_bytes(head[24:28], "little")
-            if intact and (best is None or seq > best[0]):
-                best = (seq, payload)
-        return best
+        return resume_points.latest_slot(self.fd, self.resume_at, self.resume_size)
 
     def nbytes(self) -> int:
         return 0  # on disk, not in memory
@@ -414,44 +386,6 @@ class FileStorage:
             self.close()
         except Exception:
             pass
-
-
-def resume_region(point: int) -> int:
-    """The bytes of a resume region whose two slots each hold a point of ``point`` bytes."""
-    return 2 * (_SLOT_HEAD + point)
-
-
-def pack(facts: dict, blob: bytes) -> bytes:
-    """A resume point's bytes: its facts (JSON) and a blob (tensors' bytes)."""
-    text = json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()
-    return len(text).to_bytes(8, "little") + text + blob
-
-
-def unpack(payload: bytes) -> tuple[dict, bytes]:
-    """(facts, blob) of :func:`pack`'s bytes; ValueError when they are not that."""
-    n = int.from_bytes(payload[:8], "little")
-    if not 0 < n <= len(payload) - 8:
-        raise ValueError("not a resume point")
-    facts = json.loads(payload[8 : 8 + n])
-    if not isinstance(facts, dict):
-        raise ValueError("not a resume point")
-    return facts, payload[8 + n :]
-
-
-def read_progress(path) -> dict | None:
-    """The facts of the newest resume point of the partial book file at ``path`` (``tokens``: how
-    far its read got); None when it has none or cannot be read."""
-    try:
-        storage, _ = FileStorage.open(path)
-    except (OSError, ValueError):
-        return None
-    try:
-        slot = storage.latest_slot()
-        return None if slot is None else unpack(slot[1])[0]
-    except (OSError, ValueError):
-        return None
-    finally:
-        storage.close()
 
 
 class Destination:

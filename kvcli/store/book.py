@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable
 
 from .. import notices
-from ..caches.bookfile import Destination, FileStorage, InMemory, resume_region
+from ..caches.bookfile import Destination, FileStorage, InMemory
 from ..errors import one_line
 from ..files import file_mode
+from ..resume_points import region_bytes
 from .capacity import CAP_ENV, human
 from .entries import META_KEY, DamagedEntry, check_format, header
 from .keys import FORMAT_VERSION, StoreKey, partial_path
@@ -207,7 +208,7 @@ class PartialRead(Destination):
             mine = (self.key.digest, self.key.fields)
             if not isinstance(head, dict) or (head.get("key"), head.get("fields")) != mine:
                 raise ValueError("it belongs to another key")
-            if storage.specs != specs or storage.resume_size != resume_region(room):
+            if storage.specs != specs or storage.resume_size != region_bytes(room):
                 raise ValueError("its layout differs")
             slot = storage.latest_slot()
             if slot is None:  # stopped before it kept a point: nothing to resume

@@ -20,14 +20,15 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..caches import CACHE_TYPES, quant
-from ..caches.bookfile import read_progress
 from ..errors import one_line
-from ..files import safetensors_size, save_safetensors_atomic
+from ..files import safetensors_metadata, safetensors_size, save_safetensors_atomic
+from ..resume_points import read_progress
 from .keys import FORMAT_VERSION, SUFFIX, StoreKey, digest_of, held_bytes, is_partial
+
+if TYPE_CHECKING:
+    import torch
 
 META_KEY = "kvcli"  # the safetensors metadata field holding the entry's JSON
 
@@ -44,15 +45,19 @@ class OtherFormat(DamagedEntry):
 def check_format(meta: dict) -> None:
     """Raise :class:`OtherFormat` unless the header ``meta`` names this kvcli's store format and
     its KV's codec (:func:`kvcli.caches.quant.other_format`)."""
+    from ..caches.quant import other_format  # PyTorch only when an entry is read: `kvcli cache ls` needs none
+
     if meta.get("format") != FORMAT_VERSION:
         raise OtherFormat(f"store format {meta.get('format')}, this kvcli's is {FORMAT_VERSION}")
-    why = quant.other_format((meta.get("fields") or {}).get("state"))
+    why = other_format((meta.get("fields") or {}).get("state"))
     if why is not None:
         raise OtherFormat(why)
 
 
 def crc32(tensors: dict[str, torch.Tensor]) -> int:
     """CRC-32 of the tensors' bytes, by name (what an entry's header records)."""
+    import torch
+
     crc = 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -113,6 +118,8 @@ def read_entry(path: Path, key: StoreKey, device):
     (:attr:`~kvcli.caches.base.CacheBase.opens_in_place`, :meth:`~kvcli.caches.base.CacheBase.open_entry`)."""
     from safetensors import safe_open
 
+    from ..caches import CACHE_TYPES
+
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
@@ -157,11 +164,8 @@ def read_entry(path: Path, key: StoreKey, device):
 
 def read_meta(path: Path) -> tuple[dict | None, str | None]:
     """(header JSON, None) of the store file at ``path``, or (None, why) when it cannot be read."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
+        meta = json.loads(safetensors_metadata(path).get(META_KEY, "null"))
     except Exception as e:
         return None, one_line(e)
     return (meta, None) if isinstance(meta, dict) else (None, "no kvcli metadata")
@@ -244,11 +248,8 @@ def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
     recorded, the document: ``document``, ``document_sha256``), the embedding model's name (its
     folder's, or the package's that ships it) as ``model_name`` and ``method`` None; or (None, why)
     when it cannot be read."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
+        header = safetensors_metadata(path)
         about = json.loads(header.get("about") or "{}")
     except Exception as e:
         return None, one_line(e)

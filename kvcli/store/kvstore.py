@@ -42,12 +42,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from .. import notices
 from ..errors import one_line
 from ..files import VECTORS_FOLDER
-from ..runtime import accelerator
 from . import entries as entry_files
 from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
@@ -120,7 +117,15 @@ class Watcher:
         """A book read resumes with ``done`` of its ``total`` tokens read by an earlier run."""
 
 
-_HOST = torch.device("cpu")
+_HOST = "cpu"
+
+
+def _on_accelerator(device) -> bool:
+    """:func:`kvcli.runtime.accelerator.on_accelerator`, imported when an entry is read or written
+    (PyTorch with it): listing the store (`kvcli cache ls`) imports none."""
+    from ..runtime.accelerator import on_accelerator
+
+    return on_accelerator(device)
 
 
 def _on(cache, device, room: int = 0):
@@ -130,7 +135,7 @@ def _on(cache, device, room: int = 0):
     the memo itself, as before. A plain KV is uploaded into buffers with ``room`` more entries
     per layer (the question and the answer append in place); a stored book moves per use (its
     own entry, opened in place): each layout says how (:meth:`kvcli.caches.base.CacheBase.for_device`)."""
-    if not accelerator.on_accelerator(device):
+    if not _on_accelerator(device):
         return cache
     return cache.for_device(device, room)
 
@@ -211,7 +216,7 @@ class KVStore:
         except OSError:
             return None
         try:
-            cache, meta = entry_files.read_entry(path, key, _HOST if accelerator.on_accelerator(device) else device)
+            cache, meta = entry_files.read_entry(path, key, _HOST if _on_accelerator(device) else device)
         except OtherFormat as e:  # a codec changed under the same name: never decoded, rewritten
             notices.warn(f"the disk cache's entry {path.name} is of another format ({e}); recomputing it")
             with contextlib.suppress(OSError):
@@ -391,7 +396,7 @@ class KVStore:
         # the memo stays on the host (see _on): the tensors just written are host copies already
         host = (
             type(cache).from_tensors(entry.tensors, entry.meta["facts"], device=_HOST)
-            if accelerator.on_accelerator(device)
+            if _on_accelerator(device)
             else cache
         )
         self.remember(key.digest, Loaded(host, entry.meta, size, path))

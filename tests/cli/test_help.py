@@ -18,6 +18,7 @@ import typer.main
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from kvcli.cli import app, reference
+from tests.helpers.cli_runner import heavy_imports
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +92,6 @@ def test_help_reads_like_a_well_kept_cli(helps):
     assert re.search(r"^      kvcli bench speed --out bench/ .* --lengths 1024,2048,4096,8000$", speed, re.M)
 
 
-HEAVY = ("torch", "transformers")  # what a model's run needs and help does not (~4 s to import on 2 cores)
-CACHE_LS = (
-    "cache ls lists the entries through kvcli/store/kvstore.py and entries.py, which import PyTorch and "
-    "kvcli.caches (the entries' layouts) at their top: once they import them where an entry is read, this marker goes"
-)
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "args",
@@ -105,22 +99,15 @@ CACHE_LS = (
         ["--help"],
         ["compressors"],
         ["compressors", "snapkv"],
-        pytest.param(["cache", "ls"], marks=pytest.mark.xfail(strict=True, reason=CACHE_LS)),
+        ["cache", "ls"],
     ],
     ids=" ".join,
 )
 def test_help_and_the_method_table_import_no_pytorch(args, tmp_path):
     """What only prints help, the methods or the cache's entries answers at once: ``python -X
     importtime`` names no module of PyTorch or transformers (the library is imported in the
-    commands' bodies, the methods' facts come from kvcli.method_catalog)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "KVCLI_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "100"}
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "kvcli", *args], capture_output=True, text=True, env=env
-    )
+    commands' bodies, the methods' facts come from kvcli/methods.json; a store with entries in it:
+    tests/test_book_resume.py)."""
+    done, heavy = heavy_imports(args, {"KVCLI_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-2000:]
-    modules = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    assert "kvcli.cli" in modules  # the import times are there at all
-    assert [m for m in modules if m.split(".")[0] in HEAVY] == []
+    assert heavy == []

@@ -26,6 +26,24 @@ def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
     return code, out, err
 
 
+HEAVY = ("torch", "transformers")  # what a model's run needs and help does not (~4 s to import on 2 cores)
+
+
+def heavy_imports(args, env: dict | None = None):
+    """Run ``python -X importtime -m kvcli *args`` in a new process: (the finished process, the
+    modules of PyTorch or transformers it imported)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "COLUMNS": "100", **(env or {})}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvcli", *map(str, args)], capture_output=True, text=True, env=env
+    )
+    modules = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert done.returncode != 0 or "kvcli.cli" in modules  # the import times are there at all
+    return done, [m for m in modules if m.split(".")[0] in HEAVY]
+
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
