@@ -38,6 +38,18 @@ def dir_mode() -> int:
     return 0o777 & ~umask()
 
 
+def share_like_umask(folder) -> None:
+    """Give ``folder`` and everything in it the modes the umask gives new files and folders:
+    mkdtemp makes a folder 0700 and safetensors writes files 0600, which would lock the other
+    users of a cache folder shared by a group out of what one of them wrote (a converted model,
+    its kept weights)."""
+    fmode, dmode = file_mode(), dir_mode()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, dmode)
+        for name in files:
+            os.chmod(os.path.join(root, name), fmode)
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Create ``path`` by ``write(tmp)`` on a temporary file in the same folder (``.<name>.*.tmp``),
     then ``os.replace``: readers see the old file or the new one, never half of one. On failure the

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import notices
 from ..errors import ModelError, one_line
-from ..files import atomic_write, dir_mode, file_mode
+from ..files import atomic_write, share_like_umask
 from .fingerprint import file_sha256
 from .quiet import quiet_load
 
@@ -111,17 +111,6 @@ def set_progress_sink(sink: Callable[[str], None] | None) -> None:
     """Where to announce long one-time steps (None: nowhere)."""
     global _progress
     _progress = sink if sink is not None else (lambda message: None)
-
-
-def _share_like_umask(folder: Path) -> None:
-    """Give ``folder`` and everything in it the modes the umask gives new files and folders:
-    mkdtemp makes the folder 0700 and safetensors writes the weights 0600, which would lock the
-    other users of a cache folder shared by a group out of the converted model."""
-    fmode, dmode = file_mode(), dir_mode()
-    for root, _dirs, files in os.walk(folder):
-        os.chmod(root, dmode)
-        for name in files:
-            os.chmod(os.path.join(root, name), fmode)
 
 
 def is_converted(folder: Path) -> bool:
@@ -246,7 +235,7 @@ def convert_once(target: Path, label: str, gguf_in: Callable[[Path], Path], fact
             "transformers_version": _transformers_version(),
         }
         (work / _SOURCE_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-        _share_like_umask(work)
+        share_like_umask(work)
         try:
             os.rename(work, target)
         except OSError:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..files import dir_mode, file_mode
+from ..files import share_like_umask
 from .cpu_quant import quantize_model
 
 FORMAT = 1
@@ -54,9 +54,7 @@ def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | Non
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": f"kvcli-int8-v{FORMAT}"})
         facts = {"format": FORMAT, "source": source.name, "dtype": str(dtype), "tensors": len(tensors)}
         (tmp / FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
-        os.chmod(tmp / _WEIGHTS, file_mode())
-        os.chmod(tmp / FACTS, file_mode())
-        os.chmod(tmp, dir_mode())  # mkdtemp's 0700 would lock a shared cache's other users out
+        share_like_umask(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

