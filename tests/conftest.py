@@ -154,6 +154,22 @@ def embedded_session(device):
     return Session.open(AskOptions(max_new_tokens=24, device=str(device), dtype="float32"))
 
 
+@pytest.fixture(scope="module")
+def gemma():
+    """Gemma 3 270M in float32, or the test skipped where its packages are not installed."""
+    from tests.helpers.embedded import embedded_or_skip
+
+    return embedded_or_skip("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def qwen_05b():
+    """Qwen2.5-Coder-0.5B-Instruct in float32, or the test skipped where it is not installed."""
+    from tests.helpers.embedded import embedded_or_skip
+
+    return embedded_or_skip("qwen2.5-coder-0.5b")
+
+
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``cli("ask", doc, "Q?", ...)`` -> (exit code, stdout, stderr) of ``kvcli`` run in-process."""

@@ -9,14 +9,9 @@ import torch
 
 from kvcli.errors import ModelError
 from kvcli.model import catalog, load_model
-from tests.helpers.embedded import embedded_or_skip, logits_both_ways
+from tests.helpers.embedded import logits_both_ways
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return embedded_or_skip("gemma3-270m")
 
 
 def test_gemma3_270m_facts_and_logits_match_transformers(gemma):

@@ -8,18 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.embedded import embedded_or_skip, logits_both_ways
+from tests.helpers.embedded import logits_both_ways
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    return embedded_or_skip("qwen2.5-coder-0.5b")
-
-
-def test_qwen_05b_facts_and_logits_match_transformers(qwen):
-    lm = qwen
+def test_qwen_05b_facts_and_logits_match_transformers(qwen_05b):
+    lm = qwen_05b
     assert lm.family == "qwen2" and lm.name == "qwen2.5-coder-0.5b" and lm.max_context == 32768
     assert (lm.n_layers, lm.n_heads, lm.n_kv_heads, lm.head_dim) == (24, 14, 2, 64)
     assert lm.model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
