@@ -74,8 +74,9 @@ QuantOpt = typer.Option(
     metavar="[" + "|".join(vocabulary.QUANT_CHOICES) + "]",
     callback=lambda value: _quant_checked(value),
     help="Weights in 8 or 4 bits: on the CPU PyTorch's int4 / int8 kernels with bfloat16 activations and KV, "
-    "on CUDA bitsandbytes (nf4 / int8); auto: 8 on the CPU for the embedded model (a GGUF of Q4_1 "
-    "blocks), none elsewhere; none: the weights in --dtype (speed and accuracy of each: docs/cpu.md)",
+    "on CUDA bitsandbytes (nf4 / int8); auto: on the CPU 8 for the embedded SmolLM2 and Qwen models "
+    "(measured; none for Gemma) and for a GGUF of 4-6-bit blocks, none elsewhere; "
+    "none: the weights in --dtype (speed and accuracy of each: docs/cpu.md)",
 )
 AttnOpt = typer.Option(Attn.sdpa, help="Attention kernel (flash needs CUDA and flash-attn)")
 DtypeOpt = typer.Option(
