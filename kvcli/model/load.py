@@ -80,16 +80,76 @@ def load_model(
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     cache = Path(cache_dir) if cache_dir is not None else None
     what = Asked.of(name)
-    dev, quant, cpu_quant, torch_dtype, attn_impl = resolve_options(what, device, quant, attn, dtype, cache)
-    name, source, hub, weights_id, converted = where_from(what, cache)
-    keep = converted and cpu_quant and quant == "8bit"  # 8-bit weights kept beside the conversion
+    opts = resolve_options(what, device, quant, attn, dtype, cache)
+    src = where_from(what, cache)
+    keep = src.converted and opts.cpu_quant and opts.quant == "8bit"  # 8-bit weights kept beside the conversion
 
+    config, model, tokenizer, quantized = read_model(src, opts, trust_remote_code, keep)
+
+    check_structure(model, src.name, config)
+    if opts.cpu_quant and not quantized:
+        quantize_model(model, 4 if opts.quant == "4bit" else 8, opts.dtype)
+        malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
+        if keep:
+            kept.save(model, Path(src.source), opts.dtype)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    weights_id = src.weights_id
+    if weights_id is None:
+        snapshot = Path(src.source) if not src.hub else hub_snapshot_dir(src.source)
+        weights_id = weights_identity(snapshot) if snapshot is not None else {"hub_id": src.source}
+        if not weights_id:
+            weights_id = {"folder": src.source}
+
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=src.name,
+        family=str(getattr(config, "model_type", "") or type(config).__name__),
+        fingerprint=compute_fingerprint(model, tokenizer, weights_id, opts.dtype, opts.quant),
+        device=opts.device,
+        dtype=opts.dtype,
+        quant=opts.quant,
+        attn=attn,
+        source=src.source,
+    )
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of a load, checked and resolved (:func:`resolve_options`)."""
+
+    device: torch.device
+    quant: str  # none, 4bit or 8bit (auto resolved)
+    cpu_quant: bool  # whether it runs on the CPU's int4 / int8 kernels
+    dtype: torch.dtype
+    attn_impl: str  # the attention kernel transformers is asked for
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model's files are (:func:`where_from`)."""
+
+    name: str  # the model's name
+    source: str  # what transformers loads: a folder, or a hub id
+    hub: bool  # ``source`` is a hub id
+    weights_id: Any  # what identifies its weights (None: computed from the folder once loaded)
+    converted: bool  # a conversion in the kvcli cache
+
+
+def read_model(src: Source, opts: Options, trust_remote_code: bool, keep: bool) -> tuple[Any, Any, Any, bool]:
+    """(config, model, tokenizer, whether the weights came quantised: kept 8-bit weights) read by
+    transformers; every failure a one-line :class:`ModelError`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    name, dev, torch_dtype = src.name, opts.device, opts.dtype
+
     def call(fn, what: str, **kw):
-        if hub:
-            return hub_load(fn, source, what, **kw)
-        return fn(source, **kw)
+        if src.hub:
+            return hub_load(fn, src.source, what, **kw)
+        return fn(src.source, **kw)
 
     try:
         with quiet_load():
@@ -98,8 +158,8 @@ def load_model(
                 name,
                 trust_remote_code,
             )
-            kwargs = weights_options(config, dev, quant, cpu_quant, torch_dtype, attn_impl, trust_remote_code)
-            model = kept.load(Path(source), config, torch_dtype, kwargs["attn_implementation"]) if keep else None
+            kwargs = weights_options(config, opts, trust_remote_code)
+            model = kept.load(Path(src.source), config, torch_dtype, kwargs["attn_implementation"]) if keep else None
             quantized = model is not None
             if model is None:
                 model = call(AutoModelForCausalLM.from_pretrained, "the weights", **kwargs)
@@ -115,35 +175,7 @@ def load_model(
         if "trust_remote_code" in msg:
             msg = "it contains custom code; add --trust-remote-code if you trust it"
         raise ModelError(f"cannot load model '{name}': {msg}") from e
-
-    check_structure(model, name, config)
-    if cpu_quant and not quantized:
-        quantize_model(model, 4 if quant == "4bit" else 8, torch_dtype)
-        malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
-        if keep:
-            kept.save(model, Path(source), torch_dtype)
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-
-    if weights_id is None:
-        snapshot = Path(source) if not hub else hub_snapshot_dir(source)
-        weights_id = weights_identity(snapshot) if snapshot is not None else {"hub_id": source}
-        if not weights_id:
-            weights_id = {"folder": source}
-
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        name=name,
-        family=str(getattr(config, "model_type", "") or type(config).__name__),
-        fingerprint=compute_fingerprint(model, tokenizer, weights_id, torch_dtype, quant),
-        device=dev,
-        dtype=torch_dtype,
-        quant=quant,
-        attn=attn,
-        source=source,
-    )
+    return config, model, tokenizer, quantized
 
 
 @dataclass(frozen=True)
@@ -164,9 +196,8 @@ class Asked:
 
 def resolve_options(
     what: Asked, device: str, quant: str, attn: str, dtype: str | torch.dtype, cache: Path | None
-) -> tuple[torch.device, str, bool, torch.dtype, str]:
-    """(device, quantisation, whether it runs on the CPU's kernels, dtype, attention kernel) for
-    the options asked: checked, ``auto`` resolved (:func:`auto_quant`)."""
+) -> Options:
+    """The options asked, checked, ``auto`` resolved (:func:`auto_quant`)."""
     quant = (quant or "auto").strip().lower()
     if quant not in QUANTS:
         raise UsageError(
@@ -185,7 +216,7 @@ def resolve_options(
         if dev.type != "cuda":
             raise ModelError(f"--quant {spelled(quant)} works on cpu and cuda only, not on {dev.type}")
         require_bitsandbytes(quant)
-    return dev, quant, cpu_quant, torch_dtype, attn_impl
+    return Options(dev, quant, cpu_quant, torch_dtype, attn_impl)
 
 
 def checked_config(config: Any, name: str, trust_remote_code: bool) -> Any:
@@ -204,11 +235,11 @@ def checked_config(config: Any, name: str, trust_remote_code: bool) -> Any:
     return config
 
 
-def weights_options(
-    config: Any, dev: torch.device, quant: str, cpu_quant: bool, torch_dtype: torch.dtype, attn_impl: str, trust: bool
-) -> dict[str, Any]:
+def weights_options(config: Any, opts: Options, trust: bool) -> dict[str, Any]:
     """The keywords of ``from_pretrained`` for these choices."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    dev, quant, cpu_quant, torch_dtype, attn_impl = opts.device, opts.quant, opts.cpu_quant, opts.dtype, opts.attn_impl
 
     kwargs: dict[str, Any] = {
         "config": config,
@@ -230,10 +261,8 @@ def weights_options(
     return kwargs
 
 
-def where_from(what: Asked, cache: Path | None) -> tuple[str, str, bool, Any, bool]:
-    """(the model's name, where transformers loads it from, whether that is a hub id, what
-    identifies its weights (None: computed from the folder once loaded), whether it is a
-    conversion in the kvcli cache) for ``-m name``; embedded models and GGUFs converted first."""
+def where_from(what: Asked, cache: Path | None) -> Source:
+    """Where ``-m name``'s files are; embedded models and GGUFs converted first."""
     name, known, local = what.name, what.known, Path(what.name).expanduser()
     if known is not None or what.gguf is not None:
         if known is not None:
@@ -242,15 +271,15 @@ def where_from(what: Asked, cache: Path | None) -> tuple[str, str, bool, Any, bo
         else:  # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
             folder, gguf_sha = ensure_gguf_converted(what.gguf, cache)
         in_cache = folder.parent == (cache.expanduser() if cache is not None else default_cache_dir()) / "models"
-        return name, str(folder), False, {"gguf_sha256": gguf_sha}, in_cache
+        return Source(name, str(folder), False, {"gguf_sha256": gguf_sha}, in_cache)
     if local.exists():
         check_local_folder(name, local)
-        return name, str(local.resolve()), False, None, False
+        return Source(name, str(local.resolve()), False, None, False)
     if local.suffix.lower() == ".gguf":
         raise ModelError(f"cannot load model '{name}': no such file")
     if looks_like_path(name):
         raise ModelError(f"cannot load model '{name}': no such directory")
-    return name, name, True, None, False
+    return Source(name, name, True, None, False)
 
 
 # GGUF block types of 4 to 6 bits: int8 per row over their dequantised values adds an error well
