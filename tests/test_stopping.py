@@ -314,3 +314,18 @@ def test_after_a_completion_s_answer_line_the_first_token_is_the_likeliest_on_th
         AnswerGuard(_Vocabulary(OPENING_TEXTS), answer_prefix="The number is"),
     ):
         assert guard.opening(logits) is logits
+
+
+def test_stop_tokens_are_the_chat_end_markers_the_vocabulary_holds():
+    """Each end marker the tokenizer knows, looked up one by one, is what the whole vocabulary says
+    (an independent reference: ``get_vocab()``); markers it lacks are not mapped to its unk id, and
+    its unk token, when it is one of the markers (this tokenizer's <|endoftext|>), stays a stop."""
+    from kvcli.answer.prompt import STOP_TOKEN_TEXTS, stop_token_ids
+
+    tok = _tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "<end_of_turn>"]})
+    vocab = tok.get_vocab()
+    want = {vocab[t] for t in STOP_TOKEN_TEXTS if t in vocab} | ({tok.eos_token_id} - {None})
+    got = stop_token_ids(tok)
+    assert {vocab["<|im_end|>"], vocab["<end_of_turn>"]} <= got
+    assert got == want and tok.unk_token in STOP_TOKEN_TEXTS and tok.unk_token_id in got
