@@ -118,6 +118,8 @@ def build_cases(
                 "question": question,
                 "key": needle.key,
                 "ids": prompt.ids.tolist(),
+                "doc_start": prompt.doc_start,
+                "doc_end": prompt.doc_end,
                 "prefix_len": prompt.prefix_len,
                 "question_end": prompt.n_tokens - tail,
                 "stop_ids": sorted(stop_token_ids(tok, session.lm.model.generation_config)),
