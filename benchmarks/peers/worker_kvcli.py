@@ -1,6 +1,7 @@
 """One kvcli measurement (see common.py): ``python worker_kvcli.py CASE SPEC [--store DIR]``.
 
-SPEC is a kvcli compressor spec (``full``, ``snapkv:budget=0.25`` ...). ``--store DIR``: use the
+SPEC is a kvcli compressor spec (``full``, ``snapkv:budget=0.25`` ...); the model is the case's
+``model`` (an embedded model's name, as ``-m NAME``; None: the default). ``--store DIR``: use the
 disk KV store in DIR (the repeat-question rows: a first process fills it, a second one reads it);
 without it the store is off (cold runs). The answer is forced to the case's ``new_tokens`` tokens
 (``force_tokens``: decode speed over a fixed length); the answer compared is the part before the
@@ -33,7 +34,7 @@ def main() -> None:
     options = {"low_memory": True} if os.environ.get("KVCLI_LOW_MEMORY") else {}
     if os.environ.get("KVCLI_QUANT"):  # run.py --quants: a precision other than the default
         options["quant"] = os.environ["KVCLI_QUANT"]
-    session = Session.open(AskOptions(use_cache=False, **options))
+    session = Session.open(AskOptions(model=case.get("model"), use_cache=False, **options))  # None: the default
     if store is not None:
         session = dataclasses.replace(session, store=KVStore.open(store))
     doc = document_from_text(case["document"])

@@ -1,9 +1,11 @@
 """One llama.cpp measurement (llama-cpp-python, see common.py), run in .peers/llamacpp:
 ``python worker_llamacpp.py CASE full [--save-prefix FILE | --load-prefix FILE]``.
 
-The model is the embedded GGUF itself (SmolLM2-135M-Instruct Q4_1, the file kvcli converts),
-``n_threads`` = the machine's cores, llama-cpp-python's default batch (512). The case's prompt ids
-are evaluated as given (no tokenizing), greedy decoding over the logits of the last position.
+The model is the case's GGUF itself, the file kvcli converts (the embedded SmolLM2-135M-Instruct's
+Q4_1, or a chunked model's assembled by run.py --model), ``n_threads`` = the machine's cores,
+llama-cpp-python's default batch (512). The case's prompt ids are evaluated as given (no
+tokenizing), greedy decoding over the logits of the last position; ``gguf_tokenizer_same`` says
+whether the GGUF's own tokenizer gives the document's ids from its text (checked before the run).
 ``--save-prefix FILE``: after the question-agnostic prefix, save the context state to FILE
 (``llama_state_save_file``, what ``llama-cli --prompt-cache`` writes); ``--load-prefix FILE``: a
 fresh process restores it (``llama_state_load_file``) and evaluates only the question — the
@@ -39,6 +41,10 @@ def main() -> None:
     ids, prefix = case["ids"], case["prefix_len"]
     llm.eval(ids[:64])  # warm-up
     llm.reset()
+    # kvcli's tokenizer (the converted folder's) against the GGUF's, on the document's text (the
+    # whole prompt's text would not do: kvcli tokenizes the template's pieces and the question apart)
+    doc_ids = ids[case["doc_start"] : case["doc_end"]]
+    same = llm.tokenize(case["document"].encode(), add_bos=False, special=False) == doc_ids
     reset_peak()
     clock = Clock()
     if load is not None:
@@ -70,6 +76,7 @@ def main() -> None:
         generated,
         llama_cpp_python=llama_cpp.__version__,
         threads=threads,
+        gguf_tokenizer_same=same,
         prompt_cache=os.path.getsize(save or load) if (save or load) else None,
     )
 
