@@ -151,6 +151,10 @@ def main() -> None:
                             "sources_note": rec.get("sources_note"),
                             "kv_bits": rec.get("kv_bits"),
                             "evidence": rec.get("sources_evidence"),  # each passage read: what ordered it
+                            # seconds to the first answer token and to the end (the document's page
+                            # vectors made by its first question; no disk KV store: every prefill cold)
+                            "ttft_s": round(result.ttft_s, 2),
+                            "total_s": round(result.total_s, 2),
                         }
                         rows.append(row)
                         print(
