@@ -69,18 +69,31 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
+def safetensors_header(fd: int, room: int = 0) -> tuple[int, dict]:
+    """(its length, the JSON header) of the safetensors file open as ``fd``, read as the format's spec
+    lays it out (8 bytes of length, then JSON), without PyTorch or the safetensors library: what
+    ``kvcli cache ls`` reads. The header at most ``room`` bytes (0: the safetensors library's own
+    bound); ValueError when the file is not that, OSError when it cannot be read."""
+    room = room or SAFETENSORS_HEADER_MAX
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    if not 2 <= n <= room:
+        raise ValueError(f"not a safetensors file (a header of {n} bytes, at most {room})")
+    blob = os.pread(fd, n, 8)
+    if len(blob) != n:
+        raise ValueError(f"not a safetensors file (a header of {n} bytes, {len(blob)} there)")
+    header = json.loads(blob)
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file (its header is not a JSON object)")
+    return n, header
+
+
 def safetensors_metadata(path) -> dict[str, str]:
-    """The ``__metadata__`` of the safetensors file at ``path``, read from its header as the format's
-    spec lays it out (8 bytes of length, then JSON), without PyTorch or the safetensors library (what
-    ``kvcli cache ls`` reads). ValueError when the file is not that; OSError when it cannot be read."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if not 2 <= n <= SAFETENSORS_HEADER_MAX:
-            raise ValueError(f"not a safetensors file (a header of {n} bytes)")
-        header = f.read(n)
-    if len(header) != n:
-        raise ValueError(f"not a safetensors file (a header of {n} bytes, {len(header)} there)")
-    meta = json.loads(header).get("__metadata__") or {}
+    """The ``__metadata__`` of the safetensors file at ``path`` (:func:`safetensors_header`)."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        meta = safetensors_header(fd)[1].get("__metadata__") or {}
+    finally:
+        os.close(fd)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("its metadata is not a table of strings")
     return meta

@@ -15,6 +15,8 @@ import json
 import os
 import zlib
 
+from .files import safetensors_header
+
 HEADER_ROOM = 1 << 16  # bytes reserved for a book file's JSON header (the metadata is written last)
 RESUME = "resume"  # a partial book's resume region, in its header: a U8 tensor after the data
 SLOT_MAGIC = b"kvcli-rp"
@@ -70,18 +72,6 @@ def latest_slot(fd: int, at: int, size: int) -> tuple[int, bytes] | None:
     return best
 
 
-def read_header(fd: int, room: int) -> tuple[int, dict]:
-    """(its length, the JSON header) of the safetensors file open as ``fd``, the header at most
-    ``room`` bytes; ValueError when it is not that."""
-    n = int.from_bytes(os.pread(fd, 8, 0), "little")
-    if not 0 < n <= room:
-        raise ValueError(f"header of {n} bytes, expected at most {room}")
-    header = json.loads(os.pread(fd, n, 8))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    return n, header
-
-
 def region_of(header: dict, n: int, size: int) -> tuple[int, int]:
     """(offset, bytes) of the resume region of a book file of ``size`` bytes whose header of ``n``
     bytes is ``header``: its ``resume`` tensor, or (a read stopped between writing the final header
@@ -103,7 +93,7 @@ def read_progress(path) -> dict | None:
     except OSError:
         return None
     try:
-        n, header = read_header(fd, HEADER_ROOM)
+        n, header = safetensors_header(fd, HEADER_ROOM)
         found = latest_slot(fd, *region_of(header, n, os.fstat(fd).st_size))
         return None if found is None else unpack(found[1])[0]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

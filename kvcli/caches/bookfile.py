@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from .. import resume_points
-from ..files import SAFETENSORS_DTYPES
+from ..files import SAFETENSORS_DTYPES, safetensors_header
 from ..resume_points import HEADER_ROOM, RESUME
 from . import quant
 
@@ -249,7 +249,7 @@ class FileStorage:
         writing the final header and cutting the region off — the bytes after the data."""
         fd = os.open(str(path), os.O_RDWR if writable else os.O_RDONLY)
         try:
-            n, header = resume_points.read_header(fd, HEADER_ROOM)
+            n, header = safetensors_header(fd, HEADER_ROOM)
             resume = resume_points.region_of(header, n, os.fstat(fd).st_size)
             meta = header.pop("__metadata__", {}) or {}
             inverse = {v: k for k, v in SAFETENSORS_DTYPES.items()}
