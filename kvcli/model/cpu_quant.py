@@ -18,16 +18,17 @@
 Both kernels are fast only with bfloat16 activations on this CPU (measured: float32 activations run
 them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_quant`), its KV too. A
 prefill's many rows run the weights made dense and oneDNN's bfloat16 GEMM only where that GEMM is
-native (:func:`native_gemm`; docs/cpu.md).
+native (:func:`kvcli.runtime.native.native_gemm`; docs/cpu.md).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn as nn
+
+from ..runtime.native import native_gemm
 
 GROUP = 32  # weights per 4-bit group along the input dimension (the GGUF's Q4_1 block)
 INNER_K_TILES = 2  # the int4 packing's tile parameter on the CPU
@@ -71,34 +72,10 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 
 # --- the layers ---------------------------------------------------------------------------------
 # Rows from which a product runs on float32 weights made dense and the float32 GEMM where the
-# 16-bit GEMM is emulated (an AVX2-only CPU: :func:`native_gemm`), instead of the integer kernel:
+# 16-bit GEMM is emulated (an AVX2-only CPU: :func:`~kvcli.runtime.native.native_gemm`), instead of the integer kernel:
 # there the 1.5B Qwen read a 2,034-token prompt in 108 s through the int8 kernel against 63 s in
 # float32 (docs/cpu.md); a few rows (decoding) stay on the kernel.
 FLOAT_ROWS = 256
-
-
-@functools.cache
-def native_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x):
-    timed once a process on a small product (under 20 ms). oneDNN's bfloat16 GEMM is native with
-    AVX512-BF16 or AMX; on an AVX2-only CPU it is emulated, ~50x slower than float32 (an AMD EPYC
-    with AVX2: 1.3 against 71 GFLOP/s on one core, 2026-11-28) — there the weights made dense for a
-    prefill (:attr:`QuantLinear.dense_rows`) would cost far more than the integer kernels."""
-    if dtype == torch.float32:
-        return True
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 256, generator=gen)
-
-    def best(x: torch.Tensor, y: torch.Tensor) -> float:
-        torch.mm(x, y)
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            torch.mm(x, y)
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
 
 
 class QuantLinear(nn.Module):
@@ -113,7 +90,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     # rows from which a product runs on the weights made dense (:meth:`dense`) and oneDNN's 16-bit
-    # GEMM instead of the integer kernel, on a CPU whose 16-bit GEMM is native (:func:`native_gemm`); None: never
+    # GEMM instead of the integer kernel, on a CPU whose 16-bit GEMM is native (:func:`~kvcli.runtime.native.native_gemm`); None: never
     dense_rows: int | None = None
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:

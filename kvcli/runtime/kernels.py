@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import accelerator
+from . import accelerator, native
 from .buffers import finite_room
 
 
@@ -110,22 +110,27 @@ def _bucketed(key, value, mask, q_len: int):
 def grouped(query, key, value, mask, scaling):
     """Attention as two batched matmuls per KV head over the query heads of its GQA group (the KV
     never repeated): q·kᵀ in the KV's dtype (float32 accumulation, the product rounded to it), the
-    softmax in float32, its weights back to the KV's dtype times v. ``mask``: None (causal, the
+    softmax in float32, its weights back to the KV's dtype times v; where this CPU emulates the KV's
+    dtype (:func:`kvcli.runtime.native.native_gemm`: AVX2 with bfloat16) both products in float32
+    on the KV made float32 for the call, the output in the KV's dtype. ``mask``: None (causal, the
     queries the last keys), boolean (q_len, kv_len) or per head (1 or n_heads, q_len, kv_len)."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     key, value = _bucketed(key, value, mask, q_len)  # rows past kv_len: weighed by zero below
     group = n_heads // n_kv
-    q = (query * scaling).to(key.dtype).reshape(b, n_kv, group * q_len, d)
+    # the products' dtype: the KV's where the CPU multiplies it natively, else float32 (the KV made
+    # float32 for the step: 11x faster than oneDNN's emulated bfloat16 at 4.7k keys, native.py)
+    work = key.dtype if native.native_gemm(key.dtype) else torch.float32
+    q = (query * scaling).to(work).reshape(b, n_kv, group * q_len, d)
     if b == 1 and not key.is_contiguous():
         # a cache's view of the first entries of a buffer with room (caches.base.append_rows): the
         # batched matmul would copy the whole layer's keys first (3.5x slower at 8k, measured); one
         # matrix product per KV head reads them in place
         scores = q.new_empty(1, n_kv, group * q_len, key.shape[2])
         for h in range(n_kv):
-            torch.mm(q[0, h], key[0, h].transpose(0, 1), out=scores[0, h])
+            torch.mm(q[0, h], key[0, h].to(work).transpose(0, 1), out=scores[0, h])
     else:
-        scores = torch.matmul(q, key.transpose(-1, -2))
+        scores = torch.matmul(q, key.to(work).transpose(-1, -2))
     scores = scores.to(torch.float32)
     if key.shape[2] > kv_len:
         scores[..., kv_len:] = float("-inf")
@@ -134,8 +139,8 @@ def grouped(query, key, value, mask, scaling):
     if mask is not None:
         allowed = mask.expand(b, n_heads, q_len, kv_len)  # (q_len, kv_len) or per head
         scores = scores.masked_fill(~allowed.reshape(b, n_kv, group * q_len, kv_len), float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(weights, value)  # (b, n_kv, group * q_len, dv)
+    weights = torch.softmax(scores, dim=-1).to(work)
+    out = torch.matmul(weights, value.to(work)).to(value.dtype)  # (b, n_kv, group * q_len, dv)
     return out.reshape(b, n_heads, q_len, -1).transpose(1, 2).contiguous()
 
 

@@ -228,6 +228,34 @@ def test_grouped_kernel_is_attention():
     )
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_grouped_multiplies_in_float32_where_16_bits_are_emulated(native, monkeypatch):
+    """Where this CPU emulates bfloat16 products (``native.native_gemm`` False: AVX2 only), a
+    decoding step's attention multiplies the bfloat16 KV made float32: the float64 reference with
+    only the output rounded to bfloat16. Where bfloat16 is native, q·kᵀ and the weights are rounded
+    to bfloat16 as before: measurably further off, so the test tells the two paths apart."""
+    from kvcli.runtime import native as native_module
+
+    monkeypatch.setattr(native_module, "native_gemm", lambda dtype: native or dtype == torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    h, kvh, d, n = 8, 2, 64, 300
+    buf_k = torch.randn(1, kvh, n + 20, d, generator=gen).bfloat16()
+    buf_v = torch.randn(1, kvh, n + 20, d, generator=gen).bfloat16()
+    q = (3 * torch.randn(1, h, 1, d, generator=gen)).bfloat16()
+    for key, value in (
+        (buf_k[:, :, :n], buf_v[:, :, :n]),
+        (buf_k[:, :, :n].contiguous(), buf_v[:, :, :n].contiguous()),
+    ):
+        k = key.double().repeat_interleave(h // kvh, dim=1)
+        v = value.double().repeat_interleave(h // kvh, dim=1)
+        want = (torch.softmax(q.double() @ k.transpose(-1, -2) / math.sqrt(d), -1) @ v).transpose(1, 2)
+        got = kernels.grouped(q, key, value, None, 1 / math.sqrt(d))
+        assert got.dtype == torch.bfloat16
+        err = float((got.double() - want).abs().max())
+        ulp = float(want.abs().max()) * 2**-8  # one bfloat16 rounding of the largest output
+        assert (err <= ulp) is not native, (native, err, ulp)
+
+
 def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
     """A decoding step's keys are widened to a multiple of KEY_BUCKET over a cache buffer's room
     (zeroed when the cache made it), the widened rows weighed by exactly zero: the same attention as

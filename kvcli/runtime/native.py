@@ -1,0 +1,39 @@
+"""Whether this CPU multiplies 16-bit matrices natively: the one question behind every product kvcli
+runs in float32 although its operands are bfloat16 (a quantised model's prefill on weights made
+dense, :mod:`kvcli.model.cpu_quant`; a decoding step's attention over a bfloat16 cache,
+:func:`kvcli.runtime.kernels.grouped`).
+
+oneDNN's bfloat16 GEMM is native with AVX512-BF16 or AMX; on an AVX2-only CPU (most laptops, AMD
+before Zen 4) it is emulated: an AMD EPYC with AVX2 ran a 512 × 576 × 1536 product at 1.3 GFLOP/s
+in bfloat16 against 71 in float32 on one core (2026-11-28), and one decoding query's attention over
+4,700 bfloat16 keys (two KV heads of 64, seven query heads each) in 8.9 ms against 0.8 ms with the
+keys and values made float32 first (2026-11-29, two threads; docs/cpu.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+
+@functools.cache
+def native_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x):
+    timed once a process on a small product (under 20 ms)."""
+    if dtype == torch.float32:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 256, generator=gen)
+
+    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+        torch.mm(x, y)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            torch.mm(x, y)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
