@@ -77,6 +77,13 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--kv-bits", default="auto", help="16, 8, 4 or auto (kvcli's default)")
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="use the disk KV store, as kvcli ask does (a document read whole pays its prompt on its "
+        "first question only); default: off, every prefill cold. Point KVCLI_CACHE_DIR at a fresh "
+        "folder (holding a link to the converted models) to start from an empty store",
+    )
     p.add_argument("--docs", type=lambda x: x.split(","), default=None, help="only these documents (by name)")
     p.add_argument("--format", choices=FORMATS, default="pdf", help="which version of each manual (module doc)")
     p.add_argument("--model", default=None, help="kvcli's -m (default: the embedded SmolLM2-135M-Instruct)")
@@ -102,7 +109,7 @@ def main() -> None:
         print(table(rows))
         print(evidence_grid(rows))
         return
-    session = Session.open(AskOptions(use_cache=False, kv_bits=args.kv_bits, model=args.model, quant=args.quant))
+    session = Session.open(AskOptions(use_cache=args.store, kv_bits=args.kv_bits, model=args.model, quant=args.quant))
     rows = []
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
@@ -152,7 +159,7 @@ def main() -> None:
                             "kv_bits": rec.get("kv_bits"),
                             "evidence": rec.get("sources_evidence"),  # each passage read: what ordered it
                             # seconds to the first answer token and to the end (the document's page
-                            # vectors made by its first question; no disk KV store: every prefill cold)
+                            # vectors made by its first question; without --store every prefill cold)
                             "ttft_s": round(result.ttft_s, 2),
                             "total_s": round(result.total_s, 2),
                         }

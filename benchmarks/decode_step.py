@@ -1,0 +1,73 @@
+"""One decoding step of full attention, timed on its own: what a token costs after a prompt of N tokens.
+
+    .venv/bin/python benchmarks/decode_step.py -m qwen2.5-coder-0.5b --length 4700 --kv-bits 16
+    .venv/bin/python benchmarks/decode_step.py -m qwen2.5-coder-0.5b --length 1024 --profile
+
+Loads the model as ``kvcli ask -m NAME`` does (``--quant auto``), reads ``--length`` random token ids
+(a fixed seed) with the engine's own prefill, holds the KV in ``--kv-bits`` (16: the plain bfloat16
+cache; 8 or 4: the quantized layout kvcli decodes from by default), runs 3 steps to warm up and
+``--steps`` greedy steps timed; ``--profile``: 8 more under torch.profiler, the operators by self
+time (stderr). Run it alone on the machine: the figure is the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+from kvcli.model import load_model
+from kvcli.runtime.engine import Engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-m", "--model", default=None, help="kvcli's -m (default: the embedded SmolLM2)")
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens before the steps")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    lm = load_model(args.model)
+    engine = Engine(lm)
+    ids = torch.randint(100, 20000, (args.length,), generator=torch.Generator().manual_seed(0))
+    cache = engine.new_cache()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        logits = engine.logits(engine.forward(ids, torch.arange(args.length), cache))[-1]
+    prefill_s = time.perf_counter() - t
+    if args.kv_bits != 16:
+        from kvcli.caches.qkv import QuantKVCache
+
+        cache = QuantKVCache.of(cache, args.kv_bits)
+    token, position = torch.argmax(logits).view(1), args.length
+
+    def run(steps: int) -> None:
+        nonlocal token, position
+        for _ in range(steps):
+            token = torch.argmax(engine.step(token, position, cache)).view(1)
+            int(token)  # the host reads each token, as kvcli's loop does
+            position += 1
+
+    run(3)
+    t = time.perf_counter()
+    run(args.steps)
+    step_ms = 1000 * (time.perf_counter() - t) / args.steps
+    print(
+        f"{args.model or 'smollm2'} {platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
+        f"length={args.length} kv_bits={args.kv_bits}: prefill {prefill_s:.1f} s, "
+        f"decoding {step_ms:.1f} ms a step ({1000 / step_ms:.2f} tok/s)"
+    )
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(8)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
