@@ -81,6 +81,19 @@ def isolated_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def the_embedded_model_by_default():
+    """Where a test names no model, SmolLM2 answers, whatever else is installed (kvcli's own default
+    is the best embedded model installed: ``kvcli.model.catalog.default_model``); a test of that
+    default unsets the variable itself. Set in the environment, so processes a test starts see it too."""
+    from kvcli.model.embedded import EMBEDDED_MODEL
+    from kvcli.model.names import MODEL_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MODEL_ENV, EMBEDDED_MODEL)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def threads_as_pytorch_has_them():
     """``--threads auto`` follows the machine's load (kvcli.runtime.threads), and one thread count's logits
     differ from another's in the last bits: in the tests it reads no /proc/stat, so it keeps

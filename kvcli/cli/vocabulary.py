@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from .. import kv_bits as kv_quant
-from ..model.names import QUANT_SPELLINGS
+from ..model.names import MODEL_ENV, QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
 from ..runtime.chunking import ENV_PREFILL_CHUNK
 from ..store.capacity import CAP_ENV
@@ -21,7 +21,7 @@ from ..store.locks import STALE_ENV
 
 # name -> what it sets (the option it is the default of, or what it does); in --help's order
 ENVIRONMENT: dict[str, str] = {
-    "KVCLI_MODEL": "--model",
+    MODEL_ENV: "--model",
     "KVCLI_COMPRESSOR": "--compressor / -c (ask, chat, inspect)",
     "KVCLI_MAX_NEW_TOKENS": "--max-new-tokens (ask, chat)",
     kv_quant.ENV_KV_BITS: "--kv-bits",

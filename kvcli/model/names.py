@@ -4,6 +4,9 @@ attention kernels. :mod:`.facts` re-exports them beside the dtypes."""
 
 from __future__ import annotations
 
+# the model used where none is named (-m's default; the library's too: kvcli.model.catalog.default_model)
+MODEL_ENV = "KVCLI_MODEL"
+
 QUANTS = ("auto", "none", "4bit", "8bit")
 
 # the user's spelling of each (``--quant 8``, as ``--kv-bits 8`` names bits; ``--json``'s ``quant``)

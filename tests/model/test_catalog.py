@@ -43,6 +43,40 @@ def test_models_lists_every_embedded_model(capsys, monkeypatch, tmp_path):
     assert "15 of 18 layers slide over 512" in out and "8,192 tokens" in out
 
 
+@pytest.mark.parametrize(
+    "installed, want",
+    [
+        ({"smollm2-135m-instruct", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}, "qwen2.5-coder-1.5b"),
+        ({"smollm2-135m-instruct", "qwen2.5-coder-0.5b", "gemma3-270m"}, "qwen2.5-coder-0.5b"),
+        ({"smollm2-135m-instruct", "gemma3-270m"}, "smollm2-135m-instruct"),
+        (set(), "smollm2-135m-instruct"),  # nothing installed: SmolLM2's own install line when it loads
+    ],
+)
+def test_without_a_model_named_the_best_installed_answers(installed, want, capsys, monkeypatch, tmp_path):
+    """No -m and no $KVCLI_MODEL: the first installed of the 1.5B, the 0.5B and SmolLM2 (the
+    held-out answers' order); Gemma is never the default. ``kvcli models`` marks it; $KVCLI_MODEL
+    overrides it, for the library as for -m."""
+    monkeypatch.delenv("KVCLI_MODEL", raising=False)
+    monkeypatch.setattr(catalog.EmbeddedModel, "installed", lambda self: self.name in installed)
+    assert catalog.default_model() == want
+    code, out, _ = run_cli(["models", "--json", "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert code == 0 and [r["name"] for r in json.loads(out)["embedded"] if r["default"]] == [want]
+    code, out, _ = run_cli(["models", "--cache-dir", tmp_path], capsys, monkeypatch)
+    assert f"{want}  [" in out and out.count(", the default]") == 1
+    monkeypatch.setenv("KVCLI_MODEL", "some/hub-model")
+    assert catalog.default_model() == "some/hub-model"
+
+
+def test_load_model_without_a_name_loads_the_default(monkeypatch):
+    """``load_model(None)`` asks :func:`default_model` (here pointed at a model that does not exist:
+    the error names it, so the default was what it tried to load)."""
+    from kvcli.model import load_model
+
+    monkeypatch.setenv("KVCLI_MODEL", "no-such-model-anywhere")
+    with pytest.raises(ModelError, match="no-such-model-anywhere"):
+        load_model(None)
+
+
 def test_extras_pin_every_part():
     """pyproject.toml's install extra of each chunked model is exactly its parts, pinned."""
     from pathlib import Path
