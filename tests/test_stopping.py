@@ -249,6 +249,34 @@ def test_auto_policy_full_within_the_window_pages_beyond_finch_where_pages_canno
     assert measured.choose(4095, 8192, 64) == "full" and measured.choose(4096, 8192, 64) == "snapkv:budget=0.25"
 
 
+def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit():
+    """``AutoPolicy.on``: an embedded model with ``cpu_full_until`` (the Qwen models) on the CPU
+    reads prompts up to that length whole, longer ones within its window through pages (full where
+    pages cannot read them); on another device, or another model, the window is the only limit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcli.model.catalog import CATALOG
+
+    qwen = CATALOG["qwen2.5-coder-1.5b"]
+    until, window = qwen.cpu_full_until, qwen.window
+    assert until == 4096 and window == 32768
+    on_cpu = AutoPolicy().on(SimpleNamespace(name=qwen.name, device=torch.device("cpu")))
+    assert on_cpu.choose(until, window, 64) == "full"
+    assert on_cpu.choose(until + 1, window, 64) == "pages" == on_cpu.choose(window - 64, window, 64)
+    assert on_cpu.choose(until + 1, window, 64, reads=lambda spec: False) == "full"
+    assert on_cpu.choose(window, window, 64, reads=lambda spec: False) == FALLBACK  # past the window, as before
+    on_gpu = AutoPolicy().on(SimpleNamespace(name=qwen.name, device=torch.device("meta")))
+    assert on_gpu.choose(window - 64, window, 64) == "full"
+    smollm2 = AutoPolicy().on(SimpleNamespace(name="smollm2-135m-instruct", device=torch.device("cpu")))
+    assert smollm2.choose(8192 - 64, 8192, 64) == "full"
+    for path in ("some/hub-model", "/models/qwen.gguf"):  # not an embedded model's name
+        assert (
+            AutoPolicy().on(SimpleNamespace(name=path, device=torch.device("cpu"))).choose(30000, window, 64) == "full"
+        )
+
+
 def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
     from kvcli.answer.prompt import build_prompt
 
@@ -259,6 +287,29 @@ def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
     chosen = auto.resolve(short, lm, 8)
     assert chosen.spec() == "full" and chosen.chosen_by == "auto"
     assert Pipeline.parse("full").resolve(short, lm, 8).chosen_by is None
+
+
+def test_auto_says_when_a_cpu_limit_sends_a_prompt_within_the_window_to_pages(tiny_lm, monkeypatch):
+    """A model with ``cpu_full_until`` (here the tiny model given a limit of 10 tokens): a longer
+    prompt within its window resolves to pages, with one warning naming the limit and ``-c full``."""
+    from types import SimpleNamespace
+
+    from kvcli import notices
+    from kvcli.answer.prompt import build_prompt
+    from kvcli.model import catalog
+
+    lm = tiny_lm("llama")
+    monkeypatch.setattr(catalog, "embedded", lambda name: SimpleNamespace(cpu_full_until=10))
+    notices.reset()
+    prompt = build_prompt(lm.tokenizer, "A short note about gulls and terns on the pier.", "How many?")
+    assert 10 < prompt.n_tokens < lm.max_context
+    chosen = Pipeline.parse("auto").resolve(prompt, lm, 8)
+    said = notices.drain()
+    if lm.device.type != "cpu":  # the limit is the CPU's: elsewhere the window alone
+        assert chosen.spec() == "full" and not said
+        return
+    assert chosen.spec().startswith("pages") and chosen.chosen_by == "auto"
+    assert len(said) == 1 and "up to 10 " in said[0] and "-c full" in said[0], said
 
 
 @pytest.mark.parametrize(

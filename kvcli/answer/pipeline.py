@@ -101,15 +101,19 @@ class Pipeline:
         """The pipeline that answers ``prompt``: itself, or for ``auto`` the policy's choice."""
         if self.policy is None:
             return self
-        chosen = Pipeline.parse(
-            self.policy.choose(
-                prompt.n_tokens,
-                lm.max_context,
-                max_new_tokens,
-                reads=lambda spec: reads(spec, lm, prompt, max_new_tokens),
-            )
+        policy = self.policy.on(lm)
+        spec = policy.choose(
+            prompt.n_tokens, lm.max_context, max_new_tokens, reads=lambda s: reads(s, lm, prompt, max_new_tokens)
         )
-        return Pipeline(chosen.stages, chosen_by=AUTO)
+        within = not lm.max_context or prompt.n_tokens + max_new_tokens <= lm.max_context
+        if policy is not self.policy and spec != "full" and within:
+            notices.warn(  # once a model: a batch's next documents say it no more
+                f"the prompt is {prompt.n_tokens:,} tokens: on a CPU -c auto reads a prompt whole on {lm.name} "
+                f"only up to {policy.compress_from - 1:,} (beyond, a first question takes many minutes), so {spec} "
+                "reads the page the question points to; -c full reads it all",
+                key=("cpu-full-until", lm.name),
+            )
+        return Pipeline(Pipeline.parse(spec).stages, chosen_by=AUTO)
 
     def configure(self, lm, runtime: Runtime | None = None) -> None:
         """Hand every stage the run's settings, then let it resolve its knobs for ``lm``."""

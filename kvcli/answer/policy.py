@@ -7,7 +7,11 @@ the embedded SmolLM2-135M it does not: at 4k tokens every compressing method mea
 StreamingLLM, H2O, AdaKV, Finch) scores 17-50 points below full attention on RULER's needle tasks,
 and at 2x only GemFilter matches it, without saving time to first token. So the policy is:
 
-* the prompt and the answer fit the model's window: **full attention**;
+* the prompt and the answer fit the model's window: **full attention** — on a CPU, for an embedded
+  model that reads slowly there (``EmbeddedModel.cpu_full_until``: the Qwen models, 4,096 tokens),
+  only up to that length, ``BEYOND_WINDOW`` after it (:meth:`AutoPolicy.on`): the 1.5B's first
+  question took 150 s at 4.7k tokens on 2 AVX2 cores and over an hour at 30k, where ``pages``
+  answers in 30-50 s and answered 21 of 25 held-out manual questions (docs/bench/qwen);
 * longer than the window: ``BEYOND_WINDOW``, ``pages`` (``-c pages``): the document's page (or
   page-sized passage) that BM25 ranks first for the question, read whole with full attention, and the best
   sentences of the next two. On 63 questions about six Debian manuals (docs/bench/cite, "Pages") it
@@ -24,14 +28,15 @@ hook for a model where compression measures lossless: prompts over N tokens then
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BEYOND_WINDOW = "pages"
 FALLBACK = "finch"
 NAME = "auto"
 # what the default policy does, in one sentence: `kvcli ask --help` (-c) shows it, the docs say the same
 DESCRIPTION = (
-    f"full attention where the prompt and the answer fit the model's window; past it {BEYOND_WINDOW} "
+    f"full attention where the prompt and the answer fit the model's window (on a CPU, the Qwen models: "
+    f"up to the length `kvcli models` gives); past it {BEYOND_WINDOW} "
     f"(the page the question's words point to, read whole, and the best sentences of the next two), "
     f"or {FALLBACK} where {BEYOND_WINDOW} cannot read the prompt"
 )
@@ -51,8 +56,20 @@ class AutoPolicy:
                 return FALLBACK
             return self.beyond_window
         if self.compress_from is not None and n_prompt >= self.compress_from:
-            return self.long
+            return self.long if reads is None or reads(self.long) else "full"
         return "full"
+
+    def on(self, lm) -> AutoPolicy:
+        """This policy for ``lm``: where an embedded model reads slowly on the CPU
+        (``EmbeddedModel.cpu_full_until``: the Qwen models), prompts longer than that within the
+        window go through :data:`BEYOND_WINDOW` as well; else unchanged."""
+        from ..model.catalog import embedded
+
+        model = embedded(lm.name) if isinstance(lm.name, str) else None
+        until = model.cpu_full_until if model is not None else None
+        if until is None or self.compress_from is not None or lm.device.type != "cpu":
+            return self
+        return replace(self, compress_from=until + 1, long=self.beyond_window)
 
 
 def reads(spec: str, lm, prompt, max_new_tokens: int) -> bool:
