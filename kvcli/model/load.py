@@ -187,12 +187,13 @@ class Asked:
     name: str
     known: EmbeddedModel | None
     gguf: Path | None
+    local: Path  # the name read as a path (``~`` expanded), whether or not anything is there
 
     @classmethod
     def of(cls, name: str) -> Asked:
         known, local = embedded(name), Path(name).expanduser()
         is_gguf = known is None and local.suffix.lower() == ".gguf" and local.is_file()
-        return cls(name, known, local if is_gguf else None)
+        return cls(name, known, local if is_gguf else None, local)
 
 
 def resolve_options(
@@ -264,7 +265,7 @@ def weights_options(config: Any, opts: Options, trust: bool) -> dict[str, Any]:
 
 def where_from(what: Asked, cache: Path | None) -> Source:
     """Where ``-m name``'s files are; embedded models and GGUFs converted first."""
-    name, known, local = what.name, what.known, Path(what.name).expanduser()
+    name, known, local = what.name, what.known, what.local
     if known is not None or what.gguf is not None:
         if known is not None:
             name = known.name
