@@ -191,16 +191,11 @@ class RayExecutor(Executor):
         on_dispatch: Callable[[int, str], None] | None = None,
     ) -> None:
         from .model import default_cache_dir
-        from .model.catalog import default_model
 
         if workers is not None and workers < 1:
             raise UsageError(f"--workers must be at least 1, not {workers}")
         cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
-        # the cache folder and the default model as the driver resolves them: every worker the same
-        # (a node with other packages installed would otherwise pick its own best model)
-        self.options = replace(
-            options, cache_dir=Path(cache_dir).expanduser().absolute(), model=options.model or default_model()
-        )
+        self.options = replace(options, cache_dir=Path(cache_dir).expanduser().absolute())
         self.address = address
         self.requested = workers
         self.on_warning = on_warning

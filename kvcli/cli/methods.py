@@ -58,7 +58,7 @@ def models(
             "converted": m.converted_folder(cache_dir) is not None,
             "install": m.install,
             "extra": m.extra or None,
-            "default": m.name == default,  # what answers without -m (the best installed, or $KVCLI_MODEL)
+            "default": m.name == default,  # what the commands use without -m or $KVCLI_MODEL: the best installed
         }
         for m in CATALOG.values()
     ]
@@ -80,7 +80,7 @@ def models(
             f"    window: {m.window_text}\n    install: {install}"
         )
     stdout.out(
-        "Without -m: $KVCLI_MODEL, else the first installed of "
+        "Without -m (or $KVCLI_MODEL) the commands use the first installed of "
         + ", ".join(m.name for m in DEFAULT_ORDER)
         + " (the most held-out answers first: docs/bench/qwen)."
     )
@@ -116,6 +116,7 @@ def heads(
     """Show the retrieval heads RazorAttention protects (echo + induction scores), computed once per model."""
     from ..compressors import razor_heads as head_profiles
     from ..model import load_model
+    from ..model.catalog import default_model
     from ..runtime.engine import Engine
 
     if score not in ("induction", "echo"):
@@ -123,7 +124,7 @@ def heads(
     err = stderr(quiet)
     route_warnings(quiet)
     with err.status("loading model…", spinner="dots"):
-        lm = load_model(model, device=device.value, dtype=dtype, cache_dir=cache_dir)
+        lm = load_model(model or default_model(), device=device.value, dtype=dtype, cache_dir=cache_dir)
     with err.status("profiling attention heads (once per model)…", spinner="dots"):
         profile = head_profiles.load_or_compute(Engine(lm), tokens, seed, cache_dir, recompute=recompute)
     if as_json:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -276,6 +276,10 @@ def loads_a_model(command):
     def with_model(**values):
         vocabulary.say_renamed(bool(values.get("quiet")))  # --quant 8bit's note, once --quiet is known
         load = ModelChoice(**{name: values.pop(name) for name, _, _ in MODEL_OPTIONS})
+        if not (load.model or "").strip():  # no -m, no $KVCLI_MODEL: the best embedded model installed
+            from ..model.catalog import default_model
+
+            load = replace(load, model=default_model())
         return command(load=load, **values)
 
     with_model.__signature__ = signature.replace(parameters=params[:at] + declared + params[at + 1 :])

@@ -22,13 +22,11 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError, one_line
 from .embedded import EMBEDDED_MODEL, convert_once, default_cache_dir, embedded_gguf_file, is_converted
-from .names import MODEL_ENV
 
 
 @dataclass(frozen=True)
@@ -128,7 +126,7 @@ CATALOG: dict[str, EmbeddedModel] = {
 SMOLLM2, GEMMA, QWEN_15B, QWEN_05B = CATALOG.values()
 
 
-# Where no model is named (no -m, no $KVCLI_MODEL), the first of these that is installed answers:
+# Where a command names no model (no -m, no $KVCLI_MODEL), the first of these installed answers:
 # ranked by the held-out manual questions each answers through kvcli's default reading
 # (docs/bench/qwen, "The defaults these numbers chose"). SmolLM2 last: it is what the README's
 # set-up installs, so its demo and the test suite run it.
@@ -136,11 +134,10 @@ DEFAULT_ORDER = (QWEN_15B, QWEN_05B, SMOLLM2)
 
 
 def default_model() -> str:
-    """The model used where none is named: ``$KVCLI_MODEL`` when set, else the first installed
-    of :data:`DEFAULT_ORDER`, else SmolLM2 (whose loading then names its install line)."""
-    named = os.environ.get(MODEL_ENV, "").strip()
-    if named:
-        return named
+    """The model the commands use where none is named (no ``-m``, no ``$KVCLI_MODEL``): the first
+    installed of :data:`DEFAULT_ORDER`, else SmolLM2 (whose loading then names its install line).
+    The library's own default stays SmolLM2 (``load_model(None)``), so that a script or benchmark
+    that names no model measures the same model on every machine."""
     return next((m.name for m in DEFAULT_ORDER if m.installed()), EMBEDDED_MODEL)
 
 

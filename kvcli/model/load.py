@@ -12,7 +12,7 @@ import torch
 from ..errors import ModelError, UsageError, one_line
 from ..runtime.measure import malloc_trim
 from . import kept
-from .catalog import EmbeddedModel, default_model, embedded, ensure_chunked_converted
+from .catalog import EmbeddedModel, embedded, ensure_chunked_converted
 from .cpu_quant import quantize_model
 from .device import (
     check_attn,
@@ -23,7 +23,7 @@ from .device import (
     resolve_device,
     resolve_dtype,
 )
-from .embedded import default_cache_dir, ensure_converted
+from .embedded import EMBEDDED_MODEL, default_cache_dir, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel, spelled
 from .fingerprint import compute_fingerprint, weights_identity
 from .ggufs import ensure_gguf_converted, gguf_linear_types
@@ -61,9 +61,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
-    ``spec``: None for :func:`~kvcli.model.catalog.default_model` (``$KVCLI_MODEL``, else the
-    best embedded model installed); :data:`EMBEDDED_MODEL` for the embedded SmolLM2-135M-Instruct
-    (converted once into ``cache_dir``, see :func:`embedded_model_path`); another embedded model's name
+    ``spec``: None or :data:`EMBEDDED_MODEL` for the embedded SmolLM2-135M-Instruct (converted
+    once into ``cache_dir``, see :func:`embedded_model_path`; the commands' default is
+    :func:`kvcli.model.catalog.default_model`, the best installed); another embedded model's name
     (:data:`kvcli.model.catalog.CATALOG`); a GGUF file; an existing local folder; or a Hugging
     Face hub id (loaded from the local HF cache, else downloaded).
 
@@ -78,7 +78,7 @@ def load_model(
     Every failure a user can cause raises :class:`ModelError` (or :class:`UsageError` for a bad
     option value) with a one-line message.
     """
-    name = default_model() if spec is None or spec.strip() == "" else spec.strip()
+    name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     cache = Path(cache_dir) if cache_dir is not None else None
     what = Asked.of(name)
     opts = resolve_options(what, device, quant, attn, dtype, cache)

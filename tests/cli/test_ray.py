@@ -88,16 +88,6 @@ def _local_records(model: str, inputs: list[str], cache: Path) -> list[dict]:
     return list(run_batch(executor, expand_inputs(inputs), QUESTIONS, parse_pipeline("full")))
 
 
-def test_the_driver_resolves_the_default_model_for_every_worker(monkeypatch, tmp_path):
-    """No model named: the driver's default (:func:`kvcli.model.catalog.default_model`) goes to every
-    Ray worker by name, so a node with other packages installed loads the same model. Nothing starts
-    Ray here: the executor's options are made when it is."""
-    monkeypatch.setenv("KVCLI_MODEL", "the-drivers-model")
-    executor = RayExecutor(AskOptions(model=None, cache_dir=tmp_path), "local", 1)
-    assert executor.options.model == "the-drivers-model"
-    assert RayExecutor(AskOptions(model="named", cache_dir=tmp_path), "local", 1).options.model == "named"
-
-
 # --- the CLI: --ray local gives the local batch's records ------------------------------------
 
 
