@@ -65,7 +65,7 @@ class AutoPolicy:
         window go through :data:`BEYOND_WINDOW` as well; else unchanged."""
         from ..model.catalog import embedded
 
-        model = embedded(lm.name) if isinstance(lm.name, str) else None
+        model = embedded(lm.name)
         until = model.cpu_full_until if model is not None else None
         if until is None or self.compress_from is not None or lm.device.type != "cpu":
             return self
