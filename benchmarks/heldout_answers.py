@@ -69,10 +69,16 @@ def load_version(doc: dict, form: str, pdf_dir: Path):
     return load_document(target)
 
 
+def method_list(text: str) -> list[str]:
+    """``pages,pages:pages=3,skim=0,oracle``: the commas between methods, not those between one
+    method's knobs (a comma followed by ``name=`` belongs to the knobs before it)."""
+    return [m for m in re.split(r",(?!\w+=)", text) if m]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("questions", type=Path, nargs="+")
-    p.add_argument("--methods", type=lambda x: x.split(","), default=["pages", "pages:skim=0", "oracle"])
+    p.add_argument("--methods", type=method_list, default=["pages", "pages:skim=0", "oracle"])
     p.add_argument("--wording", type=lambda x: x.split(","), default=["q", "user"])
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--max-new-tokens", type=int, default=32)
