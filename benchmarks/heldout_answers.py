@@ -40,6 +40,19 @@ from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # no
 from kvcli.documents import document_from_text, load_document  # noqa: E402
 from kvcli.report.record import result_record  # noqa: E402
 
+# an answer saying the document does not answer the question, in the words the models use
+DECLINED = re.compile(
+    r"\b(does not|doesn't|do not|did not) (say|mention|state|specify|answer|contain|provide|cover)"
+    r"|\bnot (mentioned|stated|specified|found|answered|covered|in the document)\b"
+    r"|\bno (information|mention|answer)\b|\bcannot be (answered|determined)\b",
+    re.IGNORECASE,
+)
+
+
+def declined(answer: str) -> bool:
+    """Whether ``answer`` says that the document does not answer the question."""
+    return bool(DECLINED.search(answer))
+
 
 def is_right(answer: str, q: dict, question: str) -> bool | None:
     if q.get("unanswerable"):
@@ -92,6 +105,7 @@ def main() -> None:
     )
     p.add_argument("--docs", type=lambda x: x.split(","), default=None, help="only these documents (by name)")
     p.add_argument("--format", choices=FORMATS, default="pdf", help="which version of each manual (module doc)")
+    p.add_argument("--template", default="qa", help="kvcli's --template: a name in kvcli/prompts or a file")
     p.add_argument("--model", default=None, help="kvcli's -m (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument(
         "--quant",
@@ -115,7 +129,11 @@ def main() -> None:
         print(table(rows))
         print(evidence_grid(rows))
         return
-    session = Session.open(AskOptions(use_cache=args.store, kv_bits=args.kv_bits, model=args.model, quant=args.quant))
+    session = Session.open(
+        AskOptions(
+            use_cache=args.store, kv_bits=args.kv_bits, model=args.model, quant=args.quant, template=args.template
+        )
+    )
     rows = []
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
@@ -157,6 +175,7 @@ def main() -> None:
                             "two_page": bool(q.get("pages")),
                             "answer": rec["answer"],
                             "right": is_right(rec["answer"], q, question),
+                            "declined": declined(rec["answer"]),
                             "hit1": bool(gold) and bool(pages) and pages[0] in gold,
                             "hit3": bool(gold) and any(x in gold for x in pages[:3]),
                             "no_match": rec.get("no_match"),
@@ -249,10 +268,16 @@ def compare(before: list[dict], after: list[dict]) -> str:
     return "\n".join(out)
 
 
+def said_no(row: dict) -> bool:
+    """The answer declined (rows written before ``declined`` was recorded: read from the answer)."""
+    return row.get("declined", declined(row["answer"]))
+
+
 def table(rows: list[dict]) -> str:
     out = [
-        "| reading | wording | right (answerable) | two-page right | hit@1 | hit@3 | unanswerable: said no match |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| reading | wording | right (answerable) | two-page right | hit@1 | hit@3 | answerable: declined"
+        " | unanswerable: said no match | unanswerable: declined |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = sorted({(r["method"], r["wording"]) for r in rows})
     for m, w in keys:
@@ -263,7 +288,8 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {m} | {w} | {sum(bool(r['right']) for r in ans)}/{len(ans)} | {sum(bool(r['right']) for r in two)}/{len(two)}"
             f" | {sum(r['hit1'] for r in ans)}/{len(ans)} | {sum(r['hit3'] for r in ans)}/{len(ans)}"
-            f" | {sum(bool(r['no_match']) for r in un)}/{len(un)} |"
+            f" | {sum(said_no(r) for r in ans)}/{len(ans)}"
+            f" | {sum(bool(r['no_match']) for r in un)}/{len(un)} | {sum(said_no(r) for r in un)}/{len(un)} |"
         )
     return "\n".join(out)
 
