@@ -287,13 +287,15 @@ def stats_line(result, pipeline) -> str:
     kept (and, for a stored book, the share the answer read), timings, memory, the disk cache."""
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
+    said = f"cache {cache['status']}{saved}"
+    if cache["status"] == "off" and result.selection.read is not None:  # it retrieved (pages): no prefix
+        said = "nothing cached: what it reads depends on the question"
     from ..answer.labels import spec_label  # the library, as the answer is (not for --help)
 
     method = spec_label(result.extra.get("compressor", pipeline.spec()), pipeline)
     return (
         f"{method} · {kv_figures(result)} · "
-        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · "
-        f"cache {cache['status']}{saved}"
+        f"TTFT {result.ttft_s:.2f}s · total {result.total_s:.2f}s · peak {result.peak_mem_mb:,.0f} MiB · {said}"
     )
 
 

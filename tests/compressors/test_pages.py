@@ -179,6 +179,20 @@ def test_ask_cites_within_the_pages_it_read(cli, tiny_dir, tmp_path):
     assert record["sources"] and all(lo <= s["start"] and s["end"] <= lo + len(PARAS[1]) for s in record["sources"])
 
 
+def test_its_stats_line_says_nothing_is_cached_rather_than_cache_off(cli, tiny_dir, tmp_path):
+    """With the disk store on, pages keeps no prefix KV (what it reads depends on the question):
+    the stats line says so instead of "cache off", which reads as if the store were turned off."""
+    src = tmp_path / "log.md"
+    src.write_text(DOC, encoding="utf-8")
+    code, out, err = cli(
+        "ask", src, QUESTION, "-c", "pages", "--model", str(tiny_dir("llama")), "--max-new-tokens", "4"
+    )
+    assert code == 0, err
+    stats = err.strip().splitlines()[-1]
+    assert stats.startswith("pages · read ") and stats.endswith("nothing cached: what it reads depends on the question")
+    assert "cache off" not in err
+
+
 def test_its_sources_come_one_a_passage_in_the_passages_order(cli, tiny_dir, tmp_path):
     """Two paragraphs read: the first source in the best one (BM25's), the second in the other,
     whatever the tiny random model's attention says (kvcli.cite.sources.rank's groups)."""
