@@ -270,7 +270,7 @@ def compare(before: list[dict], after: list[dict]) -> str:
 
 def said_no(row: dict) -> bool:
     """The answer declined (rows written before ``declined`` was recorded: read from the answer)."""
-    return row.get("declined", declined(row["answer"]))
+    return row["declined"] if "declined" in row else declined(row["answer"])
 
 
 def table(rows: list[dict]) -> str:
