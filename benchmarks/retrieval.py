@@ -15,7 +15,7 @@ wording. Methods: ``bm25`` (plain words: what pages ranked by before), ``bm25-st
 stems), ``embed`` (the sentence embedding's best 100-word window (``--window``) of each page), ``rrf:K`` (BM25 on
 stems and the embedding by reciprocal rank, constant K) and ``mix:W``
 (W · BM25 / its best + (1 - W) · cosine, a weighted sum); kvcli's own is
-:data:`kvcli.retrieval.ranking.FUSION`; ``cand:N``: kvcli's fusion over BM25's best N pages only,
+the model's weight in kvcli/retrieval/embedders.json; ``cand:N``: kvcli's fusion over BM25's best N pages only,
 the others after them in BM25's order (kvcli's ranking with ``-c pages:candidates=N``; 0: every
 page, as ``mix:0.3``), e.g. ``--methods cand:0,cand:10,cand:20,cand:30``. Rows to ``--out`` (JSON).
 
@@ -45,11 +45,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from books import fetch_pdf  # noqa: E402
 
 from kvcli.documents import load_document  # noqa: E402
-from kvcli.retrieval import embed, vectors  # noqa: E402
+from kvcli.retrieval import embed, embedders, vectors  # noqa: E402
 from kvcli.retrieval.bm25 import bm25_scores  # noqa: E402
 from kvcli.retrieval.ranking import (  # noqa: E402
-    FUSION,
-    NO_MATCH_COSINE,
     Ranking,
     candidates_of,
     fuse,
@@ -60,6 +58,11 @@ from kvcli.retrieval.ranking import (  # noqa: E402
 TUNE = [ROOT / "docs" / "bench" / "cite" / "questions.json", ROOT / "docs" / "bench" / "books" / "questions.json"]
 WORDINGS = ("q", "user")
 METHODS = ["bm25", "bm25-stem", "embed", "rrf:10", "rrf:30", "rrf:60", *(f"mix:{w / 10:g}" for w in range(2, 9))]
+
+
+def tuned() -> embedders.Tuned:
+    """What kvcli tuned for the embedding model in use (``$KVCLI_EMBED_MODEL``): its fusion weight, its no-match cosine."""
+    return embedders.tuned(embed.setting())
 
 
 def documents(files: list[Path], pdf_dir: Path):
@@ -87,7 +90,7 @@ def scores_of(method: str, s: dict) -> np.ndarray:
     if name in ("rrf", "mix"):
         return fuse(s["bm25-stem"], s["embed"], (name, float(arg)))
     if name == "cand":  # kvcli's ranking: the fusion over BM25's best N only (0: every page)
-        return reranked(s["bm25-stem"], s["embed"], candidates_of(s["bm25-stem"], int(arg)))
+        return reranked(s["bm25-stem"], s["embed"], candidates_of(s["bm25-stem"], int(arg)), ("mix", tuned().weight))
     raise SystemExit(f"unknown method {method}")
 
 
@@ -99,7 +102,7 @@ def matched(method: str, s: dict) -> bool:
     if name == "cand":
         wanted = candidates_of(s["bm25-stem"], int(arg))
         semantic = np.where(np.isin(np.arange(len(semantic)), wanted), semantic, -1.0)
-    return Ranking(s["bm25-stem"], s["bm25-stem"], semantic, "").matched
+    return Ranking(s["bm25-stem"], s["bm25-stem"], semantic, "", tuned().no_match_cosine).matched
 
 
 def top(scores: np.ndarray, k: int) -> list[int]:
@@ -135,7 +138,7 @@ def rank(args) -> None:
                     )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
-    print(f"kvcli's fusion: {FUSION[0]}:{FUSION[1]:g}\n")
+    print(f"kvcli's fusion for this model: mix:{tuned().weight:g}\n")
     print("| method | wording | questions | hit@1 | hit@3 | matched |\n|---|---|---:|---:|---:|---:|")
     for wording in WORDINGS:
         for method in args.methods:
@@ -165,9 +168,9 @@ def nomatch(args) -> None:
                         continue
                     group = "other document" if other != d else "answerable" if q.get("page") else "no page answers"
                     s = signals(model, texts, q[wording], args.cache_dir)
-                    r = Ranking(s["bm25-stem"], s["bm25-stem"], s["embed"], "")
+                    r = Ranking(s["bm25-stem"], s["bm25-stem"], s["embed"], "", tuned().no_match_cosine)
                     groups[group].append((float(s["bm25-stem"].max()), float(s["embed"].max()), r.matched))
-    print(f"NO_MATCH_COSINE = {NO_MATCH_COSINE}")
+    print(f"the model's no-match cosine: {tuned().no_match_cosine}")
     print("| questions | n | BM25 all zero | best cosine p5 / p50 / p95 | matched |\n|---|---:|---:|---|---:|")
     for name, vals in groups.items():
         if not vals:

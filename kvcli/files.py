@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 VECTORS_FOLDER = "vectors"
 
 
+def default_cache_dir() -> Path:
+    """``$KVCLI_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcli``, else ``~/.cache/kvcli``."""
+    env = os.environ.get("KVCLI_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "kvcli"
+    return Path.home() / ".cache" / "kvcli"
+
+
 def umask() -> int:
     """The process's umask (read without changing it for good)."""
     mask = os.umask(0o022)

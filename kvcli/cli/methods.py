@@ -38,12 +38,26 @@ def compressors(
 @app.command(cls=KvcliCommand)
 def models(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the list"),
+    install: str | None = typer.Option(
+        None,
+        "--install",
+        metavar="NAME",
+        help="Install a sentence-embedding model kvcli knows by name (embeddinggemma-300m) into embed/ of "
+        "$KVCLI_CACHE_DIR (default: $XDG_CACHE_HOME/kvcli), where the commands look for it, then list",
+        show_default=False,
+    ),
+    quiet: bool = QuietOpt,
     cache_dir: Path | None = cache_dir_option("converted models are kept"),
 ) -> None:
-    """List the embedded models (-m NAME): size, window, licence, whether installed, which answers without -m; and what else -m takes."""
+    """List the embedded models (-m NAME): size, window, licence, whether installed, which answers without -m; what else -m takes; and the sentence-embedding models that rank pages."""
     from ..model.catalog import CATALOG, DEFAULT_ORDER, default_model
     from ..model.ggufs import SUPPORTED_GGUF
+    from ..retrieval import embedders
 
+    if install is not None:
+        err = stderr(quiet)
+        folder = embedders.install(install, on_step=lambda step: err.print(f"kvcli: {install}: {step}"))
+        err.print(f"kvcli: {install} is installed in {folder}; use it with {embedders.ENV}={install}")
     default = default_model()
 
     rows = [
@@ -62,8 +76,9 @@ def models(
         }
         for m in CATALOG.values()
     ]
+    ranking = embedders.listing()
     if as_json:
-        stdout.out(json.dumps({"embedded": rows, "gguf_architectures": list(SUPPORTED_GGUF)}))
+        stdout.out(json.dumps({"embedded": rows, "gguf_architectures": list(SUPPORTED_GGUF), "embedding": ranking}))
         return
     for m, row in zip(CATALOG.values(), rows):
         state = ("installed" + (", converted" if row["converted"] else "")) if row["installed"] else "not installed"
@@ -88,6 +103,12 @@ def models(
         "Also: -m a Hugging Face id or model folder, or -m path/to/model.gguf "
         f"({', '.join(SUPPORTED_GGUF)}; converted once into the cache directory)."
     )
+    stdout.out(f"\nThe pages' ranking (sentence embedding; ${embedders.ENV}, or a model folder):")
+    for row in ranking:
+        state = ("installed" if row["installed"] else "not installed") + (", in use" if row["in_use"] else "")
+        stdout.out(
+            f"{row['name']}  [{state}]\n    {row['about']}; licence: {row['licence']}\n    install: {row['install']}"
+        )
 
 
 @app.command(cls=KvcliCommand, short_help="Show the retrieval heads RazorAttention protects.")

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import notices
 from ..errors import ModelError, one_line
-from ..files import atomic_write, share_like_umask
+from ..files import atomic_write, default_cache_dir, share_like_umask
 from .fingerprint import file_sha256
 from .quiet import quiet_load
 
@@ -38,17 +38,6 @@ _SOURCE_MARKER = "kvcli-source.json"
 
 # Memoised sha256 of GGUF files, keyed by path + size + mtime.
 _GGUF_SHA_SIDECAR = "gguf-sha256.json"
-
-
-def default_cache_dir() -> Path:
-    """``$KVCLI_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcli``, else ``~/.cache/kvcli``."""
-    env = os.environ.get("KVCLI_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "kvcli"
-    return Path.home() / ".cache" / "kvcli"
 
 
 def embedded_gguf_file() -> Path:

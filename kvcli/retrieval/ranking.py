@@ -8,15 +8,16 @@
 * fused as a weighted sum, ``WEIGHT · BM25 / the best passage's BM25 + (1 - WEIGHT) · cosine``
   (:func:`weighted`; reciprocal rank fusion, Cormack, Clarke & Büttcher 2009, :func:`reciprocal_rank`,
   ranked below it). The window, the fusion and its weight were chosen on the tuning questions only
-  (benchmarks/retrieval.py; docs/bench/retrieval).
+  (benchmarks/retrieval.py; docs/bench/retrieval); the weight is each embedding model's own
+  (kvcli/retrieval/embedders.json: 0.3 for all-MiniLM-L6-v2, less for a model that ranks better alone).
 
 Only the candidates are embedded, so a book's first question embeds a few pages, not the book
 (the 236-page R-exts.pdf: 1,304 windows, ~75 s on two cores). :data:`CANDIDATES` was chosen on the
 tuning questions: the smallest count whose best three passages (what ``pages`` reads) are those of
 the ranking over every passage for each of them (docs/bench/retrieval, "Candidates").
 
-No real signal (:attr:`Ranking.matched` False): no window of the candidates is within
-:data:`NO_MATCH_COSINE` of the question (BM25 alone: no word of the question is in it). Measured
+No real signal (:attr:`Ranking.matched` False): no window of the candidates is within the
+model's no-match cosine (:data:`NO_MATCH_COSINE` for the default) of the question (BM25 alone: no word of the question is in it). Measured
 on the tuning questions against the same questions asked of the other manuals (docs/bench/retrieval).
 """
 
@@ -28,16 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import embed, vectors
+from . import embed, embedders, vectors
 from .bm25 import bm25_scores
 
-RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when FUSION is ("rrf", k)
-WEIGHT = 0.3  # BM25's weight in the weighted sum
+RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when fused by ("rrf", k)
+# the default model's tuned values (kvcli/retrieval/embedders.json); another model's are its own
+_DEFAULT = embedders.tuned(embedders.default_name())
+WEIGHT = _DEFAULT.weight  # BM25's weight in the weighted sum
 FUSION = ("mix", WEIGHT)  # how the two are fused: chosen on the tuning questions (docs/bench/retrieval)
 CANDIDATES = 30  # BM25's best passages the embedding re-ranks (0: every passage); module doc
-NO_MATCH_COSINE = (
-    0.30  # a best window's cosine under this: no page matched the question (measured: docs/bench/retrieval)
-)
+NO_MATCH_COSINE = _DEFAULT.no_match_cosine  # a best window's cosine under this: no page matched the question
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Ranking:
     bm25: np.ndarray  # BM25 on stems
     semantic: np.ndarray | None  # the best window's cosine; None: no embedding model (``none``)
     signal: str  # "bm25+embedding" or "bm25"
+    no_match: float = NO_MATCH_COSINE  # the embedding model's no-match cosine (:mod:`.embedders`)
 
     @property
     def order(self) -> list[int]:
@@ -57,10 +59,10 @@ class Ranking:
     @property
     def matched(self) -> bool:
         """Whether the best passage has a real signal: with an embedding, a window whose cosine
-        with the question is at least :data:`NO_MATCH_COSINE` (a word of the question alone is not:
+        with the question is at least :attr:`no_match` (the model's; the default's :data:`NO_MATCH_COSINE`) (a word of the question alone is not:
         questions asked of another manual share some with most pages); BM25 alone, a word of it."""
         if self.semantic is not None:
-            return len(self.semantic) > 0 and float(self.semantic.max()) >= NO_MATCH_COSINE
+            return len(self.semantic) > 0 and float(self.semantic.max()) >= self.no_match
         return len(self.bm25) > 0 and float(self.bm25.max()) > 0
 
 
@@ -114,11 +116,13 @@ def candidates_of(lexical: np.ndarray, candidates: int) -> list[int]:
     return sorted(sorted(range(len(lexical)), key=lambda i: (-lexical[i], i))[:candidates])
 
 
-def reranked(lexical: np.ndarray, semantic: np.ndarray, wanted: list[int]) -> np.ndarray:
-    """One score a passage: the ``wanted`` passages fused (:func:`fuse`, in [-1, 1]), then the
-    others in BM25's order (below -2)."""
+def reranked(
+    lexical: np.ndarray, semantic: np.ndarray, wanted: list[int], how: tuple[str, float] | None = None
+) -> np.ndarray:
+    """One score a passage: the ``wanted`` passages fused (:func:`fuse` by ``how``, in [-1, 1]), then
+    the others in BM25's order (below -2)."""
     scores = np.asarray(lexical, dtype=np.float64) / max(float(np.max(lexical, initial=0.0)), 1e-12) - 3.0
-    scores[wanted] = fuse(np.asarray(lexical)[wanted], np.asarray(semantic)[wanted])
+    scores[wanted] = fuse(np.asarray(lexical)[wanted], np.asarray(semantic)[wanted], how)
     return scores
 
 
@@ -148,4 +152,6 @@ def rank_passages(
     )
     # a passage not embedded has no window: -1, as no window matched
     semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
-    return Ranking(reranked(lexical, semantic, wanted), lexical, semantic, "bm25+embedding")
+    tuned = embedders.tuned(name)
+    scores = reranked(lexical, semantic, wanted, ("mix", tuned.weight))
+    return Ranking(scores, lexical, semantic, "bm25+embedding", tuned.no_match_cosine)

@@ -136,8 +136,8 @@ def test_candidates_are_bm25s_best_reranked_and_the_rest_follow(tmp_path):
     assert model.wanted[-1] == [0, 1] and none.order[2:] == [2, 3, 4, 5]
 
 
-def ranking_with(model, passages, question, cache, candidates):
-    """rank_passages with ``model`` as the embedding (its wanted passages recorded)."""
+def ranking_with(model, passages, question, cache, candidates, name="fake"):
+    """rank_passages with ``model`` as the embedding, named ``name`` (its wanted passages recorded)."""
     from unittest import mock
 
     from kvcli.retrieval import ranking
@@ -149,11 +149,27 @@ def ranking_with(model, passages, question, cache, candidates):
         return real(m, p, c, size, **kw)
 
     with (
-        mock.patch.object(ranking.embed, "setting", return_value="fake"),
+        mock.patch.object(ranking.embed, "setting", return_value=name),
         mock.patch.object(ranking.embed, "embedder", return_value=model),
         mock.patch.object(ranking.vectors, "passage_vectors", spy),
     ):
         return rank_passages(passages, question, cache, candidates=candidates)
+
+
+def test_a_known_model_ranks_with_its_own_tuned_weight_and_threshold(tmp_path):
+    """The fused score is BM25's share by the model's weight (kvcli/retrieval/embedders.json), and
+    the no-match cosine the model's: EmbeddingGemma's, not all-MiniLM-L6-v2's; an unknown model the default's."""
+    from kvcli.retrieval import embedders
+    from kvcli.retrieval.ranking import weighted
+
+    passages = [f"alpha {' '.join(['beta'] * i)} gamma {'delta ' * (5 - i)}" for i in range(5)] + ["nothing here"]
+    for name in ("embeddinggemma-300m", "fake"):
+        r = ranking_with(Counting(), passages, "beta delta", tmp_path / name, 0, name)
+        tuned = embedders.tuned(name)
+        np.testing.assert_allclose(r.scores, weighted(r.bm25, r.semantic, tuned.weight))
+        assert r.no_match == tuned.no_match_cosine
+    gemma, default = embedders.tuned("embeddinggemma-300m"), embedders.tuned("fake")
+    assert gemma.weight != default.weight and default == embedders.tuned(embed.DEFAULT)
 
 
 def test_missing_model_is_one_line(monkeypatch):
@@ -271,4 +287,67 @@ def test_a_pooling_kvcli_cannot_run_is_one_error(tmp_path):
     folder = tiny_folder(tmp_path, "mean_tokens")
     (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
     with pytest.raises(ModelError, match="pools with pooling_mode_lasttoken"):
+        embed.Embedder(folder)
+
+
+def with_dense(folder, layers: list[tuple[int, int, bool, str]]):
+    """``folder`` given sentence-transformers' modules.json with a Dense module per (in, out, bias,
+    activation) after the pooling, then Normalize; random weights. Returns the folder."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    torch.manual_seed(1)
+    for i, (n_in, n_out, bias, act) in enumerate(layers, start=2):
+        path = folder / f"{i}_Dense"
+        path.mkdir()
+        config = {"in_features": n_in, "out_features": n_out, "bias": bias, "activation_function": act}
+        (path / "config.json").write_text(json.dumps(config))
+        tensors = {"linear.weight": torch.randn(n_out, n_in) / n_in**0.5}
+        if bias:
+            tensors["linear.bias"] = torch.randn(n_out)
+        save_file(tensors, path / "model.safetensors")
+        modules.append({"idx": i, "name": str(i), "path": path.name, "type": "sentence_transformers.models.Dense"})
+    modules.append(
+        {"idx": len(modules), "name": "n", "path": "n_Normalize", "type": "sentence_transformers.models.Normalize"}
+    )
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return folder
+
+
+def test_dense_layers_after_the_pooling_as_sentence_transformers_runs_them(tmp_path):
+    """EmbeddingGemma's layout: the pooled vector through Dense modules (modules.json) before the
+    normalisation. Checked against sentence-transformers itself on a tiny folder with an identity
+    and a tanh layer, one with a bias; their bytes are part of the model's id."""
+    st = pytest.importorskip("sentence_transformers")
+    folder = with_dense(
+        tiny_folder(tmp_path, "mean_tokens", {"query": "q: ", "document": "d: "}),
+        [(32, 48, False, "torch.nn.modules.linear.Identity"), (48, 24, True, "torch.nn.modules.activation.Tanh")],
+    )
+    model = embed.Embedder(folder)
+    assert model.layout.dense == ("2_Dense", "3_Dense") and model.dim == 24
+    reference = st.SentenceTransformer(str(folder), device="cpu")
+    texts = [SHELL[1], "short one", SHELL[0]]
+    np.testing.assert_allclose(model.encode(texts), reference.encode(["d: " + t for t in texts]), atol=1e-5)
+    q = "how do I make my script quit at the first error?"
+    np.testing.assert_allclose(model.encode_query(q), reference.encode(["q: " + q])[0], atol=1e-5)
+    before = model.id
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    import torch
+
+    save_file({"linear.weight": torch.zeros(48, 32)}, folder / "2_Dense" / "model.safetensors")
+    assert embed.Embedder(folder).id != before
+
+
+def test_a_module_kvcli_cannot_run_is_one_error(tmp_path):
+    folder = with_dense(tiny_folder(tmp_path, "mean_tokens"), [(32, 8, False, "torch.nn.modules.activation.ReLU")])
+    with pytest.raises(ModelError, match="uses torch.nn.modules.activation.ReLU: kvcli runs identity or tanh"):
+        embed.Embedder(folder)
+    (folder / "modules.json").write_text('[{"path": "x", "type": "sentence_transformers.models.LayerNorm"}]')
+    with pytest.raises(ModelError, match="has a LayerNorm module"):
         embed.Embedder(folder)
