@@ -288,7 +288,7 @@ def stats_line(result, pipeline) -> str:
     cache = result.extra["cache"]
     saved = f" (saved {cache['saved_s']:.1f}s)" if cache["status"] == "hit" and cache["saved_s"] is not None else ""
     said = f"cache {cache['status']}{saved}"
-    if cache["status"] == "off" and result.selection.read is not None:  # it retrieved (pages): no prefix
+    if cache["status"] == "off" and result.selection.retrieved:  # it retrieved (pages): no prefix
         said = "nothing cached: what it reads depends on the question"
     from ..answer.labels import spec_label  # the library, as the answer is (not for --help)
 
@@ -305,7 +305,7 @@ def kv_figures(result) -> str:
     the ratio is against full attention, said so; a stored book adds the share the answer read. A
     method that retrieves (pages) says what it read instead ("read p. 12 whole, p. 3 skimmed: 760 of
     74,000 document tokens"): no ratio against a full attention that may not fit the window."""
-    if result.selection.read is not None and result.document is not None:  # it retrieved: what it read
+    if result.selection.retrieved and result.document is not None:  # it retrieved: what it read
         from ..compressors.selection import read_line
 
         return read_line(result.selection.read, result.prompt, result.document)

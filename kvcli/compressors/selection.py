@@ -111,6 +111,11 @@ class Selection:
     def n_kept(self) -> int:
         return self.kept.numel()
 
+    @property
+    def retrieved(self) -> bool:
+        """Whether a method that retrieves chose this (``pages``): what it read, not a compression."""
+        return self.read is not None
+
     def spans(self, prompt, document) -> list[Span]:
         """Runs of consecutive kept *document* tokens, in document order."""
         doc = [i for i in self.kept.tolist() if prompt.doc_start <= i < prompt.doc_end]

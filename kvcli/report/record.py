@@ -37,7 +37,7 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         "n_kept_tokens": round(result.n_kept_tokens, 2),
         # none for a method that retrieves (pages): what it read is in ``read``, and full attention
         # over the whole document, what a ratio compares with, may not fit the window
-        "compression_ratio": None if result.selection.read is not None else round(result.compression_ratio, 4),
+        "compression_ratio": None if result.selection.retrieved else round(result.compression_ratio, 4),
         "n_selected_tokens": result.selection.n_kept,  # prompt tokens the model read (a selector's k)
         **compute_fractions(result.extra.get("method_stats") or {}),
         "ttft_s": round(result.ttft_s, 4),
