@@ -8,7 +8,9 @@ directly as sentence-transformers runs this model: the tokens' last hidden state
 attention mask, then L2-normalised; at most 256 tokens a text (its ``max_seq_length``). Nothing is
 fetched at run time: the folder is read with ``local_files_only``.
 
-``$KVCLI_EMBED_MODEL`` changes it: a folder holding a BERT-like sentence-embedding model in that
+Once EmbeddingGemma-300m is installed (``kvcli models --install embeddinggemma-300m``, :mod:`.embedders`)
+it ranks instead: more pages found in a user's words on the held-out questions, for about twice
+the wait (docs/bench/retrieval). ``$KVCLI_EMBED_MODEL`` changes it: a folder holding a BERT-like sentence-embedding model in that
 layout (``config.json``, ``model.safetensors``, the tokenizer's files), the name of an installed
 package that ships one (its ``get_model_path()`` or its ``model/`` folder), or ``none`` for BM25
 alone. The folder's sentence-transformers files say how it is run, as sentence-transformers reads
@@ -104,8 +106,10 @@ class Layout:
 
 
 def setting() -> str | None:
-    """The embedding model asked for: ``$KVCLI_EMBED_MODEL``, else :data:`DEFAULT`; None for ``none``."""
-    value = os.environ.get(ENV, "").strip() or DEFAULT
+    """The embedding model asked for: ``$KVCLI_EMBED_MODEL``, else the first installed of
+    kvcli's order (:func:`kvcli.retrieval.embedders.first_installed`: EmbeddingGemma once
+    installed, else :data:`DEFAULT`); None for ``none``."""
+    value = os.environ.get(ENV, "").strip() or embedders.first_installed()
     return None if value.lower() == OFF else value
 
 

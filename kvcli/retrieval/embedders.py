@@ -44,7 +44,21 @@ def facts() -> dict:
 
 
 def default_name() -> str:
+    """The model installed with kvcli (its values serve a model kvcli does not know)."""
     return facts()["default"]
+
+
+def first_installed() -> str:
+    """What ranks without ``$KVCLI_EMBED_MODEL``: the first installed of the order
+    (embedders.json; the held-out answers' order), else the default (whose absence says how to install it)."""
+    for name in facts()["order"]:
+        if not chunked(name) or is_installed(installed_folder(name)):
+            return name  # a package's: installed with kvcli (or its absence is one line naming pip)
+    return default_name()
+
+
+def _has_package(name: str) -> bool:
+    return importlib.util.find_spec(name.replace("-", "_")) is not None  # found, never imported
 
 
 @dataclass(frozen=True)
@@ -78,24 +92,18 @@ def chunked(name: str) -> bool:
 
 def listing() -> list[dict]:
     """Every known model: name, about, licence, install line, whether installed, whether in use."""
-    in_use = (os.environ.get(ENV, "").strip() or default_name()).lower()
-    rows = []
-    for name, entry in facts()["models"].items():
-        if chunked(name):
-            installed = is_installed(installed_folder(name))
-        else:
-            installed = importlib.util.find_spec(name.replace("-", "_")) is not None  # never imported
-        rows.append(
-            {
-                "name": name,
-                "about": entry["about"],
-                "licence": entry["licence"],
-                "install": entry["install"],
-                "installed": installed,
-                "in_use": name == in_use,
-            }
-        )
-    return rows
+    in_use = (os.environ.get(ENV, "").strip() or first_installed()).lower()
+    return [
+        {
+            "name": name,
+            "about": entry["about"],
+            "licence": entry["licence"],
+            "install": entry["install"],
+            "installed": is_installed(installed_folder(name)) if chunked(name) else _has_package(name),
+            "in_use": name == in_use,
+        }
+        for name, entry in facts()["models"].items()
+    ]
 
 
 def installed_folder(name: str, cache_dir: Path | None = None) -> Path:

