@@ -30,7 +30,7 @@ ENVIRONMENT: dict[str, str] = {
     CAP_ENV: "--cache-max (ask, chat, cache prune)",
     ENV_PREFILL_CHUNK: "tokens per prefill chunk (0: one pass)",
     STALE_ENV: "seconds to wait for a stuck lock holder (120, min 20)",
-    "KVCLI_EMBED_MODEL": "pages' embedding model: a name (kvcli models), folder, package or none",
+    "KVCLI_EMBED_MODEL": "pages' embedding model: name, folder, package or none",
     "KVCLI_DEBUG": "1: a bug (exit 3) prints its Python stack too",
 }
 
