@@ -57,7 +57,9 @@ def models(
     if install is not None:
         err = stderr(quiet)
         folder = embedders.install(install, on_step=lambda step: err.print(f"kvcli: {install}: {step}"))
-        err.print(f"kvcli: {install} is installed in {folder}; use it with {embedders.ENV}={install}")
+        ranks = embedders.asked().lower() == install.strip().lower()
+        how = "it ranks the pages from now on" if ranks else f"rank the pages with it: {embedders.ENV}={install}"
+        err.print(f"kvcli: {install} is installed in {folder}; {how}")
     default = default_model()
 
     rows = [

@@ -33,7 +33,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
 # the modules of a sentence-transformers pipeline kvcli runs (modules.json's "type", its last part)
 MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 ACTIVATIONS = {"torch.nn.modules.linear.Identity": None, "torch.nn.modules.activation.Tanh": "tanh"}
+DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"  # a Dense config that names none: sentence-transformers' default
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Layout:
     query_prompt: str = ""  # put before a question
     passage_prompt: str = ""  # put before a passage's window
     dense: tuple[str, ...] = ()  # the Dense modules' folders after the pooling, in order
+    # each one's activation after its linear map (None, "tanh"); out of the repr that the model's id
+    # hashes: the Dense configs that name them are hashed with the folder's files
+    activations: tuple[str | None, ...] = field(default=(), repr=False)
 
     @classmethod
     def read(cls, folder: Path) -> Layout:
@@ -90,8 +94,8 @@ class Layout:
                 f"the sentence-embedding model in {folder} has a {unknown[0]} module: kvcli runs {', '.join(MODULES)}"
             )
         dense = tuple(str(m["path"]) for m, k in zip(modules, kinds) if k == "Dense")
-        for path in dense:
-            act = load(f"{path}/config.json").get("activation_function", "torch.nn.modules.activation.Tanh")
+        named = [load(f"{path}/config.json").get("activation_function", DENSE_ACTIVATION) for path in dense]
+        for path, act in zip(dense, named):
             if act not in ACTIVATIONS:
                 raise ModelError(
                     f"the sentence-embedding model's {folder / path} uses {act}: kvcli runs identity or tanh"
@@ -102,14 +106,15 @@ class Layout:
             query_prompt=str(prompts.get("query", "")),
             passage_prompt=str(prompts.get("passage", prompts.get("document", ""))),
             dense=dense,
+            activations=tuple(ACTIVATIONS[act] for act in named),
         )
 
 
 def setting() -> str | None:
     """The embedding model asked for: ``$KVCLI_EMBED_MODEL``, else the first installed of
-    kvcli's order (:func:`kvcli.retrieval.embedders.first_installed`: EmbeddingGemma once
-    installed, else :data:`DEFAULT`); None for ``none``."""
-    value = os.environ.get(ENV, "").strip() or embedders.first_installed()
+    kvcli's order (:func:`kvcli.retrieval.embedders.asked`: EmbeddingGemma once installed, else
+    :data:`DEFAULT`); None for ``none``."""
+    value = embedders.asked()
     return None if value.lower() == OFF else value
 
 
@@ -159,17 +164,15 @@ class Embedder:
                 warnings.simplefilter("ignore")
                 self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
                 self.model = AutoModel.from_pretrained(self.folder, local_files_only=True).eval().float()
-            self.dense = [self._dense(path) for path in self.layout.dense]
+            self.dense = [self._dense(path, act) for path, act in zip(self.layout.dense, self.layout.activations)]
         except Exception as e:
             raise ModelError(f"the sentence-embedding model in {self.folder} cannot be loaded: {one_line(e)}") from e
 
-    def _dense(self, path: str) -> tuple:
-        """A Dense module's (weight (out, in), bias or None, activation or None), float32."""
+    def _dense(self, path: str, act: str | None) -> tuple:
+        """A Dense module's (weight (out, in), bias or None, activation ``act``), float32."""
         from safetensors.torch import load_file
 
-        config = json.loads((self.folder / path / "config.json").read_text())
         tensors = load_file(self.folder / path / "model.safetensors")
-        act = ACTIVATIONS[config.get("activation_function", "torch.nn.modules.activation.Tanh")]
         return tensors["linear.weight"].float(), tensors.get("linear.bias"), act
 
     @functools.cached_property

@@ -48,17 +48,20 @@ def default_name() -> str:
     return facts()["default"]
 
 
-def first_installed() -> str:
-    """What ranks without ``$KVCLI_EMBED_MODEL``: the first installed of the order
-    (embedders.json; the held-out answers' order), else the default (whose absence says how to install it)."""
-    for name in facts()["order"]:
-        if not chunked(name) or is_installed(installed_folder(name)):
-            return name  # a package's: installed with kvcli (or its absence is one line naming pip)
-    return default_name()
+def asked() -> str:
+    """The model that ranks: ``$KVCLI_EMBED_MODEL`` as given (``none`` too), else the first installed
+    of the order (embedders.json; the held-out answers' order), else the default (whose absence is
+    one line naming pip when it loads)."""
+    chosen = os.environ.get(ENV, "").strip()
+    return chosen or next((name for name in facts()["order"] if installed(name)), default_name())
 
 
-def _has_package(name: str) -> bool:
-    return importlib.util.find_spec(name.replace("-", "_")) is not None  # found, never imported
+def installed(name: str) -> bool:
+    """Whether the known model ``name`` is there: its folder in the cache (a chunked one), or its
+    package (found, never imported)."""
+    if chunked(name):
+        return is_installed(installed_folder(name))
+    return importlib.util.find_spec(name.replace("-", "_")) is not None
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,8 @@ def known(name: str) -> dict | None:
 
 def tuned(name: str | None) -> Tuned:
     """The values tuned for ``name``'s model; the default's for a model kvcli does not know."""
-    default = facts()["models"][default_name()]
-    entry = known(name) if name else None
-    entry = entry or default
-    cosine = entry.get("no_match_cosine")
-    return Tuned(float(entry["weight"]), float(default["no_match_cosine"] if cosine is None else cosine))
+    entry = (known(name) if name else None) or facts()["models"][default_name()]
+    return Tuned(float(entry["weight"]), float(entry["no_match_cosine"]))
 
 
 def chunked(name: str) -> bool:
@@ -92,37 +92,37 @@ def chunked(name: str) -> bool:
 
 def listing() -> list[dict]:
     """Every known model: name, about, licence, install line, whether installed, whether in use."""
-    in_use = (os.environ.get(ENV, "").strip() or first_installed()).lower()
+    in_use = asked().lower()
     return [
         {
             "name": name,
             "about": entry["about"],
             "licence": entry["licence"],
             "install": entry["install"],
-            "installed": is_installed(installed_folder(name)) if chunked(name) else _has_package(name),
+            "installed": installed(name),
             "in_use": name == in_use,
         }
         for name, entry in facts()["models"].items()
     ]
 
 
-def installed_folder(name: str, cache_dir: Path | None = None) -> Path:
-    """Where :func:`install` puts ``name``: ``<cache>/embed/<name>``."""
-    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / FOLDER / name.lower()
+def installed_folder(name: str) -> Path:
+    """Where :func:`install` puts ``name``: ``<cache>/embed/<name>`` (``$KVCLI_CACHE_DIR``'s, where the commands look)."""
+    return default_cache_dir() / FOLDER / name.lower()
 
 
 def is_installed(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "modules.json").is_file()
 
 
-def install(name: str, cache_dir: Path | None = None, on_step: Callable[[str], None] | None = None) -> Path:
+def install(name: str, on_step: Callable[[str], None] | None = None) -> Path:
     """Install the chunked model ``name`` (module doc); returns its folder (at once if installed).
     ModelError, one line, for an unknown name, a failed download or a file that does not check."""
     key = name.strip().lower()
     if not chunked(key):
         names = ", ".join(n for n in facts()["models"] if chunked(n))
         raise ModelError(f"kvcli installs no sentence-embedding model named {name!r}; it installs: {names}")
-    target = installed_folder(key, cache_dir)
+    target = installed_folder(key)
     if is_installed(target):
         return target
     spec = facts()["models"][key]["chunks"]
