@@ -1,14 +1,15 @@
 """Decoding speed on a GPU: plain ``transformers.generate`` against kvcli (full attention, SnapKV) on
 the same random-weight model (Llama-3.1-8B's published shape, ``gpu_measure.build``), a few prompt
 lengths, 64 decoded tokens each. kvcli's first question in the process is timed apart from the next
-ones (the first pays CUDA's lazy set-up). Rows go to ``$OUT/speed-<weights>.json`` (or ``--out``).
+ones (the first pays CUDA's lazy set-up); a method named ``full/steps`` decodes step by step, never
+captured as a CUDA graph (``KVCLI_CUDA_GRAPHS=0``), the same questions otherwise. Rows go to ``$OUT/speed-<weights>.json`` (or ``--out``).
 
     python benchmarks/gpu_speed.py                                   # on a CUDA GPU: bf16, 8k and 32k
     python benchmarks/gpu_speed.py --device cpu --layers 2 --lengths 512   # the same steps, tiny, here
 
 Random weights decode random tokens: the speeds are real, the answers are not (and greedy ties can
-part two runs' tokens after a while); ``same_tokens`` says whether a repeated question gave the
-first one's tokens."""
+part two runs' tokens after a while); ``same_tokens`` says whether a question gave the tokens of
+the method's first question at that length (``full/steps`` is ``full``'s first)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_measure import build  # noqa: E402  (beside this file)
 
+from kvcli import notices  # noqa: E402
 from kvcli.answer.pipeline import Pipeline  # noqa: E402
 from kvcli.answer.question import QuestionOptions  # noqa: E402
 from kvcli.bench.simulate.models import CONFIGS  # noqa: E402
 from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded  # noqa: E402
+from kvcli.runtime import graphs  # noqa: E402
 from kvcli.runtime.engine import Engine  # noqa: E402
 
 STEPS = 64
@@ -69,7 +72,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the config's (a CPU dry run)")
     ap.add_argument("--lengths", default="8192,32768")
-    ap.add_argument("--methods", default="full;snapkv;full", help="kvcli's questions, in order, at each length")
+    ap.add_argument(
+        "--methods",
+        default="full/steps;full;snapkv;full",
+        help="kvcli's questions, in order, at each length ('/steps': decoding never captured as a CUDA graph)",
+    )
     ap.add_argument("--no-generate", action="store_true", help="kvcli's rows only")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args(argv)
@@ -86,7 +93,10 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         document = document_of(session.lm.tokenizer, n, STEPS, session.template)
         first_tokens: dict[str, list[int]] = {}
-        for method in [m for m in args.methods.split(";") if m]:
+        for asked_as in [m for m in args.methods.split(";") if m]:
+            method, _, how = asked_as.partition("/")  # "/steps": the step never captured as a CUDA graph
+            os.environ[graphs.ENV] = "0" if how == "steps" else "1"
+            notices.reset()
             result = session.ask(
                 document,
                 QUESTION,
@@ -97,7 +107,11 @@ def main(argv=None) -> int:
             same = first_tokens.setdefault(method, result.answer_ids) == result.answer_ids
             rows.append(
                 {
-                    "who": f"kvcli {method}",
+                    "who": f"kvcli {asked_as}",
+                    # captured: it could be, and no note says the capture failed
+                    "cuda_graphs": how != "steps"
+                    and graphs.unavailable(session.engine, result.cache, STEPS) is None
+                    and not any("CUDA graph" in note for note in notices.drain()),
                     "weights": args.weights,
                     "tokens": n,
                     "question_in_process": asked,

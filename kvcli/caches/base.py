@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.buffers import has_room, made_finite
+from ..runtime.buffers import finite_room, has_room, made_finite
 from ..runtime.measure import long_lived
 
 CACHE_TYPES: dict[str, type] = {}
@@ -75,6 +75,9 @@ class CacheBase:
     # False, its tensors loaded, checked against the entry's header and rebuilt (:meth:`from_tensors`);
     # True, its file opened in place and read as needed (:meth:`open_entry`, which checks it)
     opens_in_place: ClassVar[bool] = False
+    # whether a decoding step of full attention over the layout may run as a captured CUDA graph
+    # (:mod:`kvcli.runtime.graphs`; the plain layout: ``make_room``, ``grow``)
+    graphable: ClassVar[bool] = False
 
     @classmethod
     def open_entry(cls, path, meta: dict):
@@ -171,13 +174,14 @@ def written_by(owner) -> dict:
 def _moved(t: torch.Tensor, rows: int) -> torch.Tensor:
     """A new buffer for ``t`` (1, heads, m, d) with room for ``rows`` >= m rows and some to spare
     (1/32 of them, at least 64 slots), holding ``t``'s rows first: its first ``rows`` rows (the
-    room zeroed and the storage marked, :func:`~kvcli.runtime.buffers.made_finite`); the caller writes rows m.. itself."""
+    rows past m zeroed and the storage marked, :func:`~kvcli.runtime.buffers.made_finite`); the
+    caller writes rows m.. itself."""
     m = t.shape[-2]
     cap = rows + max(SPARE_SLOTS, rows // SPARE_SHARE)
     with long_lived(t.device, _nbytes(t) // max(m, 1) * cap, always=True):
         buf = t.new_empty((*t.shape[:-2], cap, t.shape[-1]))
     buf[..., :m, :].copy_(t)
-    return made_finite(buf, rows)[..., :rows, :]
+    return made_finite(buf, m)[..., :rows, :]
 
 
 def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Tensor, ...]) -> None:
@@ -203,6 +207,37 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
     for name, buf in zip(names, bufs):
         getattr(owner, name)[layer] = buf
     written[(names, layer)] = (m + new, *(buf.data_ptr() for buf in bufs))
+
+
+def make_room(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
+    """Give ``layer`` of the lists of ``owner`` named in ``names`` ``rows`` finite rows past its
+    entries in buffers of its own (:func:`~kvcli.runtime.buffers.finite_room`), moving it to new
+    ones where they are not (as :func:`append_rows` would): what a decoding step captured as a CUDA
+    graph (:mod:`kvcli.runtime.graphs`) writes in place and reads past the entries, weighed by zero."""
+    written = written_by(owner)
+    olds = [getattr(owner, name)[layer] for name in names]
+    m = olds[0].shape[-2]
+    if written.get((names, layer)) == (m, *(t.data_ptr() for t in olds)) and all(
+        finite_room(t, m + rows) for t in olds
+    ):
+        return
+    bufs = [_moved(t, m + rows)[..., :m, :] for t in olds]
+    for name, buf in zip(names, bufs):
+        getattr(owner, name)[layer] = buf
+    written[(names, layer)] = (m, *(buf.data_ptr() for buf in bufs))
+
+
+def grow_rows(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
+    """Count ``rows`` more entries in ``layer`` of the lists named in ``names``: rows written past
+    its entries in place (after :func:`make_room`), the views widened over their buffers."""
+    olds = [getattr(owner, name)[layer] for name in names]
+    m = olds[0].shape[-2]
+    if not all(has_room(t, m + rows) for t in olds):
+        raise ValueError(f"layer {layer} has no room for {rows} more rows")
+    bufs = [t.as_strided((*t.shape[:-2], m + rows, t.shape[-1]), t.stride()) for t in olds]
+    for name, buf in zip(names, bufs):
+        getattr(owner, name)[layer] = buf
+    written_by(owner)[(names, layer)] = (m + rows, *(buf.data_ptr() for buf in bufs))
 
 
 def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:

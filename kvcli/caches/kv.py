@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import LayerKV, cache_type, drop_rows, dropped_facts, read_dropped, truncate_rows
+from .base import LayerKV, cache_type, drop_rows, dropped_facts, grow_rows, make_room, read_dropped, truncate_rows
 
 
 @cache_type
@@ -15,6 +15,9 @@ class KVCache(LayerKV):
     kind: ClassVar[str] = "kv"
     cuts_windows: ClassVar[bool] = True  # a sliding layer keeps its last entries (``dropped`` counts the others)
     truncatable: ClassVar[bool] = True
+    # a decoding step of full attention over it may run as a captured CUDA graph (kvcli.runtime.graphs),
+    # which appends in place (:meth:`make_room`, :meth:`grow`): a layer's keys and values are all it attends
+    graphable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -104,6 +107,19 @@ class KVCache(LayerKV):
         if type(self) is KVCache and self.kept is None:
             return self.upload(device, room)
         return super().for_device(device, room)
+
+    def make_room(self, rows: int) -> None:
+        """Every layer with ``rows`` finite rows past its entries in buffers of its own
+        (:func:`~kvcli.caches.base.make_room`): a captured decoding step's appends, in place."""
+        for layer in range(self.n_layers):
+            make_room(self, self.tensor_lists, layer, rows)
+
+    def grow(self, rows: int, layers=None) -> None:
+        """Count ``rows`` more entries in each layer (of ``layers``; default: all), rows a captured
+        decoding step wrote past them in place (:func:`~kvcli.caches.base.grow_rows`); their
+        positions are the caller's to record."""
+        for layer in range(self.n_layers) if layers is None else layers:
+            grow_rows(self, self.tensor_lists, layer, rows)
 
     def drop_front(self, layer: int, n: int) -> None:
         """Drop the ``n`` oldest entries of ``layer`` (a sliding-window layer whose window has

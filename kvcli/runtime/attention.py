@@ -134,6 +134,11 @@ def listening(observers: dict[int, list[Observer]]):
         _LISTENING.reset(token)
 
 
+def listeners() -> dict[int, list[Observer]]:
+    """The observers :func:`listening` set for every pass now (per layer; none outside it)."""
+    return _LISTENING.get()
+
+
 def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Scores of the last query row against every key, summed over all query heads.
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import windows
+from .. import notices
+from . import graphs, windows
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,22 @@ class DecodeStep:
 
     run: Callable[[int | torch.Tensor, int, object], torch.Tensor]
     device_token: bool = False
+    # called once the loop is done (a captured step: the cache counts the rows it wrote)
+    finish: Callable[[], None] | None = None
 
     @classmethod
-    def full_attention(cls, engine) -> DecodeStep:
-        """The engine's own step (:func:`step` through ``engine.step``), which takes the token where it is."""
+    def full_attention(cls, engine, cache=None, start: int = 0, steps: int = 0) -> DecodeStep:
+        """The engine's own step (:func:`step` through ``engine.step``), which takes the token where
+        it is; given the ``cache`` and the loop's ``start`` and ``steps``, the same step captured
+        as a CUDA graph where it can be (:mod:`kvcli.runtime.graphs`)."""
+        if cache is not None and graphs.unavailable(engine, cache, steps) is None:
+            try:
+                static = graphs.StaticStep(engine, cache, start, steps, capture=True)
+                return cls(static.run, device_token=True, finish=static.finish)
+            except RuntimeError as e:  # a model whose step cannot be captured: step by step
+                notices.warn(
+                    f"decoding step by step: its step could not be captured as a CUDA graph ({e})", key="cuda-graphs"
+                )
         return cls(engine.step, device_token=True)
 
 
@@ -67,7 +80,15 @@ def greedy(
     a repeated sentence) and trims it at the token limit; it may also rule out first tokens
     (``guard.opening``: an answer that would open a new line after a completion's ``Answer:``).
     """
-    step = DecodeStep.full_attention(engine) if step is None else step
+    step = DecodeStep.full_attention(engine, cache, next_position, max_new_tokens - 1) if step is None else step
+    try:
+        return _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard)
+    finally:
+        if step.finish is not None:
+            step.finish()
+
+
+def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard) -> list[int]:
     run, device_token = step.run, step.device_token
     out: list[int] = []
     logits = first_logits if guard is None else guard.opening(first_logits)

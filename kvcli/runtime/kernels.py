@@ -160,6 +160,26 @@ def sdpa(query, key, value, mask, scaling):
     return out.transpose(1, 2).contiguous()
 
 
+def padded(kernel: str, query, key, value, allowed, scaling):
+    """One decoding step's attention over buffers of a fixed size, ``allowed`` (kv_len,) bool: the
+    rows it attends (the entries so far; the rest weighed by zero). What a step captured as a CUDA
+    graph (:mod:`kvcli.runtime.graphs`) runs: its shapes never change. The query heads of a GQA
+    group are one KV head's query rows (the KV never repeated, no ``enable_gqa``, which PyTorch's
+    masked CUDA kernel does not take); eager (a materialised softmax) and a 16-bit KV on the CPU
+    (:func:`grouped`) as :func:`attend` runs them. query (1, n_heads, 1, d); key, value (1, n_kv,
+    kv_len, d); returns (1, 1, n_heads, d)."""
+    mask = allowed.view(1, -1)
+    if kernel == "eager":
+        return eager(query, key, value, mask, scaling)
+    b, n_heads, _, d = query.shape
+    n_kv = key.shape[1]
+    if query.device.type == "cpu" and key.dtype in (torch.bfloat16, torch.float16):
+        return grouped(query, key, value, mask, scaling)
+    q = query.reshape(b, n_kv, n_heads // n_kv, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.view(1, 1, 1, -1), scale=scaling)
+    return out.reshape(b, n_heads, 1, -1).transpose(1, 2).contiguous()
+
+
 def eager(query, key, value, mask, scaling):
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
