@@ -149,7 +149,10 @@ def test_the_runtime_imports_nothing_of_the_caches():
     runtime = {m: deps for m, deps in graph.items() if m.startswith("kvcli.runtime")}
     assert len(runtime) >= 10
     assert {
-        (m, d) for m, deps in runtime.items() for d in deps if not d.startswith(("kvcli.runtime", "kvcli.errors", "kvcli.notices"))
+        (m, d)
+        for m, deps in runtime.items()
+        for d in deps
+        if not d.startswith(("kvcli.runtime", "kvcli.errors", "kvcli.notices"))
     } == set()
 
 
