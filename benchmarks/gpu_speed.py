@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         first_tokens: dict[str, list[int]] = {}
         for asked_as in [m for m in args.methods.split(";") if m]:
             method, _, how = asked_as.partition("/")  # "/steps": the step never captured as a CUDA graph
-            os.environ[graphs.ENV] = "0" if how == "steps" else "1"
+            os.environ[graphs.ENV_CUDA_GRAPHS] = "0" if how == "steps" else "1"
             notices.reset()
             result = session.ask(
                 document,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcli.caches import KVCache
+from kvcli.errors import UsageError
 from kvcli.runtime import graphs
 from kvcli.runtime.attention import listening
 from kvcli.runtime.decode import DecodeStep
@@ -118,8 +119,11 @@ def test_only_a_cuda_step_over_the_plain_layout_of_a_model_without_windows_is_ca
     assert "QuantKVCache" in graphs.unavailable(cuda, QuantKVCache.__new__(QuantKVCache), 16)
     hybrid = SimpleNamespace(device=torch.device("cuda"), windows=SimpleNamespace(hybrid=True))
     assert "sliding" in graphs.unavailable(hybrid, KVCache(), 16)
-    monkeypatch.setenv(graphs.ENV, "0")
-    assert graphs.unavailable(cuda, KVCache(), 16) == f"{graphs.ENV}=0"
+    monkeypatch.setenv(graphs.ENV_CUDA_GRAPHS, "0")
+    assert graphs.unavailable(cuda, KVCache(), 16) == f"{graphs.ENV_CUDA_GRAPHS}=0"
+    monkeypatch.setenv(graphs.ENV_CUDA_GRAPHS, "no")
+    with pytest.raises(UsageError, match="KVCLI_CUDA_GRAPHS must be 1 .* or 0, not 'no'"):
+        graphs.unavailable(cuda, KVCache(), 16)
 
 
 def test_on_a_gpu_greedy_decoding_captures_its_step_and_answers_as_step_by_step(tiny_lm, device, monkeypatch):
@@ -128,7 +132,7 @@ def test_on_a_gpu_greedy_decoding_captures_its_step_and_answers_as_step_by_step(
     engine = Engine(tiny_lm("llama"))
     outs = {}
     for setting in ("0", "1"):
-        monkeypatch.setenv(graphs.ENV, setting)
+        monkeypatch.setenv(graphs.ENV_CUDA_GRAPHS, setting)
         cache, _, logits = twin_caches(engine, evict=False)
         outs[setting] = engine.decode(logits, cache, N, 24, set())
         assert cache.seq_len() == N + 23

@@ -16,6 +16,7 @@ from .. import kv_bits as kv_quant
 from ..model.names import MODEL_ENV, QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
 from ..runtime.chunking import ENV_PREFILL_CHUNK
+from ..runtime.graph_setting import ENV_CUDA_GRAPHS
 from ..store.capacity import CAP_ENV
 from ..store.locks import STALE_ENV
 
@@ -29,6 +30,7 @@ ENVIRONMENT: dict[str, str] = {
     "KVCLI_CACHE_DIR": "--cache-dir",
     CAP_ENV: "--cache-max (ask, chat, cache prune)",
     ENV_PREFILL_CHUNK: "tokens per prefill chunk (0: one pass)",
+    ENV_CUDA_GRAPHS: "0: CUDA decodes step by step, no graph (default 1)",
     STALE_ENV: "seconds to wait for a stuck lock holder (120, min 20)",
     "KVCLI_EMBED_MODEL": "pages' embedding model: name, folder, package or none",
     "KVCLI_DEBUG": "1: a bug (exit 3) prints its Python stack too",

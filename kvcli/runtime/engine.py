@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from . import attention, decode, prefill
+from . import attention, decode, graph_setting, prefill
 from .attention import AttentionContext, Observer, StopForward
 from .decode import DecodeStep
 
@@ -69,6 +69,7 @@ class Engine:
         self._positions: torch.Tensor | None = None  # device_positions' table
         prefill.chunk_mlps(self.layers)
         self.prefill_chunk = prefill.default_prefill_chunk(self.device, hybrid=self.windows.hybrid)
+        graph_setting.graphs_allowed()  # a bad $KVCLI_CUDA_GRAPHS is said before the model runs (read again per answer)
 
     @property
     def prefill_chunk(self) -> int | None:

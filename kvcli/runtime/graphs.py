@@ -18,27 +18,25 @@ over fixed buffers:
 Observers that listen to every step (:func:`kvcli.runtime.attention.listening`: the answer's
 citations) get each layer's query, saved by the graph, and the layer's keys after the replay: what
 they would have seen. Where the step cannot be captured (not a CUDA device, a layout that attends
-itself, a model with sliding windows) or ``KVCLI_CUDA_GRAPHS=0``, :func:`full_attention_step` hands
-the loop the plain step. The same code runs uncaptured (``capture=False``) on any device: the tests
+itself, a model with sliding windows) or ``KVCLI_CUDA_GRAPHS=0``,
+:meth:`kvcli.runtime.decode.DecodeStep.full_attention` hands the loop the plain step. The same code runs uncaptured (``capture=False``) on any device: the tests
 check it against the plain step on the CPU, and on a GPU captured.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import attention, kernels
+from .graph_setting import ENV_CUDA_GRAPHS, graphs_allowed
 
-ENV = "KVCLI_CUDA_GRAPHS"  # "0": decode step by step, never captured
 MIN_STEPS = 4  # fewer steps than this are not worth a capture (two steps' work)
 
 
 def unavailable(engine, cache, steps: int) -> str | None:
     """Why a full-attention step over ``cache`` is not captured as a graph; None when it is."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"{ENV}=0"
+    if not graphs_allowed():
+        return f"{ENV_CUDA_GRAPHS}=0"
     if engine.device.type != "cuda":
         return "not a CUDA device"
     if steps < MIN_STEPS:
