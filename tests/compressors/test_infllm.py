@@ -97,24 +97,25 @@ def infllm_reference(
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = lm.model.model
+    dev = lm.device  # every tensor of the reference where the model runs
     n_doc = doc_ids.numel()
     _, max_blocks, _ = partition(n_doc, initial, local, block_size)
-    ids = torch.cat([doc_ids, question_ids])
+    ids = torch.cat([doc_ids, question_ids]).to(dev)
     n = ids.numel()
     n_kv = model.layers[0].self_attn.config.num_key_value_heads
     d = model.layers[0].self_attn.head_dim
     group = model.layers[0].self_attn.config.num_attention_heads // n_kv
-    pre_q = [torch.zeros(1, n_kv * group, n, d) for _ in model.layers]
-    pre_k = [torch.zeros(1, n_kv, n, d) for _ in model.layers]
-    vals = [torch.zeros(1, n_kv, n, d) for _ in model.layers]
+    pre_q = [torch.zeros(1, n_kv * group, n, d, device=dev) for _ in model.layers]
+    pre_k = [torch.zeros(1, n_kv, n, d, device=dev) for _ in model.layers]
+    vals = [torch.zeros(1, n_kv, n, d, device=dev) for _ in model.layers]
 
     def rot(x, positions):
-        cos, sin = model.rotary_emb(x, torch.as_tensor(positions).view(1, -1))
+        cos, sin = model.rotary_emb(x, torch.as_tensor(positions, device=dev).view(1, -1))
         return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
     def repsum(layer, j):
         lo = initial + j * block_size
-        out = torch.zeros(n_kv, d)
+        out = torch.zeros(n_kv, d, device=dev)
         for h in range(n_kv):
             scores = []
             for t in range(lo, lo + block_size):
@@ -160,7 +161,7 @@ def infllm_reference(
                 elif blocks and probe and layer_i == filter_layer:
                     q_mem = rot(q, [local] * c)
                     mem_t = [t for j in blocks for t in range(initial + j * block_size, initial + (j + 1) * block_size)]
-                    w = torch.zeros(len(mem_t))
+                    w = torch.zeros(len(mem_t), device=dev)
                     for hh in range(n_kv):
                         for gg in range(group):
                             for i in range(c):
@@ -184,7 +185,7 @@ def infllm_reference(
                                 for j in blocks
                                 for t in range(initial + j * block_size, initial + (j + 1) * block_size)
                             ]
-                            w = torch.zeros(len(mem_t))
+                            w = torch.zeros(len(mem_t), device=dev)
                             for gg in range(group):
                                 for i in range(c):
                                     w += torch.softmax(
@@ -203,7 +204,8 @@ def infllm_reference(
                                         for t in range(initial + j * block_size, initial + (j + 1) * block_size)
                                     )
                                     for j in blocks
-                                ]
+                                ],
+                                device=dev,
                             )
                         else:
                             sc = torch.stack([qsum[hh] @ reps[layer_i][j][hh] for j in blocks])
@@ -225,7 +227,7 @@ def infllm_reference(
                         picks.append(pick)
                 if e > n_doc and not probe:
                     chosen_by_question.append(picks)
-                out = torch.zeros(1, c, n_kv * group, d)
+                out = torch.zeros(1, c, n_kv * group, d, device=dev)
                 for i in range(c):
                     p = s + i
                     for hh in range(n_kv):

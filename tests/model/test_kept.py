@@ -1,7 +1,8 @@
 """8-bit weights kept on disk (kvcli.model.kept): a model quantised once is saved beside its
 conversion, and a later load builds the skeleton on the meta device and reads the codes back: the
 same logits bit for bit, no float32 weights loaded, nothing quantised again; a kept folder that
-does not match is ignored (the model quantised again), never half-used."""
+does not match is ignored (the model quantised again), never half-used. Kept weights are the CPU's
+int8 (:mod:`kvcli.model.cpu_quant`; CUDA's 8bit is bitsandbytes): every model here loads on the CPU."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _logits(model) -> torch.Tensor:
 def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, overrides):
     folder = tmp_path / "models" / f"tiny-{family}"
     shutil.copytree(tiny_dir(family, **overrides), folder)
-    lm = load_model(str(folder), dtype="float32")
+    lm = load_model(str(folder), dtype="float32", device="cpu")
     quantize_model(lm.model, 8, DTYPE)
     want = _logits(lm.model)
     assert kept.save(lm.model, folder, DTYPE) == kept.kept_folder(folder, DTYPE)
@@ -51,7 +52,7 @@ def test_a_gguf_is_quantised_once_then_loaded_from_its_kept_weights(tiny_dir, tm
     gguf = tmp_path / "tiny.gguf"
     write_tiny_llama_gguf(tiny_dir("llama"), gguf)
     cache = tmp_path / "cache"
-    first = load_model(str(gguf), cache_dir=cache, quant="8bit")
+    first = load_model(str(gguf), cache_dir=cache, quant="8bit", device="cpu")
     folder = kept.kept_folder(next((cache / "models").glob("gguf-" + "?" * 12)), DTYPE)
     assert json.loads((folder / "kept.json").read_text())["format"] == kept.FORMAT
     want = _logits(first.model)
@@ -63,14 +64,14 @@ def test_a_gguf_is_quantised_once_then_loaded_from_its_kept_weights(tiny_dir, tm
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_float_weights)
     monkeypatch.setattr("kvcli.model.load.quantize_model", no_float_weights)
-    second = load_model(str(gguf), cache_dir=cache, quant="8bit")
+    second = load_model(str(gguf), cache_dir=cache, quant="8bit", device="cpu")
     assert torch.equal(_logits(second.model), want) and second.fingerprint == first.fingerprint
 
 
 def test_kept_weights_of_another_source_or_format_are_ignored(tiny_dir, tmp_path):
     folder = tmp_path / "models" / "tiny-llama"
     shutil.copytree(tiny_dir("llama"), folder)
-    lm = load_model(str(folder), dtype="float32")
+    lm = load_model(str(folder), dtype="float32", device="cpu")
     quantize_model(lm.model, 8, DTYPE)
     target = kept.save(lm.model, folder, DTYPE)
     facts = json.loads((target / "kept.json").read_text())
