@@ -88,10 +88,10 @@ class RazorLayer(LayerView):
                 groups.append((heads, pos, torch.softmax(logits, dim=-1)[..., : pos.numel()]))
         rows = max(pos.numel() for _, pos, _ in groups)
         positions = torch.full((n_kv, rows), -1, dtype=torch.long)
-        weights = torch.zeros(n_kv, g, rows)
+        weights = torch.zeros(n_kv, g, rows, device=q.device)  # where the step ran: no read back per step
         for heads, pos, w in groups:
             positions[heads, : pos.numel()] = pos
-            weights[heads, :, : pos.numel()] = w.cpu()
+            weights[heads.to(q.device), :, : pos.numel()] = w
         return positions, weights
 
 
