@@ -1,15 +1,17 @@
 """Decoding speed on a GPU: plain ``transformers.generate`` against kvcli (full attention, SnapKV) on
 the same random-weight model (Llama-3.1-8B's published shape, ``gpu_measure.build``), a few prompt
 lengths, 64 decoded tokens each. kvcli's first question in the process is timed apart from the next
-ones (the first pays CUDA's lazy set-up); a method named ``full/steps`` decodes step by step, never
-captured as a CUDA graph (``KVCLI_CUDA_GRAPHS=0``), the same questions otherwise. Rows go to ``$OUT/speed-<weights>.json`` (or ``--out``).
+ones (the first pays CUDA's lazy set-up). A method's suffixes: ``/steps`` decodes step by step, never
+captured as a CUDA graph (``KVCLI_CUDA_GRAPHS=0``); ``/kv16`` (``/kv8``, ``/kv4``) holds the KV in
+those bits (``--kv-bits``; else ``auto``); ``full;full/steps;full/kv16;...`` asks the same question
+each way. Rows go to ``$OUT/speed-<weights>.json`` (or ``--out``).
 
     python benchmarks/gpu_speed.py                                   # on a CUDA GPU: bf16, 8k and 32k
     python benchmarks/gpu_speed.py --device cpu --layers 2 --lengths 512   # the same steps, tiny, here
 
 Random weights decode random tokens: the speeds are real, the answers are not (and greedy ties can
 part two runs' tokens after a while); ``same_tokens`` says whether a question gave the tokens of
-the method's first question at that length (``full/steps`` is ``full``'s first)."""
+the method's first question at that length, whatever its suffixes."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from kvcli.answer.pipeline import Pipeline  # noqa: E402
 from kvcli.answer.question import QuestionOptions  # noqa: E402
 from kvcli.bench.simulate.models import CONFIGS  # noqa: E402
 from kvcli.bench.simulate.run import QUESTION, document_of, open_loaded  # noqa: E402
+from kvcli.kv_bits import AUTO, check_bits  # noqa: E402
 from kvcli.runtime import graphs  # noqa: E402
 from kvcli.runtime.engine import Engine  # noqa: E402
 
@@ -74,8 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument(
         "--methods",
-        default="full/steps;full;snapkv;full",
-        help="kvcli's questions, in order, at each length ('/steps': decoding never captured as a CUDA graph)",
+        default="full;full/steps;full/kv16;full/kv16/steps;snapkv/kv16;full/kv16",
+        help="kvcli's questions, in order, at each length ('/steps': decoding never captured as a CUDA graph;"
+        " '/kv16', '/kv8', '/kv4': --kv-bits, else auto)",
     )
     ap.add_argument("--no-generate", action="store_true", help="kvcli's rows only")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -94,8 +98,10 @@ def main(argv=None) -> int:
         document = document_of(session.lm.tokenizer, n, STEPS, session.template)
         first_tokens: dict[str, list[int]] = {}
         for asked_as in [m for m in args.methods.split(";") if m]:
-            method, _, how = asked_as.partition("/")  # "/steps": the step never captured as a CUDA graph
-            os.environ[graphs.ENV_CUDA_GRAPHS] = "0" if how == "steps" else "1"
+            method, *how = asked_as.split("/")  # "/steps": never captured as a CUDA graph; "/kv16": --kv-bits 16
+            os.environ[graphs.ENV_CUDA_GRAPHS] = "0" if "steps" in how else "1"
+            bits = [h[2:] for h in how if h.startswith("kv")]
+            session.options.kv_bits = check_bits(bits[0]) if bits else AUTO
             notices.reset()
             result = session.ask(
                 document,
@@ -104,12 +110,13 @@ def main(argv=None) -> int:
                 QuestionOptions(max_new_tokens=STEPS, force_tokens=True, use_store=False),
             )
             asked += 1
-            same = first_tokens.setdefault(method, result.answer_ids) == result.answer_ids
+            same = first_tokens.setdefault(method, result.answer_ids) == result.answer_ids  # across settings too
             rows.append(
                 {
                     "who": f"kvcli {asked_as}",
                     # captured: it could be, and no note says the capture failed
-                    "cuda_graphs": how != "steps"
+                    "kv_bits": result.extra["kv_bits"],
+                    "cuda_graphs": "steps" not in how
                     and graphs.unavailable(session.engine, result.cache, STEPS) is None
                     and not any("CUDA graph" in note for note in notices.drain()),
                     "weights": args.weights,
