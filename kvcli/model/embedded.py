@@ -19,7 +19,8 @@ from typing import Any
 
 from .. import notices
 from ..errors import ModelError, one_line
-from ..files import atomic_write, default_cache_dir, share_like_umask
+from ..file_facts import SIDECAR, file_fact
+from ..files import default_cache_dir, share_like_umask
 from .fingerprint import file_sha256
 from .quiet import quiet_load
 
@@ -37,7 +38,7 @@ _SOURCE_MARKER = "kvcli-source.json"
 
 
 # Memoised sha256 of GGUF files, keyed by path + size + mtime.
-_GGUF_SHA_SIDECAR = "gguf-sha256.json"
+_GGUF_SHA_SIDECAR = SIDECAR  # where a GGUF's sha256 is memoised
 
 
 def embedded_gguf_file() -> Path:
@@ -59,36 +60,9 @@ def embedded_gguf_file() -> Path:
     )
 
 
-def gguf_fact(gguf: Path, cache_dir: Path, name: str, kind: type, compute: Callable[[Path], Any]) -> Any:
-    """A fact about a GGUF file (a JSON value of type ``kind``: its sha256, its matrices' storage
-    types), computed once and memoised in ``cache_dir/gguf-sha256.json`` by path+size+mtime (a read-only or missing cache
-    only costs computing it again next time)."""
-    st = gguf.stat()
-    key = str(gguf.resolve())
-    sidecar = cache_dir / _GGUF_SHA_SIDECAR
-    try:
-        memo = json.loads(sidecar.read_text(encoding="utf-8"))
-        if not isinstance(memo, dict):
-            memo = {}
-    except (OSError, ValueError):
-        memo = {}
-    entry = memo.get(key)
-    if not (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
-        entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    elif isinstance(entry.get(name), kind):
-        return entry[name]
-    entry[name] = value = compute(gguf)
-    memo[key] = entry
-    with contextlib.suppress(OSError):
-        atomic_write(
-            sidecar, lambda tmp: Path(tmp).write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8")
-        )
-    return value
-
-
 def gguf_sha256(gguf: Path, cache_dir: Path) -> str:
-    """sha256 of a GGUF file, memoised (:func:`gguf_fact`)."""
-    return gguf_fact(gguf, cache_dir, "sha256", str, file_sha256)
+    """sha256 of a GGUF file, memoised (:func:`kvcli.file_facts.file_fact`)."""
+    return file_fact(gguf, cache_dir, "sha256", str, file_sha256)
 
 
 # Long steps worth a line on stderr (the one-time conversion of the embedded model): the library

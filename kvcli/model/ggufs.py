@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ModelError, one_line
-from .embedded import convert_once, default_cache_dir, gguf_fact, gguf_parsed_once, gguf_sha256, is_converted
+from ..file_facts import file_fact
+from .embedded import convert_once, default_cache_dir, gguf_parsed_once, gguf_sha256, is_converted
 
 # GGUF architectures (``general.architecture``) kvcli runs layer by layer and transformers reads
 SUPPORTED_GGUF = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -31,7 +32,7 @@ def gguf_architecture(path: Path) -> str:
 def gguf_linear_types(path: Path, cache_dir: Path | None = None) -> set[str]:
     """The storage types of a GGUF file's decoder-layer matrices (``blk.*`` 2-D weights), e.g.
     {"Q4_1"}; empty when the file cannot be read. Reading them takes ~2 s (the whole tensor index):
-    memoised per file in ``cache_dir`` (:func:`gguf_fact`)."""
+    memoised per file in ``cache_dir`` (:func:`kvcli.file_facts.file_fact`)."""
 
     def read(gguf: Path) -> list[str]:
         try:
@@ -48,7 +49,7 @@ def gguf_linear_types(path: Path, cache_dir: Path | None = None) -> set[str]:
             return []
 
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return set(gguf_fact(Path(path), cache_dir, "linear_types", list, read))
+    return set(file_fact(Path(path), cache_dir, "linear_types", list, read))
 
 
 def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str]:
