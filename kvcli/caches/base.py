@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.buffers import finite_room, has_room, made_finite
+from ..runtime.buffers import finite_room, has_room, made_finite, widened
 from ..runtime.measure import long_lived
 
 CACHE_TYPES: dict[str, type] = {}
@@ -194,19 +194,27 @@ def append_rows(owner, names: tuple[str, ...], layer: int, news: tuple[torch.Ten
     writes only past every entry it ever held, so a view handed out (a copy of the cache shares
     the views; a layer cut back or replaced) is never overwritten. Nothing but the layer's view
     holds a buffer, so a layer replaced by an eviction frees it at once."""
-    written = written_by(owner)
     olds = [getattr(owner, name)[layer] for name in names]
     m, new = olds[0].shape[-2], news[0].shape[-2]
-    mine = written.get((names, layer)) == (m, *(t.data_ptr() for t in olds))
-    if mine and all(has_room(t, m + new) for t in olds):
-        bufs = [t.as_strided((*t.shape[:-2], m + new, t.shape[-1]), t.stride()) for t in olds]
+    if _wrote(owner, names, layer, olds) and all(has_room(t, m + new) for t in olds):
+        bufs = [widened(t, m + new) for t in olds]
     else:
         bufs = [_moved(t, m + new) for t in olds]
     for buf, rows in zip(bufs, news):
         buf[..., m:, :].copy_(rows)
+    _hold(owner, names, layer, bufs)
+
+
+def _wrote(owner, names: tuple[str, ...], layer: int, olds: list[torch.Tensor]) -> bool:
+    """Whether ``owner`` itself wrote ``layer``'s current entries ``olds`` (its buffers: it may append in place)."""
+    return written_by(owner).get((names, layer)) == (olds[0].shape[-2], *(t.data_ptr() for t in olds))
+
+
+def _hold(owner, names: tuple[str, ...], layer: int, bufs: list[torch.Tensor]) -> None:
+    """``bufs`` become ``layer`` of the lists named in ``names``, written by ``owner`` (:func:`written_by`)."""
     for name, buf in zip(names, bufs):
         getattr(owner, name)[layer] = buf
-    written[(names, layer)] = (m + new, *(buf.data_ptr() for buf in bufs))
+    written_by(owner)[(names, layer)] = (bufs[0].shape[-2], *(buf.data_ptr() for buf in bufs))
 
 
 def make_room(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
@@ -214,17 +222,10 @@ def make_room(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
     entries in buffers of its own (:func:`~kvcli.runtime.buffers.finite_room`), moving it to new
     ones where they are not (as :func:`append_rows` would): what a decoding step captured as a CUDA
     graph (:mod:`kvcli.runtime.graphs`) writes in place and reads past the entries, weighed by zero."""
-    written = written_by(owner)
     olds = [getattr(owner, name)[layer] for name in names]
     m = olds[0].shape[-2]
-    if written.get((names, layer)) == (m, *(t.data_ptr() for t in olds)) and all(
-        finite_room(t, m + rows) for t in olds
-    ):
-        return
-    bufs = [_moved(t, m + rows)[..., :m, :] for t in olds]
-    for name, buf in zip(names, bufs):
-        getattr(owner, name)[layer] = buf
-    written[(names, layer)] = (m, *(buf.data_ptr() for buf in bufs))
+    if not (_wrote(owner, names, layer, olds) and all(finite_room(t, m + rows) for t in olds)):
+        _hold(owner, names, layer, [_moved(t, m + rows)[..., :m, :] for t in olds])
 
 
 def grow_rows(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
@@ -234,10 +235,7 @@ def grow_rows(owner, names: tuple[str, ...], layer: int, rows: int) -> None:
     m = olds[0].shape[-2]
     if not all(has_room(t, m + rows) for t in olds):
         raise ValueError(f"layer {layer} has no room for {rows} more rows")
-    bufs = [t.as_strided((*t.shape[:-2], m + rows, t.shape[-1]), t.stride()) for t in olds]
-    for name, buf in zip(names, bufs):
-        getattr(owner, name)[layer] = buf
-    written_by(owner)[(names, layer)] = (m + rows, *(buf.data_ptr() for buf in bufs))
+    _hold(owner, names, layer, [widened(t, m + rows) for t in olds])
 
 
 def drop_rows(owner, names: tuple[str, ...], layer: int, n: int) -> None:

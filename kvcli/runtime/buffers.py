@@ -28,6 +28,12 @@ def has_room(t: torch.Tensor, rows: int) -> bool:
     return t.untyped_storage().nbytes() >= needed
 
 
+def widened(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (…, m, d), a view of the first m rows of a buffer, as the view of its first ``rows``
+    rows (where :func:`has_room` says the buffer holds them)."""
+    return t.as_strided((*t.shape[:-2], rows, t.shape[-1]), t.stride())
+
+
 def finite_room(t: torch.Tensor, rows: int) -> bool:
     """Whether ``t`` can be widened to ``rows`` rows (:func:`has_room`) over entries that are all
     finite: ``t`` is a view of a buffer made by :func:`made_finite`, whose room was zero when made

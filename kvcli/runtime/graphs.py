@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import attention, kernels
+from .buffers import widened
 from .graph_setting import ENV_CUDA_GRAPHS, graphs_allowed
 
 MIN_STEPS = 4  # fewer steps than this are not worth a capture (two steps' work)
@@ -71,7 +72,7 @@ class _Buffers:
         self.kv = []
         for k, v in zip(cache.keys, cache.values):
             n = k.shape[-2] + steps
-            self.kv.append(tuple(t.as_strided((*t.shape[:-2], n, t.shape[-1]), t.stride()) for t in (k, v)))
+            self.kv.append((widened(k, n), widened(v, n)))
         device = cache.keys[0].device
         self.held = torch.tensor([k.shape[-2] for k in cache.keys], device=device)  # entries before the answer
         self.spans = [torch.arange(k.shape[-2], device=device) for k, _ in self.kv]

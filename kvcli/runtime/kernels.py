@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import accelerator, native
-from .buffers import finite_room
+from .buffers import finite_room, widened
 
 
 def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -103,8 +103,7 @@ def _bucketed(key, value, mask, q_len: int):
         or not (finite_room(key, padded) and finite_room(value, padded))
     ):
         return key, value
-    widen = lambda t: t.as_strided((*t.shape[:2], padded, t.shape[3]), t.stride())  # noqa: E731
-    return widen(key), widen(value)
+    return widened(key, padded), widened(value, padded)
 
 
 def grouped(query, key, value, mask, scaling):
