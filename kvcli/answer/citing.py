@@ -17,7 +17,7 @@ def cite(document: Document, result: Result, question: str = "", by_passage: boo
     whole passages chosen by their retrieval score (``pages``: ``result.selection.scores``, BM25 fused
     with a sentence embedding): one source per passage, ordered by the answer's evidence over them
     (:func:`kvcli.cite.sources.sources_from_tokens`). The sources' ``signal`` says what ranked them:
-    "attention+bm25" (or "attention"), after "passages by bm25+embedding, " (or "passages by bm25, "
+    "attention+bm25" (or "attention"), after "passages by bm25+<the embedding model>, " (or "passages by bm25, "
     without an embedding model) for such a method."""
     t0 = time.perf_counter()
     citing = result.extra.pop("citing")

@@ -70,15 +70,17 @@ class Read:
         }
 
 
-def read_record(read: tuple[Read, ...] | None, prompt, document) -> dict | None:
+def read_record(read: tuple[Read, ...] | None, prompt, document, ranked_by: str | None = None) -> dict | None:
     """``--json``'s ``read``: the passages read (whole first, then skimmed, in the method's order),
-    the tokens read of them and of the document; None for a method that does not retrieve."""
+    the tokens read of them and of the document, what ranked them (:attr:`Selection.ranked_by`);
+    None for a method that does not retrieve."""
     if read is None:
         return None
     return {
         "passages": [r.to_json(document) for r in read],
         "n_tokens": sum(r.n_tokens for r in read),
         "n_document_tokens": prompt.n_document_tokens,
+        "ranked_by": ranked_by,
     }
 
 
@@ -104,7 +106,7 @@ class Selection:
     # what a method that retrieves read, passage by passage (Read); None: it compresses or keeps all
     read: tuple[Read, ...] | None = None
     # what ranked the passages a method that retrieves read (kvcli.retrieval.Ranking.signal:
-    # "bm25+embedding", or "bm25" without an embedding model); None: it ranks no passages
+    # "bm25+embeddinggemma-300m", "bm25" without an embedding model); None: it ranks no passages
     ranked_by: str | None = None
 
     @property

@@ -110,6 +110,7 @@ class Inspection:
     sources: object | None = None  # kvcli.cite.sources.Sources of the answer (with --answer), else None
     # a method that retrieves (pages): the passages it read (Selection.read), shown instead of a ratio
     read: tuple[Read, ...] | None = None
+    ranked_by: str | None = None  # what ranked the passages read (Selection.ranked_by)
     policy: str | None = None  # "auto" when the default policy chose the method (as ask --json says)
 
     def read_line(self) -> str | None:
@@ -162,7 +163,7 @@ class Inspection:
             "n_document_kept": self.n_document if self.view == "read" else self.n_document_kept,
             # none for a method that retrieves: what it read is ``read`` (as ask --json has them)
             "compression_ratio": None if self.read is not None else round(self.compression_ratio, 4),
-            "read": read_record(self.read, self.prompt, self.document),
+            "read": read_record(self.read, self.prompt, self.document, self.ranked_by),
             "view": self.view,
             "score": self.score_kind,
             "spans": [s.to_json() for s in self.spans],
@@ -272,6 +273,7 @@ def inspect_kept(
         read_layers=read_layers,
         sources=result.sources if cite else None,
         read=selection.read,
+        ranked_by=selection.ranked_by,
         label=spec_label(result.extra["compressor"], pipeline),
     )
 

@@ -48,7 +48,7 @@ class Ranking:
     scores: np.ndarray  # the fused score (BM25 alone without an embedding model)
     bm25: np.ndarray  # BM25 on stems
     semantic: np.ndarray | None  # the best window's cosine; None: no embedding model (``none``)
-    signal: str  # "bm25+embedding" or "bm25"
+    signal: str  # "bm25+" the embedding model's name ("bm25+embeddinggemma-300m"), or "bm25"
     no_match: float = NO_MATCH_COSINE  # the embedding model's no-match cosine (:mod:`.embedders`)
 
     @property
@@ -154,4 +154,4 @@ def rank_passages(
     semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     tuned = embedders.tuned(name)
     scores = reranked(lexical, semantic, wanted, ("mix", tuned.weight))
-    return Ranking(scores, lexical, semantic, "bm25+embedding", tuned.no_match_cosine)
+    return Ranking(scores, lexical, semantic, f"bm25+{Path(name).name}", tuned.no_match_cosine)

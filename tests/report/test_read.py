@@ -35,7 +35,7 @@ def test_places_records_and_lines_by_hand():
     skim = Read("skimmed", 40, 45, 0, len("First page."))
     assert whole.where(doc) == "p. 2" and skim.where(doc) == "p. 1"
     assert read_line((whole, skim), FakePrompt, doc) == "read p. 2 whole, p. 1 skimmed: 25 of 1,000 document tokens"
-    record = read_record((whole, skim), FakePrompt, doc)
+    record = read_record((whole, skim), FakePrompt, doc, "bm25")
     assert record == {
         "passages": [
             {"how": "whole", "pages": [2, 2], "start": second, "end": second + len(PAGES[1]), "n_tokens": 20},
@@ -43,6 +43,7 @@ def test_places_records_and_lines_by_hand():
         ],
         "n_tokens": 25,
         "n_document_tokens": 1000,
+        "ranked_by": "bm25",
     }
     assert read_record(None, FakePrompt, doc) is None
     # a document without pages: lines, counted from 1

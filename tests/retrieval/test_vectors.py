@@ -198,7 +198,7 @@ def test_real_model_against_sentence_transformers(monkeypatch, tmp_path):
     texts = [*SHELL, "how do I make my script quit at the first error?"]
     np.testing.assert_allclose(model.encode(texts), reference.encode(texts), atol=2e-5)
     r = rank_passages(SHELL, "how do I make my script quit at the first error?", cache_dir=tmp_path)
-    assert r.signal == "bm25+embedding" and r.bm25.max() == 0 and r.order[0] == 1
+    assert r.signal == f"bm25+{embed.DEFAULT}" and r.bm25.max() == 0 and r.order[0] == 1
     assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 1
 
 
