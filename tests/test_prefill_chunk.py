@@ -80,8 +80,13 @@ def test_default_chunk_is_off_on_the_cpu_but_for_hybrids(monkeypatch):
     assert hybrid_cpu == prefill_mod.HYBRID_CPU_PREFILL_CHUNK == 2048
     assert prefill_mod.default_prefill_chunk(torch.device("meta")) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
     assert prefill_mod.default_prefill_chunk(torch.device("meta"), hybrid=True) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
+    # an embedded model's own measured chunk, on the CPU only, before the hybrids' default
+    assert prefill_mod.default_prefill_chunk(torch.device("cpu"), cpu=1024) == 1024
+    assert prefill_mod.default_prefill_chunk(torch.device("cpu"), hybrid=True, cpu=1024) == 1024
+    assert prefill_mod.default_prefill_chunk(torch.device("meta"), cpu=1024) == prefill_mod.ACCELERATOR_PREFILL_CHUNK
     monkeypatch.setenv(prefill_mod.ENV_PREFILL_CHUNK, "512")
     assert prefill_mod.default_prefill_chunk(torch.device("cpu")) == 512
+    assert prefill_mod.default_prefill_chunk(torch.device("cpu"), cpu=1024) == 512  # the setting wins
     monkeypatch.setenv(prefill_mod.ENV_PREFILL_CHUNK, "0")
     assert prefill_mod.default_prefill_chunk(torch.device("meta")) is None
 
@@ -163,3 +168,20 @@ def test_the_store_key_hashes_the_chunk_of_a_chunked_prefix_pass(chunked):
         == {**state, "prefill_chunk": 16}
         != chunked_state(chunked("llama", 8), ids, state)
     )
+
+
+def test_an_embedded_models_cpu_chunk_reaches_its_engine(tiny_lm, monkeypatch):
+    """models.json's ``cpu_prefill_chunk`` (the 0.5B Qwen's) is the engine's chunk on the CPU."""
+    import dataclasses
+
+    from kvcli.model import catalog
+
+    monkeypatch.delenv(prefill_mod.ENV_PREFILL_CHUNK, raising=False)
+    chunk = catalog.embedded("qwen2.5-coder-0.5b").cpu_prefill_chunk
+    assert chunk is not None and catalog.embedded("qwen2.5-coder-1.5b").cpu_prefill_chunk is None
+    lm = tiny_lm("qwen2")
+    try:
+        want = chunk if lm.device.type == "cpu" else prefill_mod.ACCELERATOR_PREFILL_CHUNK
+        assert Engine(dataclasses.replace(lm, cpu_prefill_chunk=chunk)).prefill_chunk == want
+    finally:
+        Engine(lm)  # the chunk is the model's modules': as it was

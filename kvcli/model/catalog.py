@@ -72,6 +72,9 @@ class EmbeddedModel:
     # on the CPU, the longest prompt -c auto reads whole with full attention; longer ones within the
     # window go through ``pages`` (kvcli.answer.policy, whose docstring says why). None: the window
     cpu_full_until: int | None = None
+    # on the CPU, a prompt read this many tokens at a time (kvcli.runtime.prefill.default_prefill_chunk:
+    # a lower peak; measured per model, docs/bench/qwen); None: the runtime's default
+    cpu_prefill_chunk: int | None = None
 
     @property
     def install(self) -> str:

@@ -44,6 +44,7 @@ class LoadedModel:
     quant: str  # "none" | "4bit" | "8bit" (what ran: "auto" resolved)
     attn: str  # "sdpa" | "eager" | "flash" (the kernel asked for)
     source: str = ""  # what was actually loaded: the local folder, or the hub id
+    cpu_prefill_chunk: int | None = None  # an embedded model's measured chunk on the CPU (EmbeddedModel's)
 
     @property
     def text_config(self) -> Any:

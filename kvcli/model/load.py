@@ -115,6 +115,7 @@ def load_model(
         quant=opts.quant,
         attn=attn,
         source=src.source,
+        cpu_prefill_chunk=what.known.cpu_prefill_chunk if what.known is not None else None,
     )
 
 

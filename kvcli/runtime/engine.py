@@ -68,7 +68,9 @@ class Engine:
         self.new_cache = lm.new_cache  # the empty cache a pass fills when its caller gives none
         self._positions: torch.Tensor | None = None  # device_positions' table
         prefill.chunk_mlps(self.layers)
-        self.prefill_chunk = prefill.default_prefill_chunk(self.device, hybrid=self.windows.hybrid)
+        self.prefill_chunk = prefill.default_prefill_chunk(
+            self.device, hybrid=self.windows.hybrid, cpu=getattr(lm, "cpu_prefill_chunk", None)
+        )
         graph_setting.graphs_allowed()  # a bad $KVCLI_CUDA_GRAPHS is said before the model runs (read again per answer)
 
     @property

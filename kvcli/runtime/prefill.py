@@ -36,19 +36,21 @@ ACCELERATOR_PREFILL_CHUNK = 8192  # the default off the CPU; on the CPU: off (an
 # ... but for a sliding-window hybrid (Gemma 2 / 3), whose prompt reads faster in chunks on the CPU:
 # Gemma 3 270M, 17,269 tokens, alone, two threads: 35.7-36.0 s to the first token in chunks of
 # 2,048 against 41.3-41.7 s in one pass, the same peak (docs/hybrid.md, "Speed"); SmolLM2 (no
-# windows) read 3.7k tokens 8-15% slower in chunks, so it stays one pass
+# windows) read 3.7k tokens 8-15% slower in chunks, so it stays one pass. An embedded model may name
+# its own (``cpu_prefill_chunk`` in kvcli/model/models.json, measured: the 0.5B Qwen's 1,024)
 HYBRID_CPU_PREFILL_CHUNK = 2048
 
 
-def default_prefill_chunk(device: torch.device, hybrid: bool = False) -> int | None:
-    """``$KVCLI_PREFILL_CHUNK`` (tokens; 0: off), else 8192 off the CPU, and on the CPU 2048 for a
-    model with sliding-window layers (``hybrid``), off for the others."""
+def default_prefill_chunk(device: torch.device, hybrid: bool = False, cpu: int | None = None) -> int | None:
+    """``$KVCLI_PREFILL_CHUNK`` (tokens; 0: off), else 8192 off the CPU, and on the CPU the model's
+    own measured chunk (``cpu``: an embedded model's ``cpu_prefill_chunk``), else 2048 for a model
+    with sliding-window layers (``hybrid``), off for the others."""
     value = requested_chunk()
     if value is not None:
         return value if value > 0 else None
     if accelerator.on_accelerator(device):
         return ACCELERATOR_PREFILL_CHUNK
-    return HYBRID_CPU_PREFILL_CHUNK if hybrid else None
+    return cpu or (HYBRID_CPU_PREFILL_CHUNK if hybrid else None)
 
 
 # --- the MLP chunk -------------------------------------------------------------------------------
