@@ -69,7 +69,7 @@ class Engine:
         self._positions: torch.Tensor | None = None  # device_positions' table
         prefill.chunk_mlps(self.layers)
         self.prefill_chunk = prefill.default_prefill_chunk(
-            self.device, hybrid=self.windows.hybrid, cpu=getattr(lm, "cpu_prefill_chunk", None)
+            self.device, hybrid=self.windows.hybrid, cpu=lm.cpu_prefill_chunk
         )
         graph_setting.graphs_allowed()  # a bad $KVCLI_CUDA_GRAPHS is said before the model runs (read again per answer)
 
