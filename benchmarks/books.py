@@ -84,10 +84,15 @@ def right(answer: str, accept: list[str], question: str = "") -> bool:
     """The answer holds an accepted string as a word of its own (a plural -s/-es allowed), more
     often than the question does: ``par`` counts in "use par()" but not in "parameters", ``-e``
     in "Rscript -e" but not in "re-enter", and an echo of the question ("write.table double
-    quotes" for "which qmethod makes write.table double quotes?") is not an answer."""
+    quotes" for "which qmethod makes write.table double quotes?") is not an answer. A word's
+    edge is asked for only where the accepted string has a letter or digit there: ``:::``
+    counts in "bar:::foo" (before 2026-11-30 it did not, and 6 right answers were scored wrong)."""
 
     def count(text: str, a: str) -> int:
-        return len(re.findall(r"(?<![a-z0-9])" + re.escape(a.lower()) + r"(?:s|es)?(?![a-z0-9])", text.lower()))
+        a = a.lower()
+        before = r"(?<![a-z0-9])" if a[:1].isalnum() else ""
+        after = r"(?:s|es)?(?![a-z0-9])" if a[-1:].isalnum() else ""
+        return len(re.findall(before + re.escape(a) + after, text.lower()))
 
     return any(count(answer, a) > count(question, a) for a in accept)
 

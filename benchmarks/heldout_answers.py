@@ -115,7 +115,18 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in --out and ask only the questions they lack (a stopped run goes on)",
+    )
+    p.add_argument(
         "--analyse", action="store_true", help="read QUESTIONS as result files (--out's) and print the tables"
+    )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="read QUESTIONS as result files and score each answer again with today's `right` (the question "
+        "file each row names), writing the files back; prints the rows whose score changed",
     )
     p.add_argument(
         "--compare", action="store_true", help="read QUESTIONS as two result files, before and after: compare them"
@@ -123,6 +134,10 @@ def main() -> None:
     args = p.parse_args()
     if args.compare:
         print(compare(*(json.loads(path.read_text())["rows"] for path in args.questions)))
+        return
+    if args.rescore:
+        for path in args.questions:
+            print(rescore(path))
         return
     if args.analyse:
         rows = [r for path in args.questions for r in json.loads(path.read_text())["rows"]]
@@ -134,7 +149,8 @@ def main() -> None:
             use_cache=args.store, kv_bits=args.kv_bits, model=args.model, quant=args.quant, template=args.template
         )
     )
-    rows = []
+    rows = json.loads(args.out.read_text())["rows"] if args.resume and args.out and args.out.exists() else []
+    done = {row_key(r) for r in rows}
     for path in args.questions:
         for doc in json.loads(path.read_text())["documents"]:
             if args.docs and doc["name"] not in args.docs:
@@ -145,6 +161,8 @@ def main() -> None:
                 for wording in args.wording:
                     question = q[wording]
                     for method in args.methods:
+                        if (q["q"], wording, method, args.format, doc["name"]) in done:
+                            continue
                         if method == "oracle":
                             if q.get("unanswerable") or wording != "q" or args.format != "pdf":
                                 continue
@@ -203,6 +221,32 @@ def main() -> None:
     print(evidence_grid(rows))
 
 
+def rescore(path: Path) -> str:
+    """Score the answers of the result file ``path`` again (:func:`is_right`, each against the
+    question file its row names) and write the file back; the rows whose score changed, one a line."""
+    data = json.loads(path.read_text())
+    spec: dict[str, dict] = {}
+    changed = []
+    for row in data["rows"]:
+        if row["file"] not in spec:
+            docs = json.loads(Path(row["file"]).read_text())["documents"]
+            spec[row["file"]] = {(d["name"], q["q"]): q for d in docs for q in d["questions"]}
+        q = spec[row["file"]][row["document"], row["question"]]
+        now = is_right(row["answer"], q, q[row["wording"]])
+        if now != row["right"]:
+            changed.append(f"{path}: {row['document']} / {row['method']} / {row['wording']}: {row['right']} -> {now}")
+            row["right"] = now
+    if changed:
+        path.write_text(json.dumps(data, indent=1))
+    return "\n".join(changed) or f"{path}: no score changed"
+
+
+def row_key(row: dict) -> tuple:
+    """What names a row: the question (in the manual's words), its wording, the reading, the format
+    and the document; --resume skips the questions whose key a stopped run already wrote."""
+    return (row["question"], row["wording"], row["method"], row["format"], row["document"])
+
+
 def evidence_grid(rows: list[dict], attention=(0.0, 0.5, 1.0, 2.0), words=(0.0, 0.5, 1.0, 2.0)) -> str:
     """Sources from the answer (issue 49 item 6): over the rows that recorded each passage's
     evidence, the answer's page first among the sources when they are ordered by ``retrieval +
@@ -235,12 +279,17 @@ def evidence_grid(rows: list[dict], attention=(0.0, 0.5, 1.0, 2.0), words=(0.0, 
 
 
 def compare(before: list[dict], after: list[dict]) -> str:
-    """Two runs answer for answer (a change to kvcli between them): per reading and wording, the
-    questions both ran, how many answers are the same text, right answers and empty ones (nothing,
-    or the prompt's own "Answer:") before and after; then every answer that changed."""
+    """Two runs answer for answer (a change to kvcli between them, or two readings): per reading and
+    wording, the questions both ran, how many answers are the same text, right answers and empty
+    ones (nothing, or the prompt's own "Answer:") before and after; then every answer that changed.
+    Where each run holds one reading and they differ, the questions are paired across them (the
+    reading column names both)."""
+    readings = {r["method"] for r in before}, {r["method"] for r in after}
+    across = len(readings[0]) == len(readings[1]) == 1 and readings[0] != readings[1]
+    name = f"{next(iter(readings[0]))} -> {next(iter(readings[1]))}" if across else None
 
     def key(r: dict) -> tuple:
-        return r["document"], r["question"], r["wording"], r["method"], r.get("format", "pdf")
+        return r["document"], r["question"], r["wording"], name or r["method"], r.get("format", "pdf")
 
     def empty(r: dict) -> bool:
         return r["answer"].strip() in ("", "Answer:")
