@@ -161,7 +161,8 @@ def main() -> None:
                 for wording in args.wording:
                     question = q[wording]
                     for method in args.methods:
-                        if (q["q"], wording, method, args.format, doc["name"]) in done:
+                        asked = {"document": doc["name"], "question": q["q"], "wording": wording}
+                        if row_key({**asked, "method": method, "format": args.format}) in done:
                             continue
                         if method == "oracle":
                             if q.get("unanswerable") or wording != "q" or args.format != "pdf":
@@ -241,10 +242,11 @@ def rescore(path: Path) -> str:
     return "\n".join(changed) or f"{path}: no score changed"
 
 
-def row_key(row: dict) -> tuple:
-    """What names a row: the question (in the manual's words), its wording, the reading, the format
-    and the document; --resume skips the questions whose key a stopped run already wrote."""
-    return (row["question"], row["wording"], row["method"], row["format"], row["document"])
+def row_key(row: dict, reading: str | None = None) -> tuple:
+    """What names a row: the document, the question (in the manual's words), its wording, the
+    reading (``reading`` for the row's own: two readings paired by :func:`compare`) and the format
+    (rows of older runs have none: PDF). --resume skips the questions whose key a stopped run wrote."""
+    return row["document"], row["question"], row["wording"], reading or row["method"], row.get("format", "pdf")
 
 
 def evidence_grid(rows: list[dict], attention=(0.0, 0.5, 1.0, 2.0), words=(0.0, 0.5, 1.0, 2.0)) -> str:
@@ -288,13 +290,10 @@ def compare(before: list[dict], after: list[dict]) -> str:
     across = len(readings[0]) == len(readings[1]) == 1 and readings[0] != readings[1]
     name = f"{next(iter(readings[0]))} -> {next(iter(readings[1]))}" if across else None
 
-    def key(r: dict) -> tuple:
-        return r["document"], r["question"], r["wording"], name or r["method"], r.get("format", "pdf")
-
     def empty(r: dict) -> bool:
         return r["answer"].strip() in ("", "Answer:")
 
-    a, b = {key(r): r for r in before}, {key(r): r for r in after}
+    a, b = {row_key(r, name): r for r in before}, {row_key(r, name): r for r in after}
     common = [k for k in a if k in b]
     out = [
         "| reading | wording | questions | same answer | right before | right after | empty before | empty after |",
