@@ -52,15 +52,18 @@ def file_fact(path: Path, cache_dir: Path, name: str, kind: type, compute: Calla
 
 def folder_fact(folder: Path, files: list[Path], cache_dir: Path, name: str, compute: Callable[[], str]) -> str:
     """The fact ``name`` (a string) about ``files`` of ``folder``: ``compute()`` once, then memoised
-    while the folder holds the same files with the same sizes and mtimes."""
+    while the folder holds the same files with the same sizes and mtimes. A folder's facts are kept
+    together while they are about the same files (the same ``files`` for each)."""
     stats = {}
     for f in sorted(files):
         st = f.stat()
         stats[str(f.relative_to(folder))] = [st.st_size, st.st_mtime_ns]
     key = f"{folder.resolve()}/"
     entry = _read(cache_dir).get(key)
-    if isinstance(entry, dict) and entry.get("files") == stats and isinstance(entry.get(name), str):
+    if not (isinstance(entry, dict) and entry.get("files") == stats):
+        entry = {"files": stats}
+    elif isinstance(entry.get(name), str):
         return entry[name]
-    value = compute()
-    _remember(cache_dir, key, {"files": stats, name: value})
+    entry[name] = value = compute()
+    _remember(cache_dir, key, entry)
     return value

@@ -1,6 +1,6 @@
 """Facts about large files are computed once and kept while the files stay as they were
 (kvcli/file_facts.py): a GGUF's sha256, an embedding model's id; a file rewritten, added or touched
-computes the fact again, and a fact of another name is computed apart."""
+computes the fact again, and a fact of another name is computed apart and kept beside it."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_a_folders_fact_is_computed_again_when_a_file_changes_or_comes(tmp_path)
     assert folder_fact(folder, files(), cache, "id", fact) == "id-1"
     assert folder_fact(folder, files(), cache, "id", fact) == "id-1" and fact.calls == 1
     assert folder_fact(folder, files(), cache, "id of another layout", fact) == "id-1" and fact.calls == 2
+    assert folder_fact(folder, files(), cache, "id", fact) == "id-1" and fact.calls == 2  # both kept
     (folder / "config.json").write_text('{"a": 1}')
     folder_fact(folder, files(), cache, "id", fact)
     assert fact.calls == 3

@@ -21,7 +21,9 @@ BGE models pool), max), ``sentence_bert_config.json`` the tokens a text (``max_s
 the dense layers after the pooling (sentence-transformers' ``Dense``: a linear map, an identity or
 tanh activation, each in its own folder; EmbeddingGemma has two). A folder without them is run as
 all-MiniLM-L6-v2 is: mean pooling, 256 tokens, no prompt, no dense layer. Whatever ``AutoModel``
-loads runs as the encoder: a BERT, or a Gemma 3 with bidirectional attention (EmbeddingGemma).
+loads runs as the encoder: a BERT, or a Gemma 3 with bidirectional attention (EmbeddingGemma). Its
+tokenizer.json is run by the tokenizers library directly where that gives AutoTokenizer's tokens,
+checked once a folder (:class:`JsonTokenizer`): EmbeddingGemma loads ~2.5 s sooner (docs/bench/retrieval).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ class Embedder:
 
     def __init__(self, folder: Path) -> None:
         import transformers.utils.logging as tlog
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
         tlog.set_verbosity_error()  # the loader's notes and bars stay off the user's terminal
         tlog.disable_progress_bar()
@@ -164,11 +166,41 @@ class Embedder:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+                self.batch = self._tokenizer()
                 self.model = AutoModel.from_pretrained(self.folder, local_files_only=True).eval().float()
             self.dense = [self._dense(path, act) for path, act in zip(self.layout.dense, self.layout.activations)]
         except Exception as e:
             raise ModelError(f"the sentence-embedding model in {self.folder} cannot be loaded: {one_line(e)}") from e
+
+    def _tokenizer(self) -> Callable[[list[str], int], dict]:
+        """``batch(texts, max_length)``, the folder's tokenizer on a batch (:func:`hf_batch`'s
+        result): its ``tokenizer.json`` run by the tokenizers library (:class:`JsonTokenizer`)
+        where that gives what ``AutoTokenizer`` gives, checked once a folder (:func:`json_tokenizer_settings`,
+        memoised with the folder's files); else ``AutoTokenizer``'s."""
+        if (self.folder / JsonTokenizer.FILE).is_file():
+            settings = folder_fact(
+                self.folder,
+                self._files(),
+                default_cache_dir(),
+                JsonTokenizer.FACT,
+                lambda: json_tokenizer_settings(self.folder, probes(self.layout)),
+            )
+            if settings:
+                return JsonTokenizer(self.folder, **json.loads(settings)).batch
+        return functools.partial(hf_batch, auto_tokenizer(self.folder))
+
+    def _files(self) -> list[Path]:
+        """The folder's files that make its vectors (config, tokenizer, weights, its
+        sentence-transformers files), in name order."""
+        files = [*self.folder.iterdir(), *(self.folder / "1_Pooling").glob("*")]
+        files += [f for path in self.layout.dense for f in (self.folder / path).glob("*")]
+        return sorted(
+            p
+            for p in files
+            if p.is_file()
+            and not p.name.startswith(".")
+            and p.suffix in (".json", ".txt", ".safetensors", ".model", ".bin")
+        )
 
     def _dense(self, path: str, act: str | None) -> tuple:
         """A Dense module's (weight (out, in), bias or None, activation ``act``), float32."""
@@ -189,15 +221,7 @@ class Embedder:
         Read once per folder and layout, then memoised by the files' sizes and mtimes
         (:func:`kvcli.file_facts.folder_fact`: EmbeddingGemma's 1.2 GB took 1.7 s a process)."""
         how = f"pool,normalise,{self.layout}"
-        files = [*self.folder.iterdir(), *(self.folder / "1_Pooling").glob("*")]
-        files += [f for path in self.layout.dense for f in (self.folder / path).glob("*")]
-        files = sorted(
-            p
-            for p in files
-            if p.is_file()
-            and not p.name.startswith(".")
-            and p.suffix in (".json", ".txt", ".safetensors", ".model", ".bin")
-        )
+        files = self._files()
 
         def digest() -> str:
             h = hashlib.sha256(how.encode())
@@ -235,13 +259,7 @@ class Embedder:
         with torch.inference_mode():
             for lo in range(0, len(order), BATCH):
                 idx = order[lo : lo + BATCH]
-                batch = self.tokenizer(
-                    [texts[i] for i in idx],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.layout.max_tokens,
-                    return_tensors="pt",
-                )
+                batch = self.batch([texts[i] for i in idx], self.layout.max_tokens)
                 hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 if self.layout.pooling == "cls":
@@ -257,6 +275,78 @@ class Embedder:
                 if on_progress is not None:
                     on_progress(min(lo + BATCH, len(order)), len(order))
         return out
+
+
+def auto_tokenizer(folder: Path):
+    """The folder's tokenizer as transformers' ``AutoTokenizer`` loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def hf_batch(tokenizer, texts: list[str], max_length: int) -> dict:
+    """``texts`` as one batch: ``input_ids`` and ``attention_mask``, (len(texts), longest) tensors,
+    each text cut at ``max_length`` tokens (its special tokens counted) and padded to the longest."""
+    return dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
+
+
+class JsonTokenizer:
+    """A folder's ``tokenizer.json`` run by the tokenizers library directly, without transformers'
+    set-up of each special token in Python: :meth:`batch` is :func:`hf_batch` with
+    ``AutoTokenizer``, where :func:`json_tokenizer_settings` found them the same."""
+
+    FILE = "tokenizer.json"
+    FACT = "tokenizer.json settings"  # the folder's fact: JsonTokenizer's settings (JSON), "" where it differs
+
+    def __init__(self, folder: Path, pad_id: int, padding_side: str = "right") -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(folder) / self.FILE))
+        self.tokenizer.enable_padding(direction=padding_side, pad_id=pad_id)
+
+    def batch(self, texts: list[str], max_length: int) -> dict:
+        """:func:`hf_batch`'s result for ``texts``."""
+        import torch
+
+        self.tokenizer.enable_truncation(max_length)
+        encoded = self.tokenizer.encode_batch(list(texts))
+        return {
+            "input_ids": torch.tensor([e.ids for e in encoded], dtype=torch.long),
+            "attention_mask": torch.tensor([e.attention_mask for e in encoded], dtype=torch.long),
+        }
+
+
+def probes(layout: Layout) -> tuple[list[str], int]:
+    """Texts that tell two tokenizers apart, and the cut: a question and passages after the layout's
+    prompts, with accents, scripts, digits, code and blank lines, one longer than the cut."""
+    passages = [
+        "Install packages with install.packages('x', lib = \"~/R\") — see §6.1, p. 42.",
+        "def f(x):\n\treturn x ** 2  # résumé, naïve, 日本語, здравствуй\n\n  END",
+        " ".join(f"word{i} 3.14159" for i in range(layout.max_tokens)),
+    ]
+    texts = [layout.query_prompt + "How do I tell R where my packages live?"]
+    return texts + [layout.passage_prompt + p for p in passages], layout.max_tokens
+
+
+def json_tokenizer_settings(folder: Path, probe: tuple[list[str], int]) -> str:
+    """:class:`JsonTokenizer`'s settings for ``folder`` (JSON) where its :meth:`~JsonTokenizer.batch`
+    of the ``probe`` texts (and of each alone) is ``AutoTokenizer``'s to the token; "" where not."""
+    import torch
+
+    auto = auto_tokenizer(folder)
+    if auto.pad_token_id is None:
+        return ""
+    settings = {"pad_id": int(auto.pad_token_id), "padding_side": auto.padding_side}
+    try:
+        ours = JsonTokenizer(folder, **settings)
+    except Exception:  # noqa: BLE001  (a tokenizer.json the library cannot read: AutoTokenizer's way)
+        return ""
+    texts, cut = probe
+    for batch in [texts, *([t] for t in texts)]:
+        theirs, mine = hf_batch(auto, batch, cut), ours.batch(batch, cut)
+        if any(not torch.equal(theirs[k], mine[k]) for k in ("input_ids", "attention_mask")):
+            return ""
+    return json.dumps(settings)
 
 
 @functools.lru_cache(maxsize=2)
