@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode_step.py -m qwen2.5-coder-0.5b --length 4700 --kv-bits 16
     .venv/bin/python benchmarks/decode_step.py -m qwen2.5-coder-0.5b --length 1024 --profile
 
-Loads the model as ``kvcli ask -m NAME`` does (``--quant auto``), reads ``--length`` random token ids
+Loads the model as ``kvcli ask -m NAME --quant Q`` does (``--quant``, default auto), reads ``--length`` random token ids
 (a fixed seed) with the engine's own prefill, holds the KV in ``--kv-bits`` (16: the plain bfloat16
 cache; 8 or 4: the quantized layout kvcli decodes from by default), runs 3 steps to warm up and
 ``--steps`` greedy steps timed; ``--profile``: 8 more under torch.profiler, the operators by self
@@ -29,9 +29,10 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024, help="prompt tokens before the steps")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
+    p.add_argument("--quant", default="auto", help="kvcli's --quant: auto (its default), none, 8bit or 4bit")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    lm = load_model(args.model)
+    lm = load_model(args.model, quant=args.quant)
     engine = Engine(lm)
     ids = torch.randint(100, 20000, (args.length,), generator=torch.Generator().manual_seed(0))
     cache = engine.new_cache()
@@ -58,7 +59,7 @@ def main() -> None:
     step_ms = 1000 * (time.perf_counter() - t) / args.steps
     print(
         f"{args.model or 'smollm2'} {platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
-        f"length={args.length} kv_bits={args.kv_bits}: prefill {prefill_s:.1f} s, "
+        f"length={args.length} quant={args.quant} kv_bits={args.kv_bits}: prefill {prefill_s:.1f} s, "
         f"decoding {step_ms:.1f} ms a step ({1000 / step_ms:.2f} tok/s)"
     )
     if args.profile:
