@@ -8,7 +8,10 @@
   ``_convert_weight_to_int4pack_for_cpu``). The embedded model's GGUF stores its linear layers as
   Q4_1 blocks of 32 along that same dimension, so its dequantised float32 weights are quantised back
   to exactly those blocks (:func:`quantize_int4`: a block's smallest and largest values are codes 0
-  and 15): 4bit runs the GGUF's own weights, not a second rounding of them.
+  and 15): 4bit runs the GGUF's own weights, not a second rounding of them. Q4_K's sub-blocks of 32
+  (Qwen's Q4_K_M) come back exact too, their codes wherever they lie in 0..15 (:func:`grid_steps`);
+  a matrix the GGUF holds in more bits (Q5_0, Q6_K, Q8_0) stays :class:`Int8Linear`
+  (:func:`four_bit_fits`), as ``--quant 8`` runs it.
 * **8bit** — :class:`Int8Linear`: one scale per output row (symmetric), run by
   ``torch.ops.aten._weight_int8pack_mm``.
 * The token embedding and the LM head (one table when tied) are int8 per row in both modes
@@ -52,10 +55,80 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+GRID_TOL = 1e-3  # how far from a code a weight may lie, in steps, and still be on a group's grid
+
+
+def _fits(n: torch.Tensor, groups: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, most: int) -> torch.Tensor:
+    """Whether each group's values lie on ``lo + span / n · c`` for integers c, 1 <= n <= ``most``."""
+    x = (groups - lo[..., None]) * (n / span.clamp(min=torch.finfo(torch.float32).tiny))[..., None]
+    return ((x - x.round()).abs().amax(dim=-1) <= GRID_TOL) & (n >= 1) & (n <= most)
+
+
+def _guessed(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's steps guessed from the smallest gap between its distinct values (a grid's
+    step when two of its codes are neighbours), and whether the group is on that grid."""
+    span = hi - lo
+    gaps = groups.sort(dim=-1).values.diff(dim=-1)
+    floor = span[..., None] * GRID_TOL / most
+    smallest = torch.where(gaps > floor, gaps, torch.full_like(gaps, float("inf"))).amin(dim=-1)
+    guess = (span / smallest).round()
+    return guess, _fits(guess, groups, lo, span, most) | (span == 0)  # one value: code 0 of any grid
+
+
+def grid_steps(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., group) weights, their groups' smallest and largest -> (steps: how many codes the range
+    spans, float32; on_grid: bool), per group. A group on a 4-bit grid (``lo + step · c``, c in 0..n,
+    n <= 15: what Q4_1 and Q4_K blocks dequantise to, wherever their codes lie in 0..15) gets that n,
+    found from the smallest gap between its distinct values and checked, else each n from 15 down;
+    a group on no such grid gets 15 (the nearest code, as Q4_1's quantiser rounds)."""
+    guess, on_grid = _guessed(groups, lo, hi, 15)
+    steps = torch.where(on_grid & (hi > lo), guess, torch.full_like(guess, 15.0))
+    left = (~on_grid).nonzero(as_tuple=True)
+    if left[0].numel():  # codes whose smallest gap is 2 or more apart: each n in turn, the rest only
+        w, low, span = groups[left], lo[left], hi[left] - lo[left]
+        found = torch.zeros(span.shape, dtype=torch.bool)
+        chosen = torch.full_like(span, 15.0)
+        for n in range(15, 0, -1):
+            new = ~found & _fits(torch.full_like(span, float(n)), w, low, span, 15)
+            chosen[new], found = float(n), found | new
+        steps[left], on_grid[left] = chosen, found
+    return steps, on_grid
+
+
+FINE_GROUPS, FINE_STEPS = (16, 32), 255  # Q6_K's sub-blocks of 16 (64 codes); Q5_0's, Q8_0's blocks of 32 (32, 255)
+GRID_SHARE = 0.9  # the share of a matrix's groups on a grid that says the GGUF stored it so
+
+
+def _share_on_grid(weight: torch.Tensor, group: int, steps: int) -> float:
+    """The share of an (out, in) matrix's groups of ``group`` inputs on a grid of at most ``steps``
+    steps, each found from its smallest gap (:func:`_guessed`) or, for 4-bit grids, every n (:func:`grid_steps`)."""
+    n, k = weight.shape
+    hits = 0
+    for a in range(0, n, ROWS):
+        w = weight.detach()[a : a + ROWS].to(torch.float32).reshape(-1, group)
+        lo, hi = w.amin(-1), w.amax(-1)
+        hits += int((grid_steps(w, lo, hi) if steps == 15 else _guessed(w, lo, hi, steps))[1].sum())
+    return hits / (n * k // group)
+
+
+def held_in_more_bits(weight: torch.Tensor) -> bool:
+    """Whether an (out, in) matrix is a GGUF's block of more than 4 bits dequantised (Q5_0, Q6_K,
+    Q8_0): most of its groups of 16 or of 32 (:data:`FINE_GROUPS`) on grids of at most
+    :data:`FINE_STEPS` steps, but not most of its groups of :data:`GROUP` on 4-bit grids. A float
+    model's matrix is on neither."""
+    if weight.shape[1] % GROUP:
+        return False
+    if max(_share_on_grid(weight, g, FINE_STEPS) for g in FINE_GROUPS) < GRID_SHARE:
+        return False
+    return _share_on_grid(weight, GROUP, 15) < GRID_SHARE
+
+
 def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, in) float -> (codes 0..15 as int32 (out, in), scale, minimum: float32 (out, in/group)):
-    ``w ≈ scale · q + minimum`` per group of ``group`` inputs, the group's smallest value code 0 and
-    its largest code 15 (what llama.cpp's Q4_1 stores; Q4_1-dequantised weights come back exact)."""
+    ``w ≈ scale · q + minimum`` per group of ``group`` inputs, the group's smallest value code 0.
+    A group already on a 4-bit grid keeps it exactly (:func:`grid_steps`: Q4_1- and Q4_K-dequantised
+    weights come back as they were); any other has its largest value code 15 and the rest rounded to
+    the nearest code (what llama.cpp's Q4_1 stores)."""
     n, k = weight.shape
     codes = torch.empty(n, k, dtype=torch.int32)
     scale = torch.empty(n, k // group, dtype=torch.float32)
@@ -63,7 +136,7 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
     for a in range(0, n, ROWS):
         w = weight.detach()[a : a + ROWS].to(torch.float32).reshape(-1, k // group, group)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        s = (hi - lo) / 15
+        s = (hi - lo) / grid_steps(w, lo, hi)[0]
         s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: code 0 is its value
         codes[a : a + ROWS] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).reshape(-1, k)
         scale[a : a + ROWS], low[a : a + ROWS] = s, lo
@@ -267,9 +340,19 @@ def kernel_error(bits: int) -> str | None:
     return None
 
 
+def four_bit_fits(linear: nn.Linear) -> bool:
+    """Whether ``--quant 4`` runs ``linear`` in 4 bits: its shape fits the int4 packing, and its
+    weights are not a GGUF's finer blocks (rounding Q6_K or Q5_0 to 4 bits would undo what the
+    file's mixed quantisation kept; they stay int8, as ``--quant 8`` runs them)."""
+    if linear.in_features % GROUP or linear.out_features % N_MULTIPLE:
+        return False
+    return linear.weight.is_meta or not held_in_more_bits(linear.weight)
+
+
 def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> dict:
     """Replace, in place, the decoder layers' ``nn.Linear`` modules by :class:`Int4Linear` (4: a layer
-    whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, is int8) or :class:`Int8Linear` (8), and the
+    whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, or that
+    a GGUF held in more than 4 bits (:func:`held_in_more_bits`), is int8) or :class:`Int8Linear` (8), and the
     embedding + LM head by int8 rows; everything else (norms) goes to ``dtype``. Returns what was
     done: {"int4": n, "int8": n} (matrices of each kind). A model on the meta device gets the same
     layers with empty codes: the skeleton :mod:`.kept` loads kept weights into."""
@@ -282,7 +365,7 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
             if not isinstance(child, nn.Linear):
                 continue
             parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
-            if bits == 4 and child.in_features % GROUP == 0 and child.out_features % N_MULTIPLE == 0:
+            if bits == 4 and four_bit_fits(child):
                 new: nn.Module = Int4Linear.of(child, dtype)
                 counts["int4"] += 1
             else:

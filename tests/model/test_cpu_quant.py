@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -33,6 +34,101 @@ def test_int4_quantiser_gives_back_q4_1_blocks_exactly():
     assert torch.equal(q, codes.to(torch.int32))
     back = (q.view(48, -1, GROUP).float() * scale[..., None] + low[..., None]).view_as(w)
     assert float((back - w).abs().max()) <= 1e-7
+
+
+def q4_k_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights as llama.cpp's Q4_K dequantises a sub-block of 32: d·sc·q - dmin·m, q in 0..15, where
+    a sub-block's codes need not reach 0 or 15 (its scale and minimum are fitted, not its range),
+    some using only every second or third code."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = n * k // 32
+    first = torch.randint(0, 6, (blocks, 1), generator=g)
+    stride = torch.randint(1, 4, (blocks, 1), generator=g)  # 1: any code; 2, 3: every 2nd / 3rd
+    top = torch.div(15 - first, stride, rounding_mode="floor")
+    codes = first + stride * torch.minimum(torch.randint(0, 16, (blocks, 32), generator=g), top)
+    codes[:, 0] = first[:, 0]  # each sub-block holds its lowest code (its highest by chance)
+    scale = (torch.rand(blocks, 1, generator=g).half().float() * 0.01 + 1e-4) * torch.randint(
+        1, 64, (blocks, 1), generator=g
+    )
+    minimum = (torch.rand(blocks, 1, generator=g).half().float() * 0.05) * torch.randint(
+        0, 64, (blocks, 1), generator=g
+    )
+    return (scale * codes - minimum).reshape(n, k)
+
+
+def test_int4_quantiser_gives_back_q4_k_sub_blocks_exactly():
+    """A Q4_K sub-block whose codes span less than 0..15 comes back as it was, not rounded again
+    to a grid of 15 steps over its range (which moves all but its two ends)."""
+    w = q4_k_weights(64, 256)
+    q, scale, low = quantize_int4(w)
+    back = (q.view(64, -1, GROUP).float() * scale[..., None] + low[..., None]).view_as(w)
+    step = scale.repeat_interleave(GROUP, dim=1)
+    assert float(((back - w).abs() / step).max()) < 1e-4  # within float rounding of each weight
+    groups = w.view(64, -1, GROUP)  # the old quantiser (15 steps over the range) rounded them
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    old = torch.round((groups - lo) / ((hi - lo) / 15)) * ((hi - lo) / 15) + lo
+    assert float((old.view_as(w) - w).abs().max()) > 0.1 * float(step.min())
+
+
+def test_grid_steps_finds_each_groups_grid_and_no_other():
+    """The steps of a group on a grid of n steps are n, however its codes are spaced; groups on no
+    grid of <= 15 steps (random, a 6-bit grid) get 15 and are reported off the grid."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n, used in [(15, range(16)), (9, range(10)), (12, [0, 4, 8, 12]), (14, [0, 2, 3, 14]), (7, [0, 7])]:
+        codes = torch.tensor(list(used))[torch.randint(0, len(used), (GROUP,), generator=g)]
+        codes[0], codes[1] = 0, max(used)
+        rows.append((0.37 * codes - 1.1, n))
+    six = torch.randint(0, 64, (GROUP,), generator=g)
+    six[0], six[1] = 0, 63  # a 6-bit grid: 63 steps
+    groups = torch.stack([r for r, _ in rows] + [0.01 * six, torch.randn(GROUP, generator=g)])
+    steps, on_grid = cpu_quant.grid_steps(groups, groups.amin(-1), groups.amax(-1))
+    for i, (row, _n) in enumerate(rows):  # n, or any grid its codes sit on ({0, 4, 8, 12}: 3 steps)
+        lo, hi = float(row.min()), float(row.max())
+        x = (row.double() - lo) * float(steps[i]) / (hi - lo)
+        assert on_grid[i] and float(steps[i]) <= 15 and float((x - x.round()).abs().max()) < 1e-4
+    assert steps[:2].tolist() == [15.0, 9.0] and float(steps[3]) == 14.0  # gaps of 1: the range's own steps
+    assert not on_grid[-2] and not on_grid[-1] and steps[-2:].tolist() == [15.0, 15.0]
+
+
+def q6_k_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights as llama.cpp's Q6_K dequantises them: sub-blocks of 16, d·sc·(q - 32), q in 0..63."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 64, (n * k // 16, 16), generator=g) - 32
+    scale = torch.rand(n * k // 16, 1, generator=g).half().float() * 0.002 + 1e-4
+    return (scale * codes).reshape(n, k)
+
+
+def q8_0_weights(n: int, k: int, seed: int = 0, codes: int = 127) -> torch.Tensor:
+    """Weights as llama.cpp's Q8_0 (``codes`` 127) or Q5_0 (15, centred) dequantises them: blocks of
+    32, d · q, the codes bell-shaped as a layer's weights are, the block's largest |q| = ``codes``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n * k // 32, 32, generator=g)
+    q = torch.round(q / q.abs().amax(-1, keepdim=True) * codes)
+    return (q * (torch.rand(n * k // 32, 1, generator=g).half().float() * 0.002 + 1e-4)).reshape(n, k)
+
+
+@pytest.mark.parametrize(
+    "make, more_bits",
+    [
+        (q4_k_weights, False),
+        (q4_1_weights, False),
+        (q6_k_weights, True),
+        (q8_0_weights, True),
+        (functools.partial(q8_0_weights, codes=15), True),
+        (lambda n, k: torch.randn(n, k), False),
+    ],
+    ids=["q4_k", "q4_1", "q6_k", "q8_0", "q5_0", "float"],
+)
+def test_quant_4_keeps_a_ggufs_finer_matrices_in_8_bits(make, more_bits):
+    """--quant 4 on a GGUF of mixed blocks (Q4_K_M: Q6_K for some matrices): a 6-bit matrix stays
+    int8, a 4-bit one and a float model's go to 4 bits."""
+    w = make(64, 256)
+    w = w[0] if isinstance(w, tuple) else w
+    assert cpu_quant.held_in_more_bits(w) is more_bits
+    linear = torch.nn.Linear(256, 64, bias=False)
+    linear.weight.data = w
+    assert cpu_quant.four_bit_fits(linear) is not more_bits
 
 
 def test_int4_quantiser_rounds_to_the_nearest_code():
