@@ -38,6 +38,7 @@ def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, o
     assert kept.save(lm.model, folder, DTYPE) == kept.kept_folder(folder, DTYPE)
     back = kept.load(folder, lm.model.config, DTYPE, "sdpa")
     assert back is not None and not any(t.is_meta for t in back.state_dict().values())
+    assert all(t.data_ptr() % kept.ALIGN == 0 for t in back.state_dict().values())  # the int8 kernel's need
     assert torch.equal(_logits(back.eval()), want)
     embed, head = back.get_input_embeddings(), back.get_output_embeddings()
     assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
@@ -46,6 +47,15 @@ def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, o
     if family == "qwen2":
         q = back.model.layers[0].self_attn.q_proj
         assert isinstance(q, Int8Linear) and q.bias is not None and q.bias.abs().sum() > 0
+
+
+def test_aligned_copies_only_what_starts_off_64_bytes():
+    flat = torch.arange(200, dtype=torch.int8)
+    on, off = flat[:128].view(2, 64), flat[8:136].view(2, 64)
+    assert on.data_ptr() % kept.ALIGN == 0 and off.data_ptr() % kept.ALIGN == 8
+    assert kept.aligned(on) is on
+    moved = kept.aligned(off)
+    assert moved.data_ptr() % kept.ALIGN == 0 and torch.equal(moved, off)
 
 
 def test_a_gguf_is_quantised_once_then_loaded_from_its_kept_weights(tiny_dir, tmp_path, monkeypatch):
