@@ -7,7 +7,7 @@ Reads the model's converted float32 weights (the GGUF's blocks dequantised) and,
 (``kvcli.model.cpu_quant.grid_steps``: a Q4_1 or Q4_K block), and the error ``quantize_int4`` leaves,
 in units of each group's step, against the rounding it replaced (15 steps over each group's range):
 what share of a matrix ``--quant 4`` gives back as the GGUF stored it; and how many matrices it
-keeps in int8 (``held_in_more_bits``: Q5_0, Q6_K). Only CPU work, no timing.
+keeps in int8 (``held_in_more_bits``: Q5_0, Q6_K, Q8_0). Only CPU work, no timing.
 """
 
 from __future__ import annotations
