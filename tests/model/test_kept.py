@@ -49,15 +49,6 @@ def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, o
         assert isinstance(q, Int8Linear) and q.bias is not None and q.bias.abs().sum() > 0
 
 
-def test_aligned_copies_only_what_starts_off_64_bytes():
-    flat = torch.arange(200, dtype=torch.int8)
-    on, off = flat[:128].view(2, 64), flat[8:136].view(2, 64)
-    assert on.data_ptr() % kept.ALIGN == 0 and off.data_ptr() % kept.ALIGN == 8
-    assert kept.aligned(on) is on
-    moved = kept.aligned(off)
-    assert moved.data_ptr() % kept.ALIGN == 0 and torch.equal(moved, off)
-
-
 def test_a_gguf_is_quantised_once_then_loaded_from_its_kept_weights(tiny_dir, tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     write_tiny_llama_gguf(tiny_dir("llama"), gguf)
