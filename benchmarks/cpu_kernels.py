@@ -1,6 +1,6 @@
 """The CPU kernel measurements behind docs/cpu.md's choices (one run; read ratios):
 
-    .venv/bin/python benchmarks/cpu_kernels.py
+    .venv/bin/python benchmarks/cpu_kernels.py [--part products|attention|growing]
 
 1. matrix products of the embedded model's shapes, for decoding (1 row) and prefill (512, 2,048
    rows): float32 and bfloat16 ``F.linear``, PyTorch's int8 (``_weight_int8pack_mm``) and int4
@@ -8,7 +8,10 @@
    The int8 layer runs its kernel below ``Int8Linear.dense_rows`` rows and its weights made dense
    from there (``int8 layer``); ``int8 kernel`` is the kernel at every row count;
 2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
-   float32 and bfloat16, and ``kvcli.runtime.kernels.grouped``, on buffer views as kvcli's caches hold them;
+   float32 and bfloat16, ``kvcli.runtime.kernels.grouped``'s own matrix products (what a CPU
+   without AMX runs) and ``kernels.group_rows`` (PyTorch's fused attention, the query heads of a KV
+   head as its rows: what a CPU with AMX runs), on buffer views as kvcli's caches hold them;
+   ``--part attention --shape LAYERS,HEADS,KV_HEADS,HEAD_DIM --keys 4700`` for another model's shape;
 3. decoding steps whose key count grows by one a step (as an answer's): resident memory and time
    per step of ``kernels.grouped`` on buffers a cache made (key counts bucketed) and on buffers it
    did not (every step a new matrix shape for oneDNN, which compiles and keeps a primitive for each).
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.cpu_quant import Int4Linear, Int8Linear, quantize_int8
-from kvcli.runtime import kernels
+from kvcli.runtime import kernels, native
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out), SmolLM2-135M
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
@@ -62,24 +66,30 @@ def products() -> None:
             print(f"rows {rows:5d} {k:5d}x{n:<6d} " + "  ".join(f"{c} {v:8.3f}" for c, v in cells.items()), flush=True)
 
 
-def attention() -> None:
+def attention(shape=(LAYERS, HEADS, KV_HEADS, HEAD_DIM), keys=(1024, 4096, 8192)) -> None:
     torch.manual_seed(0)
-    for n in (1024, 4096, 8192):
+    layers, heads, kv_heads, head_dim = shape
+    amx = native.amx
+    for n in keys:
         for dtype in (torch.float32, torch.bfloat16):
             # each layer's KV a view of the first n entries of a buffer with room, as caches hold it
             kv = [
                 (
-                    torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
-                    torch.randn(1, KV_HEADS, n + 300, HEAD_DIM).to(dtype)[:, :, :n],
+                    torch.randn(1, kv_heads, n + 300, head_dim).to(dtype)[:, :, :n],
+                    torch.randn(1, kv_heads, n + 300, head_dim).to(dtype)[:, :, :n],
                 )
-                for _ in range(LAYERS)
+                for _ in range(layers)
             ]
-            q = torch.randn(1, HEADS, 1, HEAD_DIM).to(dtype)
-            scale = 1 / math.sqrt(HEAD_DIM)
+            q = torch.randn(1, heads, 1, head_dim).to(dtype)
+            scale = 1 / math.sqrt(head_dim)
             sdpa = bench(lambda: [F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in kv])
+            native.amx = lambda: False  # grouped's own products, whatever this CPU
             grouped = bench(lambda: [kernels.grouped(q, k, v, None, scale) for k, v in kv])
+            native.amx = amx
+            rows = bench(lambda: [kernels.group_rows(q, k, v, scale) for k, v in kv])
             print(
-                f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  ms per {LAYERS} layers",
+                f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  group_rows {rows:7.2f}"
+                f"  ms per {layers} layers",
                 flush=True,
             )
 
@@ -122,7 +132,19 @@ def growing_steps(steps: int = 300) -> None:
 
 
 if __name__ == "__main__":
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
-    products()
-    attention()
-    growing_steps()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("products", "attention", "growing"), help="one part (default: all three)")
+    p.add_argument("--shape", help="--part attention: LAYERS,HEADS,KV_HEADS,HEAD_DIM (default SmolLM2's 30,9,3,64)")
+    p.add_argument("--keys", default="1024,4096,8192", help="--part attention: key counts")
+    args = p.parse_args()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+        f"AMX {native.amx()}"
+    )
+    if args.part in (None, "products"):
+        products()
+    if args.part in (None, "attention"):
+        shape = tuple(map(int, args.shape.split(","))) if args.shape else (LAYERS, HEADS, KV_HEADS, HEAD_DIM)
+        attention(shape, tuple(map(int, args.keys.split(","))))
+    if args.part in (None, "growing"):
+        growing_steps()

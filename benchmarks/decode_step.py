@@ -8,18 +8,27 @@ Loads the model as ``kvcli ask -m NAME --quant Q`` does (``--quant``, default au
 cache; 8 or 4: the quantized layout kvcli decodes from by default), runs 3 steps to warm up and
 ``--steps`` greedy steps timed; ``--profile``: 8 more under torch.profiler, the operators by self
 time (stderr). Run it alone on the machine: the figure is the step's wall time.
+
+``--compare``: in the same process, after the same prompt, three decodings in turn, ``--rounds``
+rounds of 4 steps each, the median step of each: a 16-bit KV through kvcli's own matrix products
+(``kernels.grouped``, as on a CPU without AMX), a 16-bit KV through PyTorch's fused attention with
+the query heads of a KV head as its rows (``kernels.group_rows``, what a CPU with AMX runs), and the
+8-bit KV. Alternating in one process puts the variants side by side on a machine whose pace drifts.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 
 import torch
 
+from kvcli.caches.qkv import QuantKVCache
 from kvcli.model import load_model
+from kvcli.runtime import native
 from kvcli.runtime.engine import Engine
 
 
@@ -31,6 +40,8 @@ def main() -> None:
     p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
     p.add_argument("--quant", default="auto", help="kvcli's --quant: auto (its default), none, 8bit or 4bit")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compare", action="store_true", help="the attention kernels and KV bits side by side")
+    p.add_argument("--rounds", type=int, default=6, help="--compare: rounds of 4 steps per variant")
     args = p.parse_args()
     lm = load_model(args.model, quant=args.quant)
     engine = Engine(lm)
@@ -40,9 +51,9 @@ def main() -> None:
     with torch.inference_mode():
         logits = engine.logits(engine.forward(ids, torch.arange(args.length), cache))[-1]
     prefill_s = time.perf_counter() - t
+    if args.compare:
+        return compare(engine, cache, logits, args)
     if args.kv_bits != 16:
-        from kvcli.caches.qkv import QuantKVCache
-
         cache = QuantKVCache.of(cache, args.kv_bits)
     token, position = torch.argmax(logits).view(1), args.length
 
@@ -68,6 +79,36 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run(8)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+
+
+def compare(engine: Engine, cache, logits: torch.Tensor, args) -> None:
+    """``--compare``: the variants' steps alternating in one process (see the module doc)."""
+    caches = {16: cache, 8: QuantKVCache.of(cache.copy(), 8)}
+    state = {bits: [torch.argmax(logits).view(1), args.length] for bits in caches}
+    variants = {"kv16 grouped": (16, False), "kv16 group_rows": (16, True), "kv8": (8, native.amx())}
+
+    def run(name: str, steps: int) -> float:
+        bits, amx = variants[name]
+        native.amx = lambda: amx  # noqa: B023 - what kernels.grouped asks, for this variant's steps
+        token, position = state[bits]
+        t = time.perf_counter()
+        for _ in range(steps):
+            token = torch.argmax(engine.step(token, position, caches[bits])).view(1)
+            int(token)
+            position += 1
+        state[bits] = [token, position]
+        return 1000 * (time.perf_counter() - t) / steps
+
+    for name in variants:
+        run(name, 2)
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name in variants:
+            times[name].append(run(name, 4))
+    cells = ", ".join(f"{n} {statistics.median(t):.1f} ms (best {min(t):.1f})" for n, t in times.items())
+    print(
+        f"{args.model or 'smollm2'} threads={torch.get_num_threads()} length={args.length} quant={args.quant}: {cells}"
+    )
 
 
 if __name__ == "__main__":

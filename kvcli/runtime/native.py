@@ -37,3 +37,16 @@ def native_gemm(dtype: torch.dtype) -> bool:
         return min(times)
 
     return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon since Sapphire Rapids), where PyTorch's fused CPU
+    attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
+    products (:func:`kvcli.runtime.kernels.group_rows`); an AVX512-BF16 CPU without AMX measured
+    that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in PyTorch 2.13
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:  # pragma: no cover - a build without the probe's backend
+        return False

@@ -309,6 +309,10 @@ def test_grouped_kernel_is_attention():
                 got = kernels.grouped(q, k, v, mask, 1 / math.sqrt(d))
                 assert got.shape == (b, q_len, h, d)
                 assert float((got.double() - want).abs().max()) < 0.03, (q_len, mask is None)
+                if q_len == 1 and mask is None:  # a decoding step, whichever path this CPU takes
+                    rows = kernels.group_rows(q, k, v, 1 / math.sqrt(d))
+                    assert rows.shape == (b, 1, h, d)
+                    assert float((rows.double() - want).abs().max()) < 0.03
         # SDPA routes small 16-bit queries on the CPU here: the same numbers
         assert torch.equal(
             kernels.sdpa(q, key_view, value_view, None, 1 / math.sqrt(d)),
@@ -329,10 +333,12 @@ def test_grouped_multiplies_in_float32_where_16_bits_are_emulated(native, monkey
     """Where this CPU emulates bfloat16 products (``native.native_gemm`` False: AVX2 only), a
     decoding step's attention multiplies the bfloat16 KV made float32: the float64 reference with
     only the output rounded to bfloat16. Where bfloat16 is native, q·kᵀ and the weights are rounded
-    to bfloat16 as before: measurably further off, so the test tells the two paths apart."""
+    to bfloat16 (a step with a mask): measurably further off, so the test tells the paths apart; a
+    step without one on AMX runs :func:`kernels.group_rows`, float32 inside as well."""
     from kvcli.runtime import native as native_module
 
     monkeypatch.setattr(native_module, "native_gemm", lambda dtype: native or dtype == torch.float32)
+    monkeypatch.setattr(native_module, "amx", lambda: native)  # AMX: the products are native
     gen = torch.Generator().manual_seed(3)
     h, kvh, d, n = 8, 2, 64, 300
     buf_k = torch.randn(1, kvh, n + 20, d, generator=gen).bfloat16()
@@ -345,11 +351,13 @@ def test_grouped_multiplies_in_float32_where_16_bits_are_emulated(native, monkey
         k = key.double().repeat_interleave(h // kvh, dim=1)
         v = value.double().repeat_interleave(h // kvh, dim=1)
         want = (torch.softmax(q.double() @ k.transpose(-1, -2) / math.sqrt(d), -1) @ v).transpose(1, 2)
-        got = kernels.grouped(q, key, value, None, 1 / math.sqrt(d))
-        assert got.dtype == torch.bfloat16
-        err = float((got.double() - want).abs().max())
-        ulp = float(want.abs().max()) * 2**-8  # one bfloat16 rounding of the largest output
-        assert (err <= ulp) is not native, (native, err, ulp)
+        for mask in (None, torch.ones(1, n, dtype=torch.bool)):
+            got = kernels.grouped(q, key, value, mask, 1 / math.sqrt(d))
+            assert got.dtype == torch.bfloat16
+            err = float((got.double() - want).abs().max())
+            ulp = float(want.abs().max()) * 2**-8  # one bfloat16 rounding of the largest output
+            # AMX without a mask: group_rows, PyTorch's fused kernel, which works in float32 inside
+            assert (err <= ulp) is (not native or mask is None), (native, mask is None, err, ulp)
 
 
 def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():
