@@ -177,6 +177,7 @@ class Session:
             cache_dir=self.options.cache_dir,
             kv_offload=self.options.kv_offload,
             kv_bits=pipeline.kv_bits(self.options.kv_bits),
+            decode_bits=pipeline.decode_bits(self.options.kv_bits, self.lm.device),
             document=_source(document),
             document_sha256=document.sha256,
             on_embed=o.on_embed,

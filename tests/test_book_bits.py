@@ -169,7 +169,7 @@ def test_an_entry_whose_facts_and_tensors_disagree_on_the_bits_is_refused(tiny_l
 def test_by_default_a_book_and_full_attention_are_stored_in_8_bits_and_lazyllm_in_16(cli, tmp_path, tiny_dir):
     """--kv-bits auto, the default: the stored book's entry and the KV it answers from in 8 bits
     (InfLLM.auto_kv_bits), full attention's too, LazyLLM's (a layout not quantized) in 16, said
-    by no warning; the JSON says which."""
+    by no warning; the JSON says which, and which bits decoding read."""
     import json
 
     doc = tmp_path / "d.txt"
@@ -184,6 +184,8 @@ def test_by_default_a_book_and_full_attention_are_stored_in_8_bits_and_lazyllm_i
         got[spec] = json.loads(out)
         assert not any("--kv-bits" in w for w in got[spec]["warnings"]), got[spec]["warnings"]
     assert got[SPEC]["kv_bits"] == 8 and got["full"]["kv_bits"] == 8 and got["lazyllm"]["kv_bits"] == 16
+    # decoding on this CPU: full attention's 8-bit KV turned back to 16, the book from its own bits
+    assert [got[s]["decode_kv_bits"] for s in (SPEC, "full", "lazyllm")] == [8, 16, 16]
     code, out, err = cli(
         "ask", doc, QUESTION, "-m", tiny_dir("llama"), "-c", SPEC, "--json", "--max-new-tokens", "3",
         "--cache-dir", tmp_path / "cache", "--no-sources", "--kv-bits", "8",

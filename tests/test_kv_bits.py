@@ -197,6 +197,29 @@ def test_round_trips(bits, tiny_lm):
     assert all(torch.equal(a, b) for a, b in zip(back.to_tensors()[0].values(), tensors.values()))
 
 
+def test_auto_decodes_from_16_bits_on_a_cpu_and_holds_the_methods_bits():
+    """``--kv-bits auto`` on a CPU: the KV is held (and stored) in the method's bits, and decoding
+    reads it turned back to 16 (``Pipeline.decode_bits``, ``Pipeline.small_kv``): the numbers of its
+    codes, by the codec's own dequantization. Elsewhere, or with bits asked for, decoding reads
+    those bits."""
+    from kvcli.answer.pipeline import Pipeline
+
+    full = Pipeline.parse("full")
+    assert full.kv_bits("auto") == 8 and full.decode_bits("auto", "cpu") == 16
+    assert full.decode_bits("auto", "cuda") == 8 and full.decode_bits(8, "cpu") == 8 and full.decode_bits(4, "cpu") == 4
+    assert Pipeline.parse("lazyllm").decode_bits("auto", "cuda") == 16
+    torch.manual_seed(6)
+    k, v = torch.randn(1, 2, 20, 16).bfloat16(), torch.randn(1, 2, 20, 16).bfloat16()
+    held = QuantKVCache(8)
+    held.update(k, v, 0)
+    codes = held.packed(0)
+    want = [quant.dequantize(p, 16, torch.bfloat16) for p in codes]
+    decoding = full.small_kv(held, 16)
+    assert type(decoding) is KVCache and decoding.kv_bits == 16
+    assert torch.equal(decoding.keys[0], want[0]) and torch.equal(decoding.values[0], want[1])
+    assert full.small_kv(decoding, 16) is decoding  # 16 already: as it is
+
+
 def test_truncate_drop_front_and_copy():
     cache = QuantKVCache(8)
     rows = torch.randn(1, 2, 30, 16)

@@ -150,14 +150,17 @@ class Pipeline:
         return not any(owned_phases(type(s)) for s in self.stages)
 
     def small_kv(self, cache, bits: int):
-        """The cache decoding runs on, in ``bits`` bits (``--kv-bits``): ``cache`` as it is when it
-        holds them already (full attention's quantized prefix, a quantized book) or at 16; a plain
-        KV (full attention without a prefix, the eviction methods, Finch) quantized layer by layer;
-        else ``cache`` in 16 bits, said once: a method that decodes its own way or a layout not
-        quantized (:mod:`kvcli.caches.quant`)."""
-        if bits == 16 or cache.kv_bits == bits:
-            return cache
+        """The cache decoding runs on, in ``bits`` bits (:meth:`decode_bits`): ``cache`` as it is when
+        it holds them already (full attention's quantized prefix, a quantized book); at 16 a quantized
+        plain KV turned back layer by layer (a book, which decodes its own way, stays as it is); a
+        plain KV (full attention without a prefix, the eviction methods, Finch) quantized layer by
+        layer; else ``cache`` in 16 bits, said once: a method that decodes its own way or a layout
+        not quantized (:mod:`kvcli.caches.quant`)."""
         decoder = self.owner("decode_step")
+        if cache.kv_bits == bits:
+            return cache
+        if bits == 16:  # a quantized plain KV read in 16 bits for decoding (Pipeline.decode_bits)
+            return cache.dense() if type(cache) is QuantKVCache and decoder is None else cache
         if type(cache) is KVCache and decoder is None:
             return QuantKVCache.of(cache, bits)
         method = self.spec().split(":")[0]
@@ -173,6 +176,16 @@ class Pipeline:
         """The bits the KV is held in for ``--kv-bits setting``: the setting, or for ``auto`` what
         the stages declare (:attr:`Compressor.auto_kv_bits`): 16 when one of them holds 16."""
         return max(s.auto_kv_bits for s in self.stages) if setting == quant.AUTO else int(setting)
+
+    def decode_bits(self, setting: int | str, device) -> int:
+        """The bits decoding reads the KV in: :meth:`kv_bits`, except under ``auto`` on a CPU, where
+        an 8-bit KV (in memory while the prompt is read, and in the disk store) is turned back to
+        16 bits once for the answer: a CPU decodes from 16 bits faster (PyTorch's fused or kvcli's
+        grouped attention against :func:`kvcli.caches.quant.attend`'s products over the codes; the
+        1.5B Qwen after 4,700 tokens, docs/kv-bits.md), and the 16-bit KV of what an answer reads is
+        no more than the prompt's reading held."""
+        bits = self.kv_bits(setting)
+        return 16 if setting == quant.AUTO and torch.device(device).type == "cpu" else bits
 
     def reader(self) -> Compressor:
         """The stage that reads the whole prompt first, and so owns the prefix state: the first
@@ -368,6 +381,7 @@ class _Reading:
     cache: object
     logits: torch.Tensor
     next_position: int
+    held_bits: int = 16  # the bits the prompt's KV was held (and stored) in; ``cache`` is decoding's
 
 
 def run(
@@ -416,7 +430,8 @@ def run(
 def _read_prompt(engine, prompt: Prompt, pipeline: Pipeline, store, meta, on_selected) -> _Reading:
     """The prompt phase: the prefix state, the selectors' choice, the prefill of the kept tokens,
     the compressors, the sliding windows' cut and ``--kv-bits``."""
-    bits = pipeline.reader().runtime.kv_bits
+    runtime = pipeline.reader().runtime
+    bits = runtime.kv_bits if runtime.decode_bits is None else runtime.decode_bits
     prefix = Prefix.of(engine, prompt, pipeline.reader(), store, meta or {}, quantized=pipeline.plain())
     selection = _select(engine, prompt, pipeline, prefix)
     if on_selected is not None:
@@ -424,8 +439,9 @@ def _read_prompt(engine, prompt: Prompt, pipeline: Pipeline, store, meta, on_sel
     kept_ids = prompt.ids[selection.kept]
     second_prefix = _second_prefix(engine, prompt, pipeline, selection, prefix, store, meta)
     cache, logits, next_position = _prefill(engine, prompt, pipeline, kept_ids, second_prefix)
-    cache = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
-    return _Reading(prefix, second_prefix, selection, kept_ids, cache, logits, next_position)
+    small = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
+    held = cache.kv_bits if bits == 16 else small.kv_bits  # 16 for decoding: turned back, or never quantized
+    return _Reading(prefix, second_prefix, selection, kept_ids, small, logits, next_position, held)
 
 
 def _select(engine, prompt: Prompt, pipeline: Pipeline, prefix: Prefix | None) -> Selection:
@@ -522,7 +538,8 @@ def _result(engine, prompt, pipeline, read: _Reading, answer_ids, m, ttft, total
         windows=engine.windows,
         extra={
             "kv_cache_bytes": cache.nbytes(),
-            "kv_bits": cache.kv_bits,
+            "kv_bits": read.held_bits,
+            "decode_kv_bits": cache.kv_bits,
             "peak_mem_reserved_mb": m.peak_mem_reserved_mb,  # CUDA only (None elsewhere)
             "cache": prefix_report(read.prefix, read.second_prefix),
             # a method's own counters, JSON-able (LazyLLM: share of prompt tokens computed;

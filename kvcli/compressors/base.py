@@ -103,6 +103,8 @@ class Runtime:
     cache_dir: Path | None = None  # per-model data (head profiles); None: kvcli.model.default_cache_dir()
     kv_offload: str = "none"  # "cpu": methods with ``holds_whole_kv`` keep the KV in CPU memory (--kv-offload)
     kv_bits: int = 16  # bits the KV is held and stored in (--kv-bits resolved: Pipeline.kv_bits): 16, 8 or 4
+    # bits decoding reads the KV in (Pipeline.decode_bits): kv_bits, but 16 under --kv-bits auto on a CPU
+    decode_bits: int | None = None  # None: kv_bits
     # the document, as the files a method keeps in the cache folder record it (the page vectors:
     # ``kvcli cache ls`` names it, ``kvcli cache rm DOCUMENT`` finds them): its path and sha256
     document: str | None = None

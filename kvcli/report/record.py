@@ -52,6 +52,7 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         ),  # CUDA
         "kv_cache_bytes": result.extra.get("kv_cache_bytes"),
         "kv_bits": result.extra.get("kv_bits"),  # bits the KV was held in (--kv-bits; 16 where a method keeps 16)
+        "decode_kv_bits": result.extra.get("decode_kv_bits"),  # bits decoding read it in (16 under auto on a CPU)
         "n_answer_tokens": len(result.answer_ids),
         "device": str(session.engine.device),
         "attn": session.lm.attn,
