@@ -282,7 +282,12 @@ class Int4Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = GROUP) -> None:
         super().__init__(*weight.shape, bias, dtype)
         self.group = group
-        packed, scale_zero = pack_int4(weight, group, dtype)
+        n, k = weight.shape
+        if weight.is_meta:  # a skeleton's (:func:`quantize_model` on the meta device): the packing's shapes
+            packed = torch.empty(n, k // 2, dtype=torch.uint8, device="meta")
+            scale_zero = torch.empty(k // group, n, 2, dtype=dtype, device="meta")
+        else:
+            packed, scale_zero = pack_int4(weight, group, dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)  # (in/group, out, 2)
         if self.out_features % PACK_ROWS or not packing_read():
@@ -349,23 +354,27 @@ def four_bit_fits(linear: nn.Linear) -> bool:
     return linear.weight.is_meta or not held_in_more_bits(linear.weight)
 
 
-def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> dict:
+def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE, int8: set[str] | None = None) -> dict:
     """Replace, in place, the decoder layers' ``nn.Linear`` modules by :class:`Int4Linear` (4: a layer
     whose input size is not a multiple of :data:`GROUP`, or output size of :data:`N_MULTIPLE`, or that
     a GGUF held in more than 4 bits (:func:`held_in_more_bits`), is int8) or :class:`Int8Linear` (8), and the
     embedding + LM head by int8 rows; everything else (norms) goes to ``dtype``. Returns what was
     done: {"int4": n, "int8": n} (matrices of each kind). A model on the meta device gets the same
-    layers with empty codes: the skeleton :mod:`.kept` loads kept weights into."""
+    layers with empty codes: the skeleton :mod:`.kept` loads kept weights into; ``int8``: at 4 bits,
+    the paths of the layers' matrices that are int8 (what :func:`int8_paths` recorded of the
+    quantised model), where a skeleton's weights cannot say."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     counts = {"int4": 0, "int8": 0}
     decoder = model.get_decoder()
+    paths = {id(m): name for name, m in model.named_modules()}
     for layer in decoder.layers:
         for name, child in list(layer.named_modules()):
             if not isinstance(child, nn.Linear):
                 continue
             parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
-            if bits == 4 and four_bit_fits(child):
+            fits = four_bit_fits(child) if int8 is None else paths[id(child)] not in int8
+            if bits == 4 and fits:
                 new: nn.Module = Int4Linear.of(child, dtype)
                 counts["int4"] += 1
             else:
@@ -388,3 +397,10 @@ def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype = DTYPE) -> d
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return counts
+
+
+def int8_paths(model: nn.Module) -> list[str]:
+    """The paths of a quantised model's decoder-layer matrices held in int8 (at ``--quant 4``: those
+    :func:`four_bit_fits` left in 8 bits), for :func:`quantize_model`'s ``int8`` of a skeleton."""
+    layers = {id(m) for layer in model.get_decoder().layers for m in layer.modules()}
+    return sorted(name for name, m in model.named_modules() if id(m) in layers and isinstance(m, Int8Linear))

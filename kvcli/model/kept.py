@@ -1,15 +1,18 @@
-"""8-bit weights kept on disk: a converted model (an embedded one, a user's GGUF) quantised once
-on the CPU (:func:`.cpu_quant.quantize_model`) is saved beside its converted folder, and a later
-process builds the model's skeleton on the meta device and loads the int8 codes straight into it:
-no float32 copy of the weights in memory (the 1.5B's 6.2 GB), nothing quantised again.
+"""Quantised weights kept on disk: a converted model (an embedded one, a user's GGUF) quantised once
+on the CPU (:func:`.cpu_quant.quantize_model`, 8 bits or ``--quant 4``'s 4) is saved beside its
+converted folder, and a later process builds the model's skeleton on the meta device and loads the
+codes straight into it: no float32 copy of the weights in memory (the 1.5B's 6.2 GB), nothing
+quantised again (at 4 bits every group's grid found again: the 1.5B's load ~2 min).
 
-The folder ``<cache>/models/<converted folder>.int8-<dtype>-v<FORMAT>/`` holds ``weights.safetensors``
-(every parameter and buffer of the quantised model by its module path, the non-persistent ones
-too: the rotary tables) and ``kept.json`` (what it was made from), written into a temporary
-folder and renamed into place: data, never code; concurrent processes either see the whole
-folder or none. The name holds everything that changes the bytes (the converted folder's own name
-carries the GGUF's sha256; the activations' dtype; :data:`FORMAT`, raised whenever the quantiser
-or the layout changes); ``kept.json`` repeats the source it was made from, checked on load.
+The folder ``<cache>/models/<converted folder>.int8-<dtype>-v<FORMAT>/`` (``.int4-<dtype>-torch<version>-v<FORMAT>``
+at 4 bits: the packed 4-bit codes are in PyTorch's own CPU layout, so another PyTorch keeps its own)
+holds ``weights.safetensors`` (every parameter and buffer of the quantised model by its module
+path, the non-persistent ones too: the rotary tables) and ``kept.json`` (what it was made from; at
+4 bits the matrices left in int8), written into a temporary folder and renamed into place: data,
+never code; concurrent processes either see the whole folder or none. The name holds everything
+that changes the bytes (the converted folder's own name carries the GGUF's sha256; the bits; the
+activations' dtype; :data:`FORMAT`, raised whenever the quantiser or the layout changes);
+``kept.json`` repeats the source it was made from, checked on load.
 """
 
 from __future__ import annotations
@@ -24,23 +27,25 @@ from typing import Any
 import torch
 
 from ..files import share_like_umask
-from .cpu_quant import quantize_model
+from .cpu_quant import int8_paths, quantize_model
 
 FORMAT = 1
 _WEIGHTS, FACTS = "weights.safetensors", "kept.json"
 
 
-def kept_folder(source: Path, dtype: torch.dtype) -> Path:
-    """Where the 8-bit weights of the converted folder ``source`` are kept."""
-    return source.parent / f"{source.name}.int8-{str(dtype).removeprefix('torch.')}-v{FORMAT}"
+def kept_folder(source: Path, dtype: torch.dtype, bits: int = 8) -> Path:
+    """Where the ``bits``-bit weights of the converted folder ``source`` are kept."""
+    dt = str(dtype).removeprefix("torch.")
+    kind = f"int8-{dt}" if bits == 8 else f"int4-{dt}-torch{torch.__version__}"
+    return source.parent / f"{source.name}.{kind}-v{FORMAT}"
 
 
-def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | None:
+def save(model: torch.nn.Module, source: Path, dtype: torch.dtype, bits: int = 8) -> Path | None:
     """Keep ``model``'s quantised weights (best effort: a cache that cannot take them costs only
     quantising again next time). Returns the folder, or None when nothing was written."""
     from safetensors.torch import save_file
 
-    target = kept_folder(source, dtype)
+    target = kept_folder(source, dtype, bits)
     if (target / FACTS).is_file():
         return target
     tensors, storages = {}, set()
@@ -51,8 +56,10 @@ def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | Non
     tmp: Path | None = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": f"kvcli-int8-v{FORMAT}"})
-        facts = {"format": FORMAT, "source": source.name, "dtype": str(dtype), "tensors": len(tensors)}
+        save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": f"kvcli-int{bits}-v{FORMAT}"})
+        facts = {"format": FORMAT, "source": source.name, "dtype": str(dtype), "tensors": len(tensors), "bits": bits}
+        if bits == 4:
+            facts["int8"] = int8_paths(model)
         (tmp / FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
         share_like_umask(tmp)
         try:
@@ -68,21 +75,22 @@ def save(model: torch.nn.Module, source: Path, dtype: torch.dtype) -> Path | Non
     return target
 
 
-def load(source: Path, config: Any, dtype: torch.dtype, attn_impl: str) -> torch.nn.Module | None:
-    """The quantised model from its kept weights, or None when none are kept (or they do not fit
-    this model's skeleton: then the caller quantises again and keeps anew)."""
+def load(source: Path, config: Any, dtype: torch.dtype, attn_impl: str, bits: int = 8) -> torch.nn.Module | None:
+    """The ``bits``-bit quantised model from its kept weights, or None when none are kept (or they
+    do not fit this model's skeleton: then the caller quantises again and keeps anew)."""
     from transformers import AutoModelForCausalLM
 
-    folder = kept_folder(source, dtype)
+    folder = kept_folder(source, dtype, bits)
     try:
         facts = json.loads((folder / FACTS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if facts.get("format") != FORMAT or facts.get("source") != source.name:
+    if facts.get("format") != FORMAT or facts.get("source") != source.name or facts.get("bits", 8) != bits:
         return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_impl, dtype=torch.float32)
-    quantize_model(model, 8, dtype)  # the quantised layers, empty
+    int8 = set(facts.get("int8", ())) if bits == 4 else None
+    quantize_model(model, bits, dtype, int8=int8)  # the quantised layers, empty
     slots = _slots(model)
     try:
         with open(folder / _WEIGHTS, "rb") as f:

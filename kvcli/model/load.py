@@ -83,16 +83,16 @@ def load_model(
     what = Asked.of(name)
     opts = resolve_options(what, device, quant, attn, dtype, cache)
     src = where_from(what, cache)
-    keep = src.converted and opts.cpu_quant and opts.quant == "8bit"  # 8-bit weights kept beside the conversion
+    keep = src.converted and opts.cpu_quant  # the quantised weights kept beside the conversion
 
     config, model, tokenizer, quantized = read_model(src, opts, trust_remote_code, keep)
 
     check_structure(model, src.name, config)
     if opts.cpu_quant and not quantized:
-        quantize_model(model, 4 if opts.quant == "4bit" else 8, opts.dtype)
+        quantize_model(model, opts.cpu_bits, opts.dtype)
         malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
         if keep:
-            kept.save(model, Path(src.source), opts.dtype)
+            kept.save(model, Path(src.source), opts.dtype, opts.cpu_bits)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -129,6 +129,11 @@ class Options:
     dtype: torch.dtype
     attn_impl: str  # the attention kernel transformers is asked for
 
+    @property
+    def cpu_bits(self) -> int:
+        """The bits of the CPU's quantised weights (:func:`.cpu_quant.quantize_model`): 4 or 8."""
+        return 4 if self.quant == "4bit" else 8
+
 
 @dataclass(frozen=True)
 class Source:
@@ -161,7 +166,8 @@ def read_model(src: Source, opts: Options, trust_remote_code: bool, keep: bool) 
                 trust_remote_code,
             )
             kwargs = weights_options(config, opts, trust_remote_code)
-            model = kept.load(Path(src.source), config, torch_dtype, kwargs["attn_implementation"]) if keep else None
+            attn = kwargs["attn_implementation"]
+            model = kept.load(Path(src.source), config, torch_dtype, attn, opts.cpu_bits) if keep else None
             quantized = model is not None
             if model is None:
                 model = call(AutoModelForCausalLM.from_pretrained, "the weights", **kwargs)
