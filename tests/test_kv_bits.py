@@ -218,6 +218,14 @@ def test_auto_decodes_from_16_bits_on_a_cpu_and_holds_the_methods_bits():
     assert type(decoding) is KVCache and decoding.kv_bits == 16
     assert torch.equal(decoding.keys[0], want[0]) and torch.equal(decoding.values[0], want[1])
     assert full.small_kv(decoding, 16) is decoding  # 16 already: as it is
+    roomy = QuantKVCache(8)
+    roomy.update(k, v, 0)
+    decoding = full.small_kv(roomy, 16, room=5)  # the answer's room in the buffers: appended in place
+    assert torch.equal(decoding.keys[0], want[0]) and torch.equal(decoding.values[0], want[1])
+    before = decoding.keys[0].untyped_storage().data_ptr()
+    decoding.update(k[:, :, :3], v[:, :, :3], 0)
+    assert decoding.keys[0].untyped_storage().data_ptr() == before and decoding.get_seq_length() == 23
+    assert torch.equal(decoding.keys[0][:, :, 20:], k[:, :, :3])
 
 
 def test_truncate_drop_front_and_copy():

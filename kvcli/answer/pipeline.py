@@ -149,18 +149,19 @@ class Pipeline:
         it its own way (each stage is ``full``)."""
         return not any(owned_phases(type(s)) for s in self.stages)
 
-    def small_kv(self, cache, bits: int):
+    def small_kv(self, cache, bits: int, room: int = 0):
         """The cache decoding runs on, in ``bits`` bits (:meth:`decode_bits`): ``cache`` as it is when
         it holds them already (full attention's quantized prefix, a quantized book); at 16 a quantized
         plain KV turned back layer by layer (a book, which decodes its own way, stays as it is); a
         plain KV (full attention without a prefix, the eviction methods, Finch) quantized layer by
         layer; else ``cache`` in 16 bits, said once: a method that decodes its own way or a layout
-        not quantized (:mod:`kvcli.caches.quant`)."""
+        not quantized (:mod:`kvcli.caches.quant`). ``room``: the entries decoding may append (a
+        KV turned back to 16 bits gets them in its buffers)."""
         decoder = self.owner("decode_step")
         if cache.kv_bits == bits:
             return cache
         if bits == 16:  # a quantized plain KV read in 16 bits for decoding (Pipeline.decode_bits)
-            return cache.dense() if type(cache) is QuantKVCache and decoder is None else cache
+            return cache.dense(room) if type(cache) is QuantKVCache and decoder is None else cache
         if type(cache) is KVCache and decoder is None:
             return QuantKVCache.of(cache, bits)
         method = self.spec().split(":")[0]
@@ -439,7 +440,7 @@ def _read_prompt(engine, prompt: Prompt, pipeline: Pipeline, store, meta, on_sel
     kept_ids = prompt.ids[selection.kept]
     second_prefix = _second_prefix(engine, prompt, pipeline, selection, prefix, store, meta)
     cache, logits, next_position = _prefill(engine, prompt, pipeline, kept_ids, second_prefix)
-    small = pipeline.small_kv(cache, bits)  # --kv-bits: the KV decoding holds
+    small = pipeline.small_kv(cache, bits, engine.kv_room)  # --kv-bits: the KV decoding holds
     held = cache.kv_bits if bits == 16 else small.kv_bits  # 16 for decoding: turned back, or never quantized
     return _Reading(prefix, second_prefix, selection, kept_ids, small, logits, next_position, held)
 

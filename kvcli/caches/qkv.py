@@ -37,6 +37,7 @@ from .base import (
     cache_type,
     drop_rows,
     dropped_facts,
+    make_room,
     read_dropped,
     truncate_rows,
     written_by,
@@ -180,9 +181,11 @@ class QuantKVCache(CacheBase):
             cache.keys[layer] = cache.values[layer] = k.new_empty(*k.shape[:-2], 0, k.shape[-1])  # its buffer freed
         return out
 
-    def dense(self) -> KVCache:
+    def dense(self, room: int = 0) -> KVCache:
         """This cache as a plain 16-bit one, layer by layer (each quantized layer released as soon
-        as it is converted: this cache is unusable after)."""
+        as it is converted: this cache is unusable after); ``room``: entries more each layer's
+        buffer holds, so that decoding appends its answer in place (a layer moved to a larger
+        buffer would be held twice, and the heap keeps what it frees)."""
         out = KVCache()
         out.positions, out.dropped = self.positions, dict(self.dropped)
         for name in _FIELDS:
@@ -191,6 +194,8 @@ class QuantKVCache(CacheBase):
             k, v = self.dense_layer(layer)
             out.keys.append(k)
             out.values.append(v)
+            if room > 0:
+                make_room(out, ("keys", "values"), layer, room)
             for name in NAMES:  # a new empty tensor: a view would keep the layer's buffer alive
                 t = getattr(self, name)[layer]
                 getattr(self, name)[layer] = t.new_empty(*t.shape[:-2], 0, t.shape[-1])
