@@ -2,7 +2,8 @@
 on the CPU (:func:`.cpu_quant.quantize_model`, 8 bits or ``--quant 4``'s 4) is saved beside its
 converted folder, and a later process builds the model's skeleton on the meta device and loads the
 codes straight into it: no float32 copy of the weights in memory (the 1.5B's 6.2 GB), nothing
-quantised again (at 4 bits every group's grid found again: the 1.5B's load ~2 min).
+quantised again (at 4 bits that is every group's grid found again: the 1.5B's first load 234 s,
+a later one 9 s, docs/cpu.md).
 
 The folder ``<cache>/models/<converted folder>.int8-<dtype>-v<FORMAT>/`` (``.int4-<dtype>-torch<version>-v<FORMAT>``
 at 4 bits: the packed 4-bit codes are in PyTorch's own CPU layout, so another PyTorch keeps its own)
