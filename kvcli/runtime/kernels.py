@@ -146,18 +146,19 @@ def grouped(query, key, value, mask, scaling):
     return out.reshape(b, n_heads, q_len, -1).transpose(1, 2).contiguous()
 
 
-def group_rows(query, key, value, scaling):
+def group_rows(query, key, value, scaling, mask=None):
     """One decoding query per head, attending all keys (1, n_heads, 1, d): the query heads of each
     KV head as the rows of one PyTorch attention call (its fused CPU kernel: no score matrix, no
     ``enable_gqa``, the KV read in place however the cache strides it). On a CPU with AMX
     (:func:`kvcli.runtime.native.amx`) 2-2.4x faster than :func:`grouped`'s matrix products (a
     Xeon with AMX, 2 threads, 4,700 bfloat16 keys a layer: 20.9 against 50.1 ms over the 1.5B
     Qwen's 28 layers, 10.6 against 21.1 over the 0.5B's 24; docs/cpu.md); elsewhere not measured,
-    so not used."""
+    so not used. ``mask``: (kv_len,) bool, the keys attended (:func:`padded`'s), None: all."""
     b, n_heads, _, d = query.shape
     n_kv = key.shape[1]
     q = query.reshape(b, n_kv, n_heads // n_kv, d)
-    out = F.scaled_dot_product_attention(q, key, value, scale=scaling)
+    bias = None if mask is None else mask.view(1, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
     return out.reshape(b, n_heads, 1, -1).transpose(1, 2).contiguous()
 
 
@@ -188,13 +189,9 @@ def padded(kernel: str, query, key, value, allowed, scaling):
     mask = allowed.view(1, -1)
     if kernel == "eager":
         return eager(query, key, value, mask, scaling)
-    b, n_heads, _, d = query.shape
-    n_kv = key.shape[1]
     if query.device.type == "cpu" and key.dtype in (torch.bfloat16, torch.float16):
         return grouped(query, key, value, mask, scaling)
-    q = query.reshape(b, n_kv, n_heads // n_kv, d)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.view(1, 1, 1, -1), scale=scaling)
-    return out.reshape(b, n_heads, 1, -1).transpose(1, 2).contiguous()
+    return group_rows(query, key, value, scaling, allowed)
 
 
 def eager(query, key, value, mask, scaling):
