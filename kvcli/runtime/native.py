@@ -7,23 +7,39 @@ oneDNN's bfloat16 GEMM is native with AVX512-BF16 or AMX; on an AVX2-only CPU (m
 before Zen 4) it is emulated: an AMD EPYC with AVX2 ran a 512 × 576 × 1536 product at 1.3 GFLOP/s
 in bfloat16 against 71 in float32 on one core (2026-11-28), and one decoding query's attention over
 4,700 bfloat16 keys (two KV heads of 64, seven query heads each) in 8.9 ms against 0.8 ms with the
-keys and values made float32 first (2026-11-29, two threads; docs/cpu.md).
+keys and values made float32 first (2026-11-29, two threads; docs/cpu.md). On x86 Linux the CPU's
+flags answer (:func:`native_gemm`); elsewhere a timing.
 """
 
 from __future__ import annotations
 
 import functools
+import platform
 import time
+from pathlib import Path
 
 import torch
+
+# The x86 CPU flags under which oneDNN multiplies each 16-bit dtype natively (/proc/cpuinfo's names).
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
 @functools.cache
 def native_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x):
-    timed once a process on a small product (under 20 ms)."""
+    """Whether this CPU multiplies ``dtype`` matrices about as fast as float32 ones (within 2x). On
+    x86 Linux the CPU's flags say (:data:`NATIVE_FLAGS`); elsewhere it is timed once a process on a
+    small product (under 20 ms a try). Timing alone misjudged a Xeon with AMX beside one busy
+    process in 16 of 300 tries, and a process so misjudged read its prompt twice as slowly and
+    decoded from float32 copies of the KV (the 0.5B at 4.7k tokens: peaks of 1.8-2.2 GB, not 1.2)."""
     if dtype == torch.float32:
         return True
+    flags = cpu_flags()
+    if flags is not None:
+        return any(flag in flags for flag in NATIVE_FLAGS.get(dtype, ()))
+    return any(_timed_native(dtype) for _ in range(3))  # noise only ever slows a try down
+
+
+def _timed_native(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 256, generator=gen)
 
@@ -37,6 +53,22 @@ def native_gemm(dtype: torch.dtype) -> bool:
         return min(times)
 
     return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The x86 CPU's feature flags (``/proc/cpuinfo``), None where there are none to read (not
+    Linux, not x86: an ARM cpuinfo names its ``Features``, not these)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
 
 
 @functools.cache

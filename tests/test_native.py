@@ -1,0 +1,57 @@
+"""Whether this CPU multiplies 16-bit matrices natively (kvcli.runtime.native.native_gemm): on x86
+the CPU's flags decide, not a timing that a busy neighbour can upset; elsewhere the timing, where
+one slow try does not decide."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+from kvcli.runtime import native
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    native.native_gemm.cache_clear()
+    yield
+    native.native_gemm.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "flags,bf16,fp16",
+    [
+        ({"avx2", "fma"}, False, False),  # an AVX2-only CPU: both emulated
+        ({"avx2", "avx512f", "avx512_bf16"}, True, False),  # Zen 4, Cooper Lake
+        ({"avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}, True, True),  # Sapphire Rapids
+        ({"amx_bf16", "amx_fp16"}, True, True),
+    ],
+)
+def test_the_cpu_flags_decide_and_nothing_is_timed(flags, bf16, fp16, monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(native, "_timed_native", lambda dtype: pytest.fail("timed where the flags say"))
+    assert native.native_gemm(torch.bfloat16) is bf16
+    assert native.native_gemm(torch.float16) is fp16
+    assert native.native_gemm(torch.float32) is True
+
+
+def test_without_flags_one_slow_try_does_not_decide(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: None)
+    tries = iter([False, True, False])
+    monkeypatch.setattr(native, "_timed_native", lambda dtype: next(tries))
+    assert native.native_gemm(torch.bfloat16) is True  # the second try: native
+    native.native_gemm.cache_clear()
+    monkeypatch.setattr(native, "_timed_native", lambda dtype: False)
+    assert native.native_gemm(torch.bfloat16) is False  # every try emulated
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or not os.path.exists("/proc/cpuinfo"), reason="x86 Linux"
+)
+def test_this_x86_cpus_flags_are_read():
+    native.cpu_flags.cache_clear()
+    flags = native.cpu_flags()
+    assert flags is not None and "sse2" in flags  # every x86-64 CPU has SSE2
+    assert native.native_gemm(torch.bfloat16) is bool(flags & {"avx512_bf16", "amx_bf16"})
