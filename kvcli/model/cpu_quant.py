@@ -27,6 +27,7 @@ native (:func:`kvcli.runtime.native.native_gemm`; docs/cpu.md).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -315,7 +316,11 @@ class Int4Linear(QuantLinear):
 class Int8Embedding(nn.Module):
     """A token embedding table in int8 per row, gathered and scaled to ``dtype`` on lookup; a
     scaled embedding (Gemma's ``embed_scale``) keeps its scale. Tied to an LM head, it shares its
-    codes with that head's :class:`Int8Linear` (one table in memory, as before)."""
+    codes with that head's :class:`Int8Linear` (one table in memory, as before). ``after_lookup``:
+    called after each lookup (:mod:`.kept` sets it where the codes are mapped from a file: it hands
+    the looked-up pages back)."""
+
+    after_lookup: Callable[[], None] | None = None
 
     def __init__(self, head: Int8Linear, embed_scale: torch.Tensor | None, own: bool = False) -> None:
         super().__init__()
@@ -328,6 +333,8 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
         rows = head.codes[ids].to(head.dtype) * head.scale[ids].unsqueeze(-1)
+        if self.after_lookup is not None:
+            self.after_lookup()
         return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
 
 

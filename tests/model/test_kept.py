@@ -19,6 +19,18 @@ from tests.model.test_gguf_files import write_tiny_llama_gguf
 IDS = torch.tensor([[1, 520, 1280, 30000, 7, 99, 4000]])
 
 
+def _file_at(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (None: anonymous memory, e.g. a read tensor)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        lines = maps.read().splitlines()
+    for line in lines:
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return rest[4] if len(rest) > 4 and rest[4].startswith("/") else None
+    return None
+
+
 def _logits(model) -> torch.Tensor:
     with torch.inference_mode():
         return model(IDS).logits
@@ -38,9 +50,14 @@ def test_kept_weights_load_back_to_the_same_logits(tiny_dir, tmp_path, family, o
     assert kept.save(lm.model, folder, DTYPE) == kept.kept_folder(folder, DTYPE)
     back = kept.load(folder, lm.model.config, DTYPE, "sdpa")
     assert back is not None and not any(t.is_meta for t in back.state_dict().values())
-    assert all(t.data_ptr() % kept.ALIGN == 0 for t in back.state_dict().values())  # the int8 kernel's need
-    assert torch.equal(_logits(back.eval()), want)
     embed, head = back.get_input_embeddings(), back.get_output_embeddings()
+    mapped = {"model.embed_tokens.table.codes"} if not back.config.tie_word_embeddings else set()
+    assert kept._gathered(back) == mapped  # an untied table is only gathered from: mapped, not read
+    if mapped:
+        assert _file_at(embed.table.codes.data_ptr()) == str(kept.kept_folder(folder, DTYPE) / kept._WEIGHTS)
+    read = {name: t for name, t in back.state_dict().items() if name not in mapped}
+    assert all(t.data_ptr() % kept.ALIGN == 0 for t in read.values())  # the int8 kernel's need
+    assert torch.equal(_logits(back.eval()), want)
     assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
     assert (embed.head[0] is head) == back.config.tie_word_embeddings  # one table when tied, else two
     assert back.config.tie_word_embeddings == (family == "qwen2")
