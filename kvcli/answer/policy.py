@@ -11,10 +11,10 @@ and at 2x only GemFilter matches it, without saving time to first token. So the 
   model that reads slowly there (``EmbeddedModel.cpu_full_until``: the Qwen models, 4,096 tokens),
   only up to that length, ``BEYOND_WINDOW`` after it (:meth:`AutoPolicy.on`): the 1.5B's first
   question took 150 s at 4.7k tokens on 2 AVX2 cores and over an hour at 30k, where ``pages``
-  answers in 30-50 s and answered 21 of 25 held-out manual questions (docs/bench/qwen); the 1.5B
-  reads three pages whole there instead where EmbeddingGemma ranks them
-  (``EmbeddedModel.auto_pages``: 38 of 50 held-out questions in both wordings against 31, for
-  about twice the wait);
+  answers in 30-50 s and answered 21 of 25 held-out manual questions (docs/bench/qwen); the Qwen
+  models read three pages whole there instead where EmbeddingGemma ranks them
+  (``EmbeddedModel.auto_pages``: held out, in both wordings, 38 of 50 against 31 on the 1.5B, 23
+  against 19 on the 0.5B, for about twice the wait);
 * longer than the window: ``BEYOND_WINDOW``, ``pages`` (``-c pages``): the document's page (or
   page-sized passage) that BM25 ranks first for the question, read whole with full attention, and the best
   sentences of the next two. On 63 questions about six Debian manuals (docs/bench/cite, "Pages") it
@@ -64,8 +64,8 @@ class AutoPolicy:
 
     def on(self, lm) -> AutoPolicy:
         """This policy for ``lm``: an embedded model's own reading past full attention
-        (``EmbeddedModel.auto_pages``: the 1.5B reads three pages whole where EmbeddingGemma ranks
-        them) instead of :data:`BEYOND_WINDOW`; where it reads slowly on the CPU
+        (``EmbeddedModel.auto_pages``: the Qwen models read three pages whole where EmbeddingGemma
+        ranks them) instead of :data:`BEYOND_WINDOW`; where it reads slowly on the CPU
         (``EmbeddedModel.cpu_full_until``: the Qwen models), prompts longer than that within the
         window go through that reading as well; else unchanged."""
         from ..model.catalog import embedded
