@@ -43,16 +43,24 @@ def read_case() -> tuple[dict, str, list[str]]:
 
 
 class Clock:
-    """Wall times of one generation: ``first()`` at the first answer token, ``done()`` at the end."""
+    """Wall times of one generation: ``first()`` at the first answer token, ``done()`` at the end.
+    A worker whose call returns after more than the tokens (kvcli: the answer's sources) marks each
+    streamed token with ``token()`` instead of ``first()``: decoding then ends at the last token,
+    not at ``done()``, as it does for a peer whose call ends with its last token."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.ttft = None
+        self.last = None
         self.total = None
 
     def first(self) -> None:
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.start
+
+    def token(self) -> None:
+        self.first()
+        self.last = time.perf_counter() - self.start
 
     def done(self) -> None:
         self.total = time.perf_counter() - self.start
@@ -70,7 +78,7 @@ def answer_ids(ids: list[int], stop_ids: list[int]) -> list[int]:
 
 def emit(case: dict, clock: Clock, generated: list[int], **extra) -> None:
     n = len(generated)
-    decode = clock.total - clock.ttft
+    decode = (clock.last if clock.last is not None else clock.total) - clock.ttft
     record = {
         "ttft_s": round(clock.ttft, 4),
         "total_s": round(clock.total, 4),

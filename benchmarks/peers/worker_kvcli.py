@@ -51,7 +51,7 @@ def main() -> None:
         case["question"],
         parse_pipeline(spec),
         QuestionOptions(
-            on_token=lambda _t: clock.first(),
+            on_token=lambda _t: clock.token(),  # decoding ends at the last token, not after the sources
             max_new_tokens=case["new_tokens"],
             force_tokens=True,
             use_store=store is not None,
@@ -67,6 +67,7 @@ def main() -> None:
         kvcli_src=os.path.dirname(kvcli.__file__),
         compression_ratio=round(result.compression_ratio, 3) if hasattr(result, "compression_ratio") else None,
         cache=(result.extra.get("cache") or {}).get("status"),
+        own_decode_tokens_per_s=result.decode_tokens_per_s,  # kvcli's own clock, first to last token
         threads=torch.get_num_threads(),
     )
 
