@@ -37,6 +37,12 @@ def test_the_cpu_flags_decide_and_nothing_is_timed(flags, bf16, fp16, monkeypatc
     assert native.native_gemm(torch.float32) is True
 
 
+def test_a_type_the_flags_do_not_speak_of_is_timed_as_before(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(native, "_timed_native", lambda dtype: dtype == torch.float64)
+    assert native.native_gemm(torch.float64) is True  # not "emulated" for want of a 16-bit flag
+
+
 def test_without_flags_one_slow_try_does_not_decide(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: None)
     tries = iter([False, True, False])

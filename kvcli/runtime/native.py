@@ -34,8 +34,8 @@ def native_gemm(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     flags = cpu_flags()
-    if flags is not None:
-        return any(flag in flags for flag in NATIVE_FLAGS.get(dtype, ()))
+    if flags is not None and dtype in NATIVE_FLAGS:  # the flags speak of the 16-bit types only
+        return any(flag in flags for flag in NATIVE_FLAGS[dtype])
     return any(_timed_native(dtype) for _ in range(3))  # noise only ever slows a try down
 
 
