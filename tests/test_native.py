@@ -14,7 +14,9 @@ from kvcli.runtime import native
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(monkeypatch):
+    for name in native.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
     native.native_gemm.cache_clear()
     yield
     native.native_gemm.cache_clear()
@@ -43,6 +45,14 @@ def test_a_type_the_flags_do_not_speak_of_is_timed_as_before(monkeypatch):
     assert native.native_gemm(torch.float64) is True  # not "emulated" for want of a 16-bit flag
 
 
+@pytest.mark.parametrize("cap,timed", [("AVX2", True), ("avx512_core", True), ("ALL", False), ("", False)])
+def test_onednn_capped_below_the_cpu_is_timed(cap, timed, monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(native, "_timed_native", lambda dtype: False)  # the capped oneDNN emulates
+    assert native.native_gemm(torch.bfloat16) is not timed
+
+
 def test_without_flags_one_slow_try_does_not_decide(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: None)
     tries = iter([False, True, False])
@@ -61,3 +71,14 @@ def test_this_x86_cpus_flags_are_read():
     flags = native.cpu_flags()
     assert flags is not None and "sse2" in flags  # every x86-64 CPU has SSE2
     assert native.native_gemm(torch.bfloat16) is bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+@pytest.mark.parametrize("cap,tiles", [("AVX512_CORE_BF16", False), ("AVX512_CORE_AMX", True), ("", True)])
+def test_onednn_capped_below_amx_leaves_the_tiles(cap, tiles, monkeypatch):
+    native.amx.cache_clear()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    try:
+        assert native.amx() is tiles
+    finally:
+        native.amx.cache_clear()

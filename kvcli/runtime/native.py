@@ -8,12 +8,14 @@ before Zen 4) it is emulated: an AMD EPYC with AVX2 ran a 512 × 576 × 1536 pro
 in bfloat16 against 71 in float32 on one core (2026-11-28), and one decoding query's attention over
 4,700 bfloat16 keys (two KV heads of 64, seven query heads each) in 8.9 ms against 0.8 ms with the
 keys and values made float32 first (2026-11-29, two threads; docs/cpu.md). On x86 Linux the CPU's
-flags answer (:func:`native_gemm`); elsewhere a timing.
+flags answer (:func:`native_gemm`); elsewhere, or where oneDNN was told to use less of the CPU than
+it has (``ONEDNN_MAX_CPU_ISA``), a timing.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from pathlib import Path
@@ -22,6 +24,9 @@ import torch
 
 # The x86 CPU flags under which oneDNN multiplies each 16-bit dtype natively (/proc/cpuinfo's names).
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+# oneDNN's cap on the instructions it uses (its names; the older DNNL_ one too): set to anything but
+# all of them, the flags no longer say what its products run on
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
 @functools.cache
@@ -30,13 +35,20 @@ def native_gemm(dtype: torch.dtype) -> bool:
     x86 Linux the CPU's flags say (:data:`NATIVE_FLAGS`); elsewhere it is timed once a process on a
     small product (under 20 ms a try). Timing alone misjudged a Xeon with AMX beside one busy
     process in 16 of 300 tries, and a process so misjudged read its prompt twice as slowly and
-    decoded from float32 copies of the KV (the 0.5B at 4.7k tokens: peaks of 1.8-2.2 GB, not 1.2)."""
+    decoded from float32 copies of the KV (the 0.5B at 4.7k tokens: peaks of 1.8-2.2 GB, not 1.2).
+    Where oneDNN is capped below the CPU (``ONEDNN_MAX_CPU_ISA=AVX2`` on a Xeon with AMX), timed:
+    the flags would promise products it no longer runs natively."""
     if dtype == torch.float32:
         return True
-    flags = cpu_flags()
+    flags = None if _capped() else cpu_flags()
     if flags is not None and dtype in NATIVE_FLAGS:  # the flags speak of the 16-bit types only
         return any(flag in flags for flag in NATIVE_FLAGS[dtype])
     return any(_timed_native(dtype) for _ in range(3))  # noise only ever slows a try down
+
+
+def _capped() -> bool:
+    """Whether oneDNN was told to leave some of this CPU's instructions unused (:data:`ISA_CAPS`)."""
+    return any(os.environ.get(name, "").strip().upper() not in ("", "ALL", "DEFAULT") for name in ISA_CAPS)
 
 
 def _timed_native(dtype: torch.dtype) -> bool:
@@ -77,6 +89,8 @@ def amx() -> bool:
     attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
     products (:func:`kvcli.runtime.kernels.group_rows`); an AVX512-BF16 CPU without AMX measured
     that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
+    if _capped() and not any("AMX" in os.environ.get(name, "").upper() for name in ISA_CAPS):
+        return False  # oneDNN told to leave the tiles unused (:data:`ISA_CAPS`)
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in PyTorch 2.13
     try:
         return bool(probe()) if probe is not None else False
