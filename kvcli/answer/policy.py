@@ -83,11 +83,9 @@ class AutoPolicy:
 
 def _ranks(name: str | None) -> bool:
     """Whether the sentence-embedding model ``name`` ranks the pages (None: whichever does)."""
-    from pathlib import Path
+    from ..retrieval.embedders import asked, short
 
-    from ..retrieval.embedders import asked
-
-    return name is None or Path(asked()).name.lower() == name.lower()
+    return name is None or short(asked()).lower() == name.lower()
 
 
 def reads(spec: str, lm, prompt, max_new_tokens: int) -> bool:

@@ -72,10 +72,15 @@ class Tuned:
     no_match_cosine: float
 
 
+def short(name: str) -> str:
+    """The name a model is reported and matched by: a folder's last part (``embeddinggemma-300m``)."""
+    return Path(name).expanduser().name
+
+
 def known(name: str) -> dict | None:
     """The facts of the model ``name`` names (a known name, or a folder with a known name), or None."""
     models = facts()["models"]
-    return models.get(name.strip().lower()) or models.get(Path(name).expanduser().name.lower())
+    return models.get(name.strip().lower()) or models.get(short(name).lower())
 
 
 def tuned(name: str | None) -> Tuned:

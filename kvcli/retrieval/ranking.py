@@ -154,4 +154,4 @@ def rank_passages(
     semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     tuned = embedders.tuned(name)
     scores = reranked(lexical, semantic, wanted, ("mix", tuned.weight))
-    return Ranking(scores, lexical, semantic, f"bm25+{Path(name).name}", tuned.no_match_cosine)
+    return Ranking(scores, lexical, semantic, f"bm25+{embedders.short(name)}", tuned.no_match_cosine)
