@@ -3,6 +3,9 @@
     python benchmarks/retrieval.py rank                          # the tuning set (both wordings)
     python benchmarks/retrieval.py rank --set FILE.json ...       # any question file, e.g. the held-out one
     python benchmarks/retrieval.py nomatch                        # "no signal": answerable vs unanswerable
+    python benchmarks/retrieval.py rank --methods cand:30 --dtype bfloat16 --out B.json   # the model in bfloat16
+    python benchmarks/retrieval.py compare A.json B.json          # two rankings' pages, question by question
+    python benchmarks/retrieval.py speed                          # windows a second, float32 and bfloat16
 
 Each question file is docs/bench/cite/questions.json's layout: documents (Debian PDFs, fetched with
 ``apt-get download`` + ``dpkg -x`` and sha256 checked, as benchmarks/books.py does), each with
@@ -74,13 +77,30 @@ def documents(files: list[Path], pdf_dir: Path):
             yield spec, [doc.text[a:b] for a, b in cuts], [doc.page_of(a) for a, _ in cuts]
 
 
-def signals(model, texts: list[str], question: str, cache_dir: Path, window: int = vectors.WINDOW_WORDS) -> dict:
-    vecs, owner, _ = vectors.passage_vectors(model, texts, cache_dir, window)
+def signals(
+    model, texts: list[str], question: str, cache_dir: Path, window: int = vectors.WINDOW_WORDS, methods=()
+) -> dict:
+    """The signals of every page; where every method is ``cand:N`` (N > 0) only BM25's best N pages
+    are embedded, as kvcli embeds them (the others' cosine -1, never read by those methods)."""
+    stems = np.array(bm25_scores(texts, question, stem=True))
+    counts = [int(m.partition(":")[2]) for m in methods if m.startswith("cand:")]
+    wanted = None
+    if methods and len(counts) == len(methods) and all(counts):
+        wanted = sorted({i for n in counts for i in candidates_of(stems, n)})
+    vecs, owner, _ = vectors.passage_vectors(model, texts, cache_dir, window, wanted=wanted)
     return {
         "bm25": np.array(bm25_scores(texts, question)),
-        "bm25-stem": np.array(bm25_scores(texts, question, stem=True)),
+        "bm25-stem": stems,
         "embed": semantic_scores(vecs, owner, model.encode_query(question), len(texts)),
     }
+
+
+def model_of(args):
+    """The embedding model as kvcli loads it (``--dtype auto``), or in the dtype asked for."""
+    name = embed.setting() or embed.DEFAULT
+    if args.dtype == "auto":
+        return embed.embedder(name)
+    return embed.Embedder(embed.model_dir(name), args.dtype)
 
 
 def scores_of(method: str, s: dict) -> np.ndarray:
@@ -110,7 +130,8 @@ def top(scores: np.ndarray, k: int) -> list[int]:
 
 
 def rank(args) -> None:
-    model = embed.embedder(embed.setting() or embed.DEFAULT)
+    model = model_of(args)
+    print(f"the embedding model's dtype: {model.dtype}", file=sys.stderr)
     rows = []
     for spec, texts, pages in documents(args.set, args.pdf_dir):
         for q in spec["questions"]:
@@ -120,7 +141,7 @@ def rank(args) -> None:
             for wording in WORDINGS:
                 if not q.get(wording):
                     continue
-                s = signals(model, texts, q[wording], args.cache_dir, args.window)
+                s = signals(model, texts, q[wording], args.cache_dir, args.window, args.methods)
                 for method in args.methods:
                     best = [pages[i] for i in top(scores_of(method, s), 3)]
                     rows.append(
@@ -157,7 +178,7 @@ def rank(args) -> None:
 
 
 def nomatch(args) -> None:
-    model = embed.embedder(embed.setting() or embed.DEFAULT)
+    model = model_of(args)
     docs = list(documents(args.set, args.pdf_dir))
     groups: dict[str, list[tuple[float, float, bool]]] = {"answerable": [], "no page answers": [], "other document": []}
     for d, (_, texts, _) in enumerate(docs):
@@ -196,6 +217,60 @@ def nomatch(args) -> None:
         print(f"| {t:.3f} | " + " | ".join(cells) + " |")
 
 
+def compare(args) -> None:
+    """Two ``rank --out`` files row by row: the questions whose three best pages (what ``-c pages``
+    reads first), whose best page and whose "no page matched" verdict are the same, and the hits."""
+    a, b = (json.loads(Path(f).read_text()) for f in (args.a, args.b))
+    key = lambda r: (r["document"], r["question"], r["wording"], r["method"])  # noqa: E731
+    theirs = {key(r): r for r in b}
+    pairs = [(r, theirs[key(r)]) for r in a if key(r) in theirs]
+    print(
+        f"| method | wording | questions | same top three | same first | same no-match verdict "
+        f"| hit@3 {args.a.name} -> {args.b.name} |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|")
+    for method in dict.fromkeys(r["method"] for r, _ in pairs):
+        for wording in WORDINGS:
+            mine = [(r, t) for r, t in pairs if r["method"] == method and r["wording"] == wording]
+            if mine:
+                same3 = sum(r["top3"] == t["top3"] for r, t in mine)
+                same1 = sum(r["top3"][:1] == t["top3"][:1] for r, t in mine)
+                verdict = sum(r["matched"] == t["matched"] for r, t in mine)
+                h_a, h_b = sum(r["hit3"] for r, _ in mine), sum(t["hit3"] for _, t in mine)
+                print(f"| {method} | {wording} | {len(mine)} | {same3} | {same1} | {verdict} | {h_a} -> {h_b} |")
+    for r, t in pairs:
+        if r["top3"] != t["top3"]:
+            print(f"- {r['document']} ({r['wording']}) {r['question'][:70]!r}: {r['top3']} -> {t['top3']}")
+
+
+def speed(args) -> None:
+    """Windows a second for the embedding model in float32 and in bfloat16, alternated ``--reps``
+    times on the same windows (the first document's first pages, kvcli's 100-word windows, each
+    after the passage prompt), and how far the two dtypes' vectors are apart (cosine)."""
+    import time
+
+    import torch
+
+    spec, texts, _ = next(documents(args.set, args.pdf_dir))
+    windows = [w for t in texts for w in vectors.windows(t)][: args.windows]
+    name = embed.setting() or embed.DEFAULT
+    models = {d: embed.Embedder(embed.model_dir(name), d) for d in ("float32", "bfloat16")}
+    rates: dict[str, list[float]] = {d: [] for d in models}
+    out = {}
+    for m in models.values():
+        m.encode(windows[: embed.BATCH])  # warm: oneDNN's kernels made once
+    for _ in range(args.reps):
+        for d, m in models.items():
+            start = time.perf_counter()
+            out[d] = m.encode(windows)
+            rates[d].append(len(windows) / (time.perf_counter() - start))
+    cos = (out["float32"] * out["bfloat16"]).sum(1)
+    print(f"{name}, {spec['name']}'s first {len(windows)} windows, {torch.get_num_threads()} threads")
+    for d, r in rates.items():
+        print(f"  {d}: {max(r):.2f} windows a second (best of {len(r)}; all: {', '.join(f'{x:.2f}' for x in r)})")
+    print(f"  cosine between the dtypes' vectors: min {cos.min():.5f}, median {np.median(cos):.5f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -205,11 +280,25 @@ def main() -> None:
         s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
         s.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-retrieval-bench")
         s.add_argument("--out", type=Path)
+        s.add_argument(
+            "--dtype",
+            choices=("auto", "float32", "bfloat16"),
+            default="auto",
+            help="the embedding model's (auto: as kvcli runs it on this CPU)",
+        )
         if name == "rank":
             s.add_argument("--methods", type=lambda x: x.split(","), default=METHODS)
             s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 100)")
+    s = sub.add_parser("speed")
+    s.add_argument("--set", type=Path, nargs="+", default=[TUNE[0]], help="the first document is embedded")
+    s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+    s.add_argument("--windows", type=int, default=160)
+    s.add_argument("--reps", type=int, default=3)
+    s = sub.add_parser("compare")
+    s.add_argument("a", type=Path)
+    s.add_argument("b", type=Path)
     args = p.parse_args()
-    {"rank": rank, "nomatch": nomatch}[args.cmd](args)
+    {"rank": rank, "nomatch": nomatch, "compare": compare, "speed": speed}[args.cmd](args)
 
 
 if __name__ == "__main__":

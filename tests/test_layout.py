@@ -115,13 +115,21 @@ def test_the_compressors_and_documents_import_nothing_above_them():
 def test_retrieval_imports_only_documents_files_and_errors():
     """kvcli.retrieval (the pages' ranking, BM25 for the citations) sits below the compressors and
     the sources that use it: of kvcli it imports only documents, files (and file_facts: its model's
-    id memoised), errors and itself."""
+    id memoised), errors, the runtime's CPU facts (runtime.native: whether bfloat16 is native) and
+    itself."""
     graph = import_graph()
     assert (
         graph["kvcli.compressors.pages"] >= {"kvcli.retrieval"}
         and "kvcli.retrieval.bm25" in graph["kvcli.cite.sources"]
     )
-    allowed = ("kvcli.retrieval", "kvcli.documents", "kvcli.files", "kvcli.file_facts", "kvcli.errors")
+    allowed = (
+        "kvcli.retrieval",
+        "kvcli.documents",
+        "kvcli.files",
+        "kvcli.file_facts",
+        "kvcli.errors",
+        "kvcli.runtime.native",
+    )
     mine = {m: deps for m, deps in graph.items() if m.startswith("kvcli.retrieval")}
     assert len(mine) >= 4
     assert {

@@ -24,6 +24,14 @@ all-MiniLM-L6-v2 is: mean pooling, 256 tokens, no prompt, no dense layer. Whatev
 loads runs as the encoder: a BERT, or a Gemma 3 with bidirectional attention (EmbeddingGemma). Its
 tokenizer.json is run by the tokenizers library directly where that gives AutoTokenizer's tokens,
 checked once a folder (:class:`JsonTokenizer`): EmbeddingGemma loads ~2.5 s sooner (docs/bench/retrieval).
+
+A model kvcli measured to rank the same pages in bfloat16 (its ``bfloat16`` fact in
+kvcli/retrieval/embedders.json: both known models) runs its encoder in bfloat16 where the CPU
+multiplies bfloat16 natively (AVX512-BF16 or AMX: :func:`kvcli.runtime.native.native_gemm`), its
+token table, the pooling and the dense layers in float32 (:func:`embedder`, :func:`narrowed`): on a
+Xeon with AMX 2.85x (EmbeddingGemma) and 3.3x (all-MiniLM-L6-v2) the windows a second, at a lower
+peak (docs/bench/retrieval). Its vectors are another key (:attr:`Embedder.id`). Elsewhere, and for
+a folder kvcli does not know, float32.
 """
 
 from __future__ import annotations
@@ -155,7 +163,8 @@ def model_dir(name: str) -> Path:
 class Embedder:
     """A sentence-embedding model loaded from a folder: :meth:`encode` texts to unit vectors."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, dtype: str = "float32") -> None:
+        import torch
         import transformers.utils.logging as tlog
         from transformers import AutoModel
 
@@ -163,11 +172,14 @@ class Embedder:
         tlog.disable_progress_bar()
         self.folder = Path(folder)
         self.layout = Layout.read(self.folder)
+        self.dtype = dtype  # the encoder's ("float32", "bfloat16"); pooling and dense layers in float32
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.batch = self._tokenizer()
                 self.model = AutoModel.from_pretrained(self.folder, local_files_only=True).eval().float()
+                if dtype != "float32":
+                    narrowed(self.model, getattr(torch, dtype))
             self.dense = [self._dense(path, act) for path, act in zip(self.layout.dense, self.layout.activations)]
         except Exception as e:
             raise ModelError(f"the sentence-embedding model in {self.folder} cannot be loaded: {one_line(e)}") from e
@@ -220,7 +232,7 @@ class Embedder:
         tokenizer, weights, its sentence-transformers files), and how texts are cut and pooled here.
         Read once per folder and layout, then memoised by the files' sizes and mtimes
         (:func:`kvcli.file_facts.folder_fact`: EmbeddingGemma's 1.2 GB took 1.7 s a process)."""
-        how = f"pool,normalise,{self.layout}"
+        how = f"pool,normalise,{self.layout}" + ("" if self.dtype == "float32" else f",{self.dtype}")
         files = self._files()
 
         def digest() -> str:
@@ -260,7 +272,7 @@ class Embedder:
             for lo in range(0, len(order), BATCH):
                 idx = order[lo : lo + BATCH]
                 batch = self.batch([texts[i] for i in idx], self.layout.max_tokens)
-                hidden = self.model(**batch).last_hidden_state
+                hidden = self.model(**batch).last_hidden_state.float()
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 if self.layout.pooling == "cls":
                     pooled = hidden[:, 0]
@@ -275,6 +287,43 @@ class Embedder:
                 if on_progress is not None:
                     on_progress(min(lo + BATCH, len(order)), len(order))
         return out
+
+
+def narrowed(model, dtype) -> None:
+    """``model``'s weights in ``dtype``, in place, but its token table: a table is only looked up by
+    row, so it stays the file's float32, mapped (the rows a batch looks up are read, cast after the
+    lookup), where converting it would read all of it (EmbeddingGemma's 262,144 x 768: 805 MB). Each
+    converted tensor's float32 pages are handed back (:func:`release`): the file's mapping would
+    keep them resident (EmbeddingGemma's process peaked 0.6 GB higher converted whole)."""
+    from collections import Counter
+
+    table = model.get_input_embeddings()
+    every = [t for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+    readers = Counter(t.untyped_storage().data_ptr() for t in every)  # tied tensors share a storage
+    for t in every:
+        if not t.is_floating_point() or t is table.weight:
+            continue
+        old = t.data
+        t.data = old.to(dtype)
+        alone = readers[old.untyped_storage().data_ptr()] == 1 and old.untyped_storage().nbytes() == old.nbytes
+        if alone and t.data_ptr() != old.data_ptr():  # its own storage, copied: nothing reads it now
+            release(old)
+    table.register_forward_hook(lambda _module, _inputs, out: out.to(dtype))
+
+
+def release(t) -> None:
+    """Hand ``t``'s whole pages back to the OS (``madvise(MADV_DONTNEED)``; Linux only, elsewhere
+    nothing): ``t`` must be read by nothing after."""
+    import ctypes
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    start, end = t.data_ptr(), t.data_ptr() + t.nbytes
+    lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 def auto_tokenizer(folder: Path):
@@ -351,5 +400,12 @@ def json_tokenizer_settings(folder: Path, probe: tuple[list[str], int]) -> str:
 
 @functools.lru_cache(maxsize=2)
 def embedder(name: str) -> Embedder:
-    """The model ``name`` (:func:`model_dir`), loaded once a process."""
-    return Embedder(model_dir(name))
+    """The model ``name`` (:func:`model_dir`), loaded once a process: in bfloat16 where kvcli knows
+    it ranks the same pages so (:func:`kvcli.retrieval.embedders.bfloat16`) and this CPU multiplies
+    bfloat16 natively (:func:`kvcli.runtime.native.native_gemm`), else in float32."""
+    import torch
+
+    from ..runtime.native import native_gemm
+
+    fast = embedders.bfloat16(name) and native_gemm(torch.bfloat16)
+    return Embedder(model_dir(name), "bfloat16" if fast else "float32")

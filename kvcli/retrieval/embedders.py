@@ -4,7 +4,8 @@ was tuned for it, and how one that ships as chunks on the package index is insta
 The facts are data, stated once in kvcli/retrieval/embedders.json: each model's ``weight`` (BM25's
 share of the fused score, :func:`kvcli.retrieval.ranking.weighted`) and ``no_match_cosine`` (the
 best window's cosine under which no page matched), both chosen on the tuning questions only
-(docs/bench/retrieval). A folder or package not named there runs with the default model's values.
+(docs/bench/retrieval), and ``bfloat16`` (its encoder in bfloat16 on a CPU that multiplies it
+natively: :func:`bfloat16`). A folder or package not named there runs with the default model's values.
 
 EmbeddingGemma-300m ships on the package index as one zip in 25 chunks, each the ``chunk.bin`` of
 one version of a package that must never be installed or imported (importing it writes into the
@@ -87,6 +88,14 @@ def tuned(name: str | None) -> Tuned:
     """The values tuned for ``name``'s model; the default's for a model kvcli does not know."""
     entry = (known(name) if name else None) or facts()["models"][default_name()]
     return Tuned(float(entry["weight"]), float(entry["no_match_cosine"]))
+
+
+def bfloat16(name: str | None) -> bool:
+    """Whether the known model ``name`` runs in bfloat16 on a CPU that multiplies it natively
+    (its ``bfloat16`` fact: measured there to rank the same pages, faster); a model kvcli does not
+    know runs in float32."""
+    entry = known(name) if name else None
+    return bool(entry and entry.get("bfloat16"))
 
 
 def chunked(name: str) -> bool:

@@ -190,13 +190,17 @@ SHELL = [
 @pytest.mark.slow
 def test_real_model_against_sentence_transformers(monkeypatch, tmp_path):
     """The default model's vectors as sentence-transformers computes them (its own pooling and
-    normalisation), and the paraphrased question finds the set -e passage it shares no word with."""
+    normalisation; in bfloat16, as a CPU with native bfloat16 runs it, within its rounding), and
+    the paraphrased question finds the set -e passage it shares no word with."""
     monkeypatch.delenv(embed.ENV, raising=False)
-    model = embed.embedder(embed.DEFAULT)
+    model = embed.Embedder(embed.model_dir(embed.DEFAULT))
     st = pytest.importorskip("sentence_transformers")
     reference = st.SentenceTransformer(str(model.folder), device="cpu")
     texts = [*SHELL, "how do I make my script quit at the first error?"]
-    np.testing.assert_allclose(model.encode(texts), reference.encode(texts), atol=2e-5)
+    expected = reference.encode(texts)
+    np.testing.assert_allclose(model.encode(texts), expected, atol=2e-5)
+    half = embed.Embedder(model.folder, "bfloat16").encode(texts)
+    assert ((half * expected).sum(1) > 0.999).all()
     r = rank_passages(SHELL, "how do I make my script quit at the first error?", cache_dir=tmp_path)
     assert r.signal == f"bm25+{embed.DEFAULT}" and r.bm25.max() == 0 and r.order[0] == 1
     assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 1
@@ -281,6 +285,65 @@ def test_prompts_and_token_limit_and_the_vectors_key(tmp_path):
     before = model.id
     (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
     assert embed.Embedder(folder).id != before
+
+
+def test_in_bfloat16_near_float32_and_another_key(tmp_path):
+    import torch
+
+    """The encoder in bfloat16 (its token table, pooling, dense layers and norm in float32): vectors within
+    bfloat16's rounding of the float32 reference, and another id (the vectors' key), while a
+    float32 model keeps the id it had before dtypes were part of it."""
+    folder = tiny_folder(tmp_path, "mean_tokens")
+    texts = [SHELL[1], "short one", SHELL[0]]
+    half, full = embed.Embedder(folder, "bfloat16"), embed.Embedder(folder)
+    assert half.dtype == "bfloat16" and half.model.encoder.layer[0].output.dense.weight.dtype == torch.bfloat16
+    assert half.model.get_input_embeddings().weight.dtype == torch.float32  # the table: looked up, then cast
+    got, ref = half.encode(texts), reference_vectors(folder, texts, "mean")
+    assert got.dtype == np.float32 and np.abs(got - ref).max() < 0.05 and not np.allclose(got, ref, atol=1e-6)
+    assert ((got * ref).sum(1) > 0.999).all()
+    assert half.id != full.id and "bfloat16" not in repr(full.layout)
+
+
+def test_narrowed_hands_back_only_what_nothing_else_reads():
+    """Weights tied by a shared storage are converted whole (handing the first one's pages back would
+    zero the other's: anonymous memory reads back as zeros); the table stays float32, cast after."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(10, 2048)
+            self.a, self.b, self.c = (torch.nn.Linear(2048, 2048, bias=False) for _ in range(3))
+            self.b.weight = torch.nn.Parameter(self.a.weight.data)  # another Parameter on a's storage
+
+        def get_input_embeddings(self):
+            return self.table
+
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    embed.narrowed(model, torch.bfloat16)
+    for k, v in model.state_dict().items():
+        assert v.dtype == (torch.float32 if k.startswith("table") else torch.bfloat16), k
+        torch.testing.assert_close(v.float(), before[k], atol=0, rtol=2**-8)
+    assert model.table(torch.tensor([1, 2])).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "fact,native,dtype", [(True, True, "bfloat16"), (True, False, "float32"), (False, True, "float32")]
+)
+def test_bfloat16_only_where_kvcli_measured_it_and_the_cpu_is_native(tmp_path, monkeypatch, fact, native, dtype):
+    from kvcli.retrieval import embedders
+    from kvcli.runtime import native as native_mod
+
+    folder = tiny_folder(tmp_path, "mean_tokens")
+    monkeypatch.setattr(embed, "model_dir", lambda name: folder)
+    monkeypatch.setattr(embedders, "bfloat16", lambda name: fact)
+    monkeypatch.setattr(native_mod, "native_gemm", lambda dt: native)
+    embed.embedder.cache_clear()
+    try:
+        assert embed.embedder("some-model").dtype == dtype
+    finally:
+        embed.embedder.cache_clear()
 
 
 def test_a_pooling_kvcli_cannot_run_is_one_error(tmp_path):
