@@ -95,12 +95,17 @@ def signals(
     }
 
 
-def model_of(args):
-    """The embedding model as kvcli loads it (``--dtype auto``), or in the dtype asked for."""
-    name = embed.setting() or embed.DEFAULT
-    if args.dtype == "auto":
+def model_name() -> str:
+    """The embedding model in use: ``KVCLI_EMBED_MODEL``'s, else kvcli's order (as kvcli picks it)."""
+    return embed.setting() or embed.DEFAULT
+
+
+def model_of(dtype: str = "auto"):
+    """The embedding model in use (:func:`model_name`) as kvcli loads it (``auto``), or in ``dtype``."""
+    name = model_name()
+    if dtype == "auto":
         return embed.embedder(name)
-    return embed.Embedder(embed.model_dir(name), args.dtype)
+    return embed.Embedder(embed.model_dir(name), dtype)
 
 
 def scores_of(method: str, s: dict) -> np.ndarray:
@@ -130,7 +135,7 @@ def top(scores: np.ndarray, k: int) -> list[int]:
 
 
 def rank(args) -> None:
-    model = model_of(args)
+    model = model_of(args.dtype)
     print(f"the embedding model's dtype: {model.dtype}", file=sys.stderr)
     rows = []
     for spec, texts, pages in documents(args.set, args.pdf_dir):
@@ -178,7 +183,7 @@ def rank(args) -> None:
 
 
 def nomatch(args) -> None:
-    model = model_of(args)
+    model = model_of(args.dtype)
     docs = list(documents(args.set, args.pdf_dir))
     groups: dict[str, list[tuple[float, float, bool]]] = {"answerable": [], "no page answers": [], "other document": []}
     for d, (_, texts, _) in enumerate(docs):
@@ -253,8 +258,7 @@ def speed(args) -> None:
 
     spec, texts, _ = next(documents(args.set, args.pdf_dir))
     windows = [w for t in texts for w in vectors.windows(t)][: args.windows]
-    name = embed.setting() or embed.DEFAULT
-    models = {d: embed.Embedder(embed.model_dir(name), d) for d in ("float32", "bfloat16")}
+    models = {d: model_of(d) for d in ("float32", "bfloat16")}
     rates: dict[str, list[float]] = {d: [] for d in models}
     out = {}
     for m in models.values():
@@ -265,7 +269,7 @@ def speed(args) -> None:
             out[d] = m.encode(windows)
             rates[d].append(len(windows) / (time.perf_counter() - start))
     cos = (out["float32"] * out["bfloat16"]).sum(1)
-    print(f"{name}, {spec['name']}'s first {len(windows)} windows, {torch.get_num_threads()} threads")
+    print(f"{model_name()}, {spec['name']}'s first {len(windows)} windows, {torch.get_num_threads()} threads")
     for d, r in rates.items():
         print(f"  {d}: {max(r):.2f} windows a second (best of {len(r)}; all: {', '.join(f'{x:.2f}' for x in r)})")
     print(f"  cosine between the dtypes' vectors: min {cos.min():.5f}, median {np.median(cos):.5f}")

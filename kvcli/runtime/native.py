@@ -40,15 +40,17 @@ def native_gemm(dtype: torch.dtype) -> bool:
     the flags would promise products it no longer runs natively."""
     if dtype == torch.float32:
         return True
-    flags = None if _capped() else cpu_flags()
+    flags = None if _cap() else cpu_flags()
     if flags is not None and dtype in NATIVE_FLAGS:  # the flags speak of the 16-bit types only
         return any(flag in flags for flag in NATIVE_FLAGS[dtype])
     return any(_timed_native(dtype) for _ in range(3))  # noise only ever slows a try down
 
 
-def _capped() -> bool:
-    """Whether oneDNN was told to leave some of this CPU's instructions unused (:data:`ISA_CAPS`)."""
-    return any(os.environ.get(name, "").strip().upper() not in ("", "ALL", "DEFAULT") for name in ISA_CAPS)
+def _cap() -> str | None:
+    """The instructions oneDNN was capped to (:data:`ISA_CAPS`, upper case), None where it may use
+    all of this CPU's."""
+    caps = [os.environ.get(name, "").strip().upper() for name in ISA_CAPS]
+    return next((cap for cap in caps if cap not in ("", "ALL", "DEFAULT")), None)
 
 
 def _timed_native(dtype: torch.dtype) -> bool:
@@ -89,7 +91,8 @@ def amx() -> bool:
     attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
     products (:func:`kvcli.runtime.kernels.group_rows`); an AVX512-BF16 CPU without AMX measured
     that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
-    if _capped() and not any("AMX" in os.environ.get(name, "").upper() for name in ISA_CAPS):
+    cap = _cap()
+    if cap is not None and "AMX" not in cap:
         return False  # oneDNN told to leave the tiles unused (:data:`ISA_CAPS`)
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in PyTorch 2.13
     try:
