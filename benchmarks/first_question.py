@@ -14,6 +14,9 @@ vectors are read back, its prefill is the question's own). The wall time is the 
 exit (loading PyTorch and the model included); the JSON's own fields (``ttft_s``, ``total_s``,
 ``sources_s``) say where it went. Time it alone on the machine: the load before and after is kept.
 
+``--set FILE --document NAME``: another document of a question file (its spec, its first three
+answerable questions in the manual's words) instead of R-exts and the three questions below.
+
 For a model that takes minutes to convert (``-- -m qwen2.5-coder-1.5b``), ``--models
 ~/.cache/kvcli/models`` links the converted models into the fresh folder; everything else in it
 (the book's text, its page vectors, the KV) is still made by the timed runs.
@@ -66,6 +69,17 @@ def run(book: Path, question: str, cache: Path, extra: list[str]) -> dict:
     }
 
 
+def chosen(question_file: Path | None, name: str | None) -> tuple[dict, list[str]]:
+    """The document's spec and the questions asked: R-exts and :data:`QUESTIONS`, or ``name``'s
+    in ``question_file`` and its first three answerable ones (the manual's words)."""
+    if question_file is None:
+        return R_EXTS, QUESTIONS
+    for spec in json.loads(question_file.read_text())["documents"]:
+        if spec["name"] == name:
+            return spec, [q["q"] for q in spec["questions"] if not q.get("unanswerable")][:3]
+    raise SystemExit(f"{question_file} has no document named {name!r}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
@@ -77,9 +91,12 @@ def main() -> None:
         help="a cache folder's models/ (converted models, their kept weights) to link into the fresh cache "
         "folder: the untimed first run then neither converts nor quantises (a 1.5B model's minutes)",
     )
+    p.add_argument("--set", type=Path, help="a question file (docs/bench/cite/heldout-questions.json's form)")
+    p.add_argument("--document", help="its document to ask about (with --set)")
     p.add_argument("extra", nargs="*", help="more kvcli ask options, after --")
     args = p.parse_args()
-    book = fetch_pdf(R_EXTS, args.pdf_dir)
+    spec, questions = chosen(args.set, args.document)
+    book = fetch_pdf(spec, args.pdf_dir)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
@@ -89,7 +106,7 @@ def main() -> None:
         note = Path(tmp) / "note.txt"
         note.write_text("The oil store padlock opens with 4-7-1-9.\n")
         run(note, "What opens the padlock?", cache, args.extra)  # the model converted into the folder, untimed
-        for i, question in enumerate(QUESTIONS):
+        for i, question in enumerate(questions):
             load = os.getloadavg()[0]
             row = {
                 "run": "first" if i == 0 else "later",
@@ -100,7 +117,7 @@ def main() -> None:
             print(json.dumps({k: row[k] for k in ("run", "wall_s", "ttft_s", "total_s", "load_before")}), flush=True)
     out = {
         "command": " ".join(["python", "benchmarks/first_question.py", *sys.argv[1:]]),
-        "document": {**R_EXTS, "file": portable(book)},
+        "document": {**{k: v for k, v in spec.items() if k != "questions"}, "file": portable(book)},
         "cpus": os.cpu_count(),
         "rows": rows,
     }

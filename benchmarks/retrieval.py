@@ -248,31 +248,67 @@ def compare(args) -> None:
             print(f"- {r['document']} ({r['wording']}) {r['question'][:70]!r}: {r['top3']} -> {t['top3']}")
 
 
+KVCLI_BATCHES = embed.batches  # kvcli's batcher (speed swaps embed.batches)
+
+
+def rows_of(n: int, chars: list[int]):
+    """kvcli's batching before :func:`kvcli.retrieval.embed.batches`, for ``speed --batching
+    rows:N``: ``n`` texts a pass whatever their tokens, in the order of their ``chars`` (the
+    texts' lengths in characters; kvcli's was 32 a pass)."""
+
+    def batches(lengths: list[int], tokens: int) -> list[list[int]]:
+        order = sorted(range(len(lengths)), key=lambda i: chars[i])
+        return [order[i : i + n] for i in range(0, len(order), n)]
+
+    return batches
+
+
+def batching(spec: str, chars: list[int]):
+    """``tokens:N`` (kvcli's batches of at most N tokens) or ``rows:N`` (:func:`rows_of`): (the
+    batcher, the token budget it is given)."""
+    how, _, n = spec.partition(":")
+    if how not in ("tokens", "rows") or not n.isdigit():
+        raise SystemExit(f"--batching takes tokens:N or rows:N, not {spec!r}")
+    return (KVCLI_BATCHES, int(n)) if how == "tokens" else (rows_of(int(n), chars), 0)
+
+
 def speed(args) -> None:
-    """Windows a second for the embedding model in float32 and in bfloat16, alternated ``--reps``
-    times on the same windows (the first document's first pages, kvcli's 100-word windows, each
-    after the passage prompt), and how far the two dtypes' vectors are apart (cosine)."""
+    """Windows a second for the embedding model in each setting of ``--dtypes`` x ``--batching``
+    (how windows are batched), alternated
+    ``--reps`` times on the same windows (``--windows`` of ``--document``'s 100-word windows from
+    passage ``--first-page``, each after the passage prompt), and how far the first and the last
+    setting's vectors are apart (cosine). ``--out``: the rates as JSON."""
     import time
 
     import torch
 
-    spec, texts, _ = next(documents(args.set, args.pdf_dir))
-    windows = [w for t in texts for w in vectors.windows(t)][: args.windows]
-    models = {d: model_of(d) for d in ("float32", "bfloat16")}
-    rates: dict[str, list[float]] = {d: [] for d in models}
+    docs = documents(args.set, args.pdf_dir)
+    spec, texts, _ = next(d for d in docs if args.document in (None, d[0]["name"]))
+    windows = [w for t in texts[args.first_page :] for w in vectors.windows(t)][: args.windows]
+    models = {d: model_of(d) for d in args.dtypes}
+    settings = [(d, b) for d in models for b in args.batching]
+    rates: dict[tuple, list[float]] = {s: [] for s in settings}
     out = {}
     for m in models.values():
-        m.encode(windows[: embed.BATCH])  # warm: oneDNN's kernels made once
+        m.encode(windows[:32])  # warm: oneDNN's kernels made once
     for _ in range(args.reps):
-        for d, m in models.items():
+        for d, b in settings:
+            embed.batches, embed.BATCH_TOKENS = batching(b, [len(w) for w in windows])
             start = time.perf_counter()
-            out[d] = m.encode(windows)
-            rates[d].append(len(windows) / (time.perf_counter() - start))
-    cos = (out["float32"] * out["bfloat16"]).sum(1)
-    print(f"{model_name()}, {spec['name']}'s first {len(windows)} windows, {torch.get_num_threads()} threads")
-    for d, r in rates.items():
-        print(f"  {d}: {max(r):.2f} windows a second (best of {len(r)}; all: {', '.join(f'{x:.2f}' for x in r)})")
-    print(f"  cosine between the dtypes' vectors: min {cos.min():.5f}, median {np.median(cos):.5f}")
+            out[d, b] = models[d].encode(windows)
+            rates[d, b].append(len(windows) / (time.perf_counter() - start))
+    cos = (out[settings[0]] * out[settings[-1]]).sum(1)
+    threads = torch.get_num_threads()
+    print(f"{model_name()}, {spec['name']}: {len(windows)} windows from passage {args.first_page}, {threads} threads")
+    for setting, r in rates.items():
+        all_ = ", ".join(f"{x:.2f}" for x in r)
+        print(f"  {', '.join(setting)}: {max(r):.2f} windows a second (best of {len(r)}; all: {all_})")
+    print(f"  cosine between {settings[0]} and {settings[-1]}: min {cos.min():.5f}, median {np.median(cos):.5f}")
+    if args.out:
+        rows = [{"dtype": d, "batching": b, "windows_per_s": [round(x, 2) for x in r]} for (d, b), r in rates.items()]
+        about = {"model": model_name(), "document": spec["name"], "first_passage": args.first_page}
+        about |= {"windows": len(windows), "threads": threads, "command": " ".join(["python", *sys.argv])}
+        args.out.write_text(json.dumps({**about, "rates": rows}, indent=1) + "\n")
 
 
 def main() -> None:
@@ -296,8 +332,18 @@ def main() -> None:
     s = sub.add_parser("speed")
     s.add_argument("--set", type=Path, nargs="+", default=[TUNE[0]], help="the first document is embedded")
     s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
+    s.add_argument("--document", help="the set's document whose windows are embedded (default: the first)")
+    s.add_argument("--first-page", type=int, default=0, help="its passage (a PDF's page, from 0) the windows start at")
     s.add_argument("--windows", type=int, default=160)
     s.add_argument("--reps", type=int, default=3)
+    s.add_argument("--dtypes", type=lambda x: x.split(","), default=["float32", "bfloat16"])
+    s.add_argument(
+        "--batching",
+        type=lambda x: x.split(","),
+        default=[f"tokens:{embed.BATCH_TOKENS}"],
+        help="tokens:N (kvcli's: at most N tokens a pass), rows:N (N windows a pass), comma-separated",
+    )
+    s.add_argument("--out", type=Path)
     s = sub.add_parser("compare")
     s.add_argument("a", type=Path)
     s.add_argument("b", type=Path)

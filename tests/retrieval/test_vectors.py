@@ -265,6 +265,30 @@ def test_the_folders_pooling_is_used(tmp_path, pooling):
     np.testing.assert_allclose(model.encode(texts), reference_vectors(folder, texts, pooling), atol=1e-5)
 
 
+def test_batches_hold_at_most_the_budget_shortest_first():
+    """Every text once; a batch's rows times its longest within the budget (a longer text alone);
+    shortest first, ties in input order."""
+    lengths = [7, 3, 40, 3, 9, 12, 5, 100, 8, 8]
+    got = embed.batches(lengths, 24)
+    assert sorted(i for b in got for i in b) == list(range(len(lengths)))
+    assert [i for b in got for i in b] == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 24 for b in got)
+    assert got == [[1, 3, 6], [0, 8, 9], [4, 5], [2], [7]]  # worked out by hand
+    assert embed.batches([], 24) == []
+
+
+def test_texts_over_several_batches_come_back_in_their_order(tmp_path, monkeypatch):
+    """Texts of many lengths over many small batches: each row is its own text's vector (as the
+    text alone computes it)."""
+    folder = tiny_folder(tmp_path, "mean_tokens")
+    monkeypatch.setattr(embed, "BATCH_TOKENS", 40)
+    texts = [" ".join(SHELL[i % 2].split()[: 3 + 5 * i]) for i in range(9)][::-1] + ["short one"]
+    seen = []
+    got = embed.Embedder(folder).encode(texts, on_progress=lambda done, total: seen.append((done, total)))
+    np.testing.assert_allclose(got, reference_vectors(folder, texts, "mean"), atol=1e-5)
+    assert seen[0] == (0, 10) and seen[-1] == (10, 10) and len(seen) > 3
+
+
 def test_prompts_and_token_limit_and_the_vectors_key(tmp_path):
     """The query prompt goes before a question only, the passage prompt before a window; the token
     limit cuts; a folder without the files runs as all-MiniLM-L6-v2 (mean, 256, no prompt); the
