@@ -73,6 +73,8 @@ def chosen(question_file: Path | None, name: str | None) -> tuple[dict, list[str
     """The document's spec and the questions asked: R-exts and :data:`QUESTIONS`, or ``name``'s
     in ``question_file`` and its first three answerable ones (the manual's words)."""
     if question_file is None:
+        if name is not None:
+            raise SystemExit("--document names a document of --set: give both")
         return R_EXTS, QUESTIONS
     for spec in json.loads(question_file.read_text())["documents"]:
         if spec["name"] == name:

@@ -274,10 +274,10 @@ def batching(spec: str, chars: list[int]):
 
 def speed(args) -> None:
     """Windows a second for the embedding model in each setting of ``--dtypes`` x ``--batching``
-    (how windows are batched), alternated
-    ``--reps`` times on the same windows (``--windows`` of ``--document``'s 100-word windows from
-    passage ``--first-page``, each after the passage prompt), and how far the first and the last
-    setting's vectors are apart (cosine). ``--out``: the rates as JSON."""
+    (how windows are batched), alternated ``--reps`` times on the same windows (``--windows`` of
+    ``--document``'s 100-word windows from passage ``--first-page``, each after the passage
+    prompt), and how far the first and the last setting's vectors are apart (cosine). ``--out``:
+    the rates as JSON."""
     import time
 
     import torch
@@ -330,9 +330,9 @@ def main() -> None:
             s.add_argument("--methods", type=lambda x: x.split(","), default=METHODS)
             s.add_argument("--window", type=int, default=vectors.WINDOW_WORDS, help="words a window (kvcli: 100)")
     s = sub.add_parser("speed")
-    s.add_argument("--set", type=Path, nargs="+", default=[TUNE[0]], help="the first document is embedded")
+    s.add_argument("--set", type=Path, nargs="+", default=[TUNE[0]], help="question files (--document picks one)")
     s.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
-    s.add_argument("--document", help="the set's document whose windows are embedded (default: the first)")
+    s.add_argument("--document", help="the document of --set whose windows are embedded (default: its first)")
     s.add_argument("--first-page", type=int, default=0, help="its passage (a PDF's page, from 0) the windows start at")
     s.add_argument("--windows", type=int, default=160)
     s.add_argument("--reps", type=int, default=3)
