@@ -260,8 +260,9 @@ class Embedder:
         """(len(texts), dim) float32, each row of L2 norm 1: the last hidden states pooled as the
         layout says (mean over the attention mask, the first token's, or the max over the
         mask), through the dense layers, then normalised, as sentence-transformers runs the model.
-        Texts are batched by their tokens (:func:`batches`: shortest first, at most
-        :data:`BATCH_TOKENS` a pass); the rows come back in the texts' order. ``on_progress(done,
+        Texts are tokenized once and batched by their tokens (:func:`batches`: shortest first, at
+        most :data:`BATCH_TOKENS` a pass, each batch padded to its own longest, as the tokenizer
+        pads the batch alone); the rows come back in the texts' order. ``on_progress(done,
         total)``: the texts embedded so far, before the first batch and after each."""
         import torch
 
@@ -272,10 +273,11 @@ class Embedder:
             on_progress(0, len(texts))
         done = 0
         with torch.inference_mode():
-            lengths = self.batch(texts, self.layout.max_tokens)["attention_mask"].sum(1).tolist()
-            for idx in batches(lengths, BATCH_TOKENS):
-                batch = self.batch([texts[i] for i in idx], self.layout.max_tokens)
-                out[idx] = self._pooled(batch).numpy()
+            every = self.batch(texts, self.layout.max_tokens)  # tokenized once, padded to the longest
+            mask = every["attention_mask"]
+            for idx in batches(mask.sum(1).tolist(), BATCH_TOKENS):
+                cols = mask[idx].any(0)  # the batch's own padding: columns no text of it reaches dropped
+                out[idx] = self._pooled({k: v[idx][:, cols] for k, v in every.items()}).numpy()
                 done += len(idx)
                 if on_progress is not None:
                     on_progress(done, len(texts))
