@@ -30,6 +30,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -142,6 +143,7 @@ def main() -> None:
     if args.analyse:
         rows = [r for path in args.questions for r in json.loads(path.read_text())["rows"]]
         print(table(rows))
+        print(checked(rows))
         print(evidence_grid(rows))
         return
     session = Session.open(
@@ -175,6 +177,8 @@ def main() -> None:
                                 QuestionOptions(max_new_tokens=args.max_new_tokens, sources=False),
                             )
                             rec = {"answer": result.answer, "sources": None, "no_match": None}
+                            if result.grounding is not None:
+                                rec.update(grounding=result.grounding.score, grounded=result.grounding.grounded)
                         else:
                             pipeline = parse_pipeline(method)
                             result = session.ask(
@@ -198,6 +202,9 @@ def main() -> None:
                             "hit1": bool(gold) and bool(pages) and pages[0] in gold,
                             "hit3": bool(gold) and any(x in gold for x in pages[:3]),
                             "no_match": rec.get("no_match"),
+                            # the answer's check (kvcli/answer/grounding.py): nats a token gains from the document
+                            "grounding": rec.get("grounding"),
+                            "grounded": rec.get("grounded"),
                             "read": rec.get("read"),
                             "sources_note": rec.get("sources_note"),
                             "kv_bits": rec.get("kv_bits"),
@@ -219,6 +226,7 @@ def main() -> None:
                                 json.dumps({"command": scrub(" ".join(sys.argv)), "rows": rows}, indent=1)
                             )
     print(table(rows))
+    print(checked(rows))
     print(evidence_grid(rows))
 
 
@@ -339,6 +347,27 @@ def table(rows: list[dict]) -> str:
             f" | {sum(said_no(r) for r in ans)}/{len(ans)}"
             f" | {sum(bool(r['no_match']) for r in un)}/{len(un)} | {sum(said_no(r) for r in un)}/{len(un)} |"
         )
+    return "\n".join(out)
+
+
+def checked(rows: list[dict]) -> str:
+    """The answer's check (``grounded``: false gets a note): how many answers of each kind got the
+    note, right, wrong and unanswerable ones, per reading and wording (rows without the check apart)."""
+    out = [
+        "| reading | wording | note on right answers | on wrong ones | on answers no page gives | median grounding: right / unanswerable |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    rows = [r for r in rows if r.get("grounding") is not None]
+    for m, w in sorted({(r["method"], r["wording"]) for r in rows}):
+        rs = [r for r in rows if (r["method"], r["wording"]) == (m, w)]
+        kinds = [
+            [r for r in rs if not r["unanswerable"] and r["right"]],
+            [r for r in rs if not r["unanswerable"] and not r["right"]],
+            [r for r in rs if r["unanswerable"]],
+        ]
+        noted = [f"{sum(not r['grounded'] for r in k)}/{len(k)}" for k in kinds]
+        med = [f"{median([r['grounding'] for r in k]):.2f}" if k else "-" for k in (kinds[0], kinds[2])]
+        out.append(f"| {m} | {w} | {' | '.join(noted)} | {' / '.join(med)} |")
     return "\n".join(out)
 
 

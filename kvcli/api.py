@@ -63,6 +63,9 @@ class AskOptions:
     sources: bool = (
         True  # cite the document's pages the answer comes from (kvcli.cite.sources); False: nothing read for it
     )
+    # after the answer, whether it comes from the document (kvcli.answer.grounding), on a model whose
+    # threshold was measured (the Qwen models): a note if it may not
+    check: bool = True
 
 
 def parse_pipeline(spec: str) -> Pipeline:
@@ -82,6 +85,7 @@ class _Asked:
     options: QuestionOptions
     max_new_tokens: int
     sources: bool
+    check: bool
 
 
 def _source(document: Document) -> str:
@@ -145,6 +149,12 @@ class Session:
             o,
             max_new_tokens=self.options.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens,
             sources=self.options.sources if o.sources is None else o.sources,
+            # a model without a measured threshold, or an answer forced to a length or begun by a prefix
+            # (benchmarks), is not checked
+            check=(self.options.check if o.check is None else o.check)
+            and self.lm.check_threshold is not None
+            and not o.force_tokens
+            and not o.answer_prefix,
         )
         prompt = build_prompt(
             self.lm.tokenizer, document.text, question, self.template, o.answer_prefix, document.page_starts
@@ -153,6 +163,8 @@ class Session:
         by_passage = pipeline.reads_passages()  # the sources come one per passage it read
         threads_used = {} if self.threads is None else self.threads.start_run()
         result = self._answer(document, prompt, pipeline, asked)
+        if asked.check:
+            self._check(result, question)
         if asked.sources:
             result.sources = cite(document, result, question, by_passage=by_passage)
         result.extra["compressor"] = pipeline.spec()  # resolved (``-c auto`` -> the method it chose)
@@ -227,11 +239,23 @@ class Session:
                 cite=citing_heads(self.lm) if asked.sources else None,
                 on_selected=selected if retrieves else None,
                 meta=self._meta(document, pipeline),
+                logprobs=asked.check,
             )
         result.document = document
         if stream is not None:
             stream.close(result.answer)
         return result
+
+    def _check(self, result: Result, question: str) -> None:
+        """Whether ``result``'s answer comes from the document (``result.grounding``); a note if it may not."""
+        from .answer.grounding import grounding
+
+        result.grounding = grounding(
+            self.engine, self.lm.tokenizer, question, result.answer_ids, result.answer_logprobs, self.lm.check_threshold
+        )
+        note = None if result.grounding is None else result.grounding.note()
+        if note is not None:
+            notices.warn(note)
 
     def _stopping(self, o: QuestionOptions):
         """The answer's stop tokens and its guard (None: none), both off with ``force_tokens``."""

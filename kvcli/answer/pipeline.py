@@ -218,6 +218,10 @@ class Result:
     # the document answered from (kvcli.documents.Document), set by the caller that has it (Session.ask):
     # where what was read lies (pages or lines) for a method that retrieves
     document: object | None = None
+    # each answer token's log-probability as it was chosen (None: not asked for; ``run(logprobs=True)``)
+    answer_logprobs: list[float] | None = None
+    # whether the answer comes from the document (kvcli.answer.grounding.Grounding), set by Session.ask; None: not checked
+    grounding: object | None = None
 
     def kept_mask(self) -> torch.Tensor | None:
         """What each layer and KV head held of the prompt, in prompt indices:
@@ -363,12 +367,14 @@ def _document_digest(prompt) -> str:
 @dataclass(frozen=True)
 class Generation:
     """How the answer is generated: at most ``max_new_tokens`` greedy tokens, up to one of
-    ``stop_ids`` or where ``guard`` ends it, each handed to ``on_token`` as it comes."""
+    ``stop_ids`` or where ``guard`` ends it, each handed to ``on_token`` as it comes, its
+    log-probability appended to ``logprobs`` (None: not computed)."""
 
     max_new_tokens: int
     stop_ids: set[int]
     on_token: Callable[[int], None] | None = None
     guard: object | None = None
+    logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -400,6 +406,7 @@ def run(
     threads: ThreadPolicy | None = None,
     cite=None,
     on_selected: Callable[[Selection], None] | None = None,
+    logprobs: bool = False,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
@@ -409,9 +416,10 @@ def run(
     (:class:`kvcli.cite.attribution.HeadWeights`) whose attention while decoding is kept for the
     answer's sources (``Result.extra["citing"]``), None: nothing is read; ``threads``: the CPU
     threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are);
-    ``on_selected(selection)``: once the selectors chose, before the chosen tokens are read.
+    ``on_selected(selection)``: once the selectors chose, before the chosen tokens are read;
+    ``logprobs``: keep each answer token's log-probability (``Result.answer_logprobs``).
     """
-    generation = Generation(max_new_tokens, stop_ids, on_token, guard)
+    generation = Generation(max_new_tokens, stop_ids, on_token, guard, [] if logprobs else None)
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
@@ -425,7 +433,10 @@ def run(
         reader = None if cite is None else CitingHeads(cite, read.kept_ids.numel(), read.cache)
         answer_ids = _decode(engine, pipeline, read, generation, threads, reader)
         total = m.elapsed(since=start)
-    return _result(engine, prompt, pipeline, read, answer_ids, m, ttft, total, reader, cite)
+    result = _result(engine, prompt, pipeline, read, answer_ids, m, ttft, total, reader, cite)
+    if generation.logprobs is not None:  # the guard may have cut the answer: its tokens' only
+        result.answer_logprobs = generation.logprobs[: len(answer_ids)]
+    return result
 
 
 def _read_prompt(engine, prompt: Prompt, pipeline: Pipeline, store, meta, on_selected) -> _Reading:
@@ -520,6 +531,7 @@ def _decode(engine, pipeline: Pipeline, read: _Reading, generation: Generation, 
             generation.on_token,
             step=step,
             guard=generation.guard,
+            logprobs=generation.logprobs,
         )
 
 

@@ -18,7 +18,8 @@ class QuestionOptions:
     starts with, after the generation prompt (benchmarks such as RULER). ``sources``: read the
     answer's attention while it is decoded and cite the document's sentences it read most
     (``Result.sources``, :mod:`kvcli.cite.sources`); False: nothing is read or cited; None: the
-    session's option.
+    session's option. ``check``: after the answer, whether it comes from the document
+    (``Result.grounding``, :mod:`kvcli.answer.grounding`: a note when it may not); None: the session's option.
 
     While it runs: ``on_prompt(method, n_tokens)`` once the method is chosen (its name, e.g.
     "full attention", and the prompt's length; for a method that retrieves, ``pages``, once it
@@ -39,6 +40,7 @@ class QuestionOptions:
     use_store: bool = True
     answer_prefix: str = ""
     sources: bool | None = None
+    check: bool | None = None
     on_token: Callable[[int], None] | None = None
     on_text: Callable[[str], None] | None = None
     on_prompt: Callable[[str, int], None] | None = None

@@ -22,6 +22,7 @@ from .options import (
     AnswerGuardOpt,
     CacheDirOpt,
     CacheMaxOpt,
+    CheckOpt,
     CompressorOpt,
     ModelChoice,
     ModelOptions,
@@ -94,6 +95,7 @@ def ask(
     ),
     answer_guard: bool = AnswerGuardOpt,
     sources: bool = SourcesOpt,
+    check: bool = CheckOpt,
     low_memory: bool = typer.Option(
         False,
         "--low-memory",
@@ -123,6 +125,7 @@ def ask(
         low_memory=low_memory,
         cache_max=cache_max,
         sources=sources is not False,
+        check=check,
     )
     if workers is not None and ray_address is None:
         raise UsageError("--workers needs --ray (without it one process answers every document)")

@@ -23,6 +23,7 @@ from .options import (
     AnswerGuardOpt,
     CacheDirOpt,
     CacheMaxOpt,
+    CheckOpt,
     CompressorOpt,
     ModelChoice,
     ModelOptions,
@@ -83,6 +84,7 @@ def chat(
     cache_max: str | None = CacheMaxOpt,
     answer_guard: bool = AnswerGuardOpt,
     sources: bool = SourcesOpt,
+    check: bool = CheckOpt,
 ) -> None:
     err = stderr(quiet)
     route_warnings(quiet)
@@ -94,6 +96,7 @@ def chat(
         answer_guard=answer_guard,
         cache_max=cache_max,
         sources=sources is not False,
+        check=check,
     )
     if document == batch.STDIN:
         raise UsageError("kvcli chat reads its questions from stdin; give the document as a file")

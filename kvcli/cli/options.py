@@ -121,6 +121,14 @@ AnswerGuardOpt = typer.Option(
     help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit; after a completion prompt's 'Answer:' (a model without a chat template) start it on that line",
 )
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
+CheckOpt = typer.Option(
+    True,
+    "--check/--no-check",
+    help="After the answer, run it again after the question alone, without the document: a warning on stderr "
+    "when the model gives it as readily (the answer may not come from the document), and in JSON "
+    "grounding/grounded; on the models whose threshold was measured (the Qwen models), one short pass "
+    "(docs/methods.md)",
+)
 
 
 def checked_as_parsed(check, option: str, env: str):

@@ -80,6 +80,9 @@ class EmbeddedModel:
     # measured on the held-out questions (docs/bench/qwen); None: the policy's ``pages``
     auto_pages: str | None = None
     auto_pages_ranked_by: str | None = None
+    # the answer's check (kvcli.answer.grounding): nats a token under which an answer gets the note that
+    # it may not come from the document, as chosen on tuning questions (docs/bench/qwen); None: not checked
+    check_threshold: float | None = None
 
     @property
     def install(self) -> str:

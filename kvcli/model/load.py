@@ -116,6 +116,7 @@ def load_model(
         attn=attn,
         source=src.source,
         cpu_prefill_chunk=what.known.cpu_prefill_chunk if what.known is not None else None,
+        check_threshold=what.known.check_threshold if what.known is not None else None,
     )
 
 

@@ -67,6 +67,10 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         "sources_s": None if result.sources is None else round(result.extra["sources_s"], 4),
         # a method that retrieves (pages): each passage read, with what ranked it as a source
         "sources_evidence": None if result.sources is None else result.sources.extra.get("evidence"),
+        # whether the answer comes from the document: nats a token it gains from it (kvcli.answer.grounding); null: not checked
+        "grounding": None if result.grounding is None else result.grounding.score,
+        "grounded": None if result.grounding is None else result.grounding.grounded,
+        "check_s": None if result.grounding is None else round(result.grounding.seconds, 4),
         # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
         "no_match": result.selection.note,
         # a method that retrieves (pages): the passages read whole and skimmed, their tokens, of the document's

@@ -71,6 +71,7 @@ def greedy(
     on_token: Callable[[int], None] | None = None,
     step: DecodeStep | None = None,
     guard=None,
+    logprobs: list[float] | None = None,
 ) -> list[int]:
     """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
 
@@ -79,18 +80,21 @@ def greedy(
     :class:`kvcli.answer.stopping.AnswerGuard` that may end the answer earlier (an invented next question,
     a repeated sentence) and trims it at the token limit; it may also rule out first tokens
     (``guard.opening``: an answer that would open a new line after a completion's ``Answer:``).
+    ``logprobs``: each chosen token's log-probability under the model's logits (before the guard's
+    opening rule) is appended to it, one per generated id (:mod:`kvcli.answer.grounding` reads them).
     """
     step = DecodeStep.full_attention(engine, cache, next_position, max_new_tokens - 1) if step is None else step
     try:
-        return _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard)
+        return _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs)
     finally:
         if step.finish is not None:
             step.finish()
 
 
-def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard) -> list[int]:
+def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs) -> list[int]:
     run, device_token = step.run, step.device_token
     out: list[int] = []
+    raw = first_logits
     logits = first_logits if guard is None else guard.opening(first_logits)
     for i in range(max_new_tokens):
         chosen = torch.argmax(logits).view(1)
@@ -98,6 +102,8 @@ def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_tok
         if token in stop_ids:  # the guard may still drop a dangling end ("The answer is:")
             return out if guard is None else out[: guard.finish(out, at_limit=False)]
         out.append(token)
+        if logprobs is not None:
+            logprobs.append(float(raw[token].float() - torch.logsumexp(raw.float(), -1)))
         if guard is not None:
             keep = guard.check(out)
             if keep is not None:
@@ -107,5 +113,5 @@ def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_tok
         if i + 1 == max_new_tokens:
             break
         # the token where the step takes it: on the device (no upload), or the id
-        logits = run(chosen if device_token else token, next_position + i, cache)
+        logits = raw = run(chosen if device_token else token, next_position + i, cache)
     return out if guard is None else out[: guard.finish(out)]

@@ -269,6 +269,9 @@ class Engine:
         on_token: Callable[[int], None] | None = None,
         step: DecodeStep | None = None,
         guard=None,
+        logprobs: list[float] | None = None,
     ) -> list[int]:
         """:func:`kvcli.runtime.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
-        return decode.greedy(self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard)
+        return decode.greedy(
+            self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs
+        )

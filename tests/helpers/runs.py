@@ -87,7 +87,16 @@ class RecordingEngine(Engine):
     prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
 
     def decode(
-        self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token=None, step=None, guard=None
+        self,
+        first_logits,
+        cache,
+        next_position,
+        max_new_tokens,
+        stop_ids,
+        on_token=None,
+        step=None,
+        guard=None,
+        logprobs=None,
     ):
         inner = DecodeStep.full_attention(self) if step is None else step
         self.seen = [first_logits]
@@ -99,7 +108,15 @@ class RecordingEngine(Engine):
 
         recording_step = DecodeStep(recording, device_token=inner.device_token)
         return super().decode(
-            first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step=recording_step, guard=guard
+            first_logits,
+            cache,
+            next_position,
+            max_new_tokens,
+            stop_ids,
+            on_token,
+            step=recording_step,
+            guard=guard,
+            logprobs=logprobs,
         )
 
 

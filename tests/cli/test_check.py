@@ -1,0 +1,48 @@
+"""The answer's check on the command line: a warning on stderr (stdout stays the answer, or the JSON
+alone), ``grounding``/``grounded`` in JSON, ``--no-check`` off. A tiny random model has no measured
+threshold (it is not checked), so it gets one here that every answer is under."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import kvcli.model
+
+NOTE = "may not come from the document"
+
+
+@pytest.fixture
+def always_noted(tiny_dir, tmp_path, monkeypatch):
+    """(model path, document): a tiny llama whose threshold every answer is under."""
+    load = kvcli.model.load_model
+    monkeypatch.setattr(
+        kvcli.model, "load_model", lambda *a, **k: dataclasses.replace(load(*a, **k), check_threshold=1e9)
+    )
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper counted seven gulls on the north rock. " * 8, encoding="utf-8")
+    return str(tiny_dir("llama", num_hidden_layers=4)), str(doc)
+
+
+def test_a_noted_answer_is_said_on_stderr_and_in_json(cli, always_noted):
+    model, doc = always_noted
+    code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--json", "--max-new-tokens", "4")
+    assert code == 0 and out.count("\n") == 1
+    record = json.loads(out)
+    assert record["grounded"] is False and isinstance(record["grounding"], float) and record["check_s"] >= 0
+    assert any(NOTE in w for w in record["warnings"]) and NOTE in err
+
+
+def test_piped_stdout_is_the_answer_alone(cli, always_noted):
+    model, doc = always_noted
+    code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--max-new-tokens", "4")
+    assert code == 0 and NOTE not in out and f"kvcli: warning: the answer {NOTE}" in err
+
+
+def test_no_check_checks_nothing(cli, always_noted):
+    model, doc = always_noted
+    code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--json", "--max-new-tokens", "4", "--no-check")
+    record = json.loads(out)
+    assert code == 0 and record["grounding"] is None and record["grounded"] is None and NOTE not in err
