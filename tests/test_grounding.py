@@ -35,12 +35,12 @@ def test_decoding_records_each_chosen_tokens_logprob(tiny_lm, family):
     ids = random_ids(30, seed=3)
     cache = KVCache()
     hidden = engine.forward(ids, torch.arange(30), cache)
-    recorded: list[float] = []
+    recorded: list[torch.Tensor] = []
     out = engine.decode(engine.logits(hidden)[-1], cache, 30, 6, set(), logprobs=recorded)
     assert len(out) == len(recorded) == 6
     ref = reference_logprobs(lm, ids.tolist(), out)
-    assert torch.allclose(torch.tensor(recorded), ref, atol=TOL)
-    assert all(v <= 0 for v in recorded)
+    got = torch.stack(recorded).cpu()
+    assert torch.allclose(got, ref, atol=TOL) and bool((got <= 0).all())
 
 
 def test_closed_book_prompt_holds_the_question_not_the_document(tiny_lm):

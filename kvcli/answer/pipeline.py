@@ -374,7 +374,7 @@ class Generation:
     stop_ids: set[int]
     on_token: Callable[[int], None] | None = None
     guard: object | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -435,7 +435,8 @@ def run(
         total = m.elapsed(since=start)
     result = _result(engine, prompt, pipeline, read, answer_ids, m, ttft, total, reader, cite)
     if generation.logprobs is not None:  # the guard may have cut the answer: its tokens' only
-        result.answer_logprobs = generation.logprobs[: len(answer_ids)]
+        kept = generation.logprobs[: len(answer_ids)]
+        result.answer_logprobs = torch.stack(kept).tolist() if kept else []
     return result
 
 

@@ -71,7 +71,7 @@ def greedy(
     on_token: Callable[[int], None] | None = None,
     step: DecodeStep | None = None,
     guard=None,
-    logprobs: list[float] | None = None,
+    logprobs: list[torch.Tensor] | None = None,
 ) -> list[int]:
     """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
 
@@ -81,7 +81,8 @@ def greedy(
     a repeated sentence) and trims it at the token limit; it may also rule out first tokens
     (``guard.opening``: an answer that would open a new line after a completion's ``Answer:``).
     ``logprobs``: each chosen token's log-probability under the model's logits (before the guard's
-    opening rule) is appended to it, one per generated id (:mod:`kvcli.answer.grounding` reads them).
+    opening rule) is appended to it, one per generated id, as a 0-d tensor where the logits are (no
+    synchronisation more; :mod:`kvcli.answer.grounding` reads them).
     """
     step = DecodeStep.full_attention(engine, cache, next_position, max_new_tokens - 1) if step is None else step
     try:
@@ -103,7 +104,7 @@ def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_tok
             return out if guard is None else out[: guard.finish(out, at_limit=False)]
         out.append(token)
         if logprobs is not None:
-            logprobs.append(float(raw[token].float() - torch.logsumexp(raw.float(), -1)))
+            logprobs.append(raw[token].float() - torch.logsumexp(raw.float(), -1))
         if guard is not None:
             keep = guard.check(out)
             if keep is not None:

@@ -269,7 +269,7 @@ class Engine:
         on_token: Callable[[int], None] | None = None,
         step: DecodeStep | None = None,
         guard=None,
-        logprobs: list[float] | None = None,
+        logprobs: list[torch.Tensor] | None = None,
     ) -> list[int]:
         """:func:`kvcli.runtime.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
         return decode.greedy(
