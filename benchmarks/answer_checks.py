@@ -7,7 +7,7 @@ held-out ones:
   log-odds of "yes" against "no" (three wordings);
 * the answer's pointwise mutual information with the document: each answer token's log-probability
   with the document read (the answer's KV cut back before the prompt's last token and the answer run
-  again) minus after the question alone in a closed-book prompt (``grounding.CLOSED_BOOK``), per token.
+  again) minus after the question alone in a closed-book prompt (``grounding.closed_book_logprobs``), per token.
 
     python benchmarks/answer_checks.py docs/bench/retrieval/user-check.json docs/bench/cite/unanswerable-tuning.json \\
         --model qwen2.5-coder-1.5b --out docs/bench/qwen/check/tune-1.5b.json
@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heldout_answers import is_right, load_version  # noqa: E402
 from portable import portable, scrub  # noqa: E402
 
-from kvcli.answer.grounding import closed_book_ids  # noqa: E402
+from kvcli.answer.grounding import closed_book_logprobs  # noqa: E402
 from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.report.record import result_record  # noqa: E402
+from kvcli.runtime.decode import chosen_logprobs  # noqa: E402
 
 ASKED = {  # asked after the answer, in the model's chat turns
     "stated": "Is that answer stated in the document? Reply yes or no.",
@@ -45,11 +46,6 @@ ASKED = {  # asked after the answer, in the model's chat turns
     "supported": "Is your answer supported by the document above? Answer only yes or no.",
 }
 THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
-
-
-def token_logprobs(logits: torch.Tensor, answer: list[int]) -> list[float]:
-    rows = torch.log_softmax(logits.float(), -1)
-    return [round(float(rows[i, t]), 4) for i, t in enumerate(answer)]
 
 
 def asked_after(session, result, turn: list[int], yes: list[int], no: list[int]) -> float:
@@ -65,19 +61,17 @@ def asked_after(session, result, turn: list[int], yes: list[int], no: list[int])
 
 
 def gains(session, result, question: str) -> tuple[list[float], list[float]]:
-    """Each answer token's log-probability with the document read and after the question alone."""
+    """Each answer token's log-probability with the document read (the answer run again on its KV
+    cut back before the prompt's last token) and after the question alone (kvcli's own closed-book pass)."""
     engine, tok, answer = session.engine, session.lm.tokenizer, list(result.answer_ids)
     cache = copy.deepcopy(result.cache)
     cache.truncate(result.selection.n_kept - 1)
     start = int(cache.positions[-1]) + 1
     ids = torch.tensor([int(result.prompt.ids[result.selection.kept[-1]])] + answer)
-    with_doc = token_logprobs(
-        engine.logits(engine.forward(ids, torch.arange(start, start + ids.numel()), cache))[:-1], answer
-    )
-    pre = closed_book_ids(tok, question)
-    ids = torch.tensor(pre + answer)
-    hidden = engine.forward(ids, torch.arange(ids.numel()), engine.new_cache())
-    return with_doc, token_logprobs(engine.logits(hidden)[len(pre) - 1 : -1], answer)
+    logits = engine.logits(engine.forward(ids, torch.arange(start, start + ids.numel()), cache))[:-1]
+    with_doc = chosen_logprobs(logits, torch.tensor(answer)).tolist()
+    without = closed_book_logprobs(engine, tok, question, answer)
+    return [round(v, 4) for v in with_doc], [round(v, 4) for v in without]
 
 
 def run(args) -> None:

@@ -5,8 +5,8 @@ manuals' held-out questions that no page answers, the 1.5B Qwen declined none of
 own tokens say where they came from: each token's log-probability as it was chosen, the document
 read (recorded while decoding, so any method's reading counts), against the same tokens after the
 question alone in a closed-book prompt (:data:`CLOSED_BOOK`, one pass over ~50 tokens and the
-answer: 0.5 s on the 0.5B Qwen, 1.1-1.4 s on the 1.5B, on 2 cores, after the answer is shown). Their mean difference, nats per answer token, is the document's
-pointwise mutual information with the answer (:attr:`Grounding.score`): a token copied from a page
+answer: 0.5 s on the 0.5B Qwen, 1.1-1.4 s on the 1.5B, on 2 cores, after the answer is shown).
+Their mean difference, nats per answer token, is the document's pointwise mutual information with the answer (:attr:`Grounding.score`): a token copied from a page
 (a number, a name, an option) gains several nats; an answer the model gives as readily without the
 pages gains about none. Under the model's threshold the answer gets a note, never a different answer.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.decode import chosen_logprobs
 from ..templates import render_pieces
 
 # the closed-book prompt: the question alone, rendered through the model's chat template
@@ -68,8 +69,7 @@ def closed_book_logprobs(engine, tokenizer, question: str, answer_ids: list[int]
     ids = torch.tensor(prompt + list(answer_ids))
     hidden = engine.forward(ids, torch.arange(ids.numel()), engine.new_cache())
     logits = engine.logits(hidden[:, len(prompt) - 1 : -1])  # the logits that chose each answer token
-    chosen = logits.gather(1, torch.tensor(answer_ids, device=logits.device)[:, None])[:, 0]
-    return (chosen - torch.logsumexp(logits, -1)).tolist()
+    return chosen_logprobs(logits, torch.tensor(answer_ids)).tolist()
 
 
 def grounding(

@@ -60,6 +60,13 @@ def step(engine, token: int | torch.Tensor, position: int, cache) -> torch.Tenso
     return engine.logits(hidden)[-1]
 
 
+def chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(q, vocab) logits and the (q,) ids chosen from them -> each id's log-probability, float32,
+    where the logits are."""
+    logits = logits.float()
+    return logits.gather(1, ids.view(-1, 1).to(logits.device))[:, 0] - torch.logsumexp(logits, -1)
+
+
 @torch.inference_mode()
 def greedy(
     engine,
@@ -104,7 +111,7 @@ def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_tok
             return out if guard is None else out[: guard.finish(out, at_limit=False)]
         out.append(token)
         if logprobs is not None:
-            logprobs.append(raw[token].float() - torch.logsumexp(raw.float(), -1))
+            logprobs.append(chosen_logprobs(raw.view(1, -1), chosen)[0])
         if guard is not None:
             keep = guard.check(out)
             if keep is not None:
