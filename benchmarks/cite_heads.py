@@ -33,13 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids  # noqa: E402
+from kvcli.answer.prompt import build_prompt, load_template  # noqa: E402
 from kvcli.bench.ruler_tasks import make_instance  # noqa: E402
 from kvcli.cite.sources import DocumentUnits  # noqa: E402
 from kvcli.documents import document_from_text  # noqa: E402
 from kvcli.model import load_model  # noqa: E402
 from kvcli.model.facts import quant_name  # noqa: E402
 from kvcli.runtime.attention import AttentionContext, attention_context, install  # noqa: E402
+from kvcli.templates import stop_token_ids  # noqa: E402
 
 
 def span(text: str) -> list[int]:

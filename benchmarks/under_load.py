@@ -67,10 +67,11 @@ def make_inputs(work: Path, args) -> dict:
     """The two texts (essays of the needle tests), and llama.cpp's cases: the hit question's
     prompt ids (with its prefix) and the cold one's."""
     sys.path.insert(0, str(ROOT))
-    from kvcli.answer.prompt import build_prompt, load_template, stop_token_ids
+    from kvcli.answer.prompt import build_prompt, load_template
     from kvcli.bench.needle import make_case
     from kvcli.model import load_model
     from kvcli.model.embedded import embedded_gguf_file
+    from kvcli.templates import stop_token_ids
 
     lm = load_model(args.model)
     doc = make_case(lm.tokenizer, args.doc_tokens, 0.5, seed=3)

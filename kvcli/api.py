@@ -259,8 +259,8 @@ class Session:
 
     def _stopping(self, o: QuestionOptions):
         """The answer's stop tokens and its guard (None: none), both off with ``force_tokens``."""
-        from .answer.prompt import stop_token_ids
         from .answer.stopping import AnswerGuard
+        from .templates import stop_token_ids
 
         stop = set() if o.force_tokens else stop_token_ids(self.lm.tokenizer, self.lm.model.generation_config)
         guard = (

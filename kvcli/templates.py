@@ -12,6 +12,8 @@ from .errors import UsageError
 TEMPLATE_DIR = Path(__file__).resolve().parent / "prompts"
 DEFAULT_TEMPLATE = "qa"
 _DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
+# the chat templates' end-of-turn markers: a generation ends on one (:func:`stop_token_ids`)
+STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
 
 
 def load_template(name_or_path: str = DEFAULT_TEMPLATE) -> str:
@@ -60,3 +62,18 @@ def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
     head, rest = text.split(_DOC)
     middle, tail = rest.split(_QUESTION)
     return head, middle, tail
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """Token ids that end an answer: eos ids of tokenizer and generation config, chat end markers."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    for text in STOP_TOKEN_TEXTS:  # looked up one by one: get_vocab() copies the vocabulary (0.4 s for Qwen's 151k)
+        i = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(i, int) and (i != tokenizer.unk_token_id or text == tokenizer.unk_token):  # unk: not there
+            ids.add(i)
+    return ids

@@ -115,8 +115,9 @@ def test_the_compressors_and_documents_import_nothing_above_them():
 def test_retrieval_imports_only_documents_files_and_errors():
     """kvcli.retrieval (the pages' ranking, BM25 for the citations) sits below the compressors and
     the sources that use it: of kvcli it imports only documents, files (and file_facts: its model's
-    id memoised), errors, the runtime's CPU facts (runtime.native: whether bfloat16 is native) and
-    itself."""
+    id memoised), errors, the runtime's CPU facts (runtime.native: whether bfloat16 is native), the
+    runtime's decoding loop and the prompt templates (runtime.decode, templates: Query2doc's passage,
+    written by the model before the ranking) and itself."""
     graph = import_graph()
     assert (
         graph["kvcli.compressors.pages"] >= {"kvcli.retrieval"}
@@ -129,6 +130,8 @@ def test_retrieval_imports_only_documents_files_and_errors():
         "kvcli.file_facts",
         "kvcli.errors",
         "kvcli.runtime.native",
+        "kvcli.runtime.decode",
+        "kvcli.templates",
     )
     mine = {m: deps for m, deps in graph.items() if m.startswith("kvcli.retrieval")}
     assert len(mine) >= 4

@@ -413,7 +413,7 @@ def test_stop_tokens_are_the_chat_end_markers_the_vocabulary_holds():
     """Each end marker the tokenizer knows, looked up one by one, is what the whole vocabulary says
     (an independent reference: ``get_vocab()``); markers it lacks are not mapped to its unk id, and
     its unk token, when it is one of the markers (this tokenizer's <|endoftext|>), stays a stop."""
-    from kvcli.answer.prompt import STOP_TOKEN_TEXTS, stop_token_ids
+    from kvcli.templates import STOP_TOKEN_TEXTS, stop_token_ids
 
     tok = _tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "<end_of_turn>"]})

@@ -96,9 +96,10 @@ def build_cases(
     """The cases of ``model`` (an embedded model's name; None: the default): its tokenizer, its chat
     template and its stop ids, the prompt ids every peer is given."""
     global _TOKENIZER
-    from kvcli.answer.prompt import build_prompt, stop_token_ids
+    from kvcli.answer.prompt import build_prompt
     from kvcli.api import AskOptions, Session
     from kvcli.bench.needle import make_case
+    from kvcli.templates import stop_token_ids
 
     session = Session.open(AskOptions(model=model, use_cache=False))
     tok = _TOKENIZER = session.lm.tokenizer

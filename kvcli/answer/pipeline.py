@@ -481,6 +481,7 @@ def _select(engine, prompt: Prompt, pipeline: Pipeline, prefix: Prefix | None) -
             selection.note or sub.note,
             selection.read or sub.read,
             selection.ranked_by or sub.ranked_by,
+            selection.expansion or sub.expansion,
         )
     return selection
 

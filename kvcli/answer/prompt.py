@@ -22,8 +22,6 @@ from ..documents import passages
 from ..errors import DocumentError
 from ..templates import load_template, render_pieces
 
-STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
-
 
 @dataclass(frozen=True)
 class Passage:
@@ -132,18 +130,3 @@ def _passages(text: str, page_starts, offsets, first: int) -> tuple[Passage, ...
         if b > a:
             out.append(Passage(first + a, first + b, lo, text[lo:hi], bisect.bisect_right(page_starts, lo), line))
     return tuple(out)
-
-
-def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
-    """Token ids that end an answer: eos ids of tokenizer and generation config, chat end markers."""
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    for text in STOP_TOKEN_TEXTS:  # looked up one by one: get_vocab() copies the vocabulary (0.4 s for Qwen's 151k)
-        i = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(i, int) and (i != tokenizer.unk_token_id or text == tokenizer.unk_token):  # unk: not there
-            ids.add(i)
-    return ids

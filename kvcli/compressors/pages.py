@@ -15,7 +15,9 @@ and a lexical score instead of an early layer's attention:
    by BM25 on word stems (Robertson & Zaragoza 2009, "The Probabilistic Relevance Framework: BM25
    and Beyond"; Lucene's variant, :mod:`kvcli.retrieval.bm25`) with the question as the query, and
    BM25's best ``candidates`` re-ranked by BM25 fused with a small sentence embedding's cosine
-   (:mod:`kvcli.retrieval.ranking`: the question in the user's words, not the page's);
+   (:mod:`kvcli.retrieval.ranking`: the question in the user's words, not the page's); with
+   ``expand`` the model first writes a short passage that would answer the question, closed-book,
+   and both rankings read the question expanded by it (Query2doc, :mod:`kvcli.retrieval.expansion`);
 2. the best ``pages`` passages (default 1: measured, below) whose tokens fit in ``budget`` are kept
    whole, in document order, with everything around the document (the template, the question);
    of the next ``skim`` passages (default 2) only the best sentence for the question (BM25 over
@@ -26,8 +28,9 @@ and a lexical score instead of an early layer's attention:
    be in what it read: the page read whole first, then the skimmed sentences, in the ranking's
    order (BM25 fused with the embedding, step 1).
 
-No model pass chooses the passages, so a document longer than the model's window costs one short
-reading, not a read of the whole book; no KV is stored (the choice depends on the question; the
+No model pass over the document chooses the passages (``expand``'s passage is written from the
+question and the document's first words alone), so a document longer than the model's window costs
+one short reading, not a read of the whole book; no KV is stored (the choice depends on the question; the
 passages' vectors are, :mod:`kvcli.retrieval.vectors`). The
 whitespace between two passages belongs to the one before it, so keeping every passage keeps the
 whole prompt (the contract with full attention). A passage is never cut, except the best one when
@@ -56,7 +59,9 @@ from ..errors import UsageError
 from ..notices import warn
 from ..retrieval import rank_passages
 from ..retrieval.bm25 import bm25_scores
+from ..retrieval.expansion import head_words, write_passage
 from ..retrieval.ranking import CANDIDATES
+from ..templates import stop_token_ids
 from .base import Compressor, knob
 from .selection import Read, Selection
 
@@ -82,7 +87,8 @@ class Pages(Compressor):
         "selects the document's passages (a PDF's pages, else page-sized passages of ~600 tokens) by BM25 on stems and "
         "a sentence embedding against the question (the embedding re-ranks BM25's best `candidates`), the best `pages` "
         "that fit in `budget` tokens (auto: half the window, at most 4,096), read whole, and the best sentences "
-        "(`skim_tokens`) of the next `skim` (no model pass chooses them: a book costs one short reading)"
+        "(`skim_tokens`) of the next `skim` (no model pass chooses them: a book costs one short reading); "
+        "`expand`: the question first expanded by a passage the model writes closed-book (Query2doc)"
     )
     positions: ClassVar[str] = "fresh 0..k-1"
     disk_cache: ClassVar[str] = "nothing (depends on the question)"
@@ -115,6 +121,12 @@ class Pages(Compressor):
         f"most prompt tokens read before the question (the template's head and the passages); "
         f"auto = half the model's window, at most {BUDGET:,}",
     )
+    expand: int = knob(
+        0,
+        "tokens of a passage the model first writes, closed-book, to answer the question (Query2doc, "
+        "arXiv:2303.07678); the passages are then ranked by the question expanded by it (a user's words "
+        "meet the manual's); 0: by the question alone",
+    )
 
     def __post_init__(self) -> None:
         if self.pages < 1:
@@ -127,10 +139,14 @@ class Pages(Compressor):
             raise UsageError(f"pages: budget must be at least 1, got {self.budget}")
         if self.candidates < 0:
             raise UsageError(f"pages: candidates must be at least 0 (0: every passage), got {self.candidates}")
+        if self.expand < 0:
+            raise UsageError(f"pages: expand must be at least 0 (0: the question alone), got {self.expand}")
 
     def configure(self, lm) -> None:
         if self.budget is None:
             self.budget = min(BUDGET, (lm.max_context or 2 * BUDGET) // 2)
+        if self.expand:  # what writing the expansion needs besides the engine (select_tokens)
+            self._writer = (lm.tokenizer, stop_token_ids(lm.tokenizer, lm.model.generation_config))
 
     def prefix_state(self, lm) -> None:
         """None: what is read depends on the question."""
@@ -160,14 +176,20 @@ class Pages(Compressor):
         bounds = passage_tokens(prompt)
         if not bounds:
             return Selection(torch.arange(n))
+        texts = [p.text for p in prompt.passages]
+        expansion = None
+        if self.expand:
+            tokenizer, stop = self._writer
+            expansion = write_passage(engine, tokenizer, stop, prompt.question, head_words(texts), self.expand).text
         ranking = rank_passages(
-            [p.text for p in prompt.passages],
+            texts,
             prompt.question,
             self.vectors_dir(),
             candidates=self.candidates,
             document={"document": self.runtime.document, "document_sha256": self.runtime.document_sha256},
             on_progress=self.runtime.on_embed,
             on_stored=self.runtime.on_stored,
+            expansion=expansion or "",
         )
         fused = ranking.scores  # BM25 on stems fused with a sentence embedding (kvcli.retrieval)
         room = self.budget - prompt.doc_start  # the template's head is read too
@@ -200,7 +222,9 @@ class Pages(Compressor):
         if note is not None:
             warn(note)
         what = tuple(read_of(prompt, how, prompt.passages[i], *span) for how, i, span in read if span[1] > span[0])
-        return Selection(torch.nonzero(keep).flatten(), scores, note=note, read=what, ranked_by=ranking.signal)
+        return Selection(
+            torch.nonzero(keep).flatten(), scores, note=note, read=what, ranked_by=ranking.signal, expansion=expansion
+        )
 
     def vectors_dir(self):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""

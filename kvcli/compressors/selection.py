@@ -70,18 +70,24 @@ class Read:
         }
 
 
-def read_record(read: tuple[Read, ...] | None, prompt, document, ranked_by: str | None = None) -> dict | None:
+def read_record(
+    read: tuple[Read, ...] | None, prompt, document, ranked_by: str | None = None, expansion: str | None = None
+) -> dict | None:
     """``--json``'s ``read``: the passages read (whole first, then skimmed, in the method's order),
-    the tokens read of them and of the document, what ranked them (:attr:`Selection.ranked_by`);
+    the tokens read of them and of the document, what ranked them (:attr:`Selection.ranked_by`) and,
+    where the question was expanded, the passage the model wrote for it (:attr:`Selection.expansion`);
     None for a method that does not retrieve."""
     if read is None:
         return None
-    return {
+    out = {
         "passages": [r.to_json(document) for r in read],
         "n_tokens": sum(r.n_tokens for r in read),
         "n_document_tokens": prompt.n_document_tokens,
         "ranked_by": ranked_by,
     }
+    if expansion is not None:
+        out["expansion"] = expansion
+    return out
 
 
 def read_line(read: tuple[Read, ...], prompt, document) -> str:
@@ -108,6 +114,8 @@ class Selection:
     # what ranked the passages a method that retrieves read (kvcli.retrieval.Ranking.signal:
     # "bm25+embeddinggemma-300m", "bm25" without an embedding model); None: it ranks no passages
     ranked_by: str | None = None
+    # the passage the model wrote to rank the passages with (kvcli.retrieval.expansion); None: none
+    expansion: str | None = None
 
     @property
     def n_kept(self) -> int:

@@ -111,6 +111,7 @@ class Inspection:
     # a method that retrieves (pages): the passages it read (Selection.read), shown instead of a ratio
     read: tuple[Read, ...] | None = None
     ranked_by: str | None = None  # what ranked the passages read (Selection.ranked_by)
+    expansion: str | None = None  # the passage the model wrote to rank them with (Selection.expansion)
     policy: str | None = None  # "auto" when the default policy chose the method (as ask --json says)
 
     def read_line(self) -> str | None:
@@ -163,7 +164,7 @@ class Inspection:
             "n_document_kept": self.n_document if self.view == "read" else self.n_document_kept,
             # none for a method that retrieves: what it read is ``read`` (as ask --json has them)
             "compression_ratio": None if self.read is not None else round(self.compression_ratio, 4),
-            "read": read_record(self.read, self.prompt, self.document, self.ranked_by),
+            "read": read_record(self.read, self.prompt, self.document, self.ranked_by, self.expansion),
             "view": self.view,
             "score": self.score_kind,
             "spans": [s.to_json() for s in self.spans],
@@ -274,6 +275,7 @@ def inspect_kept(
         sources=result.sources if cite else None,
         read=selection.read,
         ranked_by=selection.ranked_by,
+        expansion=selection.expansion,
         label=spec_label(result.extra["compressor"], pipeline),
     )
 

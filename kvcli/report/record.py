@@ -74,7 +74,9 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
         "no_match": result.selection.note,
         # a method that retrieves (pages): the passages read whole and skimmed, their tokens, of the document's
-        "read": read_record(result.selection.read, result.prompt, document, result.selection.ranked_by),
+        "read": read_record(
+            result.selection.read, result.prompt, document, result.selection.ranked_by, result.selection.expansion
+        ),
         "warnings": notices.drain(),  # said while loading or answering, since the last record
     }
     # each kept span (a stored book: the spans read, :func:`shown_selection`), and whether a source cites it

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import embed, embedders, vectors
 from .bm25 import bm25_scores
+from .expansion import queries
 
 RRF_K = 60  # reciprocal rank fusion's constant (the paper's), when fused by ("rrf", k)
 # the default model's tuned values (kvcli/retrieval/embedders.json); another model's are its own
@@ -50,6 +51,9 @@ class Ranking:
     semantic: np.ndarray | None  # the best window's cosine; None: no embedding model (``none``)
     signal: str  # "bm25+" the embedding model's name ("bm25+embeddinggemma-300m"), or "bm25"
     no_match: float = NO_MATCH_COSINE  # the embedding model's no-match cosine (:mod:`.embedders`)
+    # what :attr:`matched` reads: the question's own cosines (BM25 without an embedding model), which
+    # differ from ``semantic`` (``bm25``) when the question was expanded (:mod:`.expansion`); None: those
+    verdict: np.ndarray | None = None
 
     @property
     def order(self) -> list[int]:
@@ -62,8 +66,10 @@ class Ranking:
         with the question is at least :attr:`no_match` (the model's; the default's :data:`NO_MATCH_COSINE`) (a word of the question alone is not:
         questions asked of another manual share some with most pages); BM25 alone, a word of it."""
         if self.semantic is not None:
-            return len(self.semantic) > 0 and float(self.semantic.max()) >= self.no_match
-        return len(self.bm25) > 0 and float(self.bm25.max()) > 0
+            own = self.semantic if self.verdict is None else self.verdict
+            return len(own) > 0 and float(own.max()) >= self.no_match
+        own = self.bm25 if self.verdict is None else self.verdict
+        return len(own) > 0 and float(own.max()) > 0
 
 
 def reciprocal_rank(
@@ -135,23 +141,33 @@ def rank_passages(
     document: dict | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     on_stored: Callable[[Path], None] | None = None,
+    expansion: str = "",
 ) -> Ranking:
     """The passages' ranking for ``question`` (module doc). ``cache_dir``: where the passage
     vectors are kept (``<cache_dir>/vectors``; None: computed, not kept). The embedding model is
     ``$KVCLI_EMBED_MODEL`` (:func:`kvcli.retrieval.embed.setting`; ``none``: BM25 alone) and
     re-ranks BM25's best ``candidates`` passages (:func:`candidates_of`; 0: every passage).
-    ``document``, ``on_progress``, ``on_stored``: :func:`kvcli.retrieval.vectors.passage_vectors`'s."""
-    lexical = np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
+    ``document``, ``on_progress``, ``on_stored``: :func:`kvcli.retrieval.vectors.passage_vectors`'s.
+    ``expansion``: a passage the model wrote for the question (:mod:`.expansion`, Query2doc): both
+    queries are the question expanded by it (:func:`kvcli.retrieval.expansion.queries`), while
+    whether a passage matched is still the question's own cosine's verdict (its threshold was
+    tuned on questions alone); its signal then ends ``+query2doc``."""
+    lexical_query, dense_query = queries(question, expansion)
+    lexical = np.asarray(bm25_scores(passages, lexical_query, stem=True), dtype=np.float64)
+    expanded = "+query2doc" if lexical_query != question else ""
     name = embed.setting()
     if name is None or not passages:
-        return Ranking(lexical, lexical, None, "bm25")
+        plain = lexical if not expanded else np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
+        return Ranking(lexical, lexical, None, f"bm25{expanded}", verdict=plain)
     model = embed.embedder(name)  # loaded (or said missing) whatever the question matches
     wanted = candidates_of(lexical, candidates)  # never empty: the document has passages
     vecs, owner, _ = vectors.passage_vectors(
         model, passages, cache_dir, wanted=wanted, document=document, on_progress=on_progress, on_stored=on_stored
     )
     # a passage not embedded has no window: -1, as no window matched
-    semantic = semantic_scores(vecs, owner, model.encode_query(question), len(passages))
+    semantic = semantic_scores(vecs, owner, model.encode_query(dense_query), len(passages))
+    own = semantic if not expanded else semantic_scores(vecs, owner, model.encode_query(question), len(passages))
     tuned = embedders.tuned(name)
     scores = reranked(lexical, semantic, wanted, ("mix", tuned.weight))
-    return Ranking(scores, lexical, semantic, f"bm25+{embedders.short(name)}", tuned.no_match_cosine)
+    signal = f"bm25+{embedders.short(name)}{expanded}"
+    return Ranking(scores, lexical, semantic, signal, tuned.no_match_cosine, verdict=own)

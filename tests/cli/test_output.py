@@ -51,7 +51,7 @@ def test_a_batch_summary_names_each_method_with_its_count(cli, two_sizes):
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["compressor"].split(":")[0] for r in records] == ["full", "pages"]
     assert (
-        records[1]["compressor"] == "pages:pages=1,skim=2,skim_tokens=64,candidates=30,budget=1024"
+        records[1]["compressor"] == "pages:pages=1,skim=2,skim_tokens=64,candidates=30,budget=1024,expand=0"
     )  # the JSON keeps every knob (half the window)
     code, out, err = cli("ask", folder, "How many gulls?", "-m", model, "--max-new-tokens", "2", "--no-cache")
     assert code == 0, err

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.answer.prefix import Prefix
-from kvcli.answer.prompt import build_prompt, stop_token_ids
+from kvcli.answer.prompt import build_prompt
 from kvcli.compressors import parse_one
 from kvcli.compressors.gemfilter import default_filter_layer, top_k_positions
 from kvcli.errors import UsageError
 from kvcli.runtime.engine import Engine
+from kvcli.templates import stop_token_ids
 from tests.helpers.tiny_models import FAMILIES
 
 TOL = 1e-4

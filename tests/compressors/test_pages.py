@@ -149,7 +149,7 @@ def test_keeping_every_passage_keeps_the_whole_prompt(tiny_lm):
 
 
 def test_usage_errors_are_one_line():
-    for spec in ("pages:pages=0", "pages:budget=0", "pages:skim=-1", "pages:skim_tokens=0"):
+    for spec in ("pages:pages=0", "pages:budget=0", "pages:skim=-1", "pages:skim_tokens=0", "pages:expand=-1"):
         with pytest.raises(UsageError):
             parse_one(spec)
     with pytest.raises(UsageError, match="must come first"):
