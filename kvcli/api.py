@@ -216,7 +216,10 @@ class Session:
         stop, guard = self._stopping(o)
         stream = None if o.on_text is None else AnswerStream(self.lm.tokenizer, guard, o.on_text)
         store = self.store if o.use_store else None
-        with prompt_progress(self.engine, prompt.n_tokens, o.on_progress, store, o.on_wait, o.on_resume) as reading:
+        progress = prompt_progress(
+            self.engine, prompt.n_tokens, o.on_progress, store, o.on_wait, o.on_resume, retrieves
+        )
+        with progress as reading:
             callbacks = [reading.done] if reading.handles else []
             callbacks += [f for f in (None if stream is None else stream.on_token, o.on_token) if f is not None]
 

@@ -30,8 +30,12 @@ class prompt_progress(Watcher):
         store: KVStore | None = None,
         on_wait: Callable[[str | None], None] | None = None,
         on_resume: Callable[[float], None] | None = None,
+        retrieves: bool = False,
     ) -> None:
         self.engine, self.on_progress, self.store = engine, on_progress, store
+        # a method that retrieves (pages) says what it reads once it chose (:meth:`expect`): the
+        # passes it runs to choose (pages:expand's passage) are not the reading, nothing is said of them
+        self.choosing = retrieves
         self.on_wait, self.on_resume = on_wait, on_resume
         self.n_layers = max(1, engine.n_layers)
         self.total = max(1, n_tokens * self.n_layers)
@@ -54,13 +58,15 @@ class prompt_progress(Watcher):
         self.count += int(hidden.shape[1]) if hidden is not None and hidden.dim() == 3 else 0
         if self.store is not None:
             self.store.progress(self.count // self.n_layers)
-        if self.on_progress is not None and not self.quiet:
+        if self.on_progress is not None and not self.quiet and not self.choosing:
             self.on_progress(min(1.0, self.count / self.total))
 
     def expect(self, n_tokens: int) -> None:
         """The prompt tokens that will be read, once a method that retrieves chose them (``pages``):
-        the progress counts those, not the whole prompt's."""
+        the progress counts those, not the whole prompt's, nor the passes the method ran to choose
+        them (``pages:expand``'s passage, written by the model first)."""
         self.total = max(1, n_tokens * self.n_layers)
+        self.count, self.choosing = 0, False
 
     # --- what the store says (kvcli.store.kvstore.Watcher) -------------------------------------------
     def waiting(self, holder) -> None:

@@ -105,3 +105,17 @@ def test_pages_expand_says_what_the_model_wrote(tiny_dir, tmp_path, monkeypatch)
         plain.selection.expansion is None
         and "expansion" not in result_record(plain, session, pipeline, document)["read"]
     )
+
+
+def test_the_reading_s_progress_counts_the_pages_read_not_the_passage_written(tiny_dir, tmp_path, monkeypatch):
+    """The passage's own passes run before the pages are chosen: the progress the user sees counts
+    the pages' reading alone, rising to 1 at its end (not at 1 from its first layer on)."""
+    from kvcli import api
+
+    monkeypatch.setenv(embed.ENV, "none")
+    options = api.AskOptions(model=str(tiny_dir("qwen2")), use_cache=False, max_new_tokens=2, cache_dir=tmp_path)
+    session = api.Session.open(options)
+    seen: list[float] = []
+    asked = api.QuestionOptions(on_progress=seen.append)
+    session.ask(document_from_text("\n\n".join(PASSAGES)), QUESTION, api.parse_pipeline("pages:expand=8"), asked)
+    assert seen and seen == sorted(seen) and seen.count(1.0) == 1 and seen[-1] == 1.0
