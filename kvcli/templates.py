@@ -64,6 +64,14 @@ def render_pieces(tokenizer, template: str) -> tuple[str, str, str]:
     return head, middle, tail
 
 
+def rendered_ids(tokenizer, template: str, document: str, question: str) -> list[int]:
+    """``template`` rendered (:func:`render_pieces`) around ``document`` and ``question`` (stripped),
+    tokenized whole: a short prompt of kvcli's own (the answer's check, the passage written to
+    rank pages with); the answer's prompt keeps its pieces' offsets instead (kvcli.answer.prompt)."""
+    head, middle, tail = render_pieces(tokenizer, template)
+    return tokenizer(head + document + middle + question.strip() + tail, add_special_tokens=False)["input_ids"]
+
+
 def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
     """Token ids that end an answer: eos ids of tokenizer and generation config, chat end markers."""
     ids: set[int] = set()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.decode import chosen_logprobs
-from ..templates import render_pieces
+from ..templates import rendered_ids
 
 # the closed-book prompt: the question alone, rendered through the model's chat template
 CLOSED_BOOK = "{document}Answer the question. Be brief.\nQuestion: {question}"
@@ -57,9 +57,7 @@ class Grounding:
 
 def closed_book_ids(tokenizer, question: str) -> list[int]:
     """The closed-book prompt's token ids for ``question`` (tokenized whole)."""
-    head, middle, tail = render_pieces(tokenizer, CLOSED_BOOK)
-    text = head + middle + question.strip() + tail
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return rendered_ids(tokenizer, CLOSED_BOOK, "", question)
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.decode import greedy
-from ..templates import render_pieces
+from ..templates import rendered_ids
 
 # what the model is asked; {document} stands for the document's first words, after HEAD
 PROMPT = "{document}Write a short passage of this manual that answers the question.\nQuestion: {question}"
@@ -57,9 +57,7 @@ def head_words(texts: list[str], n: int = HEAD_WORDS) -> str:
 def prompt_ids(tokenizer, question: str, head: str) -> list[int]:
     """:data:`PROMPT`'s token ids through the model's chat template, ``head`` (the document's
     first words, :func:`head_words`) in it."""
-    head_text, middle, tail = render_pieces(tokenizer, PROMPT)
-    text = head_text + HEAD.format(words=head) + middle + question.strip() + tail
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return rendered_ids(tokenizer, PROMPT, HEAD.format(words=head), question)
 
 
 @torch.inference_mode()

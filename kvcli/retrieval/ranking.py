@@ -157,7 +157,7 @@ def rank_passages(
     expanded = "+query2doc" if lexical_query != question else ""
     name = embed.setting()
     if name is None or not passages:
-        plain = lexical if not expanded else np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64)
+        plain = np.asarray(bm25_scores(passages, question, stem=True), dtype=np.float64) if expanded else None
         return Ranking(lexical, lexical, None, f"bm25{expanded}", verdict=plain)
     model = embed.embedder(name)  # loaded (or said missing) whatever the question matches
     wanted = candidates_of(lexical, candidates)  # never empty: the document has passages
@@ -166,7 +166,7 @@ def rank_passages(
     )
     # a passage not embedded has no window: -1, as no window matched
     semantic = semantic_scores(vecs, owner, model.encode_query(dense_query), len(passages))
-    own = semantic if not expanded else semantic_scores(vecs, owner, model.encode_query(question), len(passages))
+    own = semantic_scores(vecs, owner, model.encode_query(question), len(passages)) if expanded else None
     tuned = embedders.tuned(name)
     scores = reranked(lexical, semantic, wanted, ("mix", tuned.weight))
     signal = f"bm25+{embedders.short(name)}{expanded}"
