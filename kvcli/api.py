@@ -107,7 +107,8 @@ class Session:
     @classmethod
     def open(cls, options: AskOptions) -> Session:
         from .answer.prompt import load_template
-        from .model import default_cache_dir, load_model
+        from .files import cache_folder
+        from .model import load_model
         from .runtime.engine import Engine
         from .store import KVStore, resolve_cap
 
@@ -132,7 +133,7 @@ class Session:
         )
         store = None
         if options.use_cache:
-            cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+            cache_dir = cache_folder(options.cache_dir)
             store = KVStore.open(cache_dir, max_bytes=resolve_cap(options.cache_max, cache_dir))
         return cls(lm=lm, engine=Engine(lm), options=options, template=template, store=store, threads=threads)
 
@@ -294,10 +295,10 @@ class Session:
 
 
 def open_store(cache_dir: Path | None = None) -> KVStore:
-    from .model import default_cache_dir
+    from .files import cache_folder
     from .store import KVStore
 
-    return KVStore.open(cache_dir if cache_dir is not None else default_cache_dir())
+    return KVStore.open(cache_folder(cache_dir))
 
 
 def entries_for_documents(store: KVStore, paths) -> list:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .documents import SUPPORTED_SUFFIXES, Document, document_from_text, load_document, read_stdin
 from .errors import DocumentError, KvcliError, UsageError
+from .files import cache_folder
 
 STDIN = "-"
 
@@ -150,12 +151,13 @@ class ErrorLines:
         return error_line(record)
 
 
-def read_input(item: Input, stdin_text: Callable[[], str]) -> Document:
+def read_input(item: Input, stdin_text: Callable[[], str], cache_dir: Path | None = None) -> Document:
+    """The input's document; ``cache_dir``: where an extracted text is kept (:func:`load_document`)."""
     if item.problem is not None:
         raise DocumentError(item.problem)
     if item.source == STDIN:
         return document_from_text(stdin_text(), source=STDIN)
-    return load_document(item.source)
+    return load_document(item.source, cache_dir)
 
 
 def error_record(source: str, question: str, exc: BaseException) -> dict:
@@ -175,8 +177,8 @@ class Job:
     item: Input
     text: str | None = None  # stdin's text, read where the batch started (a worker has no stdin)
 
-    def read(self, stdin_text: Callable[[], str]) -> Document:
-        return read_input(self.item, (lambda: self.text) if self.text is not None else stdin_text)
+    def read(self, stdin_text: Callable[[], str], cache_dir: Path | None = None) -> Document:
+        return read_input(self.item, (lambda: self.text) if self.text is not None else stdin_text, cache_dir)
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ class Work:
 
         source = job.item.source
         try:
-            document = job.read(stdin_text)
+            document = job.read(stdin_text, cache_folder(session.options.cache_dir))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
             yield from self.error_records(source, exc)
             return

@@ -190,11 +190,11 @@ class RayExecutor(Executor):
         on_warning: Callable[[str], None] | None = None,
         on_dispatch: Callable[[int, str], None] | None = None,
     ) -> None:
-        from .model import default_cache_dir
+        from .files import cache_folder
 
         if workers is not None and workers < 1:
             raise UsageError(f"--workers must be at least 1, not {workers}")
-        cache_dir = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+        cache_dir = cache_folder(options.cache_dir)
         self.options = replace(options, cache_dir=Path(cache_dir).expanduser().absolute())
         self.address = address
         self.requested = workers

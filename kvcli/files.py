@@ -15,9 +15,16 @@ if TYPE_CHECKING:
     import torch
 
 # ``<cache_dir>/vectors``: the retrieval's passage vectors (:mod:`kvcli.retrieval.vectors` writes
-# them); the disk store (:mod:`kvcli.store`) lists them, counts them against its cap and removes
-# them beside its KV entries. Here, below both, so that neither imports the other.
+# them); ``<cache_dir>/texts``: documents' extracted texts (:mod:`kvcli.documents.kept`). The disk
+# store (:mod:`kvcli.store`) lists them, counts them against its cap and removes them beside its KV
+# entries. Here, below all three, so that none imports another.
 VECTORS_FOLDER = "vectors"
+TEXTS_FOLDER = "texts"
+
+
+def cache_folder(cache_dir: str | os.PathLike | None) -> Path:
+    """The cache folder a command was given (``~`` expanded), else :func:`default_cache_dir`."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
 def default_cache_dir() -> Path:

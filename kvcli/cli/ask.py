@@ -14,6 +14,7 @@ from rich.console import Console
 from .. import batch, executors
 from ..documents import read_stdin
 from ..errors import UsageError
+from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout, write_answer
@@ -168,7 +169,7 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     from .. import api
     from ..report.record import result_record, shown_selection
 
-    document = batch.read_input(item, read_stdin)
+    document = batch.read_input(item, read_stdin, cache_folder(options.cache_dir))
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     stream = not as_json and stdout.is_terminal

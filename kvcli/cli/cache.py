@@ -1,5 +1,6 @@
 """``kvcli cache``: the disk KV cache — list, show, remove, prune; the retrieval's page vectors
-(``<cache_dir>/vectors``) are part of it: entries of kind "vectors"."""
+(``<cache_dir>/vectors``) and documents' extracted texts (``<cache_dir>/texts``) are part of it:
+entries of kind "vectors" and "text"."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ cache_app = typer.Typer(
     no_args_is_help=True,
     short_help="The disk KV cache: list, show, remove, prune.",
     help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast "
-    "(their KV, and the page vectors the pages method retrieves with).",
+    "(their KV, the page vectors the pages method retrieves with, and PDFs' and HTML pages' extracted text).",
 )
 app.add_typer(cache_app, name="cache")
 
@@ -45,9 +46,9 @@ def _open_cache(cache_dir: Path | None):
     """The store of ``cache_dir`` (default: the user's), with a warning when that folder is not there:
     a mistyped --cache-dir would otherwise look like an empty cache."""
     from .. import api  # the library: not for --help
-    from ..model import default_cache_dir
+    from ..files import cache_folder
 
-    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    folder = cache_folder(cache_dir)
     if not folder.exists():
         print(f"kvcli: warning: the cache folder {folder} does not exist; nothing is cached there", file=sys.stderr)
     elif not folder.is_dir():
@@ -90,7 +91,8 @@ def cache_ls(
 
     Each entry's key, document, model, method, state, tokens, size and last use; a document's page
     vectors (what the pages method retrieves with) are entries of their own, of kind "vectors"
-    (state "vectors", the embedding model as their model). On a terminal: a table; piped:
+    (state "vectors", the embedding model as their model), and so is the extracted text of a PDF or
+    an HTML page, of kind "text" (method "extracted text"). On a terminal: a table; piped:
     tab-separated values with a header row (full keys and paths, sizes in bytes, the kind last);
     --json: JSON Lines.
     """
@@ -115,7 +117,7 @@ def cache_info(
     """Show the totals of the cache, or one entry's metadata, as JSON.
 
     The totals count every file of the store: entries (the page vectors' files among them, also
-    counted as "vectors"), temporary files of writes in progress and
+    counted as "vectors", and the extracted texts' as "texts"), temporary files of writes in progress and
     lock files held by running kvcli processes; "reclaimed_*" is what runs killed half-way had
     left (temporary files whose writer is gone, lock files nobody holds), removed just now;
     "evicts_next" is the entry the cap removes first when a new one needs room; "partial" counts the
@@ -134,6 +136,8 @@ def cache_info(
             "size_bytes": size,
             "vectors": sum(1 for e in entries if e.kind == "vectors"),  # page vectors' files (among the entries)
             "vectors_bytes": sum(e.size for e in entries if e.kind == "vectors"),
+            "texts": sum(1 for e in entries if e.kind == "text"),  # extracted texts' files (among the entries)
+            "texts_bytes": sum(e.size for e in entries if e.kind == "text"),
             "damaged": sum(1 for e in entries if e.error),
             "partial": sum(1 for e in entries if e.partial),  # book reads that stopped (resumed by the next)
             "writes_in_progress": left.temp_files,
@@ -172,7 +176,7 @@ def cache_rm(
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
     cache_dir: Path | None = CacheDir,
 ) -> None:
-    """Remove entries (a document's KV and page vectors) by document, by key, or all of them.
+    """Remove entries (a document's KV, page vectors and extracted text) by document, by key, or all of them.
 
     Exit code 1 when a document or key named no entry (the others are removed).
     """

@@ -14,7 +14,7 @@ import typer
 from .. import api, batch
 from ..documents import read_stdin
 from ..errors import KvcliError, UsageError
-from ..model import default_cache_dir
+from ..files import cache_folder
 from ..report.record import question_record, result_record
 from .app import app
 from .console import route_warnings, stderr, stdout, write_answer
@@ -106,11 +106,11 @@ def chat(
         raise UsageError(
             f"kvcli chat answers about one document; {document} holds {len(items):,} (kvcli ask answers about many)"
         )
-    doc = batch.read_input(items[0], read_stdin)
+    doc = batch.read_input(items[0], read_stdin, cache_folder(cache_dir))
     with err.status("loading model…", spinner="dots"):
         session = api.Session.open(options)
     if sys.stdin.isatty():
-        history = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / HISTORY_FILE
+        history = cache_folder(cache_dir) / HISTORY_FILE
         _at_the_prompt(err, session, doc, pipeline, as_json, history, sources)
     elif _over_a_pipe(err, session, doc, items[0].source, pipeline, as_json, sources):
         raise typer.Exit(1)

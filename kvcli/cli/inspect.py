@@ -14,6 +14,7 @@ from rich.console import Console
 from .. import batch, notices
 from ..documents import read_stdin
 from ..errors import UsageError
+from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
 from .console import route_warnings, stderr, stdout
@@ -127,7 +128,7 @@ def inspect_command(
     pipeline = api.parse_pipeline(compressor)  # fail fast on a bad spec, before loading anything
     document = question = None
     if needle_test is None:
-        document, question = _read_document(inputs)
+        document, question = _read_document(inputs, cache_dir)
     options = load.ask_options(
         max_new_tokens=max_new_tokens, template=template, cache_dir=cache_dir, use_cache=not no_cache
     )
@@ -193,13 +194,13 @@ def _check_options(inputs: list[str], out: _Output, *, layers, answer, needle, k
             )
 
 
-def _read_document(inputs: list[str]):
-    """The document and the question of ``DOCUMENT QUESTION``."""
+def _read_document(inputs: list[str], cache_dir: Path | None):
+    """The document and the question of ``DOCUMENT QUESTION`` (an extracted text kept in ``cache_dir``'s)."""
     question = batch.check_question(inputs[1])
     items = batch.expand_inputs([inputs[0]])
     if len(items) != 1 or items[0].source != inputs[0]:
         raise UsageError(f"inspect reads one document; '{inputs[0]}' names {len(items)}")
-    return batch.read_input(items[0], read_stdin), question
+    return batch.read_input(items[0], read_stdin, cache_folder(cache_dir)), question
 
 
 def _needle_case(session, test: _NeedleTest):

@@ -169,11 +169,11 @@ class DuoProfile:
 def load_or_compute(engine, tokens: int, length: int, cache_dir: Path | None = None) -> DuoProfile:
     """The model's profile from ``<cache_dir>/heads/`` (kvcli.compressors.razor_heads' folder and naming), else
     computed and stored there; a damaged file is a warning and is recomputed."""
-    from ..model import default_cache_dir
+    from ..files import cache_folder
     from .razor_heads import profile_path
 
     lm = engine.lm
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     # kvcli.compressors.razor_heads names profiles <fingerprint>-K<tokens>-s<seed>; "-duo-L<length>" keeps these apart
     path = profile_path(cache_dir, f"{lm.fingerprint}-duo-L{length}", tokens, 0)
     if path.is_file():

@@ -48,7 +48,6 @@ over the window with ``pages`` (:mod:`kvcli.answer.policy`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -228,10 +227,9 @@ class Pages(Compressor):
 
     def vectors_dir(self):
         """Where the passages' vectors are kept: the run's cache folder (:mod:`kvcli.retrieval.vectors`)."""
-        from ..model import default_cache_dir
+        from ..files import cache_folder
 
-        folder = self.runtime.cache_dir if self.runtime.cache_dir is not None else default_cache_dir()
-        return Path(folder).expanduser()  # where the store looks for them (KVStore.open expands it too)
+        return cache_folder(self.runtime.cache_dir)  # where the store looks for them (KVStore.open expands it too)
 
 
 def read_of(prompt, how: str, passage, a: int, b: int) -> Read:

@@ -358,12 +358,12 @@ def load_or_compute(
     """The profile of ``engine.lm`` for (K, seed): read from ``<cache_dir>/heads/`` when there,
     else computed and stored there. A damaged or foreign file is a warning and is recomputed; an
     unwritable cache directory is a warning (the profile is still returned)."""
-    from ..model import default_cache_dir
+    from ..files import cache_folder
 
     lm = engine.lm
     check_rope_model(lm, "heads")
     tokens = default_tokens(lm) if tokens is None else int(tokens)
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     path = profile_path(cache_dir, lm.fingerprint, tokens, seed)
     if path.is_file() and not recompute:
         try:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import codecs
-import hashlib
 import os
 import re
 import stat
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from kvcli.errors import DocumentError
 
+from . import kept
 from .pagination import passages
 
 __all__ = [
@@ -145,8 +145,10 @@ def document_from_text(text: str, source: str = "-", kind: str = "text") -> Docu
     return _make(source, text, (0,), kind)
 
 
-def load_document(path: str | os.PathLike) -> Document:
-    """Read the file at ``path``; raise DocumentError (one line, naming the file) if it cannot be used."""
+def load_document(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Document:
+    """Read the file at ``path``; raise DocumentError (one line, naming the file) if it cannot be used.
+    ``cache_dir``: where a PDF's or an HTML page's extracted text is kept for the next process
+    (:mod:`.kept`; None: extracted, not kept)."""
     source = os.fspath(path)
     p = Path(source)
     try:
@@ -171,7 +173,10 @@ def load_document(path: str | os.PathLike) -> Document:
         raise DocumentError(f"{_name(source)} cannot be read: {e.strerror or e}") from None
     if not data:  # 0 bytes: the same words whatever the file type (PDFium says "Data format error")
         raise DocumentError(f"{_name(source)} is empty")
-    text, page_starts = _LOADERS[kind](data, source)
+    if cache_dir is not None and kind in kept.KEPT_KINDS:
+        text, page_starts = kept.extracted(Path(cache_dir), data, kind, source, lambda: _LOADERS[kind](data, source))
+    else:
+        text, page_starts = _LOADERS[kind](data, source)
     if not text.strip():
         raise DocumentError(f"{_name(source)} is empty")
     return _make(source, text, page_starts, kind)
@@ -336,8 +341,7 @@ _LOADERS: dict[str, Callable[[bytes, str], tuple[str, tuple[int, ...]]]] = {
 
 
 def _make(source: str, text: str, page_starts: tuple[int, ...], kind: str) -> Document:
-    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Document(source=source, text=text, page_starts=page_starts, kind=kind, sha256=sha)
+    return Document(source=source, text=text, page_starts=page_starts, kind=kind, sha256=kept.text_sha256(text))
 
 
 def _name(source: str) -> str:

@@ -41,7 +41,7 @@ from .. import lazy
 _WHERE = {
     "resolve_device": ".device",
     "EMBEDDED_MODEL": ".embedded",
-    "default_cache_dir": ".embedded",
+    "default_cache_dir": "..files",
     "embedded_model_path": ".embedded",
     "set_progress_sink": ".embedded",
     "ATTNS": ".names",

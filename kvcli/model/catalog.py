@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError, one_line
-from .embedded import EMBEDDED_MODEL, convert_once, default_cache_dir, embedded_gguf_file, is_converted
+from ..files import cache_folder
+from .embedded import EMBEDDED_MODEL, convert_once, embedded_gguf_file, is_converted
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class EmbeddedModel:
     def converted_folder(self, cache_dir: Path | None) -> Path | None:
         """Its converted folder in ``cache_dir`` if the conversion is done (SmolLM2's is named by a
         sha256 computed on use: any finished conversion of that name)."""
-        models = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "models"
+        models = cache_folder(cache_dir) / "models"
         pattern = f"{self.name}-{self.sha256[:12]}" if self.sha256 else f"{self.name}-*"
         return next((f for f in sorted(models.glob(pattern)) if is_converted(f)), None)
 
@@ -235,7 +236,7 @@ def assemble(model: EmbeddedModel, folder: Path, paths: list[Path] | None = None
 def ensure_chunked_converted(model: EmbeddedModel, cache_dir: Path | None) -> tuple[Path, str]:
     """(converted folder, sha256 of the GGUF) of a chunked embedded model: assembled, checked and
     converted into ``<cache>/models/<name>-<sha12>`` on first use, then reused."""
-    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     target = cache_dir / "models" / f"{model.name}-{model.sha256[:12]}"
     if is_converted(target):
         return target, model.sha256

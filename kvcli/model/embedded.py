@@ -20,7 +20,7 @@ from typing import Any
 from .. import notices
 from ..errors import ModelError, one_line
 from ..file_facts import SIDECAR, file_fact
-from ..files import default_cache_dir, share_like_umask
+from ..files import cache_folder, share_like_umask
 from .fingerprint import file_sha256
 from .quiet import quiet_load
 
@@ -132,7 +132,7 @@ def _remove_stale_temp_dirs(models_dir: Path, max_age_s: float = 3600.0) -> None
 
 def ensure_converted(cache_dir: Path | None) -> tuple[Path, str]:
     """(converted folder, sha256 of the GGUF file) of the embedded model."""
-    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     gguf = embedded_gguf_file()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def embedded_model_path(cache_dir: Path | None = None) -> Path:
     ``cache_dir/models/smollm2-135m-instruct-<first 12 hex of the GGUF's sha256>/``, written
     into a temporary folder next to it and renamed into place, so concurrent kvcli processes
     never see a half-written folder (if two convert at once, the first rename wins and the other
-    uses it). ``cache_dir`` defaults to :func:`default_cache_dir`.
+    uses it). ``cache_dir`` defaults to :func:`kvcli.files.default_cache_dir`.
     """
     return ensure_converted(cache_dir)[0]
 

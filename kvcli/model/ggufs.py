@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..errors import ModelError, one_line
 from ..file_facts import file_fact
-from .embedded import convert_once, default_cache_dir, gguf_parsed_once, gguf_sha256, is_converted
+from ..files import cache_folder
+from .embedded import convert_once, gguf_parsed_once, gguf_sha256, is_converted
 
 # GGUF architectures (``general.architecture``) kvcli runs layer by layer and transformers reads
 SUPPORTED_GGUF = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -48,7 +49,7 @@ def gguf_linear_types(path: Path, cache_dir: Path | None = None) -> set[str]:
         except Exception:
             return []
 
-    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     return set(file_fact(Path(path), cache_dir, "linear_types", list, read))
 
 
@@ -57,7 +58,7 @@ def ensure_gguf_converted(path: Path, cache_dir: Path | None) -> tuple[Path, str
     ``<cache>/models/gguf-<sha12>`` (keyed by the file's content: a renamed or moved copy is found
     again; the sha256 itself is memoised by path, size and mtime)."""
     path = Path(path).expanduser().resolve()
-    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         sha = gguf_sha256(path, cache_dir)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError, UsageError, one_line
+from ..files import cache_folder
 from ..runtime.measure import malloc_trim
 from . import kept
 from .catalog import EmbeddedModel, embedded, ensure_chunked_converted
@@ -23,7 +24,7 @@ from .device import (
     resolve_device,
     resolve_dtype,
 )
-from .embedded import EMBEDDED_MODEL, default_cache_dir, ensure_converted
+from .embedded import EMBEDDED_MODEL, ensure_converted
 from .facts import ATTNS, QUANTS, LoadedModel, spelled
 from .fingerprint import compute_fingerprint, weights_identity
 from .ggufs import ensure_gguf_converted, gguf_linear_types
@@ -280,7 +281,7 @@ def where_from(what: Asked, cache: Path | None) -> Source:
             folder, gguf_sha = ensure_chunked_converted(known, cache) if known.parts else ensure_converted(cache)
         else:  # a GGUF of a supported family (llama.cpp's, ollama's): converted once, keyed by its sha256
             folder, gguf_sha = ensure_gguf_converted(what.gguf, cache)
-        in_cache = folder.parent == (cache.expanduser() if cache is not None else default_cache_dir()) / "models"
+        in_cache = folder.parent == cache_folder(cache) / "models"
         return Source(name, str(folder), False, {"gguf_sha256": gguf_sha}, in_cache)
     if local.exists():
         check_local_folder(name, local)

@@ -119,9 +119,12 @@ def _cache_state(state) -> str:
     state = state if isinstance(state, dict) else {}
     if state.get("kind") == "vectors" and state.get("embedded") is not None and state.get("passages"):
         return f"vectors {state['embedded']}/{state['passages']} passages"  # filled in as questions want them
+    if state.get("kind") == "text" and state.get("pages") is not None:
+        return f"text, {_plural(state['pages'], 'page')}"
     return f"{state.get('kind', '-')}" + (f" ×{state['layers']} layers" if "layers" in state else "")
 
 
+SIDE_METHODS = {"vectors": "page vectors", "text": "extracted text"}  # what a side folder's entry is, in words
 CACHE_COLUMNS = ("key", "document", "model", "method", "state", "tokens", "size", "last use")
 _FLEX = ("document", "model")  # shortened to fit the terminal; the others keep their width
 _FLEX_MIN = 10
@@ -141,7 +144,7 @@ def _cache_rows(entries) -> list[dict[str, Text]]:
                 if e.error
                 else Text("-"),  # page vectors written before they named their document
                 "model": Text(Path(j["model"]).name if j["model"] else "-"),
-                "method": Text("page vectors" if j["kind"] == "vectors" else (j["method"] or "-").split(":")[0]),
+                "method": Text(SIDE_METHODS.get(j["kind"]) or (j["method"] or "-").split(":")[0]),
                 # a partial entry (a book read that stopped): how far it got, and whether its read runs now
                 "state": Text(
                     _cache_state(j["state"]) + (" · reading" if j["reading"] else " · partial" if j["partial"] else "")
@@ -213,8 +216,9 @@ def cache_table(console: Console, entries, leftovers=None, reclaimed=None) -> No
     console.print(total, style="dim", markup=False, highlight=False)
 
 
-# read_tokens: a partial entry's tokens read so far ("-" for a whole entry); kind: "kv", or
-# "vectors" for a document's page vectors (last: the columns before it kept their places)
+# read_tokens: a partial entry's tokens read so far ("-" for a whole entry); kind: "kv", "vectors"
+# for a document's page vectors, "text" for its extracted text (last: the columns before it kept
+# their places)
 CACHE_TSV_COLUMNS = (
     "key", "document", "model", "method", "state", "n_tokens", "size_bytes", "last_use", "read_tokens", "kind"
 )  # fmt: skip

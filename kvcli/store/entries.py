@@ -183,7 +183,9 @@ class Entry:
     partial: bool = False  # a book read that stopped (kvcli.store.book): never served, resumed
     read_tokens: int | None = None  # a partial entry: the tokens its read kept (None: none)
     reading: bool = False  # a partial entry being read into now (by a running kvcli process)
-    kind: str = "kv"  # "kv": a KV entry (<cache_dir>/kv); "vectors": a document's page vectors (<cache_dir>/vectors)
+    # "kv": a KV entry (<cache_dir>/kv); "vectors": a document's page vectors (<cache_dir>/vectors);
+    # "text": a document's extracted text (<cache_dir>/texts)
+    kind: str = "kv"
 
     @property
     def key(self) -> str:
@@ -241,6 +243,20 @@ def list_entries(root: Path) -> list[Entry]:
     return _listed(root, make)
 
 
+def side_meta(path: Path, what: str) -> tuple[dict | None, str | None]:
+    """(its ``about`` (JSON) with the header's key and format and ``method`` None, None) of a side
+    folder's file (:func:`list_side`), or (None, why) when it cannot be read; ``what``: the file
+    in words, for the why."""
+    try:
+        header = safetensors_metadata(path)
+        about = json.loads(header.get("about") or "{}")
+    except Exception as e:
+        return None, one_line(e)
+    if not isinstance(about, dict) or "key" not in header:
+        return None, f"no {what} metadata"
+    return {**about, "key": header["key"], "format": header.get("format"), "method": None}, None
+
+
 def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
     """(what ``kvcli cache`` shows of it, None) of a page-vectors file (``<cache_dir>/vectors``,
     :mod:`kvcli.retrieval.vectors` writes them): its header's key and format and its ``about``
@@ -248,35 +264,47 @@ def vectors_meta(path: Path) -> tuple[dict | None, str | None]:
     recorded, the document: ``document``, ``document_sha256``), the embedding model's name (its
     folder's, or the package's that ships it) as ``model_name`` and ``method`` None; or (None, why)
     when it cannot be read."""
-    try:
-        header = safetensors_metadata(path)
-        about = json.loads(header.get("about") or "{}")
-    except Exception as e:
-        return None, one_line(e)
-    if not isinstance(about, dict) or "key" not in header:
-        return None, "no page-vectors metadata"
-    model = Path(about["model"]) if isinstance(about.get("model"), str) and about["model"] else None
-    meta = {**about, "key": header["key"], "format": header.get("format"), "method": None}
+    meta, error = side_meta(path, "page-vectors")
+    if meta is None:
+        return None, error
+    model = Path(meta["model"]) if isinstance(meta.get("model"), str) and meta["model"] else None
     # the model's folder, or the package that ships it (its folder is ``<package>/model``)
     meta["model_name"] = None if model is None else model.parent.name if model.name == "model" else model.name
     meta["fields"] = {
         "state": {
             "kind": "vectors",
-            "passages": about.get("passages"),
-            "embedded": about.get("embedded"),  # the passages embedded so far (the rest when a question wants them)
-            "window_words": about.get("window_words"),
+            "passages": meta.get("passages"),
+            "embedded": meta.get("embedded"),  # the passages embedded so far (the rest when a question wants them)
+            "window_words": meta.get("window_words"),
         }
     }
     return meta, None
 
 
-def list_vectors(folder: Path) -> list[Entry]:
-    """Every page-vectors file under ``folder`` (``<cache_dir>/vectors``) as an entry of kind
-    "vectors", most recently used first: the store counts them against its cap and ``kvcli cache``
-    lists and removes them beside the KV entries."""
+def text_meta(path: Path) -> tuple[dict | None, str | None]:
+    """(what ``kvcli cache`` shows of it, None) of an extracted text's file (``<cache_dir>/texts``,
+    :mod:`kvcli.documents.kept` writes them): its header's key and format and its ``about`` (the
+    document, ``document_sha256``, its kind and pages), ``model_name`` and ``method`` None; or
+    (None, why) when it cannot be read."""
+    meta, error = side_meta(path, "extracted-text")
+    if meta is None:
+        return None, error
+    meta["model_name"] = None
+    meta["fields"] = {"state": {"kind": "text", "pages": meta.get("pages"), "chars": meta.get("chars")}}
+    return meta, None
+
+
+META_READERS = {"kv": read_meta, "vectors": vectors_meta, "text": text_meta}  # an entry's kind -> its reader
+
+
+def list_side(folder: Path, kind: str) -> list[Entry]:
+    """Every file under the side folder ``folder`` (``<cache_dir>/vectors``, ``<cache_dir>/texts``)
+    as an entry of ``kind`` ("vectors", "text"), most recently used first: the store counts them
+    against its cap and ``kvcli cache`` lists and removes them beside the KV entries."""
+    read = META_READERS[kind]
 
     def make(path: Path, st) -> Entry:
-        meta, error = vectors_meta(path)
-        return Entry(path, st.st_size, st.st_mtime, meta, error, kind="vectors")
+        meta, error = read(path)
+        return Entry(path, st.st_size, st.st_mtime, meta, error, kind=kind)
 
     return _listed(folder, make)

@@ -111,7 +111,7 @@ def reclaim(root: Path, explicit: bool = False) -> Leftovers:
 
 
 def reclaim_by_age(folder: Path, explicit: bool = False) -> Leftovers:
-    """Remove the files of ``folder`` (the page vectors' ``<cache_dir>/vectors``) that are not
+    """Remove the files of ``folder`` (a side folder: ``<cache_dir>/vectors``, ``<cache_dir>/texts``) that are not
     entries once nobody has written to them for a while (an hour; a minute for ``explicit``): the
     temporary files of writers that died. Those writes take no lock (a vectors file is written
     whole in a moment, :func:`kvcli.files.atomic_write`), so age alone tells."""
@@ -141,12 +141,14 @@ def leftovers(root: Path) -> Leftovers:
     return out
 
 
-def added(a: Leftovers, b: Leftovers) -> Leftovers:
-    return Leftovers(a.temp_files + b.temp_files, a.temp_bytes + b.temp_bytes, a.lock_files + b.lock_files)
+def added(*parts: Leftovers) -> Leftovers:
+    return Leftovers(
+        sum(p.temp_files for p in parts), sum(p.temp_bytes for p in parts), sum(p.lock_files for p in parts)
+    )
 
 
 def _stray_files(root: Path) -> Iterator[Path]:
-    """The files directly under ``root`` (the store's ``kv/``, or ``vectors/``) that are not entries."""
+    """The files directly under ``root`` (the store's ``kv/``, or a side folder) that are not entries."""
     with contextlib.suppress(OSError):
         for path in root.iterdir():
             if not path.name.endswith(SUFFIX) and path.is_file() and not path.is_symlink():

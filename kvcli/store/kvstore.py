@@ -15,8 +15,9 @@ use; the jobs behind it each have a module of this package:
 * a book written while it is read (InfLLM): :mod:`.book`.
 
 The retrieval's page vectors (``<cache_dir>/vectors``, :mod:`kvcli.retrieval.vectors` writes them)
-are part of the cache too: listed as entries of kind "vectors", counted against the cap and
-removed by the same policy (least recently used first), by ``prune`` and by ``rm``.
+and documents' extracted texts (``<cache_dir>/texts``, :mod:`kvcli.documents.kept`) are part of the
+cache too (its *side folders*): listed as entries of kind "vectors" and "text", counted against the
+cap and removed by the same policy (least recently used first), by ``prune`` and by ``rm``.
 
 Safety: anything wrong with an entry is a warning, the entry is dropped and the state recomputed —
 never a crash or a wrong answer; a cache directory that cannot be created or written (read-only,
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from .. import notices
 from ..errors import one_line
-from ..files import VECTORS_FOLDER
+from ..files import TEXTS_FOLDER, VECTORS_FOLDER
 from . import entries as entry_files
 from . import housekeeping
 from .capacity import CAP_ENV, human, least_recently_used, room_for
@@ -197,6 +198,12 @@ class KVStore:
     def vectors_dir(self) -> Path:
         """``<cache_dir>/vectors``: the page vectors, counted and removed with the entries."""
         return self.root.parent / VECTORS_FOLDER
+
+    @property
+    def side_dirs(self) -> dict[str, Path]:
+        """The side folders' entries' kind -> their folder: the page vectors and the extracted
+        texts, whose files are entries written whole by other modules (no lock, no partial)."""
+        return {"vectors": self.vectors_dir, "text": self.root.parent / TEXTS_FOLDER}
 
     def path_of(self, digest: str) -> Path:
         return entry_path(self.root, digest)
@@ -405,10 +412,10 @@ class KVStore:
 
     # --- the cap (kvcli.store.capacity) ---------------------------------------------------------
     def _files(self, exclude: Path | None = None) -> list[tuple[Path, int, float, bool]]:
-        """(path, size, last use, removable) of every entry file but ``exclude``, the page vectors'
+        """(path, size, last use, removable) of every entry file but ``exclude``, the side folders'
         files included: a partial entry whose read runs is not removable."""
         out = []
-        for path in self.vectors_dir.glob(f"*{SUFFIX}"):
+        for path in (p for folder in self.side_dirs.values() for p in folder.glob(f"*{SUFFIX}")):
             if path == exclude:
                 continue
             with contextlib.suppress(OSError):
@@ -454,8 +461,8 @@ class KVStore:
         if not over:
             return
         largest, n_largest, _, _ = max(over, key=_size)
-        read = entry_files.vectors_meta if largest.parent == self.vectors_dir else entry_files.read_meta
-        meta, _ = read(largest)  # its document, for the line said
+        kind = next((k for k, folder in self.side_dirs.items() if largest.parent == folder), "kv")
+        meta, _ = entry_files.META_READERS[kind](largest)  # its document, for the line said
         freed = self.remove([Entry(path, n, mtime, None) for path, n, mtime, _ in over])
         notices.warn(
             f"the cache cap ({human(self.max_bytes)}) made room for a {human(size)} entry: removed "
@@ -471,11 +478,12 @@ class KVStore:
 
     # --- kvcli cache ls / rm / prune -----------------------------------------------------------
     def entries(self) -> list[Entry]:
-        """Every entry (partial ones and the page vectors' files included), most recently used first."""
+        """Every entry (partial ones and the side folders' files included), most recently used first."""
         out = entry_files.list_entries(self.root)
         for e in out:
             e.reading = e.partial and self.reading(e.path)
-        out += entry_files.list_vectors(self.vectors_dir)
+        for kind, folder in self.side_dirs.items():
+            out += entry_files.list_side(folder, kind)
         out.sort(key=lambda e: e.last_use, reverse=True)
         return out
 
@@ -499,16 +507,16 @@ class KVStore:
         return removed, self.reclaim(explicit=True)
 
     def reclaim(self, explicit: bool = False) -> Leftovers:
-        """Remove what killed runs left (:func:`kvcli.store.housekeeping.reclaim`; in the page
-        vectors' folder by age, :func:`kvcli.store.housekeeping.reclaim_by_age`)."""
-        return housekeeping.added(
-            housekeeping.reclaim(self.root, explicit), housekeeping.reclaim_by_age(self.vectors_dir, explicit)
-        )
+        """Remove what killed runs left (:func:`kvcli.store.housekeeping.reclaim`; in the side
+        folders by age, :func:`kvcli.store.housekeeping.reclaim_by_age`)."""
+        sides = (housekeeping.reclaim_by_age(folder, explicit) for folder in self.side_dirs.values())
+        return housekeeping.added(housekeeping.reclaim(self.root, explicit), *sides)
 
     def leftovers(self) -> Leftovers:
-        """Every file of the store (and of the page vectors' folder) that is not an entry
+        """Every file of the store (and of its side folders) that is not an entry
         (:func:`kvcli.store.housekeeping.leftovers`)."""
-        return housekeeping.added(housekeeping.leftovers(self.root), housekeeping.leftovers(self.vectors_dir))
+        sides = (housekeeping.leftovers(folder) for folder in self.side_dirs.values())
+        return housekeeping.added(housekeeping.leftovers(self.root), *sides)
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries())
