@@ -15,7 +15,10 @@ held-out ones:
 
 ``--analyse`` prints, for each signal, how well it separates right answers from answers to
 questions no page answers (the area under the ROC curve: the chance that a right answer scores over
-an unanswerable one), and for the mean gain how many of each kind fall under each threshold.
+an unanswerable one), for the mean gain how many of each kind fall under each threshold, and for
+each yes/no question how many the note catches when it is given under the gain's ``--threshold`` or
+under the question's own log-odds (:data:`ASKED_UNDER`), as kvcli's check does on a model with
+``check_asked`` (kvcli/model/models.json).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heldout_answers import is_right, load_version  # noqa: E402
 from portable import portable, scrub  # noqa: E402
 
-from kvcli.answer.grounding import closed_book_logprobs  # noqa: E402
+from kvcli.answer.grounding import asked_log_odds, closed_book_logprobs  # noqa: E402
 from kvcli.api import AskOptions, QuestionOptions, Session, parse_pipeline  # noqa: E402
 from kvcli.report.record import result_record  # noqa: E402
 from kvcli.runtime.decode import chosen_logprobs  # noqa: E402
@@ -46,18 +49,15 @@ ASKED = {  # asked after the answer, in the model's chat turns
     "supported": "Is your answer supported by the document above? Answer only yes or no.",
 }
 THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+ASKED_UNDER = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)  # the yes/no questions' log-odds weighed with the gain
 
 
-def asked_after(session, result, turn: list[int], yes: list[int], no: list[int]) -> float:
-    """The log-odds of yes against no after ``turn`` on a copy of the answer's KV."""
-    cache, answer, n_kept = copy.deepcopy(result.cache), list(result.answer_ids), result.selection.n_kept
-    fed = cache.n_tokens - n_kept  # the answer's tokens the decoding steps ran (the last one is not)
-    if fed > len(answer):  # the guard cut the answer: its KV only
-        cache.truncate(n_kept + len(answer))
-        fed = len(answer)
-    _, logits = session.engine.prefill(torch.tensor(answer[fed:] + turn), cache=cache)
-    lp = torch.log_softmax(logits.float(), -1)
-    return round(float(torch.logsumexp(lp[yes], 0) - torch.logsumexp(lp[no], 0)), 3)
+def asked_after(session, result, question: str) -> float:
+    """The log-odds of yes against no when ``question`` is asked right after the answer, on its KV
+    (kvcli's own check: ``grounding.asked_log_odds``, which leaves the KV as it found it)."""
+    engine, tok = session.engine, session.lm.tokenizer
+    odds = asked_log_odds(engine, tok, result.cache, list(result.answer_ids), result.selection.n_kept, question)
+    return round(odds, 3)
 
 
 def gains(session, result, question: str) -> tuple[list[float], list[float]]:
@@ -76,10 +76,6 @@ def gains(session, result, question: str) -> tuple[list[float], list[float]]:
 
 def run(args) -> None:
     session = Session.open(AskOptions(model=args.model, use_cache=False, check=False))
-    tok = session.lm.tokenizer
-    one = lambda w: tok(w, add_special_tokens=False)["input_ids"]  # noqa: E731
-    yes, no = [one(w)[0] for w in ("Yes", "yes")], [one(w)[0] for w in ("No", "no")]
-    turns = {k: one(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for k, q in ASKED.items()}
     rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
     done = {(r["document"], r["question"], r["wording"]) for r in rows}
     for path in args.questions:
@@ -92,7 +88,7 @@ def run(args) -> None:
                     question, pipeline = q[wording], parse_pipeline("auto")
                     result = session.ask(document, question, pipeline, QuestionOptions(max_new_tokens=32))
                     rec = result_record(result, session, pipeline, document)
-                    asked = {k: asked_after(session, result, t, yes, no) for k, t in turns.items()}
+                    asked = {k: asked_after(session, result, q) for k, q in ASKED.items()}
                     s0 = time.perf_counter()
                     with_doc, without = gains(session, result, question)
                     rows.append(
@@ -128,7 +124,7 @@ def auc(high: list[float], low: list[float]) -> float:
     return sum((a > b) + 0.5 * (a == b) for a in high for b in low) / max(1, len(high) * len(low))
 
 
-def analyse(rows: list[dict]) -> str:
+def analyse(rows: list[dict], threshold: float = 0.1) -> str:
     signals = {f"asked: {k}": (lambda r, k=k: r["asked"][k]) for k in ASKED}
     signals["mean gain (grounding)"] = mean_gain
     out = ["| signal | AUC: right over unanswerable |", "|---|---:|"]
@@ -142,6 +138,17 @@ def analyse(rows: list[dict]) -> str:
         out.append(
             f"| {t} | {under['right']}/{n['right']} | {under['wrong']}/{n['wrong']} | {under['unanswerable']}/{n['unanswerable']} |"
         )
+    out += [
+        "",
+        f"| noted: mean gain under {threshold}, or asked under | right | wrong | unanswerable |",
+        "|---|---:|---:|---:|",
+    ]
+    for k in ASKED:
+        for t in ASKED_UNDER:
+            noted = {c: sum(kind(r) == c and (mean_gain(r) < threshold or r["asked"][k] < t) for r in rows) for c in n}
+            out.append(
+                f"| {k} < {t} | {noted['right']}/{n['right']} | {noted['wrong']}/{n['wrong']} | {noted['unanswerable']}/{n['unanswerable']} |"
+            )
     return "\n".join(out)
 
 
@@ -152,9 +159,10 @@ def main() -> None:
     p.add_argument("--pdf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvcli-books-pdfs")
     p.add_argument("--out", type=Path)
     p.add_argument("--analyse", action="store_true", help="read QUESTIONS as result files (--out's): the tables")
+    p.add_argument("--threshold", type=float, default=0.1, help="--analyse: the gain's threshold the questions join")
     args = p.parse_args()
     if args.analyse:
-        print(analyse([r for path in args.questions for r in json.loads(path.read_text())["rows"]]))
+        print(analyse([r for path in args.questions for r in json.loads(path.read_text())["rows"]], args.threshold))
         return
     if args.out is None:
         p.error("--out is needed to run")

@@ -255,7 +255,15 @@ class Session:
         from .answer.grounding import grounding
 
         result.grounding = grounding(
-            self.engine, self.lm.tokenizer, question, result.answer_ids, result.answer_logprobs, self.lm.check_threshold
+            self.engine,
+            self.lm.tokenizer,
+            question,
+            result.answer_ids,
+            result.answer_logprobs,
+            self.lm.check_threshold,
+            asked=self.lm.check_asked,
+            cache=result.cache,
+            n_kept=result.selection.n_kept,
         )
         note = None if result.grounding is None else result.grounding.note()
         if note is not None:

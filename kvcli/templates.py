@@ -12,6 +12,7 @@ from .errors import UsageError
 TEMPLATE_DIR = Path(__file__).resolve().parent / "prompts"
 DEFAULT_TEMPLATE = "qa"
 _DOC, _QUESTION = "\x00KVCLI_DOCUMENT\x00", "\x00KVCLI_QUESTION\x00"
+_ANSWER = "\x00KVCLI_ANSWER\x00"
 # the chat templates' end-of-turn markers: a generation ends on one (:func:`stop_token_ids`)
 STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
 
@@ -70,6 +71,22 @@ def rendered_ids(tokenizer, template: str, document: str, question: str) -> list
     rank pages with); the answer's prompt keeps its pieces' offsets instead (kvcli.answer.prompt)."""
     head, middle, tail = render_pieces(tokenizer, template)
     return tokenizer(head + document + middle + question.strip() + tail, add_special_tokens=False)["input_ids"]
+
+
+def follow_up_ids(tokenizer, question: str) -> list[int] | None:
+    """What a chat appends to the model's answer to ask ``question`` next: the end of its turn, the
+    user's turn, and the start of its reply, as the chat template renders them around a stand-in
+    answer (ChatML: ``<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``).
+    None for a model without a chat template."""
+    if is_completion(tokenizer):
+        return None
+    chat = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": _ANSWER},
+        {"role": "user", "content": question},
+    ]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text.split(_ANSWER, 1)[1], add_special_tokens=False)["input_ids"]
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> set[int]:

@@ -4,6 +4,7 @@ and that checking never changes an answer."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -89,3 +90,65 @@ def test_checking_never_changes_the_answer(embedded_session):
         doc, q, parse_pipeline("full"), QuestionOptions(check=True, force_tokens=True, max_new_tokens=4)
     )
     assert forced.grounding is None  # a benchmark's forced length is not an answer to check
+
+
+def test_the_follow_up_turn_is_the_chat_templates_next_user_turn(tiny_lm):
+    tokenizer = tiny_lm("qwen2").tokenizer
+    turn = tokenizer.decode(g.follow_up_ids(tokenizer, "Is it so?"))
+    assert turn == "<|im_end|>\n<|im_start|>user\nIs it so?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def answered(lm, n_answer: int = 5):
+    """(engine, prompt ids, answer ids, cache): a prompt read and an answer decoded greedily on its
+    KV, as a question leaves them (the last answer token not fed)."""
+    engine, prompt = Engine(lm), random_ids(24, seed=6).tolist()
+    cache = KVCache()
+    hidden = engine.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    answer = engine.decode(engine.logits(hidden)[-1], cache, len(prompt), n_answer, set())
+    return engine, prompt, answer, cache
+
+
+def test_the_asked_log_odds_are_transformers_next_token_odds_and_the_cache_comes_back(tiny_lm):
+    lm = tiny_lm("qwen2")
+    tok = lm.tokenizer
+    engine, prompt, answer, cache = answered(lm)
+    fed = cache.n_tokens - len(prompt)
+    assert 0 < fed < len(answer) + 1
+    keys = [layer.clone() for layer in cache.keys]
+    got = g.asked_log_odds(engine, tok, cache, answer, len(prompt), "Is it so?")
+    turn = g.follow_up_ids(tok, "Is it so?")
+    lp = torch.log_softmax(hf_logits(lm, torch.tensor(prompt + answer + turn))[-1].float(), -1).cpu()
+    yes = [tok("Yes", add_special_tokens=False)["input_ids"][0], tok("yes", add_special_tokens=False)["input_ids"][0]]
+    no = [tok("No", add_special_tokens=False)["input_ids"][0], tok("no", add_special_tokens=False)["input_ids"][0]]
+    ref = float(torch.logsumexp(lp[yes], 0) - torch.logsumexp(lp[no], 0))
+    assert got == pytest.approx(ref, abs=1e-3)
+    assert cache.n_tokens == len(prompt) + fed and all(torch.equal(a, b) for a, b in zip(cache.keys, keys))
+
+
+def test_the_asked_question_notes_an_answer_the_gain_passes(tiny_lm):
+    lm = tiny_lm("qwen2")
+    engine, prompt, answer, cache = answered(lm)
+    with_doc = [w + 1.0 for w in g.closed_book_logprobs(engine, lm.tokenizer, "Q?", answer)]  # a gain of 1 nat
+    odds = g.asked_log_odds(engine, lm.tokenizer, cache, answer, len(prompt), "Is it so?")
+    for under, grounded in ((odds - 1, True), (odds + 1, False)):
+        found = g.grounding(engine, lm.tokenizer, "Q?", answer, with_doc, 0.1, ("Is it so?", under), cache, len(prompt))
+        assert found.score == pytest.approx(1.0, abs=1e-3) and found.asked == pytest.approx(odds, abs=1e-4)
+        assert found.grounded is grounded and (found.note() is None) is grounded
+    assert "unsure" in found.note() and f"{odds:.2f}" in found.note()
+    plain = g.grounding(engine, lm.tokenizer, "Q?", answer, with_doc, 0.1)  # no question: not asked
+    assert plain.asked is None and plain.grounded
+    gained = g.grounding(engine, lm.tokenizer, "Q?", answer, with_doc, 2.0, ("Is it so?", odds - 1), cache, len(prompt))
+    assert gained.asked is None and not gained.grounded and "readily without it" in gained.note()  # noted: not asked
+
+
+def test_nothing_is_asked_of_a_model_without_a_chat_template_or_a_cache_that_cannot_be_cut_back(tiny_lm):
+    qwen = tiny_lm("qwen2")
+    engine, prompt, answer, cache = answered(qwen)
+    completion = copy.copy(qwen.tokenizer)
+    completion.chat_template = None  # a model without a chat template: kvcli's completion prompt
+    assert g.follow_up_ids(completion, "Is it so?") is None
+    assert g.asked_log_odds(engine, completion, cache, answer, len(prompt), "Is it so?") is None
+    assert g.asked_log_odds(engine, qwen.tokenizer, cache, answer, len(prompt), "Is it so?") is not None
+    cache.__class__ = type("Fixed", (KVCache,), {"truncatable": False})  # the same KV, a layout that cannot cut
+    assert g.asked_log_odds(engine, qwen.tokenizer, cache, answer, len(prompt), "Is it so?") is None
+    assert g.asked_log_odds(engine, qwen.tokenizer, None, answer, len(prompt), "Is it so?") is None

@@ -126,8 +126,8 @@ CheckOpt = typer.Option(
     "--check/--no-check",
     help="After the answer, run it again after the question alone, without the document: a warning on stderr "
     "when the model gives it as readily (the answer may not come from the document), and in JSON "
-    "grounding/grounded; on the models whose threshold was measured (the Qwen models), one short pass "
-    "(docs/methods.md)",
+    "grounding/grounded; on the models whose threshold was measured (the Qwen models), one short pass; "
+    "the 1.5B Qwen is also asked whether the document supports its answer (docs/methods.md)",
 )
 
 

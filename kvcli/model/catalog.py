@@ -84,6 +84,9 @@ class EmbeddedModel:
     # the answer's check (kvcli.answer.grounding): nats a token under which an answer gets the note that
     # it may not come from the document, as chosen on tuning questions (docs/bench/qwen); None: not checked
     check_threshold: float | None = None
+    # the check's yes/no question, asked after the answer, and the log-odds of "yes" under which the
+    # answer gets the note too, where the tuning questions chose one (docs/bench/qwen); None: not asked
+    check_asked: tuple[str, float] | None = None
 
     @property
     def install(self) -> str:
@@ -134,6 +137,9 @@ def _model(entry: dict) -> EmbeddedModel:
     """One entry of kvcli/model/models.json (the default's has no name: :data:`EMBEDDED_MODEL`)."""
     entry = {"name": EMBEDDED_MODEL, **entry}
     parts = _parts(**entry.pop("parts")) if "parts" in entry else ()
+    asked = entry.pop("check_asked", None)
+    if asked is not None:
+        entry["check_asked"] = (asked["question"], float(asked["under"]))
     return EmbeddedModel(**{**entry, "parts": parts, "extra_packages": tuple(entry.get("extra_packages", ()))})
 
 

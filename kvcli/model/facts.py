@@ -46,6 +46,7 @@ class LoadedModel:
     source: str = ""  # what was actually loaded: the local folder, or the hub id
     cpu_prefill_chunk: int | None = None  # an embedded model's measured chunk on the CPU (EmbeddedModel's)
     check_threshold: float | None = None  # the answer check's measured threshold (EmbeddedModel's)
+    check_asked: tuple[str, float] | None = None  # the check's yes/no question and threshold (EmbeddedModel's)
 
     @property
     def text_config(self) -> Any:

@@ -118,6 +118,7 @@ def load_model(
         source=src.source,
         cpu_prefill_chunk=what.known.cpu_prefill_chunk if what.known is not None else None,
         check_threshold=what.known.check_threshold if what.known is not None else None,
+        check_asked=what.known.check_asked if what.known is not None else None,
     )
 
 

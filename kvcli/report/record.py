@@ -71,6 +71,9 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         "grounding": None if result.grounding is None else result.grounding.score,
         "grounded": None if result.grounding is None else result.grounding.grounded,
         "check_s": None if result.grounding is None else round(result.grounding.seconds, 4),
+        # the model's log-odds of "yes" when asked whether the document supports its answer (the
+        # models whose check asks: kvcli.answer.grounding); null: not asked
+        "grounding_asked": None if result.grounding is None else result.grounding.asked,
         # a method that ranks passages (pages) and found none matching the question: that, and what it read instead
         "no_match": result.selection.note,
         # a method that retrieves (pages): the passages read whole and skimmed, their tokens, of the document's
