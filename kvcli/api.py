@@ -194,7 +194,7 @@ class Session:
             document=_source(document),
             document_sha256=document.sha256,
             on_embed=o.on_embed,
-            on_stored=None if self.store is None else self._made,
+            on_stored=None if self.store is None else self.made,
         )
         pipeline.configure(self.lm, runtime)
         stored = o.use_store and self.store is not None and self.store.enabled
@@ -292,11 +292,41 @@ class Session:
             "template": self.options.template,
         }
 
-    def _made(self, path: Path) -> None:
+    def made(self, path: Path) -> None:
         """A method wrote ``path`` into the cache folder (the page vectors): the store makes room
         for it under its cap, as for its own entries (least recently used first)."""
         if self.store is not None and self.store.enabled:
             self.store.make_room(path)
+
+    def embed_rest(self, result: Result, stop) -> Path | None:
+        """Embed the rest of the document's passages for the ranking that chose ``result``'s reading
+        (``pages``, ranked by a sentence-embedding model; any other reading: nothing), a few at a
+        time in the order that ranking put them until all are embedded or ``stop`` (a
+        :class:`threading.Event`) is set
+        (:func:`kvcli.retrieval.vectors.fill`): what a chat does while its user types, so that a
+        later question finds its candidates embedded. Returns the vectors' file if it was written
+        (the caller then makes room for it under the cap, :meth:`made`, where it may say so)."""
+        from .files import cache_folder
+        from .retrieval import embed, vectors
+
+        name = embed.setting()
+        if name is None or not (result.selection.ranked_by or "").startswith("bm25+") or not result.prompt.passages:
+            return None
+        model = embed.embedder(name)
+        passages = result.prompt.passages
+        texts = [p.text for p in passages]
+        # the passages as this question ranked them (its candidates, then BM25's order): a follow-up
+        # question shares words with it, so its candidates are likely among the next ones
+        scores = result.selection.scores
+        order = None
+        if scores is not None and scores.numel() >= passages[-1].end:
+            scores = scores.float().nan_to_num(float("-inf"))
+            order = sorted(range(len(passages)), key=lambda i: (-float(scores[passages[i].start]), i))
+        folder = cache_folder(self.options.cache_dir)
+        document = {"document": _source(result.document), "document_sha256": result.document.sha256}
+        if not vectors.fill(model, texts, folder, stop, document=document, order=order):
+            return None
+        return vectors.path_for(folder, vectors.key(model.id, texts))
 
 
 # --------------------------------------------------------------------------- kvcli cache

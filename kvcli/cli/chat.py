@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -167,6 +168,7 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
     # stdout not a terminal (``kvcli chat doc | tee log``): it holds the answers alone; the prompt
     # and the line ending it on Ctrl-C or Ctrl-D go to stderr (input() would write them to stdout)
     screen = sys.stdout if stdout.is_terminal else sys.stderr
+    idle = Idle(session)
     try:
         while True:
             try:
@@ -177,6 +179,8 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
             except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as a shell does
                 screen.write("\n")
                 continue
+            finally:
+                idle.stop()  # the question runs alone
             if not question.strip():
                 continue
             try:
@@ -188,13 +192,53 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
                 print(f"kvcli: error: {e}", file=sys.stderr)
                 continue
             _output(err, session, doc, doc.source, pipeline, question, result, as_json, streamed=stream, shown=shown)
+            idle.start(result)
     finally:
+        idle.stop()
         if readline is not None:
             try:
                 history.parent.mkdir(parents=True, exist_ok=True)
                 readline.write_history_file(str(history))
             except OSError:
                 pass  # a read-only cache folder: no history next time
+
+
+class Idle:
+    """A chat's idle time put to use: after an answer whose reading ranked the pages with a
+    sentence-embedding model, the rest of the document's pages are embedded in a thread while the
+    user reads and types (:meth:`kvcli.api.Session.embed_rest`), and stopped, within one small step,
+    before the next question runs: a later question then finds its candidates embedded instead of
+    embedding them first (a 236-page manual: ~9 s a question on two cores). Nothing is printed from
+    the thread; what it fails at, the next question does again."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        self.thread: threading.Thread | None = None
+        self.halt = threading.Event()
+        self.written: Path | None = None
+
+    def start(self, result) -> None:
+        self.stop()
+        self.halt, self.written = threading.Event(), None
+
+        def run() -> None:
+            try:
+                self.written = self.session.embed_rest(result, self.halt)
+            except Exception:  # noqa: BLE001 - nothing is lost: the next question embeds what it needs
+                self.written = None
+
+        self.thread = threading.Thread(target=run, name="kvcli-idle-embedding", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (after its step) and make room under the cache's cap for what it wrote."""
+        if self.thread is None:
+            return
+        self.halt.set()
+        self.thread.join()
+        self.thread = None
+        if self.written is not None:
+            self.session.made(self.written)
 
 
 def _question(on_stdout: bool) -> str:

@@ -438,3 +438,47 @@ def test_a_module_kvcli_cannot_run_is_one_error(tmp_path):
     (folder / "modules.json").write_text('[{"path": "x", "type": "sentence_transformers.models.LayerNorm"}]')
     with pytest.raises(ModelError, match="has a LayerNorm module"):
         embed.Embedder(folder)
+
+
+# --- an idle chat fills the file in (vectors.fill, Session.embed_rest) ----------------------------
+
+FILL_PASSAGES = [f"page {i} holds " + "words " * (3 * i + 1) for i in range(7)]
+
+
+def test_fill_embeds_every_passage_step_by_step_as_one_call_would(tmp_path):
+    import threading
+
+    model = Counting()
+    assert vectors.fill(model, FILL_PASSAGES, tmp_path, threading.Event(), step=2)
+    assert model.calls == 4  # 2 + 2 + 2 + 1 passages
+    digest = vectors.key(Counting.id, FILL_PASSAGES)
+    vecs, owner, done = vectors.load(vectors.path_for(tmp_path, digest), digest)
+    ref, ref_owner, _ = vectors.passage_vectors(Counting(), FILL_PASSAGES, None)  # all at once, not kept
+    assert done.all() and np.array_equal(owner, ref_owner) and np.allclose(vecs, ref)
+    assert not vectors.fill(model, FILL_PASSAGES, tmp_path, threading.Event()) and model.calls == 4  # all there
+
+
+def test_fill_stops_between_steps_and_where_the_file_cannot_be_written(tmp_path):
+    import threading
+
+    stop = threading.Event()
+
+    class Stopping(Counting):
+        def encode(self, texts, on_progress=None):
+            stop.set()  # asked to stop while the first step runs: that step ends, no other starts
+            return super().encode(texts, on_progress)
+
+    assert vectors.fill(Stopping(), FILL_PASSAGES, tmp_path / "a", stop, step=2, order=[5, 2, 6])
+    digest = vectors.key(Counting.id, FILL_PASSAGES)
+    _, _, done = vectors.load(vectors.path_for(tmp_path / "a", digest), digest)
+    assert np.flatnonzero(done).tolist() == [2, 5]  # the order's first two, then it stopped
+    stop.clear()
+    model = Counting()
+    assert vectors.fill(model, FILL_PASSAGES, tmp_path / "a", stop, step=2, order=[5, 2, 6])
+    assert [t.split()[1] for t in model.texts] == ["4"]  # 6, 0, 1, 3 before it: the order, then the rest
+    _, _, done = vectors.load(vectors.path_for(tmp_path / "a", digest), digest)
+    assert done.all()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "vectors").write_text("a file where the folder would be")
+    model = Counting()
+    assert not vectors.fill(model, FILL_PASSAGES, tmp_path / "b", threading.Event(), step=2) and model.calls == 1
