@@ -208,8 +208,9 @@ class Idle:
     sentence-embedding model, the rest of the document's pages are embedded in a thread while the
     user reads and types (:meth:`kvcli.api.Session.embed_rest`), and stopped, within one small step,
     before the next question runs: a later question then finds its candidates embedded instead of
-    embedding them first (a 236-page manual: ~9 s a question on two cores). Nothing is printed from
-    the thread; what it fails at, the next question does again."""
+    embedding them first (a 236-page manual, 30 s between questions: the later ones 2-9 s sooner on
+    two cores; docs/bench/retrieval). Nothing is printed from the thread; what it fails at, the next
+    question does again."""
 
     def __init__(self, session) -> None:
         self.session = session
