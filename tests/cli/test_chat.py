@@ -174,3 +174,35 @@ def test_at_the_prompt_with_stdout_in_a_pipe_stdout_holds_only_the_answers(doc, 
     assert len(answers) == 2 and next(typed, None) is None
     assert out == "".join(a + "\n" for a in answers)  # no prompt, no blank line
     assert err.count("> ") == 5  # a prompt for each line read, the Ctrl-D one too
+
+
+def test_at_the_prompt_the_idle_embedding_runs_between_questions_never_beside_one(
+    doc, model, monkeypatch, tmp_path, capsys
+):
+    """After each answer the chat starts its idle work (Session.embed_rest, here one that runs
+    until it is told to stop) and stops it when a line is typed, Ctrl-C and Ctrl-D included: no
+    question is answered while it runs, and none is left running when the chat ends."""
+    import threading
+
+    typed = iter([QUESTIONS[0], KeyboardInterrupt, QUESTIONS[1], EOFError])
+    events = []
+
+    def idle_work(self, result, stop):
+        events.append("idle")
+        stop.wait(30)  # works until the chat stops it
+        events.append("stopped" if stop.is_set() else "timed out")
+
+    real_ask = api.Session.ask
+
+    def ask(self, document, question, pipeline, options):
+        assert not [t for t in threading.enumerate() if t.name == "kvcli-idle-embedding"]
+        events.append("ask")
+        return real_ask(self, document, question, pipeline, options)
+
+    monkeypatch.setattr(api.Session, "embed_rest", idle_work)
+    monkeypatch.setattr(api.Session, "ask", ask)
+    monkeypatch.setattr("builtins.input", lambda prompt="": _next_line(typed))
+    code, out, err = _chat_at_a_terminal(doc, model, tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    assert events == ["ask", "idle", "stopped", "ask", "idle", "stopped"]
+    assert not [t for t in threading.enumerate() if t.name == "kvcli-idle-embedding"]
