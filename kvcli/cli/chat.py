@@ -179,10 +179,9 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
             except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as a shell does
                 screen.write("\n")
                 continue
-            finally:
-                idle.stop()  # the question runs alone
             if not question.strip():
                 continue
+            idle.stop()  # the question runs alone
             try:
                 result = answer(err, session, doc, question, pipeline, stream, sources=compute)
             except KeyboardInterrupt:

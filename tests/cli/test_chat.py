@@ -180,11 +180,12 @@ def test_at_the_prompt_the_idle_embedding_runs_between_questions_never_beside_on
     doc, model, monkeypatch, tmp_path, capsys
 ):
     """After each answer the chat starts its idle work (Session.embed_rest, here one that runs
-    until it is told to stop) and stops it when a line is typed, Ctrl-C and Ctrl-D included: no
-    question is answered while it runs, and none is left running when the chat ends."""
+    until it is told to stop) and stops it when a question is entered (Ctrl-C at the prompt and an
+    empty line leave it running) or the chat ends (Ctrl-D): no question is answered while it runs,
+    and none is left running when the chat ends."""
     import threading
 
-    typed = iter([QUESTIONS[0], KeyboardInterrupt, QUESTIONS[1], EOFError])
+    typed = iter([QUESTIONS[0], KeyboardInterrupt, "", QUESTIONS[1], EOFError])
     events = []
 
     def idle_work(self, result, stop):
@@ -201,7 +202,14 @@ def test_at_the_prompt_the_idle_embedding_runs_between_questions_never_beside_on
 
     monkeypatch.setattr(api.Session, "embed_rest", idle_work)
     monkeypatch.setattr(api.Session, "ask", ask)
-    monkeypatch.setattr("builtins.input", lambda prompt="": _next_line(typed))
+
+    def typing(prompt=""):
+        line = _next_line(typed)
+        if line == QUESTIONS[1]:  # after Ctrl-C and an empty line at the prompt: still at work
+            assert [t for t in threading.enumerate() if t.name == "kvcli-idle-embedding"]
+        return line
+
+    monkeypatch.setattr("builtins.input", typing)
     code, out, err = _chat_at_a_terminal(doc, model, tmp_path, capsys, monkeypatch)
     assert code == 0, err
     assert events == ["ask", "idle", "stopped", "ask", "idle", "stopped"]
