@@ -170,19 +170,17 @@ def fill(
     finds its candidates embedded. Each step is :func:`passage_vectors` (the file written whole,
     atomically); a file that cannot be written ends it. Returns whether the file was written."""
     digest = key(embedder.id, passages)
-    path = path_for(cache_dir, digest)
+    found = load(path_for(cache_dir, digest), digest)
+    done = found[2] if found is not None and len(found[2]) == len(passages) else np.zeros(len(passages), bool)
     first = list(order or [])
-    ranked = first + sorted(set(range(len(passages))) - set(first))
+    todo = [i for i in first + sorted(set(range(len(passages))) - set(first)) if not done[i]]
     wrote = False
-    while not stop.is_set():
-        found = load(path, digest)
-        done = found[2] if found is not None and len(found[2]) == len(passages) else np.zeros(len(passages), bool)
-        missing = [i for i in ranked if not done[i]][:step]
-        if not missing:
+    while todo and not stop.is_set():
+        missing, stored = todo[:step], []
+        _, _, how = passage_vectors(
+            embedder, passages, cache_dir, wanted=missing, document=document, on_stored=stored.append
+        )
+        if how == "computed" and not stored:  # not written: the next step would redo this one
             break
-        passage_vectors(embedder, passages, cache_dir, wanted=missing, document=document)
-        after = load(path, digest)
-        if after is None or not after[2][missing].all():  # not written: the next step would redo this one
-            break
-        wrote = True
+        wrote, todo = wrote or bool(stored), todo[step:]  # "hit": another process embedded them
     return wrote

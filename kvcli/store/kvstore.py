@@ -195,15 +195,11 @@ class KVStore:
 
     # --- what the book store (kvcli.store.book) builds on -------------------------------------
     @property
-    def vectors_dir(self) -> Path:
-        """``<cache_dir>/vectors``: the page vectors, counted and removed with the entries."""
-        return self.root.parent / VECTORS_FOLDER
-
-    @property
     def side_dirs(self) -> dict[str, Path]:
-        """The side folders' entries' kind -> their folder: the page vectors and the extracted
-        texts, whose files are entries written whole by other modules (no lock, no partial)."""
-        return {"vectors": self.vectors_dir, "text": self.root.parent / TEXTS_FOLDER}
+        """The side folders' entries' kind -> their folder: the page vectors (``<cache_dir>/vectors``)
+        and the extracted texts (``<cache_dir>/texts``), whose files are entries written whole by
+        other modules (no lock, no partial), counted and removed with the KV entries."""
+        return {"vectors": self.root.parent / VECTORS_FOLDER, "text": self.root.parent / TEXTS_FOLDER}
 
     def path_of(self, digest: str) -> Path:
         return entry_path(self.root, digest)
