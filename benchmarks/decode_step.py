@@ -14,6 +14,11 @@ rounds of 4 steps each, the median step of each: a 16-bit KV through kvcli's own
 (``kernels.grouped``, as on a CPU without AMX), a 16-bit KV through PyTorch's fused attention with
 the query heads of a KV head as its rows (``kernels.group_rows``, what a CPU with AMX runs), and the
 8-bit KV. Alternating in one process puts the variants side by side on a machine whose pace drifts.
+
+``--rows 1,2,5,9``: what a pass of k rows costs after the same prompt (a draft of k - 1 tokens
+checked, :mod:`kvcli.runtime.lookup`), the passes alternating over ``--rounds`` rounds of 4 each,
+every pass's rows taken back after it (the length stays put); the median pass per k and its ratio
+to one row's.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def main() -> None:
     p.add_argument("--quant", default="auto", help="kvcli's --quant: auto (its default), none, 8bit or 4bit")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compare", action="store_true", help="the attention kernels and KV bits side by side")
-    p.add_argument("--rounds", type=int, default=6, help="--compare: rounds of 4 steps per variant")
+    p.add_argument("--rounds", type=int, default=6, help="--compare, --rows: rounds of 4 steps per variant")
+    p.add_argument("--rows", default=None, help="passes of these many rows side by side, e.g. 1,2,5,9")
     args = p.parse_args()
     lm = load_model(args.model, quant=args.quant)
     engine = Engine(lm)
@@ -53,6 +59,8 @@ def main() -> None:
     prefill_s = time.perf_counter() - t
     if args.compare:
         return compare(engine, cache, logits, args)
+    if args.rows:
+        return rows(engine, cache, args)
     if args.kv_bits != 16:
         cache = QuantKVCache.of(cache, args.kv_bits)
     token, position = torch.argmax(logits).view(1), args.length
@@ -99,13 +107,44 @@ def compare(engine: Engine, cache, logits: torch.Tensor, args) -> None:
         state[bits] = [token, position]
         return 1000 * (time.perf_counter() - t) / steps
 
-    for name in variants:
-        run(name, 2)
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name in variants:
-            times[name].append(run(name, 4))
+    times = alternating(run, list(variants), args.rounds)
     cells = ", ".join(f"{n} {statistics.median(t):.1f} ms (best {min(t):.1f})" for n, t in times.items())
+    print(
+        f"{args.model or 'smollm2'} threads={torch.get_num_threads()} length={args.length} quant={args.quant}: {cells}"
+    )
+
+
+def alternating(run, variants: list, rounds: int) -> dict:
+    """``run(variant, n) -> ms`` for each variant in turn: 2 to warm up, then ``rounds`` rounds of 4
+    each; every variant's times (a machine whose pace drifts weighs on all alike)."""
+    for v in variants:
+        run(v, 2)
+    times = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            times[v].append(run(v, 4))
+    return times
+
+
+def rows(engine: Engine, cache, args) -> None:
+    """``--rows``: passes of k rows alternating, each taken back (module doc)."""
+    sizes = [int(k) for k in args.rows.split(",")]
+    ids = torch.randint(100, 20000, (max(sizes),), generator=torch.Generator().manual_seed(1))
+
+    def run(k: int, passes: int) -> float:
+        t = time.perf_counter()
+        for _ in range(passes):
+            with torch.inference_mode():
+                hidden = engine.forward(ids[:k], torch.arange(args.length, args.length + k), cache)
+                int(torch.argmax(engine.logits(hidden), dim=-1)[-1])  # the host reads the tokens, as the loop does
+            cache.rewind(k)
+        return 1000 * (time.perf_counter() - t) / passes
+
+    times = alternating(run, sizes, args.rounds)
+    one = statistics.median(times[sizes[0]])
+    cells = ", ".join(
+        f"{k} rows {statistics.median(t):.1f} ms ({statistics.median(t) / one:.2f}x)" for k, t in times.items()
+    )
     print(
         f"{args.model or 'smollm2'} threads={torch.get_num_threads()} length={args.length} quant={args.quant}: {cells}"
     )

@@ -114,6 +114,7 @@ def main() -> None:
         type=lambda x: x.removesuffix("bit"),
         help="kvcli's --quant: auto (its default), none, 8 or 4",
     )
+    p.add_argument("--lookup", type=int, default=None, help="kvcli's --lookup N (default: kvcli's)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--resume",
@@ -146,9 +147,15 @@ def main() -> None:
         print(checked(rows))
         print(evidence_grid(rows))
         return
+    lookup = {} if args.lookup is None else {"lookup": args.lookup}
     session = Session.open(
         AskOptions(
-            use_cache=args.store, kv_bits=args.kv_bits, model=args.model, quant=args.quant, template=args.template
+            use_cache=args.store,
+            kv_bits=args.kv_bits,
+            model=args.model,
+            quant=args.quant,
+            template=args.template,
+            **lookup,
         )
     )
     rows = json.loads(args.out.read_text())["rows"] if args.resume and args.out and args.out.exists() else []
@@ -213,6 +220,8 @@ def main() -> None:
                             # vectors made by its first question; without --store every prefill cold)
                             "ttft_s": round(result.ttft_s, 2),
                             "total_s": round(result.total_s, 2),
+                            "n_answer_tokens": len(result.answer_ids),
+                            "lookup": result.extra.get("lookup"),  # drafts checked (kvcli.runtime.lookup)
                         }
                         rows.append(row)
                         print(
@@ -316,6 +325,14 @@ def compare(before: list[dict], after: list[dict]) -> str:
             f" | {sum(bool(b[k]['right']) for k in answerable)}/{len(answerable)}"
             f" | {sum(empty(a[k]) for k in ks)} | {sum(empty(b[k]) for k in ks)} |"
         )
+    timed = [k for k in common if "n_answer_tokens" in a[k] and "n_answer_tokens" in b[k]]
+    if timed:  # decoding: the seconds after the first token, over the tokens after it
+        for label, run in (("before", a), ("after", b)):
+            seconds = sum(run[k]["total_s"] - run[k]["ttft_s"] for k in timed)
+            tokens = sum(max(run[k]["n_answer_tokens"] - 1, 0) for k in timed)
+            out.append(
+                f"\ndecoding {label}: {tokens} tokens after the first in {seconds:.1f} s ({tokens / seconds:.2f} tok/s)"
+            )
     for k in common:
         if a[k]["answer"] != b[k]["answer"]:
             out.append(f"\n{k[0]} / {k[3]} / {k[2]}: {k[1]}")

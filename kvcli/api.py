@@ -28,6 +28,7 @@ from .answer.question import QuestionOptions
 from .documents import Document, load_document
 from .errors import UsageError
 from .kv_bits import DEFAULT_KV_BITS
+from .runtime.lookup import MAX_DRAFT
 from .runtime.threads import ThreadPolicy
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ class AskOptions:
     kv_bits: int | str = DEFAULT_KV_BITS
     low_memory: bool = False  # CPU: freed prompt activations go back to the OS at once (less peak memory, +15-20% TTFT; kvcli.runtime.measure.reading_prompt)
     answer_guard: bool = True  # end answers at an invented next question or a repeated sentence (kvcli.answer.stopping)
+    # tokens drafted a pass from the text read, checked by one pass of the model (kvcli.runtime.lookup):
+    # the same greedy answer in fewer passes; 0: a pass a token
+    lookup: int = MAX_DRAFT
     threads: str | None = (
         None  # CPU threads: "auto" or a count (None: $KVCLI_THREADS, else auto; kvcli.runtime.threads)
     )
@@ -244,6 +248,7 @@ class Session:
                 on_selected=selected if retrieves else None,
                 meta=self._meta(document, pipeline),
                 logprobs=asked.check,
+                lookup=self.options.lookup,
             )
         result.document = document
         if stream is not None:

@@ -10,6 +10,7 @@ import torch
 
 from kvcli.answer.question import QuestionOptions
 from kvcli.cite.attribution import CitingHeads, HeadWeights, step_weights
+from kvcli.runtime.attention import draft_pass
 
 
 def explicit(query, key, head):
@@ -64,6 +65,29 @@ def test_citing_heads_add_weighted_heads_to_the_positions_rows_hold():
     scores = reader.prompt_scores(9, kept=torch.tensor([0, 1, 2, 3, 5, 6, 8]))  # a selector kept 7 of 9
     assert [math.isnan(x) for x in scores.tolist()] == [False, False, False, True, True, True, False, True, False]
     assert scores[8] == reader.scores[6] and scores[6] == reader.scores[5]
+
+
+def test_a_pass_of_several_queries_counts_as_its_rows_one_by_one():
+    """A draft checked while decoding (kvcli.runtime.lookup): the pass's query j read the rows
+    before the pass and j + 1 of its own, as the same tokens decoded one a step would."""
+    g = torch.Generator().manual_seed(2)
+    n_heads, n_kv, d = 4, 2, 8
+    weights = torch.zeros(2, n_heads)
+    weights[1] = torch.tensor([1.0, 0.5, 0.0, 2.0])
+    held = torch.tensor([[0, 1, 3], [0, 2, 4]])  # three prompt rows, then the answer's
+    query, key = torch.randn(1, n_heads, 3, d, generator=g), torch.randn(1, n_kv, 6, d, generator=g)
+    readers = [CitingHeads(HeadWeights(weights, "test"), n_positions=5, cache=FakeCache({1: held})) for _ in range(2)]
+    readers[0].observers()[1][0](query, key)  # outside a draft's check: a prompt pass, ignored
+    assert readers[0].steps == 0
+    with draft_pass():
+        readers[0].observers()[1][0](query, key)
+    for j in range(3):
+        readers[1].observers()[1][0](query[:, :, j : j + 1], key[:, :, : 4 + j])
+    for reader in readers:
+        reader.flush(1)
+        assert reader.steps == 3
+    assert torch.allclose(readers[0].scores, readers[1].scores, atol=1e-9)
+    assert readers[0].scores.sum() > 0
 
 
 @pytest.mark.parametrize("batch_logits", [1 << 22, 40])

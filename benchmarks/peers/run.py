@@ -184,6 +184,11 @@ def main() -> None:
         default="",
         help="also the kvcli rows with --quant Q for each Q (e.g. none,8bit), as 'kvcli --quant Q'",
     )
+    ap.add_argument(
+        "--lookups",
+        default="",
+        help="also the kvcli rows with --lookup N for each N (e.g. 0: a pass a token), as 'kvcli --lookup N'",
+    )
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--no-kvpress", action="store_true")
     ap.add_argument("--out", default=None, help="default: docs/bench/peers (docs/bench/peers-NAME for --model NAME)")
@@ -224,6 +229,8 @@ def run_all(args, cases, out, lengths, model_name, use_kvpress, use_llama, work)
         kvclis.append(("kvcli --low-memory", {"KVCLI_LOW_MEMORY": "1"}))
     for quant in [q for q in args.quants.split(",") if q]:
         kvclis.append((f"kvcli --quant {quant}", {"KVCLI_QUANT": quant}))
+    for lookup in [n for n in args.lookups.split(",") if n]:
+        kvclis.append((f"kvcli --lookup {lookup}", {"KVCLI_LOOKUP": lookup}))
     if args.before:
         kvclis.append((f"kvcli@{args.before}", {"KVCLI_SRC": str(checkout(args.before))}))
     shared = [m for m in args.methods.split(",") if m]

@@ -6,7 +6,8 @@ disk KV store in DIR (the repeat-question rows: a first process fills it, a seco
 without it the store is off (cold runs). The answer is forced to the case's ``new_tokens`` tokens
 (``force_tokens``: decode speed over a fixed length); the answer compared is the part before the
 first stop token. The environment variable ``KVCLI_SRC`` selects which kvcli tree is measured (run.py's
-``--before``); ``KVCLI_LOW_MEMORY=1`` runs with ``--low-memory``, ``KVCLI_QUANT=Q`` with ``--quant Q``."""
+``--before``); ``KVCLI_LOW_MEMORY=1`` runs with ``--low-memory``, ``KVCLI_QUANT=Q`` with ``--quant Q``,
+``KVCLI_LOOKUP=N`` with ``--lookup N``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main() -> None:
     options = {"low_memory": True} if os.environ.get("KVCLI_LOW_MEMORY") else {}
     if os.environ.get("KVCLI_QUANT"):  # run.py --quants: a precision other than the default
         options["quant"] = os.environ["KVCLI_QUANT"]
+    if os.environ.get("KVCLI_LOOKUP"):  # run.py --lookups: drafts from the text read, other than the default
+        options["lookup"] = int(os.environ["KVCLI_LOOKUP"])
     session = Session.open(AskOptions(model=case.get("model"), use_cache=False, **options))  # None: the default
     if store is not None:
         session = dataclasses.replace(session, store=KVStore.open(store))

@@ -31,6 +31,7 @@ from ..compressors.selection import Selection
 from ..errors import DocumentError, UsageError
 from ..runtime.attention import listening
 from ..runtime.decode import DecodeStep
+from ..runtime.lookup import PromptLookup
 from ..runtime.measure import measure, reading_prompt
 from ..runtime.threads import ThreadPolicy, in_phase
 from ..runtime.windows import Windows
@@ -375,6 +376,7 @@ class Generation:
     on_token: Callable[[int], None] | None = None
     guard: object | None = None
     logprobs: list[torch.Tensor] | None = None
+    lookup: int = 0  # tokens drafted a pass from the text read (kvcli.runtime.lookup); 0: none
 
 
 @dataclass(frozen=True)
@@ -407,6 +409,7 @@ def run(
     cite=None,
     on_selected: Callable[[Selection], None] | None = None,
     logprobs: bool = False,
+    lookup: int = 0,
 ) -> Result:
     """Answer from ``prompt`` with ``pipeline``: select tokens, prefill, decode greedily.
 
@@ -417,9 +420,11 @@ def run(
     answer's sources (``Result.extra["citing"]``), None: nothing is read; ``threads``: the CPU
     threads of the prompt's reading and of decoding (:mod:`kvcli.runtime.threads`; None: left as they are);
     ``on_selected(selection)``: once the selectors chose, before the chosen tokens are read;
-    ``logprobs``: keep each answer token's log-probability (``Result.answer_logprobs``).
+    ``logprobs``: keep each answer token's log-probability (``Result.answer_logprobs``); ``lookup``:
+    at most that many tokens drafted a pass from the tokens read and checked in one pass, where
+    decoding allows it (:mod:`kvcli.runtime.lookup`; 0: a pass a token).
     """
-    generation = Generation(max_new_tokens, stop_ids, on_token, guard, [] if logprobs else None)
+    generation = Generation(max_new_tokens, stop_ids, on_token, guard, [] if logprobs else None, lookup)
     with measure(engine.device) as m, contextlib.ExitStack() as reading:
         # the prompt phase (selection, prefill, compression): the KV it keeps gets its own mappings
         reading.enter_context(reading_prompt(engine.device, low_memory))
@@ -431,9 +436,12 @@ def run(
         ttft = m.elapsed(since=start)  # once the device has finished the prompt (CUDA)
         reading.close()
         reader = None if cite is None else CitingHeads(cite, read.kept_ids.numel(), read.cache)
-        answer_ids = _decode(engine, pipeline, read, generation, threads, reader)
+        drafts = PromptLookup(read.kept_ids, generation.lookup) if generation.lookup else None
+        answer_ids = _decode(engine, pipeline, read, generation, threads, reader, drafts)
         total = m.elapsed(since=start)
     result = _result(engine, prompt, pipeline, read, answer_ids, m, ttft, total, reader, cite)
+    if drafts is not None and drafts.passes:
+        result.extra["lookup"] = drafts.stats()
     if generation.logprobs is not None:  # the guard may have cut the answer: its tokens' only
         kept = generation.logprobs[: len(answer_ids)]
         result.answer_logprobs = torch.stack(kept).tolist() if kept else []
@@ -516,9 +524,9 @@ def _prefill(engine, prompt: Prompt, pipeline: Pipeline, kept_ids: torch.Tensor,
     return cache, logits, next_position
 
 
-def _decode(engine, pipeline: Pipeline, read: _Reading, generation: Generation, threads, reader) -> list[int]:
-    """Decode greedily from the prompt's cache (the decode owner's step, if any), the citing
-    heads' ``reader`` listening."""
+def _decode(engine, pipeline: Pipeline, read: _Reading, generation: Generation, threads, reader, drafts) -> list[int]:
+    """Decode greedily from the prompt's cache (the decode owner's step, if any; else ``drafts``
+    checked where the cache allows), the citing heads' ``reader`` listening."""
     decoder = pipeline.owner("decode_step")
     step = None
     if decoder is not None:  # the method's own step, taking the token as it declares (device_token)
@@ -534,6 +542,7 @@ def _decode(engine, pipeline: Pipeline, read: _Reading, generation: Generation, 
             step=step,
             guard=generation.guard,
             logprobs=generation.logprobs,
+            drafts=drafts,
         )
 
 

@@ -71,6 +71,11 @@ class CacheBase:
     # whether the layout has ``truncate(n_tokens)``, which cuts it back to its first n tokens (a prefix
     # state a query window reaches into: the prompt's last tokens then run again on top of it)
     truncatable: ClassVar[bool] = False
+    # whether the layout has ``rewind(n)``, which takes back the last n rows appended to every layer
+    # and goes on writing its buffers in place (a decoding pass's drafts the model did not take,
+    # :mod:`kvcli.runtime.lookup`)
+    rewindable: ClassVar[bool] = False
+    rewound: int = 0  # rows ``rewind`` took back so far (what an observer of the steps counted may drop)
     # how the disk store reads an entry of the layout back (:func:`kvcli.store.entries.read_entry`):
     # False, its tensors loaded, checked against the entry's header and rebuilt (:meth:`from_tensors`);
     # True, its file opened in place and read as needed (:meth:`open_entry`, which checks it)
@@ -267,6 +272,28 @@ def truncate_rows(owner, names: tuple[str, ...], n_tokens: int, layer: int | Non
             dropped = owner.dropped
     if layer is None and owner.positions is not None:
         owner.positions = owner.positions[:n_tokens]
+
+
+def rewind_rows(owner, names: tuple[str, ...], n: int) -> None:
+    """Take back the last ``n`` rows of every layer of the lists of ``owner`` named in ``names``, and
+    their positions: rows ``owner`` appended itself a moment ago, which nothing else holds (a
+    decoding pass's rejected drafts). Unlike :func:`truncate_rows`, ``owner`` stays the writer of
+    its buffers, so the next append lands in place, over the rows taken back (no copy of the layer);
+    the caller vouches that no view of those rows outlives this call."""
+    if n <= 0:
+        return
+    for i in range(owner.n_layers):
+        olds = [getattr(owner, name)[i] for name in names]
+        rows = olds[0].shape[-2]
+        if n > rows:
+            raise ValueError(f"layer {i} holds {rows} rows, not the {n} to take back")
+        wrote = _wrote(owner, names, i, olds)
+        for name, t in zip(names, olds):
+            getattr(owner, name)[i] = t[..., : rows - n, :]
+        if wrote:
+            written_by(owner)[(names, i)] = (rows - n, *(t.data_ptr() for t in olds))
+    owner.positions = owner.positions[: owner.positions.numel() - n]
+    owner.rewound += n
 
 
 def dropped_facts(dropped: Mapping[int, int]) -> dict:

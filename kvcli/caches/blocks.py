@@ -55,6 +55,7 @@ class ScoredKVCache(KVCache):
     # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
     cuts_windows: ClassVar[bool] = False
     graphable: ClassVar[bool] = False  # state of its own besides the keys and values
+    rewindable: ClassVar[bool] = False
 
     kind: ClassVar[str] = "kv+infllm"
 
@@ -116,6 +117,7 @@ class OffloadKVCache(KVCache):
     # per-layer state of its own: a sliding layer keeps its entries (its mask still applies the window)
     cuts_windows: ClassVar[bool] = False
     graphable: ClassVar[bool] = False  # state of its own besides the keys and values
+    rewindable: ClassVar[bool] = False
 
     def onload(self, layer: int, device) -> None:
         if layer < len(self.keys):

@@ -7,7 +7,17 @@ from typing import ClassVar
 
 import torch
 
-from .base import LayerKV, cache_type, drop_rows, dropped_facts, grow_rows, make_room, read_dropped, truncate_rows
+from .base import (
+    LayerKV,
+    cache_type,
+    drop_rows,
+    dropped_facts,
+    grow_rows,
+    make_room,
+    read_dropped,
+    rewind_rows,
+    truncate_rows,
+)
 
 
 @cache_type
@@ -15,6 +25,7 @@ class KVCache(LayerKV):
     kind: ClassVar[str] = "kv"
     cuts_windows: ClassVar[bool] = True  # a sliding layer keeps its last entries (``dropped`` counts the others)
     truncatable: ClassVar[bool] = True
+    rewindable: ClassVar[bool] = True
     # a decoding step of full attention over it may run as a captured CUDA graph (kvcli.runtime.graphs),
     # which appends in place (:meth:`make_room`, :meth:`grow`): a layer's keys and values are all it attends
     graphable: ClassVar[bool] = True
@@ -87,6 +98,10 @@ class KVCache(LayerKV):
         fewer: whether what it still holds is enough for a pass that goes on from there is
         :meth:`kvcli.runtime.windows.Windows.can_resume`'s question."""
         truncate_rows(self, ("keys", "values"), n_tokens, layer)
+
+    def rewind(self, n: int) -> None:
+        """Take back the last ``n`` rows appended to every layer (:func:`~kvcli.caches.base.rewind_rows`)."""
+        rewind_rows(self, ("keys", "values"), n)
 
     def upload(self, device, room: int = 0) -> KVCache:
         """A copy on ``device``, each layer in a buffer with ``room`` more entries: what follows the

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.attention import LayerView
+from ..runtime.attention import LayerView, in_draft_pass
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,15 @@ class CitingHeads:
         self.steps = 0
         self.seconds = 0.0
         self.unsupported: str | None = None
+        self.rewound = dict.fromkeys(self.layers, getattr(cache, "rewound", 0))  # per layer: what _forget saw
 
     def observers(self) -> dict[int, list]:
         return {layer: [self._observer(layer)] for layer in self.layers}
 
     def _observer(self, layer: int):
         def observe(query: torch.Tensor, key) -> None:
-            if query.shape[2] != 1 or self.unsupported:  # a prompt pass, not a decoding step
-                return
+            if self.unsupported or (query.shape[2] != 1 and not in_draft_pass()):
+                return  # a pass of many queries not checking a draft: a prompt's, a method's recomputed tokens
             t0 = time.perf_counter()
             if isinstance(key, LayerView):
                 got = key.read_weights(query)
@@ -97,26 +98,46 @@ class CitingHeads:
                     self.unsupported = f"{type(key.cache).__name__} does not report what a decoding step reads"
                     return
                 self.add(*got, self.heads.weights[layer])
-            else:
-                pending, rows = self.pending[layer], key.shape[2]
-                if pending.rows and (
-                    rows != pending.rows[-1] + 1 or (len(pending.rows) + 1) * query.shape[1] * rows > BATCH_LOGITS
-                ):
-                    self.flush(layer)
-                    pending = self.pending[layer]
-                if not pending.rows:
-                    try:
-                        pending.positions = self.cache.held_positions(layer)
-                    except NotImplementedError as e:
-                        self.unsupported = str(e)
-                        return
-                pending.queries.append(query[0, :, -1, :])
-                pending.rows.append(rows)
-                pending.key = key
-            self.steps += layer == self.layers[0]
+            elif not self._wait(layer, query, key):
+                return
+            self.steps += query.shape[2] if layer == self.layers[0] else 0
             self.seconds += time.perf_counter() - t0
 
         return observe
+
+    def _wait(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Keep a plain cache's step (or a pass's rows: a draft checked, :mod:`kvcli.runtime.lookup`)
+        waiting for :meth:`flush`; False where the cache cannot say where its rows come from. Rows a
+        pass fed and the cache took back since (the drafts the model did not choose) go first."""
+        self._forget(layer)
+        pending, rows, n = self.pending[layer], key.shape[2], query.shape[2]
+        if pending.rows and (
+            rows - n + 1 != pending.rows[-1] + 1 or (len(pending.rows) + n) * query.shape[1] * rows > BATCH_LOGITS
+        ):
+            self.flush(layer)
+            pending = self.pending[layer]
+        if not pending.rows:
+            try:
+                pending.positions = self.cache.held_positions(layer)
+            except NotImplementedError as e:
+                self.unsupported = str(e)
+                return False
+        pending.queries.extend(query[0, :, j, :] for j in range(n))
+        pending.rows.extend(range(rows - n + 1, rows + 1))
+        pending.key = key
+        return True
+
+    def _forget(self, layer: int) -> None:
+        """Drop ``layer``'s waiting steps whose rows the cache took back since (``rewound``: the
+        last rows appended, drafts the model did not choose; their queries' tokens are not the answer's)."""
+        back = getattr(self.cache, "rewound", 0) - self.rewound[layer]
+        if back:
+            self.rewound[layer] += back
+            pending = self.pending[layer]
+            keep = max(0, len(pending.rows) - back)
+            if layer == self.layers[0]:
+                self.steps -= len(pending.rows) - keep
+            pending.queries, pending.rows = pending.queries[:keep], pending.rows[:keep]
 
     def flush(self, layer: int) -> None:
         """Add ``layer``'s waiting steps (class docstring): their softmax weights over the rows
@@ -161,6 +182,7 @@ class CitingHeads:
         still waiting are added first (their time counted in ``seconds``)."""
         t0 = time.perf_counter()
         for layer in self.layers:
+            self._forget(layer)  # drafts fed past the answer's end, taken back
             self.flush(layer)
         self.seconds += time.perf_counter() - t0
         out = torch.full((n_prompt,), math.nan, dtype=torch.float64)

@@ -25,6 +25,7 @@ from .options import (
     CacheMaxOpt,
     CheckOpt,
     CompressorOpt,
+    LookupOpt,
     ModelChoice,
     ModelOptions,
     NoCacheOpt,
@@ -95,6 +96,7 @@ def ask(
         help="cpu: methods that keep the whole KV (blocksparse) hold it in CPU memory and move only the blocks they attend to the GPU",
     ),
     answer_guard: bool = AnswerGuardOpt,
+    lookup: int = LookupOpt,
     sources: bool = SourcesOpt,
     check: bool = CheckOpt,
     low_memory: bool = typer.Option(
@@ -123,6 +125,7 @@ def ask(
         use_cache=not no_cache,
         kv_offload=kv_offload.value,
         answer_guard=answer_guard,
+        lookup=lookup,
         low_memory=low_memory,
         cache_max=cache_max,
         sources=sources is not False,

@@ -26,6 +26,7 @@ from .options import (
     CacheMaxOpt,
     CheckOpt,
     CompressorOpt,
+    LookupOpt,
     ModelChoice,
     ModelOptions,
     NoCacheOpt,
@@ -84,6 +85,7 @@ def chat(
     no_cache: bool = NoCacheOpt,
     cache_max: str | None = CacheMaxOpt,
     answer_guard: bool = AnswerGuardOpt,
+    lookup: int = LookupOpt,
     sources: bool = SourcesOpt,
     check: bool = CheckOpt,
 ) -> None:
@@ -95,6 +97,7 @@ def chat(
         cache_dir=cache_dir,
         use_cache=not no_cache,
         answer_guard=answer_guard,
+        lookup=lookup,
         cache_max=cache_max,
         sources=sources is not False,
         check=check,

@@ -18,6 +18,7 @@ from .. import kv_bits as kv_quant
 from ..answer import policy
 from ..errors import UsageError
 from ..model.names import MODEL_ENV
+from ..runtime.lookup import MAX_DRAFT
 from ..runtime.threads import ENV as THREADS_ENV
 from ..runtime.threads import parse_threads, requested_threads
 from ..store.capacity import CAP_ENV
@@ -121,6 +122,14 @@ AnswerGuardOpt = typer.Option(
     help="End the answer at an invented next question or a repeated sentence, and after its last whole sentence at the token limit; after a completion prompt's 'Answer:' (a model without a chat template) start it on that line",
 )
 NoCacheOpt = typer.Option(False, "--no-cache", help="Neither read nor write the disk KV cache")
+LookupOpt = typer.Option(
+    MAX_DRAFT,
+    "--lookup",
+    min=0,
+    help="Draft up to N tokens of the answer from the text read (where the answer's last words occur in it) "
+    "and check them in one pass of the model: the same greedy answer in fewer passes, faster where it "
+    "quotes the document; full attention and the eviction methods (docs/methods.md); 0: a pass a token",
+)
 CheckOpt = typer.Option(
     True,
     "--check/--no-check",

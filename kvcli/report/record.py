@@ -54,6 +54,9 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         "kv_bits": result.extra.get("kv_bits"),  # bits the KV was held in (--kv-bits; 16 where a method keeps 16)
         "decode_kv_bits": result.extra.get("decode_kv_bits"),  # bits decoding read it in (16 under auto on a CPU)
         "n_answer_tokens": len(result.answer_ids),
+        # drafts from the text read, checked a pass at a time (--lookup): passes, tokens drafted and
+        # taken; null where decoding went a pass a token (kvcli.runtime.lookup)
+        "lookup": result.extra.get("lookup"),
         "device": str(session.engine.device),
         "attn": session.lm.attn,
         "quant": spelled(session.lm.quant),  # as --quant spells it: none, 8, 4

@@ -139,6 +139,26 @@ def listeners() -> dict[int, list[Observer]]:
     return _LISTENING.get()
 
 
+# whether the pass now running is decoding's check of a draft (kvcli.runtime.lookup): its queries
+# are answer tokens, one decoding step each, not a prompt's or a method's recomputed tokens
+_DRAFT: contextvars.ContextVar[bool] = contextvars.ContextVar("kvcli_draft_pass", default=False)
+
+
+@contextlib.contextmanager
+def draft_pass():
+    """Inside: the pass checks a draft (:func:`in_draft_pass`)."""
+    token = _DRAFT.set(True)
+    try:
+        yield
+    finally:
+        _DRAFT.reset(token)
+
+
+def in_draft_pass() -> bool:
+    """Whether the pass now running checks a draft: each of its queries is one decoding step's."""
+    return _DRAFT.get()
+
+
 def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Scores of the last query row against every key, summed over all query heads.
 

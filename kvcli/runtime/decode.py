@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import notices
-from . import graphs, windows
+from . import graphs, lookup, windows
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ def greedy(
     step: DecodeStep | None = None,
     guard=None,
     logprobs: list[torch.Tensor] | None = None,
+    drafts: lookup.PromptLookup | None = None,
 ) -> list[int]:
     """Greedy decoding from ``first_logits``; returns the generated ids (without the stop token).
 
@@ -89,18 +90,30 @@ def greedy(
     (``guard.opening``: an answer that would open a new line after a completion's ``Answer:``).
     ``logprobs``: each chosen token's log-probability under the model's logits (before the guard's
     opening rule) is appended to it, one per generated id, as a 0-d tensor where the logits are (no
-    synchronisation more; :mod:`kvcli.answer.grounding` reads them).
+    synchronisation more; :mod:`kvcli.answer.grounding` reads them). ``drafts``: tokens drafted
+    from the text read, checked a pass at a time (:mod:`kvcli.runtime.lookup`), where full attention
+    decodes step by step on a cache that can take rows back (:func:`lookup.usable`); elsewhere unused.
     """
+    own = step is not None
     step = DecodeStep.full_attention(engine, cache, next_position, max_new_tokens - 1) if step is None else step
+
+    def advance(chosen: torch.Tensor, token: int, out: list[int]) -> torch.Tensor:
+        """The logits after ``token``, the answer's last (``out[-1]``): the step, which takes the
+        token where it takes it (on the device, no upload; or the id)."""
+        return step.run(chosen if step.device_token else token, next_position + len(out) - 1, cache)
+
+    if drafts is not None and not own and step.finish is None and lookup.usable(engine, cache) is None:
+        advance = drafts.advancing(engine, cache, next_position, max_new_tokens, advance)
     try:
-        return _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs)
+        return _greedy(first_logits, max_new_tokens, stop_ids, on_token, advance, guard, logprobs)
     finally:
+        if drafts is not None:
+            drafts.close(cache)
         if step.finish is not None:
             step.finish()
 
 
-def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs) -> list[int]:
-    run, device_token = step.run, step.device_token
+def _greedy(first_logits, max_new_tokens, stop_ids, on_token, advance, guard, logprobs) -> list[int]:
     out: list[int] = []
     raw = first_logits
     logits = first_logits if guard is None else guard.opening(first_logits)
@@ -120,6 +133,5 @@ def _greedy(first_logits, cache, next_position, max_new_tokens, stop_ids, on_tok
             on_token(token)
         if i + 1 == max_new_tokens:
             break
-        # the token where the step takes it: on the device (no upload), or the id
-        logits = raw = run(chosen if device_token else token, next_position + i, cache)
+        logits = raw = advance(chosen, token, out)
     return out if guard is None else out[: guard.finish(out)]

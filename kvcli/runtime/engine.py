@@ -270,8 +270,9 @@ class Engine:
         step: DecodeStep | None = None,
         guard=None,
         logprobs: list[torch.Tensor] | None = None,
+        drafts=None,
     ) -> list[int]:
         """:func:`kvcli.runtime.decode.greedy`: greedy decoding from ``first_logits``; the answer's ids."""
         return decode.greedy(
-            self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs
+            self, first_logits, cache, next_position, max_new_tokens, stop_ids, on_token, step, guard, logprobs, drafts
         )

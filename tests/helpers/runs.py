@@ -84,7 +84,8 @@ def full_references(load, steps: int):
 
 class RecordingEngine(Engine):
     """The engine of one pipeline run that keeps the logits every answer token was chosen from: the
-    prefill's last position, then each decoding step (the method's own ``decode_step``, if any)."""
+    prefill's last position, then each decoding step (the method's own ``decode_step``, if any):
+    step by step, so ``drafts`` go unchecked (kvcli.runtime.lookup)."""
 
     def decode(
         self,
@@ -97,6 +98,7 @@ class RecordingEngine(Engine):
         step=None,
         guard=None,
         logprobs=None,
+        drafts=None,
     ):
         inner = DecodeStep.full_attention(self) if step is None else step
         self.seen = [first_logits]
