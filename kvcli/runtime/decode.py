@@ -52,12 +52,9 @@ def step(engine, token: int | torch.Tensor, position: int, cache) -> torch.Tenso
     logits, never read back to the host here): then the step makes no host -> device copy and
     no synchronisation. A hybrid's sliding layers are cut back to their window every
     :data:`~kvcli.runtime.windows.WINDOW_SLACK` steps."""
-    ids = torch.tensor([token]) if isinstance(token, int) else token.view(1)
-    hidden = engine.forward(
-        ids, engine.device_positions(position, position + 1), cache, recorded=torch.tensor([position])
-    )
+    logits = engine.rows(torch.tensor([token]) if isinstance(token, int) else token.view(1), position, cache)
     cache.trim_windows(engine.windows, slack=windows.WINDOW_SLACK)
-    return engine.logits(hidden)[-1]
+    return logits[-1]
 
 
 def chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -195,6 +195,15 @@ class Engine:
         return table[start:stop]
 
     @torch.inference_mode()
+    def rows(self, ids: torch.Tensor, position: int, cache) -> torch.Tensor:
+        """One pass of full attention over ``ids`` (n,) at ``position`` on, their KV appended to
+        ``cache``: the logits after each, (n, vocab). A decoding step's pass
+        (:func:`kvcli.runtime.decode.step`), or a draft's (:meth:`kvcli.runtime.lookup.PromptLookup.check`)."""
+        n = ids.numel()
+        positions = self.device_positions(position, position + n)
+        return self.logits(self.forward(ids, positions, cache, recorded=torch.arange(position, position + n)))
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: (1, q, hidden) -> (q, vocab) float32 (soft-capped where the family
         does it: Gemma 2's ``final_logit_softcapping``)."""

@@ -94,14 +94,10 @@ class PromptLookup:
 
         from . import attention
 
-        n = len(tokens)
         self.passes += 1
-        self.drafted += n - 1
-        ids = torch.tensor(tokens)
-        recorded = torch.arange(position, position + n)
+        self.drafted += len(tokens) - 1
         with attention.draft_pass():  # the answer's citations count each query as a step
-            hidden = engine.forward(ids, engine.device_positions(position, position + n), cache, recorded=recorded)
-        return engine.logits(hidden)
+            return engine.rows(torch.tensor(tokens), position, cache)
 
     def advancing(self, engine, cache, next_position: int, max_new_tokens: int, step):
         """Greedy decoding's ``advance(chosen, token, answer) -> the logits after token`` (the
