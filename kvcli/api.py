@@ -311,15 +311,12 @@ class Session:
         (:func:`kvcli.retrieval.vectors.fill`): what a chat does while its user types, so that a
         later question finds its candidates embedded. Returns the vectors' file if it was written
         (the caller then makes room for it under the cap, :meth:`made`, where it may say so)."""
-        from .files import cache_folder
-        from .retrieval import embed, vectors
+        from .retrieval import embed
 
         name = embed.setting()
         if name is None or not (result.selection.ranked_by or "").startswith("bm25+") or not result.prompt.passages:
             return None
-        model = embed.embedder(name)
         passages = result.prompt.passages
-        texts = [p.text for p in passages]
         # the passages as this question ranked them (its candidates, then BM25's order): a follow-up
         # question shares words with it, so its candidates are likely among the next ones
         scores = result.selection.scores
@@ -327,11 +324,80 @@ class Session:
         if scores is not None and scores.numel() >= passages[-1].end:
             scores = scores.float().nan_to_num(float("-inf"))
             order = sorted(range(len(passages)), key=lambda i: (-float(scores[passages[i].start]), i))
-        folder = cache_folder(self.options.cache_dir)
-        document = {"document": _source(result.document), "document_sha256": result.document.sha256}
-        if not vectors.fill(model, texts, folder, stop, document=document, order=order):
-            return None
-        return vectors.path_for(folder, vectors.key(model.id, texts))
+        texts = [p.text for p in passages]
+        path, wrote = _fill_vectors(
+            embed.embedder(name), result.document, texts, self.options.cache_dir, stop, order=order
+        )
+        return path if wrote else None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What :func:`keep_document` keeps of a document for its later questions."""
+
+    document: Document
+    passages: int  # the passages a ranking reads (pages, else page-sized runs)
+    embedded: int  # of them, those whose vectors are in the cache now
+    added: int  # of those, embedded by this call (the others were there already)
+    model: str | None  # the sentence-embedding model's name; None: none is set, nothing embedded
+    vectors: Path | None  # the vectors' file (None: no model)
+    seconds: float
+
+
+KEEP_STEP = 8  # passages :func:`keep_document` embeds between two writes of the file (~3 s on two cores)
+
+
+def keep_document(document: Document, cache_dir: Path | None = None, on_step=None, stop=None) -> Kept:
+    """Ahead of a document's questions (``kvcli cache add``): every passage's vectors for the
+    ``pages`` ranking (:mod:`kvcli.retrieval.vectors`), so that no question about it in any process
+    embeds a page, only itself; the file written every :data:`KEEP_STEP` passages (an interrupted
+    call keeps what it embedded) and counted under the store's cap. ``on_step(embedded, total)``:
+    the passages embedded so far; ``stop``: a :class:`threading.Event` read between steps.
+    Read with ``cache_dir`` (:func:`load_document`), a PDF's or an HTML page's text is kept too.
+    A document that the default reads whole (within the model's window) keeps its KV on its first
+    question instead: this does not read it with a model."""
+    import threading
+    import time
+
+    from .retrieval import embed
+
+    t0 = time.perf_counter()
+    texts = [document.text[lo:hi] for lo, hi in document.passages()]
+    name = embed.setting()
+    if name is None or not texts:
+        return Kept(document, len(texts), 0, 0, name, None, time.perf_counter() - t0)
+    counts: list[tuple[int, int]] = []
+
+    def step(done: int, total: int) -> None:
+        counts.append((done, total))
+        if on_step is not None:
+            on_step(done, total)
+
+    store = open_store(cache_dir)
+    path, _ = _fill_vectors(
+        embed.embedder(name),
+        document,
+        texts,
+        cache_dir,
+        stop or threading.Event(),
+        step=KEEP_STEP,
+        on_step=step,
+        on_stored=store.make_room if store.enabled else None,
+    )
+    embedded = counts[-1][0] if counts else 0
+    return Kept(document, len(texts), embedded, embedded - counts[0][0], name, path, time.perf_counter() - t0)
+
+
+def _fill_vectors(model, document: Document, texts: list[str], cache_dir, stop, **how) -> tuple[Path, bool]:
+    """The passages' vectors file in the cache folder, filled in (:func:`kvcli.retrieval.vectors.fill`,
+    ``how`` its knobs), and whether this call wrote it."""
+    from .files import cache_folder
+    from .retrieval import vectors
+
+    folder = cache_folder(cache_dir)
+    about = {"document": _source(document), "document_sha256": document.sha256}
+    wrote = vectors.fill(model, texts, folder, stop, document=about, **how)
+    return vectors.path_for(folder, vectors.key(model.id, texts)), wrote
 
 
 # --------------------------------------------------------------------------- kvcli cache

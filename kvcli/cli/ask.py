@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
-from .console import route_warnings, stderr, stdout, write_answer
+from .console import batch_progress, route_warnings, stderr, stdout, write_answer
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -206,8 +206,6 @@ def _ask_batch(
 ) -> None:
     """Every (document, question) pair as a JSON line on stdout; exit 1 if any failed. Answered
     here (the model loaded once), or with --ray on the workers of a Ray cluster."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .. import api
     from ..answer.labels import spec_label
 
@@ -221,15 +219,7 @@ def _ask_batch(
     failed = done = 0
     methods: Counter = Counter()  # the methods that answered (-c auto picks one per document)
     said = batch.ErrorLines()  # a document's error once, however many questions it fails
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=err.quiet or not err.is_terminal,  # a bar in a pipe is noise (and leaves a blank line)
-    )
+    progress = batch_progress(err)
     with executor:
         if ray_address is not None:
             with err.status(f"starting Ray workers ({ray_address}) and loading the model…", spinner="dots"):

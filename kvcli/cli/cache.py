@@ -255,3 +255,86 @@ def cache_prune(
     if temps:
         line += f"; reclaimed {_plural(temps, 'temporary file')} of killed runs, {render.human_bytes(temp_bytes)}"
     stdout.out(f"{line}; {render.human_bytes(store.total_bytes())} left")
+
+
+@cache_app.command("add", cls=KvcliCommand)
+def cache_add(
+    documents: list[str] = typer.Argument(
+        ...,
+        metavar="DOCUMENT...",
+        help="Files, folders (searched for PDF, text, Markdown and HTML files), glob patterns, or - (stdin)",
+        show_default=False,
+    ),
+    cache_dir: Path | None = CacheDir,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per document (JSON Lines) on stdout"),
+    quiet: bool = QuietOpt,
+) -> None:
+    """Ready documents for their questions: every page embedded ahead.
+
+    The pages method (what -c auto reads a long document with) ranks a document's pages by the
+    question with a sentence-embedding model, and embeds the pages a question points to that no
+    earlier question did: seconds of each question's wait on a book. This embeds them all now, so
+    that a later question, in any process, embeds only itself; a PDF's or an HTML page's extracted
+    text is kept too. It reads no document with a language model: one that the default reads whole
+    keeps its KV on its first question. Exit code: 0 all kept, 1 some could not be read.
+    """
+    import threading
+
+    from .. import api, batch
+    from ..documents import read_stdin
+    from ..files import cache_folder
+    from .console import batch_progress, route_warnings
+    from .console import stderr as progress_console
+
+    route_warnings(quiet)
+    err = progress_console(quiet)
+    folder = cache_folder(cache_dir)
+    failed = 0
+    progress = batch_progress(err)
+    with progress:
+        for item in batch.expand_inputs(documents):
+            name = "stdin" if item.source == batch.STDIN else Path(item.source).name
+            task = progress.add_task(f"{name}: reading", total=None)
+            try:
+                document = batch.read_input(item, read_stdin, folder)
+                unit = "pages" if len(document.page_starts) > 1 else "passages"
+
+                def on_step(done: int, total: int, task=task, unit=unit) -> None:
+                    progress.update(task, description=f"{name}: embedding the {unit}", completed=done, total=total)
+
+                kept = api.keep_document(document, folder, on_step=on_step, stop=threading.Event())
+            except KvcliError as exc:
+                failed += 1
+                record = batch.error_record(item.source, "", exc)
+                progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False)
+                if as_json:
+                    stdout.out(json.dumps({k: v for k, v in record.items() if k != "question"}, ensure_ascii=False))
+                continue
+            finally:
+                progress.remove_task(task)
+            if as_json:
+                stdout.out(json.dumps(_kept_record(kept, item.source, unit), ensure_ascii=False))
+            progress.console.print(f"kvcli: {_kept_line(kept, name, unit)}", markup=False, highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _kept_record(kept, source: str, unit: str) -> dict:
+    return {
+        "document": source,
+        "unit": unit,
+        "passages": kept.passages,
+        "embedded": kept.embedded,
+        "added": kept.added,
+        "embedding_model": kept.model,
+        "vectors": None if kept.vectors is None else str(kept.vectors),
+        "seconds": round(kept.seconds, 3),
+    }
+
+
+def _kept_line(kept, name: str, unit: str) -> str:
+    """ "R-exts.pdf: 236 of 236 pages embedded (206 now, 84 s) by embeddinggemma-300m" """
+    if kept.model is None:
+        return f"{name}: no sentence-embedding model is set (KVCLI_EMBED_MODEL=none): nothing to embed"
+    now = f"{kept.added:,} now, {kept.seconds:,.0f} s" if kept.added else "all there already"
+    return f"{name}: {kept.embedded:,} of {_plural(kept.passages, unit[:-1])} embedded ({now}) by {kept.model}"

@@ -39,6 +39,23 @@ def stderr(quiet: bool) -> Console:
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
+def batch_progress(err: Console):
+    """A bar over a batch's items on ``err`` (a description, the bar, done/total, the time so
+    far), left on no line once done; none with --quiet or where stderr is not a terminal (a bar in
+    a pipe is noise, and leaves a blank line)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=err.quiet or not err.is_terminal,
+    )
+
+
 def _click_exception_types() -> tuple[type, ...]:
     """Click's exception base class(es): Typer >= 0.2x vendors click as ``typer._click``, whose
     exceptions are not ``click.ClickException``; older Typer raises click's own."""

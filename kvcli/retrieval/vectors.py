@@ -162,19 +162,25 @@ def fill(
     step: int = FILL_STEP,
     document: dict | None = None,
     order: list[int] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+    on_stored: Callable[[Path], None] | None = None,
 ) -> bool:
     """Embed every passage whose windows the file lacks, ``step`` passages at a time in ``order``
     (passage indices, first first; None: document order; passages it leaves out come after it),
     until all are there or ``stop`` (a :class:`threading.Event`) is set, which is read between
-    steps: what an idle chat does (:meth:`kvcli.api.Session.embed_rest`), so that a later question
-    finds its candidates embedded. Each step is :func:`passage_vectors` (the file written whole,
-    atomically); a file that cannot be written ends it. Returns whether the file was written."""
+    steps: what an idle chat does (:meth:`kvcli.api.Session.embed_rest`) and ``kvcli cache add``
+    (:func:`kvcli.api.keep_document`), so that a later question finds its candidates embedded.
+    Each step is :func:`passage_vectors` (the file written whole, atomically); a file that cannot
+    be written ends it. ``on_step(embedded, total)``: the passages in the file after each step
+    (and once before the first); ``on_stored(path)``: the file was written. Returns whether it was."""
     digest = key(embedder.id, passages)
     found = load(path_for(cache_dir, digest), digest)
     done = found[2] if found is not None and len(found[2]) == len(passages) else np.zeros(len(passages), bool)
     first = list(order or [])
     todo = [i for i in first + sorted(set(range(len(passages))) - set(first)) if not done[i]]
     wrote = False
+    if on_step is not None:
+        on_step(len(passages) - len(todo), len(passages))
     while todo and not stop.is_set():
         missing, stored = todo[:step], []
         _, _, how = passage_vectors(
@@ -183,4 +189,8 @@ def fill(
         if how == "computed" and not stored:  # not written: the next step would redo this one
             break
         wrote, todo = wrote or bool(stored), todo[step:]  # "hit": another process embedded them
+        if on_stored is not None and stored:
+            on_stored(stored[-1])
+        if on_step is not None:
+            on_step(len(passages) - len(todo), len(passages))
     return wrote

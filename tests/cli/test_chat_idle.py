@@ -9,9 +9,8 @@ import threading
 from kvcli.answer.pipeline import Pipeline
 from kvcli.cli.chat import Idle
 from kvcli.documents import Document
-from kvcli.documents.kept import text_sha256
 from kvcli.retrieval import embed, vectors
-from tests.helpers.embedders import Counting
+from tests.helpers.embedders import Counting, paged_document
 from tests.helpers.stores import session_for
 
 PAGES = [
@@ -21,12 +20,7 @@ PAGES = [
 
 
 def document() -> Document:
-    text, starts = "", []
-    for page in PAGES:
-        starts.append(len(text))
-        text += page + "\n\n"
-    text = text.rstrip("\n")
-    return Document("logbook.pdf", text, tuple(starts), "pdf", text_sha256(text))
+    return paged_document(PAGES)
 
 
 def test_the_rest_of_the_pages_is_embedded_and_a_later_question_embeds_none(tiny_lm, tmp_path, monkeypatch):

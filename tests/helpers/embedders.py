@@ -30,3 +30,16 @@ class Counting:
 
     def encode_query(self, question):
         return self.encode([question])[0]
+
+
+def paged_document(pages: list[str], source: str = "logbook.pdf"):
+    """A PDF-like document of ``pages`` (a blank line between two), as load_document makes one."""
+    from kvcli.documents import Document
+    from kvcli.documents.kept import text_sha256
+
+    text, starts = "", []
+    for page in pages:
+        starts.append(len(text))
+        text += page + "\n\n"
+    text = text.rstrip("\n")
+    return Document(source, text, tuple(starts), "pdf", text_sha256(text))
