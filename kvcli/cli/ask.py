@@ -18,7 +18,7 @@ from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
 from .console import batch_progress, route_warnings, stderr, stdout, write_answer
-from .live import answer, stats_line
+from .live import Reading, answer, embedding_tip, stats_line
 from .options import (
     AnswerGuardOpt,
     CacheDirOpt,
@@ -177,7 +177,8 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
         session = api.Session.open(options)
     stream = not as_json and stdout.is_terminal
     compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
-    result = answer(err, session, document, question, pipeline, stream, sources=compute)
+    reading = Reading(err)
+    result = answer(err, session, document, question, pipeline, stream, sources=compute, reading=reading)
     if as_json:
         record = result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
@@ -199,6 +200,9 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
             view, shown.spans(result.prompt, document), document, n_shown, result.prompt.n_tokens, verb=verb
         )
     err.print(stats_line(result, pipeline), style="dim", markup=False, highlight=False)
+    tip = embedding_tip(reading.embedding_s, item.source) if err.is_terminal else None
+    if tip is not None:
+        err.print(tip, style="dim", markup=False, highlight=False)
 
 
 def _ask_batch(

@@ -24,6 +24,7 @@ ETA_AFTER = 0.1  # the time left is said once this share of the prompt is read (
 RATE_WINDOW_S = 30.0  # ... from the rate over this last stretch of the read (the overall rate before)
 RATE_MIN_SPAN_S = 5.0  # the stretch is used once it spans this long
 EMBED_LABEL = "embedding the pages"  # what pages' retrieval does on a document's first question (on_embed)
+TIP_EMBED_S = 5.0  # a question that embedded pages this long is told of `kvcli cache add` (embedding_tip)
 
 
 def embedding_figures(done: int, total: int, elapsed: float) -> str:
@@ -91,6 +92,7 @@ class Reading:
         self.rate = RecentRate()
         self.n_answer, self.t_answer = 0, 0.0  # answer tokens written so far, since (on_token)
         self.embedding: tuple[float, int, float] | None = None  # (since, tenth said, last line): on_embed
+        self.embedding_s = 0.0  # how long this question embedded pages, in all (on_embed)
 
     def __enter__(self) -> Reading:
         self.status = self.err.status(self.label, spinner="dots")
@@ -137,6 +139,7 @@ class Reading:
         figures = embedding_figures(done, total, now - since)
         if done >= total:
             self.embedding = None
+            self.embedding_s += now - since
             if self.status is not None:
                 self.status.update(self.label)
             return
@@ -267,11 +270,21 @@ def writing_figures(n_answer: int, elapsed: float) -> str:
     return f"{n_answer:,} token{'' if n_answer == 1 else 's'}{rate}"
 
 
-def answer(err: Console, session, document, question: str, pipeline, stream: bool, sources: bool | None = None):
+def answer(
+    err: Console,
+    session,
+    document,
+    question: str,
+    pipeline,
+    stream: bool,
+    sources: bool | None = None,
+    reading: Reading | None = None,
+):
     """``session.ask`` with the spinner, the bar and (``stream``) the answer on stdout as it is
     decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up. ``sources``:
-    whether to cite the answer's sources (None: the session's option)."""
-    reading = Reading(err)
+    whether to cite the answer's sources (None: the session's option); ``reading``: the
+    :class:`Reading` to show it with (what it saw stays readable after), else a new one."""
+    reading = reading or Reading(err)
     try:
         with reading:
             return session.ask(document, question, pipeline, reading.options(stream, sources))
@@ -280,6 +293,20 @@ def answer(err: Console, session, document, question: str, pipeline, stream: boo
             sys.stdout.write("\n")
             sys.stdout.flush()
         raise
+
+
+def embedding_tip(seconds: float, source: str) -> str | None:
+    """What a question that spent ``seconds`` embedding the pages of ``source`` is told after its
+    answer, on a terminal: that ``kvcli cache add`` does it once, ahead (None: under
+    :data:`TIP_EMBED_S`, or the document came on stdin)."""
+    import shlex
+
+    if seconds < TIP_EMBED_S or source == "-":
+        return None
+    return (
+        f"kvcli: {seconds:.0f} s of this question went to embedding pages it points to; "
+        f"`kvcli cache add {shlex.quote(source)}` embeds every page once, ahead of later questions"
+    )
 
 
 def stats_line(result, pipeline) -> str:

@@ -274,3 +274,45 @@ def test_ask_says_how_far_the_embedding_is_on_stderr_and_nothing_of_it_on_stdout
     assert "embedding" not in out and "windows" not in out and out.count("\n") == 1  # the answer alone
     code, out2, err = cli(*args)
     assert code == 0 and out2 == out and "embedding the pages" not in err
+
+
+def test_a_question_that_embedded_pages_long_is_told_of_cache_add_on_a_terminal_only(
+    cli, model, tmp_path, monkeypatch, clock
+):
+    """The seconds a question embedded pages add up (Reading.embedding_s); over TIP_EMBED_S, a
+    terminal's stderr is told after the answer that `kvcli cache add` embeds every page ahead; a
+    question that embedded nothing, a pipe, stdin: nothing said."""
+    from kvcli.retrieval import embed
+
+    err = Console(file=StringIO(), force_terminal=True, width=160)
+    with live.Reading(err) as reading:
+        reading.on_embed(0, 100)
+        clock.now += 3
+        reading.on_embed(100, 100)
+        reading.on_embed(0, 10)
+        clock.now += 4
+        reading.on_embed(10, 10)
+    assert reading.embedding_s == 7
+    assert live.embedding_tip(7, "my book.pdf") == (
+        "kvcli: 7 s of this question went to embedding pages it points to; "
+        "`kvcli cache add 'my book.pdf'` embeds every page once, ahead of later questions"
+    )
+    assert live.embedding_tip(live.TIP_EMBED_S - 0.1, "book.pdf") is None and live.embedding_tip(60, "-") is None
+
+    monkeypatch.undo()  # the real clock from here: an ask end to end
+    monkeypatch.setattr(embed, "embedder", lambda name: Counting())
+    monkeypatch.delenv(embed.ENV, raising=False)
+    monkeypatch.setattr(live, "TIP_EMBED_S", 1e-9)  # any embedding at all
+    pages = tmp_path / "pages.txt"
+    pages.write_text("\n\n".join(f"Page {i}. " + " ".join(f"word{i}x{j}" for j in range(150)) for i in range(6)))
+    args = ("ask", pages, "Which page has word3x7?", "-m", model, "-c", "pages", "--max-new-tokens", "4")
+    args += ("--cache-dir", tmp_path / "cache", "--no-sources")
+    code, out, err = cli(*args)  # a pipe: no tip
+    assert code == 0 and "cache add" not in err + out
+    (tmp_path / "cache" / "vectors").rename(tmp_path / "vectors-kept")  # embed again, on a terminal
+    terminal = {"stderr": True, "force_terminal": True, "soft_wrap": True, "highlight": False}  # as console.stderr's
+    monkeypatch.setattr(kvcli.cli.ask, "stderr", lambda quiet: Console(quiet=quiet, **terminal))
+    code, out, err = cli(*args)
+    assert code == 0 and f"`kvcli cache add {pages}` embeds every page once" in err and "cache add" not in out
+    code, out, err = cli(*args)  # the vectors kept: nothing embedded, nothing said
+    assert code == 0 and "cache add" not in err
