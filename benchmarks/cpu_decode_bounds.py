@@ -9,6 +9,11 @@
    heads of 64), the KV of 30 different layers read in turn (cold, as in a step), for the layouts
    tried: ``kernels.grouped`` on a cache's view with room (what runs), the same on buffers with no
    room between heads (contiguous), a bare batched product on those, and K·qᵀ per head.
+3. The 8-bit weight products of a Qwen2.5-Coder-1.5B decoding step (``--products``: PyTorch's
+   ``_weight_int8pack_mm``, what ``kvcli ask -m qwen2.5-coder-1.5b`` runs on a CPU): the 28 layers'
+   seven matrices read once each in turn (cold, as in a step), one layer's read again and again
+   (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of weights read, beside
+   the float32 sum of 1.
 
 Time it alone on the machine: the figures are bandwidth and call overheads.
 """
@@ -19,8 +24,8 @@ import time
 
 import torch
 
-from kvcli.caches.base import _made
 from kvcli.runtime import kernels
+from kvcli.runtime.buffers import made_finite as _made
 
 DT = torch.bfloat16
 H, G, D, LAYERS = 3, 3, 64, 30  # KV heads, query heads per KV head, head size, layers
@@ -87,9 +92,48 @@ def attention(n_keys: int) -> dict[str, float]:
     }
 
 
+QWEN_15B = {"layers": 28, "hidden": 1536, "kv": 256, "mlp": 8960, "vocab": 151936}
+
+
+def int8_products(rows: int = 1) -> dict[str, str]:
+    """GB/s of 8-bit weights a pass of ``rows`` tokens reads (module docstring, 3)."""
+    c = QWEN_15B
+    h, kv, mlp = c["hidden"], c["kv"], c["mlp"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (mlp, h), (mlp, h), (h, mlp)]  # q k v o gate up down: (out, in)
+
+    def weights(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(-127, 128, (out, inp), dtype=torch.int8), torch.rand(out, dtype=DT) / 100
+
+    layers = [[weights(*shape) for shape in shapes] for _ in range(c["layers"])]
+    xs = {n: torch.randn(rows, n, dtype=DT) for n in (h, mlp)}
+
+    def product(w, scales):
+        return torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], w, scales)
+
+    def step(which):
+        for layer in which:
+            for w, scales in layer:
+                product(w, scales)
+
+    head = weights(c["vocab"], h)
+    per_layer = sum(w.numel() for w, _ in layers[0])
+    gb = lambda nbytes, s: f"{nbytes / s / 1e9:.1f} GB/s ({s * 1e3:.1f} ms)"  # noqa: E731
+    return {
+        "28 layers, cold": gb(per_layer * len(layers), per_call(lambda: step(layers), 5)),
+        "one layer, hot": gb(per_layer, per_call(lambda: step(layers[:1]), 50)),
+        "LM head": gb(head[0].numel(), per_call(lambda: product(*head), 5)),
+    }
+
+
 if __name__ == "__main__":
+    import sys
+
     print(f"threads: {torch.get_num_threads()}")
     bandwidth()
+    if "--products" in sys.argv:
+        for rows in (1, 4):
+            print(f"8-bit weight products of Qwen2.5-Coder-1.5B, a pass of {rows} row(s):", int8_products(rows))
+        raise SystemExit
     print("attention of one decoding query, µs per layer (30 layers' KV read in turn):")
     for n in (1000, 4000, 8000):
         print(f"  {n:>5} keys", attention(n))
