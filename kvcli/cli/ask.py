@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
-from .console import batch_progress, route_warnings, stderr, stdout, write_answer
+from .console import batch_progress, route_warnings, say_error, stderr, stdout, write_answer
 from .live import Reading, answer, embedding_tip, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -250,7 +250,7 @@ def _ask_batch(
                     failed += 1
                     line = said.line(record)
                     if line is not None:
-                        progress.console.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
+                        say_error(progress.console, line)
                 else:
                     methods[spec_label(record["compressor"], pipeline)] += 1  # the spec: every knob resolved
                 progress.advance(task)

@@ -283,7 +283,7 @@ def cache_add(
     from .. import api, batch
     from ..documents import read_stdin
     from ..files import cache_folder
-    from .console import batch_progress, route_warnings
+    from .console import batch_progress, route_warnings, say_error
     from .console import stderr as progress_console
 
     route_warnings(quiet)
@@ -306,7 +306,7 @@ def cache_add(
             except KvcliError as exc:
                 failed += 1
                 record = batch.error_record(item.source, "", exc)
-                progress.console.print(f"kvcli: error: {batch.error_line(record)}", style="red", markup=False)
+                say_error(progress.console, batch.error_line(record))
                 if as_json:
                     stdout.out(json.dumps({k: v for k, v in record.items() if k != "question"}, ensure_ascii=False))
                 continue

@@ -39,6 +39,15 @@ def stderr(quiet: bool) -> Console:
     return Console(stderr=True, quiet=quiet, highlight=False, soft_wrap=True)
 
 
+def say_error(err: Console, line: str) -> None:
+    """``kvcli: error: LINE`` on stderr, with --quiet too (it hides all but errors): through
+    ``err`` where it may hold a live bar (printed above it), else plainly."""
+    if err.quiet:
+        print(f"kvcli: error: {line}", file=sys.stderr)
+    else:
+        err.print(f"kvcli: error: {line}", style="red", markup=False, highlight=False)
+
+
 def batch_progress(err: Console):
     """A bar over a batch's items on ``err`` (a description, the bar, done/total, the time so
     far), left on no line once done; none with --quiet or where stderr is not a terminal (a bar in

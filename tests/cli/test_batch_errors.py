@@ -28,6 +28,27 @@ def test_a_broken_document_asked_two_questions_is_said_once(tmp_path, model, cap
     said = [line for line in err.splitlines() if line.startswith("kvcli: error:")]
     assert len(said) == 1 and "broken.pdf" in said[0] and "not a valid PDF" in said[0], err
     assert err.splitlines()[-1] == "2 answered, 2 failed · full"
+    code, out2, err = run_cli(  # --quiet: nothing on stderr but the errors
+        [
+            "ask",
+            folder,
+            "--questions",
+            questions,
+            "-m",
+            model,
+            "-c",
+            "full",
+            "--max-new-tokens",
+            "2",
+            "--no-cache",
+            "-q",
+        ],
+        capsys,
+        monkeypatch,
+    )
+    again = [(r["document"], r.get("answer"), r.get("error")) for r in map(json.loads, out2.splitlines())]
+    assert code == 1 and again == [(r["document"], r.get("answer"), r.get("error")) for r in records]
+    assert err.splitlines() == said
 
 
 def test_error_lines_are_per_document_and_message():

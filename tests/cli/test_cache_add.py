@@ -115,3 +115,5 @@ def test_the_command_keeps_each_document_and_one_bad_file_stops_none(tmp_path, m
     assert kinds == ["text", "vectors"]  # the PDF's extracted text is kept too
     code, out, err = run_cli(["cache", "add", pdf, "--cache-dir", cache], capsys, monkeypatch)
     assert code == 0 and out == "" and "all there already" in err  # stdout holds only what --json asks for
+    code, out, err = run_cli(["cache", "add", bad, pdf, "--cache-dir", cache, "-q"], capsys, monkeypatch)
+    assert (code, out, err.splitlines()) == (1, "", lines[:1])  # --quiet: the error alone
