@@ -108,9 +108,12 @@ def _write_questions() -> str:
     return f.name
 
 
-def test_quiet_leaves_stderr_empty_even_with_failures(cli, folder):
+def test_quiet_leaves_stderr_the_errors_alone(cli, folder):
+    """--quiet: "nothing on stderr but errors": no progress, no summary, each failure's one line."""
     code, records, err = cli(folder, "Who was the keeper?", "--quiet")
-    assert code == 1 and len(records) == 4 and err == ""
+    failed = [r for r in records if "error" in r]
+    assert code == 1 and len(records) == 4 and len(failed) == 1
+    assert err.splitlines() == [f"kvcli: error: {failed[0]['error']}"]
     code, records, err = cli(folder / "a.txt", "Who was the keeper?", "--quiet", "--json")
     assert code == 0 and err == ""
 

@@ -16,11 +16,8 @@ def test_a_broken_document_asked_two_questions_is_said_once(tmp_path, model, cap
     (folder / "broken.pdf").write_bytes(b"%PDF-1.4 this is not really a pdf")
     questions = tmp_path / "q.txt"
     questions.write_text("Who was the keeper?\nHow many ships?\n")
-    code, out, err = run_cli(
-        ["ask", folder, "--questions", questions, "-m", model, "-c", "full", "--max-new-tokens", "2", "--no-cache"],
-        capsys,
-        monkeypatch,
-    )
+    args = ["ask", folder, "--questions", questions, "-m", model, "-c", "full", "--max-new-tokens", "2", "--no-cache"]
+    code, out, err = run_cli(args, capsys, monkeypatch)
     records = [json.loads(line) for line in out.splitlines()]
     errors = [r for r in records if "error" in r]
     assert code == 1 and len(records) == 4 and len(errors) == 2  # one record per pair
@@ -28,24 +25,7 @@ def test_a_broken_document_asked_two_questions_is_said_once(tmp_path, model, cap
     said = [line for line in err.splitlines() if line.startswith("kvcli: error:")]
     assert len(said) == 1 and "broken.pdf" in said[0] and "not a valid PDF" in said[0], err
     assert err.splitlines()[-1] == "2 answered, 2 failed · full"
-    code, out2, err = run_cli(  # --quiet: nothing on stderr but the errors
-        [
-            "ask",
-            folder,
-            "--questions",
-            questions,
-            "-m",
-            model,
-            "-c",
-            "full",
-            "--max-new-tokens",
-            "2",
-            "--no-cache",
-            "-q",
-        ],
-        capsys,
-        monkeypatch,
-    )
+    code, out2, err = run_cli([*args, "-q"], capsys, monkeypatch)  # --quiet: nothing on stderr but the errors
     again = [(r["document"], r.get("answer"), r.get("error")) for r in map(json.loads, out2.splitlines())]
     assert code == 1 and again == [(r["document"], r.get("answer"), r.get("error")) for r in records]
     assert err.splitlines() == said
