@@ -23,7 +23,7 @@ from .options import KvcliCommand, QuietOpt
 
 cache_app = typer.Typer(
     no_args_is_help=True,
-    short_help="The disk KV cache: list, show, remove, prune.",
+    short_help="The disk KV cache: list, show, remove, prune; ready a document ahead.",
     help="The disk KV cache: what kvcli kept of earlier documents so later questions are fast "
     "(their KV, the page vectors the pages method retrieves with, and PDFs' and HTML pages' extracted text).",
 )
