@@ -7,6 +7,7 @@ doc = read_document("book.pdf")
 result = session.ask(doc, "Who wrote it?", parse_pipeline("auto"))
 print(result.answer, result.ttft_s, result.selection.spans(result.prompt, doc))
 session.ask(doc, "Who is it for?", parse_pipeline("full"), QuestionOptions(on_text=lambda piece: print(piece, end=""), sources=False))
+keep_document(doc)                                    # every page embedded ahead of later questions (kvcli cache add)
 
 What an answer is shown with lives apart: its JSON record (:mod:`kvcli.report.record`), its
 sources (:mod:`kvcli.answer.citing`), a method's label (:mod:`kvcli.answer.labels`) and the
