@@ -13,7 +13,7 @@
    ``_weight_int8pack_mm``, what ``kvcli ask -m qwen2.5-coder-1.5b`` runs on a CPU): the 28 layers'
    seven matrices read once each in turn (cold, as in a step), one layer's read again and again
    (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of weights read, beside
-   the float32 sum of 1.
+   the float32 sum of 1; and the LM head in 4 bits as ``--quant 4`` holds a layer (groups of 32).
 
 Time it alone on the machine: the figures are bandwidth and call overheads.
 """
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvcli.model.cpu_quant import GROUP, pack_int4
 from kvcli.runtime import kernels
 from kvcli.runtime.buffers import made_finite as _made
 
@@ -118,10 +119,14 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     head = weights(c["vocab"], h)
     per_layer = sum(w.numel() for w, _ in layers[0])
     gb = lambda nbytes, s: f"{nbytes / s / 1e9:.1f} GB/s ({s * 1e3:.1f} ms)"  # noqa: E731
+    # the LM head in 4 bits as --quant 4 holds a layer (groups of 32, kvcli.model.cpu_quant), for its time
+    packed, scale_zero = pack_int4(torch.randn(c["vocab"], h), GROUP, DT)
+    int4_head = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xs[h], packed, GROUP, scale_zero)  # noqa: E731
     return {
         "28 layers, cold": gb(per_layer * len(layers), per_call(lambda: step(layers), 5)),
         "one layer, hot": gb(per_layer, per_call(lambda: step(layers[:1]), 50)),
         "LM head": gb(head[0].numel(), per_call(lambda: product(*head), 5)),
+        "LM head in 4 bits": gb(packed.numel() * packed.element_size(), per_call(int4_head, 5)),
     }
 
 
