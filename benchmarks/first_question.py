@@ -155,9 +155,8 @@ def main() -> None:
                 **run(book, question, cache, args.extra),
             }
             rows.append(row)
-            print(
-                json.dumps({k: row[k] for k in ("run", "wall_s", "first_token_from_start_s", "ttft_s", "load_before")})
-            )
+            shown = ("run", "wall_s", "first_token_from_start_s", "ttft_s", "load_before")
+            print(json.dumps({k: row[k] for k in shown}), flush=True)
     out = {
         "command": " ".join(["python", "benchmarks/first_question.py", *sys.argv[1:]]),
         "document": {**{k: v for k, v in spec.items() if k != "questions"}, "file": portable(book)},

@@ -278,8 +278,6 @@ def cache_add(
     text is kept too. It reads no document with a language model: one that the default reads whole
     keeps its KV on its first question. Exit code: 0 all kept, 1 some could not be read.
     """
-    import threading
-
     from .. import api, batch
     from ..documents import read_stdin
     from ..files import cache_folder
@@ -302,7 +300,7 @@ def cache_add(
                 def on_step(done: int, total: int, task=task, unit=unit) -> None:
                     progress.update(task, description=f"{name}: embedding the {unit}", completed=done, total=total)
 
-                kept = api.keep_document(document, folder, on_step=on_step, stop=threading.Event())
+                kept = api.keep_document(document, folder, on_step=on_step)
             except KvcliError as exc:
                 failed += 1
                 record = batch.error_record(item.source, "", exc)
