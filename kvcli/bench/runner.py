@@ -228,8 +228,9 @@ def run_cells(
 
 def ask(session, document, question: str, pipeline: Pipeline, max_new_tokens: int, force_tokens: bool = False):
     """A cold :meth:`kvcli.api.Session.ask` (no disk store); ``force_tokens``: ignore the stop
-    tokens and generate exactly ``max_new_tokens`` (so decode tokens/s measures that many steps)."""
-    options = QuestionOptions(max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False)
+    tokens and generate exactly ``max_new_tokens`` (so decode tokens/s measures that many steps). The
+    answer is never checked against the document (``kvcli ask --check``): a benchmark scores it."""
+    options = QuestionOptions(max_new_tokens=max_new_tokens, force_tokens=force_tokens, use_store=False, check=False)
     return session.ask(document, question, pipeline, options)
 
 

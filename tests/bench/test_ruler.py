@@ -334,3 +334,28 @@ def test_a_retrieving_method_runs_and_says_what_it_read(cli, tiny_dir, tmp_path)
     assert row["compression_ratio"] is None and row["n_kept_tokens"] > 0
     assert f"read {row['n_kept_tokens']:,.0f} tokens" in err
     assert "| `pages` | — |" in stdout
+
+
+def test_benchmarks_never_check_their_answers(tiny_dir, monkeypatch):
+    """A benchmark scores its answers itself: neither a RULER cell nor the needle and speed runs'
+    questions ask kvcli's after-answer check (on a model with a threshold it would run once an
+    answer, and warn in the benchmark's log), whatever the task's answer prefix."""
+    import dataclasses
+
+    from kvcli.answer.pipeline import Pipeline
+    from kvcli.api import AskOptions, Session
+    from kvcli.bench import runner
+
+    session = Session.open(AskOptions(model=str(tiny_dir("llama")), use_cache=False, max_new_tokens=2))
+    session = dataclasses.replace(session, lm=dataclasses.replace(session.lm, check_threshold=0.1))
+    asked = []
+    real_ask = Session.ask
+    monkeypatch.setattr(Session, "ask", lambda self, *a: asked.append(a[3]) or real_ask(self, *a))
+    monkeypatch.setattr(Session, "_check", lambda *a: pytest.fail("an answer was checked"))
+    bench = ruler.RulerBench(session)
+    tasks = ["niah_single_1", "vt"] + (["qa_2"] if HAS_DATA else [])
+    for task in tasks:
+        bench({"task": task, "length": 900, "index": 0, "seed": 0, "method": "full", "ratio": None})
+    runner.ask(session, document_from_text("The keeper counts gulls. " * 20), "Who counts?", Pipeline.parse("full"), 2)
+    assert len(asked) == len(tasks) + 1 and all(o.check is False for o in asked)
+    bench.close()
