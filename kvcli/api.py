@@ -298,6 +298,39 @@ class Session:
             "template": self.options.template,
         }
 
+    def keep_kv(self, document: Document, pipeline: Pipeline, options: QuestionOptions | None = None) -> KeptKV | None:
+        """Ahead of a document's questions (``kvcli cache add --kv``): the state ``pipeline``'s
+        reading of it starts every question from, the question-agnostic prefix (full attention's
+        KV where ``-c auto`` reads the document whole), computed and written to the disk store now,
+        or found there; a first question then starts from it as a later one does. None: the reading
+        keeps nothing ahead of a question (one that retrieves, ``pages``, reads what the question
+        points to) or the disk store is off. ``options``: ``on_prompt``, ``on_progress`` and
+        ``on_wait`` as for :meth:`ask` (the rest unused)."""
+        from .answer.labels import method_label
+        from .answer.prefix import Prefix
+        from .answer.progress import prompt_progress
+        from .answer.prompt import build_prompt
+
+        o = QuestionOptions() if options is None else options
+        if self.store is None or not self.store.enabled:
+            return None
+        # the prefix ends before the question: a placeholder stands for any question (the method
+        # is chosen for the prompt, whose length a real question changes by its own few tokens)
+        prompt = build_prompt(self.lm.tokenizer, document.text, KEEP_QUESTION, self.template, "", document.page_starts)
+        asked = _Asked(o, max_new_tokens=self.options.max_new_tokens, sources=False, check=False)
+        pipeline = self._prepare(document, prompt, pipeline, asked)
+        prefix = None
+        if not pipeline.retrieves():
+            meta = self._meta(document, pipeline)
+            prefix = Prefix.of(self.engine, prompt, pipeline.reader(), self.store, meta, quantized=pipeline.plain())
+        if prefix is None:
+            return KeptKV(pipeline.spec(), 0, None, 0.0)
+        if o.on_prompt is not None:
+            o.on_prompt(method_label(pipeline), prefix.n_tokens)
+        with prompt_progress(self.engine, prefix.n_tokens, o.on_progress, self.store, o.on_wait):
+            _, fetched = prefix.fetch()
+        return KeptKV(pipeline.spec(), prefix.n_tokens, fetched.status, fetched.seconds)
+
     def made(self, path: Path) -> None:
         """A method wrote ``path`` into the cache folder (the page vectors): the store makes room
         for it under its cap, as for its own entries (least recently used first)."""
@@ -345,6 +378,19 @@ class Kept:
     seconds: float
 
 
+@dataclass(frozen=True)
+class KeptKV:
+    """What :meth:`Session.keep_kv` kept of a document: the method (resolved), the prefix's tokens
+    (0: the method keeps nothing ahead of a question), how the store had it ("hit": there already,
+    "miss": computed and written now) and the seconds that took."""
+
+    method: str
+    tokens: int
+    status: str | None
+    seconds: float
+
+
+KEEP_QUESTION = "?"  # the question :meth:`Session.keep_kv` builds its prompt with (the prefix ends before it)
 KEEP_STEP = 8  # passages :func:`keep_document` embeds between two writes of the file (~3 s on two cores)
 
 

@@ -19,7 +19,7 @@ from ..store.capacity import CAP_ENV
 from . import vocabulary
 from .app import app
 from .console import stdout
-from .options import KvcliCommand, QuietOpt
+from .options import CompressorOpt, KvcliCommand, ModelChoice, ModelOptions, QuietOpt, TemplateOpt, loads_a_model
 
 cache_app = typer.Typer(
     no_args_is_help=True,
@@ -258,6 +258,7 @@ def cache_prune(
 
 
 @cache_app.command("add", cls=KvcliCommand)
+@loads_a_model
 def cache_add(
     documents: list[str] = typer.Argument(
         ...,
@@ -265,18 +266,30 @@ def cache_add(
         help="Files, folders (searched for PDF, text, Markdown and HTML files), glob patterns, or - (stdin)",
         show_default=False,
     ),
+    kv: bool = typer.Option(
+        False,
+        "--kv",
+        help="Also read each document with the model (-m) and keep its KV, where the method (-c) reads it the same "
+        "way for every question (full attention: what -c auto reads a document that fits with)",
+    ),
+    compressor: str = CompressorOpt,
+    load: ModelChoice = ModelOptions,
+    template: str = TemplateOpt,
     cache_dir: Path | None = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per document (JSON Lines) on stdout"),
     quiet: bool = QuietOpt,
 ) -> None:
-    """Ready documents for their questions: every page embedded ahead.
+    """Ready documents for their questions: every page embedded ahead, and with --kv their KV.
 
     The pages method (what -c auto reads a long document with) ranks a document's pages by the
     question with a sentence-embedding model, and embeds the pages a question points to that no
     earlier question did: seconds of each question's wait on a book. This embeds them all now, so
     that a later question, in any process, embeds only itself; a PDF's or an HTML page's extracted
-    text is kept too. It reads no document with a language model: one that the default reads whole
-    keeps its KV on its first question. Exit code: 0 all kept, 1 some could not be read.
+    text is kept too. Without --kv it loads no language model: a document that the default reads
+    whole keeps its KV on its first question. With --kv that first question starts from the kept
+    KV too, as a later one does (the same -m, -c and model options as the questions'; a method that
+    reads what the question points to, pages, keeps none). Exit code: 0 all kept, 1 some could not
+    be read.
     """
     from .. import api, batch
     from ..documents import read_stdin
@@ -287,6 +300,8 @@ def cache_add(
     route_warnings(quiet)
     err = progress_console(quiet)
     folder = cache_folder(cache_dir)
+    pipeline = api.parse_pipeline(compressor) if kv else None  # a bad spec: one line before anything is read
+    session = None
     failed = 0
     progress = batch_progress(err)
     with progress:
@@ -301,6 +316,12 @@ def cache_add(
                     progress.update(task, description=f"{name}: embedding the {unit}", completed=done, total=total)
 
                 kept = api.keep_document(document, folder, on_step=on_step)
+                kept_kv = None
+                if kv:
+                    if session is None:
+                        progress.update(task, description="loading model…")
+                        session = api.Session.open(load.ask_options(template=template, cache_dir=folder))
+                    kept_kv = session.keep_kv(document, pipeline, _kv_progress(progress, task, name))
             except KvcliError as exc:
                 failed += 1
                 record = batch.error_record(item.source, "", exc)
@@ -311,14 +332,50 @@ def cache_add(
             finally:
                 progress.remove_task(task)
             if as_json:
-                stdout.out(json.dumps(_kept_record(kept, item.source, unit), ensure_ascii=False))
-            progress.console.print(f"kvcli: {_kept_line(kept, name, unit)}", markup=False, highlight=False)
+                stdout.out(json.dumps(_kept_record(kept, item.source, unit, kv, kept_kv), ensure_ascii=False))
+            line = _kept_line(kept, name, unit) + ("" if not kv else f"; {_kv_line(kept_kv)}")
+            progress.console.print(f"kvcli: {line}", markup=False, highlight=False)
     if failed:
         raise typer.Exit(1)
 
 
-def _kept_record(kept, source: str, unit: str) -> dict:
+def _kv_progress(progress, task, name: str):
+    """The question options that show ``Session.keep_kv`` reading a document on ``task``."""
+    from ..answer.question import QuestionOptions
+
+    def prompt(method: str, n_tokens: int) -> None:
+        progress.update(task, description=f"{name}: {method} · {n_tokens:,} tokens", completed=0, total=1)
+
+    def wait(text: str | None) -> None:
+        if text is not None:
+            progress.update(task, description=f"{name}: {text}")
+
+    return QuestionOptions(
+        on_prompt=prompt, on_progress=lambda f: progress.update(task, completed=f, total=1), on_wait=wait
+    )
+
+
+def _kv_line(kept_kv) -> str:
+    """ "its KV kept (full, 1,003 tokens, 8 s)" """
+    if kept_kv is None:
+        return "no KV kept: the disk cache is off"
+    if not kept_kv.tokens:
+        return f"no KV to keep: {kept_kv.method} reads what each question points to"
+    done = "there already" if kept_kv.status == "hit" else f"{kept_kv.seconds:,.0f} s"
+    return f"its KV kept ({kept_kv.method}, {kept_kv.tokens:,} tokens, {done})"
+
+
+def _kept_record(kept, source: str, unit: str, kv: bool = False, kept_kv=None) -> dict:
+    kv_fields = {}
+    if kv:
+        kv_fields = {"kv": None if kept_kv is None else {
+            "method": kept_kv.method,
+            "tokens": kept_kv.tokens,
+            "status": kept_kv.status,
+            "seconds": round(kept_kv.seconds, 3),
+        }}  # fmt: skip
     return {
+        **kv_fields,
         "document": source,
         "unit": unit,
         "passages": kept.passages,

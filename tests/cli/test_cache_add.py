@@ -117,3 +117,29 @@ def test_the_command_keeps_each_document_and_one_bad_file_stops_none(tmp_path, m
     assert code == 0 and out == "" and "all there already" in err  # stdout holds only what --json asks for
     code, out, err = run_cli(["cache", "add", bad, pdf, "--cache-dir", cache, "-q"], capsys, monkeypatch)
     assert (code, out, err.splitlines()) == (1, "", lines[:1])  # --quiet: the error alone
+
+
+def test_with_kv_a_first_question_starts_from_the_kept_kv(tiny_dir, tmp_path, model, capsys, monkeypatch):
+    """``--kv``: the document's prefix KV read with the model and stored, so that the first
+    question's prompt is a cache hit (and answers as a cold run does); a second run finds it there;
+    a method that reads what the question points to keeps none."""
+    doc = tmp_path / "notes.txt"
+    doc.write_text(" ".join(PAGES), encoding="utf-8")
+    cache, tiny = tmp_path / "cache", tiny_dir("llama")
+    add = ["cache", "add", doc, "--kv", "-m", tiny, "--cache-dir", cache, "--json"]
+    code, out, err = run_cli(add, capsys, monkeypatch)
+    assert code == 0, err
+    kv = json.loads(out)["kv"]
+    assert kv["method"] == "full" and kv["status"] == "miss" and kv["tokens"] > len(PAGES)
+    assert err.strip().endswith(f"; its KV kept (full, {kv['tokens']:,} tokens, {kv['seconds']:,.0f} s)")
+    code, out, err = run_cli(add, capsys, monkeypatch)
+    assert json.loads(out)["kv"]["status"] == "hit" and err.strip().endswith("tokens, there already)")
+    ask = ["ask", doc, "Which lamp is amber?", "-m", tiny, "--cache-dir", cache, "--json", "--max-new-tokens", "4"]
+    code, out, err = run_cli(ask, capsys, monkeypatch)
+    warm = json.loads(out)
+    assert code == 0 and warm["cache"] == "hit" and warm["cache_saved_s"] > 0
+    code, out, err = run_cli([*ask, "--no-cache"], capsys, monkeypatch)
+    assert json.loads(out)["answer"] == warm["answer"]
+    code, out, err = run_cli([*add, "-c", "pages"], capsys, monkeypatch)
+    kv = json.loads(out)["kv"]
+    assert kv["tokens"] == 0 and kv["status"] is None and "no KV to keep: pages" in err
