@@ -14,6 +14,10 @@
    seven matrices read once each in turn (cold, as in a step), one layer's read again and again
    (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of weights read, beside
    the float32 sum of 1; and the LM head in 4 bits as ``--quant 4`` holds a layer (groups of 32).
+4. ``--dynamic``: the same 28 layers through PyTorch's int8 products that quantise the activations
+   too (``torch.ops.quantized.linear_dynamic``: one scale for the row, int8 weights packed by
+   ``linear_prepack``, for the x86/fbgemm and oneDNN engines), and what packing the weights costs,
+   once per process (the packed layout cannot be saved: its serialised form is the unpacked one).
 
 Time it alone on the machine: the figures are bandwidth and call overheads.
 """
@@ -130,6 +134,43 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     }
 
 
+def dynamic_products() -> dict[str, str]:
+    """The 28 layers' products with int8 activations (module docstring, 4): GB/s, and the seconds
+    packing the 1.5B's weights (all its matrices' weights, at this measured pace) would take."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*quantize.* deprecated")  # PyTorch's note on the API
+    c = QWEN_15B
+    h, kv, mlp = c["hidden"], c["kv"], c["mlp"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (mlp, h), (mlp, h), (h, mlp)]
+    n_weights = c["layers"] * sum(o * i for o, i in shapes) + c["vocab"] * h
+    out = {}
+    for engine in ("x86", "onednn"):
+        torch.backends.quantized.engine = engine
+        t, layers = time.perf_counter(), []
+        for _ in range(c["layers"]):
+            layer = []
+            for o, i in shapes:
+                codes = torch.randint(-127, 128, (o, i), dtype=torch.int8)
+                q = torch._make_per_channel_quantized_tensor(codes, torch.rand(o, dtype=torch.float64) / 100, torch.zeros(o, dtype=torch.long), 0)  # fmt: skip
+                layer.append((torch.ops.quantized.linear_prepack(q, None), i))
+            layers.append(layer)
+        packing = (time.perf_counter() - t) / (c["layers"] * sum(o * i for o, i in shapes))
+        xs = {n: torch.randn(1, n) for n in (h, mlp)}
+
+        def step(layers=layers):
+            for layer in layers:
+                for packed, i in layer:
+                    torch.ops.quantized.linear_dynamic(xs[i], packed, False)
+
+        s = per_call(step, 5)
+        per_layer = sum(o * i for o, i in shapes)
+        out[engine] = (
+            f"{per_layer * c['layers'] / s / 1e9:.1f} GB/s ({s * 1e3:.1f} ms); packing the 1.5B {packing * n_weights:.1f} s"
+        )
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
@@ -138,6 +179,9 @@ if __name__ == "__main__":
     if "--products" in sys.argv:
         for rows in (1, 4):
             print(f"8-bit weight products of Qwen2.5-Coder-1.5B, a pass of {rows} row(s):", int8_products(rows))
+        raise SystemExit
+    if "--dynamic" in sys.argv:
+        print("int8 activations and weights, Qwen2.5-Coder-1.5B's 28 layers, one row:", dynamic_products())
         raise SystemExit
     print("attention of one decoding query, µs per layer (30 layers' KV read in turn):")
     for n in (1000, 4000, 8000):
