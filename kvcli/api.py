@@ -318,11 +318,12 @@ class Session:
         # is chosen for the prompt, whose length a real question changes by its own few tokens)
         prompt = build_prompt(self.lm.tokenizer, document.text, KEEP_QUESTION, self.template, "", document.page_starts)
         asked = _Asked(o, max_new_tokens=self.options.max_new_tokens, sources=False, check=False)
+        pipeline = pipeline.resolve(prompt, self.lm, asked.max_new_tokens)
+        if pipeline.retrieves():  # nothing ahead of a question: nor its window's warning
+            return KeptKV(pipeline.spec(), 0, None, 0.0)
         pipeline = self._prepare(document, prompt, pipeline, asked)
-        prefix = None
-        if not pipeline.retrieves():
-            meta = self._meta(document, pipeline)
-            prefix = Prefix.of(self.engine, prompt, pipeline.reader(), self.store, meta, quantized=pipeline.plain())
+        meta = self._meta(document, pipeline)
+        prefix = Prefix.of(self.engine, prompt, pipeline.reader(), self.store, meta, quantized=pipeline.plain())
         if prefix is None:
             return KeptKV(pipeline.spec(), 0, None, 0.0)
         if o.on_prompt is not None:

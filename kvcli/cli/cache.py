@@ -360,7 +360,7 @@ def _kv_line(kept_kv) -> str:
     if kept_kv is None:
         return "no KV kept: the disk cache is off"
     if not kept_kv.tokens:
-        return f"no KV to keep: {kept_kv.method} reads what each question points to"
+        return f"no KV to keep: {kept_kv.method.split(':')[0]} reads what each question points to"
     done = "there already" if kept_kv.status == "hit" else f"{kept_kv.seconds:,.0f} s"
     return f"its KV kept ({kept_kv.method}, {kept_kv.tokens:,} tokens, {done})"
 

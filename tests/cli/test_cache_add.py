@@ -142,4 +142,13 @@ def test_with_kv_a_first_question_starts_from_the_kept_kv(tiny_dir, tmp_path, mo
     assert json.loads(out)["answer"] == warm["answer"]
     code, out, err = run_cli([*add, "-c", "pages"], capsys, monkeypatch)
     kv = json.loads(out)["kv"]
-    assert kv["tokens"] == 0 and kv["status"] is None and "no KV to keep: pages" in err
+    assert kv["tokens"] == 0 and kv["status"] is None
+    assert err.strip().endswith("; no KV to keep: pages reads what each question points to")
+    # a document past the window: -c auto reads pages, so nothing is kept, and no warning about a
+    # question's reading is said where there is no question
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(PAGES * 12), encoding="utf-8")
+    small = tiny_dir("llama", max_position_embeddings=512)
+    code, out, err = run_cli(["cache", "add", long, "--kv", "-m", small, "--cache-dir", cache, "--json"], capsys, monkeypatch)  # fmt: skip
+    kv = json.loads(out)["kv"]
+    assert code == 0 and kv["tokens"] == 0 and kv["method"].startswith("pages") and "window" not in err
