@@ -320,7 +320,7 @@ class Session:
         asked = _Asked(o, max_new_tokens=self.options.max_new_tokens, sources=False, check=False)
         pipeline = pipeline.resolve(prompt, self.lm, asked.max_new_tokens)
         if pipeline.retrieves():  # nothing ahead of a question: nor its window's warning
-            return KeptKV(pipeline.spec(), 0, None, 0.0)
+            return KeptKV(pipeline.spec(), 0, None, 0.0, retrieves=True)
         pipeline = self._prepare(document, prompt, pipeline, asked)
         meta = self._meta(document, pipeline)
         prefix = Prefix.of(self.engine, prompt, pipeline.reader(), self.store, meta, quantized=pipeline.plain())
@@ -382,13 +382,15 @@ class Kept:
 @dataclass(frozen=True)
 class KeptKV:
     """What :meth:`Session.keep_kv` kept of a document: the method (resolved), the prefix's tokens
-    (0: the method keeps nothing ahead of a question), how the store had it ("hit": there already,
-    "miss": computed and written now) and the seconds that took."""
+    (0: the method keeps nothing ahead of a question: Finch compresses with the question; one that
+    retrieves reads what it points to), how the store had it ("hit": there already, "miss":
+    computed and written now) and the seconds that took."""
 
     method: str
     tokens: int
     status: str | None
     seconds: float
+    retrieves: bool = False  # kept nothing as the method reads what each question points to (pages)
 
 
 KEEP_QUESTION = "?"  # the question :meth:`Session.keep_kv` builds its prompt with (the prefix ends before it)

@@ -360,7 +360,9 @@ def _kv_line(kept_kv) -> str:
     if kept_kv is None:
         return "no KV kept: the disk cache is off"
     if not kept_kv.tokens:
-        return f"no KV to keep: {kept_kv.method.split(':')[0]} reads what each question points to"
+        name = kept_kv.method.split(":")[0]
+        how = "reads what each question points to" if kept_kv.retrieves else "reads the document with each question"
+        return f"no KV to keep: {name} {how}"
     done = "there already" if kept_kv.status == "hit" else f"{kept_kv.seconds:,.0f} s"
     return f"its KV kept ({kept_kv.method}, {kept_kv.tokens:,} tokens, {done})"
 

@@ -144,6 +144,10 @@ def test_with_kv_a_first_question_starts_from_the_kept_kv(tiny_dir, tmp_path, mo
     kv = json.loads(out)["kv"]
     assert kv["tokens"] == 0 and kv["status"] is None
     assert err.strip().endswith("; no KV to keep: pages reads what each question points to")
+    code, out, err = run_cli([*add, "-c", "finch"], capsys, monkeypatch)  # compresses with the question
+    assert json.loads(out)["kv"]["tokens"] == 0 and err.strip().endswith(
+        "; no KV to keep: finch reads the document with each question"
+    )
     # a document past the window: -c auto reads pages, so nothing is kept, and no warning about a
     # question's reading is said where there is no question
     long = tmp_path / "long.txt"
