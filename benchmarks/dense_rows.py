@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from kvcli.model.cpu_quant import Int8Linear
-from kvcli.runtime import native
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from int8_row_kernel import median_ms  # noqa: E402
+
+from kvcli.model.cpu_quant import Int8Linear  # noqa: E402
+from kvcli.runtime import native  # noqa: E402
 
 # (hidden, KV width, MLP width) of each embedded model's decoder layers
 MODELS = {
@@ -44,16 +48,6 @@ def layer(hidden: int, kv: int, mlp: int) -> list[Int8Linear]:
     return [Int8Linear(torch.randint(-127, 128, s, dtype=torch.int8), torch.rand(s[0]) / 100, None, torch.bfloat16) for s in shapes]  # fmt: skip
 
 
-def median_ms(fn, n: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16,32,48,64,80,96,128,192")
@@ -66,7 +60,7 @@ def main() -> None:
         print(f"{name}: ms per layer, int8 kernel / made dense (ratio; > 1: dense is faster)")
         for rows in map(int, args.rows.split(",")):
             xs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in set(MODELS[name])}
-            kernel = median_ms(lambda: [m.product(xs[m.in_features]) for lay in layers for m in lay]) / len(layers)  # noqa: B023
+            kernel = median_ms(lambda: [m.product(xs[m.in_features]) for lay in layers for m in lay], 5) / len(layers)  # noqa: B023
             dense = median_ms(lambda: [torch.mm(xs[m.in_features], m.dense()) for lay in layers for m in lay]) / len(
                 layers
             )  # noqa: B023
