@@ -169,6 +169,8 @@ class Session:
         by_passage = pipeline.reads_passages()  # the sources come one per passage it read
         threads_used = {} if self.threads is None else self.threads.start_run()
         result = self._answer(document, prompt, pipeline, asked)
+        if o.on_answer is not None:
+            o.on_answer(result.answer)
         if asked.check:
             self._check(result, question)
         if asked.sources:

@@ -33,7 +33,9 @@ class QuestionOptions:
     embeds the document's passages, the first time it reads that document (``done`` of ``total``
     windows; none once their vectors are kept in the cache folder); ``on_token(id)`` with each
     answer token; ``on_text(piece)`` with the answer as it is decoded, the pieces adding up to
-    ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`)."""
+    ``Result.answer`` (:class:`kvcli.answer.streaming.AnswerStream`); ``on_answer(text)`` with the
+    answer whole once it is final, before the check after it and its sources are computed (what
+    a pipe writes: the answer does not wait for them)."""
 
     max_new_tokens: int | None = None
     force_tokens: bool = False
@@ -48,3 +50,4 @@ class QuestionOptions:
     on_wait: Callable[[str | None], None] | None = None
     on_resume: Callable[[float], None] | None = None
     on_embed: Callable[[int, int], None] | None = None
+    on_answer: Callable[[str], None] | None = None

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..files import cache_folder
 from ..report import terminal as render
 from .app import app
-from .console import batch_progress, route_warnings, say_error, stderr, stdout, write_answer
+from .console import batch_progress, route_warnings, say_error, stderr, stdout
 from .live import Reading, answer, embedding_tip, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -178,7 +178,9 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     stream = not as_json and stdout.is_terminal
     compute, shown = sources_wanted(sources, as_json, stdout.is_terminal)
     reading = Reading(err)
-    result = answer(err, session, document, question, pipeline, stream, sources=compute, reading=reading)
+    # in a pipe the answer is written whole once final, before the check after it and its sources
+    whole = not as_json and not stream
+    result = answer(err, session, document, question, pipeline, stream, sources=compute, reading=reading, whole=whole)
     if as_json:
         record = result_record(result, session, pipeline, document, include_spans=show_selected)
         stdout.out(json.dumps(record, ensure_ascii=False))
@@ -186,8 +188,6 @@ def _ask_one(err, options, pipeline, item, question, as_json, show_selected, sou
     if stream:
         sys.stdout.write("\n")
         sys.stdout.flush()
-    else:
-        write_answer(result.answer)
     if shown and result.sources is not None:
         for line in result.sources.lines():
             stdout.out(line)

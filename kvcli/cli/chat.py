@@ -18,7 +18,7 @@ from ..errors import KvcliError, UsageError
 from ..files import cache_folder
 from ..report.record import question_record, result_record
 from .app import app
-from .console import route_warnings, stderr, stdout, write_answer
+from .console import route_warnings, stderr, stdout
 from .live import answer, stats_line
 from .options import (
     AnswerGuardOpt,
@@ -126,8 +126,7 @@ def _output(err, session, doc, source, pipeline, question, result, as_json, stre
         stdout.out(json.dumps(record, ensure_ascii=False))
     elif streamed:
         sys.stdout.write("\n")
-    else:
-        write_answer(result.answer)
+    # else: written whole once final (answer(whole=True)), before its check and sources
     if shown and not as_json and result.sources is not None:
         for line in result.sources.lines():
             stdout.out(line)
@@ -145,7 +144,7 @@ def _over_a_pipe(err, session, doc, source, pipeline, as_json, sources=None) -> 
         if not question:
             continue
         try:
-            result = answer(err, session, doc, question, pipeline, stream=False, sources=compute)
+            result = answer(err, session, doc, question, pipeline, stream=False, sources=compute, whole=not as_json)
         except KvcliError as e:
             failed = True
             if as_json:
@@ -186,7 +185,9 @@ def _at_the_prompt(err, session, doc, pipeline, as_json, history: Path, sources=
                 continue
             idle.stop()  # the question runs alone
             try:
-                result = answer(err, session, doc, question, pipeline, stream, sources=compute)
+                result = answer(
+                    err, session, doc, question, pipeline, stream, sources=compute, whole=not (as_json or stream)
+                )
             except KeyboardInterrupt:
                 err.print("(answer cancelled)", style="dim", markup=False, highlight=False)
                 continue

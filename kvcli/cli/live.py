@@ -16,6 +16,7 @@ from collections import deque
 from rich.console import Console
 
 from ..answer.question import QuestionOptions
+from .console import write_answer
 
 BAR_AFTER_S = 1.0  # reading the prompt for longer than this: a bar instead of the spinner
 LINE_AFTER_S = 5.0  # stderr not a terminal: progress lines once reading has taken this long ...
@@ -279,15 +280,20 @@ def answer(
     stream: bool,
     sources: bool | None = None,
     reading: Reading | None = None,
+    whole: bool = False,
 ):
     """``session.ask`` with the spinner, the bar and (``stream``) the answer on stdout as it is
-    decoded; on Ctrl-C the answer's line is ended before the interrupt goes on up. ``sources``:
+    decoded, or (``whole``) written whole once it is final, before the check after it and its
+    sources; on Ctrl-C the answer's line is ended before the interrupt goes on up. ``sources``:
     whether to cite the answer's sources (None: the session's option); ``reading``: the
     :class:`Reading` to show it with (what it saw stays readable after), else a new one."""
     reading = reading or Reading(err)
+    options = reading.options(stream, sources)
+    if whole:
+        options.on_answer = write_answer
     try:
         with reading:
-            return session.ask(document, question, pipeline, reading.options(stream, sources))
+            return session.ask(document, question, pipeline, options)
     except KeyboardInterrupt:
         if reading.wrote:
             sys.stdout.write("\n")

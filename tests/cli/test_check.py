@@ -5,6 +5,7 @@ threshold (it is not checked), so it gets one here that every answer is under.""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
@@ -46,3 +47,23 @@ def test_no_check_checks_nothing(cli, always_noted):
     code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--json", "--max-new-tokens", "4", "--no-check")
     record = json.loads(out)
     assert code == 0 and record["grounding"] is None and record["grounded"] is None and NOTE not in err
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test_in_a_pipe_the_answer_is_written_before_its_check(cli, always_noted, monkeypatch, command):
+    """The answer is final before the check after it runs (seconds on the Qwen models): a pipe gets
+    it then, whole, once, and the check's note follows on stderr."""
+    from kvcli import api
+    from kvcli.cli import live
+
+    model, doc = always_noted
+    events = []
+    write, check = live.write_answer, api.Session._check
+    monkeypatch.setattr(live, "write_answer", lambda text: events.append("answer") or write(text))
+    monkeypatch.setattr(api.Session, "_check", lambda *a: events.append("check") or check(*a))
+    if command == "ask":
+        code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--max-new-tokens", "4")
+    else:
+        monkeypatch.setattr("sys.stdin", io.StringIO("How many gulls?\n"))
+        code, out, err = cli("chat", doc, "-m", model, "--max-new-tokens", "4")
+    assert code == 0 and events == ["answer", "check"] and out.count("\n") == 1 and NOTE in err
