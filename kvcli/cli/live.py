@@ -256,6 +256,13 @@ class Reading:
             self.last_line = now
             self.err.print(f"kvcli: writing the answer: {figures}", markup=False, highlight=False, soft_wrap=True)
 
+    def write_whole(self, text: str) -> None:
+        """The answer whole on stdout once final (a pipe), before its check and sources: stderr's
+        spinner stopped first, since a live display on a terminal takes sys.stdout over while it
+        runs (what is written then would go to stderr)."""
+        self.stop()
+        write_answer(text)
+
     def write(self, piece: str) -> None:
         """A piece of the answer on stdout, at once (the first one clears stderr's line)."""
         if not self.wrote:
@@ -290,7 +297,7 @@ def answer(
     reading = reading or Reading(err)
     options = reading.options(stream, sources)
     if whole:
-        options.on_answer = write_answer
+        options.on_answer = reading.write_whole
     try:
         with reading:
             return session.ask(document, question, pipeline, options)

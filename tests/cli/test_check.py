@@ -58,8 +58,8 @@ def test_in_a_pipe_the_answer_is_written_before_its_check(cli, always_noted, mon
 
     model, doc = always_noted
     events = []
-    write, check = live.write_answer, api.Session._check
-    monkeypatch.setattr(live, "write_answer", lambda text: events.append("answer") or write(text))
+    write, check = live.Reading.write_whole, api.Session._check
+    monkeypatch.setattr(live.Reading, "write_whole", lambda self, text: events.append("answer") or write(self, text))
     monkeypatch.setattr(api.Session, "_check", lambda *a: events.append("check") or check(*a))
     if command == "ask":
         code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--max-new-tokens", "4")
@@ -67,3 +67,21 @@ def test_in_a_pipe_the_answer_is_written_before_its_check(cli, always_noted, mon
         monkeypatch.setattr("sys.stdin", io.StringIO("How many gulls?\n"))
         code, out, err = cli("chat", doc, "-m", model, "--max-new-tokens", "4")
     assert code == 0 and events == ["answer", "check"] and out.count("\n") == 1 and NOTE in err
+
+
+def test_in_a_pipe_beside_a_terminal_the_answer_stays_on_stdout(cli, always_noted, monkeypatch):
+    """stdout a pipe, stderr a terminal (``a=$(kvcli ask ...)`` in a shell): the answer written
+    while stderr's spinner runs (a live display takes over sys.stdout) still goes to stdout alone."""
+    from rich.console import Console
+
+    import kvcli.cli.ask
+
+    model, doc = always_noted
+    monkeypatch.setattr(
+        kvcli.cli.ask,
+        "stderr",
+        lambda quiet: Console(stderr=True, force_terminal=True, highlight=False, soft_wrap=True),
+    )
+    code, out, err = cli("ask", doc, "How many gulls?", "-m", model, "--max-new-tokens", "4")
+    answer = json.loads(cli("ask", doc, "How many gulls?", "-m", model, "--max-new-tokens", "4", "--json")[1])["answer"]
+    assert code == 0 and out == answer + "\n" and answer not in err
