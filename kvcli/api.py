@@ -304,10 +304,10 @@ class Session:
         """Ahead of a document's questions (``kvcli cache add --kv``): the state ``pipeline``'s
         reading of it starts every question from, the question-agnostic prefix (full attention's
         KV where ``-c auto`` reads the document whole), computed and written to the disk store now,
-        or found there; a first question then starts from it as a later one does. None: the reading
-        keeps nothing ahead of a question (one that retrieves, ``pages``, reads what the question
-        points to) or the disk store is off. ``options``: ``on_prompt``, ``on_progress`` and
-        ``on_wait`` as for :meth:`ask` (the rest unused)."""
+        or found there; a first question then starts from it as a later one does. A reading that
+        keeps nothing ahead of a question (one that retrieves, ``pages``; Finch, which compresses
+        with it) gives a :class:`KeptKV` of 0 tokens; None: the disk store is off. ``options``:
+        ``on_prompt``, ``on_progress`` and ``on_wait`` as for :meth:`ask` (the rest unused)."""
         from .answer.labels import method_label
         from .answer.prefix import Prefix
         from .answer.progress import prompt_progress
