@@ -177,6 +177,7 @@ def run_meta(session, **extra) -> dict:
         "dtype": str(lm.dtype).replace("torch.", ""),
         "attn": lm.attn,
         "quant": spelled(lm.quant),
+        "int8_kernel": lm.int8_kernel,
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "lookup": session.options.lookup,  # tokens drafted a pass (kvcli.runtime.lookup): decoding's pace

@@ -87,6 +87,7 @@ def compute_fingerprint(
     weights: Any,
     dtype: torch.dtype,
     quant: str,
+    int8_kernel: str | None = None,
 ) -> str:
     """Hex sha256 that identifies a loaded model, for keying caches of its outputs.
 
@@ -100,7 +101,10 @@ def compute_fingerprint(
       name + content sha256 for files up to 64 MiB, else HF blob hash or size + mtime);
       for a hub model whose snapshot is not found, its id;
     * the tokenizer: ``len(tokenizer)``, its chat template and its bos/eos/pad/unk tokens;
-    * the dtype and the quantization ("none" / "4bit" / "8bit").
+    * the dtype and the quantization ("none" / "4bit" / "8bit");
+    * where 8-bit layers decode with 8-bit activations (:mod:`kvcli.model.int8_rows`), that
+      kernel's path ("AVX-512 VNNI", "AVX2"): its logits round differently from PyTorch's. Absent
+      otherwise, so the other fingerprints stay as they were.
 
     The attention kernel and the device are not part of it.
     """
@@ -124,5 +128,7 @@ def compute_fingerprint(
         "dtype": str(dtype),
         "quant": quant,
     }
+    if int8_kernel is not None:
+        doc["int8_activations"] = int8_kernel
     blob = json.dumps(doc, sort_keys=True, ensure_ascii=True, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()

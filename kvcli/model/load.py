@@ -14,7 +14,7 @@ from ..files import cache_folder
 from ..runtime.measure import malloc_trim
 from . import kept
 from .catalog import EmbeddedModel, embedded, ensure_chunked_converted
-from .cpu_quant import quantize_model
+from .cpu_quant import quantize_model, use_int8_rows
 from .device import (
     check_attn,
     check_cpu_quant,
@@ -94,6 +94,7 @@ def load_model(
         malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
         if keep:
             kept.save(model, Path(src.source), opts.dtype, opts.cpu_bits)
+    int8_kernel = use_int8_rows(model, cache) if opts.cpu_quant else None
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -110,11 +111,12 @@ def load_model(
         tokenizer=tokenizer,
         name=src.name,
         family=str(getattr(config, "model_type", "") or type(config).__name__),
-        fingerprint=compute_fingerprint(model, tokenizer, weights_id, opts.dtype, opts.quant),
+        fingerprint=compute_fingerprint(model, tokenizer, weights_id, opts.dtype, opts.quant, int8_kernel),
         device=opts.device,
         dtype=opts.dtype,
         quant=opts.quant,
         attn=attn,
+        int8_kernel=int8_kernel,
         source=src.source,
         cpu_prefill_chunk=what.known.cpu_prefill_chunk if what.known is not None else None,
         check_threshold=what.known.check_threshold if what.known is not None else None,

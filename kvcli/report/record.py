@@ -60,6 +60,8 @@ def result_record(result: Result, session, pipeline: Pipeline, document: Documen
         "device": str(session.engine.device),
         "attn": session.lm.attn,
         "quant": spelled(session.lm.quant),  # as --quant spells it: none, 8, 4
+        # 8-bit weights' decoding with 8-bit activations: the kernel's path (AVX-512 VNNI, AVX2); null: PyTorch's (exact activations)
+        "int8_kernel": session.lm.int8_kernel,
         "cache": result.extra["cache"]["status"],
         "cache_saved_s": result.extra["cache"]["saved_s"],
         "cache_entry_bytes": result.extra["cache"]["entry_bytes"],

@@ -15,7 +15,7 @@ def _table_after(text: str, marker: str) -> dict[str, str]:
     after = text.split(marker, 1)[1]
     table = after[after.index("\n|") + 1 :].split("\n\n", 1)[0]
     for line in table.splitlines():
-        match = re.match(r"\| `([a-z_]+)` \|(.*)\|$", line)
+        match = re.match(r"\| `([a-z0-9_]+)` \|(.*)\|$", line)
         if match:
             rows[match.group(1)] = match.group(2).strip()
     assert rows, f"docs/usage.md: no table after {marker!r}"
