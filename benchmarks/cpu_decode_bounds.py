@@ -10,10 +10,12 @@
    tried: ``kernels.grouped`` on a cache's view with room (what runs), the same on buffers with no
    room between heads (contiguous), a bare batched product on those, and K·qᵀ per head.
 3. The 8-bit weight products of a Qwen2.5-Coder-1.5B decoding step (``--products``: PyTorch's
-   ``_weight_int8pack_mm``, what ``kvcli ask -m qwen2.5-coder-1.5b`` runs on a CPU): the 28 layers'
-   seven matrices read once each in turn (cold, as in a step), one layer's read again and again
-   (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of weights read, beside
-   the float32 sum of 1; and the LM head in 4 bits as ``--quant 4`` holds a layer (groups of 32).
+   ``_weight_int8pack_mm``, what ``kvcli ask -m qwen2.5-coder-1.5b`` ran on a CPU before kvcli's own
+   kernel): the 28 layers' seven matrices read once each in turn (cold, as in a step), one layer's
+   read again and again (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of
+   weights read, beside the float32 sum of 1; the LM head in 4 bits as ``--quant 4`` holds a layer
+   (groups of 32); and, with ``KVCLI_INT8_KERNEL=kvcli``, kvcli's kernel of 8-bit activations
+   (``kvcli.model.int8_rows``, where it compiles) on the same layers and head.
 4. ``--dynamic``: the same 28 layers through PyTorch's int8 products that quantise the activations
    too (``torch.ops.quantized.linear_dynamic``: one scale for the row, int8 weights packed by
    ``linear_prepack``, for the x86/fbgemm and oneDNN engines), and what packing the weights costs,
@@ -28,6 +30,7 @@ import time
 
 import torch
 
+from kvcli.model import int8_rows
 from kvcli.model.cpu_quant import GROUP, pack_int4
 from kvcli.runtime import kernels
 from kvcli.runtime.buffers import made_finite as _made
@@ -112,10 +115,13 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     layers = [[weights(*shape) for shape in shapes] for _ in range(c["layers"])]
     xs = {n: torch.randn(rows, n, dtype=DT) for n in (h, mlp)}
 
-    def product(w, scales):
+    def pytorch(w, scales):
         return torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], w, scales)
 
-    def step(which):
+    def kvcli(w, scales):  # kvcli's kernel: the activations in 8 bits per block of 32 (docs/cpu.md)
+        return int8_rows.product(xs[w.shape[1]], w, scales)
+
+    def step(which, product=pytorch):
         for layer in which:
             for w, scales in layer:
                 product(w, scales)
@@ -126,12 +132,19 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     # the LM head in 4 bits as --quant 4 holds a layer (groups of 32, kvcli.model.cpu_quant), for its time
     packed, scale_zero = pack_int4(torch.randn(c["vocab"], h), GROUP, DT)
     int4_head = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xs[h], packed, GROUP, scale_zero)  # noqa: E731
-    return {
+    out = {
         "28 layers, cold": gb(per_layer * len(layers), per_call(lambda: step(layers), 5)),
         "one layer, hot": gb(per_layer, per_call(lambda: step(layers[:1]), 50)),
-        "LM head": gb(head[0].numel(), per_call(lambda: product(*head), 5)),
+        "LM head": gb(head[0].numel(), per_call(lambda: pytorch(*head), 5)),
         "LM head in 4 bits": gb(packed.numel() * packed.element_size(), per_call(int4_head, 5)),
     }
+    path = int8_rows.load() if rows <= int8_rows.ROWS else None
+    if path is not None:  # kvcli's kernel, where it compiles and loads (its path on this CPU)
+        out[f"kvcli's kernel ({path}): 28 layers, cold"] = gb(
+            per_layer * len(layers), per_call(lambda: step(layers, kvcli), 5)
+        )
+        out[f"kvcli's kernel ({path}): LM head"] = gb(head[0].numel(), per_call(lambda: kvcli(*head), 5))
+    return out
 
 
 def dynamic_products() -> dict[str, str]:
