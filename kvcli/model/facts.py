@@ -43,9 +43,8 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str  # "none" | "4bit" | "8bit" (what ran: "auto" resolved)
     attn: str  # "sdpa" | "eager" | "flash" (the kernel asked for)
-    int8_kernel: str | None = (
-        None  # 8-bit decoding's activations in 8 bits too: its path (kvcli.model.int8_rows), None: PyTorch's kernel
-    )
+    # 8-bit decoding with 8-bit activations: the kernel's path (kvcli.model.int8_rows); None: PyTorch's kernel
+    int8_kernel: str | None = None
     source: str = ""  # what was actually loaded: the local folder, or the hub id
     cpu_prefill_chunk: int | None = None  # an embedded model's measured chunk on the CPU (EmbeddedModel's)
     check_threshold: float | None = None  # the answer check's measured threshold (EmbeddedModel's)

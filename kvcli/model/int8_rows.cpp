@@ -125,12 +125,12 @@ __attribute__((target("avx2,fma"))) inline float sum_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-template <int MB, int R>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const Args& a, int64_t n, int64_t m0) {
+// one activation row at a time: sixteen registers hold no more
+template <int R>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const Args& a, int64_t n, int64_t m) {
   const int64_t B = a.K / BLOCK;
-  __m256 acc[MB][R];
-  for (auto& row : acc)
-    for (auto& v : row) v = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (auto& v : acc) v = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     __m256i w0[R], w1[R];
     for (int r = 0; r < R; ++r) {
@@ -139,37 +139,29 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Args& a, int64_t
       w1[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32));
     }
     PREFETCH_NEXT_TILE(a, n, R, b * BLOCK)
-    for (int mi = 0; mi < MB; ++mi) {
-      const int64_t m = m0 + mi;
-      const int8_t* xb = a.xq + m * a.K + b * BLOCK;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
-      const __m256 xs = _mm256_set1_ps(a.xs[m * B + b]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i sums = _mm256_add_epi32(dot_avx2(x0, w0[r]), dot_avx2(x1, w1[r]));
-        acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), xs, acc[mi][r]);
-      }
+    const int8_t* xb = a.xq + m * a.K + b * BLOCK;
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
+    const __m256 xs = _mm256_set1_ps(a.xs[m * B + b]);
+    for (int r = 0; r < R; ++r) {
+      const __m256i sums = _mm256_add_epi32(dot_avx2(x0, w0[r]), dot_avx2(x1, w1[r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), xs, acc[r]);
     }
   }
-  for (int mi = 0; mi < MB; ++mi)
-    for (int r = 0; r < R; ++r) a.y[(m0 + mi) * a.N + n + r] = sum_avx2(acc[mi][r]) * a.scale[n + r];
-}
-
-template <int MB>
-__attribute__((target("avx2,fma"))) inline void rows_of_avx2(const Args& a, int64_t n, int64_t rows, int64_t m0) {
-  switch (rows) {
-    case 4: return tile_avx2<MB, 4>(a, n, m0);
-    case 3: return tile_avx2<MB, 3>(a, n, m0);
-    case 2: return tile_avx2<MB, 2>(a, n, m0);
-    default: return tile_avx2<MB, 1>(a, n, m0);
-  }
+  for (int r = 0; r < R; ++r) a.y[m * a.N + n + r] = sum_avx2(acc[r]) * a.scale[n + r];
 }
 
 __attribute__((target("avx2,fma"))) void rows_avx2(const Args& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += TILE) {
     const int64_t rows = std::min(TILE, n1 - n);
-    int64_t m = 0;
-    for (; m < a.M; ++m) rows_of_avx2<1>(a, n, rows, m);  // sixteen registers: one activation row at a time
+    for (int64_t m = 0; m < a.M; ++m) {
+      switch (rows) {  // R known when compiled: the sums stay in registers
+        case 4: tile_avx2<4>(a, n, m); break;
+        case 3: tile_avx2<3>(a, n, m); break;
+        case 2: tile_avx2<2>(a, n, m); break;
+        default: tile_avx2<1>(a, n, m);
+      }
+    }
   }
 }
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcli.files import atomic_write, default_cache_dir
+from kvcli.files import atomic_write, cache_folder
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,7 @@ def build(folder: Path) -> Path:
     target = folder / library_name()
     if target.exists():
         return target
-    print("kvcli: compiling its int8 decoding kernel once (~10-20 s)", file=sys.stderr, flush=True)
+    print("kvcli: compiling its int8 decoding kernel once (~10 s)", file=sys.stderr, flush=True)
     atomic_write(target, _compile)
     return target
 
@@ -139,7 +139,7 @@ def load(cache_dir: Path | None = None) -> str | None:
     it first (once a process); None where PyTorch's kernel runs instead (module docstring)."""
     if not wanted():
         return None
-    return _loaded((cache_dir or default_cache_dir()) / KERNELS_FOLDER)
+    return _loaded(cache_folder(cache_dir) / KERNELS_FOLDER)
 
 
 def product(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
