@@ -40,14 +40,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from books import fetch_pdf, fresh_cache_dir, page_text, right, store_dir  # noqa: E402
-from cite_heads import span  # noqa: E402  ("0-39" or "0,3,5" -> the indices)
+from cite_heads import PerHead, span  # noqa: E402  (per-head attention; "0-39" or "0,3,5" -> the indices)
+from contextcite import ranking  # noqa: E402  (ContextCite, the reference ranking)
 from portable import scrub  # noqa: E402  (no machine's paths in the JSON)
 
 from kvcli.answer.question import QuestionOptions  # noqa: E402
@@ -169,21 +169,21 @@ def use_heads(spec: str) -> None:
     weights (benchmarks/cite_heads.py analyze --weights-out)."""
     import torch
 
-    import kvcli.api
+    import kvcli.cite.attribution
     from kvcli.cite.attribution import HeadWeights
 
     if spec == "default":
         return
     if spec.endswith(".npy"):
         w = torch.from_numpy(np.load(spec)).float()
-        kvcli.api.citing_heads = lambda lm: HeadWeights(w, spec)
+        kvcli.cite.attribution.citing_heads = lambda lm: HeadWeights(w, spec)
     elif spec == "all" or spec.startswith("layers:"):
 
         def heads(lm):
             layers = range(lm.n_layers) if spec == "all" else span(spec.split(":", 1)[1])
             return HeadWeights.uniform(lm.n_layers, lm.n_heads, list(layers), spec)
 
-        kvcli.api.citing_heads = heads
+        kvcli.cite.attribution.citing_heads = heads
     else:
         raise SystemExit(f"--heads: {spec}?")
 
@@ -229,108 +229,24 @@ def run(args) -> list[dict]:
     return rows
 
 
-class PerHead:
-    """``--per-head FILE``: besides the product's sources, each (layer, head)'s own attention per
-    unit of every answer, kept in the format of benchmarks/cite_heads.py (``analyze`` learns and
-    scores per-head weights on it). The citing heads are then every head of every layer."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path, self.records, self.arrays = path, [], {}
-        self.current: torch.Tensor | None = None
-
-    def install(self) -> None:
-        import kvcli.answer.pipeline
-        import kvcli.api
-        from kvcli.cite.attribution import CitingHeads, HeadWeights
-
-        outer = self
-
-        class Recording(CitingHeads):
-            def _observer(self, layer):
-                inner = super()._observer(layer)
-                heads = self.heads.weights.shape[1]
-
-                def observe(query, key):
-                    before = self.scores.clone() if query.shape[2] == 1 else None
-                    inner(query, key)
-                    if before is not None and outer.current is not None:
-                        # the layer's heads one at a time: re-add with a one-hot head weight
-                        positions, probs = self.last
-                        for h in range(heads):
-                            w = torch.zeros(heads)
-                            w[h] = 1.0
-                            per = (probs.double() * w.view(probs.shape[0], -1, 1).double()).sum(1)
-                            pos = positions.to(per.device)
-                            ok = (pos >= 0) & (pos < self.n_positions)
-                            outer.current[layer, h].index_add_(0, pos[ok].cpu(), per[ok].cpu().float())
-
-                return observe
-
-            def add(self, positions, probs, weights):
-                self.last = (positions, probs)
-                super().add(positions, probs, weights)
-
-        kvcli.answer.pipeline.CitingHeads = Recording
-        kvcli.api.citing_heads = lambda lm: HeadWeights.uniform(
-            lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged"
-        )
-
-    def start(self, lm, n_prompt: int) -> None:
-        self.current = torch.zeros(lm.n_layers, lm.n_heads, n_prompt)
-
-    def keep(self, case: dict, result, index: int) -> None:
-        du = DocumentUnits.of(case["doc"])
-        p = result.prompt
-        per = self.current[:, :, p.doc_start : p.doc_end].numpy()
-        units = np.stack(
-            [[du.scores(p.doc_offsets, per[layer, h])[0] for h in range(per.shape[1])] for layer in range(per.shape[0])]
-        )
-        gold = []
-        for i, u in enumerate(du.units):
-            src = {
-                "start": u.start,
-                "end": u.end,
-                **({"pages": list(case["doc"].page_range(u.start, u.end))} if "gold_pages" in case else {}),
-            }
-            if hit(case, src):
-                gold.append(i)
-        self.records.append(
-            {
-                "index": index,
-                "document": case["document"],
-                "question": case["question"],
-                "gold": gold,
-                "n_units": len(du),
-                "right": right(result.answer, case["accept"], case["question"]),
-                "unit_chars": [u.end - u.start for u in du.units],
-            }
-        )
-        self.arrays[f"answer_{index}"] = units.astype(np.float32)
-        self.current = None
-
-    def save(self) -> None:
-        if self.path is not None and self.records:
-            np.savez_compressed(self.path, records=json.dumps(self.records), **self.arrays)
-
-
 PER_HEAD = PerHead(None)
 
 
 def ask(session, case: dict, method: str, args) -> list[dict]:
     """The method's answer and its sources (the product's ranking), and the same attention ranked
     with the question's BM25 over the units it read (``METHOD+bm25``: :func:`kvcli.cite.sources.fused`)."""
-    import kvcli.api
+    import kvcli.answer.citing
     from kvcli.api import parse_pipeline
     from kvcli.cite.sources import sources_from_tokens
 
     kept = {}
-    real = kvcli.api.cite
+    real = kvcli.answer.citing.cite
 
     def keep(document, result, question="", **kwargs):
         kept["scores"] = result.extra["citing"]["scores"].clone()
         return real(document, result, question, **kwargs)
 
-    kvcli.api.cite = keep
+    kvcli.answer.citing.cite = keep
     if PER_HEAD.path is not None:
         from kvcli.answer.prompt import build_prompt
 
@@ -350,7 +266,7 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
             ),
         )
     finally:
-        kvcli.api.cite = real
+        kvcli.answer.citing.cite = real
     extra = {
         "answer": result.answer,
         "right": right(result.answer, case["accept"], case["question"]),
@@ -363,7 +279,7 @@ def ask(session, case: dict, method: str, args) -> list[dict]:
     }
     rows = [scored(case, method, result.sources, extra)]
     if PER_HEAD.path is not None:
-        PER_HEAD.keep(case, result, len(PER_HEAD.records))
+        PER_HEAD.keep(case, result, len(PER_HEAD.records), lambda src: hit(case, src), extra["right"])
     if not result.sources.items:
         return rows
     t0 = time.perf_counter()
@@ -410,74 +326,27 @@ def oracle(session, case: dict, args) -> dict:
     }
 
 
-def lasso(x: np.ndarray, y: np.ndarray, alpha: float = 0.01, steps: int = 2000) -> np.ndarray:
-    """ContextCite's surrogate: min 1/(2n) |y - x w - b|^2 + alpha |w|_1, by ISTA (x centred)."""
-    xc, yc = x - x.mean(0), y - y.mean()
-    step = len(x) / max(np.linalg.norm(xc, 2) ** 2, 1e-9)
-    w = np.zeros(x.shape[1])
-    for _ in range(steps):
-        w = w - step * (xc.T @ (xc @ w - yc)) / len(x)
-        w = np.sign(w) * np.maximum(np.abs(w) - step * alpha, 0.0)
-    return w
-
-
 def contextcite(session, case: dict, args) -> dict:
-    """ContextCite (Cohen-Wang et al. 2024) as the reference ranking: the paragraphs of the
-    document are the sources; ``--ablations`` random subsets (each paragraph kept with probability
-    1/2) each give the log-probability of full attention's answer; a sparse linear surrogate
-    (Lasso) of it ranks the paragraphs. Also: whether the attention's top source lies in
-    ContextCite's top paragraph."""
-    import torch
-
-    from kvcli.answer.prompt import build_prompt
-    from kvcli.api import parse_pipeline
-    from kvcli.cite.sources import Source, Sources
-
-    t0 = time.perf_counter()
-    doc, tok = case["doc"], session.lm.tokenizer
-    result = session.ask(
-        doc,
+    """ContextCite's ranking of the paragraphs (benchmarks/contextcite.py), scored as the others."""
+    ranked = ranking(
+        session,
+        case["doc"],
         case["question"],
-        parse_pipeline("full"),
-        QuestionOptions(
-            answer_prefix=case["answer_prefix"], max_new_tokens=case.get("max_new_tokens", args.max_new_tokens)
-        ),
+        case["answer_prefix"],
+        case.get("max_new_tokens", args.max_new_tokens),
+        args.ablations,
     )
-    answer = torch.tensor(result.answer_ids)
-    cuts = doc.passages()
-    rng = np.random.default_rng(0)
-    masks = rng.random((args.ablations, len(cuts))) < 0.5
-    logps = []
-    for mask in masks:
-        text = "\n\n".join(doc.text[lo:hi] for (lo, hi), keep in zip(cuts, mask) if keep) or " "
-        prompt = build_prompt(tok, text, case["question"], session.template, case["answer_prefix"])
-        ids = torch.cat([prompt.ids, answer])
-        with torch.inference_mode():
-            hidden = session.engine.forward(ids, torch.arange(ids.numel()), None)
-            logits = session.engine.logits(hidden[:, prompt.n_tokens - 1 : -1])  # (answer, vocab)
-        logp = torch.log_softmax(logits, -1)
-        logps.append(float(logp[torch.arange(answer.numel()), answer].sum()))
-    w = lasso(masks.astype(np.float64), np.array(logps))
-    order = np.argsort(-w, kind="stable")[:3]
-    items = tuple(
-        Source(cuts[i][0], cuts[i][1], 1, 1, False, doc.text[cuts[i][0] : cuts[i][1]], float(w[i]), ())
-        for i in order
-        if w[i] > 0
-    )
-    found = Sources(items, clear=bool(items), signal="contextcite")
-    attention = result.sources.items[0] if result.sources and result.sources.items else None
-    agree = bool(items) and attention is not None and attention.start < items[0].end and items[0].start < attention.end
     return scored(
         case,
         "contextcite",
-        found,
+        ranked.sources,
         {
-            "answer": result.answer,
-            "right": right(result.answer, case["accept"], case["question"]),
-            "attention_top_in_contextcite_top": agree,
+            "answer": ranked.result.answer,
+            "right": right(ranked.result.answer, case["accept"], case["question"]),
+            "attention_top_in_contextcite_top": ranked.agrees,
             "ablations": args.ablations,
-            "total_s": round(time.perf_counter() - t0, 2),
-            "sources_s": round(time.perf_counter() - t0 - result.total_s, 2),
+            "total_s": round(ranked.seconds, 2),
+            "sources_s": round(ranked.seconds - ranked.result.total_s, 2),
         },
     )
 

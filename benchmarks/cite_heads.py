@@ -85,6 +85,96 @@ class Reader:
         return observe
 
 
+class PerHead:
+    """``--per-head FILE``: besides the product's sources, each (layer, head)'s own attention per
+    unit of every answer, kept in this module's format (``analyze`` learns and
+    scores per-head weights on it). The citing heads are then every head of every layer."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.records, self.arrays = path, [], {}
+        self.current: torch.Tensor | None = None
+
+    def install(self) -> None:
+        import kvcli.answer.pipeline
+        import kvcli.cite.attribution
+        from kvcli.cite.attribution import CitingHeads, HeadWeights
+
+        outer = self
+
+        class Recording(CitingHeads):
+            """Also each head's own weights, wherever the product adds a layer's (a step, or a
+            batch of waiting steps at a flush): the layer being added is the one last observed
+            or flushed."""
+
+            def _observer(self, layer):
+                inner = super()._observer(layer)
+
+                def observe(query, key):
+                    self.layer = layer
+                    inner(query, key)
+
+                return observe
+
+            def flush(self, layer):
+                self.layer = layer
+                super().flush(layer)
+
+            def add(self, positions, probs, weights):
+                super().add(positions, probs, weights)
+                if outer.current is None:
+                    return
+                n_kv, group, _ = probs.shape
+                pos = positions.cpu()
+                ok = (pos >= 0) & (pos < self.n_positions)
+                for kv in range(n_kv):
+                    for g in range(group):
+                        row = probs[kv, g].cpu().float()
+                        outer.current[self.layer, kv * group + g].index_add_(0, pos[kv][ok[kv]], row[ok[kv]])
+
+        kvcli.answer.pipeline.CitingHeads = Recording
+        kvcli.cite.attribution.citing_heads = lambda lm: HeadWeights.uniform(
+            lm.n_layers, lm.n_heads, list(range(lm.n_layers)), "every head of every layer, averaged"
+        )
+
+    def start(self, lm, n_prompt: int) -> None:
+        self.current = torch.zeros(lm.n_layers, lm.n_heads, n_prompt)
+
+    def keep(self, case: dict, result, index: int, is_gold, right: bool) -> None:
+        """One answer's record; ``is_gold(source dict)``: does a unit hold the answer; ``right``: the answer."""
+        du = DocumentUnits.of(case["doc"])
+        p = result.prompt
+        per = self.current[:, :, p.doc_start : p.doc_end].numpy()
+        units = np.stack(
+            [[du.scores(p.doc_offsets, per[layer, h])[0] for h in range(per.shape[1])] for layer in range(per.shape[0])]
+        )
+        gold = []
+        for i, u in enumerate(du.units):
+            src = {
+                "start": u.start,
+                "end": u.end,
+                **({"pages": list(case["doc"].page_range(u.start, u.end))} if "gold_pages" in case else {}),
+            }
+            if is_gold(src):
+                gold.append(i)
+        self.records.append(
+            {
+                "index": index,
+                "document": case["document"],
+                "question": case["question"],
+                "gold": gold,
+                "n_units": len(du),
+                "right": right,
+                "unit_chars": [u.end - u.start for u in du.units],
+            }
+        )
+        self.arrays[f"answer_{index}"] = units.astype(np.float32)
+        self.current = None
+
+    def save(self) -> None:
+        if self.path is not None and self.records:
+            np.savez_compressed(self.path, records=json.dumps(self.records), **self.arrays)
+
+
 def greedy(lm, ids: torch.Tensor, ctx: AttentionContext, max_new: int, stop: set[int]) -> list[int]:
     model = lm.model
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -97,7 +97,7 @@ def attention(shape=(LAYERS, HEADS, KV_HEADS, HEAD_DIM), keys=(1024, 4096, 8192)
 def _growing(n: int, made: bool, steps: int) -> str:
     import psutil
 
-    from kvcli.caches.base import _made
+    from kvcli.runtime.buffers import made_finite
 
     torch.manual_seed(0)
     bufs = [
@@ -108,7 +108,7 @@ def _growing(n: int, made: bool, steps: int) -> str:
         for _ in range(LAYERS)
     ]
     if made:
-        bufs = [(_made(k, n + steps), _made(v, n + steps)) for k, v in bufs]
+        bufs = [(made_finite(k, n + steps), made_finite(v, n + steps)) for k, v in bufs]
     q = torch.randn(1, HEADS, 1, HEAD_DIM).bfloat16()
     rss0, t0 = psutil.Process().memory_info().rss, time.perf_counter()
     for step in range(steps):
