@@ -14,8 +14,9 @@
    kernel): the 28 layers' seven matrices read once each in turn (cold, as in a step), one layer's
    read again and again (hot: from the caches), and the LM head (151,936 x 1,536), each as GB/s of
    weights read, beside the float32 sum of 1; the LM head in 4 bits as ``--quant 4`` holds a layer
-   (groups of 32); and, with ``KVCLI_INT8_KERNEL=kvcli``, kvcli's kernel of 8-bit activations
-   (``kvcli.model.int8_rows``, where it compiles) on the same layers and head.
+   (groups of 32); and kvcli's kernels (``kvcli.model.int8_rows``, where they compile), exact
+   activations (the default) and 8-bit ones, on the same layers and head; on a CPU with AVX-512,
+   the exact kernel's AVX2 path too (forced: the code an AVX2-only CPU runs, on this CPU's memory).
 4. ``--dynamic``: the same 28 layers through PyTorch's int8 products that quantise the activations
    too (``torch.ops.quantized.linear_dynamic``: one scale for the row, int8 weights packed by
    ``linear_prepack``, for the x86/fbgemm and oneDNN engines), and what packing the weights costs,
@@ -118,8 +119,8 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     def pytorch(w, scales):
         return torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], w, scales)
 
-    def kvcli(w, scales):  # kvcli's kernel: the activations in 8 bits per block of 32 (docs/cpu.md)
-        return int8_rows.product(xs[w.shape[1]], w, scales)
+    def forced_avx2(w, scales):  # the exact kernel's AVX2 path, forced (what a CPU without AVX-512 runs)
+        return torch.ops.kvcli.int8_rows_exact_path(xs[w.shape[1]], w, scales, 1).to(DT)
 
     def step(which, product=pytorch):
         for layer in which:
@@ -138,12 +139,19 @@ def int8_products(rows: int = 1) -> dict[str, str]:
         "LM head": gb(head[0].numel(), per_call(lambda: pytorch(*head), 5)),
         "LM head in 4 bits": gb(packed.numel() * packed.element_size(), per_call(int4_head, 5)),
     }
-    path = int8_rows.load() if rows <= int8_rows.ROWS else None
-    if path is not None:  # kvcli's kernel, where it compiles and loads (its path on this CPU)
-        out[f"kvcli's kernel ({path}): 28 layers, cold"] = gb(
-            per_layer * len(layers), per_call(lambda: step(layers, kvcli), 5)
+    for mode, kernel in (("exact", int8_rows.exact), ("8bit", int8_rows.product)):
+        path = int8_rows.load(chosen=mode)  # where it compiles and loads: its path on this CPU
+        if path is None:
+            continue
+        run = lambda w, scales, kernel=kernel: kernel(xs[w.shape[1]], w, scales)  # noqa: E731
+        out[f"kvcli's {mode} kernel ({path}): 28 layers, cold"] = gb(
+            per_layer * len(layers), per_call(lambda: step(layers, run), 5)
         )
-        out[f"kvcli's kernel ({path}): LM head"] = gb(head[0].numel(), per_call(lambda: kvcli(*head), 5))
+        out[f"kvcli's {mode} kernel ({path}): LM head"] = gb(head[0].numel(), per_call(lambda: run(*head), 5))
+        if mode == "exact" and path == "AVX-512":  # its AVX2 path too, on this CPU's memory
+            out["kvcli's exact kernel, AVX2 path forced: 28 layers, cold"] = gb(
+                per_layer * len(layers), per_call(lambda: step(layers, forced_avx2), 5)
+            )
     return out
 
 

@@ -31,7 +31,7 @@ ENVIRONMENT: dict[str, str] = {
     "KVCLI_CACHE_DIR": "--cache-dir",
     CAP_ENV: "--cache-max (ask, chat, cache prune)",
     ENV_PREFILL_CHUNK: "tokens per prefill chunk (0: one pass)",
-    int8_rows.ENV: "8-bit decoding kernel: pytorch (default) or kvcli",
+    int8_rows.ENV: "8-bit decoding: exact (default), 8bit or pytorch",
     ENV_CUDA_GRAPHS: "0: CUDA decodes step by step, no graph (default 1)",
     STALE_ENV: "seconds to wait for a stuck lock holder (120, min 20)",
     "KVCLI_EMBED_MODEL": "pages' embedding model: name, folder, package or none",

@@ -1,4 +1,4 @@
-"""4- and 8-bit weights on the CPU, through PyTorch's own CPU kernels (and, asked for, kvcli's for 8-bit decoding).
+"""4- and 8-bit weights on the CPU, through PyTorch's own CPU kernels and kvcli's for 8-bit decoding.
 
 ``--quant 4`` / ``8bit`` on the CPU replace every ``nn.Linear`` of the decoder layers:
 
@@ -13,8 +13,9 @@
   a matrix the GGUF holds in more bits (Q5_0, Q6_K, Q8_0) stays :class:`Int8Linear`
   (:func:`four_bit_fits`), as ``--quant 8`` runs it.
 * **8bit** — :class:`Int8Linear`: one scale per output row (symmetric), run by
-  ``torch.ops.aten._weight_int8pack_mm``; with ``KVCLI_INT8_KERNEL=kvcli`` its few-row passes
-  (decoding) by kvcli's kernel of 8-bit activations (:func:`use_int8_rows`, :mod:`kvcli.model.int8_rows`).
+  ``torch.ops.aten._weight_int8pack_mm``, its few-row passes (decoding) by kvcli's own kernel
+  where it compiles: exact activations by default, 8-bit ones asked for (:func:`use_int8_rows`,
+  :mod:`kvcli.model.int8_rows`).
 * The token embedding and the LM head (one table when tied) are int8 per row in both modes
   (:class:`Int8Embedding` gathers and scales rows; the head is an :class:`Int8Linear`): the GGUF
   stores that table as Q8_0, and the head is the one matrix every decoding step reads whole.
@@ -219,16 +220,16 @@ class Int8Linear(QuantLinear):
             )
         return cls(*quantize_int8(linear.weight), bias, dtype)
 
-    # whether :meth:`product` runs kvcli's kernel of 8-bit activations (:mod:`kvcli.model.int8_rows`,
-    # set by :func:`use_int8_rows`) rather than PyTorch's of exact ones, for passes of up to
-    # :data:`int8_rows.ROWS` rows: a decoding step and a draft's check. A prompt's short pieces stay
-    # exact: SmolLM2 with a 37-token question read through it too answered 2 of 4 rephrasings of a
-    # question it answers in full precision; with only its decoding so, 4 of 4 (tests/model/test_int8_rows.py).
-    int8_rows = False
+    # kvcli's kernel :meth:`product` runs for passes of up to :data:`int8_rows.ROWS` rows (a decoding
+    # step, a draft's check), set by :func:`use_int8_rows`: int8_rows.exact or int8_rows.product (8-bit
+    # activations); None: PyTorch's. A prompt's short pieces stay on PyTorch's: SmolLM2 with a 37-token
+    # question read with 8-bit activations too answered 2 of 4 rephrasings of a question it answers in
+    # full precision; with only its decoding so, 4 of 4 (tests/model/test_int8_rows.py).
+    rows_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.int8_rows and rows.shape[0] <= int8_rows.ROWS:
-            return int8_rows.product(rows, self.codes, self.scale)
+        if self.rows_kernel is not None and rows.shape[0] <= int8_rows.ROWS:
+            return self.rows_kernel(rows, self.codes, self.scale)
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -238,16 +239,18 @@ class Int8Linear(QuantLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> str | None:
-    """Every :class:`Int8Linear` of ``model`` whose inputs come in whole blocks of 64 set to run
-    kvcli's kernel of 8-bit activations for its few-row products (decoding): its path on this CPU
-    ("AVX-512 VNNI", "AVX2"), compiled first where needed; None where PyTorch's runs (the default:
-    ``KVCLI_INT8_KERNEL`` unset or ``pytorch``; no compiler) and nothing changes."""
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.in_features % int8_rows.BLOCK == 0]
-    path = int8_rows.load(cache_dir) if layers else None
+def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] | None:
+    """Every :class:`Int8Linear` of ``model`` whose inputs the kernel takes whole set to run kvcli's
+    kernel (``KVCLI_INT8_KERNEL``: exact by default, or 8bit) for its few-row products (decoding),
+    compiled first where needed: (the mode, its instructions on this CPU), e.g. ("exact", "AVX-512");
+    None where PyTorch's runs (``pytorch``; no compiler) and nothing changes."""
+    chosen = int8_rows.mode()
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.in_features % int8_rows.step(chosen) == 0]
+    path = int8_rows.load(cache_dir, chosen) if layers else None
+    kernel = int8_rows.product if chosen == "8bit" else int8_rows.exact
     for layer in layers if path else ():
-        layer.int8_rows = True
-    return path
+        layer.rows_kernel = kernel
+    return (chosen, path) if path else None
 
 
 PACK_ROWS = 64  # output rows per block of the CPU int4 packing (:func:`unpack_int4` reads its layout)

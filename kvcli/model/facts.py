@@ -43,7 +43,7 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str  # "none" | "4bit" | "8bit" (what ran: "auto" resolved)
     attn: str  # "sdpa" | "eager" | "flash" (the kernel asked for)
-    # 8-bit decoding with 8-bit activations: the kernel's path (kvcli.model.int8_rows); None: PyTorch's kernel
+    # kvcli's kernel for 8-bit decoding (kvcli.model.int8_rows): "exact, AVX-512", "8bit, AVX-512 VNNI"...; None: PyTorch's
     int8_kernel: str | None = None
     source: str = ""  # what was actually loaded: the local folder, or the hub id
     cpu_prefill_chunk: int | None = None  # an embedded model's measured chunk on the CPU (EmbeddedModel's)

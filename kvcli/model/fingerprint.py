@@ -102,9 +102,10 @@ def compute_fingerprint(
       for a hub model whose snapshot is not found, its id;
     * the tokenizer: ``len(tokenizer)``, its chat template and its bos/eos/pad/unk tokens;
     * the dtype and the quantization ("none" / "4bit" / "8bit");
-    * where 8-bit layers decode with 8-bit activations (:mod:`kvcli.model.int8_rows`), that
-      kernel's path ("AVX-512 VNNI", "AVX2"): its logits round differently from PyTorch's. Absent
-      otherwise, so the other fingerprints stay as they were.
+    * where 8-bit layers decode with 8-bit activations (``KVCLI_INT8_KERNEL=8bit``,
+      :mod:`kvcli.model.int8_rows`), that kernel's path ("AVX-512 VNNI", "AVX2"): its logits round
+      differently from PyTorch's. Absent otherwise (kvcli's exact kernel sums PyTorch's products in
+      another order, as another CPU's kernels may), so the other fingerprints stay as they were.
 
     The attention kernel and the device are not part of it.
     """

@@ -1,4 +1,5 @@
-// kvcli's decoding product for int8 weights with 8-bit activations (kvcli/model/int8_rows.py).
+// kvcli's decoding products for int8 weights (kvcli/model/int8_rows.py): exact activations below
+// (product_exact), or 8-bit ones:
 //
 //   y[m, n] = scale[n] * sum_b xs[m, b] * sum_{k in block b} xq[m, k] * w[n, k]
 //
@@ -165,6 +166,121 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Args& a, int64_t n0, in
   }
 }
 
+// Exact activations: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] in float32, the activations as
+// they come (bfloat16 widens to float32 exactly) and each weight widened to float32 (exact: |w| <=
+// 127): the products PyTorch's kernel computes, summed in another order (float32 rounding apart).
+// The CPU widens 16 weights a vector (vpmovsxbd, vcvtdq2ps), so the work per weight is larger than
+// vpdpbusd's; the tiles, the prefetch and the sums kept in registers are the paths' above. U: sums
+// kept per product (two where few activation rows leave the multiply-adds waiting on each other).
+struct Exact {
+  const float* x;  // (M, K)
+  const int8_t* w;  // (N, K)
+  const float* scale;  // (N)
+  float* y;  // (M, N)
+  int64_t M, N, K;
+};
+
+constexpr int64_t EXACT_STEP = 32;  // inputs an iteration: two vectors of 16 (AVX-512), four of 8 (AVX2)
+
+template <int MB, int R>
+__attribute__((target("avx512f"))) inline void tile_exact512(const Exact& a, int64_t n, int64_t m0) {
+  constexpr int U = MB <= 2 ? 2 : 1;
+  __m512 acc[U][MB][R];
+  for (auto& set : acc)
+    for (auto& row : set)
+      for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += EXACT_STEP) {
+    if ((k & 63) == 0 && n + R + R <= a.N)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(a.w + (n + R + r) * a.K + k), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const int u = U == 2 ? h : 0;
+      __m512 w[R];
+      for (int r = 0; r < R; ++r)
+        w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.w + (n + r) * a.K + k + 16 * h))));
+      for (int mi = 0; mi < MB; ++mi) {
+        const __m512 x = _mm512_loadu_ps(a.x + (m0 + mi) * a.K + k + 16 * h);
+        for (int r = 0; r < R; ++r) acc[u][mi][r] = _mm512_fmadd_ps(w[r], x, acc[u][mi][r]);
+      }
+    }
+  }
+  for (int mi = 0; mi < MB; ++mi)
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = U == 2 ? _mm512_add_ps(acc[0][mi][r], acc[U - 1][mi][r]) : acc[0][mi][r];
+      a.y[(m0 + mi) * a.N + n + r] = _mm512_reduce_add_ps(sum) * a.scale[n + r];
+    }
+}
+
+template <int MB>
+__attribute__((target("avx512f"))) inline void rows_of_exact512(const Exact& a, int64_t n, int64_t rows, int64_t m0) {
+  switch (rows) {
+    case 4: return tile_exact512<MB, 4>(a, n, m0);
+    case 3: return tile_exact512<MB, 3>(a, n, m0);
+    case 2: return tile_exact512<MB, 2>(a, n, m0);
+    default: return tile_exact512<MB, 1>(a, n, m0);
+  }
+}
+
+__attribute__((target("avx512f"))) void rows_exact512(const Exact& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) rows_of_exact512<4>(a, n, rows, m);
+    for (; m + 2 <= a.M; m += 2) rows_of_exact512<2>(a, n, rows, m);
+    for (; m < a.M; ++m) rows_of_exact512<1>(a, n, rows, m);
+  }
+}
+
+// AVX2: up to two activation rows at a time (sixteen registers), two sums per product for one row
+template <int MB, int R>
+__attribute__((target("avx2,fma"))) inline void tile_exact256(const Exact& a, int64_t n, int64_t m0) {
+  constexpr int U = MB == 1 ? 2 : 1;
+  __m256 acc[U][MB][R];
+  for (auto& set : acc)
+    for (auto& row : set)
+      for (auto& v : row) v = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += EXACT_STEP) {
+    if ((k & 63) == 0 && n + R + R <= a.N)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(a.w + (n + R + r) * a.K + k), _MM_HINT_T0);
+    for (int q = 0; q < 4; ++q) {
+      const int u = U == 2 ? (q & 1) : 0;
+      __m256 x[MB];
+      for (int mi = 0; mi < MB; ++mi) x[mi] = _mm256_loadu_ps(a.x + (m0 + mi) * a.K + k + 8 * q);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.w + (n + r) * a.K + k + 8 * q))));
+        for (int mi = 0; mi < MB; ++mi) acc[u][mi][r] = _mm256_fmadd_ps(w, x[mi], acc[u][mi][r]);
+      }
+    }
+  }
+  for (int mi = 0; mi < MB; ++mi)
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum = U == 2 ? _mm256_add_ps(acc[0][mi][r], acc[U - 1][mi][r]) : acc[0][mi][r];
+      a.y[(m0 + mi) * a.N + n + r] = sum_avx2(sum) * a.scale[n + r];
+    }
+}
+
+template <int MB>
+__attribute__((target("avx2,fma"))) inline void rows_of_exact256(const Exact& a, int64_t n, int64_t rows, int64_t m0) {
+  switch (rows) {
+    case 4: return tile_exact256<MB, 4>(a, n, m0);
+    case 3: return tile_exact256<MB, 3>(a, n, m0);
+    case 2: return tile_exact256<MB, 2>(a, n, m0);
+    default: return tile_exact256<MB, 1>(a, n, m0);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void rows_exact256(const Exact& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    int64_t m = 0;
+    for (; m + 2 <= a.M; m += 2) rows_of_exact256<2>(a, n, rows, m);
+    for (; m < a.M; ++m) rows_of_exact256<1>(a, n, rows, m);
+  }
+}
+
 enum Path { NONE = 0, AVX2 = 1, VNNI = 2 };
 
 Path path() {
@@ -202,6 +318,47 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   return y;
 }
 
+bool has_avx512f() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+int64_t exact_cpu_path() { return has_avx512f() ? 2 : (path() != NONE ? 1 : 0); }
+
+at::Tensor product_exact(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool wide) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_rows_exact: x (M, K), w (N, K)");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_rows_exact: w contiguous int8");
+  TORCH_CHECK(w.size(1) % EXACT_STEP == 0, "int8_rows_exact: K a multiple of 32");
+  TORCH_CHECK(scale.numel() == w.size(0), "int8_rows_exact: one scale per row of w");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Exact a{xf.data_ptr<float>(), w.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
+  at::parallel_for(0, (N + TILE - 1) / TILE, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * TILE, n1 = std::min(N, t1 * TILE);
+    if (wide)
+      rows_exact512(a, n0, n1);
+    else
+      rows_exact256(a, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor int8_rows_exact(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  static const Path chosen = path();
+  static const bool wide = has_avx512f();
+  TORCH_CHECK(chosen != NONE, "int8_rows_exact: this CPU has neither AVX-512 nor AVX2 with FMA");
+  return product_exact(x, w, scale, wide);
+}
+
+at::Tensor int8_rows_exact_path(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t forced) {
+  // 1: AVX2, 2: AVX-512 (tests run each path this CPU has)
+  TORCH_CHECK(forced == 1 || forced == 2, "int8_rows_exact_path: 1 (AVX2) or 2 (AVX-512)");
+  TORCH_CHECK(forced == 1 ? path() != NONE : has_avx512f(), "int8_rows_exact_path: this CPU lacks that path");
+  return product_exact(x, w, scale, forced == 2);
+}
+
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   static const Path chosen = path();
   TORCH_CHECK(chosen != NONE, "int8_rows: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
@@ -221,11 +378,19 @@ TORCH_LIBRARY(kvcli, m) {
   m.def("int8_rows(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_rows_path(Tensor x, Tensor w, Tensor scale, int path) -> Tensor");
   m.def("int8_rows_cpu_path() -> int");
+  m.def("int8_rows_exact(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_rows_exact_path(Tensor x, Tensor w, Tensor scale, int path) -> Tensor");
+  m.def("int8_rows_exact_cpu_path() -> int");
 }
 
 TORCH_LIBRARY_IMPL(kvcli, CPU, m) {
   m.impl("int8_rows", int8_rows);
   m.impl("int8_rows_path", int8_rows_path);
+  m.impl("int8_rows_exact", int8_rows_exact);
+  m.impl("int8_rows_exact_path", int8_rows_exact_path);
 }
 
-TORCH_LIBRARY_IMPL(kvcli, CompositeExplicitAutograd, m) { m.impl("int8_rows_cpu_path", cpu_path); }
+TORCH_LIBRARY_IMPL(kvcli, CompositeExplicitAutograd, m) {
+  m.impl("int8_rows_cpu_path", cpu_path);
+  m.impl("int8_rows_exact_cpu_path", exact_cpu_path);
+}

@@ -1,18 +1,24 @@
-"""kvcli's own decoding product for int8 weights: 8-bit activations (``int8_rows.cpp``).
+"""kvcli's own decoding products for int8 weights (``int8_rows.cpp``), exact by default.
 
 A decoding step of a quantised model on the CPU is its int8 products (88% of the 1.5B Qwen's
-step). PyTorch's kernel for them (``_weight_int8pack_mm``) keeps the activations exact and widens
-every weight to a float before multiplying: it reads the weights at 11-14 GB/s where the memory
-gives 50. Quantising each row of activations to int8 per block of 64 inputs (the block's largest
-magnitude at 127) lets the CPU's integer dot products do the work, as llama.cpp's q8 blocks do:
-AVX-512 VNNI (``vpdpbusd``) or AVX2 (``vpmaddubsw``), on the int8 rows as kvcli stores them, with
-no packing. The logits round differently (docs/cpu.md has the measured answers and speed).
+step). PyTorch's kernel for them (``_weight_int8pack_mm``) reads the weights at 11-14 GB/s where
+the memory gives 30-50. kvcli's kernels read kvcli's int8 rows as stored (no packing), four weight
+rows a tile with the next tile fetched ahead, in one of two arithmetics (``KVCLI_INT8_KERNEL``):
 
-Not the default: held out, the 1.5B Qwen answered one question fewer in 50 with it (a near tie in
-a user's words), and a default never buys speed with answers. ``KVCLI_INT8_KERNEL=kvcli`` turns
-it on: the C++ source is compiled once per machine, PyTorch and source (~10 s: g++ with PyTorch's
-headers) into ``<cache>/kernels/`` and loaded as ``torch.ops.kvcli.int8_rows``. Where it cannot be
-(no compiler, neither instruction set) PyTorch's kernel runs, as without it.
+* ``exact`` (the default): the activations as they come (bfloat16 widens to float32 exactly) times
+  each weight widened to float32 (exact), summed in float32: PyTorch's products in another order of
+  summation, so the logits differ from its kernel's by float32 rounding alone (the answers held out:
+  docs/cpu.md). AVX-512 or AVX2 with FMA.
+* ``8bit``: each row of activations quantised to int8 per block of 64 inputs (the block's largest
+  magnitude at 127), as llama.cpp's q8 blocks do, and the CPU's integer dot products (AVX-512 VNNI
+  ``vpdpbusd``, AVX2 ``vpmaddubsw``): ~10% faster than ``exact``, but the logits round differently
+  and the 1.5B Qwen answered two held-out questions fewer in 100: opt-in.
+* ``pytorch``: PyTorch's kernel.
+
+Only passes of up to :data:`ROWS` rows run them (decoding, drafts checked); a prompt's pieces run
+PyTorch's. The C++ source is compiled once per machine, PyTorch and source (~10 s: the C++ compiler
+with PyTorch's headers) into ``<cache>/kernels/`` and loaded as ``torch.ops.kvcli``; where it cannot
+be (no compiler, no AVX2) PyTorch's kernel runs, with a note.
 """
 
 from __future__ import annotations
@@ -35,21 +41,28 @@ if TYPE_CHECKING:
 # PyTorch is imported where the kernel is built or run: kvcli's help names ENV without loading it
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
 BLOCK = 64  # inputs per activation scale (the source's BLOCK): a layer's inputs must be a multiple
+EXACT_STEP = 32  # inputs the exact kernel takes an iteration (the source's EXACT_STEP): a multiple it needs
 ROWS = 8  # the most rows a pass multiplies so: decoding's (a step, a draft's check), not a prompt's
-ENV = "KVCLI_INT8_KERNEL"  # "pytorch" (the default) or "kvcli" (kvcli's, where it loads)
+ENV = "KVCLI_INT8_KERNEL"
+MODES = ("exact", "8bit", "pytorch")  # the first the default (module docstring)
 KERNELS_FOLDER = "kernels"
-PATHS = {1: "AVX2", 2: "AVX-512 VNNI"}  # the source's Path values
+PATHS = {1: "AVX2", 2: "AVX-512 VNNI"}  # the source's Path values (8bit)
+EXACT_PATHS = {1: "AVX2", 2: "AVX-512"}  # int8_rows_exact_cpu_path's values
 
 
-def wanted() -> bool:
-    """Whether the environment asks for kvcli's kernel (``$KVCLI_INT8_KERNEL=kvcli``; unset or
-    ``pytorch``: PyTorch's)."""
-    value = os.environ.get(ENV, "pytorch").strip().lower()
-    if value not in ("kvcli", "pytorch", ""):
+def mode() -> str:
+    """``$KVCLI_INT8_KERNEL``: exact (unset: the default), 8bit or pytorch (module docstring)."""
+    value = os.environ.get(ENV, "").strip().lower() or MODES[0]
+    if value not in MODES:
         from kvcli.errors import UsageError
 
-        raise UsageError(f"{ENV} must be pytorch or kvcli, not '{value}'")
-    return value == "kvcli"
+        raise UsageError(f"{ENV} must be {', '.join(MODES[:-1])} or {MODES[-1]}, not '{value}'")
+    return value
+
+
+def step(chosen: str) -> int:
+    """The multiple of inputs a layer needs for ``chosen``'s kernel."""
+    return BLOCK if chosen == "8bit" else EXACT_STEP
 
 
 def library_name() -> str:
@@ -107,46 +120,56 @@ def _note(why: str) -> None:
 
 
 @functools.cache
-def _loaded(folder: Path) -> str | None:
-    """Load once a process (:func:`load`). A compile that failed leaves ``<library>.failed`` with
-    its reason: later processes do not try again (delete it to), and say nothing."""
+def _loaded(folder: Path) -> bool:
+    """Whether the library is loaded, loading it once a process (:func:`load`). A compile that
+    failed leaves ``<library>.failed`` with its reason: later processes do not try again (delete it
+    to), and say nothing."""
     import torch
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        return None
+        return False
     target = folder / library_name()
     failed = target.with_suffix(".failed")
     if not hasattr(torch.ops.kvcli, "int8_rows"):
         if not target.exists() and failed.exists():
-            return None
+            return False
         if not target.exists() and shutil.which(os.environ.get("CXX", "c++")) is None:
             _note("no C++ compiler (install g++)")
-            return None
+            return False
         try:
             torch.ops.load_library(str(build(folder)))
         except OSError as e:
             reason = str(e)
             atomic_write(failed, lambda tmp: Path(tmp).write_text(reason + "\n"))
             _note(f"its compile failed ({reason}; delete {failed} to try again)")
-            return None
-    global _op
-    _op = torch.ops.kvcli.int8_rows
-    return PATHS.get(int(torch.ops.kvcli.int8_rows_cpu_path()))
+            return False
+    return True
 
 
-def load(cache_dir: Path | None = None) -> str | None:
-    """Which of the kernel's paths runs on this CPU ("AVX-512 VNNI", "AVX2"), compiling and loading
-    it first (once a process); None where PyTorch's kernel runs instead (module docstring)."""
-    if not wanted():
+def load(cache_dir: Path | None = None, chosen: str | None = None) -> str | None:
+    """The instructions ``chosen``'s kernel (default: :func:`mode`'s) runs on this CPU: "AVX-512
+    VNNI" or "AVX2" for 8bit, "AVX-512" or "AVX2" for exact, compiling and loading the library
+    first (once a process); None where PyTorch's kernel runs instead (module docstring)."""
+    import torch
+
+    chosen = chosen or mode()
+    if chosen == "pytorch" or not _loaded(cache_folder(cache_dir) / KERNELS_FOLDER):
         return None
-    return _loaded(cache_folder(cache_dir) / KERNELS_FOLDER)
+    if chosen == "8bit":
+        return PATHS.get(int(torch.ops.kvcli.int8_rows_cpu_path()))
+    return EXACT_PATHS.get(int(torch.ops.kvcli.int8_rows_exact_cpu_path()))
 
 
 def product(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(rows, in) activations times int8 ``codes`` (out, in) and their row ``scale``: (rows, out) in
-    the activations' dtype. Needs :func:`load` to have returned a path."""
-    return _op(rows, codes, scale).to(rows.dtype)
+    """8bit: (rows, in) activations times int8 ``codes`` (out, in) and their row ``scale``: (rows,
+    out) in the activations' dtype. Needs :func:`load` to have returned a path."""
+    import torch
+
+    return torch.ops.kvcli.int8_rows(rows, codes, scale).to(rows.dtype)
 
 
-def _op(*args):  # torch.ops.kvcli.int8_rows once loaded (:func:`_loaded` sets it)
-    raise RuntimeError("kvcli's int8 kernel was not loaded: int8_rows.load() first")
+def exact(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """exact: the same product with the activations as they come (module docstring)."""
+    import torch
+
+    return torch.ops.kvcli.int8_rows_exact(rows, codes, scale).to(rows.dtype)

@@ -94,7 +94,8 @@ def load_model(
         malloc_trim()  # the float32 weights it was made from, freed in pieces glibc would keep (~250 MB)
         if keep:
             kept.save(model, Path(src.source), opts.dtype, opts.cpu_bits)
-    int8_kernel = use_int8_rows(model, cache) if opts.cpu_quant else None
+    rows_kernel = use_int8_rows(model, cache) if opts.cpu_quant else None  # (mode, instructions)
+    rounds = rows_kernel[1] if rows_kernel and rows_kernel[0] == "8bit" else None  # 8-bit activations' logits
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -111,12 +112,12 @@ def load_model(
         tokenizer=tokenizer,
         name=src.name,
         family=str(getattr(config, "model_type", "") or type(config).__name__),
-        fingerprint=compute_fingerprint(model, tokenizer, weights_id, opts.dtype, opts.quant, int8_kernel),
+        fingerprint=compute_fingerprint(model, tokenizer, weights_id, opts.dtype, opts.quant, rounds),
         device=opts.device,
         dtype=opts.dtype,
         quant=opts.quant,
         attn=attn,
-        int8_kernel=int8_kernel,
+        int8_kernel=f"{rows_kernel[0]}, {rows_kernel[1]}" if rows_kernel else None,
         source=src.source,
         cpu_prefill_chunk=what.known.cpu_prefill_chunk if what.known is not None else None,
         check_threshold=what.known.check_threshold if what.known is not None else None,

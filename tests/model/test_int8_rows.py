@@ -1,5 +1,6 @@
-"""kvcli's int8 decoding kernel (kvcli/model/int8_rows.cpp): its product against an independent
-float64 computation on each path this CPU has, and how a model load picks it up or leaves it."""
+"""kvcli's int8 decoding kernels (kvcli/model/int8_rows.cpp), exact and 8-bit activations: each
+product against an independent float64 computation on each path this CPU has, the exact one against
+PyTorch's kernel, and how a model load picks them up or leaves them."""
 
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ from kvcli.model.cpu_quant import Int8Linear, quantize_int8
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    """The kernel's path on this CPU, asked for (``KVCLI_INT8_KERNEL=kvcli``) for the module and
-    compiled once; skipped where it cannot be."""
+    """The 8-bit activations kernel's path on this CPU, asked for (``KVCLI_INT8_KERNEL=8bit``) for
+    the module and compiled once; skipped where it cannot be."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(int8_rows.ENV, "kvcli")
+        mp.setenv(int8_rows.ENV, "8bit")
         path = int8_rows.load(tmp_path_factory.mktemp("kernels"))
         if path is None:
             pytest.skip("kvcli's int8 kernel does not load here (no C++ compiler, or neither AVX2 nor AVX-512 VNNI)")
+        yield path
+
+
+@pytest.fixture(scope="module")
+def exact_kernel(tmp_path_factory):
+    """The exact kernel's path on this CPU (the default), compiled once; skipped where it cannot be."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(int8_rows.ENV, raising=False)
+        path = int8_rows.load(tmp_path_factory.mktemp("kernels"))
+        if path is None:
+            pytest.skip("kvcli's int8 kernel does not load here (no C++ compiler, or no AVX2)")
         yield path
 
 
@@ -60,13 +72,56 @@ def test_each_path_is_the_block_product(kernel, path):
     assert torch.equal(torch.ops.kvcli.int8_rows(x, w, scale), torch.ops.kvcli.int8_rows_path(x, w, scale, 2 if kernel == "AVX-512 VNNI" else 1))  # fmt: skip
 
 
+def exact_cases():
+    """Inputs a multiple of 32 but not always of 64, activation rows 1..8 (the AVX-512 path takes them
+    4, 2 and 1 at a time, the AVX2 one 2 and 1), weight rows not a multiple of the tile of 4."""
+    gen = torch.Generator().manual_seed(1)
+    for m, k, n in [(1, 32, 1), (1, 1536, 37), (2, 96, 5), (3, 160, 8), (5, 576, 13), (8, 224, 6)]:
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, k)  # magnitudes over five decades
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w[0, :3] = torch.tensor([-127, 127, 0], dtype=torch.int8)
+        yield x.bfloat16(), w, (torch.rand(n, generator=gen) / 50).bfloat16()
+
+
+@pytest.mark.parametrize("path", [1, 2], ids=["AVX2", "AVX-512"])
+def test_each_exact_path_is_the_float64_product(exact_kernel, path):
+    if path == 2 and exact_kernel != "AVX-512":
+        pytest.skip("this CPU has no AVX-512")
+    for x, w, scale in exact_cases():
+        want = x.double() @ w.double().t() * scale.double()
+        got = torch.ops.kvcli.int8_rows_exact_path(x, w, scale, path)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        # float32 sums of exact products: within a few float32 roundings of the sum of magnitudes
+        bound = 1e-6 * (x.double().abs() @ w.double().abs().t() * scale.double())
+        assert bool(((got.double() - want).abs() <= bound).all()), (x.shape, w.shape)
+    x, w, scale = next(exact_cases())
+    best = 2 if exact_kernel == "AVX-512" else 1
+    assert torch.equal(
+        torch.ops.kvcli.int8_rows_exact(x, w, scale), torch.ops.kvcli.int8_rows_exact_path(x, w, scale, best)
+    )
+
+
+def test_the_exact_kernel_is_pytorchs_up_to_the_last_bit(exact_kernel):
+    """Through a layer, in bfloat16 as decoding runs: PyTorch's kernel's output, each value equal
+    or one bfloat16 step away (float32 sums in another order, rounded once more)."""
+    x, w, scale = torch.randn(4, 1536).bfloat16(), *quantize_int8(torch.randn(300, 1536))
+    layer = Int8Linear(w, scale, None, torch.bfloat16)
+    theirs = layer(x)
+    layer.rows_kernel = int8_rows.exact
+    ours = layer(x)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    step = theirs.float().abs() * 2**-7
+    assert bool(((ours.float() - theirs.float()).abs() <= step).all())
+    assert (ours == theirs).float().mean() > 0.9
+
+
 def test_the_activations_rounding_is_what_differs_from_exact_ones(kernel):
     """Against PyTorch's kernel (exact activations) the product differs by the activations' 8-bit
     rounding: more than float noise, well under a percent of its size."""
     x, w, scale = torch.randn(2, 1536).bfloat16(), *quantize_int8(torch.randn(96, 1536))
     layer = Int8Linear(w, scale, None, torch.bfloat16)
     exact = layer(x).double()
-    layer.int8_rows = True
+    layer.rows_kernel = int8_rows.product
     rounded = layer(x).double()
     assert rounded.dtype == exact.dtype and rounded.shape == exact.shape
     diff = float((rounded - exact).norm() / exact.norm())
@@ -74,7 +129,7 @@ def test_the_activations_rounding_is_what_differs_from_exact_ones(kernel):
     # a prompt's piece of more rows than decoding's stays on PyTorch's kernel: exact activations
     x = torch.randn(int8_rows.ROWS + 1, 1536).bfloat16()
     with_kernel = layer(x)
-    layer.int8_rows = False
+    layer.rows_kernel = None
     assert torch.equal(with_kernel, layer(x))
 
 
@@ -86,12 +141,14 @@ QUESTIONS = (
 )
 
 
-def test_smollm2_answers_as_in_full_precision_with_its_decoding_in_8_bits(kernel):
+def test_smollm2_answers_as_in_full_precision_with_its_decoding_in_8_bits(kernel, monkeypatch):
     """SmolLM2 (8-bit weights, the embedded model) answers each rephrasing as in full precision with
-    its decoding through the kernel. With its 37-token prompts read through it too (passes of up to
-    63 rows), it answered two of the four with something else: hence :data:`int8_rows.ROWS`."""
+    its decoding through the 8-bit activations kernel. With its 37-token prompts read through it too
+    (passes of up to 63 rows), it answered two of the four with something else: hence
+    :data:`int8_rows.ROWS`."""
+    monkeypatch.setenv(int8_rows.ENV, "8bit")
     lm = load_model(None, quant="8bit")
-    assert lm.int8_kernel == kernel
+    assert lm.int8_kernel == f"8bit, {kernel}"
     for question in QUESTIONS:
         enc = lm.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -101,29 +158,37 @@ def test_smollm2_answers_as_in_full_precision_with_its_decoding_in_8_bits(kernel
         assert "Paris" in lm.tokenizer.decode(out[0, enc["input_ids"].shape[1] :]), question
 
 
-def test_a_model_load_sets_its_8bit_layers_and_its_fingerprint(kernel, tiny_dir, monkeypatch):
-    """Asked for, the kernel runs every 8-bit layer whose inputs are whole blocks; by default (the
-    variable unset) and with ``pytorch``, none: PyTorch's kernel, the fingerprint as before."""
-    lm = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
-    layers = [m for m in lm.model.modules() if isinstance(m, Int8Linear)]
-    assert lm.int8_kernel == kernel and layers
-    assert all(m.int8_rows == (m.in_features % 64 == 0) for m in layers)
-    monkeypatch.delenv(int8_rows.ENV)
+def kernels_of(lm):
+    return [m.rows_kernel for m in lm.model.modules() if isinstance(m, Int8Linear)]
+
+
+def test_a_model_load_sets_its_8bit_layers_and_its_fingerprint(kernel, exact_kernel, tiny_dir, monkeypatch):
+    """By default (the variable unset) the exact kernel runs every 8-bit layer whose inputs it takes
+    whole, the fingerprint PyTorch's kernel's (the logits differ by rounding alone); ``8bit`` the
+    8-bit activations kernel, a fingerprint of its own (its logits differ); ``pytorch`` none."""
+    monkeypatch.delenv(int8_rows.ENV, raising=False)
     default = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
+    ins = [m.in_features for m in default.model.modules() if isinstance(m, Int8Linear)]
+    assert default.int8_kernel == f"exact, {exact_kernel}" and ins
+    assert kernels_of(default) == [int8_rows.exact if n % 32 == 0 else None for n in ins]
+    monkeypatch.setenv(int8_rows.ENV, "8bit")
+    rounding = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
+    assert rounding.int8_kernel == f"8bit, {kernel}"
+    assert kernels_of(rounding) == [int8_rows.product if n % 64 == 0 else None for n in ins]
     monkeypatch.setenv(int8_rows.ENV, "pytorch")
     plain = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
-    assert default.int8_kernel is None and default.fingerprint == plain.fingerprint
-    assert plain.int8_kernel is None
-    assert not any(m.int8_rows for m in plain.model.modules() if isinstance(m, Int8Linear))
-    assert plain.fingerprint != lm.fingerprint  # the logits differ: so do the cache keys
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    a, b = lm.model(ids).logits, plain.model(ids).logits
-    assert not torch.equal(a, b) and torch.allclose(a.float(), b.float(), atol=0.1, rtol=0.05)
+    assert plain.int8_kernel is None and not any(kernels_of(plain))
+    assert default.fingerprint == plain.fingerprint != rounding.fingerprint  # the 8-bit logits differ: the keys too
+    ids = torch.tensor([[1, 2, 3, 4, 5]])  # a pass of 5 rows, as decoding's draft checks: through the kernels
+    with torch.inference_mode():
+        a, b, c = (lm.model(ids).logits for lm in (default, plain, rounding))
+    assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(c, b) and torch.allclose(c.float(), b.float(), atol=0.1, rtol=0.05)
 
 
 def test_a_bad_setting_is_a_usage_error(monkeypatch):
     monkeypatch.setenv(int8_rows.ENV, "fast")
-    with pytest.raises(UsageError, match="KVCLI_INT8_KERNEL must be pytorch or kvcli, not 'fast'"):
+    with pytest.raises(UsageError, match="KVCLI_INT8_KERNEL must be exact, 8bit or pytorch, not 'fast'"):
         int8_rows.load()
 
 
