@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_decode_bounds.py      # one thread
     .venv/bin/python benchmarks/cpu_decode_bounds.py                        # all threads
+    .venv/bin/python benchmarks/cpu_decode_bounds.py --products [--rows 1,4,16,48]
 
 1. Memory read speed (a float32 sum over 64 MB) against oneDNN's bfloat16 matrix-vector products
    of a decoding query over keys: q·Kᵀ with the queries as rows, K·qᵀ with the keys as rows.
@@ -141,7 +142,7 @@ def int8_products(rows: int = 1) -> dict[str, str]:
     }
     for mode, kernel in (("exact", int8_rows.exact), ("8bit", int8_rows.product)):
         path = int8_rows.load(chosen=mode)  # where it compiles and loads: its path on this CPU
-        if path is None:
+        if path is None or (mode == "8bit" and rows > int8_rows.ROWS):  # 8bit: decoding's passes only
             continue
         run = lambda w, scales, kernel=kernel: kernel(xs[w.shape[1]], w, scales)  # noqa: E731
         out[f"kvcli's {mode} kernel ({path}): 28 layers, cold"] = gb(
@@ -198,7 +199,9 @@ if __name__ == "__main__":
     print(f"threads: {torch.get_num_threads()}")
     bandwidth()
     if "--products" in sys.argv:
-        for rows in (1, 4):
+        # --rows 1,4,16,48: the passes timed (default 1 and 4: a step, a draft of three checked)
+        counts = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else "1,4"
+        for rows in map(int, counts.split(",")):
             print(f"8-bit weight products of Qwen2.5-Coder-1.5B, a pass of {rows} row(s):", int8_products(rows))
         raise SystemExit
     if "--dynamic" in sys.argv:

@@ -220,15 +220,17 @@ class Int8Linear(QuantLinear):
             )
         return cls(*quantize_int8(linear.weight), bias, dtype)
 
-    # kvcli's kernel :meth:`product` runs for passes of up to :data:`int8_rows.ROWS` rows (a decoding
-    # step, a draft's check), set by :func:`use_int8_rows`: int8_rows.exact or int8_rows.product (8-bit
-    # activations); None: PyTorch's. A prompt's short pieces stay on PyTorch's: SmolLM2 with a 37-token
-    # question read with 8-bit activations too answered 2 of 4 rephrasings of a question it answers in
-    # full precision; with only its decoding so, 4 of 4 (tests/model/test_int8_rows.py).
+    # kvcli's kernel :meth:`product` runs for passes of up to :attr:`kernel_rows` rows, both set by
+    # :func:`use_int8_rows`: int8_rows.exact (PyTorch's arithmetic) for every pass below :attr:`dense_rows`,
+    # or int8_rows.product (8-bit activations) for decoding's passes only (:data:`int8_rows.ROWS`: a
+    # step, a draft's check); None: PyTorch's. With 8-bit activations a prompt's short pieces stay on
+    # PyTorch's: SmolLM2 with a 37-token question read through them too answered 2 of 4 rephrasings of
+    # a question it answers in full precision; with only its decoding so, 4 of 4 (tests/model/test_int8_rows.py).
     rows_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    kernel_rows = 0
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.rows_kernel is not None and rows.shape[0] <= int8_rows.ROWS:
+        if self.rows_kernel is not None and rows.shape[0] <= self.kernel_rows:
             return self.rows_kernel(rows, self.codes, self.scale)
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
@@ -248,8 +250,11 @@ def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] |
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.in_features % int8_rows.step(chosen) == 0]
     path = int8_rows.load(cache_dir, chosen) if layers else None
     kernel = int8_rows.product if chosen == "8bit" else int8_rows.exact
+    # exact: every pass PyTorch's kernel would run where the 16-bit GEMM is native (1.4-2x faster at
+    # 8-63 rows on the 1.5B's shapes, docs/cpu.md), so a question's and the check's short passes too
+    most = int8_rows.ROWS if chosen == "8bit" else Int8Linear.dense_rows - 1
     for layer in layers if path else ():
-        layer.rows_kernel = kernel
+        layer.rows_kernel, layer.kernel_rows = kernel, most
     return (chosen, path) if path else None
 
 

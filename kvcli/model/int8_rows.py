@@ -15,8 +15,9 @@ rows a tile with the next tile fetched ahead, in one of two arithmetics (``KVCLI
   and the 1.5B Qwen answered two held-out questions fewer in 100: opt-in.
 * ``pytorch``: PyTorch's kernel.
 
-Only passes of up to :data:`ROWS` rows run them (decoding, drafts checked); a prompt's pieces run
-PyTorch's. The C++ source is compiled once per machine, PyTorch and source (~10 s: the C++ compiler
+``exact`` runs every pass of fewer rows than the weights are made dense for (64: decoding, drafts
+checked, a question after a stored document, the check after the answer); ``8bit`` only passes of
+up to :data:`ROWS` rows (decoding, drafts checked), a prompt's pieces on PyTorch's. The C++ source is compiled once per machine, PyTorch and source (~10 s: the C++ compiler
 with PyTorch's headers) into ``<cache>/kernels/`` and loaded as ``torch.ops.kvcli``; where it cannot
 be (no compiler, no AVX2) PyTorch's kernel runs, with a note.
 """
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
 BLOCK = 64  # inputs per activation scale (the source's BLOCK): a layer's inputs must be a multiple
 EXACT_STEP = 32  # inputs the exact kernel takes an iteration (the source's EXACT_STEP): a multiple it needs
-ROWS = 8  # the most rows a pass multiplies so: decoding's (a step, a draft's check), not a prompt's
+ROWS = 8  # the most rows a pass multiplies with 8-bit activations: decoding's (a step, a draft's check)
 ENV = "KVCLI_INT8_KERNEL"
 MODES = ("exact", "8bit", "pytorch")  # the first the default (module docstring)
 KERNELS_FOLDER = "kernels"

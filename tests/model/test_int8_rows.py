@@ -107,12 +107,26 @@ def test_the_exact_kernel_is_pytorchs_up_to_the_last_bit(exact_kernel):
     x, w, scale = torch.randn(4, 1536).bfloat16(), *quantize_int8(torch.randn(300, 1536))
     layer = Int8Linear(w, scale, None, torch.bfloat16)
     theirs = layer(x)
-    layer.rows_kernel = int8_rows.exact
+    layer.rows_kernel, layer.kernel_rows = int8_rows.exact, 63
     ours = layer(x)
     assert ours.dtype == theirs.dtype == torch.bfloat16
     step = theirs.float().abs() * 2**-7
     assert bool(((ours.float() - theirs.float()).abs() <= step).all())
     assert (ours == theirs).float().mean() > 0.9
+
+
+def test_the_exact_kernel_runs_every_pass_below_the_dense_weights(exact_kernel, tiny_dir, monkeypatch):
+    """A model load sets the exact kernel for every pass of fewer rows than the weights are made
+    dense for (a question's tail, the check after an answer), not only decoding's."""
+    monkeypatch.delenv(int8_rows.ENV, raising=False)
+    lm = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
+    layer = next(m for m in lm.model.modules() if isinstance(m, Int8Linear) and m.rows_kernel is not None)
+    assert layer.kernel_rows == Int8Linear.dense_rows - 1 > int8_rows.ROWS
+    calls = []
+    monkeypatch.setattr(layer, "rows_kernel", lambda *a: calls.append(a[0].shape[0]) or int8_rows.exact(*a))
+    for rows in (1, 9, 63, 64):
+        layer(torch.randn(rows, layer.in_features).bfloat16())
+    assert calls == [1, 9, 63]  # from 64 rows the dense weights (where the 16-bit GEMM is native)
 
 
 def test_the_activations_rounding_is_what_differs_from_exact_ones(kernel):
@@ -121,7 +135,7 @@ def test_the_activations_rounding_is_what_differs_from_exact_ones(kernel):
     x, w, scale = torch.randn(2, 1536).bfloat16(), *quantize_int8(torch.randn(96, 1536))
     layer = Int8Linear(w, scale, None, torch.bfloat16)
     exact = layer(x).double()
-    layer.rows_kernel = int8_rows.product
+    layer.rows_kernel, layer.kernel_rows = int8_rows.product, int8_rows.ROWS
     rounded = layer(x).double()
     assert rounded.dtype == exact.dtype and rounded.shape == exact.shape
     diff = float((rounded - exact).norm() / exact.norm())
@@ -175,6 +189,7 @@ def test_a_model_load_sets_its_8bit_layers_and_its_fingerprint(kernel, exact_ker
     rounding = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
     assert rounding.int8_kernel == f"8bit, {kernel}"
     assert kernels_of(rounding) == [int8_rows.product if n % 64 == 0 else None for n in ins]
+    assert {m.kernel_rows for m in rounding.model.modules() if getattr(m, "rows_kernel", None)} == {int8_rows.ROWS}
     monkeypatch.setenv(int8_rows.ENV, "pytorch")
     plain = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
     assert plain.int8_kernel is None and not any(kernels_of(plain))
