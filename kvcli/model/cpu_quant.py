@@ -13,9 +13,9 @@
   a matrix the GGUF holds in more bits (Q5_0, Q6_K, Q8_0) stays :class:`Int8Linear`
   (:func:`four_bit_fits`), as ``--quant 8`` runs it.
 * **8bit** — :class:`Int8Linear`: one scale per output row (symmetric), run by
-  ``torch.ops.aten._weight_int8pack_mm``, its few-row passes (decoding) by kvcli's own kernel
-  where it compiles: exact activations by default, 8-bit ones asked for (:func:`use_int8_rows`,
-  :mod:`kvcli.model.int8_rows`).
+  ``torch.ops.aten._weight_int8pack_mm``, its passes under :attr:`Int8Linear.dense_rows` rows by
+  kvcli's own kernel where it compiles: exact activations by default, 8-bit ones asked for (those
+  in decoding's passes only; :func:`use_int8_rows`, :mod:`kvcli.model.int8_rows`).
 * The token embedding and the LM head (one table when tied) are int8 per row in both modes
   (:class:`Int8Embedding` gathers and scales rows; the head is an :class:`Int8Linear`): the GGUF
   stores that table as Q8_0, and the head is the one matrix every decoding step reads whole.
@@ -243,8 +243,8 @@ class Int8Linear(QuantLinear):
 
 def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] | None:
     """Every :class:`Int8Linear` of ``model`` whose inputs the kernel takes whole set to run kvcli's
-    kernel (``KVCLI_INT8_KERNEL``: exact by default, or 8bit) for its few-row products (decoding),
-    compiled first where needed: (the mode, its instructions on this CPU), e.g. ("exact", "AVX-512");
+    kernel (``KVCLI_INT8_KERNEL``: exact by default, or 8bit) for its passes under
+    :attr:`Int8Linear.dense_rows` rows (8bit: decoding's, :data:`int8_rows.ROWS`), compiled first where needed: (the mode, its instructions on this CPU), e.g. ("exact", "AVX-512");
     None where PyTorch's runs (``pytorch``; no compiler) and nothing changes."""
     chosen = int8_rows.mode()
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.in_features % int8_rows.step(chosen) == 0]
