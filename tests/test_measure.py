@@ -8,6 +8,7 @@ import torch
 
 from kvcli.answer.pipeline import Pipeline, run
 from kvcli.caches import KVCache
+from kvcli.errors import UsageError
 from kvcli.runtime import measure
 from kvcli.runtime.engine import Engine
 from kvcli.runtime.measure import long_lived, reading_prompt
@@ -86,3 +87,45 @@ def test_memory_layouts_change_no_number(tiny_lm, spec, low_memory, monkeypatch)
     assert other.answer_ids == base.answer_ids
     for a, b in zip(base.cache.keys, other.cache.keys):
         assert torch.equal(a, b)
+
+
+class _Libc:
+    """glibc's mallopt, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+
+def test_freed_memory_is_kept_once_a_process_and_stays_kept(monkeypatch):
+    libc = _Libc()
+    monkeypatch.setattr(measure, "_libc", lambda: libc)
+    monkeypatch.setattr(measure, "_KEEPING", False)
+    monkeypatch.delenv("KVCLI_HEAP", raising=False)
+    assert measure.keep_freed_memory()
+    mmap, trim = measure._M_MMAP_THRESHOLD, measure._M_TRIM_THRESHOLD
+    assert libc.calls == [(mmap, 32 * 2**20), (trim, 2**31 - 1)]
+    assert measure.keep_freed_memory() and len(libc.calls) == 2  # once a process
+    libc.calls.clear()
+    with long_lived(torch.device("cpu"), 4 * 2**20, always=True) as mapped:  # a KV buffer of its own, then back
+        assert mapped
+    assert libc.calls == [(mmap, measure._MAPPED_MIN), (mmap, 32 * 2**20), (trim, 2**31 - 1)]  # still kept
+
+
+def test_freed_memory_follows_glibc_with_kvcli_heap_system(monkeypatch):
+    libc = _Libc()
+    monkeypatch.setattr(measure, "_libc", lambda: libc)
+    monkeypatch.setattr(measure, "_KEEPING", False)
+    monkeypatch.setenv("KVCLI_HEAP", "system")
+    assert not measure.keep_freed_memory() and libc.calls == []
+    assert measure._set_mmap_threshold(measure._DYNAMIC_MAX)
+    assert libc.calls[-1] == (measure._M_TRIM_THRESHOLD, 64 * 2**20)  # what glibc's own adjustment would set
+    monkeypatch.setattr(measure, "_libc", lambda: None)  # not glibc: nothing to set
+    monkeypatch.delenv("KVCLI_HEAP")
+    assert not measure.keep_freed_memory()
+    monkeypatch.setenv("KVCLI_HEAP", "fast")
+    with pytest.raises(UsageError, match="KVCLI_HEAP must be keep or system, not 'fast'"):
+        measure.keep_freed_memory()

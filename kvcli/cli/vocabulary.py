@@ -18,6 +18,7 @@ from ..model.names import MODEL_ENV, QUANT_SPELLINGS
 from ..runtime import threads as cpu_threads
 from ..runtime.chunking import ENV_PREFILL_CHUNK
 from ..runtime.graph_setting import ENV_CUDA_GRAPHS
+from ..runtime.heap_setting import ENV_HEAP
 from ..store.capacity import CAP_ENV
 from ..store.locks import STALE_ENV
 
@@ -33,6 +34,7 @@ ENVIRONMENT: dict[str, str] = {
     ENV_PREFILL_CHUNK: "tokens per prefill chunk (0: one pass)",
     int8_rows.ENV: "8-bit decoding: exact (default), 8bit or pytorch",
     ENV_CUDA_GRAPHS: "0: CUDA decodes step by step, no graph (default 1)",
+    ENV_HEAP: "freed heap: keep (default, reused) or system",
     STALE_ENV: "seconds to wait for a stuck lock holder (120, min 20)",
     "KVCLI_EMBED_MODEL": "pages' embedding model: name, folder, package or none",
     "KVCLI_DEBUG": "1: a bug (exit 3) prints its Python stack too",

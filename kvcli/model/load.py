@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ModelError, UsageError, one_line
 from ..files import cache_folder
-from ..runtime.measure import malloc_trim
+from ..runtime.measure import keep_freed_memory, malloc_trim
 from . import kept
 from .catalog import EmbeddedModel, embedded, ensure_chunked_converted
 from .cpu_quant import quantize_model, use_int8_rows
@@ -79,6 +79,7 @@ def load_model(
     Every failure a user can cause raises :class:`ModelError` (or :class:`UsageError` for a bad
     option value) with a one-line message.
     """
+    keep_freed_memory()  # for the rest of the process: a prefill's buffers reused, not faulted in again
     name = EMBEDDED_MODEL if spec is None or spec.strip() == "" else spec.strip()
     cache = Path(cache_dir) if cache_dir is not None else None
     what = Asked.of(name)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from .heap_setting import heap_kept
+
 
 @dataclass
 class Measurement:
@@ -75,15 +77,37 @@ def _set_mmap_threshold(nbytes: int) -> bool:
     """Set glibc's mmap threshold. Setting it turns glibc's dynamic adjustment off, which also
     leaves the trim threshold at its 128 KiB start: back at the dynamic maximum, the trim
     threshold is set where the adjustment would have put it (twice the mmap threshold), or every
-    freed top-of-heap block of a decoding step would be handed back and faulted in again."""
+    freed top-of-heap block of a decoding step would be handed back and faulted in again; where
+    :func:`keep_freed_memory` ran, at its :data:`_TRIM_KEPT`."""
     libc = _libc()
     try:
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
         if ok and nbytes >= _DYNAMIC_MAX:
-            libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(nbytes))
+            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_KEPT if _KEEPING else 2 * int(nbytes))
         return ok
     except (OSError, AttributeError):
         return False
+
+
+_TRIM_KEPT = 2**31 - 1  # mallopt's int at its largest: up to 2 GiB free at the heap's top stays
+_KEEPING = False  # whether keep_freed_memory set the process's heap so
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed heap for the next allocation, for the rest of the process (``KVCLI_HEAP=system``:
+    glibc's own settings). A prefill on the CPU allocates and frees buffers of megabytes layer
+    after layer (a layer's weights made dense, the MLP's outputs); glibc's mmap threshold starts at
+    128 KiB and its trim threshold follows it, so such a buffer is a fresh mapping, or heap handed
+    back, whose every 4 KiB page faults in and is zeroed again: 1.7 million page faults in a later
+    question of the 1.5B Qwen about a book. Here blocks up to 32 MiB come from the heap from the
+    start and its top is trimmed only past :data:`_TRIM_KEPT` (or where :func:`malloc_trim` is
+    called: a prompt's end, a measurement's start). Measured in docs/cpu.md, "Freed memory kept".
+    Whether it is on (glibc only)."""
+    global _KEEPING
+    if heap_kept() and not _KEEPING:
+        _KEEPING = True  # read by _set_mmap_threshold, which sets the trim threshold with it
+        _KEEPING = _set_mmap_threshold(_DYNAMIC_MAX)
+    return _KEEPING
 
 
 @contextmanager
