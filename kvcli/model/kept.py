@@ -101,8 +101,9 @@ def load(source: Path, config: Any, dtype: torch.dtype, attn_impl: str, bits: in
             index = _index(f)
             if set(index) != set(slots):
                 return None
+            read = _read_all(folder / _WEIGHTS, {n: info for n, info in index.items() if n not in gathered})
             for name, (module, attr, is_param) in slots.items():
-                t = _mapped(f, index[name], embedding) if name in gathered else _read(f, index[name])
+                t = _mapped(f, index[name], embedding) if name in gathered else read[name]
                 if is_param:
                     module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
                 else:
@@ -141,6 +142,25 @@ def _index(f: Any) -> dict[str, dict]:
     for info in header.values():
         info["start"] = 8 + size + info["data_offsets"][0]
     return header
+
+
+READERS = 2  # threads reading a kept file: the 1.5B's 1.5 GB in 0.46 s against 0.79 s with one (2 cores)
+
+
+def _read_all(path: Path, index: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``index`` read from ``path`` (:func:`_read`), by :data:`READERS` threads,
+    each on its own file handle: a read copies from the page cache into new memory whose pages fault
+    in one by one, which two cores do in about half the time (the copy leaves Python's lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(index)
+
+    def share(i: int) -> dict[str, torch.Tensor]:
+        with open(path, "rb") as f:
+            return {n: _read(f, index[n]) for n in names[i::READERS]}
+
+    with ThreadPoolExecutor(READERS) as pool:
+        return {n: t for part in pool.map(share, range(READERS)) for n, t in part.items()}
 
 
 def _read(f: Any, info: dict) -> torch.Tensor:
