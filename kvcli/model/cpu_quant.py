@@ -199,7 +199,11 @@ class Int8Linear(QuantLinear):
     faster than the kernel there on this CPU (measured, docs/cpu.md): the int8 kernel is built for
     the one row of a decoding step."""
 
-    dense_rows = 64  # measured: at 64 rows dense + its making is ~15-40% faster, at 32 slower
+    # measured alone with freed memory kept (benchmarks/dense_rows.py, the Xeon with AMX, 2026-12-03):
+    # dense with kvcli's making is faster than the exact kernel from ~24 rows on all three embedded
+    # models (the 1.5B at 32 rows 10.4 against 15.2 ms a layer), with PyTorch's making than PyTorch's
+    # kernel from 24-32; once 64 (dense then slower below: PyTorch's making faulted its pages in)
+    dense_rows = 32
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*codes.shape, bias, dtype)
@@ -234,8 +238,15 @@ class Int8Linear(QuantLinear):
             return self.rows_kernel(rows, self.codes, self.scale)
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
+    # kvcli's kernel making the dense weights (int8_rows.dense: PyTorch's bits in one pass), set by
+    # :func:`use_int8_rows` where the library loads; None: PyTorch's multiplication
+    dense_kernel: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None
+
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.mul(self.codes, self.scale.to(dtype or self.dtype)[:, None]).t()
+        dtype = dtype or self.dtype
+        if self.dense_kernel is not None and dtype in (torch.bfloat16, torch.float32):
+            return self.dense_kernel(self.codes, self.scale, dtype).t()
+        return torch.mul(self.codes, self.scale.to(dtype)[:, None]).t()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
@@ -251,10 +262,12 @@ def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] |
     path = int8_rows.load(cache_dir, chosen) if layers else None
     kernel = int8_rows.product if chosen == "8bit" else int8_rows.exact
     # exact: every pass PyTorch's kernel would run where the 16-bit GEMM is native (1.4-2x faster at
-    # 8-63 rows on the 1.5B's shapes, docs/cpu.md), so a question's and the check's short passes too
+    # 8-31 rows on the 1.5B's shapes, docs/cpu.md), so a short question's passes too
     most = int8_rows.ROWS if chosen == "8bit" else Int8Linear.dense_rows - 1
     for layer in layers if path else ():
         layer.rows_kernel, layer.kernel_rows = kernel, most
+    for layer in (m for m in model.modules() if isinstance(m, Int8Linear)) if path else ():
+        layer.dense_kernel = int8_rows.dense  # any input width: a prefill's weights made dense
     return (chosen, path) if path else None
 
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -359,6 +360,65 @@ at::Tensor int8_rows_exact_path(const at::Tensor& x, const at::Tensor& w, const 
   return product_exact(x, w, scale, forced == 2);
 }
 
+// The weights made dense for a prefill's GEMM (kvcli.model.cpu_quant.Int8Linear.dense): w[n, k] *
+// scale[n] in float32, kept so or rounded to bfloat16 to nearest even as PyTorch rounds, so the bits
+// are those of torch.mul(w, scale[:, None]) with the scale in that dtype. One pass over the codes
+// (PyTorch's widens them to a temporary first), the loops vectorised by the compiler per path.
+template <bool BF16>
+__attribute__((always_inline)) inline void dense_rows_of(const int8_t* w, const float* scale, void* out, int64_t n0,
+                                                          int64_t n1, int64_t K) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float s = scale[n];
+    const int8_t* wr = w + n * K;
+    if constexpr (BF16) {
+      uint16_t* o = static_cast<uint16_t*>(out) + n * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = static_cast<float>(wr[k]) * s;
+        uint32_t u;
+        std::memcpy(&u, &v, sizeof u);
+        o[k] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // finite: no NaN to keep
+      }
+    } else {
+      float* o = static_cast<float*>(out) + n * K;
+      for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(wr[k]) * s;
+    }
+  }
+}
+
+template <bool BF16>
+__attribute__((target("avx512f,avx512bw"))) void dense512(const int8_t* w, const float* s, void* o, int64_t n0,
+                                                         int64_t n1, int64_t K) {
+  dense_rows_of<BF16>(w, s, o, n0, n1, K);
+}
+
+template <bool BF16>
+__attribute__((target("avx2"))) void dense256(const int8_t* w, const float* s, void* o, int64_t n0, int64_t n1,
+                                              int64_t K) {
+  dense_rows_of<BF16>(w, s, o, n0, n1, K);
+}
+
+at::Tensor int8_rows_dense(const at::Tensor& w, const at::Tensor& scale, bool bf16, int64_t forced) {
+  // forced: 0 this CPU's path, 1 AVX2, 2 AVX-512 (tests run each path this CPU has)
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "int8_rows_dense: w contiguous int8");
+  TORCH_CHECK(scale.numel() == w.size(0), "int8_rows_dense: one scale per row of w");
+  TORCH_CHECK(forced >= 0 && forced <= 2, "int8_rows_dense: path 0 (this CPU's), 1 (AVX2) or 2 (AVX-512)");
+  const bool wide = forced == 0 ? has_avx512f() : forced == 2;
+  TORCH_CHECK(wide ? has_avx512f() : path() != NONE, "int8_rows_dense: this CPU lacks that path");
+  const int64_t N = w.size(0), K = w.size(1);
+  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = sf.data_ptr<float>();
+  void* op = out.data_ptr();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (wide)
+      bf16 ? dense512<true>(wp, sp, op, n0, n1, K) : dense512<false>(wp, sp, op, n0, n1, K);
+    else
+      bf16 ? dense256<true>(wp, sp, op, n0, n1, K) : dense256<false>(wp, sp, op, n0, n1, K);
+  });
+  return out;
+}
+
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   static const Path chosen = path();
   TORCH_CHECK(chosen != NONE, "int8_rows: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
@@ -381,6 +441,7 @@ TORCH_LIBRARY(kvcli, m) {
   m.def("int8_rows_exact(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_rows_exact_path(Tensor x, Tensor w, Tensor scale, int path) -> Tensor");
   m.def("int8_rows_exact_cpu_path() -> int");
+  m.def("int8_rows_dense(Tensor w, Tensor scale, bool bf16, int path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcli, CPU, m) {
@@ -388,6 +449,7 @@ TORCH_LIBRARY_IMPL(kvcli, CPU, m) {
   m.impl("int8_rows_path", int8_rows_path);
   m.impl("int8_rows_exact", int8_rows_exact);
   m.impl("int8_rows_exact_path", int8_rows_exact_path);
+  m.impl("int8_rows_dense", int8_rows_dense);
 }
 
 TORCH_LIBRARY_IMPL(kvcli, CompositeExplicitAutograd, m) {

@@ -124,9 +124,44 @@ def test_the_exact_kernel_runs_every_pass_below_the_dense_weights(exact_kernel, 
     assert layer.kernel_rows == Int8Linear.dense_rows - 1 > int8_rows.ROWS
     calls = []
     monkeypatch.setattr(layer, "rows_kernel", lambda *a: calls.append(a[0].shape[0]) or int8_rows.exact(*a))
-    for rows in (1, 9, 63, 64):
+    most = Int8Linear.dense_rows - 1
+    for rows in (1, 9, most, most + 1):
         layer(torch.randn(rows, layer.in_features).bfloat16())
-    assert calls == [1, 9, 63]  # from 64 rows the dense weights (where the 16-bit GEMM is native)
+    assert calls == [1, 9, most]  # from dense_rows rows the dense weights (where the 16-bit GEMM is native)
+
+
+@pytest.mark.parametrize("path", [1, 2], ids=["AVX2", "AVX-512"])
+def test_the_dense_weights_are_pytorchs_bits(exact_kernel, path):
+    """The weights made dense for a prefill (int8_rows_dense), on each path this CPU has: bit for bit
+    PyTorch's ``torch.mul(codes, scale[:, None])`` in bfloat16 and in float32, rows and widths of
+    any size (tails of the vectors), scales over eight decades (bfloat16's rounding at each)."""
+    if path == 2 and exact_kernel != "AVX-512":
+        pytest.skip("this CPU has no AVX-512")
+    gen = torch.Generator().manual_seed(2)
+    for n, k in [(1, 1), (5, 33), (70, 100), (129, 1536)]:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w[0, :1] = -127
+        scale = (torch.rand(n, generator=gen) * torch.logspace(-6, 2, n)).bfloat16()
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            want = torch.mul(w, scale.to(dtype)[:, None])
+            got = torch.ops.kvcli.int8_rows_dense(w, scale, dtype == torch.bfloat16, path)
+            assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits)), (n, k, dtype)
+
+
+def test_a_model_load_makes_its_dense_weights_with_the_kernel(exact_kernel, tiny_dir, monkeypatch):
+    """Every 8-bit layer of a loaded model makes its dense weights with kvcli's kernel where it loads
+    (any input width), PyTorch's bits; with ``pytorch`` PyTorch's multiplication."""
+    monkeypatch.delenv(int8_rows.ENV, raising=False)
+    lm = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
+    layers = [m for m in lm.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.dense_kernel is int8_rows.dense for m in layers)
+    for layer in layers:
+        for dtype in (torch.bfloat16, torch.float32):
+            want = torch.mul(layer.codes, layer.scale.to(dtype)[:, None]).t()
+            assert torch.equal(layer.dense(dtype), want)
+    monkeypatch.setenv(int8_rows.ENV, "pytorch")
+    plain = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
+    assert not any(m.dense_kernel for m in plain.model.modules() if isinstance(m, Int8Linear))
 
 
 def test_the_activations_rounding_is_what_differs_from_exact_ones(kernel):
