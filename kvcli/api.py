@@ -412,6 +412,9 @@ def keep_document(document: Document, cache_dir: Path | None = None, on_step=Non
     import time
 
     from .retrieval import embed
+    from .runtime.measure import keep_freed_memory
+
+    keep_freed_memory()  # the embedding's batches reuse their buffers (as a model's load sets it)
 
     t0 = time.perf_counter()
     texts = [document.text[lo:hi] for lo, hi in document.passages()]

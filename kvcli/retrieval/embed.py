@@ -168,9 +168,6 @@ class Embedder:
         import transformers.utils.logging as tlog
         from transformers import AutoModel
 
-        from ..runtime.measure import keep_freed_memory
-
-        keep_freed_memory()  # its batches' buffers reused (kvcli.runtime.measure)
         tlog.set_verbosity_error()  # the loader's notes and bars stay off the user's terminal
         tlog.disable_progress_bar()
         self.folder = Path(folder)
