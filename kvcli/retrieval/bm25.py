@@ -8,7 +8,8 @@ a word's term ``idf · tf / (tf + k1 · (1 - b + b · len / avg_len))``, summed 
 (a word the query repeats counts each time; one no passage holds, not at all).
 
 ``stem=True`` reduces each word to its English Snowball stem first (the ``snowballstemmer``
-package, the stemmer ``bm25s`` takes: "failing", "fails" and "failed" are all "fail"), so a
+package, which runs PyStemmer's C Snowball where that is installed, a dependency: the same stems,
+faster; the stemmer ``bm25s`` takes: "failing", "fails" and "failed" are all "fail"), so a
 question in other word forms than the page's still meets it; the citations keep the plain words
 (their numbers in docs/bench/cite were measured so).
 """

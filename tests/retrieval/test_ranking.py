@@ -17,6 +17,19 @@ def test_stemmed_words():
     assert words("The failing commands failed") == ["failing", "commands", "failed"]
 
 
+def test_the_stemmer_in_use_stems_as_snowballs_own_python():
+    """BM25's stemmer (PyStemmer's C Snowball where it installs, a dependency) gives
+    the stems of snowballstemmer's pure-Python English stemmer, words whose stemming has steps."""
+    from snowballstemmer.english_stemmer import EnglishStemmer
+
+    from kvcli.retrieval.bm25 import _stemmer
+
+    ours, theirs = _stemmer(), EnglishStemmer()
+    for word in ["generously", "registering", "routines", "interrupts", "dependencies", "arguing", "news",
+                 "skies", "dying", "proceed", "exceeding", "succeeded", "cañon", "1st", "r_checkuserinterrupt"]:  # fmt: skip
+        assert ours.stemWord(word) == theirs.stemWord(word), word
+
+
 def test_bm25_on_stems_by_hand():
     passages = ["failing commands stop the shell", "a command failed", "cats purr"]
     # stems: [fail, command, stop, shell] (4), [command, fail] (2), [cat, purr] (2); avg 8/3, N = 3
