@@ -48,6 +48,7 @@ ROWS = 8  # the most rows a pass multiplies with 8-bit activations: decoding's (
 ENV = "KVCLI_INT8_KERNEL"
 MODES = ("exact", "8bit", "pytorch")  # the first the default (module docstring)
 KERNELS_FOLDER = "kernels"
+NO_COMPILER = "no-compiler.noted"  # in the kernels folder: the missing compiler's note was given once
 PATHS = {1: "AVX2", 2: "AVX-512 VNNI"}  # the source's Path values (8bit)
 EXACT_PATHS = {1: "AVX2", 2: "AVX-512"}  # int8_rows_exact_cpu_path's values
 
@@ -121,11 +122,28 @@ def _note(why: str) -> None:
     print(f"kvcli: note: decoding runs PyTorch's int8 kernel, not kvcli's faster one: {why}", file=sys.stderr)
 
 
+def no_compiler(folder: Path) -> bool:
+    """Whether no C++ compiler is found (``$CXX``, else ``c++``), saying so once a cache folder
+    (:data:`NO_COMPILER` in ``folder``; a folder that cannot take the mark says it each time): a
+    user who will not install one is not told at every question, and one installed since is used."""
+    if shutil.which(os.environ.get("CXX", "c++")) is not None:
+        return False
+    noted = folder / NO_COMPILER
+    if not noted.exists():
+        _note("no C++ compiler (install g++)")
+        try:
+            atomic_write(noted, lambda tmp: Path(tmp).write_text("noted\n"))
+        except OSError:
+            pass
+    return True
+
+
 @functools.cache
 def _loaded(folder: Path) -> bool:
     """Whether the library is loaded, loading it once a process (:func:`load`). A compile that
     failed leaves ``<library>.failed`` with its reason: later processes do not try again (delete it
-    to), and say nothing."""
+    to), and say nothing. Without a C++ compiler the note is given once a cache folder
+    (:data:`NO_COMPILER`); a compiler installed since is used at the next load."""
     import torch
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -135,8 +153,7 @@ def _loaded(folder: Path) -> bool:
     if not hasattr(torch.ops.kvcli, "int8_rows"):
         if not target.exists() and failed.exists():
             return False
-        if not target.exists() and shutil.which(os.environ.get("CXX", "c++")) is None:
-            _note("no C++ compiler (install g++)")
+        if not target.exists() and no_compiler(folder):
             return False
         try:
             torch.ops.load_library(str(build(folder)))

@@ -249,3 +249,13 @@ def test_a_failed_compile_raises_the_compilers_error_line(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="error"):
         int8_rows.build(tmp_path / "kernels")
     assert not any((tmp_path / "kernels").iterdir())  # no half-written library left
+
+
+def test_a_missing_compiler_is_noted_once_a_cache_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(int8_rows.shutil, "which", lambda name: None)
+    folder = tmp_path / "kernels"
+    assert int8_rows.no_compiler(folder)
+    assert "no C++ compiler (install g++)" in capsys.readouterr().err
+    assert int8_rows.no_compiler(folder) and capsys.readouterr().err == ""  # a later process: silent
+    monkeypatch.setattr(int8_rows.shutil, "which", lambda name: "/usr/bin/c++")  # installed since: compiled
+    assert not int8_rows.no_compiler(folder)
