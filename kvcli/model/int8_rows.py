@@ -196,8 +196,8 @@ def exact(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch
 
 def dense(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 ``codes`` (out, in) times their row ``scale`` in ``dtype`` (bfloat16 or float32): the
-    bits of ``torch.mul(codes, scale.to(dtype)[:, None])`` in one pass, ~10x faster (the source's
-    ``int8_rows_dense``; docs/cpu.md). Needs :func:`load` to have returned a path."""
+    bits of ``torch.mul(codes, scale.to(dtype)[:, None])`` in one pass (the source's
+    ``int8_rows_dense``: the 1.5B's 8960 x 1536 matrix in 1.1 ms against 2.6; docs/cpu.md). Needs :func:`load` to have returned a path."""
     import torch
 
     return torch.ops.kvcli.int8_rows_dense(codes, scale, dtype == torch.bfloat16, 0)
