@@ -256,9 +256,11 @@ def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] |
     """Every :class:`Int8Linear` of ``model`` whose inputs the kernel takes whole set to run kvcli's
     kernel (``KVCLI_INT8_KERNEL``: exact by default, or 8bit) for its passes under
     :attr:`Int8Linear.dense_rows` rows (8bit: decoding's, :data:`int8_rows.ROWS`), compiled first where needed: (the mode, its instructions on this CPU), e.g. ("exact", "AVX-512");
-    None where PyTorch's runs (``pytorch``; no compiler) and nothing changes."""
+    None where PyTorch's runs (``pytorch``; no compiler) and nothing changes. Where the library loads,
+    every :class:`Int8Linear` also makes its dense weights with it (:attr:`Int8Linear.dense_kernel`)."""
     chosen = int8_rows.mode()
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.in_features % int8_rows.step(chosen) == 0]
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    layers = [m for m in int8 if m.in_features % int8_rows.step(chosen) == 0]
     path = int8_rows.load(cache_dir, chosen) if layers else None
     kernel = int8_rows.product if chosen == "8bit" else int8_rows.exact
     # exact: every pass PyTorch's kernel would run where the 16-bit GEMM is native (1.4-2x faster at
@@ -266,7 +268,7 @@ def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] |
     most = int8_rows.ROWS if chosen == "8bit" else Int8Linear.dense_rows - 1
     for layer in layers if path else ():
         layer.rows_kernel, layer.kernel_rows = kernel, most
-    for layer in (m for m in model.modules() if isinstance(m, Int8Linear)) if path else ():
+    for layer in int8 if path else ():
         layer.dense_kernel = int8_rows.dense  # any input width: a prefill's weights made dense
     return (chosen, path) if path else None
 

@@ -386,8 +386,8 @@ __attribute__((always_inline)) inline void dense_rows_of(const int8_t* w, const 
 }
 
 template <bool BF16>
-__attribute__((target("avx512f,avx512bw"))) void dense512(const int8_t* w, const float* s, void* o, int64_t n0,
-                                                         int64_t n1, int64_t K) {
+__attribute__((target("avx512f"))) void dense512(const int8_t* w, const float* s, void* o, int64_t n0, int64_t n1,
+                                                 int64_t K) {
   dense_rows_of<BF16>(w, s, o, n0, n1, K);
 }
 
