@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..runtime.measure import HEAP_BLOCK_MAX
 from ..runtime.native import native_gemm
 from . import int8_rows
 
@@ -152,8 +153,30 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 # Rows from which a product runs on float32 weights made dense and the float32 GEMM where the
 # 16-bit GEMM is emulated (an AVX2-only CPU: :func:`~kvcli.runtime.native.native_gemm`), instead of the integer kernel:
 # there the 1.5B Qwen read a 2,034-token prompt in 108 s through the int8 kernel against 63 s in
-# float32 (docs/cpu.md); a few rows (decoding) stay on the kernel.
+# float32 (docs/cpu.md); fewer rows stay on the kernel (kvcli's exact one, :func:`use_int8_rows`):
+# measured again with freed memory kept and the pieces of :func:`piece_rows` (an AMD EPYC with AVX2,
+# 2026-12-03, benchmarks/dense_rows.py), the exact kernel and float32 dense cross near 256-384 rows.
 FLOAT_ROWS = 256
+
+
+def dense_from(dense_rows: int | None, dtype: torch.dtype) -> int | float:
+    """Rows from which a layer's pass runs on its weights made dense on this CPU, ``dtype`` its
+    activations': its ``dense_rows``, or :data:`FLOAT_ROWS` where the 16-bit GEMM is emulated
+    (inf: never, ``dense_rows`` None)."""
+    if dense_rows is None:
+        return float("inf")
+    return dense_rows if native_gemm(dtype) else FLOAT_ROWS
+
+
+def piece_rows(in_features: int, dtype: torch.dtype) -> int:
+    """Output rows of a matrix made dense at a time (:meth:`QuantLinear.dense_product`): whole
+    blocks of :data:`PACK_ROWS` under :data:`~kvcli.runtime.measure.HEAP_BLOCK_MAX` bytes, so each
+    piece comes from the heap kept by :func:`~kvcli.runtime.measure.keep_freed_memory` instead of a
+    fresh mapping faulted in page by page: the 1.5B Qwen's 8960 × 1536 MLP matrices made dense in
+    float32 (55 MB; an AVX2-only CPU) took 24-29 ms each so (a 9 MB one 0.4 ms); a layer's pass of
+    32 rows dense 166.7 → 97.4 ms in pieces (docs/cpu.md)."""
+    fit = (HEAP_BLOCK_MAX - 1) // (in_features * dtype.itemsize)
+    return max(PACK_ROWS, fit // PACK_ROWS * PACK_ROWS)
 
 
 class QuantLinear(nn.Module):
@@ -174,17 +197,29 @@ class QuantLinear(nn.Module):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weights the layer multiplies by, transposed, in ``dtype`` (the activations'): (in, out)."""
+    def dense(self, dtype: torch.dtype | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The weights of output rows ``start:stop`` (all by default) the layer multiplies by,
+        transposed, in ``dtype`` (the activations'): (in, stop - start)."""
         raise NotImplementedError
+
+    def dense_product(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``rows`` times the weights made dense in ``dtype`` for this call, then freed: in pieces
+        of output rows (:func:`piece_rows`) where the whole would be a block glibc maps afresh."""
+        step = piece_rows(self.in_features, dtype)
+        if step >= self.out_features:
+            return torch.mm(rows, self.dense(dtype))
+        y = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            torch.mm(rows, self.dense(dtype, start, stop), out=y[:, start:stop])
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        native = native_gemm(self.dtype)
-        if self.dense_rows is not None and rows.shape[0] >= (self.dense_rows if native else FLOAT_ROWS):
-            # a prefill: dense for this call only, then freed; in float32 where 16 bits are emulated
-            gemm = self.dtype if native else torch.float32
-            y = torch.mm(rows.to(gemm), self.dense(gemm)).to(self.dtype)
+        if rows.shape[0] >= dense_from(self.dense_rows, self.dtype):
+            # a prefill: dense for this call only; in float32 where 16 bits are emulated
+            gemm = self.dtype if native_gemm(self.dtype) else torch.float32
+            y = self.dense_product(rows.to(gemm), gemm).to(self.dtype)
         else:
             y = self.product(rows)
         if self.bias is not None:
@@ -242,11 +277,12 @@ class Int8Linear(QuantLinear):
     # :func:`use_int8_rows` where the library loads; None: PyTorch's multiplication
     dense_kernel: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None
 
-    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dense(self, dtype: torch.dtype | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
+        codes, scale = self.codes[start:stop], self.scale[start:stop]
         if self.dense_kernel is not None and dtype in (torch.bfloat16, torch.float32):
-            return self.dense_kernel(self.codes, self.scale, dtype).t()
-        return torch.mul(self.codes, self.scale.to(dtype)[:, None]).t()
+            return self.dense_kernel(codes, scale, dtype).t()
+        return torch.mul(codes, scale.to(dtype)[:, None]).t()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
@@ -263,10 +299,10 @@ def use_int8_rows(model: nn.Module, cache_dir: Path | None) -> tuple[str, str] |
     layers = [m for m in int8 if m.in_features % int8_rows.step(chosen) == 0]
     path = int8_rows.load(cache_dir, chosen) if layers else None
     kernel = int8_rows.product if chosen == "8bit" else int8_rows.exact
-    # exact: every pass PyTorch's kernel would run where the 16-bit GEMM is native (1.4-2x faster at
-    # 8-31 rows on the 1.5B's shapes, docs/cpu.md), so a short question's passes too
-    most = int8_rows.ROWS if chosen == "8bit" else Int8Linear.dense_rows - 1
-    for layer in layers if path else ():
+    # exact: every pass PyTorch's kernel would run (1.4-2x faster at 8-31 rows on the 1.5B's shapes
+    # with AMX; 1.4-2x at 32-255 rows on an AVX2-only CPU, docs/cpu.md), so a short question's passes too
+    for layer in layers if path else ():  # the LM head (never dense) bounded as the layers are
+        most = int8_rows.ROWS if chosen == "8bit" else dense_from(Int8Linear.dense_rows, layer.dtype) - 1
         layer.rows_kernel, layer.kernel_rows = kernel, most
     for layer in int8 if path else ():
         layer.dense_kernel = int8_rows.dense  # any input width: a prefill's weights made dense
@@ -348,9 +384,10 @@ class Int4Linear(QuantLinear):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
 
-    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        scale_zero = self.scale_zero.to(dtype or self.dtype)
-        return unpack_int4(self.packed, scale_zero, self.out_features, self.in_features, self.group)
+    def dense(self, dtype: torch.dtype | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.out_features if stop is None else stop  # whole blocks of PACK_ROWS (piece_rows')
+        scale_zero = self.scale_zero[:, start:stop].to(dtype or self.dtype)
+        return unpack_int4(self.packed[start:stop], scale_zero, stop - start, self.in_features, self.group)
 
     def dequantized(self) -> torch.Tensor:
         """The weights it multiplies by, (out, in) float32 (the kernel run on the identity)."""

@@ -113,13 +113,14 @@ def grouped(query, key, value, mask, scaling):
     dtype (:func:`kvcli.runtime.native.native_gemm`: AVX2 with bfloat16) both products in float32
     on the KV made float32 for the call, the output in the KV's dtype. ``mask``: None (causal, the
     queries the last keys), boolean (q_len, kv_len) or per head (1 or n_heads, q_len, kv_len).
-    One query row per head without a mask, on a CPU with AMX: :func:`group_rows`."""
+    One query row per head without a mask, on a CPU with AMX or one that emulates bfloat16 (a
+    bfloat16 KV): :func:`group_rows`."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     # the products' dtype: the KV's where the CPU multiplies it natively, else float32 (the KV made
     # float32 for the step: 11x faster than oneDNN's emulated bfloat16 at 4.7k keys, native.py)
     work = key.dtype if native.native_gemm(key.dtype) else torch.float32
-    if work == key.dtype and q_len == 1 and mask is None and b == 1 and native.amx():
+    if q_len == 1 and mask is None and b == 1 and native.fused_decoding(key.dtype):
         return group_rows(query, key, value, scaling)
     key, value = _bucketed(key, value, mask, q_len)  # rows past kv_len: weighed by zero below
     group = n_heads // n_kv
@@ -152,8 +153,10 @@ def group_rows(query, key, value, scaling, mask=None):
     ``enable_gqa``, the KV read in place however the cache strides it). On a CPU with AMX
     (:func:`kvcli.runtime.native.amx`) 2-2.4x faster than :func:`grouped`'s matrix products (a
     Xeon with AMX, 2 threads, 4,700 bfloat16 keys a layer: 20.9 against 50.1 ms over the 1.5B
-    Qwen's 28 layers, 10.6 against 21.1 over the 0.5B's 24; docs/cpu.md); elsewhere not measured,
-    so not used. ``mask``: (kv_len,) bool, the keys attended (:func:`padded`'s), None: all."""
+    Qwen's 28 layers, 10.6 against 21.1 over the 0.5B's 24; docs/cpu.md); on an AVX2-only CPU,
+    where :func:`grouped` makes the bfloat16 KV float32 for its products, 2.9-3.1x faster (an AMD
+    EPYC, 2 threads, the 1.5B's shape: 30-31 against 87-97 ms); on an AVX512-BF16 CPU without AMX
+    slower, so not used there. ``mask``: (kv_len,) bool, the keys attended (:func:`padded`'s), None: all."""
     b, n_heads, _, d = query.shape
     n_kv = key.shape[1]
     q = query.reshape(b, n_kv, n_heads // n_kv, d)

@@ -68,6 +68,8 @@ def malloc_trim() -> None:
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _DYNAMIC_MAX = 32 * 2**20
+# the largest block the heap gives where keep_freed_memory ran (from this size on, a fresh mapping)
+HEAP_BLOCK_MAX = _DYNAMIC_MAX
 _MAPPED_MIN = 2**20  # allocations from this size on get their own mapping while a prompt is read
 # "" outside a prompt phase; "kv": the kept KV gets its own mappings; "all": every large allocation does
 _READING: contextvars.ContextVar[str] = contextvars.ContextVar("kvcli_reading_prompt", default="")

@@ -85,12 +85,21 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
+def fused_decoding(dtype: torch.dtype) -> bool:
+    """Whether a decoding step's attention over a ``dtype`` KV runs PyTorch's fused CPU kernel
+    (:func:`kvcli.runtime.kernels.group_rows`) where it was measured faster: with AMX, and where
+    bfloat16 is emulated (AVX2 only: 2.9-3.1x faster than its products on the KV made float32)."""
+    if native_gemm(dtype):
+        return amx()
+    return dtype == torch.bfloat16
+
+
 @functools.cache
 def amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Xeon since Sapphire Rapids), where PyTorch's fused CPU
     attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
-    products (:func:`kvcli.runtime.kernels.group_rows`); an AVX512-BF16 CPU without AMX measured
-    that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
+    products (:func:`kvcli.runtime.kernels.group_rows`; also used where bfloat16 is emulated); an
+    AVX512-BF16 CPU without AMX measured that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
     cap = _cap()
     if cap is not None and "AMX" not in cap:
         return False  # oneDNN told to leave the tiles unused (:data:`ISA_CAPS`)

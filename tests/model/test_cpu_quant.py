@@ -202,6 +202,32 @@ def test_int8_linear_multiplies_by_its_weights(rows, native, monkeypatch):
         assert ran == (["torch.float32"] if rows >= cpu_quant.FLOAT_ROWS else ["kernel"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_weights_over_the_heaps_largest_block_come_in_pieces(dtype, monkeypatch):
+    """A matrix whose dense copy would be a block glibc maps afresh is made dense in pieces of whole
+    PACK_ROWS blocks under that size: the product is the whole one's (within the GEMM's rounding:
+    its kernels differ with the width), every output column from its own piece, and no piece
+    reaches the limit (here lowered to 40 rows of 64 inputs)."""
+    limit = 40 * 64 * dtype.itemsize
+    monkeypatch.setattr(cpu_quant, "HEAP_BLOCK_MAX", limit)
+    assert cpu_quant.piece_rows(64, dtype) == cpu_quant.PACK_ROWS  # never under one block
+    monkeypatch.setattr(cpu_quant, "HEAP_BLOCK_MAX", 3 * limit)
+    assert cpu_quant.piece_rows(64, dtype) == 64  # 119 rows fit: one block of 64
+    w = torch.randn(200, 64)
+    layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
+    x = torch.randn(9, 64).to(dtype)
+    whole = torch.mm(x, layer.dense(dtype))
+    pieces = []
+    dense = layer.dense
+    monkeypatch.setattr(layer, "dense", lambda d, a=0, b=None: pieces.append((a, b)) or dense(d, a, b))
+    got = layer.dense_product(x, dtype)
+    assert pieces == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    torch.testing.assert_close(got, whole)
+    exact = x.double() @ dense(dtype).double()  # each column against the float64 product
+    assert float((got.double() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
+    assert all((b - a) * 64 * dtype.itemsize < 3 * limit for a, b in pieces)
+
+
 def test_float32_is_native_and_the_check_is_made_once():
     cpu_quant.native_gemm.cache_clear()
     assert cpu_quant.native_gemm(torch.float32) is True
@@ -334,11 +360,15 @@ def test_grouped_multiplies_in_float32_where_16_bits_are_emulated(native, monkey
     decoding step's attention multiplies the bfloat16 KV made float32: the float64 reference with
     only the output rounded to bfloat16. Where bfloat16 is native, q·kᵀ and the weights are rounded
     to bfloat16 (a step with a mask): measurably further off, so the test tells the paths apart; a
-    step without one on AMX runs :func:`kernels.group_rows`, float32 inside as well."""
+    step without one on AMX, or where bfloat16 is emulated, runs :func:`kernels.group_rows`, float32
+    inside as well."""
     from kvcli.runtime import native as native_module
 
     monkeypatch.setattr(native_module, "native_gemm", lambda dtype: native or dtype == torch.float32)
     monkeypatch.setattr(native_module, "amx", lambda: native)  # AMX: the products are native
+    fused = []
+    group_rows = kernels.group_rows
+    monkeypatch.setattr(kernels, "group_rows", lambda *a: fused.append(a[1].shape) or group_rows(*a))
     gen = torch.Generator().manual_seed(3)
     h, kvh, d, n = 8, 2, 64, 300
     buf_k = torch.randn(1, kvh, n + 20, d, generator=gen).bfloat16()
@@ -358,6 +388,7 @@ def test_grouped_multiplies_in_float32_where_16_bits_are_emulated(native, monkey
             ulp = float(want.abs().max()) * 2**-8  # one bfloat16 rounding of the largest output
             # AMX without a mask: group_rows, PyTorch's fused kernel, which works in float32 inside
             assert (err <= ulp) is (not native or mask is None), (native, mask is None, err, ulp)
+    assert len(fused) == 2  # both layouts, without a mask, on either CPU
 
 
 def test_grouped_decoding_reads_whole_buckets_of_a_cache_buffer():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcli.errors import UsageError
-from kvcli.model import int8_rows, load_model
+from kvcli.model import cpu_quant, int8_rows, load_model
 from kvcli.model.cpu_quant import Int8Linear, quantize_int8
 
 
@@ -115,19 +115,27 @@ def test_the_exact_kernel_is_pytorchs_up_to_the_last_bit(exact_kernel):
     assert (ours == theirs).float().mean() > 0.9
 
 
-def test_the_exact_kernel_runs_every_pass_below_the_dense_weights(exact_kernel, tiny_dir, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native-bfloat16", "emulated-bfloat16"])
+def test_the_exact_kernel_runs_every_pass_below_the_dense_weights(exact_kernel, tiny_dir, monkeypatch, native):
     """A model load sets the exact kernel for every pass of fewer rows than the weights are made
-    dense for (a question's tail, the check after an answer), not only decoding's."""
+    dense for (a question's tail, the check after an answer), not only decoding's: dense_rows where
+    the 16-bit GEMM is native, FLOAT_ROWS where it is emulated (an AVX2-only CPU), whichever this CPU is."""
     monkeypatch.delenv(int8_rows.ENV, raising=False)
+    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: native or dtype == torch.float32)
     lm = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
     layer = next(m for m in lm.model.modules() if isinstance(m, Int8Linear) and m.rows_kernel is not None)
-    assert layer.kernel_rows == Int8Linear.dense_rows - 1 > int8_rows.ROWS
-    calls = []
+    most = (Int8Linear.dense_rows if native else cpu_quant.FLOAT_ROWS) - 1
+    assert layer.kernel_rows == most > int8_rows.ROWS
+    kernels = [m for m in lm.model.modules() if isinstance(m, Int8Linear) and m.rows_kernel is not None]
+    assert any(m.dense_rows is None for m in kernels)  # the LM head, never dense: bounded as the layers
+    assert {m.kernel_rows for m in kernels} == {most}
+    calls, made = [], []
     monkeypatch.setattr(layer, "rows_kernel", lambda *a: calls.append(a[0].shape[0]) or int8_rows.exact(*a))
-    most = Int8Linear.dense_rows - 1
+    monkeypatch.setattr(layer, "dense_product", lambda x, dtype: made.append(dtype) or torch.mm(x, layer.dense(dtype)))
     for rows in (1, 9, most, most + 1):
         layer(torch.randn(rows, layer.in_features).bfloat16())
-    assert calls == [1, 9, most]  # from dense_rows rows the dense weights (where the 16-bit GEMM is native)
+    assert calls == [1, 9, most]  # from there the dense weights, in float32 where bfloat16 is emulated
+    assert made == [torch.bfloat16 if native else torch.float32]
 
 
 @pytest.mark.parametrize("path", [1, 2], ids=["AVX2", "AVX-512"])
