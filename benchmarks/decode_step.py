@@ -6,13 +6,16 @@
 Loads the model as ``kvcli ask -m NAME --quant Q`` does (``--quant``, default auto), reads ``--length`` random token ids
 (a fixed seed) with the engine's own prefill, holds the KV in ``--kv-bits`` (16: the plain bfloat16
 cache; 8 or 4: the quantized layout kvcli decodes from by default), runs 3 steps to warm up and
-``--steps`` greedy steps timed; ``--profile``: 8 more under torch.profiler, the operators by self
-time (stderr). Run it alone on the machine: the figure is the step's wall time.
+``--steps`` greedy steps timed, with the process's peak RSS over them (its high-water mark reset
+after the prompt); ``--profile``: 8 more under torch.profiler, the operators by self time (stderr);
+``--fused on|off``: the step's attention through PyTorch's fused kernel or not (default: what
+``native.fused_decoding`` says for this CPU). Run it alone on the machine: the figure is the step's wall time.
 
 ``--compare``: in the same process, after the same prompt, three decodings in turn, ``--rounds``
 rounds of 4 steps each, the median step of each: a 16-bit KV through kvcli's own matrix products
 (``kernels.grouped``, as on a CPU without AMX), a 16-bit KV through PyTorch's fused attention with
-the query heads of a KV head as its rows (``kernels.group_rows``, what a CPU with AMX runs), and the
+the query heads of a KV head as its rows (``kernels.group_rows``, what a CPU with AMX or with AVX2
+only runs: ``native.fused_decoding``), and the
 8-bit KV. Alternating in one process puts the variants side by side on a machine whose pace drifts.
 
 ``--rows 1,2,5,9``: what a pass of k rows costs after the same prompt (a draft of k - 1 tokens
@@ -35,6 +38,7 @@ from kvcli.caches.qkv import QuantKVCache
 from kvcli.model import load_model
 from kvcli.runtime import native
 from kvcli.runtime.engine import Engine
+from kvcli.runtime.measure import _read_hwm_mb, _reset_hwm, malloc_trim
 
 
 def main() -> None:
@@ -48,6 +52,12 @@ def main() -> None:
     p.add_argument("--compare", action="store_true", help="the attention kernels and KV bits side by side")
     p.add_argument("--rounds", type=int, default=6, help="--compare, --rows: rounds of 4 steps per variant")
     p.add_argument("--rows", default=None, help="passes of these many rows side by side, e.g. 1,2,5,9")
+    p.add_argument(
+        "--fused",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the step's attention: native.fused_decoding or forced",
+    )
     args = p.parse_args()
     lm = load_model(args.model, quant=args.quant)
     engine = Engine(lm)
@@ -63,6 +73,10 @@ def main() -> None:
         return rows(engine, cache, args)
     if args.kv_bits != 16:
         cache = QuantKVCache.of(cache, args.kv_bits)
+    if args.fused != "auto":
+        native.fused_decoding = lambda dtype: args.fused == "on"
+    malloc_trim()  # as kvcli does at a prompt's end
+    _reset_hwm()
     token, position = torch.argmax(logits).view(1), args.length
 
     def run(steps: int) -> None:
@@ -79,7 +93,8 @@ def main() -> None:
     print(
         f"{args.model or 'smollm2'} {platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
         f"length={args.length} quant={args.quant} kv_bits={args.kv_bits}: prefill {prefill_s:.1f} s, "
-        f"decoding {step_ms:.1f} ms a step ({1000 / step_ms:.2f} tok/s)"
+        f"decoding {step_ms:.1f} ms a step ({1000 / step_ms:.2f} tok/s), fused {args.fused}, "
+        f"peak RSS over the steps {_read_hwm_mb():.0f} MiB"
     )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -93,11 +108,15 @@ def compare(engine: Engine, cache, logits: torch.Tensor, args) -> None:
     """``--compare``: the variants' steps alternating in one process (see the module doc)."""
     caches = {16: cache, 8: QuantKVCache.of(cache.copy(), 8)}
     state = {bits: [torch.argmax(logits).view(1), args.length] for bits in caches}
-    variants = {"kv16 grouped": (16, False), "kv16 group_rows": (16, True), "kv8": (8, native.amx())}
+    variants = {
+        "kv16 grouped": (16, False),
+        "kv16 group_rows": (16, True),
+        "kv8": (8, native.fused_decoding(torch.bfloat16)),
+    }
 
     def run(name: str, steps: int) -> float:
         bits, amx = variants[name]
-        native.amx = lambda: amx  # noqa: B023 - what kernels.grouped asks, for this variant's steps
+        native.fused_decoding = lambda dtype: amx  # noqa: B023 - what kernels.grouped asks, for this variant's steps
         token, position = state[bits]
         t = time.perf_counter()
         for _ in range(steps):

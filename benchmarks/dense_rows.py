@@ -7,14 +7,15 @@
 For each embedded model's decoder matrices (their shapes; random int8 codes, one scale per row, as
 ``kvcli.model.cpu_quant.Int8Linear`` holds them), ``--layers`` layers' seven products in turn (a
 pass of the model reads each layer's weights once), at each row count: PyTorch's int8 kernel and
-kvcli's exact one (where it compiles) against the codes made dense in bfloat16 for the call and
-oneDNN's GEMM (what ``Int8Linear.forward`` runs from ``dense_rows`` rows on, its making included:
-by PyTorch's ``torch.mul``, and by kvcli's kernel); the median of five passes each (eleven for
-dense), milliseconds per layer. The process keeps freed memory as one that loads a model does.
+kvcli's exact one (where it compiles) against the codes made dense for the call and oneDNN's
+GEMM (what ``Int8Linear.forward`` runs from ``dense_rows`` rows on, its making included: by
+PyTorch's ``torch.mul``, and by kvcli's kernel; in bfloat16, or in float32 where bfloat16 is
+emulated, an AVX2-only CPU, from ``FLOAT_ROWS`` rows on); the median of five passes each (eleven
+for dense), milliseconds per layer. The process keeps freed memory as one that loads a model does.
 
 ``--through MODEL``: instead, the model loaded as kvcli loads it, a 600-token prefill, then a pass
-of each row count through every layer (hidden states only) with ``dense_rows`` at each of
-``--limits``, three rounds alternating: seconds. Run it alone on the machine.
+of each row count through every layer (hidden states only) with ``dense_rows`` (and
+``FLOAT_ROWS``) at each of ``--limits``, three rounds alternating: seconds. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int8_row_kernel import median_ms  # noqa: E402
 
-from kvcli.model import int8_rows  # noqa: E402
+from kvcli.model import cpu_quant, int8_rows  # noqa: E402
 from kvcli.model.cpu_quant import Int8Linear  # noqa: E402
 from kvcli.runtime import native  # noqa: E402
 from kvcli.runtime.measure import keep_freed_memory  # noqa: E402
@@ -70,6 +71,7 @@ def through(model: str, counts: list[int], limits: list[int]) -> None:
     seconds: dict[tuple[int, int], list[float]] = {}
     for _ in range(3):
         for limit in limits:
+            cpu_quant.FLOAT_ROWS = limit  # the limit where bfloat16 is emulated (an AVX2-only CPU)
             for m in layers:  # as use_int8_rows sets them for a limit
                 m.dense_rows = limit
                 m.kernel_rows = limit - 1 if m.rows_kernel is not None else 0
@@ -98,6 +100,9 @@ def main() -> None:
     keep_freed_memory()  # as a process that loads a model runs (kvcli.runtime.measure)
     path = int8_rows.load(chosen="exact")  # kvcli's kernels, where they compile: their columns too
     print(f"kvcli's kernels: {path or 'none here'}")
+    # the dense columns multiply in the dtype Int8Linear.forward does: float32 where bfloat16 is emulated
+    gemm = torch.bfloat16 if native.native_gemm(torch.bfloat16) else torch.float32
+    print(f"dense products in {gemm}")
     for name in args.models.split(","):
         layers = [layer(*MODELS[name]) for _ in range(args.layers)]
         print(f"{name}: ms per layer, PyTorch's int8 kernel / kvcli's exact kernel / made dense by PyTorch / by kvcli")
@@ -108,12 +113,16 @@ def main() -> None:
                 return median_ms(lambda: [product(m) for lay in layers for m in lay], rounds) / len(layers)  # noqa: B023
 
             kernel = per_layer(lambda m: torch.ops.aten._weight_int8pack_mm(xs[m.in_features], m.codes, m.scale))  # noqa: B023
-            dense = per_layer(lambda m: torch.mm(xs[m.in_features], torch.mul(m.codes, m.scale[:, None]).t()), 11)  # noqa: B023
+            # as Int8Linear.forward runs it: made dense (in pieces under glibc's mapping threshold)
+            made = lambda m: m.dense_product(xs[m.in_features].to(gemm), gemm).to(torch.bfloat16)  # noqa: B023, E731
+            Int8Linear.dense_kernel = None  # PyTorch's torch.mul
+            dense = per_layer(made, 11)
             cols = [f"{kernel:7.2f}", "      -", f"{dense:7.2f}", "      -"]
             if path:
                 cols[1] = f"{per_layer(lambda m: int8_rows.exact(xs[m.in_features], m.codes, m.scale)):7.2f}"  # noqa: B023
-                made = lambda m: torch.mm(xs[m.in_features], int8_rows.dense(m.codes, m.scale, torch.bfloat16).t())  # noqa: B023, E731
+                Int8Linear.dense_kernel = staticmethod(int8_rows.dense)  # kvcli's, as use_int8_rows sets it
                 cols[3] = f"{per_layer(made, 11):7.2f}"
+                Int8Linear.dense_kernel = None
             print(f"  {rows:>4} rows: {' / '.join(cols)}")
 
 
