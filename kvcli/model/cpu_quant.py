@@ -22,8 +22,8 @@
 
 Both kernels are fast only with bfloat16 activations on this CPU (measured: float32 activations run
 them 10-40x slower), so a quantised model runs in bfloat16 (:func:`check_cpu_quant`), its KV too. A
-prefill's many rows run the weights made dense and oneDNN's bfloat16 GEMM only where that GEMM is
-native (:func:`kvcli.runtime.native.native_gemm`; docs/cpu.md).
+prefill's many rows run the weights made dense and oneDNN's bfloat16 GEMM only where that GEMM
+outruns float32's (AMX: :func:`kvcli.runtime.native.fast_gemm`), else the float32 one (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.measure import HEAP_BLOCK_MAX
-from ..runtime.native import native_gemm
+from ..runtime.native import fast_gemm
 from . import int8_rows
 
 GROUP = 32  # weights per 4-bit group along the input dimension (the GGUF's Q4_1 block)
@@ -151,7 +151,7 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 
 # --- the layers ---------------------------------------------------------------------------------
 # Rows from which a product runs on float32 weights made dense and the float32 GEMM where the
-# 16-bit GEMM is emulated (an AVX2-only CPU: :func:`~kvcli.runtime.native.native_gemm`), instead of the integer kernel:
+# 16-bit GEMM is not faster than float32's (:func:`~kvcli.runtime.native.fast_gemm`: no AMX), instead of the integer kernel:
 # there the 1.5B Qwen read a 2,034-token prompt in 108 s through the int8 kernel against 63 s in
 # float32 (docs/cpu.md); fewer rows stay on the kernel (kvcli's exact one, :func:`use_int8_rows`):
 # measured again with freed memory kept and the pieces of :func:`piece_rows` (an AMD EPYC with AVX2,
@@ -161,11 +161,11 @@ FLOAT_ROWS = 256
 
 def dense_from(dense_rows: int | None, dtype: torch.dtype) -> int | float:
     """Rows from which a layer's pass runs on its weights made dense on this CPU, ``dtype`` its
-    activations': its ``dense_rows``, or :data:`FLOAT_ROWS` where the 16-bit GEMM is emulated
+    activations': its ``dense_rows``, or :data:`FLOAT_ROWS` where the 16-bit GEMM is not the faster
     (inf: never, ``dense_rows`` None)."""
     if dense_rows is None:
         return float("inf")
-    return dense_rows if native_gemm(dtype) else FLOAT_ROWS
+    return dense_rows if fast_gemm(dtype) else FLOAT_ROWS
 
 
 def piece_rows(in_features: int, dtype: torch.dtype) -> int:
@@ -191,7 +191,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     # rows from which a product runs on the weights made dense (:meth:`dense`) and oneDNN's 16-bit
-    # GEMM instead of the integer kernel, on a CPU whose 16-bit GEMM is native (:func:`~kvcli.runtime.native.native_gemm`); None: never
+    # GEMM instead of the integer kernel, on a CPU whose 16-bit GEMM is the faster (:func:`~kvcli.runtime.native.fast_gemm`); None: never
     dense_rows: int | None = None
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -217,8 +217,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
         if rows.shape[0] >= dense_from(self.dense_rows, self.dtype):
-            # a prefill: dense for this call only; in float32 where 16 bits are emulated
-            gemm = self.dtype if native_gemm(self.dtype) else torch.float32
+            # a prefill: dense for this call only; in float32 where 16 bits are not the faster
+            gemm = self.dtype if fast_gemm(self.dtype) else torch.float32
             y = self.dense_product(rows.to(gemm), gemm).to(self.dtype)
         else:
             y = self.product(rows)

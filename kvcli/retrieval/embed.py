@@ -27,7 +27,7 @@ checked once a folder (:class:`JsonTokenizer`): EmbeddingGemma loads ~2.5 s soon
 
 A model kvcli measured to rank the same pages in bfloat16 (its ``bfloat16`` fact in
 kvcli/retrieval/embedders.json: both known models) runs its encoder in bfloat16 where the CPU
-multiplies bfloat16 natively (AVX512-BF16 or AMX: :func:`kvcli.runtime.native.native_gemm`), its
+multiplies bfloat16 faster than float32 (AMX: :func:`kvcli.runtime.native.fast_gemm`), its
 token table, the pooling and the dense layers in float32 (:func:`embedder`, :func:`narrowed`): on a
 Xeon with AMX 2.85x (EmbeddingGemma) and 3.3x (all-MiniLM-L6-v2) the windows a second, at a lower
 peak (docs/bench/retrieval). Its vectors are another key (:attr:`Embedder.id`). Elsewhere, and for
@@ -429,10 +429,10 @@ def json_tokenizer_settings(folder: Path, probe: tuple[list[str], int]) -> str:
 def embedder(name: str) -> Embedder:
     """The model ``name`` (:func:`model_dir`), loaded once a process: in bfloat16 where kvcli knows
     it ranks the same pages so (:func:`kvcli.retrieval.embedders.bfloat16`) and this CPU multiplies
-    bfloat16 natively (:func:`kvcli.runtime.native.native_gemm`), else in float32."""
+    bfloat16 faster than float32 (:func:`kvcli.runtime.native.fast_gemm`: AMX), else in float32."""
     import torch
 
-    from ..runtime.native import native_gemm
+    from ..runtime.native import fast_gemm
 
-    fast = embedders.bfloat16(name) and native_gemm(torch.bfloat16)
+    fast = embedders.bfloat16(name) and fast_gemm(torch.bfloat16)
     return Embedder(model_dir(name), "bfloat16" if fast else "float32")

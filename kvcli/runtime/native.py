@@ -69,6 +69,28 @@ def _timed_native(dtype: torch.dtype) -> bool:
     return best(a.to(dtype), b.to(dtype)) <= 2 * best(a, b)
 
 
+# The x86 CPU flags under which oneDNN's 16-bit GEMM outruns its float32 one (:func:`fast_gemm`).
+FAST_FLAGS = {torch.bfloat16: ("amx_bf16",), torch.float16: ("amx_fp16",)}
+
+
+@functools.cache
+def fast_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices faster than float32 ones, so that many rows
+    (a prefill on weights made dense, :mod:`kvcli.model.cpu_quant`; a ranking model's encoder,
+    :func:`kvcli.retrieval.embed.embedder`) should run in it: with AMX tiles (:data:`FAST_FLAGS`).
+    Native without them is slower: a Xeon with AVX512-BF16 and no AMX, 2 threads, multiplied 2,048
+    × 1,536 by 1,536 × 8,960 at 137 GFLOP/s in bfloat16 against 224 in float32, read the 1.5B Qwen's
+    2,000-token prompt in 45 s against 37 and ran EmbeddingGemma at 3.6 windows a second against
+    5.4 (2026-12-03, docs/cpu.md). Where the flags cannot say (not x86 Linux, oneDNN capped):
+    :func:`native_gemm`'s answer."""
+    if dtype == torch.float32:
+        return True
+    flags = None if _cap() else cpu_flags()
+    if flags is not None and dtype in FAST_FLAGS:
+        return any(flag in flags for flag in FAST_FLAGS[dtype])
+    return native_gemm(dtype)
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str] | None:
     """The x86 CPU's feature flags (``/proc/cpuinfo``), None where there are none to read (not
@@ -87,19 +109,19 @@ def cpu_flags() -> frozenset[str] | None:
 
 def fused_decoding(dtype: torch.dtype) -> bool:
     """Whether a decoding step's attention over a ``dtype`` KV runs PyTorch's fused CPU kernel
-    (:func:`kvcli.runtime.kernels.group_rows`) where it was measured faster: with AMX, and where
-    bfloat16 is emulated (AVX2 only: 2.9-3.1x faster than its products on the KV made float32)."""
-    if native_gemm(dtype):
-        return amx()
-    return dtype == torch.bfloat16
+    (:func:`kvcli.runtime.kernels.group_rows`) where it was measured faster: a bfloat16 KV on each
+    CPU it was timed on (one query over the 1.5B Qwen's 4,700 keys a layer, 2 threads: with AMX 20.9
+    against 50.1 ms; AVX2 only, against the KV made float32, 30-31 against 87-97; AVX512-BF16
+    without AMX 22.1 against 40.0, docs/cpu.md), another dtype with AMX."""
+    return dtype == torch.bfloat16 or (native_gemm(dtype) and amx())
 
 
 @functools.cache
 def amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Xeon since Sapphire Rapids), where PyTorch's fused CPU
     attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
-    products (:func:`kvcli.runtime.kernels.group_rows`; also used where bfloat16 is emulated); an
-    AVX512-BF16 CPU without AMX measured that kernel 4-8x slower in bfloat16 than in float32 (docs/cpu.md)."""
+    products (:func:`kvcli.runtime.kernels.group_rows`; used for a bfloat16 KV on the CPUs without
+    AMX measured too: :func:`fused_decoding`), and where a 16-bit GEMM outruns float32's (:func:`fast_gemm`)."""
     cap = _cap()
     if cap is not None and "AMX" not in cap:
         return False  # oneDNN told to leave the tiles unused (:data:`ISA_CAPS`)

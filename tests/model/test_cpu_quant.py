@@ -173,9 +173,9 @@ def test_int4_linear_multiplies_by_its_weights(rows):
 @pytest.mark.parametrize("rows", [5, 70, 300])
 def test_int8_linear_multiplies_by_its_weights(rows, native, monkeypatch):
     """A few rows run the int8 kernel; from ``dense_rows`` on (a prefill) the dense bfloat16 weights
-    where this CPU's bfloat16 GEMM is native (cpu_quant.native_gemm), else from ``FLOAT_ROWS`` on the
-    dense float32 weights and the float32 GEMM (an AVX2-only CPU), the kernel below that."""
-    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: native)
+    where this CPU's bfloat16 GEMM outruns float32's (cpu_quant.fast_gemm: AMX), else from
+    ``FLOAT_ROWS`` on the dense float32 weights and the float32 GEMM, the kernel below that."""
+    monkeypatch.setattr(cpu_quant, "fast_gemm", lambda dtype: native)
     w = torch.randn(24, 64)
     layer = Int8Linear(*quantize_int8(w), None, torch.bfloat16)
     x = torch.randn(rows, 64)
@@ -229,10 +229,10 @@ def test_dense_weights_over_the_heaps_largest_block_come_in_pieces(dtype, monkey
 
 
 def test_float32_is_native_and_the_check_is_made_once():
-    cpu_quant.native_gemm.cache_clear()
-    assert cpu_quant.native_gemm(torch.float32) is True
-    assert isinstance(cpu_quant.native_gemm(torch.bfloat16), bool)
-    assert cpu_quant.native_gemm.cache_info().currsize == 2
+    cpu_quant.fast_gemm.cache_clear()
+    assert cpu_quant.fast_gemm(torch.float32) is True
+    assert isinstance(cpu_quant.fast_gemm(torch.bfloat16), bool)
+    assert cpu_quant.fast_gemm.cache_info().currsize == 2
 
 
 @pytest.mark.parametrize("rows", [5, 130])
@@ -246,7 +246,7 @@ def test_int4_linear_unpacks_its_weights_for_a_prefill(rows, monkeypatch):
         pytest.skip(
             "this CPU's int4 packing is not the layout unpack_int4 reads (seen on AVX2-only CPUs): the kernel runs"
         )
-    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: True)  # the path where the GEMM is native
+    monkeypatch.setattr(cpu_quant, "fast_gemm", lambda dtype: True)  # the path where the 16-bit GEMM is the faster
     w, _ = q4_1_weights(128, 96, seed=7)
     layer = Int4Linear(w, None, torch.bfloat16)
     assert layer.dense_rows == 128

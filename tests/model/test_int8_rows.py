@@ -121,7 +121,7 @@ def test_the_exact_kernel_runs_every_pass_below_the_dense_weights(exact_kernel, 
     dense for (a question's tail, the check after an answer), not only decoding's: dense_rows where
     the 16-bit GEMM is native, FLOAT_ROWS where it is emulated (an AVX2-only CPU), whichever this CPU is."""
     monkeypatch.delenv(int8_rows.ENV, raising=False)
-    monkeypatch.setattr(cpu_quant, "native_gemm", lambda dtype: native or dtype == torch.float32)
+    monkeypatch.setattr(cpu_quant, "fast_gemm", lambda dtype: native or dtype == torch.float32)
     lm = load_model(str(tiny_dir("qwen2")), quant="8bit", device="cpu")
     layer = next(m for m in lm.model.modules() if isinstance(m, Int8Linear) and m.rows_kernel is not None)
     most = (Int8Linear.dense_rows if native else cpu_quant.FLOAT_ROWS) - 1
