@@ -8,8 +8,9 @@
    The int8 layer runs its kernel below ``Int8Linear.dense_rows`` rows and its weights made dense
    from there (``int8 layer``); ``int8 kernel`` is the kernel at every row count;
 2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
-   float32 and bfloat16, ``kvcli.runtime.kernels.grouped``'s own matrix products (what a CPU
-   without AMX runs) and ``kernels.group_rows`` (PyTorch's fused attention, the query heads of a KV
+   float32 and bfloat16, ``kvcli.runtime.kernels.grouped``'s own matrix products in the KV's dtype
+   (what a CPU without AMX runs where that dtype is native) and in float32 on the KV made float32
+   for the call (where it is not), and ``kernels.group_rows`` (PyTorch's fused attention, the query heads of a KV
    head as its rows: what a CPU with AMX runs), on buffer views as kvcli's caches hold them;
    ``--part attention --shape LAYERS,HEADS,KV_HEADS,HEAD_DIM --keys 4700`` for another model's shape;
 3. decoding steps whose key count grows by one a step (as an answer's): resident memory and time
@@ -69,7 +70,7 @@ def products() -> None:
 def attention(shape=(LAYERS, HEADS, KV_HEADS, HEAD_DIM), keys=(1024, 4096, 8192)) -> None:
     torch.manual_seed(0)
     layers, heads, kv_heads, head_dim = shape
-    amx = native.amx
+    fused, gemm = native.fused_decoding, native.native_gemm
     for n in keys:
         for dtype in (torch.float32, torch.bfloat16):
             # each layer's KV a view of the first n entries of a buffer with room, as caches hold it
@@ -83,13 +84,15 @@ def attention(shape=(LAYERS, HEADS, KV_HEADS, HEAD_DIM), keys=(1024, 4096, 8192)
             q = torch.randn(1, heads, 1, head_dim).to(dtype)
             scale = 1 / math.sqrt(head_dim)
             sdpa = bench(lambda: [F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in kv])
-            native.amx = lambda: False  # grouped's own products, whatever this CPU
+            native.fused_decoding = lambda dtype: False  # grouped's own products, whatever this CPU
             grouped = bench(lambda: [kernels.grouped(q, k, v, None, scale) for k, v in kv])
-            native.amx = amx
+            native.native_gemm = lambda dtype: dtype == torch.float32  # its products on the KV made float32
+            as_float = bench(lambda: [kernels.grouped(q, k, v, None, scale) for k, v in kv])
+            native.fused_decoding, native.native_gemm = fused, gemm
             rows = bench(lambda: [kernels.group_rows(q, k, v, scale) for k, v in kv])
             print(
-                f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  group_rows {rows:7.2f}"
-                f"  ms per {layers} layers",
+                f"keys {n:5d} {str(dtype):15s} SDPA {sdpa:7.2f}  grouped {grouped:7.2f}  grouped in float32 "
+                f"{as_float:7.2f}  group_rows {rows:7.2f}  ms per {layers} layers",
                 flush=True,
             )
 

@@ -9,8 +9,8 @@ For each embedded model's decoder matrices (their shapes; random int8 codes, one
 pass of the model reads each layer's weights once), at each row count: PyTorch's int8 kernel and
 kvcli's exact one (where it compiles) against the codes made dense for the call and oneDNN's
 GEMM (what ``Int8Linear.forward`` runs from ``dense_rows`` rows on, its making included: by
-PyTorch's ``torch.mul``, and by kvcli's kernel; in bfloat16, or in float32 where bfloat16 is
-emulated, an AVX2-only CPU, from ``FLOAT_ROWS`` rows on); the median of five passes each (eleven
+PyTorch's ``torch.mul``, and by kvcli's kernel; in bfloat16 with AMX, else in float32 from
+``FLOAT_ROWS`` rows on: ``native.fast_gemm``); the median of five passes each (eleven
 for dense), milliseconds per layer. The process keeps freed memory as one that loads a model does.
 
 ``--through MODEL``: instead, the model loaded as kvcli loads it, a 600-token prefill, then a pass
@@ -71,7 +71,7 @@ def through(model: str, counts: list[int], limits: list[int]) -> None:
     seconds: dict[tuple[int, int], list[float]] = {}
     for _ in range(3):
         for limit in limits:
-            cpu_quant.FLOAT_ROWS = limit  # the limit where bfloat16 is emulated (an AVX2-only CPU)
+            cpu_quant.FLOAT_ROWS = limit  # the limit where bfloat16 is not the faster (no AMX)
             for m in layers:  # as use_int8_rows sets them for a limit
                 m.dense_rows = limit
                 m.kernel_rows = limit - 1 if m.rows_kernel is not None else 0
@@ -100,8 +100,8 @@ def main() -> None:
     keep_freed_memory()  # as a process that loads a model runs (kvcli.runtime.measure)
     path = int8_rows.load(chosen="exact")  # kvcli's kernels, where they compile: their columns too
     print(f"kvcli's kernels: {path or 'none here'}")
-    # the dense columns multiply in the dtype Int8Linear.forward does: float32 where bfloat16 is emulated
-    gemm = torch.bfloat16 if native.native_gemm(torch.bfloat16) else torch.float32
+    # the dense columns multiply in the dtype Int8Linear.forward does: float32 where bfloat16 is not the faster
+    gemm = torch.bfloat16 if native.fast_gemm(torch.bfloat16) else torch.float32
     print(f"dense products in {gemm}")
     for name in args.models.split(","):
         layers = [layer(*MODELS[name]) for _ in range(args.layers)]
