@@ -4,6 +4,10 @@ glibc's own settings (``system``), side by side: seconds, page faults, peak memo
 
     .venv/bin/python benchmarks/prefill_heap.py [-m qwen2.5-coder-1.5b] [--length 2000] [--rounds 2]
 
+``--vary gemm``: instead, the products on weights made dense in bfloat16 (from ``dense_rows`` rows)
+against float32 (from ``FLOAT_ROWS``), whatever ``native.fast_gemm`` says of this CPU (docs/cpu.md,
+"AVX-512 with bfloat16 but no AMX"); the heap kept in both.
+
 Each round runs both settings, each in a new process (the setting is the process's): the model
 loaded as ``kvcli ask`` loads it, then five prefills of ``--length`` random tokens inside
 ``reading_prompt`` (what a question's reading runs in), timed one by one; the process's minor page
@@ -21,7 +25,10 @@ import sys
 from pathlib import Path
 
 CHILD = """
-import json, resource, sys, time, torch
+import json, os, resource, sys, time, torch
+from kvcli.model import cpu_quant
+if os.environ.get("BENCH_GEMM"):  # --vary gemm: the dense products' dtype forced
+    cpu_quant.fast_gemm = lambda dtype: dtype == torch.float32 or os.environ["BENCH_GEMM"] == "bfloat16"
 from kvcli.model.load import load_model
 from kvcli.runtime.engine import Engine
 from kvcli.runtime.measure import _read_hwm_mb, reading_prompt
@@ -43,12 +50,15 @@ def main() -> None:
     p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--length", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--vary", choices=("heap", "gemm"), default="heap", help="what the two settings differ in")
     args = p.parse_args()
     root = Path(__file__).resolve().parent.parent
-    rows: dict[str, list[dict]] = {"system": [], "keep": []}
+    names = ("system", "keep") if args.vary == "heap" else ("bfloat16", "float32")
+    rows: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for setting, runs in rows.items():
-            env = {**os.environ, "KVCLI_HEAP": setting, "PYTHONPATH": str(root)}
+            vary = {"KVCLI_HEAP": setting} if args.vary == "heap" else {"BENCH_GEMM": setting}
+            env = {**os.environ, **vary, "PYTHONPATH": str(root)}
             done = subprocess.run(
                 [sys.executable, "-c", CHILD, args.model, str(args.length)], env=env, capture_output=True, text=True
             )
