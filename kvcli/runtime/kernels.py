@@ -156,7 +156,8 @@ def group_rows(query, key, value, scaling, mask=None):
     Qwen's 28 layers, 10.6 against 21.1 over the 0.5B's 24; docs/cpu.md); on an AVX2-only CPU,
     where :func:`grouped` makes the bfloat16 KV float32 for its products, 2.9-3.1x faster (an AMD
     EPYC, 2 threads, the 1.5B's shape: 30-31 against 87-97 ms); on a Xeon with AVX512-BF16 and no
-    AMX 1.8x (22.1 against 40.0 ms; 3.2x at 1,024 keys). ``mask``: (kv_len,) bool, the keys attended (:func:`padded`'s), None: all."""
+    AMX 1.8x (22.1 against 40.0 ms; 3.2x at 1,024 keys). ``mask``: (kv_len,) bool, the keys
+    attended (:func:`padded`'s), None: all."""
     b, n_heads, _, d = query.shape
     n_kv = key.shape[1]
     q = query.reshape(b, n_kv, n_heads // n_kv, d)

@@ -80,8 +80,8 @@ def fast_gemm(dtype: torch.dtype) -> bool:
     :func:`kvcli.retrieval.embed.embedder`) should run in it: with AMX tiles (:data:`FAST_FLAGS`).
     Native without them is slower: a Xeon with AVX512-BF16 and no AMX, 2 threads, read the 1.5B
     Qwen's 2,000-token prompt on bfloat16 dense weights in 48 s against 28.5 on float32 ones and ran
-    EmbeddingGemma at 3.6 windows a second against 5.4 (2026-12-03, docs/cpu.md). Where the flags cannot say (not x86 Linux, oneDNN capped):
-    :func:`native_gemm`'s answer."""
+    EmbeddingGemma at 3.6 windows a second against 5.4 (2026-12-03, docs/cpu.md). Where the flags
+    cannot say (not x86 Linux, oneDNN capped): :func:`native_gemm`'s answer."""
     if dtype == torch.float32:
         return True
     flags = None if _cap() else cpu_flags()
