@@ -117,11 +117,11 @@ def grouped(query, key, value, mask, scaling):
     :func:`group_rows` (:func:`kvcli.runtime.native.fused_decoding`)."""
     b, n_heads, q_len, d = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
+    if q_len == 1 and mask is None and b == 1 and native.fused_decoding(key.dtype):
+        return group_rows(query, key, value, scaling)
     # the products' dtype: the KV's where the CPU multiplies it natively, else float32 (the KV made
     # float32 for the step: 11x faster than oneDNN's emulated bfloat16 at 4.7k keys, native.py)
     work = key.dtype if native.native_gemm(key.dtype) else torch.float32
-    if q_len == 1 and mask is None and b == 1 and native.fused_decoding(key.dtype):
-        return group_rows(query, key, value, scaling)
     key, value = _bucketed(key, value, mask, q_len)  # rows past kv_len: weighed by zero below
     group = n_heads // n_kv
     q = (query * scaling).to(work).reshape(b, n_kv, group * q_len, d)

@@ -40,10 +40,20 @@ def native_gemm(dtype: torch.dtype) -> bool:
     the flags would promise products it no longer runs natively."""
     if dtype == torch.float32:
         return True
-    flags = None if _cap() else cpu_flags()
-    if flags is not None and dtype in NATIVE_FLAGS:  # the flags speak of the 16-bit types only
-        return any(flag in flags for flag in NATIVE_FLAGS[dtype])
+    flagged = _flagged(dtype, NATIVE_FLAGS)
+    if flagged is not None:
+        return flagged
     return any(_timed_native(dtype) for _ in range(3))  # noise only ever slows a try down
+
+
+def _flagged(dtype: torch.dtype, table: dict[torch.dtype, tuple[str, ...]]) -> bool | None:
+    """Whether this CPU's flags name one of ``table``'s for ``dtype``; None where they cannot say
+    (not x86 Linux, oneDNN capped below the CPU: :func:`_cap`, or a dtype the table does not
+    speak of: the flags speak of the 16-bit types only)."""
+    flags = None if _cap() else cpu_flags()
+    if flags is None or dtype not in table:
+        return None
+    return any(flag in flags for flag in table[dtype])
 
 
 def _cap() -> str | None:
@@ -84,10 +94,8 @@ def fast_gemm(dtype: torch.dtype) -> bool:
     cannot say (not x86 Linux, oneDNN capped): :func:`native_gemm`'s answer."""
     if dtype == torch.float32:
         return True
-    flags = None if _cap() else cpu_flags()
-    if flags is not None and dtype in FAST_FLAGS:
-        return any(flag in flags for flag in FAST_FLAGS[dtype])
-    return native_gemm(dtype)
+    flagged = _flagged(dtype, FAST_FLAGS)
+    return native_gemm(dtype) if flagged is None else flagged
 
 
 @functools.cache
@@ -120,7 +128,8 @@ def amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Xeon since Sapphire Rapids), where PyTorch's fused CPU
     attention runs a decoding step's bfloat16 attention 2-2.4x faster than kvcli's own matrix
     products (:func:`kvcli.runtime.kernels.group_rows`; used for a bfloat16 KV on the CPUs without
-    AMX measured too: :func:`fused_decoding`), and where a 16-bit GEMM outruns float32's (:func:`fast_gemm`)."""
+    AMX measured too: :func:`fused_decoding`). The tiles are also where a 16-bit GEMM outruns
+    float32's; :func:`fast_gemm` reads that from the CPU's flags, per dtype."""
     cap = _cap()
     if cap is not None and "AMX" not in cap:
         return False  # oneDNN told to leave the tiles unused (:data:`ISA_CAPS`)
