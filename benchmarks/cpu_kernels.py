@@ -9,9 +9,10 @@
    from there (``int8 layer``); ``int8 kernel`` is the kernel at every row count;
 2. attention of one decoding query over 30 layers' own KV (read from memory, not cache): SDPA in
    float32 and bfloat16, ``kvcli.runtime.kernels.grouped``'s own matrix products in the KV's dtype
-   (what a CPU without AMX runs where that dtype is native) and in float32 on the KV made float32
-   for the call (where it is not), and ``kernels.group_rows`` (PyTorch's fused attention, the query heads of a KV
-   head as its rows: what a CPU with AMX runs), on buffer views as kvcli's caches hold them;
+   and in float32 on the KV made float32 for the call (what a step with a mask, or over a float16
+   KV, runs, in the dtype ``native.native_gemm`` picks), and ``kernels.group_rows`` (PyTorch's fused attention, the query
+   heads of a KV head as its rows: what a bfloat16 KV's step runs on every CPU,
+   ``native.fused_decoding``), on buffer views as kvcli's caches hold them;
    ``--part attention --shape LAYERS,HEADS,KV_HEADS,HEAD_DIM --keys 4700`` for another model's shape;
 3. decoding steps whose key count grows by one a step (as an answer's): resident memory and time
    per step of ``kernels.grouped`` on buffers a cache made (key counts bucketed) and on buffers it

@@ -13,10 +13,9 @@ after the prompt); ``--profile``: 8 more under torch.profiler, the operators by 
 
 ``--compare``: in the same process, after the same prompt, three decodings in turn, ``--rounds``
 rounds of 4 steps each, the median step of each: a 16-bit KV through kvcli's own matrix products
-(``kernels.grouped``, as on a CPU without AMX), a 16-bit KV through PyTorch's fused attention with
-the query heads of a KV head as its rows (``kernels.group_rows``, what a CPU with AMX or with AVX2
-only runs: ``native.fused_decoding``), and the
-8-bit KV. Alternating in one process puts the variants side by side on a machine whose pace drifts.
+(``kernels.grouped``, as a step with a mask runs), a 16-bit KV through PyTorch's fused attention
+with the query heads of a KV head as its rows (``kernels.group_rows``, what a bfloat16 KV's step
+runs on every CPU: ``native.fused_decoding``), and the 8-bit KV. Alternating in one process puts the variants side by side on a machine whose pace drifts.
 
 ``--rows 1,2,5,9``: what a pass of k rows costs after the same prompt (a draft of k - 1 tokens
 checked, :mod:`kvcli.runtime.lookup`), the passes alternating over ``--rounds`` rounds of 4 each,
