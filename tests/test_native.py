@@ -114,3 +114,27 @@ def test_onednn_capped_below_amx_leaves_the_tiles(cap, tiles, monkeypatch):
         assert native.amx() is tiles
     finally:
         native.amx.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "flags,cap,wide",
+    [
+        ({"avx2", "fma"}, "", False),  # AVX2 only
+        ({"avx2", "avx512f", "avx512_bf16"}, "", True),  # a Xeon without AMX, Zen 4
+        ({"avx512f", "amx_bf16"}, "AVX2", False),  # oneDNN capped below the CPU
+        ({"avx512f", "amx_bf16"}, "AVX512_CORE_BF16", True),
+        ({"avx512f", "amx_bf16"}, "AVX512_CORE_AMX", True),
+    ],
+)
+def test_the_float32_gemm_is_wide_where_the_flags_and_onednn_say(flags, cap, wide, monkeypatch):
+    """avx512: what cpu_quant.FLOAT_ROWS follows (the float32 GEMM overtakes the int8 kernel sooner)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    native.avx512.cache_clear()
+    try:
+        assert native.avx512() is wide
+        monkeypatch.setattr(native, "cpu_flags", lambda: None)  # not x86 Linux: the narrower choice
+        native.avx512.cache_clear()
+        assert native.avx512() is False
+    finally:
+        native.avx512.cache_clear()

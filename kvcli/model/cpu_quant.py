@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.measure import HEAP_BLOCK_MAX
-from ..runtime.native import fast_gemm
+from ..runtime.native import avx512, fast_gemm
 from . import int8_rows
 
 GROUP = 32  # weights per 4-bit group along the input dimension (the GGUF's Q4_1 block)
@@ -155,8 +155,10 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 # there the 1.5B Qwen read a 2,034-token prompt in 108 s through the int8 kernel against 63 s in
 # float32 (docs/cpu.md); fewer rows stay on the kernel (kvcli's exact one, :func:`use_int8_rows`):
 # measured again with freed memory kept and the pieces of :func:`piece_rows` (an AMD EPYC with AVX2,
-# 2026-12-03, benchmarks/dense_rows.py), the exact kernel and float32 dense cross near 256-384 rows.
-FLOAT_ROWS = 256
+# 2026-12-03, benchmarks/dense_rows.py), the exact kernel and float32 dense cross near 256-384 rows;
+# where the float32 GEMM runs AVX-512 (:func:`~kvcli.runtime.native.avx512`: a Xeon without AMX,
+# 2026-12-03, ``--through``), near 128: the 1.5B's passes of 128-240 rows 1.26-1.45x faster so.
+FLOAT_ROWS = 128 if avx512() else 256
 
 
 def dense_from(dense_rows: int | None, dtype: torch.dtype) -> int | float:

@@ -99,6 +99,18 @@ def fast_gemm(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def avx512() -> bool:
+    """Whether oneDNN's float32 GEMM runs 16-wide (AVX-512) here: the CPU's flags name ``avx512f``
+    and oneDNN is not capped below it (:data:`ISA_CAPS`). Where the flags cannot say: False (the
+    narrower CPU's choices hold there)."""
+    cap = _cap()
+    if cap is not None and not any(wide in cap for wide in ("AVX512", "AVX10", "AMX")):
+        return False
+    flags = cpu_flags()
+    return flags is not None and "avx512f" in flags
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str] | None:
     """The x86 CPU's feature flags (``/proc/cpuinfo``), None where there are none to read (not
     Linux, not x86: an ARM cpuinfo names its ``Features``, not these)."""
